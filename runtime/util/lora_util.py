@@ -1,0 +1,138 @@
+"""Which tensor names are LoRA inputs, what they mean, and how each convention lays them out.
+
+Three spellings of the same thing are in use (see FIELD_NOTES section 2):
+
+==============  ==================================================  ===============
+convention      name                                                a / b layout
+==============  ==================================================  ===============
+litert-torch    ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{L}``     [in, r] / [r, out]
+litert-lm       ``{query,key,value,post}_w_prime_{left,right}_{L}``  [r, in] / [r, out]
+mediapipe       ``transformer.layer_{L}.attn.{q,k,v,attn_vec_einsum}.w_prime_{left,right}``
+                                                                    [r, in] / [r, out]
+==============  ==================================================  ===============
+
+Internally every adapter is handled in the *graph layout* of litert-torch exports:
+``a`` is ``[in, r]`` and ``b`` is ``[r, out]``, so the delta added to a projection's
+output is ``(x @ a) @ b``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.errors import InvalidArgumentError
+
+PROJECTIONS = ("q", "k", "v", "o")
+SIDES = ("a", "b")
+
+
+class Convention(enum.Enum):
+    """A naming and layout convention for LoRA tensors."""
+
+    LITERT_TORCH = "litert-torch"
+    LITERT_LM = "litert-lm"
+    MEDIAPIPE = "mediapipe"
+
+
+_LAYER = r"(?P<layer>0|[1-9][0-9]*)"
+_PATTERNS: dict[Convention, re.Pattern[str]] = {
+    Convention.LITERT_TORCH: re.compile(
+        rf"lora_atten_(?P<proj>[qkvo])_(?P<side>[ab])_prime_weight_{_LAYER}"
+    ),
+    Convention.LITERT_LM: re.compile(
+        rf"(?P<proj>query|key|value|post)_w_prime_(?P<side>left|right)_{_LAYER}"
+    ),
+    Convention.MEDIAPIPE: re.compile(
+        rf"transformer\.layer_{_LAYER}\.attn\.(?P<proj>q|k|v|attn_vec_einsum)"
+        r"\.w_prime_(?P<side>left|right)"
+    ),
+}
+
+_PROJECTION_SPELLING: dict[Convention, dict[str, str]] = {
+    Convention.LITERT_TORCH: {"q": "q", "k": "k", "v": "v", "o": "o"},
+    Convention.LITERT_LM: {"q": "query", "k": "key", "v": "value", "o": "post"},
+    Convention.MEDIAPIPE: {"q": "q", "k": "k", "v": "v", "o": "attn_vec_einsum"},
+}
+_SIDE_SPELLING: dict[Convention, dict[str, str]] = {
+    Convention.LITERT_TORCH: {"a": "a", "b": "b"},
+    Convention.LITERT_LM: {"a": "left", "b": "right"},
+    Convention.MEDIAPIPE: {"a": "left", "b": "right"},
+}
+
+
+@dataclass(frozen=True, order=True)
+class LoraInputName:
+    """The meaning of one LoRA tensor name: which layer, projection and side."""
+
+    layer: int
+    projection: str  # one of PROJECTIONS
+    side: str  # one of SIDES
+    convention: Convention
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        """The convention-independent identity ``(layer, projection, side)``."""
+        return (self.layer, self.projection, self.side)
+
+    def spelled(self, convention: Convention) -> str:
+        """This tensor's name in another convention."""
+        return lora_input_name(convention, self.layer, self.projection, self.side)
+
+
+def is_lora_input_name(name: str) -> bool:
+    """True when ``name`` is, as a whole, a LoRA input name in any known convention."""
+    return any(p.fullmatch(name) for p in _PATTERNS.values())
+
+
+def parse_lora_input_name(name: str) -> LoraInputName:
+    """Parses a LoRA input name; ``InvalidArgumentError`` when it is none."""
+    for convention, pattern in _PATTERNS.items():
+        match = pattern.fullmatch(name)
+        if match:
+            projection = _invert(_PROJECTION_SPELLING[convention])[match["proj"]]
+            side = _invert(_SIDE_SPELLING[convention])[match["side"]]
+            return LoraInputName(int(match["layer"]), projection, side, convention)
+    raise InvalidArgumentError(f"{name!r} is not a LoRA input name in any known convention")
+
+
+def lora_input_name(convention: Convention, layer: int, projection: str, side: str) -> str:
+    """Spells the LoRA input for ``(layer, projection, side)`` in ``convention``."""
+    if projection not in PROJECTIONS or side not in SIDES or layer < 0:
+        raise InvalidArgumentError(
+            f"no LoRA input for layer={layer}, projection={projection!r}, side={side!r}"
+        )
+    proj = _PROJECTION_SPELLING[convention][projection]
+    sd = _SIDE_SPELLING[convention][side]
+    if convention is Convention.LITERT_TORCH:
+        return f"lora_atten_{proj}_{sd}_prime_weight_{layer}"
+    if convention is Convention.LITERT_LM:
+        return f"{proj}_w_prime_{sd}_{layer}"
+    return f"transformer.layer_{layer}.attn.{proj}.w_prime_{sd}"
+
+
+def rank_axis(convention: Convention, side: str) -> int:
+    """The axis of a stored tensor that holds the rank."""
+    if convention is Convention.LITERT_TORCH and side == "a":
+        return 1
+    return 0
+
+
+def to_graph_layout(convention: Convention, side: str, array: np.ndarray) -> np.ndarray:
+    """Returns ``array`` (stored in ``convention``) in graph layout: a ``[in, r]``, b ``[r, out]``.
+
+    A view, never a copy.
+    """
+    return array.T if side == "a" and convention is not Convention.LITERT_TORCH else array
+
+
+def from_graph_layout(convention: Convention, side: str, array: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`to_graph_layout`: graph layout to how ``convention`` stores it."""
+    return to_graph_layout(convention, side, array)
+
+
+def _invert(mapping: dict[str, str]) -> dict[str, str]:
+    return {v: k for k, v in mapping.items()}

@@ -1,0 +1,89 @@
+"""ScopedFile: an open, read-only file handle that is closed exactly once."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from pathlib import Path
+from types import TracebackType
+
+from runtime.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+
+
+class ScopedFile:
+    """Owns an open file descriptor for reading; usable as a context manager.
+
+    Opening maps the usual OS failures onto the runtime's status errors, each naming
+    the path: a missing file is ``NotFoundError``, a directory ``InvalidArgumentError``,
+    an unreadable file ``PermissionDeniedError``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.path}: no such file") from None
+        except IsADirectoryError:
+            raise InvalidArgumentError(f"{self.path}: is a directory, expected a file") from None
+        except PermissionError:
+            raise PermissionDeniedError(f"{self.path}: permission denied") from None
+        except OSError as exc:
+            raise InvalidArgumentError(f"{self.path}: cannot open: {exc.strerror}") from None
+        if stat.S_ISDIR(os.fstat(self._fd).st_mode):
+            self.close()
+            raise InvalidArgumentError(f"{self.path}: is a directory, expected a file")
+
+    @property
+    def closed(self) -> bool:
+        """Whether the descriptor has been closed."""
+        return self._fd is None
+
+    def fileno(self) -> int:
+        """The open descriptor; ``FailedPreconditionError`` once closed."""
+        if self._fd is None:
+            raise FailedPreconditionError(f"{self.path}: file already closed")
+        return self._fd
+
+    def size(self) -> int:
+        """The file's current size in bytes (asks the OS each time)."""
+        return os.fstat(self.fileno()).st_size
+
+    def memory_map(self) -> mmap.mmap:
+        """Maps the whole file read-only. An empty file cannot be mapped and is refused."""
+        if self.size() == 0:
+            raise InvalidArgumentError(f"{self.path}: file is empty")
+        try:
+            return mmap.mmap(self.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgumentError(f"{self.path}: cannot memory-map: {exc}") from None
+
+    def close(self) -> None:
+        """Closes the descriptor; closing twice is harmless."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def __enter__(self) -> ScopedFile:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"ScopedFile({str(self.path)!r}, {state})"
