@@ -126,7 +126,7 @@ def _build(
             builder.StartVector(1, array.nbytes, DATA_ALIGNMENT)
             builder.head -= array.nbytes
             builder.Bytes[builder.head : builder.head + array.nbytes] = array.tobytes()
-            data = builder.EndVector(array.nbytes)
+            data = builder.EndVector()
             schema.BufferStart(builder)
             schema.BufferAddData(builder, data)
         else:

@@ -26,8 +26,9 @@ class ScopedFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._fd: int | None = None
         try:
-            self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise NotFoundError(f"{self.path}: no such file") from None
         except IsADirectoryError:
