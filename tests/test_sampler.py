@@ -1,0 +1,61 @@
+"""Tests for runtime.components.sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.components.sampler import Sampler, SamplerConfig, greedy
+from runtime.errors import InternalError, InvalidArgumentError
+
+LOGITS = np.array([0.1, 3.0, 2.9, -1.0, 0.0], np.float32)
+
+
+def test_greedy_picks_argmax():
+    assert greedy().sample(LOGITS) == 1
+    assert Sampler(SamplerConfig(temperature=5.0, top_k=1)).sample(LOGITS) == 1
+
+
+def test_top_k_restricts_choices():
+    sampler = Sampler(SamplerConfig(temperature=10.0, top_k=2, seed=0))
+    picks = {sampler.sample(LOGITS) for _ in range(200)}
+    assert picks == {1, 2}
+
+
+def test_top_p_restricts_choices():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    sampler = Sampler(SamplerConfig(temperature=1.0, top_p=0.7, seed=0))
+    picks = [sampler.sample(logits) for _ in range(500)]
+    assert set(picks) == {0, 1}
+    # Renormalised over the kept tokens: 0.5 / 0.8 of the picks are token 0.
+    assert abs(picks.count(0) / len(picks) - 0.625) < 0.08
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = np.log(np.array([0.7, 0.2, 0.1]))
+    sampler = Sampler(SamplerConfig(temperature=1.0, seed=1))
+    counts = np.bincount([sampler.sample(logits) for _ in range(3000)], minlength=3) / 3000
+    np.testing.assert_allclose(counts, [0.7, 0.2, 0.1], atol=0.03)
+
+
+def test_seed_reproduces():
+    config = SamplerConfig(temperature=1.0, seed=42)
+    first, second = Sampler(config), Sampler(config)
+    picks = [first.sample(LOGITS) for _ in range(50)]
+    assert picks == [second.sample(LOGITS) for _ in range(50)]
+    assert len(set(picks)) > 1
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}]
+)
+def test_bad_config(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        SamplerConfig(**kwargs)
+
+
+def test_non_finite_logits():
+    with pytest.raises(InternalError, match="non-finite"):
+        greedy().sample(np.array([0.0, np.nan]))
+    with pytest.raises(InvalidArgumentError):
+        greedy().sample(np.array([]))
