@@ -1,0 +1,1 @@
+"""Running the model: the only layer that imports ai-edge-litert's interpreter API."""

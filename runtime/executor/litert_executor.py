@@ -1,0 +1,277 @@
+"""The only place that talks to ai-edge-litert: opening the model, buffers, running signatures.
+
+State that belongs to a session (its KV cache) or to an adapter (its LoRA input buffers)
+lives in library-owned ``TensorBuffer`` objects created here. Running a step binds the
+session's buffers to the signature: the KV buffers are bound as both input and output,
+so the cache is updated in place and never copied; LoRA buffers are written once when an
+adapter is materialized and only bound afterwards. Switching a session or an adapter is
+therefore choosing another prebuilt :class:`Binding`, not copying memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from ai_edge_litert.compiled_model import CompiledModel
+from ai_edge_litert.cpu_options import CpuOptions
+from ai_edge_litert.hardware_accelerator import HardwareAccelerator
+from ai_edge_litert.options import Options
+from ai_edge_litert.tensor_buffer import TensorBuffer
+
+from runtime.errors import (
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
+
+
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """How to run the model: CPU threads for XNNPACK (0 lets the library choose)."""
+
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise InvalidArgumentError(f"num_threads={self.num_threads}, expected >= 0")
+
+
+class KvCache:
+    """One session's KV cache: a zero-initialized buffer per ``kv_cache_*`` input."""
+
+    def __init__(self, buffers: dict[str, TensorBuffer], nbytes: int) -> None:
+        self.buffers = buffers
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        """Drops this cache's buffers; they are freed once no binding refers to them.
+
+        Buffers are never destroyed explicitly: a binding still in use would then hand
+        freed memory to the interpreter.
+        """
+        self.buffers = {}
+
+
+@dataclass
+class _SignatureIO:
+    """A signature's token, position and logits buffers, with host arrays to fill them."""
+
+    tokens: TensorBuffer
+    positions: TensorBuffer
+    logits: TensorBuffer | None
+    token_array: np.ndarray
+    position_array: np.ndarray
+
+
+@dataclass
+class _Run:
+    """Prebuilt arguments for one signature: what ``run_by_name`` takes, ready to go."""
+
+    signature: SignatureSpec
+    inputs: dict[str, TensorBuffer]
+    outputs: dict[str, TensorBuffer]
+
+
+@dataclass
+class Binding:
+    """A KV cache bound to one rank slot's LoRA buffers (or none), for every signature."""
+
+    kv: KvCache
+    lora_rank: int | None
+    decode: _Run
+    prefill: dict[int, _Run] = field(default_factory=dict)
+
+
+class LlmExecutor:
+    """Runs a litert-torch LLM export on the CPU with per-session KV caches.
+
+    All runs are serialized by an internal lock; buffers and bindings may be created
+    from any thread.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str], settings: ExecutorSettings | None = None) -> None:
+        self.model_path = Path(model_path)
+        self.settings = settings or ExecutorSettings()
+        if not self.model_path.is_file():
+            raise NotFoundError(f"{self.model_path}: no such model file")
+        options = Options(
+            HardwareAccelerator.CPU, cpu_options=CpuOptions(num_threads=self.settings.num_threads)
+        )
+        try:
+            self._model = CompiledModel.from_file(str(self.model_path), options=options)
+        except Exception as exc:  # the library raises plain RuntimeError/ValueError
+            raise InvalidArgumentError(f"{self.model_path}: cannot load the model: {exc}") from None
+        details = {
+            key: (self._model.get_input_tensor_details(key), self._model.get_output_tensor_details(key))
+            for key in self._model.get_signature_list()
+        }
+        self.spec = ModelSpec.from_details(details, str(self.model_path))
+        self._lock = threading.Lock()
+        self._closed = False
+        # Token, position and logits buffers are shared by all sessions: runs are serialized.
+        self._io = {
+            key: _SignatureIO(
+                self._model.create_input_buffer_by_name(key, TOKENS),
+                self._model.create_input_buffer_by_name(key, INPUT_POS),
+                self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
+                np.zeros((1, signature.seq_len), np.int32),
+                np.zeros(signature.seq_len, np.int32),
+            )
+            for key, signature in self.spec.signatures.items()
+        }
+
+    # -- buffers -------------------------------------------------------------------
+
+    def create_kv_cache(self) -> KvCache:
+        """A fresh, zeroed KV cache (zeroed: NaN bits in masked slots would poison logits)."""
+        self._check_open()
+        decode = self.spec.decode().key
+        buffers = {}
+        for spec in self.spec.kv_inputs:
+            buffer = self._model.create_input_buffer_by_name(decode, spec.name)
+            buffer.write(np.zeros(spec.shape, spec.dtype))
+            buffers[spec.name] = buffer
+        return KvCache(buffers, self.spec.kv_cache_bytes)
+
+    def copy_kv_cache(self, source: KvCache) -> KvCache:
+        """A new KV cache holding the same values as ``source``."""
+        copy = self.create_kv_cache()
+        with self._lock:
+            for spec in self.spec.kv_inputs:
+                data = source.buffers[spec.name].read(int(np.prod(spec.shape)), spec.dtype)
+                copy.buffers[spec.name].write(data.reshape(spec.shape))
+        return copy
+
+    def create_lora_buffer(self, lora_rank: int, name: str) -> TensorBuffer:
+        """An empty buffer for LoRA input ``name`` of rank slot ``lora_rank``."""
+        self._check_open()
+        signature = self.spec.decode(lora_rank)
+        if name not in signature.lora_inputs:
+            raise NotFoundError(f"rank slot {lora_rank} has no LoRA input {name!r}")
+        return self._model.create_input_buffer_by_name(signature.key, name)
+
+    def bind(
+        self, kv: KvCache, lora_buffers: Mapping[str, TensorBuffer] | None = None, lora_rank: int | None = None
+    ) -> Binding:
+        """Prebuilds the run arguments of every signature for ``kv`` and a LoRA slot."""
+        if (lora_buffers is None) != (lora_rank is None):
+            raise InvalidArgumentError("lora_buffers and lora_rank go together")
+        binding = Binding(kv, lora_rank, self._run_args(self.spec.decode(lora_rank), kv, lora_buffers))
+        for length in self.spec.prefill_lengths:
+            binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_rank), kv, lora_buffers)
+        return binding
+
+    def _run_args(
+        self, signature: SignatureSpec, kv: KvCache, lora_buffers: Mapping[str, TensorBuffer] | None
+    ) -> _Run:
+        io = self._io[signature.key]
+        inputs = {TOKENS: io.tokens, INPUT_POS: io.positions, **kv.buffers}
+        expected_lora = set(signature.lora_inputs)
+        given = set(lora_buffers or {})
+        if given != expected_lora:
+            raise InvalidArgumentError(
+                f"signature {signature.key!r} takes LoRA inputs {sorted(expected_lora)[:4]}..., "
+                f"got {sorted(given)[:4]}..."
+            )
+        inputs.update(lora_buffers or {})
+        outputs = dict(kv.buffers)
+        if io.logits is not None:
+            outputs[LOGITS] = io.logits
+        return _Run(signature, inputs, outputs)
+
+    # -- running -------------------------------------------------------------------
+
+    def decode(self, binding: Binding, token: int, position: int) -> np.ndarray:
+        """Runs one token at ``position``; returns the logits for the next, ``(vocab,)`` float32."""
+        self._check_position(position, 1)
+        run = binding.decode
+        with self._lock:
+            self._check_open()
+            logits = self._invoke(run, [token], position)
+        return logits[0]
+
+    def prefill(self, binding: Binding, tokens: Sequence[int], start: int) -> np.ndarray:
+        """Appends ``tokens`` at positions ``start...``; returns the logits after the last.
+
+        Runs the largest prefill signatures that fit without padding, a padded smallest
+        one for a short remainder when the cache has room, and decode steps otherwise. A
+        model whose prefill returns no logits gets its last token decoded.
+        """
+        if not tokens:
+            raise InvalidArgumentError("prefill needs at least one token")
+        self._check_position(start, len(tokens))
+        lengths = self.spec.prefill_lengths
+        logits: np.ndarray | None = None
+        with self._lock:
+            self._check_open()
+            pos, rest = start, list(tokens)
+            bulk = rest if self.spec.prefill_has_logits else rest[:-1]
+            while bulk:
+                fitting = [n for n in lengths if n <= len(bulk)]
+                if fitting:
+                    length = fitting[-1]
+                elif lengths and pos + lengths[0] <= self.spec.kv_length:
+                    length = lengths[0]  # pad the remainder
+                else:
+                    length = 1
+                chunk, bulk = bulk[:length], bulk[length:]
+                run = binding.decode if length == 1 else binding.prefill[length]
+                out = self._invoke(run, chunk, pos)
+                logits = out[len(chunk) - 1] if out is not None else None
+                pos += len(chunk)
+            if not self.spec.prefill_has_logits:
+                logits = self._invoke(binding.decode, rest[-1:], pos)[0]
+        if logits is None:
+            raise InternalError("prefill produced no logits")
+        return logits
+
+    def _invoke(self, run: _Run, chunk: Sequence[int], start: int) -> np.ndarray | None:
+        """Writes tokens and positions (padded to the signature's length) and runs it."""
+        length = run.signature.seq_len
+        io = self._io[run.signature.key]
+        if length == 1:
+            io.token_array[0, 0] = chunk[0]
+            io.position_array[0] = start
+        else:
+            io.token_array[0, : len(chunk)] = chunk
+            io.token_array[0, len(chunk) :] = 0
+            io.position_array[:] = range(start, start + length)
+        io.tokens.write(io.token_array)
+        io.positions.write(io.position_array)
+        try:
+            self._model.run_by_name(run.signature.key, run.inputs, run.outputs)
+        except Exception as exc:
+            raise InternalError(f"running {run.signature.key!r} failed: {exc}") from None
+        if io.logits is None:
+            return None
+        vocab = self.spec.vocab_size
+        return io.logits.read(length * vocab, np.float32).reshape(length, vocab)
+
+    def _check_position(self, start: int, count: int) -> None:
+        if start < 0:
+            raise InvalidArgumentError(f"position {start} is negative")
+        if start + count > self.spec.kv_length:
+            raise ResourceExhaustedError(
+                f"{count} token(s) at position {start} would exceed the KV cache of "
+                f"{self.spec.kv_length} positions"
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPreconditionError(f"{self.model_path}: executor is closed")
+
+    def close(self) -> None:
+        """Releases the model; later calls raise ``FailedPreconditionError``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._model.close()

@@ -1,0 +1,222 @@
+"""What a litert-torch LLM export offers, discovered from its signatures alone.
+
+litert-torch exports ``prefill_{N}`` (or ``prefill``), ``decode`` and, per LoRA rank R,
+``prefill_{N}_lora_r{R}`` and ``decode_lora_r{R}``. Inputs are ``tokens``, ``input_pos``,
+one ``kv_cache_{k,v}_{layer}`` per layer and, on LoRA signatures, the LoRA inputs.
+Outputs are the updated KV caches and ``logits`` (always on decode, on prefill only
+when exported with ``output_logits_on_prefill``).
+
+This module turns the details the interpreter reports into a :class:`ModelSpec`,
+checking everything the executor relies on, so that a model this runtime cannot drive
+is refused at open time with a message naming the signature and the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
+from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.util.tensor_spec import TensorSpec
+
+TOKENS = "tokens"
+INPUT_POS = "input_pos"
+LOGITS = "logits"
+_KV_NAME = re.compile(r"kv_cache_(?P<kind>[kv])_(?P<layer>0|[1-9][0-9]*)")
+_SIGNATURE_NAME = re.compile(
+    r"(?P<kind>prefill|decode)(?:_(?P<len>[0-9]+))?(?:_lora_r(?P<rank>[0-9]+))?"
+)
+
+KV_LAYOUT_DEFAULT = "default"  # k and v: [1, kv_len, groups, head_dim]
+KV_LAYOUT_TRANSPOSED = "transposed"  # k: [1, groups, kv_len, head_dim]; v: [1, groups, head_dim, kv_len]
+
+# What the interpreter reports for one signature: input and output details by name.
+SignatureDetails = tuple[Mapping[str, Mapping[str, Any]], Mapping[str, Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class SignatureSpec:
+    """One runnable signature: prefill of a fixed length or decode, plain or with LoRA."""
+
+    key: str
+    kind: str  # "prefill" or "decode"
+    seq_len: int
+    lora_rank: int | None
+    inputs: Mapping[str, TensorSpec]
+    outputs: Mapping[str, TensorSpec]
+
+    @property
+    def has_logits(self) -> bool:
+        """Whether running it returns logits."""
+        return LOGITS in self.outputs
+
+    @property
+    def lora_inputs(self) -> dict[str, TensorSpec]:
+        """The signature's LoRA inputs, by name."""
+        return {n: s for n, s in self.inputs.items() if is_lora_input_name(n)}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the executor needs to know about a model, read from the model itself."""
+
+    signatures: Mapping[str, SignatureSpec]
+    kv_inputs: tuple[TensorSpec, ...]
+    kv_layout: str
+    kv_length: int
+    vocab_size: int
+    num_layers: int
+
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]:
+        """The prefill lengths the model was exported with, ascending."""
+        return tuple(sorted({s.seq_len for s in self.signatures.values() if s.kind == "prefill"}))
+
+    @property
+    def lora_ranks(self) -> tuple[int, ...]:
+        """The LoRA rank slots, ascending (empty when the model takes no LoRA)."""
+        return tuple(sorted({s.lora_rank for s in self.signatures.values() if s.lora_rank}))
+
+    @property
+    def prefill_has_logits(self) -> bool:
+        """Whether prefill signatures return logits (else the last token is decoded)."""
+        return all(s.has_logits for s in self.signatures.values() if s.kind == "prefill")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes one session's KV cache takes."""
+        return sum(spec.nbytes for spec in self.kv_inputs)
+
+    def decode(self, lora_rank: int | None = None) -> SignatureSpec:
+        """The decode signature for a rank slot (``None``: the plain one)."""
+        return self._find("decode", 1, lora_rank)
+
+    def prefill(self, seq_len: int, lora_rank: int | None = None) -> SignatureSpec:
+        """The prefill signature of length ``seq_len`` for a rank slot."""
+        return self._find("prefill", seq_len, lora_rank)
+
+    def lora_slot(self, lora_rank: int) -> dict[str, TensorSpec]:
+        """The LoRA inputs of rank slot ``lora_rank`` (shared by its prefill and decode)."""
+        return self.decode(lora_rank).lora_inputs
+
+    def smallest_slot(self, rank: int) -> int | None:
+        """The smallest rank slot that holds ``rank``, or ``None`` if none does."""
+        return next((slot for slot in self.lora_ranks if slot >= rank), None)
+
+    def _find(self, kind: str, seq_len: int, lora_rank: int | None) -> SignatureSpec:
+        for spec in self.signatures.values():
+            if (spec.kind, spec.seq_len, spec.lora_rank) == (kind, seq_len, lora_rank):
+                return spec
+        slot = f" with LoRA rank slot {lora_rank}" if lora_rank else ""
+        raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{slot}")
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, SignatureDetails], source: str) -> ModelSpec:
+        """Builds and checks a spec from ``{signature_key: (input_details, output_details)}``."""
+        signatures = {key: _signature(key, ins, outs, source) for key, (ins, outs) in details.items()}
+        decodes = [s for s in signatures.values() if s.kind == "decode" and s.lora_rank is None]
+        if not decodes:
+            raise InvalidArgumentError(
+                f"{source}: no plain 'decode' signature among {sorted(signatures)}; "
+                "expected a litert-torch LLM export"
+            )
+        decode = decodes[0]
+        if LOGITS not in decode.outputs:
+            raise InvalidArgumentError(f"{source}: signature 'decode' has no 'logits' output")
+        kv_inputs = tuple(s for n, s in decode.inputs.items() if _KV_NAME.fullmatch(n))
+        if not kv_inputs:
+            raise InvalidArgumentError(f"{source}: signature 'decode' has no kv_cache_* inputs")
+        kv = {s.name: s for s in kv_inputs}
+        for spec in signatures.values():
+            _check_same_kv(spec, kv, source)
+        layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1))
+        for spec in signatures.values():
+            if spec.kind == "decode" and spec.lora_rank:
+                for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
+                    prefill = signatures.get(f"prefill_{length}_lora_r{spec.lora_rank}")
+                    if prefill is not None and prefill.lora_inputs != spec.lora_inputs:
+                        raise InvalidArgumentError(
+                            f"{source}: LoRA inputs of {prefill.key!r} differ from {spec.key!r}"
+                        )
+        return cls(
+            signatures=signatures,
+            kv_inputs=kv_inputs,
+            kv_layout=layout,
+            kv_length=kv_length,
+            vocab_size=decode.outputs[LOGITS].shape[-1],
+            num_layers=len({_KV_NAME.fullmatch(n)["layer"] for n in kv}),
+        )
+
+
+def _spec(name: str, detail: Mapping[str, Any]) -> TensorSpec:
+    return TensorSpec(name, tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"]))
+
+
+def _signature(
+    key: str, inputs: Mapping[str, Mapping[str, Any]], outputs: Mapping[str, Mapping[str, Any]], source: str
+) -> SignatureSpec:
+    match = _SIGNATURE_NAME.fullmatch(key)
+    if match is None:
+        raise UnimplementedError(
+            f"{source}: signature {key!r} is neither prefill nor decode; expected a litert-torch LLM export"
+        )
+    ins = {name: _spec(name, d) for name, d in inputs.items()}
+    outs = {name: _spec(name, d) for name, d in outputs.items()}
+    for required in (TOKENS, INPUT_POS):
+        if required not in ins:
+            raise InvalidArgumentError(f"{source}: signature {key!r} has no {required!r} input")
+    unknown = [n for n in ins if n not in (TOKENS, INPUT_POS) and not _KV_NAME.fullmatch(n) and not is_lora_input_name(n)]
+    if unknown:
+        raise UnimplementedError(
+            f"{source}: signature {key!r} has inputs this runtime cannot feed: {unknown}"
+        )
+    tokens = ins[TOKENS]
+    if len(tokens.shape) != 2 or tokens.shape[0] != 1 or tokens.dtype != np.int32:
+        raise InvalidArgumentError(
+            f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected [1, seq] int32"
+        )
+    seq_len = tokens.shape[1]
+    lora_rank = _lora_rank(key, ins, source)
+    if match["rank"] is not None and int(match["rank"]) != lora_rank:
+        raise InvalidArgumentError(
+            f"{source}: signature {key!r} is named for rank {match['rank']} but its LoRA inputs have rank {lora_rank}"
+        )
+    return SignatureSpec(key, match["kind"], seq_len, lora_rank, ins, outs)
+
+
+def _lora_rank(key: str, inputs: Mapping[str, TensorSpec], source: str) -> int | None:
+    ranks = set()
+    for name, spec in inputs.items():
+        if is_lora_input_name(name):
+            parsed = parse_lora_input_name(name)
+            if len(spec.shape) != 2:
+                raise InvalidArgumentError(f"{source}: signature {key!r} LoRA input {spec.describe()} is not 2-D")
+            ranks.add(spec.shape[rank_axis(parsed.convention, parsed.side)])
+    if len(ranks) > 1:
+        raise InvalidArgumentError(f"{source}: signature {key!r} mixes LoRA ranks {sorted(ranks)}")
+    return ranks.pop() if ranks else None
+
+
+def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], source: str) -> None:
+    for name, expected in kv.items():
+        for side, tensors in (("input", spec.inputs), ("output", spec.outputs)):
+            actual = tensors.get(name)
+            if actual is None or actual.shape != expected.shape or actual.dtype != expected.dtype:
+                got = actual.describe() if actual else "nothing"
+                raise InvalidArgumentError(
+                    f"{source}: signature {spec.key!r} {side} {name!r} is {got}, expected {expected.describe()}"
+                )
+
+
+def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int) -> tuple[str, int]:
+    k, v = kv.get("kv_cache_k_0"), kv.get("kv_cache_v_0")
+    if k is None or v is None or len(k.shape) != 4:
+        raise InvalidArgumentError("expected 4-D kv_cache_k_0 and kv_cache_v_0 inputs")
+    if k.shape == v.shape and k.shape[1] >= longest_input:
+        return KV_LAYOUT_DEFAULT, k.shape[1]
+    return KV_LAYOUT_TRANSPOSED, k.shape[2]
