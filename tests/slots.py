@@ -1,0 +1,46 @@
+"""LoRA slot inputs shaped like the test models', for component tests without a model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.util.lora_util import Convention, lora_input_name
+from runtime.util.tensor_spec import TensorSpec
+
+FAN = {"q": (64, 64), "k": (64, 32), "v": (64, 32), "o": (64, 64)}
+
+
+def slot_inputs(rank: int, convention: Convention = Convention.LITERT_TORCH, layers: int = 2) -> dict[str, TensorSpec]:
+    """The LoRA inputs a model of the test shapes has for one rank slot."""
+    specs = {}
+    for layer in range(layers):
+        for proj, (fan_in, fan_out) in FAN.items():
+            a_shape = (fan_in, rank) if convention is Convention.LITERT_TORCH else (rank, fan_in)
+            for side, shape in (("a", a_shape), ("b", (rank, fan_out))):
+                name = lora_input_name(convention, layer, proj, side)
+                specs[name] = TensorSpec(name, shape, np.dtype(np.float32))
+    return specs
+
+
+class ArrayBuffer:
+    """A stand-in for a TensorBuffer: keeps what is written."""
+
+    def __init__(self, spec: TensorSpec) -> None:
+        self.spec = spec
+        self.array: np.ndarray | None = None
+
+    def write(self, data_array: np.ndarray) -> None:
+        assert data_array.shape == self.spec.shape and data_array.dtype == self.spec.dtype
+        self.array = data_array.copy()
+
+
+def allocator(slots: dict[int, dict[str, TensorSpec]]):
+    """``allocate(rank, name)`` over :class:`ArrayBuffer`, counting allocations."""
+    calls = []
+
+    def allocate(rank: int, name: str) -> ArrayBuffer:
+        calls.append((rank, name))
+        return ArrayBuffer(slots[rank][name])
+
+    allocate.calls = calls
+    return allocate
