@@ -40,12 +40,14 @@ import hashlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import io
 import json
 import shutil
 import sys
 import tempfile
 import time
 import types
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -153,6 +155,22 @@ def make_weights(cfg: TinyGqaConfig) -> dict[str, np.ndarray]:
     return w
 
 
+def save_npz_deterministic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Writes ``arrays`` like ``np.savez`` but byte-for-byte reproducibly.
+
+    ``np.savez`` stamps every zip member with the current time, so its sha256
+    changes on each build; here every member gets a fixed timestamp and mode.
+    The result loads with ``np.load`` as usual.
+    """
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, array in arrays.items():
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.asarray(array), allow_pickle=False)
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue())
+
+
 def config_scalars(cfg: TinyGqaConfig) -> dict[str, np.ndarray]:
     """Config values stored next to the weights as 0-d arrays (``config.*``).
 
@@ -197,11 +215,12 @@ def install_tensorflow_schema_stand_in() -> None:
     ``tensorflow``, ``tensorflow.lite`` and ``tensorflow.lite.python`` in
     ``sys.modules`` whose ``schema_py_generated`` is that module.
 
-    ``torch._dynamo`` must be imported first: on import it resolves the
+    ``torch._dynamo`` is imported first: on import it looks up the
     third-party libraries it skips (``tensorflow`` among them) with
-    ``importlib.util.find_spec``, which must not see the stand-ins. Each
-    stand-in gets a real ``ModuleSpec`` (``is_package=True``) so that any later
-    ``find_spec`` lookup does not fail on a missing ``__spec__``.
+    ``importlib.util.find_spec``, which raises ``ValueError`` for a
+    ``sys.modules`` entry without ``__spec__``. So the lookup runs before the
+    stand-ins exist, and each stand-in also gets a real ``ModuleSpec``
+    (``is_package=True``, no origin) for any later lookup.
 
     Does nothing if a real TensorFlow is installed.
     """
@@ -451,7 +470,7 @@ def build(out_dir: Path, cfg: TinyGqaConfig) -> dict[str, Any]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = make_weights(cfg)
-    np.savez(out_dir / WEIGHTS_FILE, **weights)
+    save_npz_deterministic(out_dir / WEIGHTS_FILE, weights)
     model = build_torch_model(cfg, weights)
 
     variants = {
