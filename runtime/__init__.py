@@ -1,0 +1,28 @@
+"""An on-device LLM runtime: one frozen TFLite base model, many LoRA adapters.
+
+Adapters are attached per session, from files or from memory, and swapped at run time
+without reloading the base model::
+
+    from runtime import Engine, EngineSettings, SessionConfig, LoraSource
+
+    engine = Engine("model.tflite", settings=EngineSettings(num_threads=1))
+    session = engine.create_session(SessionConfig(lora_path="adapter.tflite"))
+    logits = session.run_prefill([5, 17, 42])
+"""
+
+from runtime.components.sampler import Sampler, SamplerConfig
+from runtime.engine.config import EngineSettings, SessionConfig
+from runtime.engine.engine import Engine
+from runtime.engine.session import GenerationResult, Session
+from runtime.framework.lora_source import LoraSource
+
+__all__ = [
+    "Engine",
+    "EngineSettings",
+    "GenerationResult",
+    "LoraSource",
+    "Sampler",
+    "SamplerConfig",
+    "Session",
+    "SessionConfig",
+]

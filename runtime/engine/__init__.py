@@ -1,0 +1,1 @@
+"""Engine and Session: what users call."""

@@ -1,0 +1,58 @@
+"""Settings for an engine and for each session."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from runtime.components.sampler import SamplerConfig
+from runtime.errors import InvalidArgumentError
+from runtime.framework.lora_source import AdapterBuffer, LoraSource
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine runs the model.
+
+    ``num_threads``: CPU threads for XNNPACK (0 lets the library choose).
+    ``allow_non_finite_weights``: accept adapters holding NaN or Inf (refused by default).
+    """
+
+    num_threads: int = 1
+    allow_non_finite_weights: bool = False
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """What one session runs with.
+
+    One adapter: ``lora_path`` (a file) or ``lora_buffer`` (bytes in memory) at
+    ``lora_scale``. Several: ``loras=[LoraSource(...), ...]``, applied together, each
+    with its own scale. None of them: the base model. ``sampler`` is what
+    :meth:`Session.generate` uses when it is given none.
+    """
+
+    lora_path: str | os.PathLike[str] | None = None
+    lora_buffer: AdapterBuffer | None = None
+    lora_scale: float = 1.0
+    loras: Sequence[LoraSource] = ()
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora_path is not None and self.lora_buffer is not None:
+            raise InvalidArgumentError("SessionConfig takes lora_path= or lora_buffer=, not both")
+        if not math.isfinite(self.lora_scale):
+            raise InvalidArgumentError(f"lora_scale={self.lora_scale}, expected a finite number")
+        if any(not isinstance(source, LoraSource) for source in self.loras):
+            raise InvalidArgumentError("SessionConfig.loras takes LoraSource objects")
+
+    def sources(self) -> list[LoraSource]:
+        """Every adapter this session asks for, as LoraSource objects."""
+        single = []
+        if self.lora_path is not None:
+            single.append(LoraSource(path=self.lora_path, scale=self.lora_scale))
+        if self.lora_buffer is not None:
+            single.append(LoraSource(buffer=self.lora_buffer, scale=self.lora_scale))
+        return single + list(self.loras)

@@ -1,0 +1,81 @@
+"""Engine: one frozen base model, many adapters, many sessions."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from runtime.engine.config import EngineSettings, SessionConfig
+from runtime.engine.session import Session, SessionRegistry
+from runtime.errors import FailedPreconditionError
+from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
+from runtime.executor.model_spec import ModelSpec
+from runtime.framework.lora_source import LoraSource
+from runtime.framework.resource_management.resource_manager import ResourceManager
+
+
+class Engine:
+    """Loads a model once and serves sessions, each with its own adapters.
+
+    Adapters are registered once (by path identity or content digest) and shared by
+    every session that asks for them; the base model is never reloaded. Thread-safe.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str], settings: EngineSettings | None = None) -> None:
+        self.model_path = Path(model_path)
+        self.settings = settings or EngineSettings()
+        executor = LlmExecutor(self.model_path, ExecutorSettings(num_threads=self.settings.num_threads))
+        self._resources = ResourceManager(
+            executor, allow_non_finite=self.settings.allow_non_finite_weights
+        )
+        self._sessions = SessionRegistry()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def spec(self) -> ModelSpec:
+        """What the model offers: signatures, rank slots, KV length, vocabulary."""
+        return self._resources.executor.spec
+
+    def register_adapter(self, source: LoraSource) -> int:
+        """Loads an adapter (parse and check only) and returns its id; idempotent."""
+        self._check_open()
+        return self._resources.register(source)
+
+    def unload_adapter(self, lora_id: int) -> None:
+        """Unloads an adapter no live session uses and frees its buffers."""
+        self._check_open()
+        self._resources.unload(lora_id)
+
+    def adapter_ids(self) -> list[int]:
+        """The ids of the registered adapters."""
+        return self._resources.lora_manager.loaded_ids()
+
+    def create_session(self, config: SessionConfig | None = None) -> Session:
+        """A new, empty session running with the adapters ``config`` names."""
+        self._check_open()
+        config = config or SessionConfig()
+        entries = [(self._resources.register(s), s.scale) for s in config.sources()]
+        context = self._resources.new_context(entries)
+        return Session(self._resources, context, config.sampler, self._sessions)
+
+    def close(self) -> None:
+        """Closes every session and releases the model; closing twice is harmless."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for session in self._sessions.snapshot():
+            session.close()
+        self._resources.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPreconditionError(f"{self.model_path}: the engine is closed")

@@ -1,0 +1,265 @@
+"""Session: one conversation's context over the shared engine, with its own adapters."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.components.sampler import Sampler, SamplerConfig
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime.framework.lora_source import LoraSource
+from runtime.framework.resource_management.context_handler import ContextHandler
+from runtime.framework.resource_management.resource_manager import ResourceManager
+
+
+class SessionRegistry:
+    """The live sessions of one engine, so that closing the engine closes them."""
+
+    def __init__(self) -> None:
+        self._sessions: set[Session] = set()
+        self._lock = threading.Lock()
+
+    def add(self, session: Session) -> None:
+        """Records a new session."""
+        with self._lock:
+            self._sessions.add(session)
+
+    def discard(self, session: Session) -> None:
+        """Forgets a closed session."""
+        with self._lock:
+            self._sessions.discard(session)
+
+    def snapshot(self) -> list[Session]:
+        """The live sessions now."""
+        with self._lock:
+            return list(self._sessions)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What :meth:`Session.generate` produced, and how long it took."""
+
+    tokens: list[int]
+    prompt_tokens: int
+    stop_reason: str  # "max_new_tokens" or "stop_token"
+    prefill_seconds: float
+    time_to_first_token_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Generated tokens after the first, per second of decoding."""
+        steps = len(self.tokens) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+
+class Session:
+    """A sequence of tokens processed so far (its KV cache) and the adapters it runs with.
+
+    Sessions of one engine may be used from different threads at the same time; one
+    session is used by one thread at a time (a concurrent second call raises
+    ``FailedPreconditionError`` instead of interleaving two token streams).
+    """
+
+    def __init__(
+        self,
+        resources: ResourceManager,
+        context: ContextHandler,
+        sampler: SamplerConfig,
+        registry: SessionRegistry,
+    ) -> None:
+        """Sessions are made by :meth:`Engine.create_session` and :meth:`clone`."""
+        self._resources = resources
+        self._context: ContextHandler | None = context
+        self._sampler_config = sampler
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._vocab = resources.executor.spec.vocab_size
+        registry.add(self)
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """How many tokens the session's context holds."""
+        return self._require_open().position
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (or the engine closed)."""
+        return self._context is None
+
+    @property
+    def lora_ids(self) -> list[int]:
+        """Ids of the adapters this session runs with (empty: the base model)."""
+        return self._require_open().lora_ids
+
+    @property
+    def blend(self) -> tuple[tuple[int, float], ...]:
+        """``((lora_id, scale), ...)`` this session runs with."""
+        return self._require_open().blend
+
+    # -- running -------------------------------------------------------------------
+
+    def run_prefill(self, tokens: Sequence[int]) -> np.ndarray:
+        """Appends ``tokens`` to the context; returns float32 logits ``(vocab,)`` for the next."""
+        tokens = self._check_tokens(tokens)
+        if not tokens:
+            raise InvalidArgumentError("run_prefill needs at least one token")
+        with self._use() as context:
+            return self._prefill(context, tokens)
+
+    def run_decode(self, token: int) -> np.ndarray:
+        """Appends one token; returns float32 logits ``(vocab,)`` for the next."""
+        (token,) = self._check_tokens([token])
+        with self._use() as context:
+            return self._decode(context, token)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 32,
+        sampler: Sampler | SamplerConfig | None = None,
+        stop_tokens: Sequence[int] = (),
+    ) -> GenerationResult:
+        """Prefills ``prompt`` and samples up to ``max_new_tokens`` tokens.
+
+        Every generated token is appended to the context, so the session can go on.
+        Raises ``ResourceExhaustedError`` before doing anything when the prompt plus
+        ``max_new_tokens`` would not fit the KV cache.
+        """
+        prompt = self._check_tokens(prompt)
+        if not prompt:
+            raise InvalidArgumentError("generate needs a prompt of at least one token")
+        if max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens={max_new_tokens}, expected >= 1")
+        if not isinstance(sampler, Sampler):
+            sampler = Sampler(sampler or self._sampler_config)
+        stops = set(self._check_tokens(stop_tokens))
+        kv_length = self._resources.executor.spec.kv_length
+        with self._use() as context:
+            needed = context.position + len(prompt) + max_new_tokens
+            if needed > kv_length:
+                raise ResourceExhaustedError(
+                    f"{context.position} tokens in context + {len(prompt)} prompt + "
+                    f"{max_new_tokens} new tokens = {needed} exceeds the KV cache of "
+                    f"{kv_length} positions"
+                )
+            start = time.perf_counter()
+            logits = self._prefill(context, prompt)
+            prefill_done = time.perf_counter()
+            generated = [sampler.sample(logits)]
+            first_token = time.perf_counter()
+            stop_reason = "max_new_tokens"
+            while True:
+                logits = self._decode(context, generated[-1])
+                if generated[-1] in stops:
+                    stop_reason = "stop_token"
+                    break
+                if len(generated) == max_new_tokens:
+                    break
+                generated.append(sampler.sample(logits))
+            end = time.perf_counter()
+        return GenerationResult(
+            tokens=generated,
+            prompt_tokens=len(prompt),
+            stop_reason=stop_reason,
+            prefill_seconds=prefill_done - start,
+            time_to_first_token_seconds=first_token - start,
+            decode_seconds=end - first_token,
+        )
+
+    # -- context management --------------------------------------------------------
+
+    def clone(self) -> Session:
+        """A new session with a copy of this one's context and the same adapters."""
+        with self._use() as context:
+            copy = self._resources.clone_context(context)
+        return Session(self._resources, copy, self._sampler_config, self._registry)
+
+    def reset(self) -> None:
+        """Empties the context (position 0); the adapters stay.
+
+        KV rows past the position are masked by the model until they are overwritten,
+        so nothing needs clearing.
+        """
+        with self._use() as context:
+            context.position = 0
+
+    def set_adapters(self, loras: Sequence[LoraSource] = (), *, reset: bool = False) -> None:
+        """Runs the session with other adapters (or scales); ``()`` means the base model.
+
+        The KV cache was computed with the old adapters, so a session holding context
+        must be reset: pass ``reset=True``, or get ``FailedPreconditionError``. On any
+        error the session keeps its old adapters.
+        """
+        with self._use() as context:
+            if context.position and not reset:
+                raise FailedPreconditionError(
+                    f"the session holds {context.position} tokens computed with its current "
+                    "adapters; pass reset=True to clear them and switch"
+                )
+            entries = [(self._resources.register(source), source.scale) for source in loras]
+            self._resources.set_blend(context, entries)
+            context.position = 0
+
+    def close(self) -> None:
+        """Releases the context and unpins the adapters; closing twice is harmless."""
+        with self._lock:
+            context, self._context = self._context, None
+        if context is not None:
+            self._resources.release_context(context)
+            self._registry.discard(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _prefill(self, context: ContextHandler, tokens: list[int]) -> np.ndarray:
+        binding = self._resources.bind(context)
+        logits = self._resources.executor.prefill(binding, tokens, context.position)
+        context.position += len(tokens)
+        return logits
+
+    def _decode(self, context: ContextHandler, token: int) -> np.ndarray:
+        binding = self._resources.bind(context)
+        logits = self._resources.executor.decode(binding, token, context.position)
+        context.position += 1
+        return logits
+
+    @contextmanager
+    def _use(self) -> Iterator[ContextHandler]:
+        if not self._lock.acquire(blocking=False):
+            raise FailedPreconditionError("the session is being used by another call")
+        try:
+            yield self._require_open()
+        finally:
+            self._lock.release()
+
+    def _require_open(self) -> ContextHandler:
+        context = self._context
+        if context is None:
+            raise FailedPreconditionError("the session is closed")
+        return context
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        try:
+            ids = [int(t) for t in tokens]
+            exact = all(int(t) == t for t in tokens)
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}") from None
+        if not exact:
+            raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}")
+        bad = [t for t in ids if not 0 <= t < self._vocab]
+        if bad:
+            raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {self._vocab})")
+        return ids

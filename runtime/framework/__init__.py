@@ -1,0 +1,1 @@
+"""Sessions' shared resources: adapter ids, the executor, each session's context."""

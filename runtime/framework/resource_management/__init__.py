@@ -1,0 +1,1 @@
+"""Adapter ids, locks, and each session's context over the one executor."""
