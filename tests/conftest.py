@@ -12,6 +12,9 @@ MODELS = Path(__file__).resolve().parent / "models"
 ADAPTERS = MODELS / "adapters"
 
 
+MODEL_FILES = {"default": MODELS / "gqa_default.tflite", "transposed": MODELS / "gqa_transposed.tflite"}
+
+
 def adapter_path(name: str) -> Path:
     """Path of a committed adapter fixture, e.g. ``adapter_path("torch_r4")``."""
     return ADAPTERS / f"{name}.tflite"
@@ -26,3 +29,24 @@ def adapter_manifest() -> dict:
 def expected_tensors() -> dict[str, np.ndarray]:
     with np.load(ADAPTERS / "expected.npz") as data:
         return {key: data[key] for key in data.files}
+
+
+def adapter_deltas(name: str, scale: float = 1.0) -> dict[tuple[int, str], np.ndarray]:
+    """Dense ``[out, in]`` deltas ``scale * (a @ b).T`` of an adapter fixture, for the reference."""
+    from runtime.util.lora_data import LoraData
+    from runtime.util.lora_util import parse_lora_input_name, to_graph_layout
+
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    with LoraData.create_from_file_path(adapter_path(name)) as data:
+        for tensor in data.get_all_tensor_names():
+            parsed = parse_lora_input_name(tensor)
+            graph = to_graph_layout(parsed.convention, parsed.side, data.read_tensor(tensor))
+            pairs.setdefault((parsed.layer, parsed.projection), {})[parsed.side] = graph.astype(np.float64)
+    return {key: scale * (p["a"] @ p["b"]).T for key, p in pairs.items()}
+
+
+@pytest.fixture(scope="session")
+def weights() -> dict[str, np.ndarray]:
+    from reference_model import load_weights
+
+    return load_weights(MODELS / "gqa_weights.npz")

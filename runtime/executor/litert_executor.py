@@ -11,8 +11,10 @@ therefore choosing another prebuilt :class:`Binding`, not copying memory.
 from __future__ import annotations
 
 import os
+import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,9 +37,16 @@ from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, Si
 
 @dataclass(frozen=True)
 class ExecutorSettings:
-    """How to run the model: CPU threads for XNNPACK (0 lets the library choose)."""
+    """How to run the model.
+
+    ``num_threads``: CPU threads for XNNPACK (0 lets the library choose).
+    ``native_logs``: let the library print its INFO lines while loading the model (it
+    offers no switch for them, so by default stderr is muted for the few milliseconds
+    of the load).
+    """
 
     num_threads: int = 1
+    native_logs: bool = False
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
@@ -58,6 +67,24 @@ class KvCache:
         freed memory to the interpreter.
         """
         self.buffers = {}
+
+
+@contextmanager
+def _native_stderr(muted: bool) -> Iterator[None]:
+    """Points file descriptor 2 at /dev/null while native code logs, if ``muted``."""
+    if not muted:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 @dataclass
@@ -102,31 +129,38 @@ class LlmExecutor:
         self.settings = settings or ExecutorSettings()
         if not self.model_path.is_file():
             raise NotFoundError(f"{self.model_path}: no such model file")
+        with _native_stderr(muted=not self.settings.native_logs):
+            self._model = self._load()
+            details = {
+                key: (self._model.get_input_tensor_details(key), self._model.get_output_tensor_details(key))
+                for key in self._model.get_signature_list()
+            }
+            self.spec = ModelSpec.from_details(details, str(self.model_path))
+            # Token, position and logits buffers are shared by all sessions: runs are serialized.
+            self._io = {
+                key: _SignatureIO(
+                    self._model.create_input_buffer_by_name(key, TOKENS),
+                    self._model.create_input_buffer_by_name(key, INPUT_POS),
+                    self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
+                    np.zeros((1, signature.seq_len), np.int32),
+                    np.zeros(signature.seq_len, np.int32),
+                )
+                for key, signature in self.spec.signatures.items()
+            }
+            for io in self._io.values():  # the first write sets up the library's environment
+                io.tokens.write(io.token_array)
+                io.positions.write(io.position_array)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _load(self) -> CompiledModel:
         options = Options(
             HardwareAccelerator.CPU, cpu_options=CpuOptions(num_threads=self.settings.num_threads)
         )
         try:
-            self._model = CompiledModel.from_file(str(self.model_path), options=options)
+            return CompiledModel.from_file(str(self.model_path), options=options)
         except Exception as exc:  # the library raises plain RuntimeError/ValueError
             raise InvalidArgumentError(f"{self.model_path}: cannot load the model: {exc}") from None
-        details = {
-            key: (self._model.get_input_tensor_details(key), self._model.get_output_tensor_details(key))
-            for key in self._model.get_signature_list()
-        }
-        self.spec = ModelSpec.from_details(details, str(self.model_path))
-        self._lock = threading.Lock()
-        self._closed = False
-        # Token, position and logits buffers are shared by all sessions: runs are serialized.
-        self._io = {
-            key: _SignatureIO(
-                self._model.create_input_buffer_by_name(key, TOKENS),
-                self._model.create_input_buffer_by_name(key, INPUT_POS),
-                self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
-                np.zeros((1, signature.seq_len), np.int32),
-                np.zeros(signature.seq_len, np.int32),
-            )
-            for key, signature in self.spec.signatures.items()
-        }
 
     # -- buffers -------------------------------------------------------------------
 
@@ -274,4 +308,5 @@ class LlmExecutor:
             if self._closed:
                 return
             self._closed = True
-            self._model.close()
+            with _native_stderr(muted=not self.settings.native_logs):
+                self._model.close()

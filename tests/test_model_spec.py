@@ -1,0 +1,65 @@
+"""Tests for runtime.executor.model_spec: discovering what an export offers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conftest import MODEL_FILES
+from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
+from runtime.executor.litert_executor import LlmExecutor
+from runtime.executor.model_spec import KV_LAYOUT_DEFAULT, KV_LAYOUT_TRANSPOSED, ModelSpec
+
+
+@pytest.fixture(scope="module")
+def details():
+    executor = LlmExecutor(MODEL_FILES["default"])
+    model = executor._model
+    found = {
+        key: (model.get_input_tensor_details(key), model.get_output_tensor_details(key))
+        for key in model.get_signature_list()
+    }
+    executor.close()
+    return found
+
+
+@pytest.mark.parametrize("layout", ["default", "transposed"])
+def test_discovers_the_test_models(layout):
+    executor = LlmExecutor(MODEL_FILES[layout])
+    spec = executor.spec
+    assert spec.kv_layout == {"default": KV_LAYOUT_DEFAULT, "transposed": KV_LAYOUT_TRANSPOSED}[layout]
+    assert spec.kv_length == 64
+    assert spec.vocab_size == 256
+    assert spec.num_layers == 2
+    assert spec.prefill_lengths == (8, 32)
+    assert spec.lora_ranks == (4, 16)
+    assert spec.prefill_has_logits == (layout == "transposed")
+    assert spec.kv_cache_bytes == 4 * 64 * 2 * 16 * 4
+    assert len(spec.lora_slot(4)) == 16
+    assert spec.lora_slot(16)["lora_atten_k_b_prime_weight_1"].shape == (16, 32)
+    assert spec.smallest_slot(5) == 16 and spec.smallest_slot(17) is None
+    assert spec.prefill(8, 4).key == "prefill_8_lora_r4"
+    with pytest.raises(NotFoundError):
+        spec.prefill(9)
+    executor.close()
+
+
+def test_refuses_exports_it_cannot_drive(details):
+    no_decode = {k: v for k, v in details.items() if not k.startswith("decode")}
+    with pytest.raises(InvalidArgumentError, match="no plain 'decode'"):
+        ModelSpec.from_details(no_decode, "m")
+    with pytest.raises(UnimplementedError, match="neither prefill nor decode"):
+        ModelSpec.from_details({**details, "embed": details["decode"]}, "m")
+    extra = copy.deepcopy(details)
+    extra["decode"][0]["mask"] = {"shape": [1, 1, 1, 64], "dtype": "float32"}
+    with pytest.raises(UnimplementedError, match=r"cannot feed: \['mask'\]"):
+        ModelSpec.from_details(extra, "m")
+    mixed = copy.deepcopy(details)
+    mixed["decode_lora_r4"][0]["lora_atten_q_a_prime_weight_0"]["shape"] = [64, 8]
+    with pytest.raises(InvalidArgumentError, match="mixes LoRA ranks"):
+        ModelSpec.from_details(mixed, "m")
+    kv = copy.deepcopy(details)
+    kv["prefill_8"][0]["kv_cache_k_1"]["shape"] = [1, 32, 2, 16]
+    with pytest.raises(InvalidArgumentError, match="'prefill_8' input 'kv_cache_k_1'"):
+        ModelSpec.from_details(kv, "m")

@@ -1,0 +1,202 @@
+"""Tests for runtime.engine.session: fidelity on prefill and decode, isolation, misuse."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import MODEL_FILES, adapter_deltas, adapter_path
+from reference_model import reference_logits
+from runtime import Engine, LoraSource, SamplerConfig, SessionConfig
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+
+TOL = 1e-4
+PROMPT = [5, 17, 42, 200, 3, 99, 250, 7, 1, 64, 128]
+CONTINUATION = [11, 22, 33, 44, 55, 66, 77, 88]
+
+
+@pytest.fixture(scope="module", params=["default", "transposed"])
+def engine(request):
+    with Engine(MODEL_FILES[request.param]) as engine:
+        yield engine
+
+
+def run_prefill_and_decodes(session):
+    rows = [session.run_prefill(PROMPT)]
+    rows += [session.run_decode(token) for token in CONTINUATION]
+    return np.stack(rows)
+
+
+def expected_rows(weights, lora=None):
+    return reference_logits(weights, PROMPT + CONTINUATION, lora=lora)[len(PROMPT) - 1 :]
+
+
+@pytest.mark.parametrize(
+    "adapter,scale",
+    [
+        ("torch_r4", 1.0),  # litert-torch names, f32 inline
+        ("litertlm_r4", 0.8),  # LiteRT-LM names, f16 at offsets, layout converted
+        ("mediapipe_r4", 1.0),
+        ("torch_r4_bf16", 1.0),
+        ("torch_r16", 1.0),
+        ("litertlm_r8_layer0", 1.0),  # rank 8 zero-padded into the r16 slot, one layer
+        ("torch_r4_layer1_qv", 1.3),  # only some layers and projections
+    ],
+)
+def test_adapter_fidelity_on_prefill_and_decode(engine, weights, adapter, scale):
+    with engine.create_session(SessionConfig(lora_path=adapter_path(adapter), lora_scale=scale)) as session:
+        got = run_prefill_and_decodes(session)
+    expected = expected_rows(weights, adapter_deltas(adapter, scale))
+    np.testing.assert_allclose(got, expected, atol=TOL)
+    # The adapter really changes the output (so the check above could fail).
+    assert np.abs(expected - expected_rows(weights)).max() > 0.05
+
+
+def test_base_session_matches_reference(engine, weights):
+    with engine.create_session() as session:
+        np.testing.assert_allclose(run_prefill_and_decodes(session), expected_rows(weights), atol=TOL)
+
+
+def test_in_memory_adapter_equals_file(engine):
+    blob = adapter_path("litertlm_r4").read_bytes()
+    with engine.create_session(SessionConfig(lora_buffer=blob)) as from_memory:
+        with engine.create_session(SessionConfig(lora_path=adapter_path("litertlm_r4"))) as from_file:
+            np.testing.assert_array_equal(run_prefill_and_decodes(from_memory), run_prefill_and_decodes(from_file))
+
+
+def test_zero_adapter_and_zero_scale_give_base_logits(engine):
+    with engine.create_session() as base:
+        expected = run_prefill_and_decodes(base)
+    with engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4_zero"))) as zero:
+        np.testing.assert_array_equal(run_prefill_and_decodes(zero), expected)
+    with engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4"), lora_scale=0.0)) as off:
+        assert off.blend == ()
+        np.testing.assert_array_equal(run_prefill_and_decodes(off), expected)
+
+
+def test_generate_and_clone(engine, weights):
+    config = SessionConfig(lora_path=adapter_path("torch_r4"))
+    with engine.create_session(config) as session:
+        result = session.generate(PROMPT, max_new_tokens=6)
+        assert len(result.tokens) == 6 and result.prompt_tokens == len(PROMPT)
+        assert result.stop_reason == "max_new_tokens"
+        assert session.position == len(PROMPT) + 6
+        ref = reference_logits(weights, PROMPT + result.tokens, lora=adapter_deltas("torch_r4"))
+        assert result.tokens == [int(np.argmax(row)) for row in ref[len(PROMPT) - 1 : -1]]
+        clone = session.clone()
+        assert clone.position == session.position and clone.lora_ids == session.lora_ids
+        a, b = session.run_decode(9), clone.run_decode(9)
+        np.testing.assert_array_equal(a, b)
+        clone.close()
+        stopped = session.generate([1, 2], max_new_tokens=20, stop_tokens=[int(np.argmax(session.run_decode(3)))])
+        assert stopped.stop_reason in ("stop_token", "max_new_tokens")
+
+
+def test_generate_with_seeded_sampler_is_reproducible(engine):
+    config = SessionConfig(sampler=SamplerConfig(temperature=1.0, top_k=20, seed=7))
+    outputs = []
+    for _ in range(2):
+        with engine.create_session(config) as session:
+            outputs.append(session.generate(PROMPT, max_new_tokens=10).tokens)
+    assert outputs[0] == outputs[1]
+
+
+def test_isolation_under_concurrency(engine):
+    blobs = [adapter_path(n).read_bytes() for n in ("torch_r16", "litertlm_r4")]
+    configs = [
+        SessionConfig(lora_path=adapter_path("torch_r4")),
+        SessionConfig(lora_buffer=blobs[0]),
+        SessionConfig(lora_path=adapter_path("mediapipe_r4"), lora_scale=0.5),
+        SessionConfig(lora_buffer=blobs[1]),
+        SessionConfig(),
+        SessionConfig(lora_path=adapter_path("torch_r4"), lora_scale=2.0),
+        SessionConfig(lora_buffer=blobs[0], lora_scale=0.3),
+        SessionConfig(),
+    ]
+    prompts = [np.random.default_rng(i).integers(0, 256, 5 + 3 * i).tolist() for i in range(8)]
+    steps = 12
+
+    def run_alone(index):
+        with engine.create_session(configs[index]) as session:
+            return session.generate(prompts[index], max_new_tokens=steps).tokens
+
+    alone = [run_alone(i) for i in range(8)]
+    sessions = [engine.create_session(c) for c in configs]
+    results: dict[int, list[int]] = {i: [] for i in range(8)}
+    errors = []
+
+    def worker(indices, seed):
+        rng = random.Random(seed)
+        try:
+            logits = {i: sessions[i].run_prefill(prompts[i]) for i in indices}
+            pending = list(indices) * steps
+            rng.shuffle(pending)
+            for i in pending:
+                token = int(np.argmax(logits[i]))
+                results[i].append(token)
+                logits[i] = sessions[i].run_decode(token)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=([t, t + 4], t)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i in range(8):
+        assert results[i] == alone[i], f"session {i} diverged"
+        sessions[i].close()
+
+
+def test_switching_adapters_needs_reset(engine, weights):
+    with engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4"))) as session:
+        session.run_prefill(PROMPT)
+        with pytest.raises(FailedPreconditionError, match="reset=True"):
+            session.set_adapters([LoraSource(path=adapter_path("litertlm_r4"))])
+        with pytest.raises(InvalidArgumentError):
+            session.set_adapters([LoraSource(path=adapter_path("wrong_hidden_r4"))], reset=True)
+        assert session.position == len(PROMPT)  # a failed switch changes nothing
+        session.set_adapters([LoraSource(path=adapter_path("litertlm_r4"))], reset=True)
+        assert session.position == 0
+        got = run_prefill_and_decodes(session)
+    np.testing.assert_allclose(got, expected_rows(weights, adapter_deltas("litertlm_r4")), atol=TOL)
+
+
+def test_errors(engine):
+    with pytest.raises(InvalidArgumentError, match="input size 48, expected 64"):
+        engine.create_session(SessionConfig(lora_path=adapter_path("wrong_hidden_r4")))
+    with pytest.raises(InvalidArgumentError, match=r"rank 32 exceeds every LoRA slot"):
+        engine.create_session(SessionConfig(lora_path=adapter_path("torch_r32")))
+    session = engine.create_session()
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        session.run_prefill([1, 256])
+    with pytest.raises(InvalidArgumentError, match="integers"):
+        session.run_decode(1.5)
+    with pytest.raises(ResourceExhaustedError, match="exceeds the KV cache of 64"):
+        session.generate(list(range(60)), max_new_tokens=10)
+    assert session.position == 0  # refused before anything ran
+    session.run_prefill(list(range(60)))
+    with pytest.raises(ResourceExhaustedError):
+        session.run_prefill(list(range(5)))
+    assert session.position == 60
+    session.run_decode(1)  # still usable
+    session.close()
+    session.close()
+    for call in (lambda: session.run_decode(1), lambda: session.run_prefill([1]), session.clone, lambda: session.position):
+        with pytest.raises(FailedPreconditionError, match="closed"):
+            call()
+
+
+def test_one_session_refuses_a_concurrent_second_call(engine):
+    with engine.create_session() as session:
+        session._lock.acquire()  # as if another thread were inside a call
+        try:
+            with pytest.raises(FailedPreconditionError, match="being used by another call"):
+                session.run_decode(1)
+        finally:
+            session._lock.release()
+        session.run_decode(1)
