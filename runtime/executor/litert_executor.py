@@ -160,7 +160,8 @@ class LlmExecutor:
         try:
             return CompiledModel.from_file(str(self.model_path), options=options)
         except Exception as exc:  # the library raises plain RuntimeError/ValueError
-            raise InvalidArgumentError(f"{self.model_path}: cannot load the model: {exc}") from None
+            reason = " ".join(str(exc).split())
+            raise InvalidArgumentError(f"{self.model_path}: cannot load the model: {reason}") from None
 
     # -- buffers -------------------------------------------------------------------
 

@@ -1,0 +1,96 @@
+"""``inspect FILE``: what a model or an adapter file holds, and whether an adapter fits."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runtime.components.lora import plan_adapter
+from runtime.errors import InvalidArgumentError, StatusError
+from runtime.executor.litert_executor import LlmExecutor
+from runtime.executor.model_spec import ModelSpec
+from runtime.util.lora_data import LoraData
+from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Registers the ``inspect`` sub-command."""
+    parser = commands.add_parser(
+        "inspect",
+        help="describe a model or a LoRA adapter file",
+        description="Prints a model's signatures, inputs and LoRA rank slots, or an adapter's "
+        "convention, rank and tensors. With --model, also says whether the adapter fits.",
+    )
+    parser.add_argument("file", type=Path, help="a .tflite model or LoRA adapter")
+    parser.add_argument("--model", type=Path, help="check that FILE (an adapter) fits this model")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the description; a file that is neither kind raises InvalidArgumentError."""
+    try:
+        adapter = LoraData.create_from_file_path(args.file)
+    except StatusError as adapter_error:
+        if args.model is not None:
+            raise
+        try:
+            executor = LlmExecutor(args.file)
+        except StatusError as model_error:
+            raise InvalidArgumentError(
+                f"{args.file} is neither a LoRA adapter ({adapter_error}) nor a model this "
+                f"runtime can run ({model_error})"
+            ) from None
+        print(describe_model(args.file, executor.spec))
+        executor.close()
+        return 0
+    with adapter:
+        print(describe_adapter(adapter))
+        if args.model is not None:
+            executor = LlmExecutor(args.model)
+            try:
+                spec = executor.spec
+                plan = plan_adapter(adapter, {r: spec.lora_slot(r) for r in spec.lora_ranks})
+                print(f"fits {args.model}: rank {plan.rank} goes in slot r{spec.smallest_slot(plan.rank)}")
+            finally:
+                executor.close()
+    return 0
+
+
+def describe_model(path: Path, spec: ModelSpec) -> str:
+    """A model's signatures and inputs, marking the LoRA inputs."""
+    lines = [
+        f"model {path} ({path.stat().st_size:,} bytes)",
+        f"  layers {spec.num_layers}, vocab {spec.vocab_size}, KV cache {spec.kv_length} positions "
+        f"({spec.kv_layout} layout, {spec.kv_cache_bytes:,} bytes per session)",
+        f"  prefill lengths {list(spec.prefill_lengths)}"
+        f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
+        f"  LoRA rank slots {list(spec.lora_ranks) or 'none'}",
+    ]
+    for key, signature in spec.signatures.items():
+        lora = signature.lora_inputs
+        lines.append(f"  signature {key}: {len(signature.inputs)} inputs ({len(lora)} LoRA), "
+                     f"outputs {sorted(signature.outputs)}")
+        for name, tensor in signature.inputs.items():
+            marker = "  [LoRA]" if name in lora else ""
+            lines.append(f"    {name:<36} {str(list(tensor.shape)):<16} {tensor.dtype.name}{marker}")
+    return "\n".join(lines)
+
+
+def describe_adapter(data: LoraData) -> str:
+    """An adapter's convention, rank, tensors and where their bytes are."""
+    names = data.get_all_tensor_names()
+    conventions = sorted({parse_lora_input_name(n).convention.value for n in names if is_lora_input_name(n)})
+    try:
+        rank: object = data.get_lora_rank()
+    except StatusError:
+        rank = "unknown"
+    placements = sorted({data.tensor_info(n).placement for n in names})
+    lines = [
+        f"adapter {data.source_name}",
+        f"  convention {', '.join(conventions) or 'none (no LoRA tensor names)'}, rank {rank}, "
+        f"{len(names)} tensors, {data.nbytes:,} bytes of weights, data {', '.join(placements) or '-'}",
+    ]
+    for name in names:
+        info = data.tensor_info(name)
+        lines.append(f"    {name:<44} {str(list(info.shape)):<12} {info.dtype.name:<9} {info.nbytes:>9,} B  {info.placement}")
+    return "\n".join(lines)

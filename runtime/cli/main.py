@@ -1,0 +1,52 @@
+"""Entry point: parses the command line and turns every StatusError into exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from runtime.cli import generate_command, inspect_command
+from runtime.errors import StatusError
+
+USAGE_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m runtime`` parser with one sub-command per job."""
+    parser = argparse.ArgumentParser(
+        prog="python -m runtime",
+        description="On-device LLM runtime: one TFLite base model, many LoRA adapters.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    inspect_command.add_parser(commands)
+    generate_command.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    _keep_native_logs_off_the_terminal()
+    try:
+        return args.run(args)
+    except StatusError as exc:
+        message = " ".join(str(exc).split())
+        print(f"error: {message}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def _keep_native_logs_off_the_terminal() -> None:
+    """Sends file descriptor 2 to /dev/null and keeps Python's stderr on the terminal.
+
+    The native library prints INFO lines whenever it creates or destroys its
+    environment, up to process exit, and offers no switch; its failures reach us as
+    exceptions anyway.
+    """
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)

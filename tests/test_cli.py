@@ -1,0 +1,52 @@
+"""Tests for the command line (runtime.cli), run as a user would, in a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import MODEL_FILES, adapter_path
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "runtime", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_generate_prints_tokens_and_timings():
+    done = cli("generate", "--model", MODEL_FILES["default"], "--lora", f"{adapter_path('torch_r4')}:0.5",
+               "--prompt-ids", "5,17,42", "--max-new-tokens", "4")
+    assert done.returncode == 0, done.stderr
+    tokens_line, timings = done.stdout.strip().splitlines()
+    assert len(tokens_line.split()) == 1 + 4
+    assert "ms/token" in timings and "prefill 3 tokens" in timings
+    assert done.stderr == ""  # the native library's INFO lines stay off the terminal
+
+
+def test_inspect_model_and_adapter():
+    model = cli("inspect", MODEL_FILES["transposed"])
+    assert model.returncode == 0
+    assert "LoRA rank slots [4, 16]" in model.stdout and "transposed layout" in model.stdout
+    assert "lora_atten_q_a_prime_weight_0" in model.stdout and "[LoRA]" in model.stdout
+    adapter = cli("inspect", adapter_path("litertlm_r4"), "--model", MODEL_FILES["default"])
+    assert adapter.returncode == 0
+    assert "convention litert-lm, rank 4" in adapter.stdout and "external" in adapter.stdout
+    assert "fits" in adapter.stdout
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    bogus = tmp_path / "bogus.tflite"
+    bogus.write_bytes(b"\0" * 100)
+    cases = [
+        ("inspect", bogus),
+        ("inspect", tmp_path / "missing.tflite"),
+        ("inspect", adapter_path("wrong_hidden_r4"), "--model", MODEL_FILES["default"]),
+        ("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,x"),
+        ("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,999"),
+        ("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1", "--lora", tmp_path),
+    ]
+    for case in cases:
+        done = cli(*case)
+        assert done.returncode == 2, case
+        assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (case, done.stderr)
