@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
+from runtime.util.lora_data import LoraData
+from runtime.util.lora_util import PROJECTIONS, SIDES, Convention, lora_input_name
+from runtime.util.lora_writer import serialize_lora_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "tests" / "models" / "gqa_default.tflite"
@@ -120,6 +126,40 @@ def bench_engine(model: Path, repeats: int, steps: int) -> list[Row]:
     return rows
 
 
+def write_adapter_file(path: Path, megabytes: int, external_data: bool, layers: int = 32) -> None:
+    """A LoRA file of about ``megabytes`` MB: float16 rank-16 pairs for ``layers`` layers
+    (256 tensors for 32 layers, as a 32-layer model's q/k/v/o adapter has), the hidden
+    size chosen to reach the size."""
+    tensor_count = layers * len(PROJECTIONS) * len(SIDES)
+    width = max(1, megabytes * (1 << 20) // (tensor_count * 16 * 2))
+    zeros = np.zeros((16, width), np.float16)
+    tensors = {
+        lora_input_name(Convention.LITERT_LM, layer, proj, side): zeros
+        for layer in range(layers) for proj in PROJECTIONS for side in SIDES
+    }
+    path.write_bytes(serialize_lora_tensors(tensors, external_data=external_data, lora_rank=16))
+
+
+def bench_register(sizes_mb: list[int], repeats: int) -> list[Row]:
+    """Time to open and parse an adapter file (LoraData.create_from_file_path) by size."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for megabytes in sizes_mb:
+            for external in (True, False):
+                path = Path(tmp) / f"a{megabytes}_{external}.tflite"
+                write_adapter_file(path, megabytes, external)
+
+                def register(path=path) -> None:
+                    LoraData.create_from_file_path(path).close()
+
+                register()
+                placement = "data after flatbuffer" if external else "inline data"
+                rows.append(Row(f"LoraData.create_from_file_path, {path.stat().st_size / 1e6:.0f} MB file, {placement}",
+                                median_time(register, repeats) * 1e3, "ms"))
+            path.unlink()
+    return rows
+
+
 def render(rows: list[Row], model: Path) -> str:
     """The rows as a markdown table."""
     lines = [f"Model: `{model.name}`, 1 thread", "", "| measurement | value | note |", "|---|---:|---|"]
@@ -133,7 +173,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    table = render(bench_engine(args.model, args.repeats, args.steps), args.model)
+    rows = bench_engine(args.model, args.repeats, args.steps)
+    rows += bench_register([1, 8, 64, 200], args.repeats)
+    table = render(rows, args.model)
     print(table)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "results.md").write_text(table + "\n")

@@ -522,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, entry in manifest["files"].items():
         print(f"{name}: {entry['size_bytes']} bytes sha256={entry['sha256'][:16]}...")
     print(f"total build time {time.perf_counter() - start:.1f} s")
+    # The adapter fixtures need only the runtime (no torch); they are built here too so
+    # that one command rebuilds everything the tests use.
+    import build_test_adapters
+
+    build_test_adapters.main()
     return 0
 
 

@@ -253,10 +253,7 @@ class _FlatbufferReader:
         with self._guard("model root"):
             model = schema.Model.GetRootAs(self.buf, 0)
             self._check_table(model, "model root")
-            buffers = [
-                self._element(model.Buffers, i, "buffer")
-                for i in range(self._vector_len(model, 12, _UOFFSET, "model.buffers"))
-            ]
+            n_buffers = self._vector_len(model, 12, _UOFFSET, "model.buffers")
             n_subgraphs = self._vector_len(model, 8, _UOFFSET, "model.subgraphs")
         if n_subgraphs == 0:
             raise InvalidArgumentError(f"{self.source}: the model has no subgraph")
@@ -265,7 +262,7 @@ class _FlatbufferReader:
             n_tensors = self._vector_len(subgraph, 4, _UOFFSET, "subgraph 0 tensors")
         tensors: dict[str, TensorInfo] = {}
         for index in range(n_tensors):
-            info = self._tensor(subgraph, index, buffers)
+            info = self._tensor(subgraph, index, model, n_buffers)
             if info.name in tensors:
                 raise InvalidArgumentError(
                     f"{self.source}: tensor {info.name!r}: duplicate name (tensor {index})"
@@ -273,20 +270,18 @@ class _FlatbufferReader:
             tensors[info.name] = info
         return _Parsed(tensors, self._metadata_rank(model))
 
-    def _tensor(
-        self, subgraph: Any, index: int, buffers: list[Any]
-    ) -> TensorInfo:
+    def _tensor(self, subgraph: Any, index: int, model: Any, n_buffers: int) -> TensorInfo:
         where = f"tensor {index}"
         with self._guard(where):
             tensor = self._element(subgraph.Tensors, index, "tensor")
             name = self._string(tensor, 10, where)
             where = f"tensor {name!r}"
-            n_dims = self._vector_len(tensor, 4, 4, f"{where} shape")
+            shape_start, n_dims = self._vector(tensor, 4, 4, f"{where} shape")
             if n_dims > MAX_TENSOR_DIMS:
                 raise InvalidArgumentError(
                     f"{self.source}: {where}: {n_dims} dimensions, at most {MAX_TENSOR_DIMS} allowed"
                 )
-            shape = tuple(int(tensor.Shape(i)) for i in range(n_dims))
+            shape = struct.unpack_from(f"<{n_dims}i", self.buf, shape_start) if n_dims else ()
             type_code = tensor.Type()
             buffer_index = tensor.Buffer()
         for dim in shape:
@@ -301,12 +296,14 @@ class _FlatbufferReader:
                 "expected FLOAT32, FLOAT16 or BFLOAT16"
             )
         dtype = TFLITE_DTYPES[type_code]
-        if not 0 <= buffer_index < len(buffers):
+        if not 0 <= buffer_index < n_buffers:
             raise InvalidArgumentError(
                 f"{self.source}: {where}: buffer index {buffer_index} is outside the "
-                f"{len(buffers)} buffers of the file"
+                f"{n_buffers} buffers of the file"
             )
-        offset, nbytes, placement = self._data_range(buffers[buffer_index], where)
+        with self._guard(f"{where} buffer"):
+            buffer = self._element(model.Buffers, buffer_index, "buffer")
+        offset, nbytes, placement = self._data_range(buffer, where)
         expected = math.prod(shape) * dtype.itemsize
         if nbytes != expected:
             raise InvalidArgumentError(
@@ -319,8 +316,7 @@ class _FlatbufferReader:
         with self._guard(f"{where} buffer"):
             external_offset = buffer.Offset()
             external_size = buffer.Size()
-            inline_len = self._vector_len(buffer, 4, 1, f"{where} data")
-            inline_start = buffer._tab.Vector(buffer._tab.Offset(4)) if inline_len else 0
+            inline_start, inline_len = self._vector(buffer, 4, 1, f"{where} data")
         if inline_len:
             return inline_start, inline_len, "inline"
         if external_offset > 1 or external_size > 0:
@@ -374,10 +370,14 @@ class _FlatbufferReader:
 
     def _vector_len(self, obj: Any, field: int, element_size: int, where: str) -> int:
         """Length of a vector field, after checking all of it lies inside the input."""
+        return self._vector(obj, field, element_size, where)[1]
+
+    def _vector(self, obj: Any, field: int, element_size: int, where: str) -> tuple[int, int]:
+        """``(start, length)`` of a vector field, after checking it lies inside the input."""
         tab = obj._tab
         offset = tab.Offset(field)
         if not offset:
-            return 0
+            return 0, 0
         start = tab.Vector(offset)
         length = tab.VectorLen(offset)
         if start < 0 or start + length * element_size > self.size:
@@ -385,7 +385,7 @@ class _FlatbufferReader:
                 f"{self.source}: {where}: vector of {length} elements at byte {start} runs "
                 f"past the end of the {self.size}-byte input"
             )
-        return length
+        return start, length
 
     def _element(self, accessor: Any, index: int, where: str) -> Any:
         element = accessor(index)
