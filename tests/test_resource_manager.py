@@ -113,3 +113,17 @@ def test_bind_is_cached_until_the_adapter_changes(manager):
     assert second is not first and second.lora_rank == 16
     manager.set_blend(context, [])
     assert manager.bind(context).lora_rank is None
+
+
+def test_mutable_buffer_is_snapshotted_at_registration(manager):
+    blob = bytearray(adapter_path("torch_r4").read_bytes())
+    lora_id = manager.register(LoraSource(buffer=blob))
+    data = manager.lora_manager.plan(lora_id).data
+    before = data.read_tensor("lora_atten_q_a_prime_weight_0").copy()
+    blob[:] = bytes(len(blob))  # the caller scribbles over its buffer
+    assert (data.read_tensor("lora_atten_q_a_prime_weight_0") == before).all()
+
+
+def test_wrong_buffer_type(manager):
+    with pytest.raises(InvalidArgumentError, match="got str"):
+        manager.register(LoraSource(buffer="not bytes"))

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from collections.abc import Iterable
@@ -52,17 +53,25 @@ class ResourceManager:
             with ScopedFile(path) as scoped:
                 key = _file_key(scoped)
         else:
-            key = _buffer_key(buffer)
+            key = _buffer_key(_immutable(buffer))
         with self._lock:
             return self._id_for(key)
 
     def register(self, source: LoraSource) -> int:
-        """Loads ``source`` once and returns its id; a failure registers nothing."""
+        """Loads ``source`` once and returns its id; a failure registers nothing.
+
+        A mutable in-memory buffer (bytearray, writable memoryview or mmap) is copied
+        once here, so that a caller changing it later cannot change a registered
+        adapter behind the sessions' backs; ``bytes`` and read-only views are kept by
+        reference.
+        """
+        buffer = None
         if source.path is not None:
             scoped = ScopedFile(source.path)
             key = _file_key(scoped)
         else:
-            scoped, key = None, _buffer_key(source.buffer)
+            buffer = _immutable(source.buffer)
+            scoped, key = None, _buffer_key(buffer)
         with self._lock:
             known = key in self._ids
             lora_id = self._id_for(key)
@@ -74,7 +83,7 @@ class ResourceManager:
                 if scoped is not None:
                     data = LoraData.create_from_scoped_file(scoped, owns_file=True)
                 else:
-                    data = LoraData.create_from_buffer(source.buffer)
+                    data = LoraData.create_from_buffer(buffer, name=source.label)
                 self.lora_manager.load_lora(lora_id, data)
             except BaseException:
                 if not known:
@@ -179,11 +188,23 @@ def _file_key(scoped: ScopedFile) -> AdapterKey:
     return ("file", stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-def _buffer_key(buffer: AdapterBuffer | None) -> AdapterKey:
-    if not isinstance(buffer, bytes | bytearray | memoryview) and not hasattr(buffer, "read"):
-        raise InvalidArgumentError(
-            f"expected bytes, bytearray, memoryview or mmap for an in-memory adapter, got {type(buffer).__name__}"
-        )
+def _immutable(buffer: AdapterBuffer | None) -> AdapterBuffer:
+    """``buffer`` itself if nobody can change it, else a private copy of its bytes."""
+    if isinstance(buffer, bytes):
+        return buffer
+    if isinstance(buffer, memoryview) and buffer.readonly:
+        return buffer
+    if isinstance(buffer, bytearray | memoryview | mmap.mmap):
+        try:
+            return bytes(buffer)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"cannot read the in-memory adapter: {exc}") from None
+    raise InvalidArgumentError(
+        f"expected bytes, bytearray, memoryview or mmap for an in-memory adapter, got {type(buffer).__name__}"
+    )
+
+
+def _buffer_key(buffer: AdapterBuffer) -> AdapterKey:
     try:
         digest = hashlib.sha256(buffer).hexdigest()
     except (TypeError, ValueError) as exc:
