@@ -9,7 +9,8 @@ from runtime.components.lora import plan_adapter
 from runtime.errors import InvalidArgumentError, StatusError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec
-from runtime.util.lora_data import LoraData
+from runtime.util.adapter_data import AdapterData
+from runtime.util.adapter_formats import open_adapter
 from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name
 
 
@@ -28,11 +29,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the description; a file that is neither kind raises InvalidArgumentError."""
+    if args.model is not None:
+        return _check_fit(args.file, args.model)
     try:
-        adapter = LoraData.create_from_file_path(args.file)
+        adapter = open_adapter(args.file)
     except StatusError as adapter_error:
-        if args.model is not None:
-            raise
         try:
             executor = LlmExecutor(args.file)
         except StatusError as model_error:
@@ -45,14 +46,19 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with adapter:
         print(describe_adapter(adapter))
-        if args.model is not None:
-            executor = LlmExecutor(args.model)
-            try:
-                spec = executor.spec
-                plan = plan_adapter(adapter, {r: spec.lora_slot(r) for r in spec.lora_ranks})
-                print(f"fits {args.model}: rank {plan.rank} goes in slot r{spec.smallest_slot(plan.rank)}")
-            finally:
-                executor.close()
+    return 0
+
+
+def _check_fit(adapter_path: Path, model_path: Path) -> int:
+    executor = LlmExecutor(model_path)
+    try:
+        spec = executor.spec
+        with open_adapter(adapter_path, head_dim=spec.head_dim) as adapter:
+            print(describe_adapter(adapter))
+            plan = plan_adapter(adapter, {r: spec.lora_slot(r) for r in spec.lora_ranks})
+            print(f"fits {model_path}: rank {plan.rank} goes in slot r{spec.smallest_slot(plan.rank)}")
+    finally:
+        executor.close()
     return 0
 
 
@@ -76,7 +82,7 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
     return "\n".join(lines)
 
 
-def describe_adapter(data: LoraData) -> str:
+def describe_adapter(data: AdapterData) -> str:
     """An adapter's convention, rank, tensors and where their bytes are."""
     names = data.get_all_tensor_names()
     conventions = sorted({parse_lora_input_name(n).convention.value for n in names if is_lora_input_name(n)})
@@ -86,7 +92,7 @@ def describe_adapter(data: LoraData) -> str:
         rank = "unknown"
     placements = sorted({data.tensor_info(n).placement for n in names})
     lines = [
-        f"adapter {data.source_name}",
+        f"adapter {data.source_name} ({data.format_name})",
         f"  convention {', '.join(conventions) or 'none (no LoRA tensor names)'}, rank {rank}, "
         f"{len(names)} tensors, {data.nbytes:,} bytes of weights, data {', '.join(placements) or '-'}",
     ]

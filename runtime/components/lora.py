@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_data import LoraData
+from runtime.util.adapter_data import AdapterData
 from runtime.util.lora_util import (
     LoraInputName,
     from_graph_layout,
@@ -65,7 +65,7 @@ class ProjectionPair:
 class AdapterPlan:
     """An adapter checked against a model: its pairs, and the rank it needs."""
 
-    data: LoraData
+    data: AdapterData
     pairs: Mapping[tuple[int, str], ProjectionPair]
     rank: int
 
@@ -97,7 +97,7 @@ def model_geometry(slot: SlotInputs) -> dict[tuple[int, str], _Geometry]:
     return {key: _Geometry(d["in"], d["out"]) for key, d in dims.items() if len(d) == 2}
 
 
-def plan_adapter(data: LoraData, slots: Mapping[int, SlotInputs]) -> AdapterPlan:
+def plan_adapter(data: AdapterData, slots: Mapping[int, SlotInputs]) -> AdapterPlan:
     """Checks that ``data`` fits the model's LoRA inputs; reads metadata only.
 
     Raises ``InvalidArgumentError`` naming the adapter, the first tensor that does not
@@ -151,7 +151,7 @@ def plan_adapter(data: LoraData, slots: Mapping[int, SlotInputs]) -> AdapterPlan
 
 
 def _check_pair(
-    data: LoraData, a: LoraInputName, a_name: str, b: LoraInputName, b_name: str, geometry: _Geometry
+    data: AdapterData, a: LoraInputName, a_name: str, b: LoraInputName, b_name: str, geometry: _Geometry
 ) -> ProjectionPair:
     source = data.source_name
     a_info, b_info = data.tensor_info(a_name), data.tensor_info(b_name)

@@ -23,7 +23,7 @@ from runtime.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from runtime.util.lora_data import LoraData
+from runtime.util.adapter_data import AdapterData
 
 # A weighted set of loaded adapters: ((lora_id, scale), ...), sorted by id, no zero scales.
 Blend = tuple[tuple[int, float], ...]
@@ -62,7 +62,7 @@ class LoraManager:
 
     # -- loading -------------------------------------------------------------------
 
-    def load_lora(self, lora_id: int, data: LoraData) -> AdapterPlan:
+    def load_lora(self, lora_id: int, data: AdapterData) -> AdapterPlan:
         """Checks ``data`` against the model and registers it under ``lora_id``.
 
         ``AlreadyExistsError`` when the id is taken; ``InvalidArgumentError`` when the

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.components.sampler import SamplerConfig
 from runtime.errors import InvalidArgumentError
-from runtime.framework.lora_source import AdapterBuffer, LoraSource
+from runtime.framework.lora_source import LoraSource
+from runtime.util.adapter_formats import AdapterBuffer
 
 
 @dataclass(frozen=True)
@@ -28,15 +30,16 @@ class EngineSettings:
 class SessionConfig:
     """What one session runs with.
 
-    One adapter: ``lora_path`` (a file) or ``lora_buffer`` (bytes in memory) at
-    ``lora_scale``. Several: ``loras=[LoraSource(...), ...]``, applied together, each
+    One adapter: ``lora_path`` (a ``.tflite``, GGUF or PEFT adapter) or ``lora_buffer``
+    (``.tflite`` bytes, or a PEFT state dict with ``lora_peft_config``) at ``lora_scale``. Several: ``loras=[LoraSource(...), ...]``, applied together, each
     with its own scale. None of them: the base model. ``sampler`` is what
     :meth:`Session.generate` uses when it is given none.
     """
 
     lora_path: str | os.PathLike[str] | None = None
-    lora_buffer: AdapterBuffer | None = None
+    lora_buffer: AdapterBuffer | Mapping[str, Any] | None = None
     lora_scale: float = 1.0
+    lora_peft_config: Mapping[str, Any] | None = None
     loras: Sequence[LoraSource] = ()
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
@@ -54,5 +57,7 @@ class SessionConfig:
         if self.lora_path is not None:
             single.append(LoraSource(path=self.lora_path, scale=self.lora_scale))
         if self.lora_buffer is not None:
-            single.append(LoraSource(buffer=self.lora_buffer, scale=self.lora_scale))
+            single.append(
+                LoraSource(buffer=self.lora_buffer, scale=self.lora_scale, peft_config=self.lora_peft_config)
+            )
         return single + list(self.loras)

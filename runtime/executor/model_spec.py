@@ -88,6 +88,11 @@ class ModelSpec:
         return all(s.has_logits for s in self.signatures.values() if s.kind == "prefill")
 
     @property
+    def head_dim(self) -> int:
+        """Size of one attention head: the last dimension of K in both layouts."""
+        return self.kv_inputs[0].shape[3]
+
+    @property
     def kv_cache_bytes(self) -> int:
         """Bytes one session's KV cache takes."""
         return sum(spec.nbytes for spec in self.kv_inputs)

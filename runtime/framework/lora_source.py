@@ -3,35 +3,48 @@
 from __future__ import annotations
 
 import math
-import mmap
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.errors import InvalidArgumentError
-
-AdapterBuffer = bytes | bytearray | memoryview | mmap.mmap
+from runtime.util.adapter_formats import AdapterBuffer
 
 
 @dataclass(frozen=True)
 class LoraSource:
-    """One adapter for a session: a file ``path`` or an in-memory ``buffer``, and a ``scale``.
+    """One adapter for a session, and its ``scale``.
 
-    ``scale`` multiplies the adapter's delta (``W + scale * B @ A``); 0 turns it off.
+    ``path``: a ``.tflite`` LoRA file, a GGUF LoRA or a PEFT directory (detected by
+    content). ``buffer``: the bytes of a ``.tflite`` LoRA file, or a PEFT state dict
+    (name -> array) together with ``peft_config`` (the ``adapter_config.json`` dict).
+    ``scale`` multiplies the adapter's delta (``W + scale * delta``); 0 turns it off.
+    ``sha256``: if given, the hex digest the file (for PEFT: its safetensors file) or
+    the buffer must have; checked before anything is registered.
     """
 
     path: str | os.PathLike[str] | None = None
-    buffer: AdapterBuffer | None = None
+    buffer: AdapterBuffer | Mapping[str, Any] | None = None
     scale: float = 1.0
+    peft_config: Mapping[str, Any] | None = None
+    sha256: str | None = None
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.buffer is None):
             raise InvalidArgumentError("LoraSource takes exactly one of path= or buffer=")
-        if not isinstance(self.scale, int | float) or not math.isfinite(self.scale):
+        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float) or not math.isfinite(self.scale):
             raise InvalidArgumentError(f"LoraSource scale={self.scale!r}, expected a finite number")
+        if self.sha256 is not None and (
+            len(self.sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in self.sha256)
+        ):
+            raise InvalidArgumentError(f"LoraSource sha256={self.sha256!r}, expected 64 hex digits")
 
     @property
     def label(self) -> str:
         """The path, or a short description of the buffer, for messages."""
         if self.path is not None:
             return os.fspath(self.path)
+        if isinstance(self.buffer, Mapping):
+            return f"<in-memory PEFT state dict of {len(self.buffer)} tensors>"
         return f"<in-memory buffer of {len(self.buffer)} bytes>"

@@ -76,6 +76,8 @@ class LoraData:
     :meth:`create_from_buffer`. Instances are immutable and safe to share between threads.
     """
 
+    format_name = "tflite"
+
     def __init__(
         self,
         buffer: Buffer,

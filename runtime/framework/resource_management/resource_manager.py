@@ -1,8 +1,9 @@
 """ResourceManager: adapter ids, the LoRA manager and the executor, shared by all sessions.
 
-* The same adapter gets the same id: a file is identified by device, inode, size and
-  modification time (so another path or a symlink to it is the same adapter, and a
-  rewritten file is a new one); an in-memory blob by the SHA-256 of its bytes.
+* The same adapter gets the same id: a file (or a PEFT directory's files) is identified
+  by device, inode, size and modification time (so another path or a symlink to it is
+  the same adapter, and a rewritten file is a new one); an in-memory blob by the
+  SHA-256 of its content.
 * Each adapter is parsed once, under the lock; one that fails leaves no id behind.
 * Contexts pin their adapters, so an adapter a live session uses cannot be unloaded.
 * Before each run a context is bound: its adapter buffers are materialized if needed
@@ -15,17 +16,29 @@ import hashlib
 import mmap
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from runtime.components.lora_manager import Blend, LoraManager, normalize_blend
-from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.errors import DataLossError, InvalidArgumentError
 from runtime.executor.litert_executor import Binding, LlmExecutor
-from runtime.framework.lora_source import AdapterBuffer, LoraSource
+from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.context_handler import ContextHandler
-from runtime.util.lora_data import LoraData
+from runtime.util.adapter_formats import (
+    PEFT,
+    AdapterBuffer,
+    AdapterKey,
+    buffer_identity,
+    detect_format,
+    file_identity,
+    open_adapter,
+    open_adapter_buffer,
+)
+from runtime.util.peft_data import WEIGHTS_FILE
 from runtime.util.scoped_file import ScopedFile
-
-AdapterKey = tuple
 
 
 class ResourceManager:
@@ -45,51 +58,52 @@ class ResourceManager:
 
     # -- adapter ids ---------------------------------------------------------------
 
-    def assign_lora_id(self, path: str | os.PathLike[str] | None = None, buffer: AdapterBuffer | None = None) -> int:
+    def assign_lora_id(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        buffer: AdapterBuffer | Mapping[str, Any] | None = None,
+        peft_config: Mapping[str, Any] | None = None,
+    ) -> int:
         """The id for the adapter at ``path`` or in ``buffer``: existing, or newly reserved."""
         if (path is None) == (buffer is None):
             raise InvalidArgumentError("assign_lora_id takes exactly one of path= or buffer=")
-        if path is not None:
-            with ScopedFile(path) as scoped:
-                key = _file_key(scoped)
-        else:
-            key = _buffer_key(_immutable(buffer))
+        key = file_identity(path) if path is not None else buffer_identity(_immutable(buffer), peft_config)
         with self._lock:
             return self._id_for(key)
 
     def register(self, source: LoraSource) -> int:
         """Loads ``source`` once and returns its id; a failure registers nothing.
 
-        A mutable in-memory buffer (bytearray, writable memoryview or mmap) is copied
-        once here, so that a caller changing it later cannot change a registered
-        adapter behind the sessions' backs; ``bytes`` and read-only views are kept by
-        reference.
+        A mutable in-memory buffer (bytearray, writable memoryview or mmap, or a state
+        dict of arrays) is copied once here, so that a caller changing it later cannot
+        change a registered adapter behind the sessions' backs; ``bytes`` and read-only
+        views are kept by reference.
         """
-        buffer = None
         if source.path is not None:
-            scoped = ScopedFile(source.path)
-            key = _file_key(scoped)
+            key, buffer = file_identity(source.path), None
         else:
             buffer = _immutable(source.buffer)
-            scoped, key = None, _buffer_key(buffer)
+            key = buffer_identity(buffer, source.peft_config)
         with self._lock:
             known = key in self._ids
             lora_id = self._id_for(key)
             if self.lora_manager.has_lora(lora_id):
-                if scoped is not None:
-                    scoped.close()
                 return lora_id
             try:
-                if scoped is not None:
-                    data = LoraData.create_from_scoped_file(scoped, owns_file=True)
+                if source.sha256 is not None:
+                    _check_digest(source, buffer)
+                if buffer is None:
+                    data = open_adapter(source.path, head_dim=self.executor.spec.head_dim)
                 else:
-                    data = LoraData.create_from_buffer(buffer, name=source.label)
-                self.lora_manager.load_lora(lora_id, data)
+                    data = open_adapter_buffer(buffer, peft_config=source.peft_config, name=source.label)
+                try:
+                    self.lora_manager.load_lora(lora_id, data)
+                except BaseException:
+                    data.close()
+                    raise
             except BaseException:
                 if not known:
                     del self._ids[key]
-                if scoped is not None:
-                    scoped.close()
                 raise
             return lora_id
 
@@ -181,32 +195,48 @@ class ResourceManager:
         self.executor.close()
 
 
-def _file_key(scoped: ScopedFile) -> AdapterKey:
-    stat = os.fstat(scoped.fileno())
-    if stat.st_size == 0:
-        raise InvalidArgumentError(f"{scoped.path}: file is empty")
-    return ("file", stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-
-
-def _immutable(buffer: AdapterBuffer | None) -> AdapterBuffer:
-    """``buffer`` itself if nobody can change it, else a private copy of its bytes."""
-    if isinstance(buffer, bytes):
-        return buffer
-    if isinstance(buffer, memoryview) and buffer.readonly:
+def _immutable(buffer: AdapterBuffer | Mapping[str, Any] | None) -> AdapterBuffer | Mapping[str, Any]:
+    """``buffer`` itself if nobody can change it, else a private copy."""
+    if isinstance(buffer, bytes) or (isinstance(buffer, memoryview) and buffer.readonly):
         return buffer
     if isinstance(buffer, bytearray | memoryview | mmap.mmap):
         try:
             return bytes(buffer)
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"cannot read the in-memory adapter: {exc}") from None
+    if isinstance(buffer, Mapping):
+        snapshot = {}
+        for name, value in buffer.items():
+            try:
+                array = np.array(value, copy=True)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentError(f"state dict tensor {name!r} is not an array: {exc}") from None
+            array.flags.writeable = False
+            snapshot[str(name)] = array
+        return snapshot
     raise InvalidArgumentError(
-        f"expected bytes, bytearray, memoryview or mmap for an in-memory adapter, got {type(buffer).__name__}"
+        "expected bytes, bytearray, memoryview, mmap or a state dict for an in-memory adapter, "
+        f"got {type(buffer).__name__}"
     )
 
 
-def _buffer_key(buffer: AdapterBuffer) -> AdapterKey:
-    try:
-        digest = hashlib.sha256(buffer).hexdigest()
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"cannot read the in-memory adapter: {exc}") from None
-    return ("blob", digest)
+def _check_digest(source: LoraSource, buffer: AdapterBuffer | Mapping[str, Any] | None) -> None:
+    """``DataLossError`` unless the adapter's bytes have the SHA-256 the caller expects."""
+    digest = hashlib.sha256()
+    if buffer is None:
+        path = Path(source.path)
+        if detect_format(path) == PEFT:
+            path = (path if path.is_dir() else path.parent) / WEIGHTS_FILE
+        with ScopedFile(path) as scoped, open(scoped.fileno(), "rb", closefd=False) as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+        what = str(path)
+    elif isinstance(buffer, Mapping):
+        raise InvalidArgumentError(f"{source.label}: sha256 checks bytes; a state dict has none")
+    else:
+        digest.update(buffer)
+        what = source.label
+    if digest.hexdigest() != source.sha256.lower():
+        raise DataLossError(
+            f"{what}: SHA-256 is {digest.hexdigest()}, expected {source.sha256.lower()}; nothing was registered"
+        )

@@ -1,0 +1,51 @@
+"""``convert``: any adapter the runtime reads -> a ``.tflite`` LoRA file for a model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from runtime.components.lora_converter import convert_adapter
+from runtime.executor.litert_executor import LlmExecutor
+from runtime.util.adapter_formats import detect_format, open_adapter
+from runtime.util.lora_util import Convention
+
+_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+_CONVENTIONS = {"litert-lm": Convention.LITERT_LM, "litert-torch": Convention.LITERT_TORCH}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Registers the ``convert`` sub-command."""
+    parser = commands.add_parser(
+        "convert",
+        help="write a PEFT, GGUF or .tflite adapter as a .tflite LoRA file",
+        description="Reads an adapter in any supported format, checks it against the model and "
+        "writes it as a .tflite LoRA file (litert-lm: w_prime names, data after the "
+        "flatbuffer, lora_rank metadata; litert-torch: lora_atten names, inline data).",
+    )
+    parser.add_argument("source", type=Path, help="a PEFT directory, a GGUF LoRA or a .tflite LoRA file")
+    parser.add_argument("--model", type=Path, required=True, help="the .tflite model it is for")
+    parser.add_argument("--out", type=Path, required=True, help="the .tflite file to write")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="f16")
+    parser.add_argument("--convention", choices=sorted(_CONVENTIONS), default="litert-lm")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Converts, writes the file atomically, and says what it wrote."""
+    executor = LlmExecutor(args.model)
+    try:
+        spec = executor.spec
+        slots = {rank: spec.lora_slot(rank) for rank in spec.lora_ranks}
+        with open_adapter(args.source, head_dim=spec.head_dim) as data:
+            blob = convert_adapter(data, slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype])
+    finally:
+        executor.close()
+    partial = args.out.with_name(args.out.name + ".partial")
+    partial.write_bytes(blob)
+    partial.replace(args.out)
+    print(f"wrote {args.out} ({len(blob):,} bytes) from {detect_format(args.source)} adapter "
+          f"{args.source}, convention {args.convention}, {args.dtype}")
+    return 0

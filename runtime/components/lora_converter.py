@@ -1,0 +1,43 @@
+"""Writing any adapter the runtime reads as a ``.tflite`` LoRA file, checked against a model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from runtime.components.lora import SlotInputs, plan_adapter
+from runtime.util.adapter_data import AdapterData
+from runtime.util.lora_util import Convention, to_graph_layout
+from runtime.util.lora_writer import LoraWeights, name_adapter_tensors, serialize_lora_tensors
+
+
+def convert_adapter(
+    data: AdapterData,
+    slots: Mapping[int, SlotInputs],
+    convention: Convention,
+    dtype: np.dtype,
+) -> bytes:
+    """The bytes of a ``.tflite`` LoRA file holding ``data`` in ``convention``.
+
+    The adapter is first checked against the model's slots (so a misfit is refused, not
+    written). Scales are already folded into ``a`` by the readers; pairs of smaller rank
+    are zero-padded to the adapter's largest rank so every tensor has the same rank, as
+    LiteRT-LM expects. LiteRT-LM / MediaPipe conventions get data after the flatbuffer
+    and ``lora_rank`` metadata; litert-torch gets inline data.
+    """
+    plan = plan_adapter(data, slots)
+    weights = {}
+    for key, pair in plan.pairs.items():
+        a = to_graph_layout(pair.a.convention, "a", data.read_tensor(pair.a_name)).astype(np.float32)
+        b = to_graph_layout(pair.b.convention, "b", data.read_tensor(pair.b_name)).astype(np.float32)
+        padded_a = np.zeros((a.shape[0], plan.rank), np.float32)
+        padded_b = np.zeros((plan.rank, b.shape[1]), np.float32)
+        padded_a[:, : pair.rank], padded_b[: pair.rank] = a, b
+        weights[key] = LoraWeights(padded_a, padded_b)
+    torch_style = convention is Convention.LITERT_TORCH
+    return serialize_lora_tensors(
+        name_adapter_tensors(weights, convention, dtype),
+        external_data=not torch_style,
+        lora_rank=None if torch_style else plan.rank,
+    )

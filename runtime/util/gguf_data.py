@@ -1,0 +1,151 @@
+"""llama.cpp GGUF LoRA adapters as AdapterData, read with the ``gguf`` package (memory-mapped).
+
+A GGUF LoRA has ``general.type = "adapter"``, ``adapter.type = "lora"``,
+``adapter.lora.alpha`` and tensors ``blk.<N>.attn_{q,k,v,output}.weight.lora_{a,b}``;
+as numpy arrays ``lora_a`` is ``[r, in]`` and ``lora_b`` ``[out, r]``, like PEFT's A and
+B. llama.cpp scales by ``alpha / r`` (by 1 when alpha is 0).
+
+llama.cpp's converter permutes the rows of Llama's q and k projections (and so of their
+LoRA ``b``) into its own RoPE layout, head by head. The runtime's models keep the
+Hugging Face layout, so for ``general.architecture = "llama"`` those rows are put back,
+which needs the model's head size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
+from runtime.util.adapter_data import DerivedLoraData, DerivedTensor
+from runtime.util.lora_util import Convention, lora_input_name
+
+GGUF_MAGIC = b"GGUF"
+_NAME = re.compile(r"blk\.(?P<layer>0|[1-9][0-9]*)\.attn_(?P<proj>q|k|v|output)\.weight\.lora_(?P<side>a|b)")
+_PROJECTIONS = {"q": "q", "k": "k", "v": "v", "output": "o"}
+# Architectures whose converter permutes q/k rows for llama.cpp's RoPE ("LlamaModel.permute").
+_ROPE_PERMUTED = {"llama"}
+_MAX_LISTED = 12
+
+
+def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) -> DerivedLoraData:
+    """Opens a GGUF LoRA adapter. ``head_dim`` is needed to undo llama's q/k row permutation."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
+        raise InvalidArgumentError(f"{path}: not a readable GGUF file: {exc}") from None
+    fields = {name: _value(field) for name, field in reader.fields.items()}
+    general_type = fields.get("general.type")
+    if general_type != "adapter":
+        raise InvalidArgumentError(f"{path}: general.type is {general_type!r}, expected 'adapter'")
+    if fields.get("adapter.type") != "lora":
+        raise InvalidArgumentError(f"{path}: adapter.type is {fields.get('adapter.type')!r}, expected 'lora'")
+    alpha = fields.get("adapter.lora.alpha", 0.0)
+    if not isinstance(alpha, int | float):
+        raise InvalidArgumentError(f"{path}: adapter.lora.alpha is {alpha!r}, expected a number")
+    architecture = fields.get("general.architecture")
+
+    pairs: dict[tuple[int, str], dict[str, Any]] = {}
+    refused = []
+    for tensor in reader.tensors:
+        match = _NAME.fullmatch(tensor.name)
+        if match is None:
+            refused.append(tensor.name)
+            continue
+        key = (int(match["layer"]), _PROJECTIONS[match["proj"]])
+        pairs.setdefault(key, {})[match["side"]] = tensor
+    if refused:
+        listed = ", ".join(refused[:_MAX_LISTED]) + (f", and {len(refused) - _MAX_LISTED} more" if len(refused) > _MAX_LISTED else "")
+        raise InvalidArgumentError(
+            f"{path}: cannot apply {len(refused)} tensor(s) (the model takes LoRA only on attention "
+            f"q/k/v/o): {listed}"
+        )
+    if not pairs:
+        raise InvalidArgumentError(f"{path}: no LoRA tensors found")
+    permuted = architecture in _ROPE_PERMUTED
+    tensors: dict[str, DerivedTensor] = {}
+    for (layer, projection), sides in sorted(pairs.items()):
+        name = f"blk.{layer}.attn_{projection}.weight"
+        if set(sides) != {"a", "b"}:
+            missing = "lora_b" if "a" in sides else "lora_a"
+            raise InvalidArgumentError(f"{path}: {name} has no {missing} (half of a LoRA pair is missing)")
+        a, b = sides["a"], sides["b"]
+        a_shape, b_shape = tuple(int(d) for d in reversed(a.shape)), tuple(int(d) for d in reversed(b.shape))
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] == 0:
+            raise InvalidArgumentError(
+                f"{path}: {name}.lora_a {list(a_shape)} and .lora_b {list(b_shape)} are not a LoRA "
+                "pair (expected [r, in] and [out, r])"
+            )
+        rank = a_shape[0]
+        scale = float(alpha) / rank if alpha else 1.0
+        needs_head_dim = permuted and projection in ("q", "k")
+        if needs_head_dim and head_dim is not None and b_shape[0] % (2 * head_dim):
+            raise InvalidArgumentError(
+                f"{path}: {name}.lora_b has {b_shape[0]} rows, not a multiple of 2 x head size {head_dim}"
+            )
+        tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "a")] = DerivedTensor(
+            (a_shape[1], rank), np.dtype(np.float32), _a_prime(a, a_shape, scale, path)
+        )
+        tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "b")] = DerivedTensor(
+            (rank, b_shape[0]), np.dtype(np.float32), _b_prime(b, b_shape, needs_head_dim, head_dim, path)
+        )
+    return DerivedLoraData(tensors, source_name=str(path), format_name="gguf")
+
+
+def _a_prime(tensor: Any, shape: tuple[int, int], scale: float, path: Path):
+    return lambda: (np.float32(scale) * _dequantize(tensor, shape, path)).T
+
+
+def _b_prime(tensor: Any, shape: tuple[int, int], permuted: bool, head_dim: int | None, path: Path):
+    def compute() -> np.ndarray:
+        b = _dequantize(tensor, shape, path)
+        if permuted:
+            if head_dim is None:
+                raise FailedPreconditionError(
+                    f"{path}: tensor {tensor.name!r}: undoing llama.cpp's RoPE row order needs the "
+                    "model's head size (open the adapter with head_dim=)"
+                )
+            b = undo_rope_permutation(b, head_dim)
+        return b.T
+
+    return compute
+
+
+def undo_rope_permutation(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute``: per head, rows ``[0, 2, 4, .., 1, 3, ..]`` order
+    back to the Hugging Face ``[first half, second half]`` order."""
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, head_dim // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _dequantize(tensor: Any, shape: tuple[int, int], path: Path) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType(tensor.tensor_type)
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        data = np.asarray(tensor.data, dtype=np.float32)
+    else:
+        try:
+            data = dequantize(np.asarray(tensor.data), kind).astype(np.float32)
+        except (NotImplementedError, ValueError, TypeError) as exc:
+            raise UnimplementedError(f"{path}: tensor {tensor.name!r}: cannot read {kind.name} data: {exc}") from None
+    if data.size != shape[0] * shape[1]:
+        raise InvalidArgumentError(
+            f"{path}: tensor {tensor.name!r} holds {data.size} values, expected {shape[0]} x {shape[1]}"
+        )
+    return data.reshape(shape)
+
+
+def _value(field: Any) -> Any:
+    try:
+        return field.contents()
+    except (ValueError, IndexError, TypeError, UnicodeDecodeError):
+        return None

@@ -1,0 +1,284 @@
+"""Hugging Face PEFT LoRA adapters: a directory, or a state dict with its config, as AdapterData.
+
+A PEFT directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` with
+keys ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``.lora_B.weight``
+``[out, r]``. PEFT applies ``scale * B @ A`` with ``scale = lora_alpha / r`` (or
+``lora_alpha / sqrt(r)`` with ``use_rslora``), ``r`` and ``lora_alpha`` taken from
+``rank_pattern`` / ``alpha_pattern`` where a pattern matches the module. The exported
+graph adds ``(x @ a) @ b``, so each attention projection becomes ``a = (scale * A).T``,
+``b = B.T``, named like litert-torch's inputs.
+
+What maps: ``...layers.<N>.{self_attn,attn,attention}.{q,k,v,o}_proj`` (Llama, SmolLM,
+Qwen, Gemma, Mistral). LoRA-XS checkpoints (an extra ``r x r`` ``lora_R`` or
+``lora_latent_mapping`` between A and B) fold it into A. ``fan_in_fan_out`` only
+changes how PEFT merges into a transposed base weight, not the activation path, so it
+needs nothing here; ``layers_to_transform`` is checked against the keys.
+
+Refused, with every offending module listed: targets outside attention q/k/v/o (MLP,
+embeddings, lm_head), DoRA, ``modules_to_save``, LoRA biases, unknown ``peft_type``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
+from runtime.util.adapter_data import DerivedLoraData, DerivedTensor
+from runtime.util.lora_util import Convention, lora_input_name
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+_PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>0|[1-9][0-9]*)\."
+    r"(?:self_attn|attn|attention)\.(?P<proj>[qkvo]_proj))"
+    r"\.(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping)(?:\.default)?\.weight"
+)
+_MAX_LISTED = 12
+
+
+@dataclass(frozen=True)
+class PeftLoraConfig:
+    """The fields of PEFT's ``LoraConfig`` that decide how an adapter is applied."""
+
+    r: int
+    lora_alpha: float = 8.0
+    use_rslora: bool = False
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    fan_in_fan_out: bool = False
+    layers_to_transform: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], source: str) -> PeftLoraConfig:
+        """Checks a parsed ``adapter_config.json``; refuses what cannot be applied."""
+        if not isinstance(config, Mapping):
+            raise InvalidArgumentError(f"{source}: {CONFIG_FILE} must hold a JSON object")
+        peft_type = str(config.get("peft_type", "LORA")).upper()
+        if peft_type != "LORA":
+            raise InvalidArgumentError(
+                f"{source}: peft_type {config.get('peft_type')!r} is not supported, expected 'LORA'"
+            )
+        if config.get("use_dora"):
+            raise UnimplementedError(f"{source}: DoRA adapters (use_dora=true) cannot be applied")
+        if config.get("modules_to_save"):
+            raise InvalidArgumentError(
+                f"{source}: modules_to_save {list(config['modules_to_save'])} replaces whole "
+                "modules, which a frozen base cannot take"
+            )
+        if config.get("bias", "none") not in ("none", None):
+            raise InvalidArgumentError(f"{source}: LoRA biases (bias={config['bias']!r}) cannot be applied")
+        r = config.get("r")
+        if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+            raise InvalidArgumentError(f"{source}: 'r' is {r!r}, expected a positive integer")
+        alpha = config.get("lora_alpha", 8)
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+            raise InvalidArgumentError(f"{source}: 'lora_alpha' is {alpha!r}, expected a number")
+        layers = config.get("layers_to_transform")
+        if isinstance(layers, int):
+            layers = [layers]
+        return cls(
+            r=r,
+            lora_alpha=float(alpha),
+            use_rslora=bool(config.get("use_rslora", False)),
+            rank_pattern=_pattern(config.get("rank_pattern"), "rank_pattern", source),
+            alpha_pattern=_pattern(config.get("alpha_pattern"), "alpha_pattern", source),
+            fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+            layers_to_transform=tuple(int(x) for x in layers) if layers else None,
+        )
+
+    def rank_and_alpha(self, module: str) -> tuple[int, float]:
+        """``(r, alpha)`` for a module path such as ``model.layers.1.self_attn.v_proj``."""
+        return (
+            int(_match_pattern(self.rank_pattern, module, self.r)),
+            float(_match_pattern(self.alpha_pattern, module, self.lora_alpha)),
+        )
+
+    def scale(self, module: str) -> float:
+        """PEFT's scaling of the module's delta: ``alpha / r`` or ``alpha / sqrt(r)`` (rsLoRA)."""
+        r, alpha = self.rank_and_alpha(module)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+
+def read_peft_directory(path: str | os.PathLike[str]) -> DerivedLoraData:
+    """Opens a PEFT adapter directory (or its ``adapter_model.safetensors``)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    for required in (config_path, weights_path):
+        if not required.is_file():
+            raise NotFoundError(f"{directory}: PEFT adapter has no {required.name}")
+    config = PeftLoraConfig.from_dict(_load_json(config_path), str(config_path))
+    try:
+        handle = safe_open(str(weights_path), framework="np")
+        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InvalidArgumentError(f"{weights_path}: not a readable safetensors file: {exc}") from None
+    return _derive(shapes, handle.get_tensor, config, str(directory))
+
+
+def read_peft_state_dict(
+    state_dict: Mapping[str, Any], config: Mapping[str, Any] | PeftLoraConfig, name: str = "<PEFT state dict>"
+) -> DerivedLoraData:
+    """A PEFT state dict (key -> array) with its config (a dict as in ``adapter_config.json``)."""
+    if not isinstance(config, PeftLoraConfig):
+        config = PeftLoraConfig.from_dict(config, name)
+    arrays: dict[str, np.ndarray] = {}
+    for key, value in state_dict.items():
+        try:
+            arrays[str(key)] = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"{name}: tensor {key!r} is not an array: {exc}") from None
+    return _derive({k: a.shape for k, a in arrays.items()}, arrays.__getitem__, config, name)
+
+
+@dataclass
+class _Module:
+    layer: int
+    projection: str
+    parts: dict[str, str] = field(default_factory=dict)  # part -> key
+
+
+def _derive(
+    shapes: Mapping[str, tuple[int, ...]],
+    load: Callable[[str], np.ndarray],
+    config: PeftLoraConfig,
+    source: str,
+) -> DerivedLoraData:
+    modules: dict[str, _Module] = {}
+    refused: list[str] = []
+    for key in shapes:
+        match = _KEY.fullmatch(key)
+        if match is None:
+            refused.append(_why_refused(key))
+            continue
+        module = modules.setdefault(
+            match["module"], _Module(int(match["layer"]), _PROJECTIONS[match["proj"]])
+        )
+        module.parts[match["part"]] = key
+    if refused:
+        listed = "; ".join(refused[:_MAX_LISTED]) + (f"; and {len(refused) - _MAX_LISTED} more" if len(refused) > _MAX_LISTED else "")
+        raise InvalidArgumentError(
+            f"{source}: cannot apply {len(refused)} tensor(s) (the model takes LoRA only on "
+            f"attention q/k/v/o): {listed}"
+        )
+    if not modules:
+        raise InvalidArgumentError(f"{source}: no LoRA tensors found")
+    tensors: dict[str, DerivedTensor] = {}
+    for path, module in sorted(modules.items(), key=lambda item: (item[1].layer, item[1].projection)):
+        if config.layers_to_transform is not None and module.layer not in config.layers_to_transform:
+            raise InvalidArgumentError(
+                f"{source}: {path} is in layer {module.layer}, outside layers_to_transform "
+                f"{list(config.layers_to_transform)}"
+            )
+        tensors.update(_module_tensors(path, module, shapes, load, config, source))
+    return DerivedLoraData(tensors, source_name=source, format_name="peft")
+
+
+def _module_tensors(
+    path: str,
+    module: _Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    load: Callable[[str], np.ndarray],
+    config: PeftLoraConfig,
+    source: str,
+) -> dict[str, DerivedTensor]:
+    for part in ("lora_A", "lora_B"):
+        if part not in module.parts:
+            raise InvalidArgumentError(f"{source}: {path} has no {part}.weight (half of a LoRA pair is missing)")
+    a_key, b_key = module.parts["lora_A"], module.parts["lora_B"]
+    r_key = module.parts.get("lora_R") or module.parts.get("lora_latent_mapping")
+    a_shape, b_shape = shapes[a_key], shapes[b_key]
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] == 0:
+        raise InvalidArgumentError(
+            f"{source}: tensor {a_key!r} {list(a_shape)} and {b_key!r} {list(b_shape)} are not a "
+            "LoRA pair (expected A [r, in] and B [out, r])"
+        )
+    rank = a_shape[0]
+    if r_key is not None and shapes[r_key] != (rank, rank):
+        raise InvalidArgumentError(f"{source}: tensor {r_key!r} is {list(shapes[r_key])}, expected [{rank}, {rank}]")
+    module_name = path.removeprefix("base_model.model.")
+    expected_rank, _ = config.rank_and_alpha(module_name)
+    if expected_rank != rank:
+        raise InvalidArgumentError(
+            f"{source}: tensor {a_key!r} has rank {rank}, but the config says r={expected_rank} for {module_name}"
+        )
+    scale = config.scale(module_name)
+
+    def a_prime() -> np.ndarray:
+        a = _float32(load(a_key), a_key, source)
+        if r_key is not None:
+            a = _float32(load(r_key), r_key, source) @ a
+        return (np.float32(scale) * a).T
+
+    def b_prime() -> np.ndarray:
+        return _float32(load(b_key), b_key, source).T
+
+    f32 = np.dtype(np.float32)
+    return {
+        lora_input_name(Convention.LITERT_TORCH, module.layer, module.projection, "a"):
+            DerivedTensor((a_shape[1], rank), f32, a_prime),
+        lora_input_name(Convention.LITERT_TORCH, module.layer, module.projection, "b"):
+            DerivedTensor((rank, b_shape[0]), f32, b_prime),
+    }
+
+
+def _why_refused(key: str) -> str:
+    if "lora_magnitude_vector" in key:
+        return f"{key} (DoRA magnitude)"
+    if "modules_to_save" in key:
+        return f"{key} (modules_to_save)"
+    if key.endswith(".bias"):
+        return f"{key} (LoRA bias)"
+    if "lora_embedding" in key:
+        return f"{key} (embedding LoRA)"
+    return key
+
+
+def _float32(array: np.ndarray, key: str, source: str) -> np.ndarray:
+    if array.dtype.kind != "f":
+        raise InvalidArgumentError(f"{source}: tensor {key!r} has dtype {array.dtype}, expected floating point")
+    return np.asarray(array, dtype=np.float32)
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgumentError(f"{path}: not valid JSON: {exc}") from None
+
+
+def _pattern(value: Any, field_name: str, source: str) -> dict[str, Any]:
+    if value in (None, {}):
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"{source}: {field_name} must be an object, got {type(value).__name__}")
+    for key, number in value.items():
+        if not isinstance(number, int | float) or isinstance(number, bool) or number <= 0:
+            raise InvalidArgumentError(f"{source}: {field_name}[{key!r}] = {number!r}, expected a positive number")
+    return dict(value)
+
+
+def _match_pattern(pattern: Mapping[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rule: the first key that matches the end of the module path wins."""
+    for key, value in pattern.items():
+        try:
+            if re.match(rf"(.*\.)?{key}$", module):
+                return value
+        except re.error:
+            if module == key or module.endswith("." + key):
+                return value
+    return default
+
