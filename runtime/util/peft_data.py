@@ -115,6 +115,8 @@ def read_peft_directory(path: str | os.PathLike[str]) -> DerivedLoraData:
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
+    if not path.exists():
+        raise NotFoundError(f"{path}: no such PEFT adapter directory or file")
     directory = path if path.is_dir() else path.parent
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for required in (config_path, weights_path):

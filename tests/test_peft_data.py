@@ -1,0 +1,145 @@
+"""Tests for runtime.util.peft_data with synthetic PEFT adapters (the real-PEFT fixtures
+are checked end to end in test_adapter_fidelity.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
+from runtime.util.peft_data import PeftLoraConfig, read_peft_directory, read_peft_state_dict
+
+PREFIX = "base_model.model.model.layers"
+
+
+def pair(rng, layer, proj, r, fan_in=64, fan_out=64):
+    key = f"{PREFIX}.{layer}.self_attn.{proj}_proj"
+    return {
+        f"{key}.lora_A.weight": rng.normal(size=(r, fan_in)).astype(np.float32),
+        f"{key}.lora_B.weight": rng.normal(size=(fan_out, r)).astype(np.float32),
+    }
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def test_scale_is_folded_into_a(rng):
+    sd = {**pair(rng, 0, "q", 4), **pair(rng, 1, "v", 4, fan_out=32)}
+    data = read_peft_state_dict(sd, {"r": 4, "lora_alpha": 8, "peft_type": "LORA"})
+    assert data.get_all_tensor_names() == [
+        "lora_atten_q_a_prime_weight_0", "lora_atten_q_b_prime_weight_0",
+        "lora_atten_v_a_prime_weight_1", "lora_atten_v_b_prime_weight_1",
+    ]
+    a = data.read_tensor("lora_atten_q_a_prime_weight_0")
+    b = data.read_tensor("lora_atten_v_b_prime_weight_1")
+    np.testing.assert_allclose(a, 2.0 * sd[f"{PREFIX}.0.self_attn.q_proj.lora_A.weight"].T, rtol=1e-6)
+    np.testing.assert_array_equal(b, sd[f"{PREFIX}.1.self_attn.v_proj.lora_B.weight"].T)
+    assert data.tensor_info("lora_atten_v_b_prime_weight_1").shape == (4, 32)
+    assert data.get_lora_rank() == 4 and data.format_name == "peft"
+
+
+def test_rslora_and_patterns():
+    config = PeftLoraConfig.from_dict(
+        {"r": 8, "lora_alpha": 16, "use_rslora": True,
+         "rank_pattern": {"layers.1.self_attn.v_proj": 4}, "alpha_pattern": {"v_proj": 2}}, "c")
+    assert config.scale("model.layers.0.self_attn.q_proj") == pytest.approx(16 / math.sqrt(8))
+    assert config.rank_and_alpha("model.layers.1.self_attn.v_proj") == (4, 2.0)
+    assert config.rank_and_alpha("model.layers.0.self_attn.v_proj") == (8, 2.0)
+    assert config.rank_and_alpha("model.layers.11.self_attn.v_proj") == (8, 2.0)  # "layers.1." is not "layers.11."
+
+
+def test_rank_pattern_adapter_reads_mixed_ranks(rng):
+    sd = {**pair(rng, 0, "q", 4), **pair(rng, 1, "v", 8, fan_out=32)}
+    data = read_peft_state_dict(sd, {"r": 4, "lora_alpha": 8, "rank_pattern": {"model.layers.1.self_attn.v_proj": 8}})
+    assert data.tensor_info("lora_atten_v_a_prime_weight_1").shape == (64, 8)
+    np.testing.assert_allclose(
+        data.read_tensor("lora_atten_v_a_prime_weight_1"), 1.0 * sd[f"{PREFIX}.1.self_attn.v_proj.lora_A.weight"].T, rtol=1e-6
+    )
+    with pytest.raises(InvalidArgumentError, match="rank 8, but the config says r=4"):
+        read_peft_state_dict(sd, {"r": 4, "lora_alpha": 8})
+
+
+def test_lora_xs_folds_r_into_a(rng):
+    sd = pair(rng, 0, "k", 4, fan_out=32)
+    r = rng.normal(size=(4, 4)).astype(np.float32)
+    sd[f"{PREFIX}.0.self_attn.k_proj.lora_R.weight"] = r
+    data = read_peft_state_dict(sd, {"r": 4, "lora_alpha": 4})
+    a = sd[f"{PREFIX}.0.self_attn.k_proj.lora_A.weight"]
+    np.testing.assert_allclose(data.read_tensor("lora_atten_k_a_prime_weight_0"), (r @ a).T, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config,error,match",
+    [
+        ({"r": 4, "use_dora": True}, UnimplementedError, "DoRA"),
+        ({"r": 4, "modules_to_save": ["lm_head"]}, InvalidArgumentError, "modules_to_save"),
+        ({"r": 4, "bias": "lora_only"}, InvalidArgumentError, "biases"),
+        ({"r": 4, "peft_type": "IA3"}, InvalidArgumentError, "peft_type 'IA3'"),
+        ({"lora_alpha": 8}, InvalidArgumentError, "'r' is None"),
+        ({"r": 0}, InvalidArgumentError, "positive integer"),
+        ({"r": 4, "lora_alpha": "x"}, InvalidArgumentError, "lora_alpha"),
+        ({"r": 4, "rank_pattern": [1]}, InvalidArgumentError, "rank_pattern must be an object"),
+        ([1, 2], InvalidArgumentError, "JSON object"),
+    ],
+)
+def test_config_refusals(rng, config, error, match):
+    with pytest.raises(error, match=match):
+        read_peft_state_dict(pair(rng, 0, "q", 4), config)
+
+
+def test_unappliable_tensors_are_all_listed(rng):
+    sd = pair(rng, 0, "q", 4)
+    sd["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"] = np.zeros((4, 64), np.float32)
+    sd["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = np.zeros((128, 4), np.float32)
+    sd["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = np.zeros(64, np.float32)
+    sd["base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"] = np.zeros(64, np.float32)
+    with pytest.raises(InvalidArgumentError) as info:
+        read_peft_state_dict(sd, {"r": 4})
+    message = str(info.value)
+    assert "cannot apply 4 tensor(s)" in message
+    for fragment in ("mlp.gate_proj.lora_A", "mlp.gate_proj.lora_B", "(DoRA magnitude)", "(LoRA bias)"):
+        assert fragment in message
+
+
+def test_missing_half_and_bad_pair(rng):
+    sd = pair(rng, 0, "q", 4)
+    del sd[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"]
+    with pytest.raises(InvalidArgumentError, match="no lora_B.weight"):
+        read_peft_state_dict(sd, {"r": 4})
+    sd = pair(rng, 0, "q", 4)
+    sd[f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"] = np.zeros((64, 3), np.float32)
+    with pytest.raises(InvalidArgumentError, match="not a LoRA pair"):
+        read_peft_state_dict(sd, {"r": 4})
+    with pytest.raises(InvalidArgumentError, match="layers_to_transform"):
+        read_peft_state_dict(pair(rng, 0, "q", 4), {"r": 4, "layers_to_transform": [1]})
+    with pytest.raises(InvalidArgumentError, match="no LoRA tensors"):
+        read_peft_state_dict({}, {"r": 4})
+
+
+def test_directory(tmp_path, rng):
+    sd = {**pair(rng, 0, "q", 4), **pair(rng, 0, "o", 4)}
+    save_file(sd, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 4, "peft_type": "LORA"}))
+    data = read_peft_directory(tmp_path)
+    np.testing.assert_array_equal(
+        data.read_tensor("lora_atten_o_b_prime_weight_0"), sd[f"{PREFIX}.0.self_attn.o_proj.lora_B.weight"].T
+    )
+    assert read_peft_directory(tmp_path / "adapter_model.safetensors").get_all_tensor_names() == data.get_all_tensor_names()
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(InvalidArgumentError, match="not valid JSON"):
+        read_peft_directory(tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(InvalidArgumentError, match="safetensors"):
+        read_peft_directory(tmp_path)
+    with pytest.raises(NotFoundError, match="no such PEFT adapter"):
+        read_peft_directory(tmp_path / "nowhere")
+    (tmp_path / "adapter_config.json").unlink()
+    with pytest.raises(NotFoundError, match="adapter_config.json"):
+        read_peft_directory(tmp_path)
