@@ -10,17 +10,23 @@ without reloading the base model::
     logits = session.run_prefill([5, 17, 42])
 """
 
+from runtime.components.residency import KeepAll, Lru, OnlyActive
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.engine.session import GenerationResult, Session
+from runtime.engine.stats import EngineStats
 from runtime.framework.lora_source import LoraSource
 
 __all__ = [
     "Engine",
     "EngineSettings",
+    "EngineStats",
     "GenerationResult",
+    "KeepAll",
     "LoraSource",
+    "Lru",
+    "OnlyActive",
     "Sampler",
     "SamplerConfig",
     "Session",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import MODEL_FILES, adapter_path
-from runtime import Engine, EngineSettings, LoraSource, SessionConfig
+from runtime import Engine, EngineSettings, LoraSource, Lru, OnlyActive, SessionConfig
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 
@@ -46,3 +46,52 @@ def test_config_errors():
         LoraSource(path="a", scale=float("inf"))
     with pytest.raises(NotFoundError):
         Engine("/nonexistent/model.tflite")
+
+
+def _alternate(engine, steps=6):
+    a = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+    b = engine.create_session(SessionConfig(lora_path=adapter_path("litertlm_r4")))
+    la, lb = a.run_prefill([1, 2, 3]), b.run_prefill([4, 5, 6])
+    out = []
+    for _ in range(steps):
+        ta, tb = int(la.argmax()), int(lb.argmax())
+        out.append((ta, tb))
+        la, lb = a.run_decode(ta), b.run_decode(tb)
+    return out, a, b
+
+
+@pytest.mark.parametrize("policy", [Lru(max_resident=1), OnlyActive(), Lru(max_resident=None, max_bytes=1)])
+def test_residency_policies_evict_without_changing_results(policy):
+    with Engine(MODEL_FILES["default"]) as keep_all:
+        expected, _, _ = _alternate(keep_all)
+    with Engine(MODEL_FILES["default"], EngineSettings(lora_residency=policy)) as engine:
+        got, a, b = _alternate(engine)
+        stats = engine.stats()
+        assert got == expected
+        assert stats.evictions > 0 and stats.residency_misses > 2
+        assert len(stats.resident) <= 1
+        # The idle session let go of the evicted buffers (else eviction would free nothing).
+        idle = a if stats.resident and stats.resident[0].blend == tuple(b.blend) else b
+        assert idle._context.bound_lora is None
+
+
+def test_stats_report_adapters_sessions_and_latencies():
+    with Engine(MODEL_FILES["default"]) as engine:
+        blob = adapter_path("torch_r16").read_bytes()
+        s1 = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+        s2 = engine.create_session(SessionConfig(lora_buffer=blob))
+        s1.generate([1, 2, 3], max_new_tokens=4)
+        s2.generate([1, 2], max_new_tokens=3)
+        stats = engine.stats()
+        by_rank = {a.rank: a for a in stats.adapters}
+    # The exact bytes: per layer q/o a,b = 64x4 + 4x64, k/v a,b = 64x4 + 4x32 (float32), 2 layers.
+    assert by_rank[4].tensor_bytes == 2 * (2 * (64 * 4 + 4 * 64) + 2 * (64 * 4 + 4 * 32)) * 4
+    assert by_rank[4].resident_bytes == by_rank[4].tensor_bytes  # rank 4 in the r4 slot
+    assert by_rank[16].format == "tflite" and by_rank[16].sessions == 1
+    assert stats.load.count == 2 and stats.materialize.count == 2
+    assert stats.switch.count >= 1
+    assert stats.residency_misses == 2 and stats.residency_hits > 0
+    assert [s.session_id for s in stats.sessions] == [s1.session_id, s2.session_id]
+    first = stats.sessions[0]
+    assert (first.prompt_tokens, first.decode_tokens, first.position) == (3, 4, 7)
+    assert first.time_to_first_token_s > 0 and first.decode_tokens_per_s > 0

@@ -127,3 +127,51 @@ def test_concurrent_use_materializes_once(manager):
         t.join()
     assert len({id(r) for r in results}) == 1
     assert len(manager.allocations) == len(SLOTS[4])
+
+
+def test_lru_evicts_least_recently_used_idle_blend():
+    from runtime.components.residency import Lru
+
+    allocate = allocator(SLOTS)
+    manager = LoraManager(SLOTS, allocate, residency=Lru(max_resident=2))
+    evicted = []
+    manager.add_evict_listener(lambda blend, lora: evicted.append(blend))
+    for lora_id, name in ((1, "torch_r4"), (2, "litertlm_r4"), (3, "mediapipe_r4")):
+        manager.load_lora(lora_id, data(name))
+    one, two, three = ((1, 1.0),), ((2, 1.0),), ((3, 1.0),)
+    manager.acquire(one)  # running: protected
+    manager.materialize(two)
+    manager.materialize(three)  # over budget: two is the idle LRU one
+    assert evicted == [two]
+    assert manager.is_resident(one) and manager.is_resident(three)
+    manager.release(one)
+    manager.materialize(two)  # miss, rebuilt; now one is LRU and idle
+    assert evicted == [two, one]
+    stats = manager.residency_stats()
+    assert (stats.hits, stats.misses, stats.evictions) == (0, 4, 2)
+    assert stats.materialize.count == 4
+
+
+def test_only_active_keeps_buffers_only_while_running():
+    from runtime.components.residency import OnlyActive
+
+    manager = LoraManager(SLOTS, allocator(SLOTS), residency=OnlyActive())
+    manager.load_lora(1, data("torch_r4"))
+    blend = ((1, 1.0),)
+    lora = manager.acquire(blend)
+    assert manager.acquire(blend) is lora  # a second runner shares it (hit)
+    manager.release(blend)
+    assert manager.is_resident(blend)
+    manager.release(blend)
+    assert not manager.is_resident(blend)
+    assert not manager.evict(blend)
+
+
+def test_switching_policy_applies_at_once(manager):
+    from runtime.components.residency import Lru
+
+    for lora_id, name in ((1, "torch_r4"), (2, "litertlm_r4")):
+        manager.load_lora(lora_id, data(name))
+        manager.materialize(((lora_id, 1.0),))
+    manager.set_residency(Lru(max_resident=1))
+    assert len(manager.resident()) == 1

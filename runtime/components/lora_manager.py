@@ -6,6 +6,10 @@
   buffers on first use and keeps them for the next.
 * :meth:`LoraManager.unload_lora` forgets an adapter and drops its buffers, unless a
   live session still holds it (:meth:`pin`).
+* Residency: :meth:`acquire` / :meth:`release` bracket a run; a blend being run is never
+  evicted, the others are kept or dropped as the :mod:`residency policy
+  <runtime.components.residency>` says. A new blend is built before anything is
+  evicted for it.
 
 All methods are thread-safe.
 """
@@ -14,9 +18,12 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from runtime.components.lora import AdapterPlan, LoRA, SlotInputs, WritableBuffer, plan_adapter
+from runtime.components.residency import KeepAll, Lru, ResidencyPolicy, choose_evictions
 from runtime.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -24,6 +31,7 @@ from runtime.errors import (
     NotFoundError,
 )
 from runtime.util.adapter_data import AdapterData
+from runtime.util.latency import LatencyRecorder, LatencySummary
 
 # A weighted set of loaded adapters: ((lora_id, scale), ...), sorted by id, no zero scales.
 Blend = tuple[tuple[int, float], ...]
@@ -39,6 +47,16 @@ def normalize_blend(entries: Iterable[tuple[int, float]]) -> Blend:
     return tuple(sorted((i, s) for i, s in scales.items() if s != 0.0))
 
 
+@dataclass(frozen=True)
+class ResidencyStats:
+    """How often a requested blend was resident, and what materializing cost."""
+
+    hits: int
+    misses: int
+    evictions: int
+    materialize: LatencySummary
+
+
 class LoraManager:
     """Holds the adapters of one model and their materialized slot buffers."""
 
@@ -47,6 +65,7 @@ class LoraManager:
         slots: Mapping[int, SlotInputs],
         allocate: Callable[[int, str], WritableBuffer],
         *,
+        residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
     ) -> None:
         """``slots`` maps each rank slot to its LoRA inputs; ``allocate(rank, name)``
@@ -54,10 +73,15 @@ class LoraManager:
         self._slots = dict(slots)
         self._allocate = allocate
         self._allow_non_finite = allow_non_finite
+        self._residency = residency or KeepAll()
         self._plans: dict[int, AdapterPlan] = {}
-        self._resident: dict[Blend, LoRA] = {}
+        self._resident: OrderedDict[Blend, LoRA] = OrderedDict()  # least recently used first
+        self._running: dict[Blend, int] = {}
         self._pins: dict[int, int] = {}
         self._current: Blend | None = None
+        self._evict_listeners: list[Callable[[Blend, LoRA], None]] = []
+        self._hits = self._misses = self._evictions = 0
+        self._materialize_latency = LatencyRecorder()
         self._lock = threading.RLock()
 
     # -- loading -------------------------------------------------------------------
@@ -105,23 +129,98 @@ class LoraManager:
         )
 
     def materialize(self, blend: Blend) -> LoRA:
-        """The slot buffers for ``blend``, built on first request and kept."""
+        """The slot buffers for ``blend``, built on first request and kept as the residency
+        policy allows."""
+        with self._lock:
+            lora = self._get_or_build(blend)
+            self._enforce_residency(protect=blend)
+            return lora
+
+    def acquire(self, blend: Blend) -> LoRA:
+        """Materializes ``blend`` and marks it running (never evicted) until :meth:`release`."""
+        with self._lock:
+            lora = self._get_or_build(blend)
+            self._running[blend] = self._running.get(blend, 0) + 1
+            self._enforce_residency(protect=blend)
+            return lora
+
+    def release(self, blend: Blend) -> None:
+        """Ends one :meth:`acquire`; the blend may now be evicted."""
+        with self._lock:
+            count = self._running.get(blend, 0)
+            if count <= 1:
+                self._running.pop(blend, None)
+            else:
+                self._running[blend] = count - 1
+            self._enforce_residency(protect=None)
+
+    def is_resident(self, blend: Blend) -> bool:
+        """Whether ``blend``'s buffers exist now."""
+        with self._lock:
+            return blend in self._resident
+
+    def add_evict_listener(self, listener: Callable[[Blend, LoRA], None]) -> None:
+        """Calls ``listener(blend, lora)`` (under the manager's lock) whenever buffers are dropped."""
+        with self._lock:
+            self._evict_listeners.append(listener)
+
+    def set_residency(self, policy: ResidencyPolicy) -> None:
+        """Switches the policy and applies it at once."""
+        with self._lock:
+            self._residency = policy
+            self._enforce_residency(protect=None)
+
+    def residency_stats(self) -> ResidencyStats:
+        """Hits, misses, evictions and materialization latency so far."""
+        with self._lock:
+            hits, misses, evictions = self._hits, self._misses, self._evictions
+        return ResidencyStats(hits, misses, evictions, self._materialize_latency.summary())
+
+    def _get_or_build(self, blend: Blend) -> LoRA:
         if not blend:
             raise InvalidArgumentError("an empty blend has no LoRA buffers: use the base model")
-        with self._lock:
-            lora = self._resident.get(blend)
-            if lora is None:
-                slot = self.slot_for(blend)
-                plans = [(self._require(lora_id), scale) for lora_id, scale in blend]
-                lora = LoRA(
-                    plans,
-                    slot,
-                    self._slots[slot],
-                    lambda name: self._allocate(slot, name),
-                    allow_non_finite=self._allow_non_finite,
-                )
-                self._resident[blend] = lora
+        lora = self._resident.get(blend)
+        if lora is not None:
+            self._hits += 1
+            self._resident.move_to_end(blend)
             return lora
+        slot = self.slot_for(blend)
+        plans = [(self._require(lora_id), scale) for lora_id, scale in blend]
+        with self._materialize_latency.time():
+            lora = LoRA(
+                plans,
+                slot,
+                self._slots[slot],
+                lambda name: self._allocate(slot, name),
+                allow_non_finite=self._allow_non_finite,
+            )
+        self._misses += 1
+        self._resident[blend] = lora
+        return lora
+
+    def _enforce_residency(self, protect: Blend | None) -> None:
+        if isinstance(self._residency, KeepAll) or len(self._resident) <= len(self._running):
+            return  # nothing evictable: the common case on the decode path costs nothing
+        if isinstance(self._residency, Lru) and self._within(self._residency):
+            return
+        protected = set(self._running)
+        for blend in (protect, self._current):
+            if blend:
+                protected.add(blend)
+        sizes = {blend: lora.nbytes for blend, lora in self._resident.items()}
+        for blend in choose_evictions(self._residency, sizes, protected):
+            self._drop(blend)
+
+    def _within(self, policy: Lru) -> bool:
+        if policy.max_resident is not None and len(self._resident) > policy.max_resident:
+            return False
+        return policy.max_bytes is None or sum(l.nbytes for l in self._resident.values()) <= policy.max_bytes
+
+    def _drop(self, blend: Blend) -> None:
+        lora = self._resident.pop(blend)
+        self._evictions += 1
+        for listener in self._evict_listeners:
+            listener(blend, lora)
 
     def use_lora(self, lora_id: int | None, scale: float = 1.0) -> LoRA | None:
         """Makes ``lora_id`` at ``scale`` current (``None``: the base model) and returns it."""
@@ -163,9 +262,13 @@ class LoraManager:
             return dict(self._resident)
 
     def evict(self, blend: Blend) -> bool:
-        """Drops the buffers of ``blend`` (rebuilt on the next use); whether it was resident."""
+        """Drops the buffers of ``blend`` (rebuilt on the next use) unless it is running;
+        whether it was dropped."""
         with self._lock:
-            return self._resident.pop(blend, None) is not None
+            if blend not in self._resident or blend in self._running:
+                return False
+            self._drop(blend)
+            return True
 
     def pin(self, lora_id: int) -> None:
         """Marks ``lora_id`` as held by a live session: it cannot be unloaded."""
@@ -202,7 +305,7 @@ class LoraManager:
                 )
             del self._plans[lora_id]
             for blend in [b for b in self._resident if any(i == lora_id for i, _ in b)]:
-                del self._resident[blend]
+                self._drop(blend)
             if self._current and any(i == lora_id for i, _ in self._current):
                 self._current = None
         plan.data.close()

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.components.residency import KeepAll, ResidencyPolicy
 from runtime.components.sampler import SamplerConfig
 from runtime.errors import InvalidArgumentError
 from runtime.framework.lora_source import LoraSource
@@ -19,10 +20,13 @@ class EngineSettings:
     """How the engine runs the model.
 
     ``num_threads``: CPU threads for XNNPACK (0 lets the library choose).
+    ``lora_residency``: which used adapters keep their buffers: ``KeepAll()`` (default),
+    ``Lru(max_resident=K, max_bytes=None)`` or ``OnlyActive()``.
     ``allow_non_finite_weights``: accept adapters holding NaN or Inf (refused by default).
     """
 
     num_threads: int = 1
+    lora_residency: ResidencyPolicy = field(default_factory=KeepAll)
     allow_non_finite_weights: bool = False
 
 

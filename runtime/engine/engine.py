@@ -7,8 +7,10 @@ import threading
 from pathlib import Path
 
 from runtime.engine.config import EngineSettings, SessionConfig
+from runtime.components.residency import ResidencyPolicy
 from runtime.engine.session import Session, SessionRegistry
-from runtime.errors import FailedPreconditionError
+from runtime.engine.stats import AdapterStats, EngineStats, ResidentStats
+from runtime.errors import FailedPreconditionError, NotFoundError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.framework.lora_source import LoraSource
@@ -27,7 +29,9 @@ class Engine:
         self.settings = settings or EngineSettings()
         executor = LlmExecutor(self.model_path, ExecutorSettings(num_threads=self.settings.num_threads))
         self._resources = ResourceManager(
-            executor, allow_non_finite=self.settings.allow_non_finite_weights
+            executor,
+            residency=self.settings.lora_residency,
+            allow_non_finite=self.settings.allow_non_finite_weights,
         )
         self._sessions = SessionRegistry()
         self._closed = False
@@ -59,6 +63,52 @@ class Engine:
         entries = [(self._resources.register(s), s.scale) for s in config.sources()]
         context = self._resources.new_context(entries)
         return Session(self._resources, context, config.sampler, self._sessions)
+
+    def set_residency(self, policy: ResidencyPolicy) -> None:
+        """Changes which materialized adapters stay resident; applied at once."""
+        self._check_open()
+        self._resources.lora_manager.set_residency(policy)
+
+    def stats(self) -> EngineStats:
+        """Registered and resident adapters with their bytes, latencies, residency hits and
+        misses, and every live session's counters."""
+        manager = self._resources.lora_manager
+        resident = tuple(
+            ResidentStats(blend, lora.slot_rank, lora.nbytes) for blend, lora in manager.resident().items()
+        )
+        adapters = []
+        for lora_id in manager.loaded_ids():
+            try:
+                plan = manager.plan(lora_id)
+            except NotFoundError:
+                continue  # unloaded meanwhile
+            adapters.append(AdapterStats(
+                lora_id=lora_id,
+                source=plan.source_name,
+                format=plan.data.format_name,
+                rank=plan.rank,
+                tensor_bytes=plan.data.nbytes,
+                resident_bytes=sum(r.nbytes for r in resident if any(i == lora_id for i, _ in r.blend)),
+                sessions=manager.pin_count(lora_id),
+            ))
+        residency = manager.residency_stats()
+        sessions = []
+        for session in self._sessions.snapshot():
+            try:
+                sessions.append(session.stats())
+            except FailedPreconditionError:
+                continue  # closed meanwhile
+        return EngineStats(
+            adapters=tuple(adapters),
+            resident=resident,
+            load=self._resources.load_latency.summary(),
+            materialize=residency.materialize,
+            switch=self._resources.switch_latency.summary(),
+            residency_hits=residency.hits,
+            residency_misses=residency.misses,
+            evictions=residency.evictions,
+            sessions=tuple(sorted(sessions, key=lambda s: s.session_id)),
+        )
 
     def close(self) -> None:
         """Closes every session and releases the model; closing twice is harmless."""

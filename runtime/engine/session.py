@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.components.sampler import Sampler, SamplerConfig
+from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.context_handler import ContextHandler
@@ -22,12 +23,15 @@ class SessionRegistry:
 
     def __init__(self) -> None:
         self._sessions: set[Session] = set()
+        self._next_id = 1
         self._lock = threading.Lock()
 
-    def add(self, session: Session) -> None:
-        """Records a new session."""
+    def add(self, session: Session) -> int:
+        """Records a new session; returns its id."""
         with self._lock:
             self._sessions.add(session)
+            self._next_id += 1
+            return self._next_id - 1
 
     def discard(self, session: Session) -> None:
         """Forgets a closed session."""
@@ -38,6 +42,14 @@ class SessionRegistry:
         """The live sessions now."""
         with self._lock:
             return list(self._sessions)
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    time_to_first_token_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,8 @@ class Session:
         self._registry = registry
         self._lock = threading.Lock()
         self._vocab = resources.executor.spec.vocab_size
-        registry.add(self)
+        self._counters = _Counters()
+        self.session_id = registry.add(self)
 
     # -- state ---------------------------------------------------------------------
 
@@ -165,6 +178,7 @@ class Session:
                     break
                 generated.append(sampler.sample(logits))
             end = time.perf_counter()
+            self._counters.time_to_first_token_s = first_token - start
         return GenerationResult(
             tokens=generated,
             prompt_tokens=len(prompt),
@@ -224,16 +238,36 @@ class Session:
 
     # -- internals -----------------------------------------------------------------
 
+    def stats(self) -> SessionStats:
+        """This session's counters: tokens, time to first token, decode speed."""
+        context = self._require_open()
+        counters = self._counters
+        return SessionStats(
+            session_id=self.session_id,
+            lora_ids=tuple(context.lora_ids),
+            position=context.position,
+            prompt_tokens=counters.prompt_tokens,
+            decode_tokens=counters.decode_tokens,
+            time_to_first_token_s=counters.time_to_first_token_s,
+            decode_tokens_per_s=(
+                counters.decode_tokens / counters.decode_seconds if counters.decode_seconds else 0.0
+            ),
+        )
+
     def _prefill(self, context: ContextHandler, tokens: list[int]) -> np.ndarray:
-        binding = self._resources.bind(context)
-        logits = self._resources.executor.prefill(binding, tokens, context.position)
+        with self._resources.running(context) as binding:
+            logits = self._resources.executor.prefill(binding, tokens, context.position)
         context.position += len(tokens)
+        self._counters.prompt_tokens += len(tokens)
         return logits
 
     def _decode(self, context: ContextHandler, token: int) -> np.ndarray:
-        binding = self._resources.bind(context)
-        logits = self._resources.executor.decode(binding, token, context.position)
+        start = time.perf_counter()
+        with self._resources.running(context) as binding:
+            logits = self._resources.executor.decode(binding, token, context.position)
         context.position += 1
+        self._counters.decode_tokens += 1
+        self._counters.decode_seconds += time.perf_counter() - start
         return logits
 
     @contextmanager

@@ -9,7 +9,7 @@ from runtime.components.lora_manager import Blend
 from runtime.executor.litert_executor import Binding, KvCache
 
 
-@dataclass
+@dataclass(eq=False)
 class ContextHandler:
     """A session's adapters (as a blend of loaded ids and scales), KV cache and position.
 

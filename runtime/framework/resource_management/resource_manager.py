@@ -6,8 +6,10 @@
   SHA-256 of its content.
 * Each adapter is parsed once, under the lock; one that fails leaves no id behind.
 * Contexts pin their adapters, so an adapter a live session uses cannot be unloaded.
-* Before each run a context is bound: its adapter buffers are materialized if needed
-  and the executor arguments rebuilt only if those buffers changed.
+* Each run happens inside :meth:`ResourceManager.running`: the context's blend is
+  acquired (materialized if needed, protected from eviction meanwhile) and the executor
+  arguments rebuilt only if those buffers changed. When the residency policy evicts a
+  blend, the idle contexts bound to it drop their bindings, so its memory really goes.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ import hashlib
 import mmap
 import os
 import threading
-from collections.abc import Iterable, Mapping
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from runtime.components.lora import LoRA
 from runtime.components.lora_manager import Blend, LoraManager, normalize_blend
+from runtime.components.residency import ResidencyPolicy
 from runtime.errors import DataLossError, InvalidArgumentError
 from runtime.executor.litert_executor import Binding, LlmExecutor
 from runtime.framework.lora_source import LoraSource
@@ -37,6 +44,7 @@ from runtime.util.adapter_formats import (
     open_adapter,
     open_adapter_buffer,
 )
+from runtime.util.latency import LatencyRecorder
 from runtime.util.peft_data import WEIGHTS_FILE
 from runtime.util.scoped_file import ScopedFile
 
@@ -44,17 +52,29 @@ from runtime.util.scoped_file import ScopedFile
 class ResourceManager:
     """Owns the executor's adapters and hands sessions their contexts. Thread-safe."""
 
-    def __init__(self, executor: LlmExecutor, *, allow_non_finite: bool = False) -> None:
+    def __init__(
+        self,
+        executor: LlmExecutor,
+        *,
+        residency: ResidencyPolicy | None = None,
+        allow_non_finite: bool = False,
+    ) -> None:
         self.executor = executor
         spec = executor.spec
         self.lora_manager = LoraManager(
             {rank: spec.lora_slot(rank) for rank in spec.lora_ranks},
             executor.create_lora_buffer,
+            residency=residency,
             allow_non_finite=allow_non_finite,
         )
+        self.lora_manager.add_evict_listener(self._unbind_evicted)
         self._ids: dict[AdapterKey, int] = {}
         self._next_id = 1
         self._lock = threading.RLock()
+        self._contexts: weakref.WeakSet[ContextHandler] = weakref.WeakSet()
+        self._last_run: tuple[int, LoRA | None] | None = None
+        self.load_latency = LatencyRecorder()
+        self.switch_latency = LatencyRecorder()
 
     # -- adapter ids ---------------------------------------------------------------
 
@@ -89,6 +109,7 @@ class ResourceManager:
             lora_id = self._id_for(key)
             if self.lora_manager.has_lora(lora_id):
                 return lora_id
+            started = time.perf_counter()
             try:
                 if source.sha256 is not None:
                     _check_digest(source, buffer)
@@ -105,6 +126,7 @@ class ResourceManager:
                 if not known:
                     del self._ids[key]
                 raise
+            self.load_latency.record(time.perf_counter() - started)
             return lora_id
 
     def unload(self, lora_id: int) -> None:
@@ -127,10 +149,12 @@ class ResourceManager:
         blend = self._check_blend(entries)
         self._pin(blend)
         try:
-            return ContextHandler(blend, self.executor.create_kv_cache())
+            context = ContextHandler(blend, self.executor.create_kv_cache())
         except BaseException:
             self._unpin(blend)
             raise
+        self._contexts.add(context)
+        return context
 
     def clone_context(self, context: ContextHandler) -> ContextHandler:
         """A new context with a copy of ``context``'s KV cache, position and adapters."""
@@ -140,7 +164,9 @@ class ResourceManager:
         except BaseException:
             self._unpin(context.blend)
             raise
-        return ContextHandler(context.blend, kv, context.position)
+        clone = ContextHandler(context.blend, kv, context.position)
+        self._contexts.add(clone)
+        return clone
 
     def set_blend(self, context: ContextHandler, entries: Iterable[tuple[int, float]]) -> None:
         """Switches a context's adapters; the caller decides what happens to its KV cache."""
@@ -157,9 +183,35 @@ class ResourceManager:
         context.forget_binding()
         context.kv.close()
 
+    @contextmanager
+    def running(self, context: ContextHandler) -> Iterator[Binding]:
+        """Brackets one run of ``context``: yields its binding, its blend protected from
+        eviction until the block ends.
+
+        Records a switch (and its latency) when this run's context or adapter buffers
+        differ from the previous run's.
+        """
+        started = time.perf_counter()
+        blend = context.blend
+        lora = self.lora_manager.acquire(blend) if blend else None
+        try:
+            binding = self._bind(context, lora)
+            current = (id(context), lora)
+            if self._last_run is not None and self._last_run != current:
+                self.switch_latency.record(time.perf_counter() - started)
+            self._last_run = current
+            yield binding
+        finally:
+            if blend:
+                self.lora_manager.release(blend)
+
     def bind(self, context: ContextHandler) -> Binding:
-        """The executor arguments for ``context``, (re)built only if its buffers changed."""
+        """The executor arguments for ``context`` (outside :meth:`running`: no protection
+        from eviction, for callers that do not run)."""
         lora = self.lora_manager.materialize(context.blend) if context.blend else None
+        return self._bind(context, lora)
+
+    def _bind(self, context: ContextHandler, lora: LoRA | None) -> Binding:
         if context.binding is None or lora is not context.bound_lora:
             context.binding = (
                 self.executor.bind(context.kv, lora.buffers, lora.slot_rank)
@@ -168,6 +220,13 @@ class ResourceManager:
             )
             context.bound_lora = lora
         return context.binding
+
+    def _unbind_evicted(self, blend: Blend, lora: LoRA) -> None:
+        """Lets idle contexts drop their references to evicted buffers (a running context
+        cannot hold them: running blends are never evicted)."""
+        for context in list(self._contexts):
+            if context.bound_lora is lora:
+                context.forget_binding()
 
     def _check_blend(self, entries: Iterable[tuple[int, float]]) -> Blend:
         blend = normalize_blend(entries)
