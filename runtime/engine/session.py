@@ -129,9 +129,14 @@ class Session:
 
     def run_decode(self, token: int) -> np.ndarray:
         """Appends one token; returns float32 logits ``(vocab,)`` for the next."""
-        (token,) = self._check_tokens([token])
-        with self._use() as context:
-            return self._decode(context, token)
+        if type(token) is not int or not 0 <= token < self._vocab:  # the fast check first
+            (token,) = self._check_tokens([token])
+        if not self._lock.acquire(blocking=False):
+            raise FailedPreconditionError("the session is being used by another call")
+        try:
+            return self._decode(self._require_open(), token)
+        finally:
+            self._lock.release()
 
     def generate(
         self,
@@ -255,16 +260,24 @@ class Session:
         )
 
     def _prefill(self, context: ContextHandler, tokens: list[int]) -> np.ndarray:
-        with self._resources.running(context) as binding:
+        blend = context.blend
+        binding = self._resources.begin_run(context)
+        try:
             logits = self._resources.executor.prefill(binding, tokens, context.position)
+        finally:
+            self._resources.end_run(blend)
         context.position += len(tokens)
         self._counters.prompt_tokens += len(tokens)
         return logits
 
     def _decode(self, context: ContextHandler, token: int) -> np.ndarray:
         start = time.perf_counter()
-        with self._resources.running(context) as binding:
+        blend = context.blend
+        binding = self._resources.begin_run(context)
+        try:
             logits = self._resources.executor.decode(binding, token, context.position)
+        finally:
+            self._resources.end_run(blend)
         context.position += 1
         self._counters.decode_tokens += 1
         self._counters.decode_seconds += time.perf_counter() - start

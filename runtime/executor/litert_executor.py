@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from ai_edge_litert.compiled_model import CompiledModel
@@ -32,6 +33,7 @@ from runtime.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from runtime.executor.fast_path import FastPath
 from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
 
 
@@ -91,20 +93,25 @@ def _native_stderr(muted: bool) -> Iterator[None]:
 class _SignatureIO:
     """A signature's token, position and logits buffers, with host arrays to fill them."""
 
+    index: int
+    input_order: list[str]
+    output_order: list[str]
     tokens: TensorBuffer
     positions: TensorBuffer
     logits: TensorBuffer | None
     token_array: np.ndarray
     position_array: np.ndarray
+    logits_array: np.ndarray | None
 
 
 @dataclass
 class _Run:
-    """Prebuilt arguments for one signature: what ``run_by_name`` takes, ready to go."""
+    """Prebuilt arguments for one signature, in the signature's order, ready to run."""
 
     signature: SignatureSpec
-    inputs: dict[str, TensorBuffer]
-    outputs: dict[str, TensorBuffer]
+    io: _SignatureIO
+    prepared: tuple[Any, Any]
+    buffers: list[TensorBuffer]  # keeps every bound buffer alive as long as the run
 
 
 @dataclass
@@ -137,21 +144,29 @@ class LlmExecutor:
             }
             self.spec = ModelSpec.from_details(details, str(self.model_path))
             # Token, position and logits buffers are shared by all sessions: runs are serialized.
-            self._io = {
-                key: _SignatureIO(
-                    self._model.create_input_buffer_by_name(key, TOKENS),
-                    self._model.create_input_buffer_by_name(key, INPUT_POS),
-                    self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
-                    np.zeros((1, signature.seq_len), np.int32),
-                    np.zeros(signature.seq_len, np.int32),
-                )
-                for key, signature in self.spec.signatures.items()
-            }
+            self._io = {key: self._signature_io(key, signature) for key, signature in self.spec.signatures.items()}
+            self._fast = FastPath(self._model)
             for io in self._io.values():  # the first write sets up the library's environment
                 io.tokens.write(io.token_array)
                 io.positions.write(io.position_array)
         self._lock = threading.Lock()
         self._closed = False
+
+    def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
+        index = self._model.get_signature_index(key)
+        described = self._model.get_signature_by_index(index)
+        vocab = self.spec.vocab_size
+        return _SignatureIO(
+            index=index,
+            input_order=list(described["inputs"]),
+            output_order=list(described["outputs"]),
+            tokens=self._model.create_input_buffer_by_name(key, TOKENS),
+            positions=self._model.create_input_buffer_by_name(key, INPUT_POS),
+            logits=self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
+            token_array=np.zeros((1, signature.seq_len), np.int32),
+            position_array=np.zeros(signature.seq_len, np.int32),
+            logits_array=np.zeros((signature.seq_len, vocab), np.float32) if signature.has_logits else None,
+        )
 
     def _load(self) -> CompiledModel:
         options = Options(
@@ -220,7 +235,11 @@ class LlmExecutor:
         outputs = dict(kv.buffers)
         if io.logits is not None:
             outputs[LOGITS] = io.logits
-        return _Run(signature, inputs, outputs)
+        ordered_inputs = [inputs[name] for name in io.input_order]
+        ordered_outputs = [outputs[name] for name in io.output_order]
+        return _Run(
+            signature, io, self._fast.prepare(ordered_inputs, ordered_outputs), ordered_inputs + ordered_outputs
+        )
 
     # -- running -------------------------------------------------------------------
 
@@ -271,7 +290,7 @@ class LlmExecutor:
     def _invoke(self, run: _Run, chunk: Sequence[int], start: int) -> np.ndarray | None:
         """Writes tokens and positions (padded to the signature's length) and runs it."""
         length = run.signature.seq_len
-        io = self._io[run.signature.key]
+        io = run.io
         if length == 1:
             io.token_array[0, 0] = chunk[0]
             io.position_array[0] = start
@@ -279,16 +298,16 @@ class LlmExecutor:
             io.token_array[0, : len(chunk)] = chunk
             io.token_array[0, len(chunk) :] = 0
             io.position_array[:] = range(start, start + length)
-        io.tokens.write(io.token_array)
-        io.positions.write(io.position_array)
+        fast = self._fast
+        fast.write_int32(io.tokens, io.token_array)
+        fast.write_int32(io.positions, io.position_array)
         try:
-            self._model.run_by_name(run.signature.key, run.inputs, run.outputs)
+            fast.run(io.index, run.prepared)
         except Exception as exc:
             raise InternalError(f"running {run.signature.key!r} failed: {exc}") from None
         if io.logits is None:
             return None
-        vocab = self.spec.vocab_size
-        return io.logits.read(length * vocab, np.float32).reshape(length, vocab)
+        return fast.read_float32(io.logits, io.logits_array).copy()
 
     def _check_position(self, start: int, count: int) -> None:
         if start < 0:

@@ -20,8 +20,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -183,10 +182,9 @@ class ResourceManager:
         context.forget_binding()
         context.kv.close()
 
-    @contextmanager
-    def running(self, context: ContextHandler) -> Iterator[Binding]:
-        """Brackets one run of ``context``: yields its binding, its blend protected from
-        eviction until the block ends.
+    def begin_run(self, context: ContextHandler) -> Binding:
+        """Starts one run of ``context``: its blend is protected from eviction until
+        :meth:`end_run` (call it in a ``finally``). Returns the binding to run with.
 
         Records a switch (and its latency) when this run's context or adapter buffers
         differ from the previous run's.
@@ -196,14 +194,20 @@ class ResourceManager:
         lora = self.lora_manager.acquire(blend) if blend else None
         try:
             binding = self._bind(context, lora)
-            current = (id(context), lora)
-            if self._last_run is not None and self._last_run != current:
+        except BaseException:
+            self.end_run(blend)
+            raise
+        current = (id(context), lora)
+        if self._last_run != current:
+            if self._last_run is not None:
                 self.switch_latency.record(time.perf_counter() - started)
             self._last_run = current
-            yield binding
-        finally:
-            if blend:
-                self.lora_manager.release(blend)
+        return binding
+
+    def end_run(self, blend: Blend) -> None:
+        """Ends a run started by :meth:`begin_run` with ``blend`` (the context's blend then)."""
+        if blend:
+            self.lora_manager.release(blend)
 
     def bind(self, context: ContextHandler) -> Binding:
         """The executor arguments for ``context`` (outside :meth:`running`: no protection
