@@ -9,7 +9,7 @@ the source only when it is read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +18,7 @@ import numpy as np
 from runtime.errors import InternalError, NotFoundError
 from runtime.util.lora_data import TensorInfo
 from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.util.scoped_file import FileWatch
 
 
 class AdapterData(Protocol):
@@ -61,11 +62,14 @@ class DerivedLoraData:
         source_name: str,
         close: Callable[[], None] | None = None,
         format_name: str = "derived",
+        watches: Sequence[FileWatch] = (),
     ) -> None:
+        """``watches``: files checked for changes before any tensor is computed."""
         self.source_name = source_name
         self.format_name = format_name
         self._tensors = dict(tensors)
         self._close = close
+        self._watches = tuple(watches)
 
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order."""
@@ -84,6 +88,8 @@ class DerivedLoraData:
     def read_tensor(self, name: str) -> np.ndarray:
         """Computes tensor ``name``; a read-only array of the announced shape and dtype."""
         tensor = self._require(name)
+        for watch in self._watches:
+            watch.check(f"tensor {name!r}")
         array = np.asarray(tensor.compute(), dtype=tensor.dtype)
         if array.shape != tensor.shape:
             raise InternalError(

@@ -23,6 +23,7 @@ import numpy as np
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
 from runtime.util.adapter_data import DerivedLoraData, DerivedTensor
 from runtime.util.lora_util import Convention, lora_input_name
+from runtime.util.scoped_file import FileWatch
 
 GGUF_MAGIC = b"GGUF"
 _NAME = re.compile(r"blk\.(?P<layer>0|[1-9][0-9]*)\.attn_(?P<proj>q|k|v|output)\.weight\.lora_(?P<side>a|b)")
@@ -37,6 +38,7 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
     from gguf import GGUFReader
 
     path = Path(path)
+    watch = FileWatch(path)
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
@@ -96,7 +98,7 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
         tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "b")] = DerivedTensor(
             (rank, b_shape[0]), np.dtype(np.float32), _b_prime(b, b_shape, needs_head_dim, head_dim, path)
         )
-    return DerivedLoraData(tensors, source_name=str(path), format_name="gguf")
+    return DerivedLoraData(tensors, source_name=str(path), format_name="gguf", watches=(watch,))
 
 
 def _a_prime(tensor: Any, shape: tuple[int, int], scale: float, path: Path):

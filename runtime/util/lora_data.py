@@ -38,7 +38,7 @@ from runtime.errors import (
     StatusError,
 )
 from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
-from runtime.util.scoped_file import ScopedFile
+from runtime.util.scoped_file import FileWatch, ScopedFile
 
 FILE_IDENTIFIER = b"TFL3"
 LORA_RANK_METADATA = "lora_rank"
@@ -84,12 +84,13 @@ class LoraData:
         *,
         source_name: str,
         scoped_file: ScopedFile | None = None,
+        watch: FileWatch | None = None,
     ) -> None:
         """Parses and validates ``buffer``; prefer the ``create_from_*`` factories."""
         self.source_name = source_name
         self._buffer = buffer
         self._scoped_file = scoped_file
-        self._source_size = len(buffer)
+        self._watch = watch
         parsed = _FlatbufferReader(buffer, source_name).read()
         self._tensors: dict[str, TensorInfo] = parsed.tensors
         self._metadata_rank = parsed.lora_rank
@@ -107,11 +108,13 @@ class LoraData:
     ) -> LoraData:
         """Memory-maps an already open file. The caller keeps ownership unless ``owns_file``."""
         try:
+            watch = FileWatch(scoped_file.path)
             mapped = scoped_file.memory_map()
             return cls(
                 mapped,
                 source_name=str(scoped_file.path),
                 scoped_file=scoped_file if owns_file else None,
+                watch=watch,
             )
         except BaseException:
             if owns_file:
@@ -212,20 +215,15 @@ class LoraData:
         return f"LoraData({self.source_name!r}, {len(self._tensors)} tensors)"
 
     def _check_source_intact(self, tensor: str) -> None:
-        """Refuses to touch a mapped file that shrank since it was parsed.
+        """Refuses to touch a mapped file that changed since it was parsed.
 
         Reading a page of a truncated mapping raises SIGBUS and kills the process, so a
-        file-backed adapter compares the file's current size with the parsed one first.
+        file-backed adapter checks the file first (see :class:`FileWatch`).
         """
         if isinstance(self._buffer, mmap.mmap) and self._buffer.closed:
             raise DataLossError(f"{self.source_name}: tensor {tensor!r}: adapter was closed")
-        if self._scoped_file is not None and not self._scoped_file.closed:
-            size = self._scoped_file.size()
-            if size < self._source_size:
-                raise DataLossError(
-                    f"{self.source_name}: tensor {tensor!r}: file shrank from "
-                    f"{self._source_size} to {size} bytes after it was opened"
-                )
+        if self._watch is not None:
+            self._watch.check(f"tensor {tensor!r}")
 
 
 @dataclass

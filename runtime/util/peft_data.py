@@ -34,6 +34,7 @@ import numpy as np
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.util.adapter_data import DerivedLoraData, DerivedTensor
 from runtime.util.lora_util import Convention, lora_input_name
+from runtime.util.scoped_file import FileWatch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -123,12 +124,13 @@ def read_peft_directory(path: str | os.PathLike[str]) -> DerivedLoraData:
         if not required.is_file():
             raise NotFoundError(f"{directory}: PEFT adapter has no {required.name}")
     config = PeftLoraConfig.from_dict(_load_json(config_path), str(config_path))
+    watch = FileWatch(weights_path)
     try:
         handle = safe_open(str(weights_path), framework="np")
         shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
         raise InvalidArgumentError(f"{weights_path}: not a readable safetensors file: {exc}") from None
-    return _derive(shapes, handle.get_tensor, config, str(directory))
+    return _derive(shapes, handle.get_tensor, config, str(directory), watches=(watch,))
 
 
 def read_peft_state_dict(
@@ -158,6 +160,7 @@ def _derive(
     load: Callable[[str], np.ndarray],
     config: PeftLoraConfig,
     source: str,
+    watches: tuple[FileWatch, ...] = (),
 ) -> DerivedLoraData:
     modules: dict[str, _Module] = {}
     refused: list[str] = []
@@ -186,7 +189,7 @@ def _derive(
                 f"{list(config.layers_to_transform)}"
             )
         tensors.update(_module_tensors(path, module, shapes, load, config, source))
-    return DerivedLoraData(tensors, source_name=source, format_name="peft")
+    return DerivedLoraData(tensors, source_name=source, format_name="peft", watches=watches)
 
 
 def _module_tensors(

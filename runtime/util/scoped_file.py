@@ -9,6 +9,7 @@ from pathlib import Path
 from types import TracebackType
 
 from runtime.errors import (
+    DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -88,3 +89,39 @@ class ScopedFile:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"ScopedFile({str(self.path)!r}, {state})"
+
+
+class FileWatch:
+    """Remembers a file's size and modification time, to refuse reading it once changed.
+
+    Memory-mapped files that shrink turn the next read of a lost page into SIGBUS, which
+    kills the process; a file rewritten in place would silently change a registered
+    adapter. Readers call :meth:`check` before touching mapped bytes. (A change racing
+    the few microseconds between the check and the read is not covered.)
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise NotFoundError(f"{self.path}: no such file") from None
+        except OSError as exc:
+            raise InvalidArgumentError(f"{self.path}: cannot stat: {exc.strerror}") from None
+        self._size, self._mtime = st.st_size, st.st_mtime_ns
+
+    def _stat(self) -> tuple[int, int]:
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise DataLossError(f"{self.path}: cannot be read any more: {exc.strerror}") from None
+        return st.st_size, st.st_mtime_ns
+
+    def check(self, what: str = "") -> None:
+        """``DataLossError`` if the file is gone, smaller, or modified since it was opened."""
+        size, mtime = self._stat()
+        where = f"{self.path}: {what}: " if what else f"{self.path}: "
+        if size < self._size:
+            raise DataLossError(f"{where}file shrank from {self._size} to {size} bytes after it was opened")
+        if (size, mtime) != (self._size, self._mtime):
+            raise DataLossError(f"{where}file was modified after it was opened")
