@@ -243,7 +243,8 @@ class LoRA:
                 a_part = to_graph_layout(pair.a.convention, "a", plan.data.read_tensor(pair.a_name))
                 b_part = to_graph_layout(pair.b.convention, "b", plan.data.read_tensor(pair.b_name))
                 block = slice(offset, offset + pair.rank)
-                a[:, block] = a_part.astype(np.float32) * np.float32(scale)
+                with np.errstate(over="ignore", invalid="ignore"):  # non-finite: refused below
+                    a[:, block] = a_part.astype(np.float32) * np.float32(scale)
                 b[block, :] = b_part
                 if not allow_non_finite:
                     _check_finite(plan, pair, a[:, block], b[block, :])

@@ -102,7 +102,11 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
 
 
 def _a_prime(tensor: Any, shape: tuple[int, int], scale: float, path: Path):
-    return lambda: (np.float32(scale) * _dequantize(tensor, shape, path)).T
+    def compute() -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite values are refused later
+            return (np.float32(scale) * _dequantize(tensor, shape, path)).T
+
+    return compute
 
 
 def _b_prime(tensor: Any, shape: tuple[int, int], permuted: bool, head_dim: int | None, path: Path):

@@ -74,7 +74,7 @@ class PeftLoraConfig:
             raise UnimplementedError(f"{source}: DoRA adapters (use_dora=true) cannot be applied")
         if config.get("modules_to_save"):
             raise InvalidArgumentError(
-                f"{source}: modules_to_save {list(config['modules_to_save'])} replaces whole "
+                f"{source}: modules_to_save {config['modules_to_save']!r} replaces whole "
                 "modules, which a frozen base cannot take"
             )
         if config.get("bias", "none") not in ("none", None):
@@ -86,8 +86,14 @@ class PeftLoraConfig:
         if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
             raise InvalidArgumentError(f"{source}: 'lora_alpha' is {alpha!r}, expected a number")
         layers = config.get("layers_to_transform")
-        if isinstance(layers, int):
+        if isinstance(layers, int) and not isinstance(layers, bool):
             layers = [layers]
+        if layers is not None and (
+            not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+        ):
+            raise InvalidArgumentError(
+                f"{source}: layers_to_transform is {layers!r}, expected a layer index or a list of them"
+            )
         return cls(
             r=r,
             lora_alpha=float(alpha),
@@ -95,7 +101,7 @@ class PeftLoraConfig:
             rank_pattern=_pattern(config.get("rank_pattern"), "rank_pattern", source),
             alpha_pattern=_pattern(config.get("alpha_pattern"), "alpha_pattern", source),
             fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
-            layers_to_transform=tuple(int(x) for x in layers) if layers else None,
+            layers_to_transform=tuple(layers) if layers else None,
         )
 
     def rank_and_alpha(self, module: str) -> tuple[int, float]:
@@ -226,7 +232,8 @@ def _module_tensors(
         a = _float32(load(a_key), a_key, source)
         if r_key is not None:
             a = _float32(load(r_key), r_key, source) @ a
-        return (np.float32(scale) * a).T
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite values are refused later
+            return (np.float32(scale) * a).T
 
     def b_prime() -> np.ndarray:
         return _float32(load(b_key), b_key, source).T
