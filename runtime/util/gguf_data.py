@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
 
     path = Path(path)
     watch = FileWatch(path)
+    check_gguf_header(path)
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
@@ -99,6 +101,70 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
             (rank, b_shape[0]), np.dtype(np.float32), _b_prime(b, b_shape, needs_head_dim, head_dim, path)
         )
     return DerivedLoraData(tensors, source_name=str(path), format_name="gguf", watches=(watch,))
+
+
+# GGUF value types: fixed sizes; 8 = string, 9 = array.
+_FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+MAX_ITEMS = 1 << 20  # metadata arrays and tensor counts; an adapter has a few hundred
+MAX_HEADER_BYTES = 1 << 24
+
+
+def check_gguf_header(path: Path) -> None:
+    """Walks the GGUF header with bounds checks before the ``gguf`` reader sees it.
+
+    The reader trusts counts: a corrupt array length makes it loop for billions of
+    elements over a small file. Every count and length is checked against the bytes
+    that remain, and against ``MAX_ITEMS``.
+    """
+    with open(path, "rb") as file:
+        data = file.read(MAX_HEADER_BYTES)
+    cursor = 0
+
+    def take(size: int, what: str) -> bytes:
+        nonlocal cursor
+        if size < 0 or cursor + size > len(data):
+            raise InvalidArgumentError(f"{path}: not a readable GGUF file: {what} runs past the end of the header")
+        chunk = data[cursor : cursor + size]
+        cursor += size
+        return chunk
+
+    def number(fmt: str, what: str) -> int:
+        return struct.unpack("<" + fmt, take(struct.calcsize(fmt), what))[0]
+
+    def count(what: str, item_size: int) -> int:
+        n = number("Q", what)
+        if n > MAX_ITEMS or n * item_size > len(data) - cursor:
+            raise InvalidArgumentError(f"{path}: not a readable GGUF file: {what} of {n} items is implausible")
+        return n
+
+    def value(kind: int, what: str, depth: int = 0) -> None:
+        if kind in _FIXED_SIZES:
+            take(_FIXED_SIZES[kind], what)
+        elif kind == _STRING:
+            take(count(what, 1), what)
+        elif kind == _ARRAY and depth < 2:
+            item_kind = number("I", what)
+            for _ in range(count(what, _FIXED_SIZES.get(item_kind, 8))):
+                value(item_kind, what, depth + 1)
+        else:
+            raise InvalidArgumentError(f"{path}: not a readable GGUF file: {what} has unknown value type {kind}")
+
+    if take(4, "magic") != GGUF_MAGIC:
+        raise InvalidArgumentError(f"{path}: not a readable GGUF file: wrong magic")
+    version = number("I", "version")
+    if version not in (2, 3):
+        raise InvalidArgumentError(f"{path}: not a readable GGUF file: version {version}, expected 2 or 3")
+    tensors = count("tensor count", 8 + 4 + 4 + 8)
+    for index in range(count("metadata count", 8 + 4)):
+        key = take(count(f"metadata key {index}", 1), f"metadata key {index}")
+        value(number("I", f"metadata {key!r} type"), f"metadata {key!r}")
+    for index in range(tensors):
+        take(count(f"tensor {index} name", 1), f"tensor {index} name")
+        dims = number("I", f"tensor {index} dimensions")
+        if dims > 4:
+            raise InvalidArgumentError(f"{path}: not a readable GGUF file: tensor {index} has {dims} dimensions")
+        take(8 * dims + 4 + 8, f"tensor {index} info")
 
 
 def _a_prime(tensor: Any, shape: tuple[int, int], scale: float, path: Path):

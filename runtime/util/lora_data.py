@@ -253,16 +253,16 @@ class _FlatbufferReader:
         with self._guard("model root"):
             model = schema.Model.GetRootAs(self.buf, 0)
             self._check_table(model, "model root")
-            n_buffers = self._vector_len(model, 12, _UOFFSET, "model.buffers")
-            n_subgraphs = self._vector_len(model, 8, _UOFFSET, "model.subgraphs")
+            buffers = self._vector(model, 12, _UOFFSET, "model.buffers")
+            subgraphs_start, n_subgraphs = self._vector(model, 8, _UOFFSET, "model.subgraphs")
         if n_subgraphs == 0:
             raise InvalidArgumentError(f"{self.source}: the model has no subgraph")
         with self._guard("subgraph 0"):
-            subgraph = self._element(model.Subgraphs, 0, "subgraph")
-            n_tensors = self._vector_len(subgraph, 4, _UOFFSET, "subgraph 0 tensors")
+            subgraph = self._table_at(schema.SubGraph, subgraphs_start, 0, "subgraph 0")
+            tensors_start, n_tensors = self._vector(subgraph, 4, _UOFFSET, "subgraph 0 tensors")
         tensors: dict[str, TensorInfo] = {}
         for index in range(n_tensors):
-            info = self._tensor(subgraph, index, model, n_buffers)
+            info = self._tensor(tensors_start, index, buffers)
             if info.name in tensors:
                 raise InvalidArgumentError(
                     f"{self.source}: tensor {info.name!r}: duplicate name (tensor {index})"
@@ -270,10 +270,11 @@ class _FlatbufferReader:
             tensors[info.name] = info
         return _Parsed(tensors, self._metadata_rank(model))
 
-    def _tensor(self, subgraph: Any, index: int, model: Any, n_buffers: int) -> TensorInfo:
+    def _tensor(self, tensors_start: int, index: int, buffers: tuple[int, int]) -> TensorInfo:
         where = f"tensor {index}"
+        buffers_start, n_buffers = buffers
         with self._guard(where):
-            tensor = self._element(subgraph.Tensors, index, "tensor")
+            tensor = self._table_at(schema.Tensor, tensors_start, index, where)
             name = self._string(tensor, 10, where)
             where = f"tensor {name!r}"
             shape_start, n_dims = self._vector(tensor, 4, 4, f"{where} shape")
@@ -302,7 +303,7 @@ class _FlatbufferReader:
                 f"{n_buffers} buffers of the file"
             )
         with self._guard(f"{where} buffer"):
-            buffer = self._element(model.Buffers, buffer_index, "buffer")
+            buffer = self._table_at(schema.Buffer, buffers_start, buffer_index, f"buffer {buffer_index}")
         offset, nbytes, placement = self._data_range(buffer, where)
         expected = math.prod(shape) * dtype.itemsize
         if nbytes != expected:
@@ -331,8 +332,9 @@ class _FlatbufferReader:
 
     def _metadata_rank(self, model: Any) -> int | None:
         with self._guard("metadata"):
-            for i in range(self._vector_len(model, 16, _UOFFSET, "model.metadata")):
-                entry = self._element(model.Metadata, i, "metadata")
+            metadata_start, n_metadata = self._vector(model, 16, _UOFFSET, "model.metadata")
+            for i in range(n_metadata):
+                entry = self._table_at(schema.Metadata, metadata_start, i, f"metadata {i}")
                 if self._string(entry, 4, f"metadata {i}") == LORA_RANK_METADATA:
                     rank = int(entry.Buffer())
                     if not 0 < rank < MAX_DIMENSION:
@@ -368,10 +370,6 @@ class _FlatbufferReader:
         if not 0 <= vtable <= self.size - 4:
             raise DataLossError(f"{self.source}: {where}: vtable at byte {vtable} is outside the input")
 
-    def _vector_len(self, obj: Any, field: int, element_size: int, where: str) -> int:
-        """Length of a vector field, after checking all of it lies inside the input."""
-        return self._vector(obj, field, element_size, where)[1]
-
     def _vector(self, obj: Any, field: int, element_size: int, where: str) -> tuple[int, int]:
         """``(start, length)`` of a vector field, after checking it lies inside the input."""
         tab = obj._tab
@@ -387,12 +385,13 @@ class _FlatbufferReader:
             )
         return start, length
 
-    def _element(self, accessor: Any, index: int, where: str) -> Any:
-        element = accessor(index)
-        if element is None:
-            raise InvalidArgumentError(f"{self.source}: {where} {index} is missing")
-        self._check_table(element, f"{where} {index}")
-        return element
+    def _table_at(self, table_class: type, vector_start: int, index: int, where: str) -> Any:
+        """Element ``index`` of a checked vector of tables, as a schema object."""
+        slot = vector_start + _UOFFSET * index
+        table = table_class()
+        table.Init(self.buf, slot + struct.unpack_from("<I", self.buf, slot)[0])
+        self._check_table(table, where)
+        return table
 
     def _string(self, obj: Any, field: int, where: str) -> str:
         if not obj._tab.Offset(field):
