@@ -8,6 +8,7 @@ from pathlib import Path
 
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.components.residency import ResidencyPolicy
+from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from runtime.engine.session import Session, SessionRegistry
 from runtime.engine.stats import AdapterStats, EngineStats, ResidentStats
 from runtime.errors import FailedPreconditionError, NotFoundError
@@ -15,6 +16,7 @@ from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
+from runtime.util.litertlm_bundle import LitertLmBundle, is_litertlm
 
 
 class Engine:
@@ -24,10 +26,33 @@ class Engine:
     every session that asks for them; the base model is never reloaded. Thread-safe.
     """
 
-    def __init__(self, model_path: str | os.PathLike[str], settings: EngineSettings | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        settings: EngineSettings | None = None,
+        *,
+        tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+    ) -> None:
+        """``model_path``: a ``.tflite`` LLM export or a ``.litertlm`` bundle (whose
+        tokenizer is used unless ``tokenizer`` is given: a Tokenizer, or the path of a
+        ``tokenizer.json`` or SentencePiece model)."""
         self.model_path = Path(model_path)
         self.settings = settings or EngineSettings()
-        executor = LlmExecutor(self.model_path, ExecutorSettings(num_threads=self.settings.num_threads))
+        executor_settings = ExecutorSettings(num_threads=self.settings.num_threads)
+        bundled_tokenizer = None
+        if is_litertlm(self.model_path):
+            with LitertLmBundle(self.model_path) as bundle:
+                with bundle.section_bytes(bundle.model_section()) as view:
+                    model_bytes = bytes(view)
+                bundled_tokenizer = bundle.tokenizer()
+            executor = LlmExecutor(model_bytes, executor_settings, name=str(self.model_path))
+        else:
+            executor = LlmExecutor(self.model_path, executor_settings)
+        try:
+            self.tokenizer = _tokenizer(tokenizer, bundled_tokenizer)
+        except BaseException:
+            executor.close()
+            raise
         self._resources = ResourceManager(
             executor,
             residency=self.settings.lora_residency,
@@ -62,7 +87,7 @@ class Engine:
         config = config or SessionConfig()
         entries = [(self._resources.register(s), s.scale) for s in config.sources()]
         context = self._resources.new_context(entries)
-        return Session(self._resources, context, config.sampler, self._sessions)
+        return Session(self._resources, context, config.sampler, self._sessions, self.tokenizer)
 
     def set_residency(self, policy: ResidencyPolicy) -> None:
         """Changes which materialized adapters stay resident; applied at once."""
@@ -129,3 +154,14 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise FailedPreconditionError(f"{self.model_path}: the engine is closed")
+
+
+def _tokenizer(
+    given: Tokenizer | str | os.PathLike[str] | None, bundled: tuple[str, bytes] | None
+) -> Tokenizer | None:
+    if given is None and bundled is not None:
+        kind, data = bundled
+        return HfTokenizer(data) if kind == "hf" else SentencePieceTokenizer(data)
+    if isinstance(given, str | os.PathLike):
+        return load_tokenizer(given)
+    return given

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.components.sampler import Sampler, SamplerConfig
+from runtime.components.tokenizer import Tokenizer
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.framework.lora_source import LoraSource
@@ -62,6 +63,7 @@ class GenerationResult:
     prefill_seconds: float
     time_to_first_token_seconds: float
     decode_seconds: float
+    text: str | None = None  # the generated tokens decoded (stop token left out), with a tokenizer
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -84,9 +86,11 @@ class Session:
         context: ContextHandler,
         sampler: SamplerConfig,
         registry: SessionRegistry,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """Sessions are made by :meth:`Engine.create_session` and :meth:`clone`."""
         self._resources = resources
+        self._tokenizer = tokenizer
         self._context: ContextHandler | None = context
         self._sampler_config = sampler
         self._registry = registry
@@ -140,17 +144,27 @@ class Session:
 
     def generate(
         self,
-        prompt: Sequence[int],
+        prompt: str | Sequence[int],
         max_new_tokens: int = 32,
         sampler: Sampler | SamplerConfig | None = None,
-        stop_tokens: Sequence[int] = (),
+        stop_tokens: Sequence[int] | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> GenerationResult:
-        """Prefills ``prompt`` and samples up to ``max_new_tokens`` tokens.
+        """Prefills ``prompt`` (token ids, or text when the engine has a tokenizer) and
+        samples up to ``max_new_tokens`` tokens, calling ``on_token`` with each as it
+        comes.
 
+        Stops after a token of ``stop_tokens`` (default: the tokenizer's stop tokens).
         Every generated token is appended to the context, so the session can go on.
         Raises ``ResourceExhaustedError`` before doing anything when the prompt plus
         ``max_new_tokens`` would not fit the KV cache.
         """
+        if isinstance(prompt, str):
+            if self._tokenizer is None:
+                raise FailedPreconditionError("a text prompt needs an engine with a tokenizer")
+            prompt = self._tokenizer.encode(prompt)
+        if stop_tokens is None:
+            stop_tokens = self._tokenizer.stop_token_ids if self._tokenizer is not None else ()
         prompt = self._check_tokens(prompt)
         if not prompt:
             raise InvalidArgumentError("generate needs a prompt of at least one token")
@@ -175,6 +189,8 @@ class Session:
             first_token = time.perf_counter()
             stop_reason = "max_new_tokens"
             while True:
+                if on_token is not None:
+                    on_token(generated[-1])
                 logits = self._decode(context, generated[-1])
                 if generated[-1] in stops:
                     stop_reason = "stop_token"
@@ -184,6 +200,9 @@ class Session:
                 generated.append(sampler.sample(logits))
             end = time.perf_counter()
             self._counters.time_to_first_token_s = first_token - start
+        text = None
+        if self._tokenizer is not None:
+            text = self._tokenizer.decode(generated[:-1] if stop_reason == "stop_token" else generated)
         return GenerationResult(
             tokens=generated,
             prompt_tokens=len(prompt),
@@ -191,6 +210,7 @@ class Session:
             prefill_seconds=prefill_done - start,
             time_to_first_token_seconds=first_token - start,
             decode_seconds=end - first_token,
+            text=text,
         )
 
     # -- context management --------------------------------------------------------
@@ -199,7 +219,7 @@ class Session:
         """A new session with a copy of this one's context and the same adapters."""
         with self._use() as context:
             copy = self._resources.clone_context(context)
-        return Session(self._resources, copy, self._sampler_config, self._registry)
+        return Session(self._resources, copy, self._sampler_config, self._registry, self._tokenizer)
 
     def reset(self) -> None:
         """Empties the context (position 0); the adapters stay.

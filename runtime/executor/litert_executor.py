@@ -131,10 +131,18 @@ class LlmExecutor:
     from any thread.
     """
 
-    def __init__(self, model_path: str | os.PathLike[str], settings: ExecutorSettings | None = None) -> None:
-        self.model_path = Path(model_path)
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | bytes,
+        settings: ExecutorSettings | None = None,
+        *,
+        name: str | None = None,
+    ) -> None:
+        """``model``: a ``.tflite`` path, or the model's bytes (then ``name`` labels it)."""
+        self._model_bytes = model if isinstance(model, bytes) else None
+        self.model_path = Path(name or "<in-memory model>") if self._model_bytes is not None else Path(model)
         self.settings = settings or ExecutorSettings()
-        if not self.model_path.is_file():
+        if self._model_bytes is None and not self.model_path.is_file():
             raise NotFoundError(f"{self.model_path}: no such model file")
         with _native_stderr(muted=not self.settings.native_logs):
             self._model = self._load()
@@ -173,6 +181,8 @@ class LlmExecutor:
             HardwareAccelerator.CPU, cpu_options=CpuOptions(num_threads=self.settings.num_threads)
         )
         try:
+            if self._model_bytes is not None:
+                return CompiledModel.from_buffer(self._model_bytes, options=options)
             return CompiledModel.from_file(str(self.model_path), options=options)
         except Exception as exc:  # the library raises plain RuntimeError/ValueError
             reason = " ".join(str(exc).split())

@@ -1,0 +1,149 @@
+"""Tokenizers: text to token ids and back. Bytes, Hugging Face ``tokenizer.json``, SentencePiece."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from runtime.errors import InvalidArgumentError, NotFoundError
+
+# Special tokens that end a generation in common vocabularies.
+_STOP_TOKEN_TEXTS = ("</s>", "<|endoftext|>", "<eos>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+
+
+class Tokenizer(Protocol):
+    """What the engine needs to take text in and give text out."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens (vocabulary 256); for byte-level models."""
+
+    def __init__(self, stop_token_ids: Sequence[int] = ()) -> None:
+        self._stop = tuple(int(t) for t in stop_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """256."""
+        return 256
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The byte values that end a generation (e.g. ``10`` for a newline)."""
+        return self._stop
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text``."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes back to text; invalid UTF-8 sequences become U+FFFD."""
+        try:
+            return bytes(ids).decode("utf-8", errors="replace")
+        except ValueError:
+            raise InvalidArgumentError(f"byte tokens must be in [0, 256), got {list(ids)[:8]}") from None
+
+
+class HfTokenizer:
+    """A Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` library)."""
+
+    def __init__(self, source: str | os.PathLike[str] | bytes, stop_token_ids: Sequence[int] | None = None) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        try:
+            if isinstance(source, bytes):
+                self._tokenizer = _Tokenizer.from_str(source.decode("utf-8"))
+            else:
+                path = Path(source)
+                if not path.is_file():
+                    raise NotFoundError(f"{path}: no such tokenizer file")
+                self._tokenizer = _Tokenizer.from_file(str(path))
+        except NotFoundError:
+            raise
+        except Exception as exc:  # the library raises its own Exception subclasses
+            name = "<tokenizer.json bytes>" if isinstance(source, bytes) else str(source)
+            raise InvalidArgumentError(f"{name}: not a valid tokenizer.json: {exc}") from None
+        if stop_token_ids is None:
+            found = (self._tokenizer.token_to_id(text) for text in _STOP_TOKEN_TEXTS)
+            stop_token_ids = [token for token in found if token is not None]
+        self._stop = tuple(int(t) for t in stop_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the vocabulary including added tokens."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence tokens found in the vocabulary (or the ones given)."""
+        return self._stop
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens skipped."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model (read with the ``sentencepiece`` library)."""
+
+    def __init__(self, source: str | os.PathLike[str] | bytes, stop_token_ids: Sequence[int] | None = None) -> None:
+        import sentencepiece
+
+        self._processor = sentencepiece.SentencePieceProcessor()
+        name = "<sentencepiece bytes>" if isinstance(source, bytes) else str(source)
+        if not isinstance(source, bytes) and not Path(source).is_file():
+            raise NotFoundError(f"{source}: no such tokenizer file")
+        try:
+            proto = source if isinstance(source, bytes) else Path(source).read_bytes()
+            self._processor.LoadFromSerializedProto(proto)
+        except Exception as exc:  # RuntimeError or OSError from the library
+            raise InvalidArgumentError(f"{name}: not a valid SentencePiece model: {exc}") from None
+        if stop_token_ids is None:
+            eos = self._processor.eos_id()
+            stop_token_ids = [eos] if eos >= 0 else []
+        self._stop = tuple(int(t) for t in stop_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces."""
+        return self._processor.get_piece_size()
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-sequence id (or the ones given)."""
+        return self._stop
+
+    def encode(self, text: str) -> list[int]:
+        """Piece ids of ``text``."""
+        return list(self._processor.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``."""
+        return self._processor.decode(list(ids))
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """A tokenizer from a file: ``tokenizer.json`` (Hugging Face) or a SentencePiece model."""
+    path = Path(path)
+    if not path.is_file():
+        raise NotFoundError(f"{path}: no such tokenizer file")
+    with open(path, "rb") as file:
+        head = file.read(64).lstrip()
+    if head.startswith(b"{"):
+        return HfTokenizer(path)
+    return SentencePieceTokenizer(path)

@@ -1,0 +1,174 @@
+"""Reading ``.litertlm`` bundles (LiteRT-LM's container: model, tokenizer, metadata) over mmap.
+
+Layout (as ``litert-lm-builder`` 0.18 writes it): ``LITERTLM`` magic, major/minor/patch
+versions (uint32 each) at bytes 8-20, the end of the header (uint64) at byte 24, and from
+byte 32 a flatbuffer ``LiteRTLMMetaData`` {system_metadata: {entries: [KeyValuePair]},
+section_metadata: {objects: [SectionObject {items: [KeyValuePair], begin_offset,
+end_offset, data_type}]}}; each section's bytes lie at ``[begin_offset, end_offset)``,
+aligned to 16 KiB. A ``KeyValuePair`` is {key, value_type, value: union of one-field
+tables}. A Hugging Face tokenizer section holds the uint64 size of the JSON and then the
+JSON compressed with zlib.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
+from runtime.util.flatbuffer_table import FlatTable
+from runtime.util.scoped_file import ScopedFile
+
+MAGIC = b"LITERTLM"
+HEADER_BEGIN = 32
+SUPPORTED_MAJOR = 1
+
+SECTION_TYPES = {
+    0: "none", 1: "generic_binary_data", 2: "deprecated", 3: "tflite_model", 4: "sentencepiece_tokenizer",
+    5: "llm_metadata_proto", 6: "hf_tokenizer_zlib", 7: "tflite_weights", 8: "embedding_metadata_proto",
+    9: "executor_metadata_proto", 10: "tts_metadata_proto", 11: "asr_metadata_proto",
+}
+# VData union members: type code -> struct format of their single field (9 is a string).
+_VALUE_FORMATS = {1: "B", 2: "b", 3: "H", 4: "h", 5: "I", 6: "i", 7: "f", 8: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING_VALUE = 9
+PREFILL_DECODE = "tf_lite_prefill_decode"
+
+
+@dataclass(frozen=True)
+class BundleSection:
+    """One section: what it holds, where, and its key/value metadata."""
+
+    index: int
+    data_type: str
+    begin: int
+    end: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the section's data."""
+        return self.end - self.begin
+
+
+class LitertLmBundle:
+    """A ``.litertlm`` file, memory-mapped; sections are read as zero-copy views."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        with ScopedFile(self.path) as scoped:
+            self._map = scoped.memory_map()
+        try:
+            self.version, self.system_metadata, self.sections = self._parse()
+        except BaseException:
+            self._map.close()
+            raise
+
+    def _parse(self) -> tuple[tuple[int, int, int], dict[str, Any], list[BundleSection]]:
+        data, source = self._map, str(self.path)
+        if len(data) < HEADER_BEGIN or data[:8] != MAGIC:
+            raise InvalidArgumentError(f"{source}: not a .litertlm bundle (no LITERTLM magic)")
+        version = struct.unpack_from("<3I", data, 8)
+        if version[0] != SUPPORTED_MAJOR:
+            raise InvalidArgumentError(
+                f"{source}: .litertlm version {'.'.join(map(str, version))}, expected major {SUPPORTED_MAJOR}"
+            )
+        header_end = struct.unpack_from("<Q", data, 24)[0]
+        if not HEADER_BEGIN < header_end <= len(data):
+            raise DataLossError(f"{source}: header ends at byte {header_end}, outside the {len(data)}-byte file")
+        header = memoryview(data)[HEADER_BEGIN:header_end]
+        try:
+            root = FlatTable.root(header, source)
+            system = root.table(0)
+            sections = root.table(1)
+            system_metadata = _key_values(system.tables(0)) if system else {}
+            parsed = []
+            for index, entry in enumerate(sections.tables(0) if sections else []):
+                begin, end = int(entry.scalar(1, "Q")), int(entry.scalar(2, "Q"))
+                kind = int(entry.scalar(3, "B"))
+                if not 0 <= begin <= end <= len(data):
+                    raise DataLossError(
+                        f"{source}: section {index} at bytes [{begin}, {end}) is outside the {len(data)}-byte file"
+                    )
+                parsed.append(BundleSection(index, SECTION_TYPES.get(kind, f"unknown_{kind}"), begin, end,
+                                            _key_values(entry.tables(0))))
+        finally:
+            header.release()
+        return version, system_metadata, parsed
+
+    def section_bytes(self, section: BundleSection) -> memoryview:
+        """A read-only view of a section's data (valid until :meth:`close`)."""
+        return memoryview(self._map)[section.begin : section.end]
+
+    def model_section(self, model_type: str = PREFILL_DECODE) -> BundleSection:
+        """The TFLite model section of ``model_type`` (the LLM itself by default)."""
+        models = [s for s in self.sections if s.data_type == "tflite_model"]
+        for section in models:
+            if section.metadata.get("model_type", PREFILL_DECODE) == model_type:
+                return section
+        raise NotFoundError(
+            f"{self.path}: no {model_type} model section (models: "
+            f"{[s.metadata.get('model_type') for s in models]})"
+        )
+
+    def tokenizer(self) -> tuple[str, bytes] | None:
+        """``("hf", tokenizer.json bytes)`` or ``("sentencepiece", model bytes)``, or ``None``."""
+        for section in self.sections:
+            if section.data_type == "hf_tokenizer_zlib":
+                raw = self.section_bytes(section)
+                if len(raw) < 8:
+                    raise DataLossError(f"{self.path}: tokenizer section {section.index} is truncated")
+                size = struct.unpack_from("<Q", raw, 0)[0]
+                try:
+                    text = zlib.decompress(raw[8:])
+                except zlib.error as exc:
+                    raise DataLossError(f"{self.path}: tokenizer section {section.index}: {exc}") from None
+                if len(text) != size:
+                    raise DataLossError(
+                        f"{self.path}: tokenizer section {section.index} inflates to {len(text)} bytes, expected {size}"
+                    )
+                return "hf", text
+            if section.data_type == "sentencepiece_tokenizer":
+                return "sentencepiece", bytes(self.section_bytes(section))
+        return None
+
+    def close(self) -> None:
+        """Unmaps the file (views handed out must be released first)."""
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with it
+
+    def __enter__(self) -> LitertLmBundle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def is_litertlm(path: str | os.PathLike[str]) -> bool:
+    """Whether the file starts with the ``.litertlm`` magic."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(8) == MAGIC
+    except OSError:
+        return False
+
+
+def _key_values(entries: list[FlatTable]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for entry in entries:
+        key = entry.string(0)
+        kind = int(entry.scalar(1, "B"))
+        holder = entry.table(2)
+        if key is None or holder is None:
+            continue
+        if kind == _STRING_VALUE:
+            values[key] = holder.string(0)
+        elif kind in _VALUE_FORMATS:
+            values[key] = holder.scalar(0, _VALUE_FORMATS[kind])
+    return values

@@ -1,0 +1,97 @@
+"""Tests for runtime.util.litertlm_bundle with bundles written by litert-lm-builder."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from litert_lm_builder import litertlm_builder as builder
+
+from conftest import MODEL_FILES, adapter_path
+from runtime import Engine, SessionConfig
+from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, StatusError
+from runtime.util.litertlm_bundle import LitertLmBundle, is_litertlm
+
+
+@pytest.fixture(scope="module")
+def hf_json(tmp_path_factory):
+    """A word-level tokenizer.json whose ids fit the test model's 256-token vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "hello", "world", "adapter", "session", "runtime"] + [f"w{i}" for i in range(100)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def build_bundle(path, model, tokenizer_json=None):
+    bundle = builder.LitertLmFileBuilder()
+    bundle.add_system_metadata(builder.Metadata(key="Authors", value="runtime tests", dtype=builder.DType.STRING))
+    bundle.add_tflite_model(str(model), builder.TfLiteModelType.PREFILL_DECODE)
+    if tokenizer_json is not None:
+        bundle.add_hf_tokenizer(str(tokenizer_json))
+    with open(path, "wb") as stream:
+        bundle.build(stream)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bundle_path(tmp_path_factory, hf_json):
+    return build_bundle(tmp_path_factory.mktemp("bundle") / "model.litertlm", MODEL_FILES["default"], hf_json)
+
+
+def test_reads_sections_zero_copy(bundle_path, hf_json):
+    assert is_litertlm(bundle_path) and not is_litertlm(MODEL_FILES["default"])
+    with LitertLmBundle(bundle_path) as bundle:
+        assert bundle.version[0] == 1
+        assert bundle.system_metadata["Authors"] == "runtime tests"
+        assert [s.data_type for s in bundle.sections] == ["tflite_model", "hf_tokenizer_zlib"]
+        section = bundle.model_section()
+        with bundle.section_bytes(section) as view:
+            assert bytes(view) == MODEL_FILES["default"].read_bytes()
+        assert section.begin % (16 * 1024) == 0
+        assert bundle.tokenizer() == ("hf", hf_json.read_bytes())
+        with pytest.raises(NotFoundError, match="no tf_lite_embedder model section"):
+            bundle.model_section("tf_lite_embedder")
+
+
+def test_bundle_runs_like_the_bare_model(bundle_path):
+    prompt = [5, 17, 42, 200, 3, 99]
+    config = SessionConfig(lora_path=adapter_path("torch_r4"))
+    results = []
+    for model in (bundle_path, MODEL_FILES["default"]):
+        with Engine(model) as engine, engine.create_session(config) as session:
+            results.append(np.stack([session.run_prefill(prompt), session.run_decode(7)]))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_bundle_tokenizer_gives_text_in_text_out(bundle_path):
+    with Engine(bundle_path) as engine:
+        assert engine.tokenizer is not None
+        with engine.create_session() as session:
+            streamed = []
+            result = session.generate("hello world", max_new_tokens=5, on_token=streamed.append)
+    assert streamed == result.tokens
+    assert result.prompt_tokens == 2  # "hello", "world"
+    assert result.text == engine.tokenizer.decode(result.tokens[:-1] if result.stop_reason == "stop_token" else result.tokens)
+
+
+def test_corrupt_bundles(tmp_path, bundle_path):
+    blob = bundle_path.read_bytes()
+    cases = {
+        "short": blob[:20],
+        "bad version": blob[:8] + struct.pack("<I", 9) + blob[12:],
+        "header end past file": blob[:24] + struct.pack("<Q", len(blob) * 2) + blob[32:],
+        "truncated sections": blob[: len(blob) // 2],
+    }
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.litertlm"
+        path.write_bytes(data)
+        with pytest.raises(StatusError) as info:
+            with Engine(path):
+                pass
+        assert isinstance(info.value, (InvalidArgumentError, DataLossError)), (name, info.value)
+        assert str(path) in str(info.value)

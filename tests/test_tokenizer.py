@@ -1,0 +1,76 @@
+"""Tests for runtime.components.tokenizer: round trips for bytes, tokenizer.json and SentencePiece."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.components.tokenizer import ByteTokenizer, HfTokenizer, SentencePieceTokenizer, load_tokenizer
+from runtime.errors import InvalidArgumentError, NotFoundError
+
+TEXTS = ["hello world", "Ünïcödé and emoji 🙂", "", "line one\nline two"]
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world", "a small corpus for a tiny tokenizer",
+          "on-device runtimes swap adapters", "line one\nline two"] * 20
+
+
+@pytest.fixture(scope="module")
+def hf_json(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    import sentencepiece
+
+    folder = tmp_path_factory.mktemp("sp")
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(folder / "sp"), vocab_size=300, byte_fallback=True,
+        character_coverage=1.0, minloglevel=2)
+    return folder / "sp.model"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_round_trip(text):
+    tokenizer = ByteTokenizer(stop_token_ids=[10])
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < 256 for i in ids) and tokenizer.decode(ids) == text
+    assert tokenizer.stop_token_ids == (10,) and tokenizer.vocab_size == 256
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_hf_round_trip(hf_json, text):
+    for tokenizer in (HfTokenizer(hf_json), HfTokenizer(hf_json.read_bytes()), load_tokenizer(hf_json)):
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+        assert tokenizer.stop_token_ids == (tokenizer._tokenizer.token_to_id("</s>"),)
+
+
+@pytest.mark.parametrize("text", [t for t in TEXTS if "\n" not in t])
+def test_sentencepiece_round_trip(sp_model, text):
+    for tokenizer in (SentencePieceTokenizer(sp_model), SentencePieceTokenizer(sp_model.read_bytes()),
+                      load_tokenizer(sp_model)):
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+        assert tokenizer.vocab_size == 300 and tokenizer.stop_token_ids == (2,)
+
+
+def test_bad_tokenizer_files(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{ not json")
+    with pytest.raises(InvalidArgumentError, match="not a valid tokenizer.json"):
+        load_tokenizer(bad)
+    junk = tmp_path / "sp.model"
+    junk.write_bytes(b"\x00\x01 junk")
+    with pytest.raises(InvalidArgumentError, match="not a valid SentencePiece"):
+        load_tokenizer(junk)
+    with pytest.raises(NotFoundError):
+        load_tokenizer(tmp_path / "missing.json")
