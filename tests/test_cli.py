@@ -19,9 +19,32 @@ def test_generate_prints_tokens_and_timings():
                "--prompt-ids", "5,17,42", "--max-new-tokens", "4")
     assert done.returncode == 0, done.stderr
     tokens_line, timings = done.stdout.strip().splitlines()
-    assert len(tokens_line.split()) == 1 + 4
+    assert len(tokens_line.split()) == 4  # streamed as they came
     assert "ms/token" in timings and "prefill 3 tokens" in timings
     assert done.stderr == ""  # the native library's INFO lines stay off the terminal
+
+
+def test_generate_text_with_byte_tokens_and_adapter_from_stdin():
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime", "generate", "--model", str(MODEL_FILES["default"]), "--lora-buffer",
+         "--byte-tokens", "--prompt", "hi", "--max-new-tokens", "3"],
+        input=adapter_path("torch_r4").read_bytes(), capture_output=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert b"<in-memory buffer of 16640 bytes>" in done.stdout and b"prefill 2 tokens" in done.stdout
+
+
+def test_bench_prints_a_table():
+    done = cli("bench", "--model", MODEL_FILES["default"], "--lora", adapter_path("torch_r4"),
+               "--lora", adapter_path("litertlm_r4"), "--repeats", "1", "--steps", "8")
+    assert done.returncode == 0, done.stderr
+    assert "| decode step, base model |" in done.stdout and "switch a session" in done.stdout
+
+
+def test_help_texts():
+    for command in ("inspect", "generate", "convert", "bench"):
+        done = cli(command, "--help")
+        assert done.returncode == 0 and "usage: python -m runtime " + command in done.stdout
 
 
 def test_inspect_model_and_adapter():
@@ -45,6 +68,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,x"),
         ("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,999"),
         ("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1", "--lora", tmp_path),
+        ("generate", "--model", MODEL_FILES["default"], "--prompt", "text without a tokenizer"),
+        ("inspect", "--check", adapter_path("torch_r4")),
+        ("convert", adapter_path("torch_r4"), "--model", bogus, "--out", tmp_path / "o.tflite"),
+        ("bench", "--model", tmp_path / "missing.tflite"),
     ]
     for case in cases:
         done = cli(*case)

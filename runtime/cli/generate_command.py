@@ -1,12 +1,14 @@
-"""``generate``: run a prompt (token ids) through the model with adapters, with timings."""
+"""``generate``: run a prompt through the model with adapters, streaming tokens, with timings."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
 from runtime.components.sampler import SamplerConfig
+from runtime.components.tokenizer import ByteTokenizer, Tokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.errors import InvalidArgumentError
@@ -17,16 +19,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     """Registers the ``generate`` sub-command."""
     parser = commands.add_parser(
         "generate",
-        help="generate tokens from prompt token ids",
-        description="Generates from a prompt of token ids, streaming token ids as they come, "
-        "and prints prefill and decode timings.",
+        help="generate from a prompt (text or token ids), streaming",
+        description="Generates from a prompt, streaming tokens as they are produced, then prints "
+        "prefill and decode timings. Text prompts need a tokenizer: the model's bundle, "
+        "--tokenizer, or --byte-tokens for byte-level models.",
     )
-    parser.add_argument("--model", type=Path, required=True, help="the .tflite model")
+    parser.add_argument("--model", type=Path, required=True, help="a .tflite model or .litertlm bundle")
     parser.add_argument(
         "--lora", action="append", default=[], metavar="PATH[:SCALE]",
-        help="an adapter file, optionally with a scale; repeat to blend several",
+        help="an adapter (.tflite, GGUF or PEFT directory), optionally with a scale; repeat to blend",
     )
-    parser.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 5,17,42")
+    parser.add_argument("--lora-buffer", action="store_true",
+                        help="also read one .tflite adapter's bytes from standard input (an in-memory adapter)")
+    parser.add_argument("--lora-buffer-scale", type=float, default=1.0)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42")
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    tokens = parser.add_mutually_exclusive_group()
+    tokens.add_argument("--tokenizer", type=Path, help="a tokenizer.json or SentencePiece model")
+    tokens.add_argument("--byte-tokens", action="store_true", help="UTF-8 bytes are the tokens")
+    parser.add_argument("--stop-token", type=int, action="append", default=None,
+                        help="a token id that ends the generation; repeatable")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -56,22 +69,40 @@ def parse_token_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Loads the model, generates and prints the tokens and timings."""
-    prompt = parse_token_ids(args.prompt_ids)
+    """Loads the model, generates (printing tokens as they come) and prints the timings."""
     sampler = SamplerConfig(args.temperature, args.top_k, args.top_p, args.seed)
     loras = [parse_lora_argument(text) for text in args.lora]
+    if args.lora_buffer:
+        blob = sys.stdin.buffer.read()
+        if not blob:
+            raise InvalidArgumentError("--lora-buffer: nothing was read from standard input")
+        loras.append(LoraSource(buffer=blob, scale=args.lora_buffer_scale))
+    tokenizer: Tokenizer | Path | None = args.tokenizer
+    if args.byte_tokens:
+        tokenizer = ByteTokenizer(stop_token_ids=args.stop_token or ())
     started = time.perf_counter()
-    with Engine(args.model, EngineSettings(num_threads=args.threads)) as engine:
+    with Engine(args.model, EngineSettings(num_threads=args.threads), tokenizer=tokenizer) as engine:
         loaded = time.perf_counter()
+        if args.prompt is not None and engine.tokenizer is None:
+            raise InvalidArgumentError("--prompt needs a tokenizer: give --tokenizer or --byte-tokens")
         session = engine.create_session(SessionConfig(loras=loras, sampler=sampler))
         ready = time.perf_counter()
-        result = session.generate(prompt, max_new_tokens=args.max_new_tokens)
-        print("tokens:", " ".join(map(str, result.tokens)), flush=True)
+        prompt = args.prompt if args.prompt is not None else parse_token_ids(args.prompt_ids)
+        text_mode = args.prompt is not None
+
+        def show(token: int) -> None:
+            piece = engine.tokenizer.decode([token]) if text_mode else f"{token} "
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        result = session.generate(prompt, max_new_tokens=args.max_new_tokens, stop_tokens=args.stop_token,
+                                  on_token=show)
         steps = max(len(result.tokens) - 1, 1)
+        print()
         print(
             f"model load {1e3 * (loaded - started):.1f} ms | adapters "
             f"{[source.label for source in loras] or 'none'} registered in {1e3 * (ready - loaded):.2f} ms | "
-            f"prefill {len(prompt)} tokens {1e3 * result.prefill_seconds:.2f} ms | "
+            f"prefill {result.prompt_tokens} tokens {1e3 * result.prefill_seconds:.2f} ms | "
             f"first token {1e3 * result.time_to_first_token_seconds:.2f} ms | "
             f"decode {1e3 * result.decode_seconds / steps:.3f} ms/token "
             f"({result.decode_tokens_per_second:,.0f} tokens/s) | stop: {result.stop_reason}"

@@ -22,15 +22,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Prints a model's signatures, inputs and LoRA rank slots, or an adapter's "
         "convention, rank and tensors. With --model, also says whether the adapter fits.",
     )
-    parser.add_argument("file", type=Path, help="a .tflite model or LoRA adapter")
-    parser.add_argument("--model", type=Path, help="check that FILE (an adapter) fits this model")
+    parser.add_argument("file", type=Path, nargs="?", help="a .tflite model or an adapter")
+    parser.add_argument("--check", type=Path, metavar="ADAPTER", help="the adapter to check against --model")
+    parser.add_argument("--model", type=Path, help="check that the adapter fits this model")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Prints the description; a file that is neither kind raises InvalidArgumentError."""
+    adapter = args.check or args.file
+    if adapter is None:
+        raise InvalidArgumentError("inspect needs a FILE, or --check ADAPTER --model M")
+    if args.check is not None and args.file is not None:
+        raise InvalidArgumentError("give FILE or --check ADAPTER, not both")
     if args.model is not None:
-        return _check_fit(args.file, args.model)
+        return _check_fit(adapter, args.model)
+    if args.check is not None:
+        raise InvalidArgumentError("--check needs --model")
     try:
         adapter = open_adapter(args.file)
     except StatusError as adapter_error:

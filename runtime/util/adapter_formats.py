@@ -16,6 +16,7 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,10 @@ AdapterKey = tuple
 def detect_format(path: str | os.PathLike[str]) -> str:
     """``"tflite"``, ``"gguf"`` or ``"peft"``, from the content; ``InvalidArgumentError`` otherwise."""
     path = Path(path)
-    if path.is_dir() or (path.suffix == ".safetensors" and (path.parent / CONFIG_FILE).is_file()):
-        if not (_peft_dir(path) / CONFIG_FILE).is_file():
-            raise InvalidArgumentError(f"{path}: a directory without {CONFIG_FILE} is not a PEFT adapter")
+    if _is_peft(path):
         return PEFT
+    if path.is_dir():
+        raise InvalidArgumentError(f"{path}: a directory without {CONFIG_FILE} is not a PEFT adapter")
     with ScopedFile(path) as scoped:
         head = os.pread(scoped.fileno(), 8, 0)
     if len(head) == 0:
@@ -83,11 +84,17 @@ def file_identity(path: str | os.PathLike[str]) -> AdapterKey:
     """Device, inode, size and mtime of the adapter's files: another path or a link to the
     same files gives the same key; rewriting them gives another."""
     path = Path(path)
-    files = [_peft_dir(path) / CONFIG_FILE, _peft_dir(path) / WEIGHTS_FILE] if detect_format(path) == PEFT else [path]
+    files = [_peft_dir(path) / CONFIG_FILE, _peft_dir(path) / WEIGHTS_FILE] if _is_peft(path) else [path]
     key: list[Any] = ["file"]
     for file in files:
-        with ScopedFile(file) as scoped:
-            st = os.fstat(scoped.fileno())
+        try:
+            st = os.stat(file)
+        except OSError:
+            with ScopedFile(file):  # raises the precise status error (missing, no permission...)
+                pass
+            raise
+        if stat.S_ISDIR(st.st_mode):
+            detect_format(file)  # a directory that is not a PEFT adapter: says why
         key += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
     return tuple(key)
 
@@ -107,6 +114,12 @@ def buffer_identity(buffer: AdapterBuffer | Mapping[str, Any], peft_config: Mapp
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"cannot read the in-memory adapter: {exc}") from None
     return ("blob", digest.hexdigest())
+
+
+def _is_peft(path: Path) -> bool:
+    return (path.is_dir() and (path / CONFIG_FILE).is_file()) or (
+        path.suffix == ".safetensors" and (path.parent / CONFIG_FILE).is_file()
+    )
 
 
 def _peft_dir(path: Path) -> Path:

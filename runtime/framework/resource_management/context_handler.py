@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from runtime.components.lora import LoRA
 from runtime.components.lora_manager import Blend
@@ -13,9 +16,9 @@ from runtime.executor.litert_executor import Binding, KvCache
 class ContextHandler:
     """A session's adapters (as a blend of loaded ids and scales), KV cache and position.
 
-    ``binding`` caches the executor arguments for this KV cache with the adapter buffers
-    it was built for (``bound_lora``); the resource manager rebuilds it only when those
-    buffers change.
+    ``binding`` is the executor arguments for this KV cache with the adapter buffers it
+    was built for (``bound_lora``). Bindings for a few recently used buffers are kept in
+    ``recent``, so switching back and forth between adapters rebuilds nothing.
     """
 
     blend: Blend
@@ -23,13 +26,41 @@ class ContextHandler:
     position: int = 0
     binding: Binding | None = field(default=None, repr=False)
     bound_lora: LoRA | None = field(default=None, repr=False)
+    recent: dict[int, tuple[LoRA | None, Binding]] = field(default_factory=dict, repr=False)
+    # Evictions on other threads drop bindings while the session may be binding.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    RECENT_BINDINGS: ClassVar[int] = 4
 
     @property
     def lora_ids(self) -> list[int]:
         """The ids of the adapters this context uses."""
         return [lora_id for lora_id, _ in self.blend]
 
+    def use_binding(self, lora: LoRA | None, build: Callable[[], Binding]) -> Binding:
+        """The binding for ``lora``'s buffers: the current one, a recent one, or ``build()``."""
+        with self._lock:
+            if self.binding is not None and lora is self.bound_lora:
+                return self.binding
+            cached = self.recent.pop(id(lora), None)
+            binding = cached[1] if cached is not None and cached[0] is lora else build()
+            self.recent[id(lora)] = (lora, binding)  # most recent last
+            while len(self.recent) > self.RECENT_BINDINGS:
+                del self.recent[next(iter(self.recent))]
+            self.binding, self.bound_lora = binding, lora
+            return binding
+
+    def forget_lora(self, lora: LoRA) -> None:
+        """Drops every binding to ``lora``'s buffers (they were evicted)."""
+        with self._lock:
+            if self.recent.get(id(lora), (None,))[0] is lora:
+                del self.recent[id(lora)]
+            if self.bound_lora is lora:
+                self.binding = self.bound_lora = None
+
     def forget_binding(self) -> None:
-        """Drops the cached binding (after an adapter change or when closing)."""
-        self.binding = None
-        self.bound_lora = None
+        """Drops all bindings (when closing)."""
+        with self._lock:
+            self.binding = None
+            self.bound_lora = None
+            self.recent.clear()

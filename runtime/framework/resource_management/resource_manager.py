@@ -71,6 +71,7 @@ class ResourceManager:
         self._next_id = 1
         self._lock = threading.RLock()
         self._contexts: weakref.WeakSet[ContextHandler] = weakref.WeakSet()
+        self._contexts_lock = threading.Lock()  # WeakSet iteration is not thread-safe
         self._last_run: tuple[int, LoRA | None] | None = None
         self.load_latency = LatencyRecorder()
         self.switch_latency = LatencyRecorder()
@@ -152,7 +153,8 @@ class ResourceManager:
         except BaseException:
             self._unpin(blend)
             raise
-        self._contexts.add(context)
+        with self._contexts_lock:
+            self._contexts.add(context)
         return context
 
     def clone_context(self, context: ContextHandler) -> ContextHandler:
@@ -164,7 +166,8 @@ class ResourceManager:
             self._unpin(context.blend)
             raise
         clone = ContextHandler(context.blend, kv, context.position)
-        self._contexts.add(clone)
+        with self._contexts_lock:
+            self._contexts.add(clone)
         return clone
 
     def set_blend(self, context: ContextHandler, entries: Iterable[tuple[int, float]]) -> None:
@@ -172,8 +175,7 @@ class ResourceManager:
         blend = self._check_blend(entries)
         self._pin(blend)
         self._unpin(context.blend)
-        context.blend = blend
-        context.forget_binding()
+        context.blend = blend  # the next run binds the new buffers (or a recent binding)
 
     def release_context(self, context: ContextHandler) -> None:
         """Unpins the context's adapters and drops its KV cache."""
@@ -216,21 +218,20 @@ class ResourceManager:
         return self._bind(context, lora)
 
     def _bind(self, context: ContextHandler, lora: LoRA | None) -> Binding:
-        if context.binding is None or lora is not context.bound_lora:
-            context.binding = (
-                self.executor.bind(context.kv, lora.buffers, lora.slot_rank)
-                if lora is not None
-                else self.executor.bind(context.kv)
-            )
-            context.bound_lora = lora
-        return context.binding
+        return context.use_binding(
+            lora,
+            lambda: self.executor.bind(context.kv, lora.buffers, lora.slot_rank)
+            if lora is not None
+            else self.executor.bind(context.kv),
+        )
 
     def _unbind_evicted(self, blend: Blend, lora: LoRA) -> None:
         """Lets idle contexts drop their references to evicted buffers (a running context
         cannot hold them: running blends are never evicted)."""
-        for context in list(self._contexts):
-            if context.bound_lora is lora:
-                context.forget_binding()
+        with self._contexts_lock:
+            contexts = list(self._contexts)
+        for context in contexts:
+            context.forget_lora(lora)
 
     def _check_blend(self, entries: Iterable[tuple[int, float]]) -> Blend:
         blend = normalize_blend(entries)

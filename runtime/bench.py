@@ -1,0 +1,356 @@
+"""Measurements of what adapters cost: per token, per switch, per session, in memory.
+
+Used by ``python -m runtime bench`` (a quick table for one model) and by
+``benchmarks/run.py`` (the full suite, with llama.cpp side by side). Every figure is the
+median of repeated runs; ratios compare figures measured in the same run, interleaved
+where it matters, because the machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.components.residency import Lru
+from runtime.engine.config import EngineSettings, SessionConfig
+from runtime.engine.engine import Engine
+from runtime.engine.session import Session
+from runtime.framework.lora_source import LoraSource
+from runtime.util.lora_util import PROJECTIONS, SIDES, Convention, lora_input_name, parse_lora_input_name
+from runtime.util.lora_writer import LoraWeights, serialize_lora_tensors, write_lora_file
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement: what, how much, in which unit, and a note (ratios, targets)."""
+
+    section: str
+    what: str
+    value: float
+    unit: str
+    note: str = ""
+
+
+def median_seconds(action: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``action`` over ``repeats`` runs."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _decoder(session: Session, steps: int) -> Callable[[], None]:
+    """``steps + 1`` decode steps (fixed tokens), rewinding whenever the KV cache is full."""
+    limit = session._resources.executor.spec.kv_length
+
+    def run() -> None:
+        session.reset()
+        for i in range(steps + 1):
+            if session.position == limit:
+                session.reset()
+            session.run_decode(i % 97 + 1)
+    return run
+
+
+class InvokeTimer:
+    """Times the bare invokes inside a session's steps (the part that is not ours)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._fast = engine._resources.executor._fast
+        self._run = self._fast.run
+        self.seconds = 0.0
+        self.count = 0
+
+    def __enter__(self) -> InvokeTimer:
+        def timed(index, prepared):
+            start = time.perf_counter()
+            self._run(index, prepared)
+            self.seconds += time.perf_counter() - start
+            self.count += 1
+        self._fast.run = timed
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        del self._fast.run  # back to the class method
+
+
+def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, repeats: int) -> dict[str, dict]:
+    """Per config: step time, bare invoke time, and the runtime's own share of the step.
+
+    Configs are measured round-robin, one repeat each per round, so drift in the
+    machine's speed hits them all alike.
+    """
+    sessions = {name: engine.create_session(config) for name, config in configs.items()}
+    for session in sessions.values():
+        _decoder(session, 4)()
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in sessions}
+    for _ in range(repeats):
+        for name, session in sessions.items():
+            with InvokeTimer(engine) as timer:
+                start = time.perf_counter()
+                _decoder(session, steps)()
+                total = time.perf_counter() - start
+            samples[name].append((total / (steps + 1), timer.seconds / timer.count))
+    out = {}
+    for name, pairs in samples.items():
+        step = statistics.median(p[0] for p in pairs)
+        invoke = statistics.median(p[1] for p in pairs)
+        glue = statistics.median((p[0] - p[1]) / p[0] for p in pairs)
+        out[name] = {"step": step, "invoke": invoke, "glue_share": glue,
+                     "slot": getattr(sessions[name]._context.bound_lora, "slot_rank", None)}
+        sessions[name].close()
+    return out
+
+
+def bench_switch(engine: Engine, a: LoraSource, b: LoraSource, steps: int, repeats: int) -> dict[str, float]:
+    """Per decode step: one session alone; two sessions alternating (same adapter, different
+    adapters); one session switched between two resident adapters before each step."""
+    one = engine.create_session(SessionConfig(loras=[a]))
+    twin = engine.create_session(SessionConfig(loras=[a]))
+    other = engine.create_session(SessionConfig(loras=[b]))
+    switcher = engine.create_session(SessionConfig(loras=[a]))
+    for session in (one, twin, other, switcher):
+        _decoder(session, 2)()
+    switcher.set_adapters([b], reset=True)
+    switcher.run_decode(1)  # both blends resident now
+
+    def alternate(x: Session, y: Session) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(steps // 2):
+                for s in (x, y):
+                    if i % 32 == 0:
+                        s.reset()
+                    s.run_decode(i % 97 + 1)
+        return run
+
+    def switching() -> None:
+        for i in range(steps // 2):
+            for source in (b, a):
+                switcher.set_adapters([source], reset=True)
+                switcher.run_decode(i % 97 + 1)
+
+    results: dict[str, list[float]] = {"alone": [], "alternate_same": [], "alternate_other": [], "switch": []}
+    for _ in range(repeats):
+        results["alone"].append(median_seconds(_decoder(one, steps), 1) / (steps + 1))
+        results["alternate_same"].append(median_seconds(alternate(one, twin), 1) / steps)
+        results["alternate_other"].append(median_seconds(alternate(one, other), 1) / steps)
+        results["switch"].append(median_seconds(switching, 1) / steps)
+    for session in (one, twin, other, switcher):
+        session.close()
+    return {name: statistics.median(values) for name, values in results.items()}
+
+
+def bench_cold_switch(model: str | os.PathLike[str], sources: Sequence[LoraSource], repeats: int) -> list[tuple[int, float]]:
+    """Cold switch (adapter evicted, rebuilt on use) + one decode step, per adapter size."""
+    results = []
+    with Engine(model, EngineSettings(lora_residency=Lru(max_resident=1))) as engine:
+        for source in sources:
+            session = engine.create_session(SessionConfig(loras=[source]))
+            evictor = engine.create_session(SessionConfig(loras=[s for s in sources if s is not source][:1]))
+
+            def cold() -> None:
+                evictor.run_decode(1)  # evicts the other blend (Lru(1))
+                session.reset()
+                start = time.perf_counter()
+                session.run_decode(1)
+                times.append(time.perf_counter() - start)
+
+            times: list[float] = []
+            for _ in range(repeats):
+                cold()
+            resident = engine.stats().resident
+            nbytes = next((r.nbytes for r in resident if r.blend == tuple(session.blend)), 0)
+            results.append((nbytes, statistics.median(times)))
+            session.close()
+            evictor.close()
+    return results
+
+
+def bench_register(sizes_mb: Sequence[int], repeats: int) -> list[tuple[float, float]]:
+    """``(file MB, ms)``: time to open and parse an adapter file (256 tensors) by size."""
+    from runtime.util.lora_data import LoraData
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for megabytes in sizes_mb:
+            path = Path(tmp) / f"a{megabytes}.tflite"
+            _write_wide_adapter(path, megabytes)
+            LoraData.create_from_file_path(path).close()
+            seconds = median_seconds(lambda: LoraData.create_from_file_path(path).close(), repeats)
+            results.append((path.stat().st_size / 1e6, seconds * 1e3))
+            path.unlink()
+    return results
+
+
+def _write_wide_adapter(path: Path, megabytes: int, layers: int = 32) -> None:
+    """A LiteRT-LM style file of about ``megabytes`` MB with 256 float16 rank-16 tensors."""
+    tensors_per_file = layers * len(PROJECTIONS) * len(SIDES)
+    width = max(1, megabytes * (1 << 20) // (tensors_per_file * 16 * 2))
+    zeros = np.zeros((16, width), np.float16)
+    tensors = {
+        lora_input_name(Convention.LITERT_LM, layer, proj, side): zeros
+        for layer in range(layers) for proj in PROJECTIONS for side in SIDES
+    }
+    path.write_bytes(serialize_lora_tensors(tensors, external_data=True, lora_rank=16))
+
+
+def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, seed: int = 0) -> list[Path]:
+    """``count`` distinct random adapter files that fit ``engine``'s model at ``rank``."""
+    spec = engine.spec
+    slot = spec.lora_slot(spec.smallest_slot(rank))
+    shapes = {}
+    for name, tensor in slot.items():
+        parsed = parse_lora_input_name(name)
+        graph = tensor.shape if parsed.convention is Convention.LITERT_TORCH or parsed.side == "b" else tensor.shape[::-1]
+        shapes[(parsed.layer, parsed.projection, parsed.side)] = graph
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(count):
+        weights = {}
+        for (layer, proj, side), shape in shapes.items():
+            if side == "a":
+                a = rng.normal(0, 0.02, (shape[0], rank)).astype(np.float32)
+                b = rng.normal(0, 0.02, (rank, shapes[(layer, proj, "b")][1])).astype(np.float32)
+                weights[(layer, proj)] = LoraWeights(a, b)
+        paths.append(write_lora_file(folder / f"adapter_{i}.tflite", weights, Convention.LITERT_TORCH))
+    return paths
+
+
+def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cycles: int = 10_000) -> dict[str, float]:
+    """RSS per registered and per resident adapter, after unload; ``count`` adapters used
+    under ``Lru(4)``; growth over ``cycles`` switch+decode cycles."""
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp, Engine(model, EngineSettings(lora_residency=Lru(max_resident=4))) as engine:
+        paths = random_adapter_files(engine, Path(tmp), count, rank)
+        warm = engine.create_session()
+        warm.run_decode(1)
+        base = rss_bytes()
+        ids = [engine.register_adapter(LoraSource(path=p)) for p in paths]
+        registered = rss_bytes()
+        out["registered_per_adapter_bytes"] = (registered - base) / count
+        out["tensor_bytes_per_adapter"] = engine.stats().adapters[0].tensor_bytes
+        sessions = []
+        before_resident = rss_bytes()
+        for path in paths[:4]:
+            session = engine.create_session(SessionConfig(lora_path=path))
+            session.run_decode(1)
+            sessions.append(session)
+        stats = engine.stats()
+        out["resident_per_adapter_bytes"] = (rss_bytes() - before_resident) / 4
+        out["resident_buffer_bytes"] = stats.resident[0].nbytes
+        out["slot_float32_bytes"] = stats.resident[0].nbytes  # buffers are the slot's float32 inputs
+        for session in sessions:
+            session.close()
+        for path in paths:  # use every adapter once under Lru(4)
+            with engine.create_session(SessionConfig(lora_path=path)) as session:
+                session.run_decode(1)
+        out["rss_1000_registered_lru4_bytes"] = rss_bytes() - base
+        out["resident_after_lru_walk"] = len(engine.stats().resident)
+        a = engine.create_session(SessionConfig(lora_path=paths[0]))
+        b = engine.create_session(SessionConfig(lora_path=paths[1]))
+        for i in range(500):
+            for s in (a, b):
+                if s.position > 200:
+                    s.reset()
+                s.run_decode(i % 97 + 1)
+        start = rss_bytes()
+        for i in range(cycles // 2):
+            for s in (a, b):
+                if s.position > 200:
+                    s.reset()
+                s.run_decode(i % 97 + 1)
+        out["growth_per_switch_bytes"] = (rss_bytes() - start) / cycles
+        a.close()
+        b.close()
+        for lora_id in ids:
+            engine.unload_adapter(lora_id)
+        out["after_unload_bytes"] = rss_bytes() - base
+    return out
+
+
+def bench_concurrency(model: str | os.PathLike[str], sources: Sequence[LoraSource], counts: Sequence[int],
+                      steps: int, num_threads: int = 1) -> dict[int, float]:
+    """Aggregate decode tokens/s with N sessions (distinct adapters) on N threads."""
+    results = {}
+    with Engine(model, EngineSettings(num_threads=num_threads)) as engine:
+        for count in counts:
+            sessions = [engine.create_session(SessionConfig(loras=[sources[i % len(sources)]])) for i in range(count)]
+            for session in sessions:
+                _decoder(session, 2)()
+            barrier = threading.Barrier(count + 1)
+
+            def drive(session: Session) -> None:
+                barrier.wait()
+                _decoder(session, steps)()
+
+            threads = [threading.Thread(target=drive, args=(s,)) for s in sessions]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            start = time.perf_counter()
+            for t in threads:
+                t.join()
+            results[count] = count * (steps + 1) / (time.perf_counter() - start)
+            for session in sessions:
+                session.close()
+    return results
+
+
+def quick_table(model: str | os.PathLike[str], adapters: Sequence[str], steps: int = 64, repeats: int = 7,
+                num_threads: int = 1) -> list[Row]:
+    """What ``python -m runtime bench`` prints: decode and switch costs on one model."""
+    rows = []
+    with Engine(model, EngineSettings(num_threads=num_threads)) as engine:
+        sources = [LoraSource(path=p) for p in adapters]
+        configs = {"base model": SessionConfig()}
+        for source in sources:
+            configs[f"adapter {Path(source.path).name}"] = SessionConfig(loras=[source])
+        if len(sources) >= 2:
+            configs["blend of the first two (0.5/0.5)"] = SessionConfig(
+                loras=[LoraSource(path=sources[0].path, scale=0.5), LoraSource(path=sources[1].path, scale=0.5)])
+        decode = bench_decode(engine, configs, steps, repeats)
+        plain = decode["base model"]["step"]
+        for name, d in decode.items():
+            rows.append(Row("decode", f"decode step, {name}", d["step"] * 1e3, "ms",
+                            f"{d['step'] / plain:.3f}x base; runtime's own share {100 * d['glue_share']:.1f}%"
+                            + (f"; slot r{d['slot']}" if d["slot"] else "")))
+        if len(sources) >= 2:
+            switch = bench_switch(engine, sources[0], sources[1], steps, repeats)
+            alone = switch["alone"]
+            rows += [
+                Row("switch", "decode step, two sessions alternating, different adapters",
+                    switch["alternate_other"] * 1e3, "ms", f"{switch['alternate_other'] / alone:.3f}x one session"),
+                Row("switch", "switch a session between two resident adapters + next decode step",
+                    switch["switch"] * 1e3, "ms", f"{switch['switch'] / alone:.3f}x one session's step"),
+            ]
+    return rows
+
+
+def render(rows: Sequence[Row], title: str = "") -> str:
+    """Rows as a markdown table."""
+    lines = [title, ""] if title else []
+    lines += ["| measurement | value | note |", "|---|---:|---|"]
+    lines += [f"| {r.what} | {r.value:,.4g} {r.unit} | {r.note} |" for r in rows]
+    return "\n".join(lines)
