@@ -1,185 +1,121 @@
-"""Benchmarks: what an adapter costs per token, per switch and per session, side by side.
+"""The benchmark suite: what adapters cost in latency and memory, side by side with llama.cpp.
 
-    python benchmarks/run.py [--model M] [--repeats N] [--steps N]
+    python benchmarks/run.py [--quick] [--skip-llama-cpp]
 
-Every figure is the median of ``--repeats`` runs; ratios compare figures measured in
-the same run. Prints a markdown table and writes it to ``benchmarks/results/results.md``.
+Needs the ``bench`` extra (matplotlib for the plots) and the committed models in
+``benchmarks/models/`` (rebuilt by ``tools/build_bench_models.py``). The llama.cpp column
+needs ``bash benchmarks/llama_cpp/setup.sh`` once (its own virtualenv, ~6 minutes to
+compile); without it that section is skipped. Every figure is the median of repeated
+runs; ratios are measured in the same run. Writes ``benchmarks/results/results.md``,
+``results.json`` and PNG plots.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import json
+import multiprocessing as mp
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
-
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_util import PROJECTIONS, SIDES, Convention, lora_input_name
-from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.bench import (
+    bench_cold_switch,
+    bench_concurrency,
+    bench_decode,
+    bench_graph,
+    bench_memory,
+    bench_register,
+    bench_switch,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = ROOT / "tests" / "models" / "gqa_default.tflite"
-ADAPTERS = ROOT / "tests" / "models" / "adapters"
-RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+MODELS = HERE / "models"
+RESULTS = HERE / "results"
+TEST_MODEL = HERE.parent / "tests" / "models" / "gqa_default.tflite"
+TEST_ADAPTERS = HERE.parent / "tests" / "models" / "adapters"
+LLAMA_PYTHON = HERE / "llama_cpp" / ".venv" / "bin" / "python"
+LLAMA_SCRIPT = HERE / "llama_cpp" / "bench_llama_cpp.py"
 
-
-@dataclass
-class Row:
-    """One line of the table."""
-
-    what: str
-    value: float
-    unit: str
-    note: str = ""
-
-
-def median_time(action: Callable[[], object], repeats: int, per: int = 1) -> float:
-    """Median wall time of ``action`` over ``repeats`` runs, divided by ``per``."""
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        samples.append((time.perf_counter() - start) / per)
-    return statistics.median(samples)
+R8_A, R8_B, R64 = (LoraSource(path=MODELS / n) for n in ("peft_r8_a", "peft_r8_b", "peft_r64"))
 
 
-def decode_steps(session, steps: int) -> Callable[[], None]:
-    """A timed action: ``steps`` decode steps, rewinding the session to keep it in range."""
-    def run() -> None:
-        session.reset()
-        session.run_prefill([1])
-        for i in range(steps):
-            session.run_decode(i % 200)
-    return run
+def decode_section(repeats: int, steps: int) -> dict:
+    """Decode step per model and adapter configuration, with the graph's own ratio."""
+    models = {"test model (f32)": (TEST_MODEL, {
+        "base": SessionConfig(),
+        "rank-4 adapter": SessionConfig(lora_path=TEST_ADAPTERS / "torch_r4.tflite"),
+        "blend of two rank-4": SessionConfig(loras=[LoraSource(path=TEST_ADAPTERS / "torch_r4.tflite", scale=0.7),
+                                                    LoraSource(path=TEST_ADAPTERS / "litertlm_r4.tflite", scale=0.3)]),
+    })}
+    for label, file in (("bench model f32", "bench_f32.tflite"), ("bench model int8", "bench_int8.tflite")):
+        models[label] = (MODELS / file, {
+            "base": SessionConfig(),
+            "rank-8 adapter": SessionConfig(loras=[R8_A]),
+            "blend of two rank-8 (0.7/0.3)": SessionConfig(loras=[LoraSource(path=R8_A.path, scale=0.7),
+                                                                 LoraSource(path=R8_B.path, scale=0.3)]),
+            "rank-64 adapter": SessionConfig(loras=[R64]),
+        })
+    out = {}
+    for label, (model, configs) in models.items():
+        with Engine(model, EngineSettings(num_threads=1)) as engine:
+            out[label] = bench_decode(engine, configs, steps, repeats)
+            out[label]["_graph"] = bench_graph(engine, repeats)
+    return out
 
 
-def bench_engine(model: Path, repeats: int, steps: int) -> list[Row]:
-    """Decode, prefill, adapter switch and session switch on one model."""
-    rows: list[Row] = []
-    with Engine(model, EngineSettings(num_threads=1)) as engine:
-        r4 = LoraSource(path=ADAPTERS / "torch_r4.tflite")
-        r4_other = LoraSource(path=ADAPTERS / "litertlm_r4.tflite")
-        r16 = LoraSource(path=ADAPTERS / "torch_r16.tflite")
-        base = engine.create_session()
-        one = engine.create_session(SessionConfig(loras=[r4]))
-        other = engine.create_session(SessionConfig(loras=[r4_other]))
-        wide = engine.create_session(SessionConfig(loras=[r16]))
-        for session in (base, one, other, wide):  # warm up: materialize, bind, first run
-            decode_steps(session, 4)()
-
-        plain = median_time(decode_steps(base, steps), repeats, steps)
-        with_r4 = median_time(decode_steps(one, steps), repeats, steps)
-        with_r16 = median_time(decode_steps(wide, steps), repeats, steps)
-        rows += [
-            Row("decode step, base model", plain * 1e3, "ms"),
-            Row("decode step, rank-4 adapter", with_r4 * 1e3, "ms", f"{with_r4 / plain:.2f}x base"),
-            Row("decode step, rank-16 adapter", with_r16 * 1e3, "ms", f"{with_r16 / plain:.2f}x base"),
-        ]
-
-        prompt = list(range(32))
-        for label, session in (("base model", base), ("rank-4 adapter", one)):
-            def prefill(session=session) -> None:
-                session.reset()
-                session.run_prefill(prompt)
-            rows.append(Row(f"prefill 32 tokens, {label}", median_time(prefill, repeats) * 1e3, "ms"))
-
-        def alternate(a, b) -> Callable[[], None]:
-            def run() -> None:
-                for s in (a, b):
-                    s.reset()
-                    s.run_prefill([1])
-                for i in range(steps // 2):
-                    a.run_decode(i % 200)
-                    b.run_decode(i % 200)
-            return run
-
-        twin = engine.create_session(SessionConfig(loras=[r4]))
-        decode_steps(twin, 4)()
-        same_adapter = median_time(alternate(one, twin), repeats, steps)
-        other_adapter = median_time(alternate(one, other), repeats, steps)
-        rows += [
-            Row("decode step, alternating 2 sessions, same adapter", same_adapter * 1e3, "ms",
-                f"{same_adapter / with_r4:.2f}x one session"),
-            Row("decode step, alternating 2 sessions, different adapters", other_adapter * 1e3, "ms",
-                f"{other_adapter / with_r4:.2f}x one session"),
-        ]
-
-        switcher = engine.create_session(SessionConfig(loras=[r4]))
-        sources = [[r4_other], [r4]]
-
-        def switch_and_decode() -> None:
-            for loras in sources:
-                switcher.set_adapters(loras, reset=True)
-                switcher.run_decode(5)
-
-        switch = median_time(switch_and_decode, repeats, len(sources)) - median_time(
-            decode_steps(one, 1), repeats
-        )
-        rows.append(Row("switch a session between two resident adapters (+ first decode)",
-                        (switch + with_r4) * 1e3, "ms", f"switch alone ~{switch * 1e6:.0f} us"))
-    return rows
+def _in_child(function, *args):
+    """Runs a memory measurement in a fresh process, so other sections do not pollute its RSS."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)
 
 
-def write_adapter_file(path: Path, megabytes: int, external_data: bool, layers: int = 32) -> None:
-    """A LoRA file of about ``megabytes`` MB: float16 rank-16 pairs for ``layers`` layers
-    (256 tensors for 32 layers, as a 32-layer model's q/k/v/o adapter has), the hidden
-    size chosen to reach the size."""
-    tensor_count = layers * len(PROJECTIONS) * len(SIDES)
-    width = max(1, megabytes * (1 << 20) // (tensor_count * 16 * 2))
-    zeros = np.zeros((16, width), np.float16)
-    tensors = {
-        lora_input_name(Convention.LITERT_LM, layer, proj, side): zeros
-        for layer in range(layers) for proj in PROJECTIONS for side in SIDES
-    }
-    path.write_bytes(serialize_lora_tensors(tensors, external_data=external_data, lora_rank=16))
-
-
-def bench_register(sizes_mb: list[int], repeats: int) -> list[Row]:
-    """Time to open and parse an adapter file (LoraData.create_from_file_path) by size."""
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for megabytes in sizes_mb:
-            for external in (True, False):
-                path = Path(tmp) / f"a{megabytes}_{external}.tflite"
-                write_adapter_file(path, megabytes, external)
-
-                def register(path=path) -> None:
-                    LoraData.create_from_file_path(path).close()
-
-                register()
-                placement = "data after flatbuffer" if external else "inline data"
-                rows.append(Row(f"LoraData.create_from_file_path, {path.stat().st_size / 1e6:.0f} MB file, {placement}",
-                                median_time(register, repeats) * 1e3, "ms"))
-            path.unlink()
-    return rows
-
-
-def render(rows: list[Row], model: Path) -> str:
-    """The rows as a markdown table."""
-    lines = [f"Model: `{model.name}`, 1 thread", "", "| measurement | value | note |", "|---|---:|---|"]
-    lines += [f"| {r.what} | {r.value:.4f} {r.unit} | {r.note} |" for r in rows]
-    return "\n".join(lines)
+def llama_cpp_section() -> dict | None:
+    """llama.cpp's numbers on the same weights, from its own virtualenv (None if not set up)."""
+    if not LLAMA_PYTHON.exists():
+        return None
+    done = subprocess.run([str(LLAMA_PYTHON), str(LLAMA_SCRIPT)], capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        print(f"llama.cpp benchmark failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout[done.stdout.index("{"):])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and cases")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args()
-    rows = bench_engine(args.model, args.repeats, args.steps)
-    rows += bench_register([1, 8, 64, 200], args.repeats)
-    table = render(rows, args.model)
-    print(table)
+    repeats, steps = (5, 48) if args.quick else (15, 96)
+    results: dict = {}
+    print("decode ...", file=sys.stderr)
+    results["decode"] = decode_section(repeats, steps)
+    print("register ...", file=sys.stderr)
+    results["register"] = bench_register([1, 8, 64] if args.quick else [1, 8, 64, 200], repeats)
+    print("switch ...", file=sys.stderr)
+    with Engine(MODELS / "bench_f32.tflite") as engine:
+        results["switch"] = bench_switch(engine, R8_A, R8_B, steps, repeats)
+    results["cold_switch"] = bench_cold_switch(MODELS / "bench_f32.tflite", [R8_A, R64], repeats)
+    print("memory ...", file=sys.stderr)
+    results["memory"] = _in_child(bench_memory, MODELS / "bench_f32.tflite", 8, 200 if args.quick else 1000,
+                                  2000 if args.quick else 10_000)
+    print("concurrency ...", file=sys.stderr)
+    results["concurrency"] = bench_concurrency(MODELS / "bench_f32.tflite", [R8_A, R8_B, R64], [1, 2, 4, 8],
+                                               steps)
+    if not args.skip_llama_cpp:
+        print("llama.cpp ...", file=sys.stderr)
+        results["llama_cpp"] = llama_cpp_section()
     RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    from report import plots, render_markdown
+
+    table = render_markdown(results)
     (RESULTS / "results.md").write_text(table + "\n")
+    plots(results, RESULTS)
+    print(table)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
     main()

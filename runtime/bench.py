@@ -124,6 +124,30 @@ def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, 
     return out
 
 
+def bench_graph(engine: Engine, repeats: int, calls: int = 50) -> dict[str, float]:
+    """Seconds per bare invoke of each decode signature (plain and every rank slot, with
+    zero LoRA inputs): the graph's own cost, nothing of the runtime's."""
+    executor = engine._resources.executor
+    kv = executor.create_kv_cache()
+    out = {}
+    for rank in (None, *executor.spec.lora_ranks):
+        buffers = None
+        if rank is not None:
+            slot = executor.spec.lora_slot(rank)
+            buffers = {name: executor.create_lora_buffer(rank, name) for name in slot}
+            for name, spec in slot.items():
+                buffers[name].write(np.zeros(spec.shape, spec.dtype))
+        run = executor.bind(kv, buffers, rank).decode
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                executor._fast.run(run.io.index, run.prepared)
+            samples.append((time.perf_counter() - start) / calls)
+        out["plain" if rank is None else f"r{rank}"] = statistics.median(samples)
+    return out
+
+
 def bench_switch(engine: Engine, a: LoraSource, b: LoraSource, steps: int, repeats: int) -> dict[str, float]:
     """Per decode step: one session alone; two sessions alternating (same adapter, different
     adapters); one session switched between two resident adapters before each step."""

@@ -194,6 +194,8 @@ class LoraManager:
                 lambda name: self._allocate(slot, name),
                 allow_non_finite=self._allow_non_finite,
             )
+        for plan, _ in plans:
+            plan.data.release_memory()  # the weights now live in the buffers
         self._misses += 1
         self._resident[blend] = lora
         return lora

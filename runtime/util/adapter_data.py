@@ -40,6 +40,8 @@ class AdapterData(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    def release_memory(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -63,13 +65,16 @@ class DerivedLoraData:
         close: Callable[[], None] | None = None,
         format_name: str = "derived",
         watches: Sequence[FileWatch] = (),
+        release: Callable[[], None] | None = None,
     ) -> None:
-        """``watches``: files checked for changes before any tensor is computed."""
+        """``watches``: files checked for changes before any tensor is computed;
+        ``release``: drops mapped pages of the source (see :meth:`release_memory`)."""
         self.source_name = source_name
         self.format_name = format_name
         self._tensors = dict(tensors)
         self._close = close
         self._watches = tuple(watches)
+        self._release = release
 
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order."""
@@ -116,6 +121,11 @@ class DerivedLoraData:
     def nbytes(self) -> int:
         """Bytes of all tensors once computed."""
         return sum(self.tensor_info(name).nbytes for name in self._tensors)
+
+    def release_memory(self) -> None:
+        """Drops the source's mapped pages from this process, where the source allows it."""
+        if self._release is not None:
+            self._release()
 
     def close(self) -> None:
         """Releases the underlying source."""

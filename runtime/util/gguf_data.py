@@ -13,6 +13,7 @@ which needs the model's head size.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import struct
@@ -100,7 +101,14 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
         tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "b")] = DerivedTensor(
             (rank, b_shape[0]), np.dtype(np.float32), _b_prime(b, b_shape, needs_head_dim, head_dim, path)
         )
-    return DerivedLoraData(tensors, source_name=str(path), format_name="gguf", watches=(watch,))
+    mapping = getattr(reader.data, "_mmap", None)  # numpy.memmap keeps its mmap here
+
+    def release() -> None:
+        if isinstance(mapping, mmap.mmap) and not mapping.closed:
+            mapping.madvise(mmap.MADV_DONTNEED)
+
+    release()
+    return DerivedLoraData(tensors, source_name=str(path), format_name="gguf", watches=(watch,), release=release)
 
 
 # GGUF value types: fixed sizes; 8 = string, 9 = array.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,17 +21,20 @@ class LatencySummary:
 
 
 class LatencyRecorder:
-    """Keeps the total count and the most recent ``window`` durations."""
+    """Keeps the total count and the most recent ``window`` durations.
+
+    The window is allocated up front, so recording never grows memory.
+    """
 
     def __init__(self, window: int = 4096) -> None:
-        self._samples: deque[float] = deque(maxlen=window)
+        self._samples = np.zeros(window, np.float64)
         self._count = 0
         self._lock = threading.Lock()
 
     def record(self, seconds: float) -> None:
         """Adds one duration."""
         with self._lock:
-            self._samples.append(seconds)
+            self._samples[self._count % len(self._samples)] = seconds
             self._count += 1
 
     @contextmanager
@@ -47,8 +49,8 @@ class LatencyRecorder:
     def summary(self) -> LatencySummary:
         """Count, median and 99th percentile in milliseconds (0 when nothing was recorded)."""
         with self._lock:
-            samples = np.fromiter(self._samples, float)
             count = self._count
+            samples = self._samples[: min(count, len(self._samples))].copy()
         if samples.size == 0:
             return LatencySummary(count, 0.0, 0.0)
         p50, p99 = np.percentile(samples, [50, 99]) * 1e3

@@ -94,6 +94,7 @@ class LoraData:
         parsed = _FlatbufferReader(buffer, source_name).read()
         self._tensors: dict[str, TensorInfo] = parsed.tensors
         self._metadata_rank = parsed.lora_rank
+        self.release_memory()
 
     # -- factories -----------------------------------------------------------------
 
@@ -187,6 +188,16 @@ class LoraData:
                 "tensor to infer the rank from"
             )
         return max(ranks)
+
+    def release_memory(self) -> None:
+        """Drops this process's mapped pages of a file it opened (they stay in the page
+        cache; a later read faults them back in).
+
+        Parsing or materializing touches pages, and the kernel maps their neighbours too,
+        so without this a registered adapter would hold most of its file in RSS.
+        """
+        if self._watch is not None and isinstance(self._buffer, mmap.mmap) and not self._buffer.closed:
+            self._buffer.madvise(mmap.MADV_DONTNEED)
 
     @property
     def nbytes(self) -> int:
