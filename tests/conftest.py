@@ -50,3 +50,19 @@ def weights() -> dict[str, np.ndarray]:
     from reference_model import load_weights
 
     return load_weights(MODELS / "gqa_weights.npz")
+
+
+def pytest_unconfigure(config):
+    """The native library logs INFO lines from its destructors at interpreter exit, after
+    pytest's summary; keep the summary the last thing the run prints."""
+    import atexit
+    import os
+    import sys
+
+    def mute() -> None:
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    atexit.register(mute)  # runs after pytest has restored its captured file descriptors
