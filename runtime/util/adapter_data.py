@@ -15,10 +15,27 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime.errors import InternalError, NotFoundError
+from runtime.errors import InternalError, InvalidArgumentError, NotFoundError
 from runtime.util.lora_data import TensorInfo
 from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
 from runtime.util.scoped_file import FileWatch
+
+
+MAX_LISTED = 12
+
+
+def refuse_unappliable(source: str, refused: Sequence[str], separator: str = ", ") -> None:
+    """``InvalidArgumentError`` listing the tensors (up to ``MAX_LISTED``) that no LoRA input
+    of the model can take; nothing when ``refused`` is empty."""
+    if not refused:
+        return
+    listed = separator.join(refused[:MAX_LISTED])
+    if len(refused) > MAX_LISTED:
+        listed += f"{separator}and {len(refused) - MAX_LISTED} more"
+    raise InvalidArgumentError(
+        f"{source}: cannot apply {len(refused)} tensor(s) (the model takes LoRA only on attention "
+        f"q/k/v/o): {listed}"
+    )
 
 
 class AdapterData(Protocol):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor
+from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
 from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.scoped_file import FileWatch
 
@@ -32,7 +32,6 @@ _NAME = re.compile(r"blk\.(?P<layer>0|[1-9][0-9]*)\.attn_(?P<proj>q|k|v|output)\
 _PROJECTIONS = {"q": "q", "k": "k", "v": "v", "output": "o"}
 # Architectures whose converter permutes q/k rows for llama.cpp's RoPE ("LlamaModel.permute").
 _ROPE_PERMUTED = {"llama"}
-_MAX_LISTED = 12
 
 
 def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) -> DerivedLoraData:
@@ -66,12 +65,7 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
             continue
         key = (int(match["layer"]), _PROJECTIONS[match["proj"]])
         pairs.setdefault(key, {})[match["side"]] = tensor
-    if refused:
-        listed = ", ".join(refused[:_MAX_LISTED]) + (f", and {len(refused) - _MAX_LISTED} more" if len(refused) > _MAX_LISTED else "")
-        raise InvalidArgumentError(
-            f"{path}: cannot apply {len(refused)} tensor(s) (the model takes LoRA only on attention "
-            f"q/k/v/o): {listed}"
-        )
+    refuse_unappliable(str(path), refused)
     if not pairs:
         raise InvalidArgumentError(f"{path}: no LoRA tensors found")
     permuted = architecture in _ROPE_PERMUTED

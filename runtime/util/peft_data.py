@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor
+from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
 from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.scoped_file import FileWatch
 
@@ -45,7 +45,6 @@ _KEY = re.compile(
     r"(?:self_attn|attn|attention)\.(?P<proj>[qkvo]_proj))"
     r"\.(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping)(?:\.default)?\.weight"
 )
-_MAX_LISTED = 12
 
 
 @dataclass(frozen=True)
@@ -179,12 +178,7 @@ def _derive(
             match["module"], _Module(int(match["layer"]), _PROJECTIONS[match["proj"]])
         )
         module.parts[match["part"]] = key
-    if refused:
-        listed = "; ".join(refused[:_MAX_LISTED]) + (f"; and {len(refused) - _MAX_LISTED} more" if len(refused) > _MAX_LISTED else "")
-        raise InvalidArgumentError(
-            f"{source}: cannot apply {len(refused)} tensor(s) (the model takes LoRA only on "
-            f"attention q/k/v/o): {listed}"
-        )
+    refuse_unappliable(source, refused, separator="; ")
     if not modules:
         raise InvalidArgumentError(f"{source}: no LoRA tensors found")
     tensors: dict[str, DerivedTensor] = {}
