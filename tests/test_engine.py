@@ -95,3 +95,29 @@ def test_stats_report_adapters_sessions_and_latencies():
     first = stats.sessions[0]
     assert (first.prompt_tokens, first.decode_tokens, first.position) == (3, 4, 7)
     assert first.time_to_first_token_s > 0 and first.decode_tokens_per_s > 0
+
+
+def test_executor_pool_runs_sessions_in_parallel_with_isolated_results():
+    import threading
+
+    configs = [SessionConfig(lora_path=adapter_path(name)) for name in ("torch_r4", "litertlm_r4", "torch_r16")]
+    configs.append(SessionConfig())
+
+    def run(engine, config, seed):
+        with engine.create_session(config) as session:
+            return session.generate([seed, seed + 1, seed + 2], max_new_tokens=20).tokens
+
+    with Engine(MODEL_FILES["default"]) as engine:
+        alone = [run(engine, config, i) for i, config in enumerate(configs)]
+    with Engine(MODEL_FILES["default"], EngineSettings(executors=2)) as engine:
+        assert len(engine._resources.executors) == 2
+        results = [None] * len(configs)
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(engine, configs[i], i)))
+                   for i in range(len(configs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results == alone
+    with pytest.raises(InvalidArgumentError):
+        EngineSettings(executors=0)

@@ -23,11 +23,20 @@ class EngineSettings:
     ``lora_residency``: which used adapters keep their buffers: ``KeepAll()`` (default),
     ``Lru(max_resident=K, max_bytes=None)`` or ``OnlyActive()``.
     ``allow_non_finite_weights``: accept adapters holding NaN or Inf (refused by default).
+    ``executors``: how many copies of the model run sessions in parallel (each costs the
+    model's memory again; the default 1 serializes runs, interleaving sessions step by step).
     """
 
     num_threads: int = 1
     lora_residency: ResidencyPolicy = field(default_factory=KeepAll)
     allow_non_finite_weights: bool = False
+    executors: int = 1
+
+    def __post_init__(self) -> None:
+        if self.executors < 1:
+            raise InvalidArgumentError(f"executors={self.executors}, expected >= 1")
+        if self.num_threads < 0:
+            raise InvalidArgumentError(f"num_threads={self.num_threads}, expected >= 0")
 
 
 @dataclass(frozen=True)

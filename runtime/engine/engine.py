@@ -40,21 +40,23 @@ class Engine:
         self.settings = settings or EngineSettings()
         executor_settings = ExecutorSettings(num_threads=self.settings.num_threads)
         bundled_tokenizer = None
+        model: str | os.PathLike[str] | bytes = self.model_path
         if is_litertlm(self.model_path):
             with LitertLmBundle(self.model_path) as bundle:
                 with bundle.section_bytes(bundle.model_section()) as view:
-                    model_bytes = bytes(view)
+                    model = bytes(view)
                 bundled_tokenizer = bundle.tokenizer()
-            executor = LlmExecutor(model_bytes, executor_settings, name=str(self.model_path))
-        else:
-            executor = LlmExecutor(self.model_path, executor_settings)
+        executors: list[LlmExecutor] = []
         try:
+            for _ in range(self.settings.executors):
+                executors.append(LlmExecutor(model, executor_settings, name=str(self.model_path)))
             self.tokenizer = _tokenizer(tokenizer, bundled_tokenizer)
         except BaseException:
-            executor.close()
+            for executor in executors:
+                executor.close()
             raise
         self._resources = ResourceManager(
-            executor,
+            executors,
             residency=self.settings.lora_residency,
             allow_non_finite=self.settings.allow_non_finite_weights,
         )

@@ -283,9 +283,9 @@ class Session:
         blend = context.blend
         binding = self._resources.begin_run(context)
         try:
-            logits = self._resources.executor.prefill(binding, tokens, context.position)
+            logits = binding.executor.prefill(binding, tokens, context.position)
         finally:
-            self._resources.end_run(blend)
+            self._resources.end_run(blend, binding)
         context.position += len(tokens)
         self._counters.prompt_tokens += len(tokens)
         return logits
@@ -295,9 +295,9 @@ class Session:
         blend = context.blend
         binding = self._resources.begin_run(context)
         try:
-            logits = self._resources.executor.decode(binding, token, context.position)
+            logits = binding.executor.decode(binding, token, context.position)
         finally:
-            self._resources.end_run(blend)
+            self._resources.end_run(blend, binding)
         context.position += 1
         self._counters.decode_tokens += 1
         self._counters.decode_seconds += time.perf_counter() - start

@@ -116,8 +116,10 @@ class _Run:
 
 @dataclass
 class Binding:
-    """A KV cache bound to one rank slot's LoRA buffers (or none), for every signature."""
+    """A KV cache bound to one rank slot's LoRA buffers (or none), for every signature of
+    one executor."""
 
+    executor: LlmExecutor
     kv: KvCache
     lora_rank: int | None
     decode: _Run
@@ -224,7 +226,7 @@ class LlmExecutor:
         """Prebuilds the run arguments of every signature for ``kv`` and a LoRA slot."""
         if (lora_buffers is None) != (lora_rank is None):
             raise InvalidArgumentError("lora_buffers and lora_rank go together")
-        binding = Binding(kv, lora_rank, self._run_args(self.spec.decode(lora_rank), kv, lora_buffers))
+        binding = Binding(self, kv, lora_rank, self._run_args(self.spec.decode(lora_rank), kv, lora_buffers))
         for length in self.spec.prefill_lengths:
             binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_rank), kv, lora_buffers)
         return binding

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from runtime.components.lora import LoRA
 from runtime.components.lora_manager import Blend
-from runtime.executor.litert_executor import Binding, KvCache
+from runtime.executor.litert_executor import Binding, KvCache, LlmExecutor
 
 
 @dataclass(eq=False)
@@ -17,8 +17,9 @@ class ContextHandler:
     """A session's adapters (as a blend of loaded ids and scales), KV cache and position.
 
     ``binding`` is the executor arguments for this KV cache with the adapter buffers it
-    was built for (``bound_lora``). Bindings for a few recently used buffers are kept in
-    ``recent``, so switching back and forth between adapters rebuilds nothing.
+    was built for (``bound_lora``) on one executor. Bindings for a few recently used
+    (executor, buffers) pairs are kept in ``recent``, so switching back and forth between
+    adapters, or between the executors of a pool, rebuilds nothing.
     """
 
     blend: Blend
@@ -26,25 +27,28 @@ class ContextHandler:
     position: int = 0
     binding: Binding | None = field(default=None, repr=False)
     bound_lora: LoRA | None = field(default=None, repr=False)
-    recent: dict[int, tuple[LoRA | None, Binding]] = field(default_factory=dict, repr=False)
+    recent: dict[tuple[int, int], tuple[LoRA | None, Binding]] = field(default_factory=dict, repr=False)
     # Evictions on other threads drop bindings while the session may be binding.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    RECENT_BINDINGS: ClassVar[int] = 4
+    RECENT_BINDINGS: ClassVar[int] = 8
 
     @property
     def lora_ids(self) -> list[int]:
         """The ids of the adapters this context uses."""
         return [lora_id for lora_id, _ in self.blend]
 
-    def use_binding(self, lora: LoRA | None, build: Callable[[], Binding]) -> Binding:
-        """The binding for ``lora``'s buffers: the current one, a recent one, or ``build()``."""
+    def use_binding(self, executor: LlmExecutor, lora: LoRA | None, build: Callable[[], Binding]) -> Binding:
+        """The binding for ``lora``'s buffers on ``executor``: the current one, a recent
+        one, or ``build()``."""
         with self._lock:
-            if self.binding is not None and lora is self.bound_lora:
-                return self.binding
-            cached = self.recent.pop(id(lora), None)
+            binding = self.binding
+            if binding is not None and lora is self.bound_lora and binding.executor is executor:
+                return binding
+            key = (id(executor), id(lora))
+            cached = self.recent.pop(key, None)
             binding = cached[1] if cached is not None and cached[0] is lora else build()
-            self.recent[id(lora)] = (lora, binding)  # most recent last
+            self.recent[key] = (lora, binding)  # most recent last
             while len(self.recent) > self.RECENT_BINDINGS:
                 del self.recent[next(iter(self.recent))]
             self.binding, self.bound_lora = binding, lora
@@ -53,8 +57,8 @@ class ContextHandler:
     def forget_lora(self, lora: LoRA) -> None:
         """Drops every binding to ``lora``'s buffers (they were evicted)."""
         with self._lock:
-            if self.recent.get(id(lora), (None,))[0] is lora:
-                del self.recent[id(lora)]
+            for key in [k for k, (cached, _) in self.recent.items() if cached is lora]:
+                del self.recent[key]
             if self.bound_lora is lora:
                 self.binding = self.bound_lora = None
 

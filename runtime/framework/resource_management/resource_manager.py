@@ -17,10 +17,11 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +54,21 @@ class ResourceManager:
 
     def __init__(
         self,
-        executor: LlmExecutor,
+        executors: LlmExecutor | Sequence[LlmExecutor],
         *,
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
     ) -> None:
-        self.executor = executor
+        """``executors``: one executor, or a pool of executors of the same model; KV
+        caches and adapter buffers are made by the first and bound to whichever runs."""
+        self.executors = [executors] if isinstance(executors, LlmExecutor) else list(executors)
+        self.executor = executor = self.executors[0]
         spec = executor.spec
+        self._idle: queue.SimpleQueue[LlmExecutor] | None = None
+        if len(self.executors) > 1:
+            self._idle = queue.SimpleQueue()
+            for each in self.executors:
+                self._idle.put(each)
         self.lora_manager = LoraManager(
             {rank: spec.lora_slot(rank) for rank in spec.lora_ranks},
             executor.create_lora_buffer,
@@ -194,10 +203,14 @@ class ResourceManager:
         started = time.perf_counter()
         blend = context.blend
         lora = self.lora_manager.acquire(blend) if blend else None
+        executor = self._idle.get() if self._idle is not None else self.executor
         try:
-            binding = self._bind(context, lora)
+            binding = self._bind(context, lora, executor)
         except BaseException:
-            self.end_run(blend)
+            if self._idle is not None:
+                self._idle.put(executor)
+            if blend:
+                self.lora_manager.release(blend)
             raise
         current = (id(context), lora)
         if self._last_run != current:
@@ -206,23 +219,26 @@ class ResourceManager:
             self._last_run = current
         return binding
 
-    def end_run(self, blend: Blend) -> None:
-        """Ends a run started by :meth:`begin_run` with ``blend`` (the context's blend then)."""
+    def end_run(self, blend: Blend, binding: Binding) -> None:
+        """Ends a run started by :meth:`begin_run` (``blend``: the context's blend then)."""
+        if self._idle is not None:
+            self._idle.put(binding.executor)
         if blend:
             self.lora_manager.release(blend)
 
     def bind(self, context: ContextHandler) -> Binding:
-        """The executor arguments for ``context`` (outside :meth:`running`: no protection
-        from eviction, for callers that do not run)."""
+        """The first executor's arguments for ``context``, for callers that do not run
+        (no protection from eviction, no executor taken from the pool)."""
         lora = self.lora_manager.materialize(context.blend) if context.blend else None
-        return self._bind(context, lora)
+        return self._bind(context, lora, self.executor)
 
-    def _bind(self, context: ContextHandler, lora: LoRA | None) -> Binding:
+    def _bind(self, context: ContextHandler, lora: LoRA | None, executor: LlmExecutor) -> Binding:
         return context.use_binding(
+            executor,
             lora,
-            lambda: self.executor.bind(context.kv, lora.buffers, lora.slot_rank)
+            lambda: executor.bind(context.kv, lora.buffers, lora.slot_rank)
             if lora is not None
-            else self.executor.bind(context.kv),
+            else executor.bind(context.kv),
         )
 
     def _unbind_evicted(self, blend: Blend, lora: LoRA) -> None:
@@ -255,8 +271,9 @@ class ResourceManager:
             self.lora_manager.unpin(lora_id)
 
     def close(self) -> None:
-        """Closes the executor; contexts still alive can no longer run."""
-        self.executor.close()
+        """Closes the executors; contexts still alive can no longer run."""
+        for executor in self.executors:
+            executor.close()
 
 
 def _immutable(buffer: AdapterBuffer | Mapping[str, Any] | None) -> AdapterBuffer | Mapping[str, Any]:
