@@ -58,30 +58,36 @@ def render_markdown(results: dict) -> str:
     return "\n".join(out)
 
 
+LLAMA_PAIRS = [("base", "plain"), ("rank-8 adapter", "lora_r8"), ("blend of two rank-8 (0.7/0.3)", "blend_r8_a0.7_b0.3"),
+               ("rank-64 adapter", "lora_r64")]
+
+
 def llama_table(results: dict, llama: dict) -> list[str]:
     """Ours vs llama.cpp on the same weights."""
     ours = {"f32": results["decode"]["bench model f32"], "q8_0 / int8": results["decode"]["bench model int8"]}
     theirs = {"f32": llama["models"].get("f32", {}), "q8_0 / int8": llama["models"].get("q8_0", {})}
     rows = ["## Side by side with llama.cpp (same weights, 1 thread)", "",
             "| precision | configuration | ours ms/token | llama.cpp ms/token | ours / theirs speed |", "|---|---|---:|---:|---:|"]
-    pairs = [("base", "plain"), ("rank-8 adapter", "r8_a"), ("blend of two rank-8 (0.7/0.3)", "blend_a07_b03"),
-             ("rank-64 adapter", "r64")]
     for precision in ours:
-        decode = theirs[precision].get("decode_ms_per_token", {})
-        for our_name, their_name in pairs:
+        decode = theirs[precision].get("decode_ms_per_token_exact_ctx", {})
+        for our_name, their_name in LLAMA_PAIRS:
             if our_name in ours[precision] and their_name in decode:
-                mine, other = ours[precision][our_name]["step"] * 1e3, decode[their_name]
+                mine, other = ours[precision][our_name]["step"] * 1e3, decode[their_name]["median"]
                 rows.append(f"| {precision} | {our_name} | {mine:.4f} | {other:.4f} | {other / mine:.2f}x |")
-    switch = theirs["f32"].get("switch", {})
+    switch = theirs["f32"].get("switch_exact_ctx", {})
     if switch:
         rows += ["", f"llama.cpp switch between two loaded adapters + next decode: "
                  f"{switch.get('switch_a_b_plus_decode_ms', float('nan')):.4f} ms "
                  f"({switch.get('switch_a_b_plus_decode_over_plain_decode', float('nan')):.3f}x its plain step); "
                  f"ours: {results['switch']['switch'] * 1e3:.4f} ms "
                  f"({results['switch']['switch'] / results['switch']['alone']:.3f}x our step)."]
-    memory = theirs["f32"].get("adapter_memory", {})
+    memory = theirs["f32"].get("adapter_rss_fresh_process", {}).get("r8_a", {})
+    register = theirs["f32"].get("adapter_register_ms", {})
+    if register:
+        rows.append(f"llama.cpp adapter register (init) time: rank 8 {register.get('r8_a')} ms, rank 64 "
+                    f"{register.get('r64')} ms (it reads and copies the file).")
     if memory:
-        rows.append(f"llama.cpp RSS per loaded adapter: {memory.get('rss_growth_per_adapter_kib')} KiB; "
+        rows.append(f"llama.cpp RSS per loaded rank-8 adapter: {memory.get('rss_growth_per_adapter_kib')} KiB; "
                     f"ours per registered adapter: {results['memory']['registered_per_adapter_bytes'] / 1024:.1f} KiB, "
                     f"per resident: {results['memory']['resident_per_adapter_bytes'] / 1024:.1f} KiB.")
     return rows
@@ -130,10 +136,10 @@ def targets(results: dict) -> list[str]:
     if llama:
         for precision, ours_key, their_key, factor in (("f32", "bench model f32", "f32", 1.0),
                                                        ("int8 vs q8_0", "bench model int8", "q8_0", 1.3)):
-            decode = llama["models"].get(their_key, {}).get("decode_ms_per_token", {})
-            for our_name, their_name in (("base", "plain"), ("rank-8 adapter", "r8_a")):
+            decode = llama["models"].get(their_key, {}).get("decode_ms_per_token_exact_ctx", {})
+            for our_name, their_name in LLAMA_PAIRS[:2]:
                 if their_name in decode:
-                    speed = decode[their_name] / (results["decode"][ours_key][our_name]["step"] * 1e3)
+                    speed = decode[their_name]["median"] / (results["decode"][ours_key][our_name]["step"] * 1e3)
                     add(f"decode tokens/s >= {factor}x llama.cpp ({precision}, {our_name})", f"{speed:.2f}x",
                         speed >= factor)
     return rows

@@ -307,9 +307,11 @@ def save_peft_adapter(
         bias="none",
         use_rslora=False,
         task_type="CAUSAL_LM",
-        base_model_name_or_path="benchmarks/models/hf",
     )
     peft_model = get_peft_model(copy.deepcopy(base_model), lora_cfg)
+    # Relative to the repository root; the converters and the runtime are given the
+    # base explicitly, this is for people reading the config.
+    peft_model.peft_config["default"].base_model_name_or_path = "benchmarks/models/hf"
     named = dict(peft_model.named_modules())
     with torch.no_grad():
         for module, (a, b) in weights.items():
@@ -319,6 +321,12 @@ def save_peft_adapter(
     if out_dir.exists():
         shutil.rmtree(out_dir)
     peft_model.save_pretrained(out_dir, safe_serialization=True)
+    # PEFT writes target_modules in set order (varies with PYTHONHASHSEED): sort it so
+    # the file is rebuilt byte for byte.
+    config_file = out_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
     return peft_model.eval()
 
 
