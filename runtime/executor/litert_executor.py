@@ -101,7 +101,6 @@ class _SignatureIO:
     logits: TensorBuffer | None
     token_array: np.ndarray
     position_array: np.ndarray
-    logits_array: np.ndarray | None
 
 
 @dataclass
@@ -165,7 +164,6 @@ class LlmExecutor:
     def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
         index = self._model.get_signature_index(key)
         described = self._model.get_signature_by_index(index)
-        vocab = self.spec.vocab_size
         return _SignatureIO(
             index=index,
             input_order=list(described["inputs"]),
@@ -175,7 +173,6 @@ class LlmExecutor:
             logits=self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
             token_array=np.zeros((1, signature.seq_len), np.int32),
             position_array=np.zeros(signature.seq_len, np.int32),
-            logits_array=np.zeros((signature.seq_len, vocab), np.float32) if signature.has_logits else None,
         )
 
     def _load(self) -> CompiledModel:
@@ -319,7 +316,8 @@ class LlmExecutor:
             raise InternalError(f"running {run.signature.key!r} failed: {exc}") from None
         if io.logits is None:
             return None
-        return fast.read_float32(io.logits, io.logits_array).copy()
+        # A fresh array each step: callers keep logits while the next step runs.
+        return fast.read_float32(io.logits, np.empty((length, self.spec.vocab_size), np.float32))
 
     def _check_position(self, start: int, count: int) -> None:
         if start < 0:
