@@ -12,6 +12,7 @@ without reloading the base model::
 
 from runtime.components.residency import KeepAll, Lru, OnlyActive
 from runtime.components.sampler import Sampler, SamplerConfig
+from runtime.components.tokenizer import ByteTokenizer, HfTokenizer, SentencePieceTokenizer, Tokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.engine.session import GenerationResult, Session
@@ -19,10 +20,12 @@ from runtime.engine.stats import EngineStats
 from runtime.framework.lora_source import LoraSource
 
 __all__ = [
+    "ByteTokenizer",
     "Engine",
     "EngineSettings",
     "EngineStats",
     "GenerationResult",
+    "HfTokenizer",
     "KeepAll",
     "LoraSource",
     "Lru",
@@ -31,4 +34,6 @@ __all__ = [
     "SamplerConfig",
     "Session",
     "SessionConfig",
+    "SentencePieceTokenizer",
+    "Tokenizer",
 ]
