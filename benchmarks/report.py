@@ -41,9 +41,9 @@ def render_markdown(results: dict) -> str:
             f"| RSS per registered (not resident) adapter | {mem['registered_per_adapter_bytes'] / 1024:.1f} KiB |",
             f"| adapter tensor bytes (float32) | {mem['tensor_bytes_per_adapter'] / 1024:.1f} KiB |",
             f"| RSS per resident adapter | {mem['resident_per_adapter_bytes'] / 1024:.1f} KiB |",
-            f"| its slot buffers (float32) | {mem['resident_buffer_bytes'] / 1024:.1f} KiB |",
-            f"| RSS growth with all registered, each used once under Lru(4) | {mem['rss_1000_registered_lru4_bytes'] / 1024:.0f} KiB |",
-            f"| resident after that walk | {mem['resident_after_lru_walk']} |",
+            f"| its slot buffers (float32) | {mem['slot_float32_bytes'] / 1024:.1f} KiB |",
+            f"| RSS growth with all registered, each used once under Lru(4) | {mem['rss_all_registered_used_once_lru4_bytes'] / 1024:.0f} KiB |",
+            f"| resident after that walk | {mem['resident_after_walk']} |",
             f"| RSS growth per switch+decode cycle | {mem['growth_per_switch_bytes']:.2f} B |",
             f"| RSS left after unloading all | {mem['after_unload_bytes'] / 1024:.0f} KiB |"]
     conc = results["concurrency"]

@@ -263,51 +263,48 @@ def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, se
 
 
 def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cycles: int = 10_000) -> dict[str, float]:
-    """RSS per registered and per resident adapter, after unload; ``count`` adapters used
-    under ``Lru(4)``; growth over ``cycles`` switch+decode cycles."""
+    """RSS per registered and per resident adapter, after unload; ``count`` adapters used in
+    turn by one session under ``Lru(4)``; growth over ``cycles`` switch+decode cycles."""
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, Engine(model, EngineSettings(lora_residency=Lru(max_resident=4))) as engine:
         paths = random_adapter_files(engine, Path(tmp), count, rank)
-        warm = engine.create_session()
-        warm.run_decode(1)
+        session = engine.create_session()
+        other = engine.create_session()
+        for s in (session, other):
+            s.run_decode(1)
         base = rss_bytes()
         ids = [engine.register_adapter(LoraSource(path=p)) for p in paths]
-        registered = rss_bytes()
-        out["registered_per_adapter_bytes"] = (registered - base) / count
+        out["registered_per_adapter_bytes"] = (rss_bytes() - base) / count
         out["tensor_bytes_per_adapter"] = engine.stats().adapters[0].tensor_bytes
-        sessions = []
-        before_resident = rss_bytes()
-        for path in paths[:4]:
-            session = engine.create_session(SessionConfig(lora_path=path))
+        before = rss_bytes()
+        for path in paths[:4]:  # four resident adapters: Lru(4) keeps them all
+            session.set_adapters([LoraSource(path=path)], reset=True)
             session.run_decode(1)
-            sessions.append(session)
         stats = engine.stats()
-        out["resident_per_adapter_bytes"] = (rss_bytes() - before_resident) / 4
-        out["resident_buffer_bytes"] = stats.resident[0].nbytes
-        out["slot_float32_bytes"] = stats.resident[0].nbytes  # buffers are the slot's float32 inputs
-        for session in sessions:
-            session.close()
-        for path in paths:  # use every adapter once under Lru(4)
-            with engine.create_session(SessionConfig(lora_path=path)) as session:
-                session.run_decode(1)
-        out["rss_1000_registered_lru4_bytes"] = rss_bytes() - base
-        out["resident_after_lru_walk"] = len(engine.stats().resident)
-        a = engine.create_session(SessionConfig(lora_path=paths[0]))
-        b = engine.create_session(SessionConfig(lora_path=paths[1]))
-        for i in range(500):
-            for s in (a, b):
+        out["resident_per_adapter_bytes"] = (rss_bytes() - before) / 4
+        out["slot_float32_bytes"] = stats.resident[0].nbytes  # the slot's float32 inputs
+        for path in paths[4:]:  # every other adapter once, through the same session
+            session.set_adapters([LoraSource(path=path)], reset=True)
+            session.run_decode(1)
+        out["rss_all_registered_used_once_lru4_bytes"] = rss_bytes() - base
+        out["resident_after_walk"] = len(engine.stats().resident)
+        session.set_adapters([LoraSource(path=paths[0])], reset=True)
+        other.set_adapters([LoraSource(path=paths[1])], reset=True)
+
+        def cycle(i: int) -> None:
+            for s in (session, other):
                 if s.position > 200:
                     s.reset()
                 s.run_decode(i % 97 + 1)
+
+        for i in range(500):
+            cycle(i)
         start = rss_bytes()
         for i in range(cycles // 2):
-            for s in (a, b):
-                if s.position > 200:
-                    s.reset()
-                s.run_decode(i % 97 + 1)
-        out["growth_per_switch_bytes"] = (rss_bytes() - start) / cycles
-        a.close()
-        b.close()
+            cycle(i)
+        out["growth_per_switch_bytes"] = max(0, rss_bytes() - start) / cycles
+        session.close()
+        other.close()
         for lora_id in ids:
             engine.unload_adapter(lora_id)
         out["after_unload_bytes"] = rss_bytes() - base
