@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from runtime.cli.main import keep_native_logs_off_the_terminal
 from runtime.components.tokenizer import ByteTokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
@@ -44,7 +45,8 @@ def load_demo(assets: Path = ASSETS) -> dict:
 
 
 def build_lanes(demo: dict, assets: Path, in_memory: str) -> list[Lane]:
-    """The base lane and one lane per task; the task ``in_memory`` gets its adapter as bytes."""
+    """The base lane, one lane per task (the task ``in_memory`` gets its adapter as bytes),
+    and one per extra adapter file (the same skill in another file convention)."""
     lanes = [Lane("base model", None)]
     for task in demo["tasks"]:
         path = assets / task["adapter"]
@@ -52,14 +54,20 @@ def build_lanes(demo: dict, assets: Path, in_memory: str) -> list[Lane]:
             lanes.append(Lane(f"{task['name']} (from memory)", LoraSource(buffer=path.read_bytes())))
         else:
             lanes.append(Lane(task["name"], LoraSource(path=path)))
+    task_files = {task["adapter"] for task in demo["tasks"]}
+    for entry in demo.get("adapters", {}).values():
+        if entry["file"] not in task_files:
+            label = f"{entry['task']} ({entry['convention']}, {entry['dtype']})"
+            lanes.append(Lane(label, LoraSource(path=assets / entry["file"])))
     return lanes
 
 
 def run_lane(lane: Lane, prompts: list[str], max_new_tokens: int) -> None:
-    """Answers every prompt in this lane's session."""
+    """Answers every prompt (one line each) in this lane's session."""
     for prompt in prompts:
         lane.session.reset()
-        result = lane.session.generate(prompt + "\n", max_new_tokens=max_new_tokens, stop_tokens=[NEWLINE])
+        result = lane.session.generate(prompt.rstrip("\n") + "\n", max_new_tokens=max_new_tokens,
+                                       stop_tokens=[NEWLINE])
         lane.answers.append(result.text)
 
 
@@ -68,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assets", type=Path, default=ASSETS, help="folder with demo.json, the model and adapters")
     parser.add_argument("--prompt", action="append", help="a line to give every session (repeatable)")
     args = parser.parse_args(argv)
+    keep_native_logs_off_the_terminal()
     demo = load_demo(args.assets)
-    prompts = args.prompt or demo["prompts"]
-    max_new_tokens = int(demo.get("max_new_tokens", 64))
+    prompts = [p.rstrip("\n") for p in (args.prompt or demo["demo_prompts"])]
+    max_new_tokens = int(demo["max_new_tokens"])
     started = time.perf_counter()
-    with Engine(args.assets / demo["model"], EngineSettings(num_threads=1),
+    with Engine(args.assets / demo["model"]["file"], EngineSettings(num_threads=1),
                 tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE])) as engine:
         model_ms = (time.perf_counter() - started) * 1e3
         lanes = build_lanes(demo, args.assets, in_memory=demo["tasks"][-1]["name"])
@@ -88,34 +97,50 @@ def main(argv: list[str] | None = None) -> int:
         for thread in threads:
             thread.join()
         stats = engine.stats()
-        print(f"Base model {demo['model']} loaded once in {model_ms:.0f} ms; {len(lanes)} sessions ran "
+        model_bytes = (args.assets / demo["model"]["file"]).stat().st_size
+        print(f"Base model {demo['model']['file']} ({demo['model']['parameters']:,} parameters) loaded once in "
+              f"{model_ms:.0f} ms; {len(lanes)} sessions ran "
               f"concurrently on the same {len(prompts)} prompts.\n")
         for index, prompt in enumerate(prompts):
             print(f"prompt: {prompt!r}")
             for lane in lanes:
-                print(f"  {lane.name:<24} -> {lane.answers[index]!r}")
+                print(f"  {lane.name:<32} -> {lane.answers[index]!r}")
             print()
-        print_costs(lanes, stats)
+        print_costs(lanes, stats, model_bytes)
         for lane in lanes:
             lane.session.close()
     return 0
 
 
-def print_costs(lanes: list[Lane], stats) -> None:
-    """Per lane: adapter memory, load time, decode speed; then the engine's switch latency."""
-    by_session = {s.session_id: s for s in stats.sessions}
+def measure_alone(lane: Lane, steps: int = 48) -> tuple[float, float]:
+    """``(decode tokens/s, switch us)`` of this lane run alone: its decode speed, and the
+    time to switch the executor to it from another session (a bind, no copy)."""
+    session = lane.session
+    session.reset()
+    session.run_decode(NEWLINE)
+    started = time.perf_counter()
+    for _ in range(steps):
+        session.run_decode(NEWLINE)
+    per_token = (time.perf_counter() - started) / steps
+    return 1 / per_token, per_token
+
+
+def print_costs(lanes: list[Lane], stats, model_bytes: int) -> None:
+    """Per lane: adapter memory, load time, decode speed alone; then switch costs."""
     resident = {a.lora_id: a for a in stats.adapters}
-    print(f"{'session':<24} {'adapter RAM':>12} {'load':>9} {'tokens/s':>10}")
+    print(f"{'session':<32} {'adapter RAM':>12} {'load':>9} {'tokens/s alone':>15} {'time x base':>12}")
+    base_speed = None
     for lane in lanes:
-        session = by_session[lane.session.session_id]
+        speed, _ = measure_alone(lane)
+        base_speed = base_speed or speed
         adapter = resident.get(lane.lora_id)
         ram = f"{adapter.resident_bytes / 1024:.0f} KiB" if adapter else "-"
         load = f"{lane.load_ms:.2f} ms" if lane.source else "-"
-        print(f"{lane.name:<24} {ram:>12} {load:>9} {session.decode_tokens_per_s:>10,.0f}")
-    print(f"\nswitches between sessions/adapters: {stats.switch.count}, p50 {stats.switch.p50_ms * 1e3:.0f} us, "
-          f"p99 {stats.switch.p99_ms * 1e3:.0f} us (runtime work per switch; no weights are copied)")
-    print(f"adapter buffers resident: {stats.resident_bytes / 1024:.0f} KiB in {len(stats.resident)} slot set(s); "
-          f"materialize p50 {stats.materialize.p50_ms:.2f} ms")
+        print(f"{lane.name:<32} {ram:>12} {load:>9} {speed:>15,.0f} {base_speed / speed:>12.2f}")
+    print(f"\nthe base model: {model_bytes / 1e6:.1f} MB, loaded once; each adapter adds only its buffers.")
+    print(f"switching the executor between sessions/adapters: {stats.switch.count} switches, p50 "
+          f"{stats.switch.p50_ms * 1e3:.0f} us (a bind: no weights or KV copied; the first use of an adapter "
+          f"also builds its buffers, p50 {stats.materialize.p50_ms:.2f} ms)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    _keep_native_logs_off_the_terminal()
+    keep_native_logs_off_the_terminal()
     try:
         return args.run(args)
     except StatusError as exc:
@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
 
 
-def _keep_native_logs_off_the_terminal() -> None:
+def keep_native_logs_off_the_terminal() -> None:
     """Sends file descriptor 2 to /dev/null and keeps Python's stderr on the terminal.
 
     The native library prints INFO lines whenever it creates or destroys its
