@@ -351,6 +351,15 @@ def quick_table(model: str | os.PathLike[str], adapters: Sequence[str], steps: i
         if len(sources) >= 2:
             configs["blend of the first two (0.5/0.5)"] = SessionConfig(
                 loras=[LoraSource(path=sources[0].path, scale=0.5), LoraSource(path=sources[1].path, scale=0.5)])
+        prompt = list(range(1, min(32, engine.spec.kv_length - 1)))
+        for name, config in list(configs.items())[:2]:
+            with engine.create_session(config) as session:
+                def prefill(session: Session = session) -> None:
+                    session.reset()
+                    session.run_prefill(prompt)
+                prefill()
+                rows.append(Row("prefill", f"prefill {len(prompt)} tokens, {name}",
+                                median_seconds(prefill, repeats) * 1e3, "ms"))
         decode = bench_decode(engine, configs, steps, repeats)
         plain = decode["base model"]["step"]
         for name, d in decode.items():
