@@ -126,10 +126,11 @@ def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, 
 
 def bench_graph(engine: Engine, repeats: int, calls: int = 50) -> dict[str, float]:
     """Seconds per bare invoke of each decode signature (plain and every rank slot, with
-    zero LoRA inputs): the graph's own cost, nothing of the runtime's."""
+    zero LoRA inputs): the graph's own cost, nothing of the runtime's. Signatures are
+    measured round-robin within each repeat, so drift hits them alike."""
     executor = engine._resources.executor
     kv = executor.create_kv_cache()
-    out = {}
+    runs = {}
     for rank in (None, *executor.spec.lora_ranks):
         buffers = None
         if rank is not None:
@@ -137,15 +138,15 @@ def bench_graph(engine: Engine, repeats: int, calls: int = 50) -> dict[str, floa
             buffers = {name: executor.create_lora_buffer(rank, name) for name in slot}
             for name, spec in slot.items():
                 buffers[name].write(np.zeros(spec.shape, spec.dtype))
-        run = executor.bind(kv, buffers, rank).decode
-        samples = []
-        for _ in range(repeats):
+        runs["plain" if rank is None else f"r{rank}"] = executor.bind(kv, buffers, rank).decode
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
             start = time.perf_counter()
             for _ in range(calls):
                 executor._fast.run(run.io.index, run.prepared)
-            samples.append((time.perf_counter() - start) / calls)
-        out["plain" if rank is None else f"r{rank}"] = statistics.median(samples)
-    return out
+            samples[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def bench_switch(engine: Engine, a: LoraSource, b: LoraSource, steps: int, repeats: int) -> dict[str, float]:
