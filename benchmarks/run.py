@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
+from runtime.cli.progress import progress_bar
 from runtime.bench import (
     bench_cold_switch,
     bench_concurrency,
@@ -88,24 +89,27 @@ def main() -> None:
     parser.add_argument("--skip-llama-cpp", action="store_true")
     args = parser.parse_args()
     repeats, steps = (5, 48) if args.quick else (15, 96)
-    results: dict = {}
-    print("decode ...", file=sys.stderr)
-    results["decode"] = decode_section(repeats, steps)
-    print("register ...", file=sys.stderr)
-    results["register"] = bench_register([1, 8, 64] if args.quick else [1, 8, 64, 200], repeats)
-    print("switch ...", file=sys.stderr)
-    with Engine(MODELS / "bench_f32.tflite") as engine:
-        results["switch"] = bench_switch(engine, R8_A, R8_B, steps, repeats)
-    results["cold_switch"] = bench_cold_switch(MODELS / "bench_f32.tflite", [R8_A, R64], repeats)
-    print("memory ...", file=sys.stderr)
-    results["memory"] = _in_child(bench_memory, MODELS / "bench_f32.tflite", 8, 200 if args.quick else 1000,
-                                  2000 if args.quick else 10_000)
-    print("concurrency ...", file=sys.stderr)
-    results["concurrency"] = bench_concurrency(MODELS / "bench_f32.tflite", [R8_A, R8_B, R64], [1, 2, 4, 8],
-                                               steps)
+    bench_f32 = MODELS / "bench_f32.tflite"
+
+    def switch() -> dict:
+        with Engine(bench_f32) as engine:
+            return bench_switch(engine, R8_A, R8_B, steps, repeats)
+
+    sections = {
+        "decode": lambda: decode_section(repeats, steps),
+        "register": lambda: bench_register([1, 8, 64] if args.quick else [1, 8, 64, 200], repeats),
+        "switch": switch,
+        "cold_switch": lambda: bench_cold_switch(bench_f32, [R8_A, R64], repeats),
+        "memory": lambda: _in_child(bench_memory, bench_f32, 8, 200 if args.quick else 1000,
+                                    2000 if args.quick else 10_000),
+        "concurrency": lambda: bench_concurrency(bench_f32, [R8_A, R8_B, R64], [1, 2, 4, 8], steps),
+    }
     if not args.skip_llama_cpp:
-        print("llama.cpp ...", file=sys.stderr)
-        results["llama_cpp"] = llama_cpp_section()
+        sections["llama_cpp"] = llama_cpp_section
+    results: dict = {}
+    for name in progress_bar("benchmark", unit="section")(list(sections)):
+        print(f"{name} ...", file=sys.stderr)
+        results[name] = sections[name]()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     from report import plots, render_markdown

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.cli.progress import progress_bar
 from runtime.components.lora_converter import convert_adapter
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.util.adapter_formats import detect_format, open_adapter
@@ -40,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         spec = executor.spec
         slots = {rank: spec.lora_slot(rank) for rank in spec.lora_ranks}
         with open_adapter(args.source, head_dim=spec.head_dim) as data:
-            blob = convert_adapter(data, slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype])
+            blob = convert_adapter(data, slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype],
+                                   progress=progress_bar("converting", unit="projection"))
     finally:
         executor.close()
     partial = args.out.with_name(args.out.name + ".partial")

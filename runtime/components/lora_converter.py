@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -17,18 +17,20 @@ def convert_adapter(
     slots: Mapping[int, SlotInputs],
     convention: Convention,
     dtype: np.dtype,
+    progress: Callable[[Iterable], Iterable] = iter,
 ) -> bytes:
     """The bytes of a ``.tflite`` LoRA file holding ``data`` in ``convention``.
 
     The adapter is first checked against the model's slots (so a misfit is refused, not
-    written). Scales are already folded into ``a`` by the readers; pairs of smaller rank
+    written). ``progress`` wraps the loop over projections (e.g. a progress bar).
+    Scales are already folded into ``a`` by the readers; pairs of smaller rank
     are zero-padded to the adapter's largest rank so every tensor has the same rank, as
     LiteRT-LM expects. LiteRT-LM / MediaPipe conventions get data after the flatbuffer
     and ``lora_rank`` metadata; litert-torch gets inline data.
     """
     plan = plan_adapter(data, slots)
     weights = {}
-    for key, pair in plan.pairs.items():
+    for key, pair in progress(plan.pairs.items()):
         a = to_graph_layout(pair.a.convention, "a", data.read_tensor(pair.a_name)).astype(np.float32)
         b = to_graph_layout(pair.b.convention, "b", data.read_tensor(pair.b_name)).astype(np.float32)
         padded_a = np.zeros((a.shape[0], plan.rank), np.float32)
