@@ -72,6 +72,7 @@ def run_lane(lane: Lane, prompts: list[str], max_new_tokens: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the demo; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m runtime.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--assets", type=Path, default=ASSETS, help="folder with demo.json, the model and adapters")
     parser.add_argument("--prompt", action="append", help="a line to give every session (repeatable)")

@@ -43,7 +43,8 @@ SlotInputs = Mapping[str, TensorSpec]
 class WritableBuffer(Protocol):
     """What the executor hands out for a LoRA input: something an array is written into."""
 
-    def write(self, data_array: np.ndarray) -> None: ...
+    def write(self, data_array: np.ndarray) -> None:
+        """Copies ``data_array`` (of the input's shape and dtype) into the buffer."""
 
 
 # Creates the (empty) buffer for one LoRA input name of the slot being materialized.

@@ -17,14 +17,18 @@ class Tokenizer(Protocol):
     """What the engine needs to take text in and give text out."""
 
     @property
-    def vocab_size(self) -> int: ...
+    def vocab_size(self) -> int:
+        """How many token ids there are."""
 
     @property
-    def stop_token_ids(self) -> tuple[int, ...]: ...
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end a generation."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids."""
 
 
 class ByteTokenizer:

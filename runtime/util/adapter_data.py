@@ -44,22 +44,30 @@ class AdapterData(Protocol):
     source_name: str
     format_name: str
 
-    def get_all_tensor_names(self) -> list[str]: ...
+    def get_all_tensor_names(self) -> list[str]:
+        """Every tensor name, in a stable order."""
 
-    def has_tensor(self, name: str) -> bool: ...
+    def has_tensor(self, name: str) -> bool:
+        """Whether tensor ``name`` exists."""
 
-    def tensor_info(self, name: str) -> TensorInfo: ...
+    def tensor_info(self, name: str) -> TensorInfo:
+        """Shape, dtype and size of ``name`` (read from metadata only)."""
 
-    def read_tensor(self, name: str) -> np.ndarray: ...
+    def read_tensor(self, name: str) -> np.ndarray:
+        """Tensor ``name``, read-only."""
 
-    def get_lora_rank(self) -> int: ...
+    def get_lora_rank(self) -> int:
+        """The adapter's (largest) rank."""
 
     @property
-    def nbytes(self) -> int: ...
+    def nbytes(self) -> int:
+        """Bytes of all tensors."""
 
-    def release_memory(self) -> None: ...
+    def release_memory(self) -> None:
+        """Drops mapped pages of the source from this process, where possible."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Releases the source."""
 
 
 @dataclass(frozen=True)
