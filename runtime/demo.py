@@ -113,35 +113,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure_alone(lane: Lane, steps: int = 48) -> tuple[float, float]:
-    """``(decode tokens/s, switch us)`` of this lane run alone: its decode speed, and the
-    time to switch the executor to it from another session (a bind, no copy)."""
-    session = lane.session
-    session.reset()
-    session.run_decode(NEWLINE)
-    started = time.perf_counter()
-    for _ in range(steps):
-        session.run_decode(NEWLINE)
-    per_token = (time.perf_counter() - started) / steps
-    return 1 / per_token, per_token
+def measure_alone(lane: Lane, other: Lane, steps: int = 48) -> tuple[float, float]:
+    """``(decode tokens/s, switch seconds)`` of this lane with nothing else running: its
+    decode speed, and what a step costs more when the executor alternates between it and
+    ``other`` (a switch of session and adapter: a bind, no copy)."""
+    def run(sessions: list[Session]) -> float:
+        for session in sessions:
+            session.reset()
+            session.run_decode(NEWLINE)
+        started = time.perf_counter()
+        for _ in range(steps):
+            for session in sessions:
+                session.run_decode(NEWLINE)
+        return (time.perf_counter() - started) / (steps * len(sessions))
+
+    alone = min(run([lane.session]) for _ in range(3))
+    alternating = min(run([lane.session, other.session]) for _ in range(3))
+    other_alone = min(run([other.session]) for _ in range(3))
+    return 1 / alone, max(0.0, alternating - (alone + other_alone) / 2)
 
 
 def print_costs(lanes: list[Lane], stats, model_bytes: int) -> None:
     """Per lane: adapter memory, load time, decode speed alone; then switch costs."""
     resident = {a.lora_id: a for a in stats.adapters}
-    print(f"{'session':<32} {'adapter RAM':>12} {'load':>9} {'tokens/s alone':>15} {'time x base':>12}")
+    print(f"{'session':<32} {'adapter RAM':>12} {'load':>9} {'tokens/s alone':>15} {'time x base':>12} "
+          f"{'switch':>9}")
     base_speed = None
     for lane in lanes:
-        speed, _ = measure_alone(lane)
+        speed, switch = measure_alone(lane, lanes[0] if lane is not lanes[0] else lanes[-1])
         base_speed = base_speed or speed
         adapter = resident.get(lane.lora_id)
         ram = f"{adapter.resident_bytes / 1024:.0f} KiB" if adapter else "-"
         load = f"{lane.load_ms:.2f} ms" if lane.source else "-"
-        print(f"{lane.name:<32} {ram:>12} {load:>9} {speed:>15,.0f} {base_speed / speed:>12.2f}")
+        print(f"{lane.name:<32} {ram:>12} {load:>9} {speed:>15,.0f} {base_speed / speed:>12.2f} "
+              f"{switch * 1e6:>6.0f} us")
     print(f"\nthe base model: {model_bytes / 1e6:.1f} MB, loaded once; each adapter adds only its buffers.")
-    print(f"switching the executor between sessions/adapters: {stats.switch.count} switches, p50 "
-          f"{stats.switch.p50_ms * 1e3:.0f} us (a bind: no weights or KV copied; the first use of an adapter "
-          f"also builds its buffers, p50 {stats.materialize.p50_ms:.2f} ms)")
+    print("switch: what a decode step costs more when the executor alternates between this session and "
+          "another one with another adapter (a bind: no weights or KV cache copied). The first use of an "
+          f"adapter also builds its buffers: p50 {stats.materialize.p50_ms:.2f} ms.")
 
 
 if __name__ == "__main__":
