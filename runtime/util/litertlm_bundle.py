@@ -12,7 +12,6 @@ JSON compressed with zlib.
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import zlib
