@@ -147,11 +147,7 @@ class LoraManager:
     def release(self, blend: Blend) -> None:
         """Ends one :meth:`acquire`; the blend may now be evicted."""
         with self._lock:
-            count = self._running.get(blend, 0)
-            if count <= 1:
-                self._running.pop(blend, None)
-            else:
-                self._running[blend] = count - 1
+            _decrement(self._running, blend)
             self._enforce_residency(protect=None)
 
     def is_resident(self, blend: Blend) -> bool:
@@ -281,11 +277,7 @@ class LoraManager:
     def unpin(self, lora_id: int) -> None:
         """Releases one :meth:`pin`."""
         with self._lock:
-            count = self._pins.get(lora_id, 0)
-            if count <= 1:
-                self._pins.pop(lora_id, None)
-            else:
-                self._pins[lora_id] = count - 1
+            _decrement(self._pins, lora_id)
 
     def pin_count(self, lora_id: int) -> int:
         """How many live holders ``lora_id`` has."""
@@ -317,3 +309,12 @@ class LoraManager:
         if plan is None:
             raise NotFoundError(f"LoRA id {lora_id} is not loaded")
         return plan
+
+
+def _decrement(counts: dict, key: object) -> None:
+    """Counts down ``key``, forgetting it at zero."""
+    count = counts.get(key, 0)
+    if count <= 1:
+        counts.pop(key, None)
+    else:
+        counts[key] = count - 1
