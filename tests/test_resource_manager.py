@@ -100,6 +100,46 @@ def test_contexts_pin_their_adapters(manager):
         manager.new_context([(lora_id, 1.0)])
 
 
+@pytest.mark.parametrize("switch", [False, True])
+def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatch):
+    """Another thread unloads the adapter just as it is registered for a context: the
+    context must still get it (and the unload be refused), never a NotFoundError."""
+    source = LoraSource(path=adapter_path("torch_r4"))
+    lora_id = manager.register(source)
+    context = manager.new_context([]) if switch else None
+    outcome: list[BaseException | None] = []
+    racers: list[threading.Thread] = []
+
+    def unload() -> None:
+        try:
+            manager.unload(lora_id)
+            outcome.append(None)
+        except (FailedPreconditionError, NotFoundError) as exc:
+            outcome.append(exc)
+
+    original_register = manager.register
+
+    def register_then_let_an_unload_try(registered: LoraSource) -> int:
+        registered_id = original_register(registered)
+        racer = threading.Thread(target=unload)
+        racers.append(racer)
+        racer.start()
+        racer.join(0.3)  # long enough for an unload that is not kept out to finish
+        return registered_id
+
+    monkeypatch.setattr(manager, "register", register_then_let_an_unload_try)
+    if switch:
+        manager.set_sources(context, [source])
+    else:
+        context = manager.new_context_for_sources([source])
+    monkeypatch.undo()
+    for racer in racers:
+        racer.join(10)
+    assert context.lora_ids == [lora_id]
+    assert len(outcome) == 1 and isinstance(outcome[0], FailedPreconditionError)
+    manager.release_context(context)
+
+
 def test_bind_is_cached_until_the_adapter_changes(manager):
     one = manager.register(LoraSource(path=adapter_path("torch_r4")))
     two = manager.register(LoraSource(path=adapter_path("litertlm_r8_layer0")))

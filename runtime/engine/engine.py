@@ -87,8 +87,7 @@ class Engine:
         """A new, empty session running with the adapters ``config`` names."""
         self._check_open()
         config = config or SessionConfig()
-        entries = [(self._resources.register(s), s.scale) for s in config.sources()]
-        context = self._resources.new_context(entries)
+        context = self._resources.new_context_for_sources(config.sources())
         return Session(self._resources, context, config.sampler, self._sessions, self.tokenizer)
 
     def set_residency(self, policy: ResidencyPolicy) -> None:

@@ -243,8 +243,7 @@ class Session:
                     f"the session holds {context.position} tokens computed with its current "
                     "adapters; pass reset=True to clear them and switch"
                 )
-            entries = [(self._resources.register(source), source.scale) for source in loras]
-            self._resources.set_blend(context, entries)
+            self._resources.set_sources(context, loras)
             context.position = 0
 
     def close(self) -> None:

@@ -155,16 +155,12 @@ class ResourceManager:
 
     def new_context(self, entries: Iterable[tuple[int, float]]) -> ContextHandler:
         """A fresh context (empty KV cache) using a blend of loaded adapters."""
-        blend = self._check_blend(entries)
-        self._pin(blend)
-        try:
-            context = ContextHandler(blend, self.executor.create_kv_cache())
-        except BaseException:
-            self._unpin(blend)
-            raise
-        with self._contexts_lock:
-            self._contexts.add(context)
-        return context
+        return self._context_for(self._pinned_blend(entries))
+
+    def new_context_for_sources(self, sources: Iterable[LoraSource]) -> ContextHandler:
+        """A fresh context using ``sources``, registered if needed. Registration and
+        pinning happen under one lock, so a concurrent unload cannot slip in between."""
+        return self._context_for(self._pinned_sources(sources))
 
     def clone_context(self, context: ContextHandler) -> ContextHandler:
         """A new context with a copy of ``context``'s KV cache, position and adapters."""
@@ -181,10 +177,39 @@ class ResourceManager:
 
     def set_blend(self, context: ContextHandler, entries: Iterable[tuple[int, float]]) -> None:
         """Switches a context's adapters; the caller decides what happens to its KV cache."""
-        blend = self._check_blend(entries)
-        self._pin(blend)
+        self._switch(context, self._pinned_blend(entries))
+
+    def set_sources(self, context: ContextHandler, sources: Iterable[LoraSource]) -> None:
+        """Switches a context to ``sources``, registered if needed (atomically with
+        respect to unload, like :meth:`new_context_for_sources`)."""
+        self._switch(context, self._pinned_sources(sources))
+
+    def _context_for(self, blend: Blend) -> ContextHandler:
+        """A fresh context owning ``blend``'s pins (released if the KV cache cannot be made)."""
+        try:
+            context = ContextHandler(blend, self.executor.create_kv_cache())
+        except BaseException:
+            self._unpin(blend)
+            raise
+        with self._contexts_lock:
+            self._contexts.add(context)
+        return context
+
+    def _switch(self, context: ContextHandler, blend: Blend) -> None:
         self._unpin(context.blend)
         context.blend = blend  # the next run binds the new buffers (or a recent binding)
+
+    def _pinned_blend(self, entries: Iterable[tuple[int, float]]) -> Blend:
+        """The blend of ``entries``, checked and pinned; under the lock :meth:`unload` takes."""
+        with self._lock:
+            blend = self._check_blend(entries)
+            self._pin(blend)
+        return blend
+
+    def _pinned_sources(self, sources: Iterable[LoraSource]) -> Blend:
+        """Registers ``sources`` and pins their blend without releasing the lock between."""
+        with self._lock:
+            return self._pinned_blend([(self.register(source), source.scale) for source in sources])
 
     def release_context(self, context: ContextHandler) -> None:
         """Unpins the context's adapters and drops its KV cache."""
