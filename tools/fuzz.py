@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # fuzz this checkout's runtime, installed or not (workers too)
 MODELS = ROOT / "tests" / "models"
 SEEDS = {
     "tflite": [MODELS / "adapters" / f"{n}.tflite" for n in ("torch_r4_layer1_qv", "litertlm_r8_layer0", "mediapipe_r4")],
