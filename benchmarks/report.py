@@ -40,7 +40,8 @@ def render_markdown(results: dict) -> str:
     out += ["", "## Memory (VmRSS, bench model, rank-8 adapters)", "", "| what | value |", "|---|---:|",
             f"| RSS per registered (not resident) adapter | {mem['registered_per_adapter_bytes'] / 1024:.1f} KiB |",
             f"| adapter tensor bytes (float32) | {mem['tensor_bytes_per_adapter'] / 1024:.1f} KiB |",
-            f"| RSS per resident adapter | {mem['resident_per_adapter_bytes'] / 1024:.1f} KiB |",
+            f"| RSS of the first resident adapter (heap growth, first binding included) | {mem['resident_first_adapter_bytes'] / 1024:.1f} KiB |",
+            f"| RSS per further resident adapter (slope, 16 resident at once) | {mem['resident_per_adapter_bytes'] / 1024:.1f} KiB |",
             f"| its slot buffers (float32) | {mem['slot_float32_bytes'] / 1024:.1f} KiB |",
             f"| RSS growth with all registered, each used once under Lru(4) | {mem['rss_all_registered_used_once_lru4_bytes'] / 1024:.0f} KiB |",
             f"| resident after that walk | {mem['resident_after_walk']} |",
@@ -126,7 +127,7 @@ def targets(results: dict) -> list[str]:
     add("registered, non-resident adapter <= 64 KB RSS", f"{mem['registered_per_adapter_bytes'] / 1024:.1f} KiB",
         mem["registered_per_adapter_bytes"] <= 64 * 1024)
     ratio = mem["resident_per_adapter_bytes"] / mem["slot_float32_bytes"]
-    add("resident adapter <= 1.1x its float32 tensor bytes", f"{ratio:.2f}x", ratio <= 1.1)
+    add("resident adapter <= 1.1x its float32 tensor bytes (each beyond the first)", f"{ratio:.3f}x", ratio <= 1.1)
     add("0 bytes growth per switch", f"{mem['growth_per_switch_bytes']:.2f} B", mem["growth_per_switch_bytes"] <= 1.0)
     conc = results["concurrency"]
     one = conc.get(1, conc.get("1"))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.components.residency import Lru
+from runtime.components.residency import KeepAll, Lru
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.engine.session import Session
@@ -263,6 +263,30 @@ def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, se
     return paths
 
 
+RESIDENT_PROBE = 16  # adapters made resident at once to measure what each costs
+
+
+def _resident_cost(engine: Engine, session: Session, paths: Sequence[Path]) -> dict[str, float]:
+    """RSS of resident adapters: the first one (which also grows the allocator's arenas
+    and builds the session's first adapter binding) and each further one (the slope over
+    the rest), with every probed adapter resident at once."""
+    policy = engine.settings.lora_residency
+    engine.set_residency(KeepAll())
+    marks = [rss_bytes()]
+    for path in paths:
+        session.set_adapters([LoraSource(path=path)], reset=True)
+        session.run_decode(1)
+        marks.append(rss_bytes())
+    slot_bytes = engine.stats().resident[0].nbytes  # the slot's float32 inputs
+    engine.set_residency(policy)
+    steady = len(paths) // 4  # past the first few, which still grow the heap
+    return {
+        "resident_first_adapter_bytes": marks[1] - marks[0],
+        "resident_per_adapter_bytes": (marks[-1] - marks[steady]) / (len(paths) - steady),
+        "slot_float32_bytes": slot_bytes,
+    }
+
+
 def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cycles: int = 10_000) -> dict[str, float]:
     """RSS per registered and per resident adapter, after unload; ``count`` adapters used in
     turn by one session under ``Lru(4)``; growth over ``cycles`` switch+decode cycles."""
@@ -277,14 +301,8 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
         ids = [engine.register_adapter(LoraSource(path=p)) for p in paths]
         out["registered_per_adapter_bytes"] = (rss_bytes() - base) / count
         out["tensor_bytes_per_adapter"] = engine.stats().adapters[0].tensor_bytes
-        before = rss_bytes()
-        for path in paths[:4]:  # four resident adapters: Lru(4) keeps them all
-            session.set_adapters([LoraSource(path=path)], reset=True)
-            session.run_decode(1)
-        stats = engine.stats()
-        out["resident_per_adapter_bytes"] = (rss_bytes() - before) / 4
-        out["slot_float32_bytes"] = stats.resident[0].nbytes  # the slot's float32 inputs
-        for path in paths[4:]:  # every other adapter once, through the same session
+        out.update(_resident_cost(engine, session, paths[:RESIDENT_PROBE]))
+        for path in paths[RESIDENT_PROBE:]:  # every other adapter once, through the same session
             session.set_adapters([LoraSource(path=path)], reset=True)
             session.run_decode(1)
         out["rss_all_registered_used_once_lru4_bytes"] = rss_bytes() - base

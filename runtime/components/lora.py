@@ -211,20 +211,19 @@ class LoRA:
             for name, spec in slot.items()
             for parsed in [parse_lora_input_name(name)]
         }
-        buffers: dict[str, WritableBuffer] = {}
+        # Every long-lived buffer first, then the short-lived arrays that fill them: so the
+        # allocator does not leave the temporaries' holes between resident buffers.
+        buffers = {name: allocate(name) for name in slot}
         for (layer, projection), dims in sorted(model_geometry(slot).items()):
             a, b = self._fill(blend, (layer, projection), dims, slot_rank, allow_non_finite)
             for side, graph_array in (("a", a), ("b", b)):
                 parsed, spec = by_key[(layer, projection, side)]
-                name = spec.name
                 stored = from_graph_layout(parsed.convention, side, graph_array)
                 if stored.shape != spec.shape:
                     raise InvalidArgumentError(
                         f"LoRA input {spec.describe()}: built shape {list(stored.shape)}"
                     )
-                buffer = allocate(name)
-                buffer.write(np.ascontiguousarray(stored, dtype=spec.dtype))
-                buffers[name] = buffer
+                buffers[spec.name].write(np.ascontiguousarray(stored, dtype=spec.dtype))
         self.buffers = buffers
 
     @staticmethod
