@@ -139,9 +139,11 @@ class LoraManager:
     def acquire(self, blend: Blend) -> LoRA:
         """Materializes ``blend`` and marks it running (never evicted) until :meth:`release`."""
         with self._lock:
+            built = blend not in self._resident
             lora = self._get_or_build(blend)
             self._running[blend] = self._running.get(blend, 0) + 1
-            self._enforce_residency(protect=blend)
+            if built:  # a hit adds no bytes: nothing to evict for it
+                self._enforce_residency(protect=blend)
             return lora
 
     def release(self, blend: Blend) -> None:

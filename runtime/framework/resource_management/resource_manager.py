@@ -81,7 +81,8 @@ class ResourceManager:
         self._lock = threading.RLock()
         self._contexts: weakref.WeakSet[ContextHandler] = weakref.WeakSet()
         self._contexts_lock = threading.Lock()  # WeakSet iteration is not thread-safe
-        self._last_run: tuple[int, LoRA | None] | None = None
+        self._last_context = 0  # id() of the previous run's context (0: none yet), for switches
+        self._last_lora: LoRA | None = None
         self.load_latency = LatencyRecorder()
         self.switch_latency = LatencyRecorder()
 
@@ -229,19 +230,20 @@ class ResourceManager:
         blend = context.blend
         lora = self.lora_manager.acquire(blend) if blend else None
         executor = self._idle.get() if self._idle is not None else self.executor
-        try:
-            binding = self._bind(context, lora, executor)
-        except BaseException:
-            if self._idle is not None:
-                self._idle.put(executor)
-            if blend:
-                self.lora_manager.release(blend)
-            raise
-        current = (id(context), lora)
-        if self._last_run != current:
-            if self._last_run is not None:
+        binding = context.binding  # the session's own thread is the only one setting it
+        if binding is None or context.bound_lora is not lora or binding.executor is not executor:
+            try:
+                binding = self._bind(context, lora, executor)
+            except BaseException:
+                if self._idle is not None:
+                    self._idle.put(executor)
+                if blend:
+                    self.lora_manager.release(blend)
+                raise
+        if self._last_context != id(context) or self._last_lora is not lora:
+            if self._last_context:
                 self.switch_latency.record(time.perf_counter() - started)
-            self._last_run = current
+            self._last_context, self._last_lora = id(context), lora
         return binding
 
     def end_run(self, blend: Blend, binding: Binding) -> None:
