@@ -12,7 +12,8 @@ every call falls back to the public API, which gives the same results, only slow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -28,32 +29,42 @@ except ImportError:  # pragma: no cover
 class FastPath:
     """Writes, reads and runs with prepared arguments; falls back to the public API."""
 
-    def __init__(self, model: CompiledModel) -> None:
+    def __init__(self, model: CompiledModel, *, direct: bool = True) -> None:
+        """``direct=False`` uses the public API only (as with another ai-edge-litert)."""
         self._model = model
         wrapper = getattr(model, "_model", None)
-        self._run_by_index = getattr(wrapper, "RunByIndex", None)
-        self._write = getattr(_tb, "WriteTensorBuffer", None)
-        self._read = getattr(_tb, "ReadTensorToBuffer", None)
+        self._run_by_index = getattr(wrapper, "RunByIndex", None) if direct else None
+        self._write = getattr(_tb, "WriteTensorBuffer", None) if direct else None
+        self._read = getattr(_tb, "ReadTensorToBuffer", None) if direct else None
 
     @property
     def direct(self) -> bool:
         """Whether the private fast calls are in use."""
         return None not in (self._run_by_index, self._write, self._read)
 
-    def write_int32(self, buffer: TensorBuffer, array: np.ndarray) -> None:
-        """Copies a contiguous int32 array into ``buffer``."""
+    def writer(self, buffer: TensorBuffer, array: np.ndarray) -> Callable[[], None]:
+        """A call copying ``array`` (contiguous int32, which the caller updates in place)
+        into ``buffer``: everything but the copy is done here, once."""
         if self._write is not None:
-            self._write(buffer.capsule, array.reshape(-1), "int32")
-        else:
-            buffer.write(array)
+            return partial(self._write, buffer.capsule, array.reshape(-1), "int32")
+        return partial(buffer.write, array)
 
-    def read_float32(self, buffer: TensorBuffer, out: np.ndarray) -> np.ndarray:
-        """Fills the contiguous float32 array ``out`` from ``buffer`` and returns it."""
-        if self._read is not None:
-            self._read(buffer.capsule, out.reshape(-1), "float32")
-            return out
-        out.reshape(-1)[:] = buffer.read(out.size, np.float32)
-        return out
+    def reader(self, buffer: TensorBuffer, rows: int, columns: int) -> Callable[[], np.ndarray]:
+        """A call returning a fresh ``(rows, columns)`` float32 array read from ``buffer``
+        (fresh: callers keep earlier results while later steps run)."""
+        read, size = self._read, rows * columns
+        if read is not None:
+            capsule = buffer.capsule
+
+            def read_direct() -> np.ndarray:
+                out = np.empty(size, np.float32)
+                read(capsule, out, "float32")
+                return out.reshape(rows, columns)
+            return read_direct
+
+        def read_public() -> np.ndarray:
+            return np.array(buffer.read(size, np.float32), np.float32).reshape(rows, columns)
+        return read_public
 
     def prepare(self, inputs: Sequence[TensorBuffer], outputs: Sequence[TensorBuffer]) -> tuple[Any, Any]:
         """What :meth:`run` takes for these buffers, built once per binding."""

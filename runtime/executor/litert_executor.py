@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +101,10 @@ class _SignatureIO:
     logits: TensorBuffer | None
     token_array: np.ndarray
     position_array: np.ndarray
+    # Prepared by FastPath: copy the arrays into the buffers, read fresh logits.
+    write_tokens: Callable[[], None] = field(init=False)
+    write_positions: Callable[[], None] = field(init=False)
+    read_logits: Callable[[], np.ndarray] | None = field(init=False, default=None)
 
 
 @dataclass
@@ -153,8 +157,8 @@ class LlmExecutor:
             }
             self.spec = ModelSpec.from_details(details, str(self.model_path))
             # Token, position and logits buffers are shared by all sessions: runs are serialized.
-            self._io = {key: self._signature_io(key, signature) for key, signature in self.spec.signatures.items()}
             self._fast = FastPath(self._model)
+            self._io = {key: self._signature_io(key, signature) for key, signature in self.spec.signatures.items()}
             for io in self._io.values():  # the first write sets up the library's environment
                 io.tokens.write(io.token_array)
                 io.positions.write(io.position_array)
@@ -164,7 +168,7 @@ class LlmExecutor:
     def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
         index = self._model.get_signature_index(key)
         described = self._model.get_signature_by_index(index)
-        return _SignatureIO(
+        io = _SignatureIO(
             index=index,
             input_order=list(described["inputs"]),
             output_order=list(described["outputs"]),
@@ -174,6 +178,11 @@ class LlmExecutor:
             token_array=np.zeros((1, signature.seq_len), np.int32),
             position_array=np.zeros(signature.seq_len, np.int32),
         )
+        io.write_tokens = self._fast.writer(io.tokens, io.token_array)
+        io.write_positions = self._fast.writer(io.positions, io.position_array)
+        if io.logits is not None:
+            io.read_logits = self._fast.reader(io.logits, signature.seq_len, self.spec.vocab_size)
+        return io
 
     def _load(self) -> CompiledModel:
         options = Options(
@@ -307,17 +316,13 @@ class LlmExecutor:
             io.token_array[0, : len(chunk)] = chunk
             io.token_array[0, len(chunk) :] = 0
             io.position_array[:] = range(start, start + length)
-        fast = self._fast
-        fast.write_int32(io.tokens, io.token_array)
-        fast.write_int32(io.positions, io.position_array)
+        io.write_tokens()
+        io.write_positions()
         try:
-            fast.run(io.index, run.prepared)
+            self._fast.run(io.index, run.prepared)
         except Exception as exc:
             raise InternalError(f"running {run.signature.key!r} failed: {exc}") from None
-        if io.logits is None:
-            return None
-        # A fresh array each step: callers keep logits while the next step runs.
-        return fast.read_float32(io.logits, np.empty((length, self.spec.vocab_size), np.float32))
+        return io.read_logits() if io.read_logits is not None else None
 
     def _check_position(self, start: int, count: int) -> None:
         if start < 0:
