@@ -310,9 +310,11 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
         session.set_adapters([LoraSource(path=paths[0])], reset=True)
         other.set_adapters([LoraSource(path=paths[1])], reset=True)
 
+        limit = engine.spec.kv_length
+
         def cycle(i: int) -> None:
             for s in (session, other):
-                if s.position > 200:
+                if s.position == limit:
                     s.reset()
                 s.run_decode(i % 97 + 1)
 

@@ -1,0 +1,122 @@
+"""Tests for runtime.bench: each measurement runs on the test model and reports what it
+claims to (the right keys, slots, sizes and relations), not how fast this machine is."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+import numpy as np
+import pytest
+
+from conftest import MODEL_FILES, adapter_path
+from runtime import Engine, LoraSource, SessionConfig
+from runtime import bench
+
+R4 = LoraSource(path=adapter_path("torch_r4"))
+R16 = LoraSource(path=adapter_path("torch_r16"))
+OTHER_R4 = LoraSource(path=adapter_path("litertlm_r4"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(MODEL_FILES["default"]) as shared:
+        yield shared
+
+
+def test_median_seconds_takes_the_median_of_the_runs(monkeypatch):
+    ticks = itertools.chain.from_iterable((start, start + took) for start, took in [(0, 5), (10, 1), (20, 3)])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks))
+    calls = []
+    assert bench.median_seconds(lambda: calls.append(1), 3) == 3
+    assert len(calls) == 3
+
+
+def test_rss_bytes_sees_memory_being_touched():
+    before = bench.rss_bytes()
+    block = np.ones(64 << 20, np.uint8)  # 64 MiB, every page written
+    assert bench.rss_bytes() - before >= 48 << 20
+    del block
+
+
+def test_decode_reports_step_invoke_share_and_the_slot_used(engine):
+    configs = {
+        "base": SessionConfig(),
+        "r4": SessionConfig(loras=[R4]),
+        "r16": SessionConfig(loras=[R16]),
+        "blend": SessionConfig(loras=[R4, OTHER_R4]),  # summed rank 8: the r16 slot
+    }
+    out = bench.bench_decode(engine, configs, steps=8, repeats=2)
+    assert set(out) == set(configs)
+    assert {name: d["slot"] for name, d in out.items()} == {"base": None, "r4": 4, "r16": 16, "blend": 16}
+    for d in out.values():
+        assert 0 < d["invoke"] < d["step"]
+        assert 0 < d["glue_share"] < 1
+    assert engine.stats().sessions == ()  # its sessions are closed
+
+
+def test_graph_times_every_decode_signature(engine):
+    out = bench.bench_graph(engine, repeats=2, calls=3)
+    assert set(out) == {"plain", "r4", "r16"}
+    assert all(seconds > 0 for seconds in out.values())
+
+
+def test_switch_measures_each_pattern(engine):
+    out = bench.bench_switch(engine, R4, OTHER_R4, steps=8, repeats=2)
+    assert set(out) == {"alone", "alternate_same", "alternate_other", "switch"}
+    assert all(seconds > 0 for seconds in out.values())
+    assert engine.stats().sessions == ()
+
+
+def test_cold_switch_reports_each_adapters_buffer_bytes():
+    (r4_bytes, r4_seconds), (r16_bytes, r16_seconds) = bench.bench_cold_switch(MODEL_FILES["default"], [R4, R16], 2)
+    with Engine(MODEL_FILES["default"]) as engine:
+        expected = {rank: sum(spec.nbytes for spec in engine.spec.lora_slot(rank).values()) for rank in (4, 16)}
+    assert (r4_bytes, r16_bytes) == (expected[4], expected[16])
+    assert r4_seconds > 0 and r16_seconds > 0
+
+
+def test_register_reports_each_file_size():
+    out = bench.bench_register([1, 4], repeats=2)
+    assert [round(mb) for mb, _ in out] == [1, 4]
+    assert all(ms > 0 for _, ms in out)
+
+
+def test_random_adapter_files_are_distinct_and_fit(engine, tmp_path):
+    paths = bench.random_adapter_files(engine, tmp_path, 3, rank=4)
+    assert len({hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}) == 3
+    ids = [engine.register_adapter(LoraSource(path=p)) for p in paths]
+    assert len(set(ids)) == 3
+    assert {a.rank for a in engine.stats().adapters if a.lora_id in ids} == {4}
+    for lora_id in ids:
+        engine.unload_adapter(lora_id)
+
+
+def test_memory_walks_every_adapter_under_lru4_and_unloads_them():
+    out = bench.bench_memory(MODEL_FILES["default"], rank=4, count=bench.RESIDENT_PROBE + 4, cycles=200)
+    with Engine(MODEL_FILES["default"]) as engine:
+        slot_bytes = sum(spec.nbytes for spec in engine.spec.lora_slot(4).values())
+    assert out["slot_float32_bytes"] == slot_bytes
+    assert out["resident_after_walk"] == 4
+    assert out["growth_per_switch_bytes"] >= 0
+    assert {"registered_per_adapter_bytes", "resident_first_adapter_bytes", "resident_per_adapter_bytes",
+            "rss_all_registered_used_once_lru4_bytes", "after_unload_bytes"} <= set(out)
+
+
+def test_concurrency_reports_tokens_per_second_per_count():
+    out = bench.bench_concurrency(MODEL_FILES["default"], [R4, OTHER_R4], [1, 2], steps=8)
+    assert set(out) == {1, 2}
+    assert all(tokens_per_s > 0 for tokens_per_s in out.values())
+
+
+def test_quick_table_renders_one_line_per_row():
+    rows = bench.quick_table(MODEL_FILES["default"], [str(R4.path), str(OTHER_R4.path)], steps=8, repeats=2)
+    assert {row.section for row in rows} == {"prefill", "decode", "switch"}
+    decode = [row for row in rows if row.section == "decode"]
+    assert len(decode) == 4  # base, two adapters, their blend
+    assert "slot r4" in decode[1].note and "slot r16" in decode[3].note
+    table = bench.render(rows, "title")
+    lines = table.splitlines()
+    assert lines[0] == "title" and lines[2].startswith("| measurement")
+    assert len(lines) == 4 + len(rows)
+    assert all(row.what in table for row in rows)
