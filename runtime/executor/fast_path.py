@@ -49,21 +49,14 @@ class FastPath:
             return partial(self._write, buffer.capsule, array.reshape(-1), "int32")
         return partial(buffer.write, array)
 
-    def reader(self, buffer: TensorBuffer, rows: int, columns: int) -> Callable[[], np.ndarray]:
-        """A call returning a fresh ``(rows, columns)`` float32 array read from ``buffer``
-        (fresh: callers keep earlier results while later steps run)."""
-        read, size = self._read, rows * columns
-        if read is not None:
-            capsule = buffer.capsule
+    def reader(self, buffer: TensorBuffer) -> Callable[[np.ndarray], None]:
+        """A call filling a contiguous float32 array of ``buffer``'s size from it."""
+        if self._read is not None:
+            read, capsule = self._read, buffer.capsule
+            return lambda out: read(capsule, out, "float32")
 
-            def read_direct() -> np.ndarray:
-                out = np.empty(size, np.float32)
-                read(capsule, out, "float32")
-                return out.reshape(rows, columns)
-            return read_direct
-
-        def read_public() -> np.ndarray:
-            return np.array(buffer.read(size, np.float32), np.float32).reshape(rows, columns)
+        def read_public(out: np.ndarray) -> None:
+            out[...] = np.asarray(buffer.read(out.size, np.float32)).reshape(out.shape)
         return read_public
 
     def prepare(self, inputs: Sequence[TensorBuffer], outputs: Sequence[TensorBuffer]) -> tuple[Any, Any]:
