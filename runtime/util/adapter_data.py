@@ -126,18 +126,24 @@ class DerivedLoraData:
                 f"{self.source_name}: tensor {name!r} came out as {list(array.shape)}, "
                 f"announced {list(tensor.shape)}"
             )
+        array = array.view()  # read-only for our callers, without freezing the producer's array
         array.flags.writeable = False
         return array
 
     def get_lora_rank(self) -> int:
         """The largest rank over the ``a`` tensors."""
-        ranks = [
-            t.shape[rank_axis(parsed.convention, "a")]
-            for name, t in self._tensors.items()
-            if is_lora_input_name(name)
-            for parsed in [parse_lora_input_name(name)]
-            if parsed.side == "a"
-        ]
+        ranks = []
+        for name, tensor in self._tensors.items():
+            if not is_lora_input_name(name):
+                continue
+            parsed = parse_lora_input_name(name)
+            if parsed.side != "a":
+                continue
+            if len(tensor.shape) != 2:
+                raise InvalidArgumentError(
+                    f"{self.source_name}: tensor {name!r} has shape {list(tensor.shape)}, expected 2-D"
+                )
+            ranks.append(tensor.shape[rank_axis(parsed.convention, "a")])
         if not ranks:
             raise NotFoundError(f"{self.source_name}: no LoRA tensors")
         return max(ranks)

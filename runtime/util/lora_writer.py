@@ -62,6 +62,8 @@ def serialize_lora_tensors(
     ``external_data`` puts tensor bytes after the flatbuffer (aligned to
     ``DATA_ALIGNMENT``) instead of inside it; ``lora_rank`` adds the metadata entry.
     """
+    if lora_rank is not None and (type(lora_rank) is not int or not 0 < lora_rank < 2**32):
+        raise InvalidArgumentError(f"lora_rank={lora_rank!r}, expected a positive integer (uint32)")
     arrays = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
     for name, array in arrays.items():
         if array.dtype not in _TYPE_CODES:
