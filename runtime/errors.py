@@ -14,7 +14,8 @@ class StatusError(Exception):
     code: str = "UNKNOWN"
 
     def __str__(self) -> str:
-        return f"{self.code}: {super().__str__()}"
+        message = super().__str__()
+        return f"{self.code}: {message}" if message else self.code
 
 
 class InvalidArgumentError(StatusError, ValueError):

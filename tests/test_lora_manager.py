@@ -175,3 +175,13 @@ def test_switching_policy_applies_at_once(manager):
         manager.materialize(((lora_id, 1.0),))
     manager.set_residency(Lru(max_resident=1))
     assert len(manager.resident()) == 1
+
+
+def test_set_residency_refuses_what_is_not_a_policy_and_keeps_the_old_one(manager):
+    lora_id = 1
+    manager.load_lora(lora_id, LoraData.create_from_file_path(adapter_path("torch_r4")))
+    manager.use_lora(lora_id)
+    manager.use_lora(None)
+    with pytest.raises(InvalidArgumentError, match="residency policy 'only-active'"):
+        manager.set_residency("only-active")
+    assert len(manager.resident()) == 1  # KeepAll still holds it

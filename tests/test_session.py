@@ -200,3 +200,14 @@ def test_one_session_refuses_a_concurrent_second_call(engine):
         finally:
             session._lock.release()
         session.run_decode(1)
+
+
+@pytest.mark.parametrize("loras", ["adapter.tflite", [b"bytes"], 5])
+def test_set_adapters_refuses_what_is_not_lora_sources_and_keeps_the_old_ones(loras):
+    with Engine(MODEL_FILES["default"]) as engine:
+        session = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+        before = session.lora_ids
+        with pytest.raises(InvalidArgumentError, match="LoraSource"):
+            session.set_adapters(loras)
+        assert session.lora_ids == before
+        session.run_decode(1)

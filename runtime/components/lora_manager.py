@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from runtime.components.lora import AdapterPlan, LoRA, SlotInputs, WritableBuffer, plan_adapter
-from runtime.components.residency import KeepAll, Lru, ResidencyPolicy, choose_evictions
+from runtime.components.residency import KeepAll, Lru, ResidencyPolicy, check_policy, choose_evictions
 from runtime.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -73,7 +73,7 @@ class LoraManager:
         self._slots = dict(slots)
         self._allocate = allocate
         self._allow_non_finite = allow_non_finite
-        self._residency = residency or KeepAll()
+        self._residency = KeepAll() if residency is None else check_policy(residency)
         self._plans: dict[int, AdapterPlan] = {}
         self._resident: OrderedDict[Blend, LoRA] = OrderedDict()  # least recently used first
         self._running: dict[Blend, int] = {}
@@ -164,6 +164,7 @@ class LoraManager:
 
     def set_residency(self, policy: ResidencyPolicy) -> None:
         """Switches the policy and applies it at once."""
+        check_policy(policy)
         with self._lock:
             self._residency = policy
             self._enforce_residency(protect=None)

@@ -44,6 +44,15 @@ class OnlyActive:
 ResidencyPolicy = KeepAll | Lru | OnlyActive
 
 
+def check_policy(policy: object) -> ResidencyPolicy:
+    """``policy`` if it is a residency policy, else ``InvalidArgumentError``."""
+    if not isinstance(policy, KeepAll | Lru | OnlyActive):
+        raise InvalidArgumentError(
+            f"residency policy {policy!r}, expected KeepAll(), Lru(max_resident=..., max_bytes=...) or OnlyActive()"
+        )
+    return policy
+
+
 def choose_evictions(
     policy: ResidencyPolicy,
     resident: Mapping[Hashable, int],

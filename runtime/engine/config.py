@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.components.residency import KeepAll, ResidencyPolicy
+from runtime.components.residency import KeepAll, ResidencyPolicy, check_policy
 from runtime.components.sampler import SamplerConfig
 from runtime.errors import InvalidArgumentError
-from runtime.framework.lora_source import LoraSource
+from runtime.framework.lora_source import LoraSource, check_scale
 from runtime.util.adapter_formats import AdapterBuffer
+
+
+def check_sources(loras: Iterable[LoraSource]) -> tuple[LoraSource, ...]:
+    """``loras`` as a tuple (a generator is read once), or ``InvalidArgumentError`` if it
+    is not an iterable of LoraSource."""
+    if isinstance(loras, LoraSource | str | bytes | os.PathLike):
+        raise InvalidArgumentError(f"loras={loras!r:.80}, expected a sequence of LoraSource")
+    try:
+        sources = tuple(loras)
+    except TypeError:
+        raise InvalidArgumentError(f"loras={loras!r:.80}, expected a sequence of LoraSource") from None
+    for source in sources:
+        if not isinstance(source, LoraSource):
+            raise InvalidArgumentError(f"loras holds {source!r:.80}, expected LoraSource objects")
+    return sources
 
 
 @dataclass(frozen=True)
@@ -33,10 +47,11 @@ class EngineSettings:
     executors: int = 1
 
     def __post_init__(self) -> None:
-        if self.executors < 1:
-            raise InvalidArgumentError(f"executors={self.executors}, expected >= 1")
-        if self.num_threads < 0:
-            raise InvalidArgumentError(f"num_threads={self.num_threads}, expected >= 0")
+        if type(self.executors) is not int or self.executors < 1:
+            raise InvalidArgumentError(f"executors={self.executors!r}, expected an integer >= 1")
+        if type(self.num_threads) is not int or self.num_threads < 0:
+            raise InvalidArgumentError(f"num_threads={self.num_threads!r}, expected an integer >= 0")
+        check_policy(self.lora_residency)
 
 
 @dataclass(frozen=True)
@@ -59,10 +74,12 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.lora_path is not None and self.lora_buffer is not None:
             raise InvalidArgumentError("SessionConfig takes lora_path= or lora_buffer=, not both")
-        if not math.isfinite(self.lora_scale):
-            raise InvalidArgumentError(f"lora_scale={self.lora_scale}, expected a finite number")
-        if any(not isinstance(source, LoraSource) for source in self.loras):
-            raise InvalidArgumentError("SessionConfig.loras takes LoraSource objects")
+        if self.lora_peft_config is not None and self.lora_buffer is None:
+            raise InvalidArgumentError(
+                "lora_peft_config goes with a lora_buffer state dict (a PEFT directory brings its own)"
+            )
+        object.__setattr__(self, "lora_scale", check_scale(self.lora_scale, "lora_scale"))
+        object.__setattr__(self, "loras", check_sources(self.loras))
 
     def sources(self) -> list[LoraSource]:
         """Every adapter this session asks for, as LoraSource objects."""

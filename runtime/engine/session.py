@@ -12,6 +12,7 @@ import numpy as np
 
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.components.tokenizer import Tokenizer
+from runtime.engine.config import check_sources
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.framework.lora_source import LoraSource
@@ -243,7 +244,7 @@ class Session:
                     f"the session holds {context.position} tokens computed with its current "
                     "adapters; pass reset=True to clear them and switch"
                 )
-            self._resources.set_sources(context, loras)
+            self._resources.set_sources(context, check_sources(loras))
             context.position = 0
 
     def close(self) -> None:

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from runtime.errors import InvalidArgumentError
 from runtime.util.adapter_formats import AdapterBuffer
+
+
+def check_scale(scale: object, what: str) -> float:
+    """``scale`` as a float if it is a finite real number (numpy scalars too, not bools),
+    else ``InvalidArgumentError`` naming ``what``."""
+    if isinstance(scale, bool | np.bool_) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise InvalidArgumentError(f"{what}={scale!r}, expected a finite number")
+    return float(scale)
 
 
 @dataclass(frozen=True)
@@ -33,10 +44,11 @@ class LoraSource:
     def __post_init__(self) -> None:
         if (self.path is None) == (self.buffer is None):
             raise InvalidArgumentError("LoraSource takes exactly one of path= or buffer=")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float) or not math.isfinite(self.scale):
-            raise InvalidArgumentError(f"LoraSource scale={self.scale!r}, expected a finite number")
+        object.__setattr__(self, "scale", check_scale(self.scale, "LoraSource scale"))
         if self.sha256 is not None and (
-            len(self.sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in self.sha256)
+            not isinstance(self.sha256, str)
+            or len(self.sha256) != 64
+            or any(c not in "0123456789abcdefABCDEF" for c in self.sha256)
         ):
             raise InvalidArgumentError(f"LoraSource sha256={self.sha256!r}, expected 64 hex digits")
 

@@ -1,0 +1,255 @@
+"""Tests for runtime.engine.stats."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import MODEL_FILES, adapter_path
+from runtime import Engine, EngineSettings, LoraSource, Lru, SessionConfig
+from runtime.engine.stats import AdapterStats, EngineStats, ResidentStats, SessionStats
+from runtime.util.latency import LatencySummary
+
+# torch_r4 holds, per layer, q/o: a 64x4 + b 4x64 and k/v: a 64x4 + b 4x32, float32, 2 layers;
+# in the rank-4 slot its buffers have exactly that size.
+R4_BYTES = 2 * (2 * (64 * 4 + 4 * 64) + 2 * (64 * 4 + 4 * 32)) * 4
+NO_LATENCY = LatencySummary(0, 0.0, 0.0)
+
+
+def engine_stats(resident=(), **overrides) -> EngineStats:
+    fields = dict(
+        adapters=(), resident=tuple(resident), load=NO_LATENCY, materialize=NO_LATENCY, switch=NO_LATENCY,
+        residency_hits=0, residency_misses=0, evictions=0, sessions=(),
+    )
+    fields.update(overrides)
+    return EngineStats(**fields)
+
+
+# -- the dataclasses ------------------------------------------------------------------
+
+
+def test_resident_bytes_sums_every_resident_blend():
+    resident = [ResidentStats(((1, 1.0),), 4, 100), ResidentStats(((1, 0.5), (2, 1.0)), 16, 2500)]
+    assert engine_stats(resident).resident_bytes == 2600
+    assert engine_stats(resident[:1]).resident_bytes == 100
+
+
+def test_resident_bytes_of_nothing_is_zero():
+    assert engine_stats().resident_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        AdapterStats(1, "a.tflite", "tflite", 4, 10, 0, 0),
+        ResidentStats(((1, 1.0),), 4, 10),
+        SessionStats(1, (1,), 3, 3, 0, None, 0.0),
+        engine_stats(),
+    ],
+    ids=lambda v: type(v).__name__,
+)
+def test_stats_are_frozen_value_objects(value):
+    first = dataclasses.fields(value)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(value, first, None)
+    assert value == dataclasses.replace(value)
+    assert hash(value) == hash(dataclasses.replace(value))
+
+
+def test_stats_compare_by_value():
+    session = SessionStats(
+        session_id=2, lora_ids=(1, 3), position=9, prompt_tokens=5, decode_tokens=4,
+        time_to_first_token_s=0.01, decode_tokens_per_s=100.0,
+    )
+    assert session == SessionStats(2, (1, 3), 9, 5, 4, 0.01, 100.0)
+    assert session != dataclasses.replace(session, decode_tokens=5)
+    adapter = AdapterStats(1, "a.tflite", "gguf", 8, 100, 50, 2)
+    assert (adapter.format, adapter.rank, adapter.sessions) == ("gguf", 8, 2)
+    assert adapter != dataclasses.replace(adapter, resident_bytes=0)
+
+
+# -- what Engine.stats() reports --------------------------------------------------------
+
+
+@pytest.fixture
+def engine():
+    with Engine(MODEL_FILES["default"]) as engine:
+        yield engine
+
+
+def test_a_fresh_engine_reports_nothing(engine):
+    stats = engine.stats()
+    assert isinstance(stats, EngineStats)
+    assert stats == engine_stats()
+    assert stats.resident_bytes == 0
+
+
+def test_a_registered_adapter_is_listed_but_not_resident(engine):
+    lora_id = engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+    stats = engine.stats()
+    assert stats.adapters == (
+        AdapterStats(
+            lora_id=lora_id, source=str(adapter_path("torch_r4")), format="tflite", rank=4,
+            tensor_bytes=R4_BYTES, resident_bytes=0, sessions=0,
+        ),
+    )
+    assert stats.resident == () and stats.resident_bytes == 0
+    assert stats.load.count == 1 and stats.load.p50_ms > 0
+    assert stats.materialize.count == 0
+    assert (stats.residency_hits, stats.residency_misses) == (0, 0)
+
+
+def test_registering_again_loads_nothing_more(engine):
+    source = LoraSource(path=adapter_path("torch_r4"))
+    engine.register_adapter(source)
+    engine.register_adapter(source)
+    stats = engine.stats()
+    assert len(stats.adapters) == 1 and stats.load.count == 1
+
+
+def test_runs_materialize_once_then_hit(engine):
+    with engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4"), lora_scale=0.5)) as session:
+        session.run_prefill([1, 2, 3])  # the miss: materializes
+        for token in (4, 5, 6):
+            session.run_decode(token)  # hits
+        stats = engine.stats()
+    (adapter,) = stats.adapters
+    assert stats.resident == (ResidentStats(blend=((adapter.lora_id, 0.5),), slot_rank=4, nbytes=R4_BYTES),)
+    assert adapter.resident_bytes == R4_BYTES == stats.resident_bytes
+    assert adapter.sessions == 1
+    assert (stats.residency_misses, stats.residency_hits, stats.evictions) == (1, 3, 0)
+    assert stats.materialize.count == 1 and stats.materialize.p99_ms >= stats.materialize.p50_ms > 0
+
+
+def test_session_counters_after_prefill_and_decode(engine):
+    session = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+    lora_id = session.lora_ids[0]
+    (empty,) = engine.stats().sessions
+    assert empty == SessionStats(session.session_id, (lora_id,), 0, 0, 0, None, 0.0)
+    session.run_prefill([1, 2, 3, 4])
+    session.run_prefill([5, 6])
+    session.run_decode(7)
+    session.run_decode(8)
+    (stats,) = engine.stats().sessions
+    assert (stats.position, stats.prompt_tokens, stats.decode_tokens) == (8, 6, 2)
+    assert stats.time_to_first_token_s is None  # only generate() measures it
+    assert stats.decode_tokens_per_s > 0
+    assert stats == session.stats()
+
+
+def test_generate_counts_prompt_and_new_tokens_and_time_to_first_token(engine):
+    session = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+    result = session.generate([1, 2, 3], max_new_tokens=5)
+    (stats,) = engine.stats().sessions
+    assert len(result.tokens) == 5
+    assert (stats.prompt_tokens, stats.decode_tokens, stats.position) == (3, 5, 8)
+    assert stats.time_to_first_token_s == result.time_to_first_token_seconds > 0
+    session.reset()  # the position goes back; the counters keep the work done
+    (after_reset,) = engine.stats().sessions
+    assert after_reset.position == 0 and after_reset.prompt_tokens == 3 and after_reset.decode_tokens == 5
+
+
+def test_base_model_sessions_use_no_adapter(engine):
+    with engine.create_session() as session:
+        session.run_prefill([1, 2])
+        stats = engine.stats()
+    assert stats.sessions[0].lora_ids == () and stats.sessions[0].prompt_tokens == 2
+    assert stats.adapters == () and stats.resident == ()
+    assert (stats.residency_hits, stats.residency_misses) == (0, 0)
+
+
+def test_sessions_are_listed_by_id_and_closed_ones_disappear(engine):
+    config = SessionConfig(lora_path=adapter_path("torch_r4"))
+    first, second, third = (engine.create_session(config) for _ in range(3))
+    assert [s.session_id for s in engine.stats().sessions] == sorted(
+        [first.session_id, second.session_id, third.session_id]
+    )
+    assert engine.stats().adapters[0].sessions == 3
+    second.close()
+    stats = engine.stats()
+    assert [s.session_id for s in stats.sessions] == [first.session_id, third.session_id]
+    assert stats.adapters[0].sessions == 2
+    first.close()
+    third.close()
+    stats = engine.stats()
+    assert stats.sessions == () and stats.adapters[0].sessions == 0
+
+
+def test_a_blend_of_two_adapters_is_one_resident_entry(engine):
+    loras = [LoraSource(path=adapter_path("litertlm_r4"), scale=0.5), LoraSource(path=adapter_path("torch_r4"))]
+    with engine.create_session(SessionConfig(loras=loras)) as session:
+        session.run_prefill([1, 2])
+        stats = engine.stats()
+        ids = session.lora_ids
+    by_id = {adapter.lora_id: adapter for adapter in stats.adapters}
+    (resident,) = stats.resident
+    assert resident.blend == ((ids[0], 0.5), (ids[1], 1.0))
+    assert resident.slot_rank == 16  # summed rank 8 fits the rank-16 slot, not the rank-4 one
+    assert resident.nbytes > R4_BYTES
+    # Each adapter counts the blend's buffers it is part of.
+    assert by_id[ids[0]].resident_bytes == by_id[ids[1]].resident_bytes == resident.nbytes
+    assert stats.sessions[0].lora_ids == tuple(ids)
+
+
+def test_one_adapter_at_two_scales_is_resident_twice(engine):
+    path = adapter_path("torch_r4")
+    a = engine.create_session(SessionConfig(lora_path=path, lora_scale=1.0))
+    b = engine.create_session(SessionConfig(lora_path=path, lora_scale=0.25))
+    a.run_prefill([1])
+    b.run_prefill([1])
+    stats = engine.stats()
+    (adapter,) = stats.adapters
+    assert sorted(r.blend for r in stats.resident) == [((adapter.lora_id, 0.25),), ((adapter.lora_id, 1.0),)]
+    assert adapter.resident_bytes == 2 * R4_BYTES == stats.resident_bytes
+    assert adapter.sessions == 2 and stats.residency_misses == 2
+
+
+def test_an_in_memory_adapter_is_labelled_and_counted(engine):
+    blob = adapter_path("torch_r4").read_bytes()
+    lora_id = engine.register_adapter(LoraSource(buffer=blob))
+    (adapter,) = engine.stats().adapters
+    assert adapter.lora_id == lora_id
+    assert adapter.source == f"<in-memory buffer of {len(blob)} bytes>"
+    assert adapter.tensor_bytes == R4_BYTES and adapter.rank == 4
+
+
+def test_alternating_sessions_count_switches(engine):
+    a = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+    b = engine.create_session(SessionConfig(lora_path=adapter_path("litertlm_r4")))
+    a.run_prefill([1])
+    a.run_decode(2)  # same session and adapter: no switch
+    assert engine.stats().switch.count == 0
+    b.run_prefill([1])  # switch 1
+    a.run_decode(3)  # switch 2
+    a.run_decode(4)
+    assert engine.stats().switch.count == 2
+
+
+def test_unloading_removes_the_adapter_and_its_buffers(engine):
+    with engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4"))) as session:
+        session.run_prefill([1, 2])
+        lora_id = session.lora_ids[0]
+    assert engine.stats().resident_bytes == R4_BYTES  # kept resident after the session (KeepAll)
+    engine.unload_adapter(lora_id)
+    stats = engine.stats()
+    assert stats.adapters == () and stats.resident == () and stats.resident_bytes == 0
+    assert stats.load.count == 1 and stats.residency_misses == 1  # history is kept
+
+
+def test_evictions_under_an_lru_policy():
+    settings = EngineSettings(lora_residency=Lru(max_resident=1))
+    with Engine(MODEL_FILES["default"], settings) as engine:
+        a = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+        b = engine.create_session(SessionConfig(lora_path=adapter_path("litertlm_r4")))
+        a.run_prefill([1])
+        b.run_prefill([1])  # evicts a's buffers
+        stats = engine.stats()
+        assert stats.evictions == 1 and stats.residency_misses == 2
+        assert [r.blend for r in stats.resident] == [((b.lora_ids[0], 1.0),)]
+        by_id = {adapter.lora_id: adapter for adapter in stats.adapters}
+        assert by_id[a.lora_ids[0]].resident_bytes == 0
+        assert by_id[b.lora_ids[0]].resident_bytes == stats.resident_bytes > 0
+        a.run_decode(2)  # a miss again, and evicts b's
+        stats = engine.stats()
+        assert (stats.evictions, stats.residency_misses, stats.residency_hits) == (2, 3, 0)
