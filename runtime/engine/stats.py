@@ -16,7 +16,9 @@ class AdapterStats:
     format: str
     rank: int
     tensor_bytes: int  # its weights as stored (memory-mapped or the caller's buffer)
-    resident_bytes: int  # buffers materialized from it now (0 when not resident)
+    # Buffers of the resident blends that include it (0 when none): a blend's buffers
+    # count for each of its adapters, so sum EngineStats.resident, not this, for a total.
+    resident_bytes: int
     sessions: int  # live sessions using it
 
 
