@@ -55,8 +55,28 @@ def render_markdown(results: dict) -> str:
     llama = results.get("llama_cpp")
     if llama:
         out += ["", *llama_table(results, llama)]
+    if results.get("head_to_head"):
+        out += ["", *head_to_head_table(results["head_to_head"])]
     out += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|", *targets(results)]
     return "\n".join(out)
+
+
+HEAD_TO_HEAD_TARGETS = (("f32", "f32", 1.0), ("q8_0", "int8 vs q8_0", 1.3))
+HEAD_TO_HEAD_NAMES = {"plain": "base", "lora_r8": "rank-8 adapter"}
+
+
+def head_to_head_table(h2h: dict) -> list[str]:
+    """Ours vs llama.cpp measured in alternating rounds (the ratios the targets use)."""
+    rows = ["## Head to head with llama.cpp, alternating rounds (same weights, 1 thread)", "",
+            "Each round times both sides back to back; speed = their ms / ours, median over rounds "
+            "(range in brackets).", "",
+            "| precision | configuration | ours ms/token | llama.cpp ms/token | ours / theirs speed |",
+            "|---|---|---:|---:|---:|"]
+    for kind, precision, _ in HEAD_TO_HEAD_TARGETS:
+        for name, e in h2h.get(kind, {}).items():
+            rows.append(f"| {precision} | {HEAD_TO_HEAD_NAMES[name]} | {e['ours_ms']:.4f} | {e['theirs_ms']:.4f} | "
+                        f"{e['speed']:.2f}x [{e['speed_min']:.2f}-{e['speed_max']:.2f}], {e['rounds']} rounds |")
+    return rows
 
 
 LLAMA_PAIRS = [("base", "plain"), ("rank-8 adapter", "lora_r8"), ("blend of two rank-8 (0.7/0.3)", "blend_r8_a0.7_b0.3"),
@@ -134,7 +154,13 @@ def targets(results: dict) -> list[str]:
     eight = conc.get(8, conc.get("8"))
     add("8 concurrent sessions >= 0.95x the tokens/s of one", f"{eight / one:.3f}x", eight / one >= 0.95)
     llama = results.get("llama_cpp")
-    if llama:
+    h2h = results.get("head_to_head")
+    if h2h:
+        for kind, precision, factor in HEAD_TO_HEAD_TARGETS:
+            for name, e in h2h.get(kind, {}).items():
+                add(f"decode tokens/s >= {factor}x llama.cpp ({precision}, {HEAD_TO_HEAD_NAMES[name]}; alternating rounds)",
+                    f"{e['speed']:.2f}x", e["speed"] >= factor)
+    elif llama:
         for precision, ours_key, their_key, factor in (("f32", "bench model f32", "f32", 1.0),
                                                        ("int8 vs q8_0", "bench model int8", "q8_0", 1.3)):
             decode = llama["models"].get(their_key, {}).get("decode_ms_per_token_exact_ctx", {})

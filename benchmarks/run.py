@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from runtime.bench import (
     bench_memory,
     bench_register,
     bench_switch,
+    decode_step_seconds,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -83,6 +85,56 @@ def llama_cpp_section() -> dict | None:
     return json.loads(done.stdout[done.stdout.index("{"):])
 
 
+def head_to_head_section(rounds: int, steps: int) -> dict | None:
+    """Decode ms per step, ours and llama.cpp's, in alternating rounds on the same weights.
+
+    llama.cpp runs in a child process serving one round per request (idle in between),
+    so each round measures both sides within a second of each other; the ratio is taken
+    per round, then the median, so drift of this shared machine's speed cancels out.
+    The first round only warms up. ``None`` without the llama.cpp virtualenv.
+    """
+    if not LLAMA_PYTHON.exists():
+        return None
+    configs = {"plain": SessionConfig(), "lora_r8": SessionConfig(loras=[R8_A])}
+    ours_models = {"f32": MODELS / "bench_f32.tflite", "q8_0": MODELS / "bench_int8.tflite"}
+    child = subprocess.Popen([str(LLAMA_PYTHON), str(LLAMA_SCRIPT), "--serve-decode-rounds", "--steps", str(steps)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def reply() -> dict:
+        while line := child.stdout.readline():
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError("the llama.cpp decode server stopped")
+
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {}
+    try:
+        reply()  # ready
+        with Engine(ours_models["f32"]) as f32, Engine(ours_models["q8_0"]) as int8:
+            sessions = {kind: {name: engine.create_session(config) for name, config in configs.items()}
+                        for kind, engine in (("f32", f32), ("q8_0", int8))}
+            for round_index in range(rounds + 1):
+                ours = {kind: {name: decode_step_seconds(session, steps) * 1e3
+                               for name, session in by_name.items()} for kind, by_name in sessions.items()}
+                child.stdin.write("round\n")
+                child.stdin.flush()
+                theirs = reply()
+                if round_index == 0:
+                    continue
+                for kind, by_name in ours.items():
+                    for name, ms in by_name.items():
+                        entry = samples.setdefault(kind, {}).setdefault(name, {"ours": [], "theirs": [], "speed": []})
+                        entry["ours"].append(ms)
+                        entry["theirs"].append(theirs[kind][name])
+                        entry["speed"].append(theirs[kind][name] / ms)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    return {kind: {name: {"ours_ms": statistics.median(e["ours"]), "theirs_ms": statistics.median(e["theirs"]),
+                          "speed": statistics.median(e["speed"]), "speed_min": min(e["speed"]),
+                          "speed_max": max(e["speed"]), "rounds": len(e["speed"])}
+                   for name, e in by_name.items()} for kind, by_name in samples.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats and cases")
@@ -106,6 +158,7 @@ def main() -> None:
     }
     if not args.skip_llama_cpp:
         sections["llama_cpp"] = llama_cpp_section
+        sections["head_to_head"] = lambda: head_to_head_section(5 if args.quick else 15, steps)
     results: dict = {}
     for name in progress_bar("benchmark", unit="section")(list(sections)):
         print(f"{name} ...", file=sys.stderr)

@@ -74,6 +74,11 @@ def _decoder(session: Session, steps: int) -> Callable[[], None]:
     return run
 
 
+def decode_step_seconds(session: Session, steps: int) -> float:
+    """Seconds per decode step of ``session``: ``steps + 1`` steps from an empty context."""
+    return median_seconds(_decoder(session, steps), 1) / (steps + 1)
+
+
 class InvokeTimer:
     """Times the bare invokes inside a session's steps (the part that is not ours)."""
 

@@ -120,3 +120,10 @@ def test_quick_table_renders_one_line_per_row():
     assert lines[0] == "title" and lines[2].startswith("| measurement")
     assert len(lines) == 4 + len(rows)
     assert all(row.what in table for row in rows)
+
+
+def test_decode_step_seconds_runs_one_more_step_than_asked(engine):
+    with engine.create_session() as session:
+        seconds = bench.decode_step_seconds(session, 5)
+        assert seconds > 0
+        assert session.stats().decode_tokens == 6

@@ -529,6 +529,31 @@ def bench_model(kind: str, args: argparse.Namespace, ref: Any, out: dict) -> Non
     model.free()
 
 
+def serve_decode_rounds(args: argparse.Namespace) -> int:
+    """Decode timings on request, for a harness that alternates with its own runtime.
+
+    Loads every model of ``--models`` with the rank-8 adapter, prints ``{"ready": true}``,
+    then for each line read from stdin times ``--steps`` decode steps per model, plain
+    and with the adapter, and prints one JSON line of ms per step. Blocked on stdin
+    between rounds, so it takes no CPU while the other side measures.
+    """
+    served = {}
+    for kind in args.models.split(","):
+        model = Model(GGUF / MODEL_FILES[kind])
+        adapter = model.adapter(GGUF / ADAPTER_FILES["r8_a"])
+        served[kind] = (Context(model, exact=True), {"plain": [], "lora_r8": [(adapter, 1.0)]})
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:
+        timings = {}
+        for kind, (ctx, settings) in served.items():
+            timings[kind] = {}
+            for name, setting in settings.items():
+                ctx.set_adapters(setting)
+                timings[kind][name] = timed_steps(ctx, args.steps) * 1e3
+        print(json.dumps(timings), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=9)
@@ -543,10 +568,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write the JSON here (default: %(default)s)")
     parser.add_argument("--rss-probe", nargs=3, metavar=("MODEL", "ADAPTER", "COUNT"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--serve-decode-rounds", action="store_true",
+                        help="time decode rounds requested on stdin (see serve_decode_rounds)")
     args = parser.parse_args(argv)
 
     L.llama_log_set(_log_callback, ctypes.c_void_p(0))
     L.llama_backend_init()
+    if args.serve_decode_rounds:
+        return serve_decode_rounds(args)
     if args.rss_probe:
         model_path, adapter_path, count = args.rss_probe
         print(json.dumps(rss_probe(Path(model_path), Path(adapter_path), int(count))))
