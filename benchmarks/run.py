@@ -154,7 +154,7 @@ def main() -> None:
         "cold_switch": lambda: bench_cold_switch(bench_f32, [R8_A, R64], repeats),
         "memory": lambda: _in_child(bench_memory, bench_f32, 8, 200 if args.quick else 1000,
                                     2000 if args.quick else 10_000),
-        "concurrency": lambda: bench_concurrency(bench_f32, [R8_A, R8_B, R64], [1, 2, 4, 8], steps),
+        "concurrency": lambda: bench_concurrency(bench_f32, [1, 2, 4, 8], steps, rank=8),
     }
     if not args.skip_llama_cpp:
         sections["llama_cpp"] = llama_cpp_section

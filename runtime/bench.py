@@ -337,32 +337,42 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
     return out
 
 
-def bench_concurrency(model: str | os.PathLike[str], sources: Sequence[LoraSource], counts: Sequence[int],
-                      steps: int, num_threads: int = 1) -> dict[int, float]:
-    """Aggregate decode tokens/s with N sessions (distinct adapters) on N threads."""
-    results = {}
-    with Engine(model, EngineSettings(num_threads=num_threads)) as engine:
-        for count in counts:
-            sessions = [engine.create_session(SessionConfig(loras=[sources[i % len(sources)]])) for i in range(count)]
-            for session in sessions:
-                _decoder(session, 2)()
-            barrier = threading.Barrier(count + 1)
+def bench_concurrency(model: str | os.PathLike[str], counts: Sequence[int], steps: int, rank: int = 8,
+                      num_threads: int = 1, repeats: int = 5) -> dict[int, float]:
+    """Aggregate decode tokens/s with N sessions on N threads, each session with its own
+    adapter (distinct random adapters of one ``rank``, so every session's graph costs
+    the same as the single one's). The median over ``repeats`` rounds; each round
+    measures every count, so drift in the machine's speed hits them alike."""
+    samples: dict[int, list[float]] = {count: [] for count in counts}
+    with tempfile.TemporaryDirectory() as tmp, Engine(model, EngineSettings(num_threads=num_threads)) as engine:
+        paths = random_adapter_files(engine, Path(tmp), max(counts), rank)
+        sessions = [engine.create_session(SessionConfig(lora_path=path)) for path in paths]
+        for session in sessions:
+            _decoder(session, 2)()
+        for _ in range(repeats):
+            for count in counts:
+                samples[count].append(_aggregate_tokens_per_second(sessions[:count], steps))
+        for session in sessions:
+            session.close()
+    return {count: statistics.median(values) for count, values in samples.items()}
 
-            def drive(session: Session) -> None:
-                barrier.wait()
-                _decoder(session, steps)()
 
-            threads = [threading.Thread(target=drive, args=(s,)) for s in sessions]
-            for t in threads:
-                t.start()
-            barrier.wait()
-            start = time.perf_counter()
-            for t in threads:
-                t.join()
-            results[count] = count * (steps + 1) / (time.perf_counter() - start)
-            for session in sessions:
-                session.close()
-    return results
+def _aggregate_tokens_per_second(sessions: Sequence[Session], steps: int) -> float:
+    """Tokens/s of ``steps + 1`` decode steps in each session, all started at once."""
+    barrier = threading.Barrier(len(sessions) + 1)
+
+    def drive(session: Session) -> None:
+        barrier.wait()
+        _decoder(session, steps)()
+
+    threads = [threading.Thread(target=drive, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return len(sessions) * (steps + 1) / (time.perf_counter() - start)
 
 
 def quick_table(model: str | os.PathLike[str], adapters: Sequence[str], steps: int = 64, repeats: int = 7,

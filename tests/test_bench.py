@@ -103,10 +103,14 @@ def test_memory_walks_every_adapter_under_lru4_and_unloads_them():
             "rss_all_registered_used_once_lru4_bytes", "after_unload_bytes"} <= set(out)
 
 
-def test_concurrency_reports_tokens_per_second_per_count():
-    out = bench.bench_concurrency(MODEL_FILES["default"], [R4, OTHER_R4], [1, 2], steps=8)
-    assert set(out) == {1, 2}
+def test_concurrency_reports_tokens_per_second_per_count(monkeypatch):
+    made = []
+    original = bench.random_adapter_files
+    monkeypatch.setattr(bench, "random_adapter_files", lambda *a, **k: made.extend(original(*a, **k)) or made)
+    out = bench.bench_concurrency(MODEL_FILES["default"], [1, 3], steps=8, rank=4, repeats=2)
+    assert set(out) == {1, 3}
     assert all(tokens_per_s > 0 for tokens_per_s in out.values())
+    assert len(made) == 3  # one distinct adapter per session of the largest count
 
 
 def test_quick_table_renders_one_line_per_row():
