@@ -46,7 +46,7 @@ ResidencyPolicy = KeepAll | Lru | OnlyActive
 
 def check_policy(policy: object) -> ResidencyPolicy:
     """``policy`` if it is a residency policy, else ``InvalidArgumentError``."""
-    if not isinstance(policy, KeepAll | Lru | OnlyActive):
+    if not isinstance(policy, ResidencyPolicy):
         raise InvalidArgumentError(
             f"residency policy {policy!r}, expected KeepAll(), Lru(max_resident=..., max_bytes=...) or OnlyActive()"
         )
