@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import MODEL_FILES, adapter_path
-from runtime import Engine, KeepAll, LoraSource, Lru, OnlyActive, SessionConfig
+from runtime import Engine, EngineSettings, KeepAll, LoraSource, Lru, OnlyActive, SessionConfig
 from runtime.errors import FailedPreconditionError, NotFoundError
 
 THREADS = 8
@@ -118,10 +118,11 @@ def replay(engine: Engine, record: Record) -> list[int]:
     return out
 
 
-def test_random_operations_from_many_threads():
+@pytest.mark.parametrize("executors", [1, 2], ids=["one executor", "a pool of two"])
+def test_random_operations_from_many_threads(executors):
     records: list[Record] = []
     errors: list[BaseException] = []
-    with Engine(MODEL_FILES["default"]) as engine:
+    with Engine(MODEL_FILES["default"], EngineSettings(executors=executors)) as engine:
         threads = [threading.Thread(target=worker, args=(engine, seed, records, errors), daemon=True)
                    for seed in range(THREADS)]
         for t in threads:
