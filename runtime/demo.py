@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -113,24 +114,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure_alone(lane: Lane, other: Lane, steps: int = 48) -> tuple[float, float]:
-    """``(decode tokens/s, switch seconds)`` of this lane with nothing else running: its
-    decode speed, and what a step costs more when the executor alternates between it and
-    ``other`` (a switch of session and adapter: a bind, no copy)."""
-    def run(sessions: list[Session]) -> float:
+def step_seconds(sessions: list[Session], steps: int = 48) -> float:
+    """Seconds per decode step with ``sessions`` taking turns on the executor."""
+    for session in sessions:
+        session.reset()
+        session.run_decode(NEWLINE)
+    started = time.perf_counter()
+    for _ in range(steps):
         for session in sessions:
-            session.reset()
             session.run_decode(NEWLINE)
-        started = time.perf_counter()
-        for _ in range(steps):
-            for session in sessions:
-                session.run_decode(NEWLINE)
-        return (time.perf_counter() - started) / (steps * len(sessions))
+    return (time.perf_counter() - started) / (steps * len(sessions))
 
-    alone = min(run([lane.session]) for _ in range(3))
-    alternating = min(run([lane.session, other.session]) for _ in range(3))
-    other_alone = min(run([other.session]) for _ in range(3))
-    return 1 / alone, max(0.0, alternating - (alone + other_alone) / 2)
+
+@dataclass
+class LaneCost:
+    """What one lane's decode costs, each figure the median over the measuring rounds."""
+
+    tokens_per_s: float
+    times_base: float  # its step over the base model's step in the same round
+    switch_s: float  # extra per step when alternating with another lane's adapter
+
+
+def measure_costs(lanes: list[Lane], rounds: int = 7) -> list[LaneCost]:
+    """Every lane timed alone and alternating with another lane (a switch of session and
+    adapter: a bind, no copy), in each of ``rounds`` rounds; medians, so drift of the
+    machine's speed between lanes cancels out."""
+    alone: list[list[float]] = [[] for _ in lanes]
+    ratio: list[list[float]] = [[] for _ in lanes]
+    switch: list[list[float]] = [[] for _ in lanes]
+    for _ in range(rounds):
+        times = [step_seconds([lane.session]) for lane in lanes]
+        for index, lane in enumerate(lanes):
+            other = 0 if index else len(lanes) - 1
+            alternating = step_seconds([lane.session, lanes[other].session])
+            alone[index].append(times[index])
+            ratio[index].append(times[index] / times[0])
+            switch[index].append(max(0.0, alternating - (times[index] + times[other]) / 2))
+    return [LaneCost(1 / statistics.median(a), statistics.median(r), statistics.median(w))
+            for a, r, w in zip(alone, ratio, switch)]
 
 
 def print_costs(lanes: list[Lane], stats, model_bytes: int) -> None:
@@ -138,15 +159,12 @@ def print_costs(lanes: list[Lane], stats, model_bytes: int) -> None:
     resident = {a.lora_id: a for a in stats.adapters}
     print(f"{'session':<32} {'adapter RAM':>12} {'load':>9} {'tokens/s alone':>15} {'time x base':>12} "
           f"{'switch':>9}")
-    base_speed = None
-    for lane in lanes:
-        speed, switch = measure_alone(lane, lanes[0] if lane is not lanes[0] else lanes[-1])
-        base_speed = base_speed or speed
+    for lane, cost in zip(lanes, measure_costs(lanes)):
         adapter = resident.get(lane.lora_id)
         ram = f"{adapter.resident_bytes / 1024:.0f} KiB" if adapter else "-"
         load = f"{lane.load_ms:.2f} ms" if lane.source else "-"
-        print(f"{lane.name:<32} {ram:>12} {load:>9} {speed:>15,.0f} {base_speed / speed:>12.2f} "
-              f"{switch * 1e6:>6.0f} us")
+        print(f"{lane.name:<32} {ram:>12} {load:>9} {cost.tokens_per_s:>15,.0f} {cost.times_base:>12.2f} "
+              f"{cost.switch_s * 1e6:>6.0f} us")
     print(f"\nthe base model: {model_bytes / 1e6:.1f} MB, loaded once; each adapter adds only its buffers.")
     print("switch: what a decode step costs more when the executor alternates between this session and "
           "another one with another adapter (a bind: no weights or KV cache copied). The first use of an "
