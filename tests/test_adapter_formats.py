@@ -84,3 +84,22 @@ def test_open_buffer():
     with pytest.raises(InvalidArgumentError, match="goes with a state dict"):
         open_adapter_buffer(b"abc", peft_config={"r": 1}, name="b")
     assert open_adapter_buffer(adapter_path("torch_r4").read_bytes(), name="b").get_lora_rank() == 4
+
+
+def test_identity_follows_the_files_and_says_why_it_cannot(tmp_path, peft_dir):
+    before = file_identity(peft_dir)
+    config = peft_dir / "adapter_config.json"
+    config.write_text(config.read_text() + " ")  # rewritten: another adapter
+    assert file_identity(peft_dir) != before
+    plain = tmp_path / "plain.tflite"
+    shutil.copy(adapter_path("torch_r4"), plain)
+    assert file_identity(plain) == file_identity(str(plain)) and len(file_identity(plain)) == 5
+    with pytest.raises(NotFoundError, match="missing.tflite"):
+        file_identity(tmp_path / "missing.tflite")
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    with pytest.raises(InvalidArgumentError, match="without adapter_config.json"):
+        file_identity(empty)
+    (peft_dir / "adapter_model.safetensors").unlink()
+    with pytest.raises(NotFoundError, match="adapter_model.safetensors"):
+        file_identity(peft_dir)

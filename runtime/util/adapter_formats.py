@@ -82,21 +82,36 @@ def open_adapter_buffer(
 
 def file_identity(path: str | os.PathLike[str]) -> AdapterKey:
     """Device, inode, size and mtime of the adapter's files: another path or a link to the
-    same files gives the same key; rewriting them gives another."""
-    path = Path(path)
-    files = [_peft_dir(path) / CONFIG_FILE, _peft_dir(path) / WEIGHTS_FILE] if _is_peft(path) else [path]
+    same files gives the same key; rewriting them gives another.
+
+    Called on every session creation and ``set_adapters``, so it makes as few system
+    calls as it can: one for a file, four for a PEFT directory.
+    """
+    name = os.fspath(path)
+    first = _stat(name)
+    if stat.S_ISDIR(first.st_mode):
+        folder = name
+    elif name.endswith(".safetensors") and os.path.isfile(os.path.join(os.path.dirname(name), CONFIG_FILE)):
+        folder = os.path.dirname(name)
+    else:
+        return ("file", first.st_dev, first.st_ino, first.st_size, first.st_mtime_ns)
+    config = os.path.join(folder, CONFIG_FILE)
+    if folder == name and not os.path.exists(config):
+        detect_format(Path(name))  # a directory that is not a PEFT adapter: says why
     key: list[Any] = ["file"]
-    for file in files:
-        try:
-            st = os.stat(file)
-        except OSError:
-            with ScopedFile(file):  # raises the precise status error (missing, no permission...)
-                pass
-            raise
-        if stat.S_ISDIR(st.st_mode):
-            detect_format(file)  # a directory that is not a PEFT adapter: says why
+    for file in (config, os.path.join(folder, WEIGHTS_FILE)):
+        st = _stat(file)
         key += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
     return tuple(key)
+
+
+def _stat(name: str) -> os.stat_result:
+    try:
+        return os.stat(name)
+    except OSError:
+        with ScopedFile(name):  # raises the precise status error (missing, no permission...)
+            pass
+        raise
 
 
 def buffer_identity(buffer: AdapterBuffer | Mapping[str, Any], peft_config: Mapping[str, Any] | None = None) -> AdapterKey:
