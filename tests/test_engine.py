@@ -121,3 +121,12 @@ def test_executor_pool_runs_sessions_in_parallel_with_isolated_results():
     assert results == alone
     with pytest.raises(InvalidArgumentError):
         EngineSettings(executors=0)
+
+
+def test_chat_template_given_as_source_renders_conversations():
+    with Engine(MODEL_FILES["default"], chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}") as engine:
+        assert engine.chat_template.render([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+    with Engine(MODEL_FILES["default"]) as engine:
+        assert engine.chat_template is None
+    with pytest.raises(InvalidArgumentError):
+        Engine(MODEL_FILES["default"], chat_template="{% if %}")

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from runtime.engine.config import EngineSettings, SessionConfig
+from runtime.components.chat_template import ChatTemplate
 from runtime.components.residency import ResidencyPolicy
 from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from runtime.engine.session import Session, SessionRegistry
@@ -32,10 +33,13 @@ class Engine:
         settings: EngineSettings | None = None,
         *,
         tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+        chat_template: ChatTemplate | str | None = None,
     ) -> None:
         """``model_path``: a ``.tflite`` LLM export or a ``.litertlm`` bundle (whose
         tokenizer is used unless ``tokenizer`` is given: a Tokenizer, or the path of a
-        ``tokenizer.json`` or SentencePiece model)."""
+        ``tokenizer.json`` or SentencePiece model). ``chat_template``: how a conversation
+        becomes prompt text (a ChatTemplate or its Jinja2 source); ``None`` leaves
+        :attr:`chat_template` unset."""
         self.model_path = Path(model_path)
         self.settings = settings or EngineSettings()
         executor_settings = ExecutorSettings(num_threads=self.settings.num_threads)
@@ -51,6 +55,7 @@ class Engine:
             for _ in range(self.settings.executors):
                 executors.append(LlmExecutor(model, executor_settings, name=str(self.model_path)))
             self.tokenizer = _tokenizer(tokenizer, bundled_tokenizer)
+            self.chat_template = ChatTemplate(chat_template) if isinstance(chat_template, str) else chat_template
         except BaseException:
             for executor in executors:
                 executor.close()

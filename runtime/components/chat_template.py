@@ -1,0 +1,74 @@
+"""Chat templates: a conversation (role/content messages) as the prompt text a model expects.
+
+Hugging Face checkpoints carry their chat template as a Jinja2 source string
+(``tokenizer_config.json``'s ``chat_template``); a ``.litertlm`` bundle written by
+``runtime export`` carries the same string. It is rendered in Jinja2's immutable sandbox,
+so a template from a downloaded file cannot reach Python objects or the file system.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from runtime.errors import InvalidArgumentError
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplate:
+    """A Jinja2 chat template with the names templates use (``messages``,
+    ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``)."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        """``source``: the template text; ``bos_token`` / ``eos_token``: the texts of the
+        tokenizer's special tokens, which many templates insert."""
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if not isinstance(source, str) or not source.strip():
+            raise InvalidArgumentError("a chat template must be a non-empty string")
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _raise_template_error
+        try:
+            self._template = environment.from_string(source)
+        except TemplateError as exc:
+            raise InvalidArgumentError(f"chat template does not parse: {exc}") from None
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` (each ``{"role": ..., "content": str}``), ending
+        with the assistant's turn opened when ``add_generation_prompt``."""
+        from jinja2 import TemplateError
+
+        checked = [_check_message(i, message) for i, message in enumerate(messages)]
+        if not checked:
+            raise InvalidArgumentError("messages is empty: a chat needs at least one message")
+        try:
+            return self._template.render(
+                messages=checked,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise InvalidArgumentError(f"chat template failed on these messages: {exc}") from None
+
+
+def _check_message(index: int, message: Any) -> dict[str, str]:
+    if not isinstance(message, Mapping):
+        raise InvalidArgumentError(f"messages[{index}] is {type(message).__name__}, expected an object")
+    role, content = message.get("role"), message.get("content")
+    if role not in _ROLES:
+        raise InvalidArgumentError(f"messages[{index}].role={role!r:.40}, expected one of {', '.join(_ROLES)}")
+    if not isinstance(content, str):
+        raise InvalidArgumentError(f"messages[{index}].content must be a string, got {type(content).__name__}")
+    return {"role": role, "content": content}
+
+
+def _raise_template_error(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)

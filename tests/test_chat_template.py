@@ -1,0 +1,62 @@
+"""ChatTemplate renders conversations the way Hugging Face templates expect."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.components.chat_template import ChatTemplate
+from runtime.errors import InvalidArgumentError
+
+# The shape of SmolLM2's / Qwen's ChatML template.
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_renders_chatml_with_generation_prompt() -> None:
+    text = ChatTemplate(CHATML).render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_generation_prompt_can_be_left_out() -> None:
+    text = ChatTemplate(CHATML).render([{"role": "user", "content": "Hi"}], add_generation_prompt=False)
+    assert text == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_special_token_texts_reach_the_template() -> None:
+    template = ChatTemplate("{{ bos_token }}{{ messages[0].content }}{{ eos_token }}", bos_token="<s>", eos_token="</s>")
+    assert template.render([{"role": "user", "content": "x"}]) == "<s>x</s>"
+
+
+def test_raise_exception_in_a_template_is_an_invalid_argument() -> None:
+    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok")
+    assert template.render([{"role": "user", "content": "a"}]) == "ok"
+    with pytest.raises(InvalidArgumentError, match="first must be user"):
+        template.render([{"role": "assistant", "content": "a"}])
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "empty"),
+        (["hello"], r"messages\[0\] is str"),
+        ([{"role": "wizard", "content": "x"}], r"messages\[0\].role='wizard'"),
+        ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
+    ],
+)
+def test_bad_messages_are_named(messages: list, match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        ChatTemplate(CHATML).render(messages)
+
+
+def test_a_template_cannot_reach_python_internals() -> None:
+    template = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(InvalidArgumentError):
+        template.render([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("source", ["", "   ", "{% for %}"])
+def test_unusable_templates_are_refused(source: str) -> None:
+    with pytest.raises(InvalidArgumentError):
+        ChatTemplate(source)
