@@ -154,7 +154,7 @@ def _worker(seed: int, tasks: mp.Queue, results: mp.Queue) -> None:
     from runtime.executor.litert_executor import LlmExecutor
 
     executor = LlmExecutor(MODELS / "gqa_default.tflite")
-    slots = {rank: executor.spec.lora_slot(rank) for rank in executor.spec.lora_ranks}
+    slots = executor.spec.lora_slots
     executor.close()
     with tempfile.TemporaryDirectory() as tmp:
         while True:

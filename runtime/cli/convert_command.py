@@ -39,9 +39,8 @@ def run(args: argparse.Namespace) -> int:
     executor = LlmExecutor(args.model)
     try:
         spec = executor.spec
-        slots = {rank: spec.lora_slot(rank) for rank in spec.lora_ranks}
         with open_adapter(args.source, head_dim=spec.head_dim) as data:
-            blob = convert_adapter(data, slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype],
+            blob = convert_adapter(data, spec.lora_slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype],
                                    progress=progress_bar("converting", unit="projection"))
     finally:
         executor.close()

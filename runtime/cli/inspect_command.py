@@ -63,7 +63,7 @@ def _check_fit(adapter_path: Path, model_path: Path) -> int:
         spec = executor.spec
         with open_adapter(adapter_path, head_dim=spec.head_dim) as adapter:
             print(describe_adapter(adapter))
-            plan = plan_adapter(adapter, {r: spec.lora_slot(r) for r in spec.lora_ranks})
+            plan = plan_adapter(adapter, spec.lora_slots)
             print(f"fits {model_path}: rank {plan.rank} goes in slot r{spec.smallest_slot(plan.rank)}")
     finally:
         executor.close()

@@ -9,7 +9,7 @@ import numpy as np
 from runtime.components.lora import SlotInputs, plan_adapter
 from runtime.util.adapter_data import AdapterData
 from runtime.util.lora_util import Convention, to_graph_layout
-from runtime.util.lora_writer import LoraWeights, name_adapter_tensors, serialize_lora_tensors
+from runtime.util.lora_writer import LoraWeights, serialize_lora_weights
 
 
 def convert_adapter(
@@ -25,8 +25,8 @@ def convert_adapter(
     written). ``progress`` wraps the loop over projections (e.g. a progress bar).
     Scales are already folded into ``a`` by the readers; pairs of smaller rank
     are zero-padded to the adapter's largest rank so every tensor has the same rank, as
-    LiteRT-LM expects. LiteRT-LM / MediaPipe conventions get data after the flatbuffer
-    and ``lora_rank`` metadata; litert-torch gets inline data.
+    LiteRT-LM expects. The file has ``convention``'s customary layout
+    (:func:`runtime.util.lora_writer.serialize_lora_weights`) in ``dtype``.
     """
     plan = plan_adapter(data, slots)
     weights = {}
@@ -37,9 +37,4 @@ def convert_adapter(
         padded_b = np.zeros((plan.rank, b.shape[1]), np.float32)
         padded_a[:, : pair.rank], padded_b[: pair.rank] = a, b
         weights[key] = LoraWeights(padded_a, padded_b)
-    torch_style = convention is Convention.LITERT_TORCH
-    return serialize_lora_tensors(
-        name_adapter_tensors(weights, convention, dtype),
-        external_data=not torch_style,
-        lora_rank=None if torch_style else plan.rank,
-    )
+    return serialize_lora_weights(weights, convention, dtype=dtype)

@@ -32,6 +32,7 @@ from runtime.errors import (
 )
 from runtime.util.adapter_data import AdapterData
 from runtime.util.latency import LatencyRecorder, LatencySummary
+from runtime.util.lora_util import smallest_rank_slot
 
 # A weighted set of loaded adapters: ((lora_id, scale), ...), sorted by id, no zero scales.
 Blend = tuple[tuple[int, float], ...]
@@ -120,9 +121,9 @@ class LoraManager:
         """The smallest rank slot that holds the summed rank of ``blend``."""
         with self._lock:
             total = sum(self._require(lora_id).rank for lora_id, _ in blend)
-        for slot in sorted(self._slots):
-            if slot >= total:
-                return slot
+        slot = smallest_rank_slot(self._slots, total)
+        if slot is not None:
+            return slot
         raise InvalidArgumentError(
             f"adapters {[i for i, _ in blend]} need rank {total} together, more than any "
             f"LoRA slot of the model (slots: {', '.join(map(str, sorted(self._slots)))})"

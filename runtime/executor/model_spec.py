@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis, smallest_rank_slot
 from runtime.util.tensor_spec import TensorSpec
 
 TOKENS = "tokens"
@@ -109,9 +109,14 @@ class ModelSpec:
         """The LoRA inputs of rank slot ``lora_rank`` (shared by its prefill and decode)."""
         return self.decode(lora_rank).lora_inputs
 
+    @property
+    def lora_slots(self) -> dict[int, dict[str, TensorSpec]]:
+        """Every rank slot with its LoRA inputs: what adapters are fitted against."""
+        return {rank: self.lora_slot(rank) for rank in self.lora_ranks}
+
     def smallest_slot(self, rank: int) -> int | None:
         """The smallest rank slot that holds ``rank``, or ``None`` if none does."""
-        return next((slot for slot in self.lora_ranks if slot >= rank), None)
+        return smallest_rank_slot(self.lora_ranks, rank)
 
     def _find(self, kind: str, seq_len: int, lora_rank: int | None) -> SignatureSpec:
         for spec in self.signatures.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +133,11 @@ def to_graph_layout(convention: Convention, side: str, array: np.ndarray) -> np.
 def from_graph_layout(convention: Convention, side: str, array: np.ndarray) -> np.ndarray:
     """Inverse of :func:`to_graph_layout`: graph layout to how ``convention`` stores it."""
     return to_graph_layout(convention, side, array)
+
+
+def smallest_rank_slot(slots: Iterable[int], rank: int) -> int | None:
+    """The smallest of the rank ``slots`` that holds ``rank`` (zero-padded), or ``None``."""
+    return min((slot for slot in slots if slot >= rank), default=None)
 
 
 def _invert(mapping: dict[str, str]) -> dict[str, str]:

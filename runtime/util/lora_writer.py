@@ -91,6 +91,28 @@ def serialize_lora_tensors(
     return bytes(out)
 
 
+def serialize_lora_weights(
+    weights: Mapping[tuple[int, str], LoraWeights],
+    convention: Convention,
+    *,
+    dtype: np.dtype | type | None = None,
+) -> bytes:
+    """The bytes of an adapter file in ``convention``'s customary form.
+
+    litert-torch: float32 by default, inline data, no metadata. LiteRT-LM / MediaPipe:
+    float16 by default, data after the flatbuffer, ``lora_rank`` metadata (the largest
+    rank of ``weights``).
+    """
+    torch_style = convention is Convention.LITERT_TORCH
+    dtype = dtype or (np.float32 if torch_style else np.float16)
+    rank = max(pair.a.shape[1] for pair in weights.values()) if weights else None
+    return serialize_lora_tensors(
+        name_adapter_tensors(weights, convention, dtype),
+        external_data=not torch_style,
+        lora_rank=None if torch_style else rank,
+    )
+
+
 def write_lora_file(
     path: str | os.PathLike[str],
     weights: Mapping[tuple[int, str], LoraWeights],
@@ -98,21 +120,9 @@ def write_lora_file(
     *,
     dtype: np.dtype | type | None = None,
 ) -> Path:
-    """Writes an adapter file in the given convention's customary form.
-
-    litert-torch: float32 by default, inline data, no metadata. LiteRT-LM / MediaPipe:
-    float16 by default, external data, ``lora_rank`` metadata.
-    """
-    torch_style = convention is Convention.LITERT_TORCH
-    dtype = dtype or (np.float32 if torch_style else np.float16)
-    rank = max(pair.a.shape[1] for pair in weights.values()) if weights else None
-    blob = serialize_lora_tensors(
-        name_adapter_tensors(weights, convention, dtype),
-        external_data=not torch_style,
-        lora_rank=None if torch_style else rank,
-    )
+    """Writes :func:`serialize_lora_weights` of ``weights`` to ``path``."""
     path = Path(path)
-    path.write_bytes(blob)
+    path.write_bytes(serialize_lora_weights(weights, convention, dtype=dtype))
     return path
 
 

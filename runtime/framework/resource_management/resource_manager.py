@@ -70,7 +70,7 @@ class ResourceManager:
             for each in self.executors:
                 self._idle.put(each)
         self.lora_manager = LoraManager(
-            {rank: spec.lora_slot(rank) for rank in spec.lora_ranks},
+            spec.lora_slots,
             executor.create_lora_buffer,
             residency=residency,
             allow_non_finite=allow_non_finite,
