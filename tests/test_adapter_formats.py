@@ -1,4 +1,4 @@
-"""Tests for runtime.util.adapter_formats: detection by content, opening, identity."""
+"""Tests for runtime.util.adapter_formats: detection by content, opening, identity, digests."""
 
 from __future__ import annotations
 
@@ -10,17 +10,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from conftest import adapter_path
-from runtime.errors import InvalidArgumentError, NotFoundError
-from runtime.util.adapter_formats import (
-    GGUF,
-    PEFT,
-    TFLITE,
-    buffer_identity,
-    detect_format,
-    file_identity,
-    open_adapter,
-    open_adapter_buffer,
-)
+from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
+from runtime.util.adapter_formats import GGUF, PEFT, TFLITE, AdapterOrigin, detect_format, open_adapter, peft_directory
 from test_gguf_data import gguf_tensors, write
 
 
@@ -65,6 +56,26 @@ def test_unknown_and_missing(tmp_path):
         detect_format(sub)
 
 
+def file_identity(path):
+    return AdapterOrigin.of_file(path).key
+
+
+def buffer_identity(buffer, peft_config=None):
+    return AdapterOrigin.of_buffer(buffer, peft_config, name="buffer").key
+
+
+def test_a_peft_adapter_is_its_directory_or_the_safetensors_in_it(tmp_path, peft_dir):
+    assert peft_directory(peft_dir) == peft_dir
+    assert peft_directory(peft_dir / "adapter_model.safetensors") == peft_dir
+    assert peft_directory(adapter_path("torch_r4")) is None
+    stray = tmp_path.parent / f"{tmp_path.name}_stray.safetensors"
+    stray.write_bytes(b"x")  # no adapter_config.json beside it
+    assert peft_directory(stray) is None
+    origin = AdapterOrigin.of_file(peft_dir / "adapter_model.safetensors")
+    assert origin.path == str(peft_dir) and origin.peft
+    assert origin.open().format_name == "peft"
+
+
 def test_identity(tmp_path, peft_dir):
     assert file_identity(peft_dir) == file_identity(peft_dir / "adapter_model.safetensors")
     link = tmp_path.parent / f"{tmp_path.name}_link"
@@ -78,12 +89,46 @@ def test_identity(tmp_path, peft_dir):
     assert buffer_identity(sd, {"r": 4}) != buffer_identity(sd, {"r": 8})
 
 
+def test_mutable_buffers_are_snapshotted_and_immutable_ones_kept():
+    blob = adapter_path("torch_r4").read_bytes()
+    assert AdapterOrigin.of_buffer(blob, name="b").buffer is blob
+    mutable = bytearray(blob)
+    origin = AdapterOrigin.of_buffer(mutable, name="b")
+    mutable[:] = bytes(len(mutable))  # the caller reuses its buffer
+    assert origin.buffer == blob and origin.key == buffer_identity(blob)
+    state = {"k": np.ones(3, np.float32)}
+    snapshot = AdapterOrigin.of_buffer(state, {"r": 1}, name="sd").buffer
+    state["k"][:] = 7
+    assert snapshot["k"].tolist() == [1, 1, 1] and not snapshot["k"].flags.writeable
+    with pytest.raises(InvalidArgumentError, match="expected bytes"):
+        AdapterOrigin.of_buffer(12, name="n")
+
+
+def test_sha256_checks_the_file_the_peft_weights_or_the_bytes(tmp_path, peft_dir):
+    import hashlib
+
+    def digest(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    path = adapter_path("torch_r4")
+    AdapterOrigin.of_file(path).check_sha256(digest(path.read_bytes()).upper())
+    weights = (peft_dir / "adapter_model.safetensors").read_bytes()
+    AdapterOrigin.of_file(peft_dir).check_sha256(digest(weights))
+    with pytest.raises(DataLossError, match="adapter_model.safetensors: SHA-256 is"):
+        AdapterOrigin.of_file(peft_dir).check_sha256(digest(b"other"))
+    AdapterOrigin.of_buffer(b"abc", name="b").check_sha256(digest(b"abc"))
+    with pytest.raises(DataLossError, match="<mine>: SHA-256 is"):
+        AdapterOrigin.of_buffer(b"abc", name="<mine>").check_sha256(digest(b"abd"))
+    with pytest.raises(InvalidArgumentError, match="a state dict has none"):
+        AdapterOrigin.of_buffer({"k": np.zeros(1)}, {"r": 1}, name="sd").check_sha256(digest(b""))
+
+
 def test_open_buffer():
     with pytest.raises(InvalidArgumentError, match="needs its PEFT config"):
-        open_adapter_buffer({"a": np.zeros(1)}, name="sd")
+        AdapterOrigin.of_buffer({"a": np.zeros(1)}, name="sd").open()
     with pytest.raises(InvalidArgumentError, match="goes with a state dict"):
-        open_adapter_buffer(b"abc", peft_config={"r": 1}, name="b")
-    assert open_adapter_buffer(adapter_path("torch_r4").read_bytes(), name="b").get_lora_rank() == 4
+        AdapterOrigin.of_buffer(b"abc", {"r": 1}, name="b").open()
+    assert AdapterOrigin.of_buffer(adapter_path("torch_r4").read_bytes(), name="b").open().get_lora_rank() == 4
 
 
 def test_identity_follows_the_files_and_says_why_it_cannot(tmp_path, peft_dir):

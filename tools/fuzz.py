@@ -115,7 +115,8 @@ def load_case(case: Case, workdir: Path, slots) -> str:
     """Loads a case as the engine would; returns the outcome class name."""
     from runtime.components.lora import LoRA, plan_adapter
     from runtime.errors import StatusError
-    from runtime.util.adapter_formats import open_adapter, open_adapter_buffer
+    from runtime.util.adapter_formats import AdapterOrigin, open_adapter
+    from runtime.util.lora_util import smallest_rank_slot
 
     target = workdir / "case"
     if target.is_dir():
@@ -131,10 +132,10 @@ def load_case(case: Case, workdir: Path, slots) -> str:
     try:
         sources = [open_adapter(target, head_dim=16)]
         if case.kind == "tflite":
-            sources.append(open_adapter_buffer(case.data, name="<fuzz buffer>"))
+            sources.append(AdapterOrigin.of_buffer(case.data, name="<fuzz buffer>").open())
         for data in sources:
             plan = plan_adapter(data, slots)
-            rank = min(r for r in slots if r >= plan.rank)
+            rank = smallest_rank_slot(slots, plan.rank)
             LoRA([(plan, 1.0)], rank, slots[rank], lambda name, r=rank: _ArrayBuffer(slots[r][name]))
             data.close()
         return "ok"

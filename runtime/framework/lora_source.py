@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.adapter_formats import AdapterBuffer
+from runtime.util.adapter_formats import AdapterBuffer, AdapterOrigin
 
 
 def check_scale(scale: object, what: str) -> float:
@@ -60,3 +60,10 @@ class LoraSource:
         if isinstance(self.buffer, Mapping):
             return f"<in-memory PEFT state dict of {len(self.buffer)} tensors>"
         return f"<in-memory buffer of {len(self.buffer)} bytes>"
+
+    def origin(self) -> AdapterOrigin:
+        """Where the adapter's bytes are and the identity it is registered under (a
+        mutable buffer is snapshotted here)."""
+        if self.path is not None:
+            return AdapterOrigin.of_file(self.path)
+        return AdapterOrigin.of_buffer(self.buffer, self.peft_config, name=self.label)

@@ -1,4 +1,5 @@
-"""Which format an adapter is in (by content, not by name), opening it, and its identity.
+"""What an adapter source is: its format (by content, not by name), how to open it, and
+how it is known again (its identity), all decided here.
 
 | format | recognised by | reader |
 |---|---|---|
@@ -8,6 +9,9 @@
 
 In memory: the bytes of a ``.tflite`` LoRA file, or a PEFT state dict (name -> array)
 with its config.
+
+A PEFT adapter is named by its directory or by the safetensors file inside it
+(:func:`peft_directory`); everything below goes through that one rule.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import mmap
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from runtime.errors import InvalidArgumentError
+from runtime.errors import DataLossError, InvalidArgumentError
 from runtime.util.adapter_data import AdapterData
 from runtime.util.gguf_data import GGUF_MAGIC, read_gguf_lora
 from runtime.util.lora_data import FILE_IDENTIFIER, LoraData
@@ -37,13 +42,35 @@ AdapterBuffer = bytes | bytearray | memoryview | mmap.mmap
 AdapterKey = tuple
 
 
+def peft_directory(path: str | os.PathLike[str]) -> Path | None:
+    """The PEFT adapter directory ``path`` names (the directory, or the safetensors file
+    in it), or ``None`` when ``path`` is not one. ``InvalidArgumentError`` for a directory
+    without ``adapter_config.json``."""
+    name = os.fspath(path)
+    folder = _peft_folder(name, _stat(name))
+    return None if folder is None else Path(folder)
+
+
+def _peft_folder(name: str, status: os.stat_result) -> str | None:
+    """:func:`peft_directory` for a path already stat'ed (the identity's fast path)."""
+    if stat.S_ISDIR(status.st_mode):
+        if not os.path.isfile(os.path.join(name, CONFIG_FILE)):
+            raise InvalidArgumentError(f"{name}: a directory without {CONFIG_FILE} is not a PEFT adapter")
+        return name
+    folder = os.path.dirname(name) or "."
+    if name.endswith(".safetensors") and os.path.isfile(os.path.join(folder, CONFIG_FILE)):
+        return folder
+    return None
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """``"tflite"``, ``"gguf"`` or ``"peft"``, from the content; ``InvalidArgumentError`` otherwise."""
-    path = Path(path)
-    if _is_peft(path):
+    if peft_directory(path) is not None:
         return PEFT
-    if path.is_dir():
-        raise InvalidArgumentError(f"{path}: a directory without {CONFIG_FILE} is not a PEFT adapter")
+    return _file_format(Path(path))
+
+
+def _file_format(path: Path) -> str:
     with ScopedFile(path) as scoped:
         head = os.pread(scoped.fileno(), 8, 0)
     if len(head) == 0:
@@ -59,50 +86,109 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 def open_adapter(path: str | os.PathLike[str], *, head_dim: int | None = None) -> AdapterData:
     """Opens the adapter at ``path`` in whichever format it is."""
-    kind = detect_format(path)
-    if kind == PEFT:
-        return read_peft_directory(_peft_dir(Path(path)))
-    if kind == GGUF:
-        return read_gguf_lora(path, head_dim=head_dim)
-    return LoraData.create_from_file_path(path)
+    return AdapterOrigin.of_file(path).open(head_dim=head_dim)
 
 
-def open_adapter_buffer(
-    buffer: AdapterBuffer | Mapping[str, Any], *, peft_config: Mapping[str, Any] | None = None, name: str
-) -> AdapterData:
-    """An in-memory adapter: ``.tflite`` bytes, or a PEFT state dict with ``peft_config``."""
-    if isinstance(buffer, Mapping):
-        if peft_config is None:
-            raise InvalidArgumentError(f"{name}: a state dict needs its PEFT config (peft_config=)")
-        return read_peft_state_dict(buffer, peft_config, name)
-    if peft_config is not None:
-        raise InvalidArgumentError(f"{name}: peft_config goes with a state dict, not with bytes")
-    return LoraData.create_from_buffer(buffer, name=name)
+@dataclass(frozen=True, eq=False)
+class AdapterOrigin:
+    """Where one adapter comes from, and the ``key`` it is known by again.
 
-
-def file_identity(path: str | os.PathLike[str]) -> AdapterKey:
-    """Device, inode, size and mtime of the adapter's files: another path or a link to the
-    same files gives the same key; rewriting them gives another.
-
-    Called on every session creation and ``set_adapters``, so it makes as few system
-    calls as it can: one for a file, four for a PEFT directory.
+    For files, ``key`` is the device, inode, size and modification time of the adapter's
+    files: another path or a link to the same files gives the same key; rewriting them
+    gives another. For memory, it is the SHA-256 of the content (and PEFT config): the
+    same bytes give the same key. ``path`` is the adapter file or PEFT directory;
+    ``buffer`` an in-memory adapter no caller can change any more.
     """
-    name = os.fspath(path)
-    first = _stat(name)
-    if stat.S_ISDIR(first.st_mode):
-        folder = name
-    elif name.endswith(".safetensors") and os.path.isfile(os.path.join(os.path.dirname(name), CONFIG_FILE)):
-        folder = os.path.dirname(name)
-    else:
-        return ("file", first.st_dev, first.st_ino, first.st_size, first.st_mtime_ns)
-    config = os.path.join(folder, CONFIG_FILE)
-    if folder == name and not os.path.exists(config):
-        detect_format(Path(name))  # a directory that is not a PEFT adapter: says why
-    key: list[Any] = ["file"]
-    for file in (config, os.path.join(folder, WEIGHTS_FILE)):
-        st = _stat(file)
-        key += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-    return tuple(key)
+
+    key: AdapterKey
+    name: str
+    path: str | None = None
+    peft: bool = False
+    buffer: AdapterBuffer | Mapping[str, np.ndarray] | None = None
+    peft_config: Mapping[str, Any] | None = None
+
+    @classmethod
+    def of_file(cls, path: str | os.PathLike[str]) -> AdapterOrigin:
+        """The adapter file or PEFT directory at ``path`` (or its safetensors file).
+
+        Run on every session creation and ``set_adapters``, so it makes as few system
+        calls as it can: one for a file, four for a PEFT directory.
+        """
+        name = os.fspath(path)
+        first = _stat(name)
+        folder = _peft_folder(name, first)
+        if folder is None:
+            return cls(("file", first.st_dev, first.st_ino, first.st_size, first.st_mtime_ns), name, name)
+        key: list[Any] = ["file"]
+        for file in (os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)):
+            status = _stat(file)
+            key += [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns]
+        return cls(tuple(key), folder, folder, peft=True)
+
+    @classmethod
+    def of_buffer(
+        cls,
+        buffer: AdapterBuffer | Mapping[str, Any],
+        peft_config: Mapping[str, Any] | None = None,
+        *,
+        name: str,
+    ) -> AdapterOrigin:
+        """An in-memory adapter: ``.tflite`` bytes, or a PEFT state dict with ``peft_config``.
+
+        A buffer the caller could change later (bytearray, writable memoryview or mmap, a
+        state dict of arrays) is copied once here, so that no registered adapter changes
+        behind the sessions' backs; ``bytes`` and read-only views are kept by reference.
+        """
+        snapshot = _immutable(buffer)
+        digest = hashlib.sha256()
+        try:
+            if isinstance(snapshot, Mapping):
+                digest.update(json.dumps(peft_config, sort_keys=True, default=str).encode())
+                for tensor in sorted(snapshot):
+                    array = np.ascontiguousarray(snapshot[tensor])
+                    digest.update(f"{tensor}|{array.dtype.str}|{array.shape}|".encode())
+                    digest.update(array.tobytes())
+            else:
+                digest.update(snapshot)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"{name}: cannot read the in-memory adapter: {exc}") from None
+        return cls(("blob", digest.hexdigest()), name, buffer=snapshot, peft_config=peft_config)
+
+    def check_sha256(self, expected: str) -> None:
+        """``DataLossError`` unless the adapter's bytes (for PEFT: its safetensors file)
+        have the SHA-256 ``expected``."""
+        digest = hashlib.sha256()
+        what = self.name
+        if self.path is not None:
+            what = os.path.join(self.path, WEIGHTS_FILE) if self.peft else self.path
+            with ScopedFile(what) as scoped, open(scoped.fileno(), "rb", closefd=False) as file:
+                for chunk in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(chunk)
+        elif isinstance(self.buffer, Mapping):
+            raise InvalidArgumentError(f"{self.name}: sha256 checks bytes; a state dict has none")
+        else:
+            digest.update(self.buffer)
+        if digest.hexdigest() != expected.lower():
+            raise DataLossError(
+                f"{what}: SHA-256 is {digest.hexdigest()}, expected {expected.lower()}; nothing was registered"
+            )
+
+    def open(self, *, head_dim: int | None = None) -> AdapterData:
+        """Reads the adapter's metadata (no weights yet) in whichever format it is.
+        ``head_dim``: the model's, which GGUF LoRA needs to undo llama's RoPE row order."""
+        if self.path is None:
+            if isinstance(self.buffer, Mapping):
+                if self.peft_config is None:
+                    raise InvalidArgumentError(f"{self.name}: a state dict needs its PEFT config (peft_config=)")
+                return read_peft_state_dict(self.buffer, self.peft_config, self.name)
+            if self.peft_config is not None:
+                raise InvalidArgumentError(f"{self.name}: peft_config goes with a state dict, not with bytes")
+            return LoraData.create_from_buffer(self.buffer, name=self.name)
+        if self.peft:
+            return read_peft_directory(self.path)
+        if _file_format(Path(self.path)) == GGUF:
+            return read_gguf_lora(self.path, head_dim=head_dim)
+        return LoraData.create_from_file_path(self.path)
 
 
 def _stat(name: str) -> os.stat_result:
@@ -114,29 +200,26 @@ def _stat(name: str) -> os.stat_result:
         raise
 
 
-def buffer_identity(buffer: AdapterBuffer | Mapping[str, Any], peft_config: Mapping[str, Any] | None = None) -> AdapterKey:
-    """The SHA-256 of an in-memory adapter's content (and config): same bytes, same key."""
-    digest = hashlib.sha256()
-    try:
-        if isinstance(buffer, Mapping):
-            digest.update(json.dumps(peft_config, sort_keys=True, default=str).encode())
-            for key in sorted(buffer):
-                array = np.ascontiguousarray(buffer[key])
-                digest.update(f"{key}|{array.dtype.str}|{array.shape}|".encode())
-                digest.update(array.tobytes())
-        else:
-            digest.update(buffer)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"cannot read the in-memory adapter: {exc}") from None
-    return ("blob", digest.hexdigest())
-
-
-def _is_peft(path: Path) -> bool:
-    return (path.is_dir() and (path / CONFIG_FILE).is_file()) or (
-        path.suffix == ".safetensors" and (path.parent / CONFIG_FILE).is_file()
+def _immutable(buffer: AdapterBuffer | Mapping[str, Any]) -> AdapterBuffer | Mapping[str, np.ndarray]:
+    """``buffer`` itself if nobody can change it, else a private copy."""
+    if isinstance(buffer, bytes) or (isinstance(buffer, memoryview) and buffer.readonly):
+        return buffer
+    if isinstance(buffer, bytearray | memoryview | mmap.mmap):
+        try:
+            return bytes(buffer)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"cannot read the in-memory adapter: {exc}") from None
+    if isinstance(buffer, Mapping):
+        snapshot = {}
+        for name, value in buffer.items():
+            try:
+                array = np.array(value, copy=True)
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgumentError(f"state dict tensor {name!r} is not an array: {exc}") from None
+            array.flags.writeable = False
+            snapshot[str(name)] = array
+        return snapshot
+    raise InvalidArgumentError(
+        "expected bytes, bytearray, memoryview, mmap or a state dict for an in-memory adapter, "
+        f"got {type(buffer).__name__}"
     )
-
-
-def _peft_dir(path: Path) -> Path:
-    return path if path.is_dir() else path.parent
-

@@ -116,14 +116,14 @@ class PeftLoraConfig:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
-def read_peft_directory(path: str | os.PathLike[str]) -> DerivedLoraData:
-    """Opens a PEFT adapter directory (or its ``adapter_model.safetensors``)."""
+def read_peft_directory(directory: str | os.PathLike[str]) -> DerivedLoraData:
+    """Opens a PEFT adapter directory (which paths name one is decided by
+    :func:`runtime.util.adapter_formats.peft_directory`)."""
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path)
-    if not path.exists():
-        raise NotFoundError(f"{path}: no such PEFT adapter directory or file")
-    directory = path if path.is_dir() else path.parent
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise NotFoundError(f"{directory}: no such PEFT adapter directory")
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     for required in (config_path, weights_path):
         if not required.is_file():
