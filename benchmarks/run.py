@@ -64,7 +64,7 @@ def decode_section(repeats: int, steps: int) -> dict:
     for label, (model, configs) in models.items():
         with Engine(model, EngineSettings(num_threads=1)) as engine:
             out[label] = bench_decode(engine, configs, steps, repeats)
-            out[label]["_graph"] = bench_graph(engine, repeats)
+            out[label]["_graph"] = bench_graph(model, repeats)
     return out
 
 

@@ -16,24 +16,53 @@ from runtime.components.tokenizer import ByteTokenizer, HfTokenizer, SentencePie
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.engine.session import GenerationResult, Session
-from runtime.engine.stats import EngineStats
+from runtime.components.chat_template import ChatTemplate
+from runtime.engine.stats import AdapterStats, EngineStats, ResidentStats, SessionStats
+from runtime.errors import (
+    AlreadyExistsError,
+    DataLossError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    StatusError,
+    UnimplementedError,
+)
 from runtime.framework.lora_source import LoraSource
+from runtime.util.latency import LatencySummary
 
 __all__ = [
+    "AdapterStats",
+    "AlreadyExistsError",
     "ByteTokenizer",
+    "ChatTemplate",
+    "DataLossError",
     "Engine",
     "EngineSettings",
     "EngineStats",
+    "FailedPreconditionError",
     "GenerationResult",
     "HfTokenizer",
+    "InternalError",
+    "InvalidArgumentError",
     "KeepAll",
+    "LatencySummary",
     "LoraSource",
     "Lru",
+    "NotFoundError",
     "OnlyActive",
+    "PermissionDeniedError",
+    "ResidentStats",
+    "ResourceExhaustedError",
     "Sampler",
     "SamplerConfig",
+    "SentencePieceTokenizer",
     "Session",
     "SessionConfig",
-    "SentencePieceTokenizer",
+    "SessionStats",
+    "StatusError",
     "Tokenizer",
+    "UnimplementedError",
 ]

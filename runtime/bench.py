@@ -23,6 +23,7 @@ from runtime.components.residency import KeepAll, Lru
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.engine.session import Session
+from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.framework.lora_source import LoraSource
 from runtime.util.lora_util import PROJECTIONS, SIDES, Convention, lora_input_name, parse_lora_input_name
 from runtime.util.lora_writer import LoraWeights, serialize_lora_tensors, write_lora_file
@@ -63,7 +64,7 @@ def rss_bytes() -> int:
 
 def _decoder(session: Session, steps: int) -> Callable[[], None]:
     """``steps + 1`` decode steps (fixed tokens), rewinding whenever the KV cache is full."""
-    limit = session._resources.executor.spec.kv_length
+    limit = session.kv_length
 
     def run() -> None:
         session.reset()
@@ -79,28 +80,6 @@ def decode_step_seconds(session: Session, steps: int) -> float:
     return median_seconds(_decoder(session, steps), 1) / (steps + 1)
 
 
-class InvokeTimer:
-    """Times the bare invokes inside a session's steps (the part that is not ours)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._fast = engine._resources.executor._fast
-        self._run = self._fast.run
-        self.seconds = 0.0
-        self.count = 0
-
-    def __enter__(self) -> InvokeTimer:
-        def timed(index, prepared):
-            start = time.perf_counter()
-            self._run(index, prepared)
-            self.seconds += time.perf_counter() - start
-            self.count += 1
-        self._fast.run = timed
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        del self._fast.run  # back to the class method
-
-
 def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, repeats: int) -> dict[str, dict]:
     """Per config: step time, bare invoke time, and the runtime's own share of the step.
 
@@ -113,27 +92,31 @@ def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, 
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in sessions}
     for _ in range(repeats):
         for name, session in sessions.items():
-            with InvokeTimer(engine) as timer:
-                start = time.perf_counter()
-                _decoder(session, steps)()
-                total = time.perf_counter() - start
-            samples[name].append((total / (steps + 1), timer.seconds / timer.count))
+            before = engine.stats()
+            start = time.perf_counter()
+            _decoder(session, steps)()
+            total = time.perf_counter() - start
+            after = engine.stats()
+            invoke = (after.invoke_seconds - before.invoke_seconds) / (after.invokes - before.invokes)
+            samples[name].append((total / (steps + 1), invoke))
+    resident_slots = {r.blend: r.slot_rank for r in engine.stats().resident}
     out = {}
     for name, pairs in samples.items():
         step = statistics.median(p[0] for p in pairs)
         invoke = statistics.median(p[1] for p in pairs)
         glue = statistics.median((p[0] - p[1]) / p[0] for p in pairs)
         out[name] = {"step": step, "invoke": invoke, "glue_share": glue,
-                     "slot": getattr(sessions[name]._context.bound_lora, "slot_rank", None)}
+                     "slot": resident_slots.get(sessions[name].blend)}
         sessions[name].close()
     return out
 
 
-def bench_graph(engine: Engine, repeats: int, calls: int = 50) -> dict[str, float]:
-    """Seconds per bare invoke of each decode signature (plain and every rank slot, with
-    zero LoRA inputs): the graph's own cost, nothing of the runtime's. Signatures are
-    measured round-robin within each repeat, so drift hits them alike."""
-    executor = engine._resources.executor
+def bench_graph(model: str | os.PathLike[str], repeats: int, calls: int = 50, num_threads: int = 1) -> dict[str, float]:
+    """Seconds per decode step of each decode signature (plain and every rank slot, with
+    zero LoRA inputs) run on the executor directly: the graph's own cost, none of the
+    sessions' work. Signatures are measured round-robin within each repeat, so drift hits
+    them alike."""
+    executor = LlmExecutor(model, ExecutorSettings(num_threads=num_threads))
     kv = executor.create_kv_cache()
     runs = {}
     for rank in (None, *executor.spec.lora_ranks):
@@ -143,14 +126,17 @@ def bench_graph(engine: Engine, repeats: int, calls: int = 50) -> dict[str, floa
             buffers = {name: executor.create_lora_buffer(rank, name) for name in slot}
             for name, spec in slot.items():
                 buffers[name].write(np.zeros(spec.shape, spec.dtype))
-        runs["plain" if rank is None else f"r{rank}"] = executor.bind(kv, buffers, rank).decode
+        runs["plain" if rank is None else f"r{rank}"] = executor.bind(kv, buffers, rank)
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                executor._fast.run(run.io.index, run.prepared)
-            samples[name].append((time.perf_counter() - start) / calls)
+    try:
+        for _ in range(repeats):
+            for name, binding in runs.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    executor.decode(binding, 1, 0)
+                samples[name].append((time.perf_counter() - start) / calls)
+    finally:
+        executor.close()
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -328,7 +314,7 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
         start = rss_bytes()
         for i in range(cycles // 2):
             cycle(i)
-        out["growth_per_switch_bytes"] = max(0, rss_bytes() - start) / cycles
+        out["growth_per_switch_bytes"] = (rss_bytes() - start) / cycles
         session.close()
         other.close()
         for lora_id in ids:

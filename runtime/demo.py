@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from runtime.cli.main import keep_native_logs_off_the_terminal
 from runtime.components.tokenizer import ByteTokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
@@ -78,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assets", type=Path, default=ASSETS, help="folder with demo.json, the model and adapters")
     parser.add_argument("--prompt", action="append", help="a line to give every session (repeatable)")
     args = parser.parse_args(argv)
-    keep_native_logs_off_the_terminal()
     demo = load_demo(args.assets)
     prompts = [p.rstrip("\n") for p in (args.prompt or demo["demo_prompts"])]
     max_new_tokens = int(demo["max_new_tokens"])

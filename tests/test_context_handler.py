@@ -37,7 +37,6 @@ def test_a_new_context_has_no_binding():
     context = handler()
     assert context.position == 0
     assert context.binding is None and context.bound_lora is None and context.recent == {}
-    assert ContextHandler.RECENT_BINDINGS == 8
 
 
 def test_lora_ids_are_the_blend_ids_in_order():

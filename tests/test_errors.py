@@ -7,33 +7,23 @@ import pickle
 
 import pytest
 
+import runtime
 from runtime import LoraSource, errors
-from runtime.errors import (
-    AlreadyExistsError,
-    DataLossError,
-    FailedPreconditionError,
-    InternalError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    StatusError,
-    UnimplementedError,
-)
+from runtime.errors import StatusError
 
-# Every class the module defines: its status code and the built-in it also is (None: none).
+# Every class the module defines (exported by the package, where users catch them): its
+# status code and the built-in it also is (None: none).
 HIERARCHY = {
-    InvalidArgumentError: ("INVALID_ARGUMENT", ValueError),
-    NotFoundError: ("NOT_FOUND", LookupError),
-    AlreadyExistsError: ("ALREADY_EXISTS", None),
-    FailedPreconditionError: ("FAILED_PRECONDITION", RuntimeError),
-    ResourceExhaustedError: ("RESOURCE_EXHAUSTED", None),
-    UnimplementedError: ("UNIMPLEMENTED", NotImplementedError),
-    DataLossError: ("DATA_LOSS", None),
-    InternalError: ("INTERNAL", RuntimeError),
-    PermissionDeniedError: ("PERMISSION_DENIED", PermissionError),
+    runtime.InvalidArgumentError: ("INVALID_ARGUMENT", ValueError),
+    runtime.NotFoundError: ("NOT_FOUND", LookupError),
+    runtime.AlreadyExistsError: ("ALREADY_EXISTS", None),
+    runtime.FailedPreconditionError: ("FAILED_PRECONDITION", RuntimeError),
+    runtime.ResourceExhaustedError: ("RESOURCE_EXHAUSTED", None),
+    runtime.UnimplementedError: ("UNIMPLEMENTED", NotImplementedError),
+    runtime.DataLossError: ("DATA_LOSS", None),
+    runtime.InternalError: ("INTERNAL", RuntimeError),
+    runtime.PermissionDeniedError: ("PERMISSION_DENIED", PermissionError),
 }
-
 # Built-ins a caller might catch; a class must be exactly the one mapped to it above.
 BUILTINS = (ValueError, LookupError, RuntimeError, NotImplementedError, PermissionError, OSError)
 
@@ -63,7 +53,7 @@ def test_each_class_has_its_code_and_builtin(cls):
     assert cls("x").code == code
     if builtin is not None:
         assert issubclass(cls, builtin)
-    # No accidental extra built-in: ``except ValueError`` must not catch a NotFoundError.
+    # No accidental extra built-in: ``except ValueError`` must not catch a runtime.NotFoundError.
     for other in BUILTINS:
         if builtin is None or not issubclass(builtin, other):
             assert not issubclass(cls, other), f"{cls.__name__} is unexpectedly a {other.__name__}"
@@ -83,12 +73,12 @@ def test_str_prefixes_the_code_and_keeps_the_message(cls):
 
 
 def test_str_with_several_arguments_and_with_none():
-    assert str(InvalidArgumentError("a", 1)) == "INVALID_ARGUMENT: ('a', 1)"
-    assert str(NotFoundError()) == "NOT_FOUND"  # no dangling separator without a message
+    assert str(runtime.InvalidArgumentError("a", 1)) == "INVALID_ARGUMENT: ('a', 1)"
+    assert str(runtime.NotFoundError()) == "NOT_FOUND"  # no dangling separator without a message
 
 
 def test_permission_denied_keeps_oserror_fields_and_formatting():
-    error = PermissionDeniedError(13, "Permission denied", "/secret/adapter.tflite")
+    error = runtime.PermissionDeniedError(13, "Permission denied", "/secret/adapter.tflite")
     assert error.errno == 13
     assert error.filename == "/secret/adapter.tflite"
     assert str(error) == "PERMISSION_DENIED: [Errno 13] Permission denied: '/secret/adapter.tflite'"
@@ -96,18 +86,18 @@ def test_permission_denied_keeps_oserror_fields_and_formatting():
 
 def test_builtin_except_clauses_catch_the_matching_class():
     with pytest.raises(ValueError, match="^INVALID_ARGUMENT: bad shape$"):
-        raise InvalidArgumentError("bad shape")
+        raise runtime.InvalidArgumentError("bad shape")
     with pytest.raises(LookupError):
-        raise NotFoundError("adapter 7")
+        raise runtime.NotFoundError("adapter 7")
     with pytest.raises(RuntimeError):
-        raise FailedPreconditionError("closed")
+        raise runtime.FailedPreconditionError("closed")
     with pytest.raises(NotImplementedError):
-        raise UnimplementedError("DoRA")
+        raise runtime.UnimplementedError("DoRA")
     with pytest.raises(PermissionError):
-        raise PermissionDeniedError("no read access")
+        raise runtime.PermissionDeniedError("no read access")
     # ...and a status class without a built-in is caught by StatusError only.
     with pytest.raises(StatusError) as info:
-        raise ResourceExhaustedError("KV cache full")
+        raise runtime.ResourceExhaustedError("KV cache full")
     assert not isinstance(info.value, (ValueError, RuntimeError, LookupError))
 
 
@@ -119,6 +109,6 @@ def test_errors_survive_pickling(cls):
 
 
 def test_errors_raised_by_the_runtime_carry_their_code():
-    with pytest.raises(InvalidArgumentError) as info:
+    with pytest.raises(runtime.InvalidArgumentError) as info:
         LoraSource()
     assert str(info.value).startswith("INVALID_ARGUMENT: LoraSource takes exactly one of path= or buffer=")

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the fast suite: python3 -m pytest -m 'not slow'
+
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "fuzz.py"
 
 

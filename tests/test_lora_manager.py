@@ -32,16 +32,26 @@ def data(name):
     return LoraData.create_from_file_path(adapter_path(name))
 
 
-def test_load_then_use(manager):
+def use(manager, *entries):
+    """Builds (or finds) a blend's buffers as one run would, and ends the run."""
+    blend = normalize_blend(entries)
+    lora = manager.acquire(blend)
+    manager.release(blend)
+    return lora
+
+
+def resident(manager, blend):
+    return blend in manager.resident()
+
+
+def test_load_parses_and_first_use_builds_buffers(manager):
     plan = manager.load_lora(1, data("torch_r4"))
     assert plan.rank == 4
     assert manager.allocations == []  # load parses only
-    assert manager.get_current_lora_id() is None
-    lora = manager.use_lora(1)
-    assert manager.get_current_lora_id() == 1
+    lora = use(manager, (1, 1.0))
     assert lora.slot_rank == 4
     assert len(manager.allocations) == len(SLOTS[4])
-    assert manager.get_lora_buffers() is lora.buffers
+    assert set(lora.buffers) == set(SLOTS[4])
 
 
 def test_taken_id_and_unknown_id(manager):
@@ -49,45 +59,39 @@ def test_taken_id_and_unknown_id(manager):
     with pytest.raises(AlreadyExistsError):
         manager.load_lora(1, data("litertlm_r4"))
     with pytest.raises(NotFoundError):
-        manager.use_lora(2)
+        manager.acquire(((2, 1.0),))
     with pytest.raises(NotFoundError):
         manager.unload_lora(2)
 
 
-def test_buffers_before_use_fail(manager):
-    manager.load_lora(1, data("torch_r4"))
-    with pytest.raises(FailedPreconditionError):
-        manager.get_lora_buffers()
-    manager.use_lora(None)
-    with pytest.raises(FailedPreconditionError):
-        manager.get_lora_buffers()
+def test_an_empty_blend_has_no_buffers(manager):
+    with pytest.raises(InvalidArgumentError, match="use the base model"):
+        manager.acquire(())
 
 
 def test_switch_ones_twos_ones_reuses_buffers(manager):
     manager.load_lora(1, data("torch_r4"))
     manager.load_lora(2, data("litertlm_r8_layer0"))
-    ones = manager.use_lora(1)
-    twos = manager.use_lora(2)
-    assert manager.get_current_lora_id() == 2
+    ones = use(manager, (1, 1.0))
+    twos = use(manager, (2, 1.0))
     assert twos.slot_rank == 16  # rank 8 goes into the r16 slot
     allocated = len(manager.allocations)
-    assert manager.use_lora(1) is ones  # resident: no new buffers
+    assert use(manager, (1, 1.0)) is ones  # resident: no new buffers
     assert len(manager.allocations) == allocated
-    assert manager.get_current_lora_id() == 1
+    stats = manager.residency_stats()
+    assert (stats.hits, stats.misses) == (1, 2)
 
 
 def test_blend_and_scales(manager):
     manager.load_lora(1, data("torch_r4"))
     manager.load_lora(2, data("litertlm_r4"))
-    blend = manager.use_blend([(1, 0.7), (2, 0.3)])
-    assert blend.slot_rank == 16
-    assert manager.get_current_lora_id() is None
-    assert manager.get_current_blend() == ((1, 0.7), (2, 0.3))
-    assert manager.use_lora(1, 0.5) is not manager.use_lora(1, 1.0)  # scale is part of the key
-    assert manager.use_blend([(1, 0.0)]) is None  # zero scale: the base model
+    blend = use(manager, (1, 0.7), (2, 0.3))
+    assert blend.slot_rank == 16  # ranks add up: 8 goes into the r16 slot
+    assert use(manager, (1, 0.5)) is not use(manager, (1, 1.0))  # scale is part of the key
+    assert manager.slot_for(normalize_blend([(1, 1.0), (2, 1.0)])) == 16
     manager.load_lora(3, data("torch_r16"))
     with pytest.raises(InvalidArgumentError, match="need rank 20 together"):
-        manager.use_blend([(1, 1.0), (3, 1.0)])
+        manager.acquire(normalize_blend([(1, 1.0), (3, 1.0)]))
 
 
 def test_normalize_blend():
@@ -105,22 +109,25 @@ def test_bad_adapter_registers_nothing(manager):
 
 def test_unload_frees_and_refuses_pinned(manager):
     manager.load_lora(1, data("torch_r4"))
-    manager.use_lora(1)
+    manager.load_lora(2, data("litertlm_r4"))
+    use(manager, (1, 1.0))
+    use(manager, (1, 0.5), (2, 0.5))
+    use(manager, (2, 1.0))
     manager.pin(1)
     with pytest.raises(FailedPreconditionError, match="live session"):
         manager.unload_lora(1)
     manager.unpin(1)
     manager.unload_lora(1)
-    assert manager.loaded_ids() == [] and manager.resident() == {}
-    assert manager.get_current_blend() is None
+    assert manager.loaded_ids() == [2]
+    assert list(manager.resident()) == [((2, 1.0),)]  # every blend holding 1 went with it
     with pytest.raises(NotFoundError):
-        manager.use_lora(1)
+        manager.acquire(((1, 1.0),))
 
 
 def test_concurrent_use_materializes_once(manager):
     manager.load_lora(1, data("torch_r4"))
     results = []
-    threads = [threading.Thread(target=lambda: results.append(manager.materialize(((1, 1.0),)))) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: results.append(use(manager, (1, 1.0)))) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
@@ -140,12 +147,12 @@ def test_lru_evicts_least_recently_used_idle_blend():
         manager.load_lora(lora_id, data(name))
     one, two, three = ((1, 1.0),), ((2, 1.0),), ((3, 1.0),)
     manager.acquire(one)  # running: protected
-    manager.materialize(two)
-    manager.materialize(three)  # over budget: two is the idle LRU one
+    use(manager, (2, 1.0))
+    use(manager, (3, 1.0))  # over budget: two is the idle LRU one
     assert evicted == [two]
-    assert manager.is_resident(one) and manager.is_resident(three)
+    assert resident(manager, one) and resident(manager, three)
     manager.release(one)
-    manager.materialize(two)  # miss, rebuilt; now one is LRU and idle
+    use(manager, (2, 1.0))  # miss, rebuilt; now one is LRU and idle
     assert evicted == [two, one]
     stats = manager.residency_stats()
     assert (stats.hits, stats.misses, stats.evictions) == (0, 4, 2)
@@ -161,10 +168,9 @@ def test_only_active_keeps_buffers_only_while_running():
     lora = manager.acquire(blend)
     assert manager.acquire(blend) is lora  # a second runner shares it (hit)
     manager.release(blend)
-    assert manager.is_resident(blend)
+    assert resident(manager, blend)
     manager.release(blend)
-    assert not manager.is_resident(blend)
-    assert not manager.evict(blend)
+    assert not resident(manager, blend)
 
 
 def test_switching_policy_applies_at_once(manager):
@@ -172,7 +178,7 @@ def test_switching_policy_applies_at_once(manager):
 
     for lora_id, name in ((1, "torch_r4"), (2, "litertlm_r4")):
         manager.load_lora(lora_id, data(name))
-        manager.materialize(((lora_id, 1.0),))
+        use(manager, (lora_id, 1.0))
     manager.set_residency(Lru(max_resident=1))
     assert len(manager.resident()) == 1
 
@@ -180,8 +186,7 @@ def test_switching_policy_applies_at_once(manager):
 def test_set_residency_refuses_what_is_not_a_policy_and_keeps_the_old_one(manager):
     lora_id = 1
     manager.load_lora(lora_id, LoraData.create_from_file_path(adapter_path("torch_r4")))
-    manager.use_lora(lora_id)
-    manager.use_lora(None)
+    use(manager, (lora_id, 1.0))
     with pytest.raises(InvalidArgumentError, match="residency policy 'only-active'"):
         manager.set_residency("only-active")
     assert len(manager.resident()) == 1  # KeepAll still holds it

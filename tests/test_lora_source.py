@@ -144,10 +144,8 @@ def test_label_of_a_state_dict_counts_tensors():
 # -- value semantics -----------------------------------------------------------------
 
 
-def test_frozen_and_compared_by_value():
+def test_compared_by_value():
     source = LoraSource(path="a", scale=0.5)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        source.scale = 2.0  # type: ignore[misc]
     assert source == LoraSource(path="a", scale=0.5)
     assert source != LoraSource(path="a", scale=0.25)
     assert hash(source) == hash(LoraSource(path="a", scale=0.5))

@@ -9,6 +9,9 @@ import threading
 import pytest
 
 from conftest import MODEL_FILES, adapter_path
+import numpy as np
+
+from runtime.components.residency import KeepAll, OnlyActive
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.framework.lora_source import LoraSource
@@ -20,6 +23,10 @@ def manager():
     resources = ResourceManager(LlmExecutor(MODEL_FILES["default"]))
     yield resources
     resources.close()
+
+
+def sessions_using(manager, lora_id):
+    return next(a.sessions for a in manager.adapter_report().adapters if a.lora_id == lora_id)
 
 
 def test_same_file_same_id_through_any_path(manager, tmp_path):
@@ -34,11 +41,10 @@ def test_same_file_same_id_through_any_path(manager, tmp_path):
     assert manager.register(LoraSource(path=link)) == first
     assert manager.register(LoraSource(path=hard)) == first
     assert manager.register(LoraSource(path=tmp_path / "." / "a.tflite")) == first
-    assert manager.assign_lora_id(path=link) == first
     copy = tmp_path / "copy.tflite"
     shutil.copy(original, copy)  # same bytes, another file: another adapter
     assert manager.register(LoraSource(path=copy)) != first
-    assert manager.lora_manager.loaded_ids() == [first, first + 1]
+    assert manager.adapter_ids() == [first, first + 1]
 
 
 def test_rewritten_file_is_a_new_adapter(manager, tmp_path):
@@ -55,23 +61,21 @@ def test_same_bytes_same_id_different_bytes_new_id(manager):
     first = manager.register(LoraSource(buffer=blob))
     assert manager.register(LoraSource(buffer=bytearray(blob))) == first
     assert manager.register(LoraSource(buffer=memoryview(blob))) == first
-    assert manager.assign_lora_id(buffer=blob) == first
     other = manager.register(LoraSource(buffer=adapter_path("litertlm_r4").read_bytes()))
     assert other != first
-    assert manager.assign_lora_id(buffer=b"fresh bytes") not in (first, other)
 
 
 def test_failed_load_leaves_no_id(manager):
     bad = adapter_path("wrong_hidden_r4")
     with pytest.raises(InvalidArgumentError, match="input size 48"):
         manager.register(LoraSource(path=bad))
-    assert manager.lora_manager.loaded_ids() == []
+    assert manager.adapter_ids() == []
     with pytest.raises(InvalidArgumentError, match="file identifier"):
         manager.register(LoraSource(buffer=b"garbage, but long enough to have an identifier"))
     with pytest.raises(NotFoundError):
         manager.register(LoraSource(path="/nonexistent/adapter.tflite"))
     good = manager.register(LoraSource(path=adapter_path("torch_r4")))
-    assert manager.lora_manager.loaded_ids() == [good]
+    assert manager.adapter_ids() == [good]
 
 
 def test_concurrent_registration_loads_once(manager):
@@ -82,22 +86,23 @@ def test_concurrent_registration_loads_once(manager):
         t.start()
     for t in threads:
         t.join()
-    assert len(set(ids)) == 1 and manager.lora_manager.loaded_ids() == ids[:1]
+    assert len(set(ids)) == 1 and manager.adapter_ids() == ids[:1]
 
 
 def test_contexts_pin_their_adapters(manager):
-    lora_id = manager.register(LoraSource(path=adapter_path("torch_r4")))
-    context = manager.new_context([(lora_id, 1.0)])
+    source = LoraSource(path=adapter_path("torch_r4"))
+    context = manager.new_context_for_sources([source])
+    (lora_id,) = context.lora_ids
     clone = manager.clone_context(context)
-    assert manager.lora_manager.pin_count(lora_id) == 2
+    assert sessions_using(manager, lora_id) == 2
     with pytest.raises(FailedPreconditionError):
         manager.unload(lora_id)
     manager.release_context(context)
     manager.release_context(clone)
     manager.unload(lora_id)
-    assert manager.lora_manager.loaded_ids() == []
-    with pytest.raises(NotFoundError):
-        manager.new_context([(lora_id, 1.0)])
+    assert manager.adapter_ids() == []
+    again = manager.new_context_for_sources([source])  # registered anew, under a new id
+    assert again.lora_ids != [lora_id] and manager.adapter_ids() == again.lora_ids
 
 
 @pytest.mark.parametrize("switch", [False, True])
@@ -106,7 +111,7 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
     context must still get it (and the unload be refused), never a NotFoundError."""
     source = LoraSource(path=adapter_path("torch_r4"))
     lora_id = manager.register(source)
-    context = manager.new_context([]) if switch else None
+    context = manager.new_context_for_sources([]) if switch else None
     outcome: list[BaseException | None] = []
     racers: list[threading.Thread] = []
 
@@ -140,28 +145,60 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
     manager.release_context(context)
 
 
-def test_bind_is_cached_until_the_adapter_changes(manager):
-    one = manager.register(LoraSource(path=adapter_path("torch_r4")))
-    two = manager.register(LoraSource(path=adapter_path("litertlm_r8_layer0")))
-    context = manager.new_context([(one, 1.0)])
-    first = manager.bind(context)
-    assert manager.bind(context) is first
+def bound(manager, context):
+    with manager.run(context) as binding:
+        return binding
+
+
+def test_binding_is_reused_until_the_adapter_changes(manager):
+    one = LoraSource(path=adapter_path("torch_r4"))
+    context = manager.new_context_for_sources([one])
+    first = bound(manager, context)
+    assert bound(manager, context) is first
     assert first.lora_rank == 4
-    manager.set_blend(context, [(two, 1.0)])
-    assert manager.lora_manager.pin_count(one) == 0
-    second = manager.bind(context)
+    manager.set_sources(context, [LoraSource(path=adapter_path("litertlm_r8_layer0"))])
+    assert sessions_using(manager, manager.register(one)) == 0
+    second = bound(manager, context)
     assert second is not first and second.lora_rank == 16
-    manager.set_blend(context, [])
-    assert manager.bind(context).lora_rank is None
+    manager.set_sources(context, [])
+    assert bound(manager, context).lora_rank is None
+    manager.set_sources(context, [one])
+    assert bound(manager, context) is first  # a recent binding, not rebuilt
+
+
+def test_a_run_protects_its_adapter_and_always_ends(manager):
+    manager.set_residency(OnlyActive())
+    context = manager.new_context_for_sources([LoraSource(path=adapter_path("torch_r4"))])
+    with manager.run(context):
+        assert len(manager.adapter_report().resident) == 1  # running: kept
+    assert manager.adapter_report().resident == ()  # ended: OnlyActive drops it
+    with pytest.raises(RuntimeError, match="inside the run"):
+        with manager.run(context):
+            raise RuntimeError("inside the run")
+    assert manager.adapter_report().resident == ()  # ended by the exception too
+    manager.release_context(context)
+
+
+def test_switches_are_counted_when_context_or_adapter_changes(manager):
+    a = manager.new_context_for_sources([LoraSource(path=adapter_path("torch_r4"))])
+    b = manager.new_context_for_sources([])
+    for context in (a, a, b, b, a):
+        bound(manager, context)
+    assert manager.switch_latency.summary().count == 2  # a->b and b->a; the first run is no switch
 
 
 def test_mutable_buffer_is_snapshotted_at_registration(manager):
     blob = bytearray(adapter_path("torch_r4").read_bytes())
     lora_id = manager.register(LoraSource(buffer=blob))
-    data = manager.lora_manager.plan(lora_id).data
-    before = data.read_tensor("lora_atten_q_a_prime_weight_0").copy()
+    context = manager.new_context_for_sources([LoraSource(buffer=bytes(blob))])
+    assert context.lora_ids == [lora_id]  # same content, same adapter
+    before = bound(manager, context).executor.decode(bound(manager, context), 1, 0)
     blob[:] = bytes(len(blob))  # the caller scribbles over its buffer
-    assert (data.read_tensor("lora_atten_q_a_prime_weight_0") == before).all()
+    manager.set_residency(OnlyActive())  # buffers rebuilt from the registered bytes
+    manager.set_residency(KeepAll())
+    after = bound(manager, context).executor.decode(bound(manager, context), 1, 0)
+    np.testing.assert_array_equal(after, before)
+    manager.release_context(context)
 
 
 def test_wrong_buffer_type(manager):

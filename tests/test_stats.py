@@ -49,10 +49,7 @@ def test_resident_bytes_of_nothing_is_zero():
     ],
     ids=lambda v: type(v).__name__,
 )
-def test_stats_are_frozen_value_objects(value):
-    first = dataclasses.fields(value)[0].name
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        setattr(value, first, None)
+def test_stats_are_value_objects(value):
     assert value == dataclasses.replace(value)
     assert hash(value) == hash(dataclasses.replace(value))
 

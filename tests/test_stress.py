@@ -16,6 +16,8 @@ from conftest import MODEL_FILES, adapter_path
 from runtime import Engine, EngineSettings, KeepAll, LoraSource, Lru, OnlyActive, SessionConfig
 from runtime.errors import FailedPreconditionError, NotFoundError
 
+pytestmark = pytest.mark.slow  # the fast suite: python3 -m pytest -m 'not slow'
+
 THREADS = 8
 OPERATIONS = 2000
 MAX_POSITION = 56

@@ -4,7 +4,8 @@
 Run with the build virtualenv (torch 2.13.0 plus transformers, peft,
 safetensors and gguf)::
 
-    /work/venv-build/bin/python tools/build_peft_fixtures.py [--out-dir DIR]
+    python3 tools/build_peft_fixtures.py [--out-dir DIR]   # with the `export` extra installed
+                                                           # (pip install -e '.[export]')
 
 The tiny Llama-style test model (``tests/models/gqa_weights.npz``, see
 ``tests/reference_model.py``) is rebuilt as a ``transformers``

@@ -31,7 +31,7 @@ SRC=$HERE/src
 MODELS=$ROOT/benchmarks/models
 GGUF=$MODELS/gguf
 PYTHON=${PYTHON:-python3}
-BUILD_PYTHON=${BUILD_PYTHON:-python3}  # needs the build extra (torch, transformers): pip install -e ".[build]"
+BUILD_PYTHON=${BUILD_PYTHON:-python3}  # needs the export extra (torch, transformers): pip install -e ".[export]"
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*"; }

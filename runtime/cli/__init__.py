@@ -1,1 +1,1 @@
-"""The command line: ``python -m runtime {inspect, generate}``."""
+"""The command line: ``python -m runtime COMMAND``, one module per sub-command (see ``main``)."""

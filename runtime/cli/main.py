@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -30,7 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    keep_native_logs_off_the_terminal()
     try:
         return args.run(args)
     except StatusError as exc:
@@ -38,17 +36,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return USAGE_ERROR
 
-
-def keep_native_logs_off_the_terminal() -> None:
-    """Sends file descriptor 2 to /dev/null and keeps Python's stderr on the terminal.
-
-    The native library prints INFO lines whenever it creates or destroys its
-    environment, up to process exit, and offers no switch; its failures reach us as
-    exceptions anyway.
-    """
-    sys.stderr.flush()
-    terminal = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    sys.stderr = os.fdopen(terminal, "w", buffering=1)

@@ -2,8 +2,8 @@
 
 * :meth:`LoraManager.load_lora` parses and checks an adapter against the model's LoRA
   inputs from metadata only; no weight is read and no buffer allocated.
-* :meth:`LoraManager.use_lora` (and :meth:`materialize` for blends) builds the slot
-  buffers on first use and keeps them for the next.
+* :meth:`LoraManager.acquire` builds a blend's slot buffers on first use and keeps them
+  for the next, as the residency policy allows.
 * :meth:`LoraManager.unload_lora` forgets an adapter and drops its buffers, unless a
   live session still holds it (:meth:`pin`).
 * Residency: :meth:`acquire` / :meth:`release` bracket a run; a blend being run is never
@@ -79,7 +79,6 @@ class LoraManager:
         self._resident: OrderedDict[Blend, LoRA] = OrderedDict()  # least recently used first
         self._running: dict[Blend, int] = {}
         self._pins: dict[int, int] = {}
-        self._current: Blend | None = None
         self._evict_listeners: list[Callable[[Blend, LoRA], None]] = []
         self._hits = self._misses = self._evictions = 0
         self._materialize_latency = LatencyRecorder()
@@ -129,14 +128,6 @@ class LoraManager:
             f"LoRA slot of the model (slots: {', '.join(map(str, sorted(self._slots)))})"
         )
 
-    def materialize(self, blend: Blend) -> LoRA:
-        """The slot buffers for ``blend``, built on first request and kept as the residency
-        policy allows."""
-        with self._lock:
-            lora = self._get_or_build(blend)
-            self._enforce_residency(protect=blend)
-            return lora
-
     def acquire(self, blend: Blend) -> LoRA:
         """Materializes ``blend`` and marks it running (never evicted) until :meth:`release`."""
         with self._lock:
@@ -152,11 +143,6 @@ class LoraManager:
         with self._lock:
             _decrement(self._running, blend)
             self._enforce_residency(protect=None)
-
-    def is_resident(self, blend: Blend) -> bool:
-        """Whether ``blend``'s buffers exist now."""
-        with self._lock:
-            return blend in self._resident
 
     def add_evict_listener(self, listener: Callable[[Blend, LoRA], None]) -> None:
         """Calls ``listener(blend, lora)`` (under the manager's lock) whenever buffers are dropped."""
@@ -206,9 +192,8 @@ class LoraManager:
         if isinstance(self._residency, Lru) and self._within(self._residency):
             return
         protected = set(self._running)
-        for blend in (protect, self._current):
-            if blend:
-                protected.add(blend)
+        if protect:
+            protected.add(protect)
         sizes = {blend: lora.nbytes for blend, lora in self._resident.items()}
         for blend in choose_evictions(self._residency, sizes, protected):
             self._drop(blend)
@@ -224,53 +209,12 @@ class LoraManager:
         for listener in self._evict_listeners:
             listener(blend, lora)
 
-    def use_lora(self, lora_id: int | None, scale: float = 1.0) -> LoRA | None:
-        """Makes ``lora_id`` at ``scale`` current (``None``: the base model) and returns it."""
-        return self.use_blend([] if lora_id is None else [(lora_id, scale)])
-
-    def use_blend(self, entries: Iterable[tuple[int, float]]) -> LoRA | None:
-        """Makes a weighted blend current; an empty blend means the base model."""
-        blend = normalize_blend(entries)
-        with self._lock:
-            for lora_id, _ in blend:
-                self._require(lora_id)
-            lora = self.materialize(blend) if blend else None
-            self._current = blend
-            return lora
-
-    def get_current_lora_id(self) -> int | None:
-        """The id in use when a single adapter is current; ``None`` for the base model
-        or a blend (see :meth:`get_current_blend`)."""
-        with self._lock:
-            return self._current[0][0] if self._current and len(self._current) == 1 else None
-
-    def get_current_blend(self) -> Blend | None:
-        """The current blend (``()`` for the base model, ``None`` before any use)."""
-        with self._lock:
-            return self._current
-
-    def get_lora_buffers(self) -> dict[str, WritableBuffer]:
-        """The current adapter's input buffers; ``FailedPreconditionError`` if none is current."""
-        with self._lock:
-            if not self._current:
-                raise FailedPreconditionError("no LoRA is in use: call use_lora first")
-            return self.materialize(self._current).buffers
-
     # -- residency and unloading ---------------------------------------------------
 
     def resident(self) -> dict[Blend, LoRA]:
         """The materialized blends and their buffers."""
         with self._lock:
             return dict(self._resident)
-
-    def evict(self, blend: Blend) -> bool:
-        """Drops the buffers of ``blend`` (rebuilt on the next use) unless it is running;
-        whether it was dropped."""
-        with self._lock:
-            if blend not in self._resident or blend in self._running:
-                return False
-            self._drop(blend)
-            return True
 
     def pin(self, lora_id: int) -> None:
         """Marks ``lora_id`` as held by a live session: it cannot be unloaded."""
@@ -304,8 +248,6 @@ class LoraManager:
             del self._plans[lora_id]
             for blend in [b for b in self._resident if any(i == lora_id for i, _ in b)]:
                 self._drop(blend)
-            if self._current and any(i == lora_id for i, _ in self._current):
-                self._current = None
         plan.data.close()
 
     def _require(self, lora_id: int) -> AdapterPlan:

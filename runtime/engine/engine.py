@@ -11,8 +11,8 @@ from runtime.components.chat_template import ChatTemplate
 from runtime.components.residency import ResidencyPolicy
 from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from runtime.engine.session import Session, SessionRegistry
-from runtime.engine.stats import AdapterStats, EngineStats, ResidentStats
-from runtime.errors import FailedPreconditionError, NotFoundError
+from runtime.engine.stats import EngineStats
+from runtime.errors import FailedPreconditionError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.framework.lora_source import LoraSource
@@ -86,7 +86,7 @@ class Engine:
 
     def adapter_ids(self) -> list[int]:
         """The ids of the registered adapters."""
-        return self._resources.lora_manager.loaded_ids()
+        return self._resources.adapter_ids()
 
     def create_session(self, config: SessionConfig | None = None) -> Session:
         """A new, empty session running with the adapters ``config`` names."""
@@ -98,31 +98,13 @@ class Engine:
     def set_residency(self, policy: ResidencyPolicy) -> None:
         """Changes which materialized adapters stay resident; applied at once."""
         self._check_open()
-        self._resources.lora_manager.set_residency(policy)
+        self._resources.set_residency(policy)
 
     def stats(self) -> EngineStats:
         """Registered and resident adapters with their bytes, latencies, residency hits and
         misses, and every live session's counters."""
-        manager = self._resources.lora_manager
-        resident = tuple(
-            ResidentStats(blend, lora.slot_rank, lora.nbytes) for blend, lora in manager.resident().items()
-        )
-        adapters = []
-        for lora_id in manager.loaded_ids():
-            try:
-                plan = manager.plan(lora_id)
-            except NotFoundError:
-                continue  # unloaded meanwhile
-            adapters.append(AdapterStats(
-                lora_id=lora_id,
-                source=plan.source_name,
-                format=plan.data.format_name,
-                rank=plan.rank,
-                tensor_bytes=plan.data.nbytes,
-                resident_bytes=sum(r.nbytes for r in resident if any(i == lora_id for i, _ in r.blend)),
-                sessions=manager.pin_count(lora_id),
-            ))
-        residency = manager.residency_stats()
+        report = self._resources.adapter_report()
+        invokes, invoke_seconds = self._resources.invoke_totals()
         sessions = []
         for session in self._sessions.snapshot():
             try:
@@ -130,15 +112,17 @@ class Engine:
             except FailedPreconditionError:
                 continue  # closed meanwhile
         return EngineStats(
-            adapters=tuple(adapters),
-            resident=resident,
+            adapters=report.adapters,
+            resident=report.resident,
             load=self._resources.load_latency.summary(),
-            materialize=residency.materialize,
+            materialize=report.residency.materialize,
             switch=self._resources.switch_latency.summary(),
-            residency_hits=residency.hits,
-            residency_misses=residency.misses,
-            evictions=residency.evictions,
+            residency_hits=report.residency.hits,
+            residency_misses=report.residency.misses,
+            evictions=report.residency.evictions,
             sessions=tuple(sorted(sessions, key=lambda s: s.session_id)),
+            invokes=invokes,
+            invoke_seconds=invoke_seconds,
         )
 
     def close(self) -> None:

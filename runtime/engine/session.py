@@ -108,6 +108,11 @@ class Session:
         return self._require_open().position
 
     @property
+    def kv_length(self) -> int:
+        """How many tokens the session's context can hold (the model's KV cache length)."""
+        return self._resources.executor.spec.kv_length
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called (or the engine closed)."""
         return self._context is None
@@ -174,7 +179,7 @@ class Session:
         if not isinstance(sampler, Sampler):
             sampler = Sampler(sampler or self._sampler_config)
         stops = set(self._check_tokens(stop_tokens))
-        kv_length = self._resources.executor.spec.kv_length
+        kv_length = self.kv_length
         with self._use() as context:
             needed = context.position + len(prompt) + max_new_tokens
             if needed > kv_length:
@@ -280,24 +285,16 @@ class Session:
         )
 
     def _prefill(self, context: ContextHandler, tokens: list[int]) -> np.ndarray:
-        blend = context.blend
-        binding = self._resources.begin_run(context)
-        try:
+        with self._resources.run(context) as binding:
             logits = binding.executor.prefill(binding, tokens, context.position)
-        finally:
-            self._resources.end_run(blend, binding)
         context.position += len(tokens)
         self._counters.prompt_tokens += len(tokens)
         return logits
 
     def _decode(self, context: ContextHandler, token: int) -> np.ndarray:
         start = time.perf_counter()
-        blend = context.blend
-        binding = self._resources.begin_run(context)
-        try:
+        with self._resources.run(context) as binding:
             logits = binding.executor.decode(binding, token, context.position)
-        finally:
-            self._resources.end_run(blend, binding)
         context.position += 1
         self._counters.decode_tokens += 1
         self._counters.decode_seconds += time.perf_counter() - start

@@ -4,31 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.framework.resource_management.adapter_stats import AdapterStats, ResidentStats
 from runtime.util.latency import LatencySummary
 
-
-@dataclass(frozen=True)
-class AdapterStats:
-    """One registered adapter."""
-
-    lora_id: int
-    source: str
-    format: str
-    rank: int
-    tensor_bytes: int  # its weights as stored (memory-mapped or the caller's buffer)
-    # Buffers of the resident blends that include it (0 when none): a blend's buffers
-    # count for each of its adapters, so sum EngineStats.resident, not this, for a total.
-    resident_bytes: int
-    sessions: int  # live sessions using it
-
-
-@dataclass(frozen=True)
-class ResidentStats:
-    """One materialized blend: the adapters and scales, the rank slot, the buffer bytes."""
-
-    blend: tuple[tuple[int, float], ...]
-    slot_rank: int
-    nbytes: int
+__all__ = ["AdapterStats", "EngineStats", "ResidentStats", "SessionStats"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +36,8 @@ class EngineStats:
     residency_misses: int
     evictions: int
     sessions: tuple[SessionStats, ...]
+    invokes: int = 0  # runs of the model's signatures (prefill chunks and decode steps)
+    invoke_seconds: float = 0.0  # wall time inside those runs: the rest of a step is the runtime's
 
     @property
     def resident_bytes(self) -> int:

@@ -11,10 +11,10 @@ therefore choosing another prebuilt :class:`Binding`, not copying memory.
 from __future__ import annotations
 
 import os
-import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.fast_path import FastPath
+from runtime.executor.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
 
 
@@ -42,9 +43,8 @@ class ExecutorSettings:
     """How to run the model.
 
     ``num_threads``: CPU threads for XNNPACK (0 lets the library choose).
-    ``native_logs``: let the library print its INFO lines while loading the model (it
-    offers no switch for them, so by default stderr is muted for the few milliseconds
-    of the load).
+    ``native_logs``: let the library print its INFO lines (it offers no switch for them,
+    so by default file descriptor 2 is muted while a model loads or closes, and at exit).
     """
 
     num_threads: int = 1
@@ -69,24 +69,6 @@ class KvCache:
         freed memory to the interpreter.
         """
         self.buffers = {}
-
-
-@contextmanager
-def _native_stderr(muted: bool) -> Iterator[None]:
-    """Points file descriptor 2 at /dev/null while native code logs, if ``muted``."""
-    if not muted:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 @dataclass
@@ -150,7 +132,9 @@ class LlmExecutor:
         self.settings = settings or ExecutorSettings()
         if self._model_bytes is None and not self.model_path.is_file():
             raise NotFoundError(f"{self.model_path}: no such model file")
-        with _native_stderr(muted=not self.settings.native_logs):
+        if not self.settings.native_logs:
+            mute_native_logs_at_exit()
+        with self._native_logs():
             self._model = self._load()
             details = {
                 key: (self._model.get_input_tensor_details(key), self._model.get_output_tensor_details(key))
@@ -165,6 +149,8 @@ class LlmExecutor:
                 io.positions.write(io.position_array)
         self._lock = threading.Lock()
         self._closed = False
+        self.invokes = 0  # signature runs so far, and the seconds spent inside them
+        self.invoke_seconds = 0.0
 
     def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
         index = self._model.get_signature_index(key)
@@ -196,7 +182,9 @@ class LlmExecutor:
             return CompiledModel.from_file(str(self.model_path), options=options)
         except Exception as exc:  # the library raises plain RuntimeError/ValueError
             reason = " ".join(str(exc).split())
-            raise InvalidArgumentError(f"{self.model_path}: cannot load the model: {reason}") from None
+        # Raised outside the except block, so that the library's exception, and the half-made
+        # environment its traceback holds, is freed now, while its logs are muted.
+        raise InvalidArgumentError(f"{self.model_path}: cannot load the model: {reason}")
 
     # -- buffers -------------------------------------------------------------------
 
@@ -234,6 +222,7 @@ class LlmExecutor:
         """Prebuilds the run arguments of every signature for ``kv`` and a LoRA slot."""
         if (lora_buffers is None) != (lora_rank is None):
             raise InvalidArgumentError("lora_buffers and lora_rank go together")
+        self._check_open()
         binding = Binding(self, kv, lora_rank, self._run_args(self.spec.decode(lora_rank), kv, lora_buffers))
         for length in self.spec.prefill_lengths:
             binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_rank), kv, lora_buffers)
@@ -323,10 +312,13 @@ class LlmExecutor:
         logits = np.empty(io.logits_shape, np.float32) if io.read_logits is not None else None
         io.write_tokens()
         io.write_positions()
+        started = time.perf_counter()
         try:
             self._fast.run(io.index, run.prepared)
         except Exception as exc:
             raise InternalError(f"running {run.signature.key!r} failed: {exc}") from None
+        self.invoke_seconds += time.perf_counter() - started
+        self.invokes += 1
         if logits is not None:
             io.read_logits(logits)
         return logits
@@ -350,5 +342,9 @@ class LlmExecutor:
             if self._closed:
                 return
             self._closed = True
-            with _native_stderr(muted=not self.settings.native_logs):
+            with self._native_logs():
                 self._model.close()
+                del self._model, self._io, self._fast  # frees the library's environment now
+
+    def _native_logs(self) -> AbstractContextManager[None]:
+        return nullcontext() if self.settings.native_logs else muted_native_logs()

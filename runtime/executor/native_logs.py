@@ -1,0 +1,57 @@
+"""Keeping ai-edge-litert's native INFO lines off the terminal.
+
+The library prints INFO lines to file descriptor 2 when it creates or destroys its
+environment (loading a model, freeing it, process exit) and offers no switch for them;
+its failures reach us as exceptions anyway. Loading and closing are wrapped in
+:func:`muted_native_logs`; at exit, the descriptor is muted once Python is done with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_mute_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+@contextmanager
+def muted_native_logs() -> Iterator[None]:
+    """Points file descriptor 2 at /dev/null while the block runs (Python's own writes to
+    ``sys.stderr`` made meanwhile are flushed first)."""
+    with _mute_lock:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+
+
+def mute_native_logs_at_exit() -> None:
+    """Mutes file descriptor 2 when the interpreter exits, after ``atexit`` handlers
+    registered later (pytest's summary, for one) have run. Idempotent."""
+    global _exit_hook_registered
+    with _mute_lock:
+        if not _exit_hook_registered:
+            atexit.register(_mute_for_good)
+            _exit_hook_registered = True
+
+
+def _mute_for_good() -> None:
+    try:
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)

@@ -1,0 +1,40 @@
+"""What the resource manager reports about its adapters and their resident buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.components.lora_manager import ResidencyStats
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """One registered adapter."""
+
+    lora_id: int
+    source: str
+    format: str
+    rank: int
+    tensor_bytes: int  # its weights as stored (memory-mapped or the caller's buffer)
+    # Buffers of the resident blends that include it (0 when none): a blend's buffers
+    # count for each of its adapters, so sum EngineStats.resident, not this, for a total.
+    resident_bytes: int
+    sessions: int  # live sessions using it
+
+
+@dataclass(frozen=True)
+class ResidentStats:
+    """One materialized blend: the adapters and scales, the rank slot, the buffer bytes."""
+
+    blend: tuple[tuple[int, float], ...]
+    slot_rank: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """A snapshot of every registered adapter, every resident blend and residency counters."""
+
+    adapters: tuple[AdapterStats, ...]
+    resident: tuple[ResidentStats, ...]
+    residency: ResidencyStats
