@@ -1,6 +1,6 @@
 """Which tensor names are LoRA inputs, what they mean, and how each convention lays them out.
 
-Three spellings of the same thing are in use (see FIELD_NOTES section 2):
+Three spellings of the same thing are in use (the README's "Adapter formats" table):
 
 ==============  ==================================================  ===============
 convention      name                                                a / b layout
