@@ -208,35 +208,8 @@ class ResourceManager:
         """``with resources.run(context) as binding:`` one run of ``context``: its blend is
         protected from eviction (and, with a pool, an executor is taken) until the block
         ends. The binding is the executor's prebuilt arguments for the context's KV cache
-        and adapter buffers."""
+        and adapter buffers (see :class:`Run`)."""
         return Run(self, context)
-
-    def _begin(self, context: ContextHandler) -> tuple[Binding, LlmExecutor]:
-        """Acquires ``context``'s blend and an executor, and binds them. Records a switch
-        (and its latency) when this run's context or adapter buffers differ from the
-        previous run's."""
-        started = time.perf_counter()
-        blend = context.blend
-        lora = self._lora_manager.acquire(blend) if blend else None
-        executor = self._idle.get() if self._idle is not None else self.executor
-        try:
-            binding = context.binding  # the session's own thread is the only one setting it
-            if binding is None or context.bound_lora is not lora or binding.executor is not executor:
-                binding = self._bind(context, lora, executor)
-        except BaseException:
-            self._end(blend, executor)
-            raise
-        if self._last_context != id(context) or self._last_lora is not lora:
-            if self._last_context:
-                self.switch_latency.record(time.perf_counter() - started)
-            self._last_context, self._last_lora = id(context), lora
-        return binding, executor
-
-    def _end(self, blend: Blend, executor: LlmExecutor) -> None:
-        if self._idle is not None:
-            self._idle.put(executor)
-        if blend:
-            self._lora_manager.release(blend)
 
     def _bind(self, context: ContextHandler, lora: LoRA | None, executor: LlmExecutor) -> Binding:
         return context.use_binding(
@@ -283,8 +256,13 @@ class ResourceManager:
 
 
 class Run:
-    """One run of a context, as a context manager (see :meth:`ResourceManager.run`); a
-    plain class rather than a generator, since it brackets every decode step."""
+    """One run of a context, as a context manager (see :meth:`ResourceManager.run`).
+
+    Entering acquires the context's blend (materialized if needed, never evicted while
+    held) and an executor, and binds them; leaving gives both back. A switch (and its
+    latency) is recorded when this run's context or adapter buffers differ from the
+    previous run's. A plain class rather than a generator: it brackets every decode step.
+    """
 
     __slots__ = ("_resources", "_context", "_blend", "_executor")
 
@@ -293,9 +271,27 @@ class Run:
         self._context = context
 
     def __enter__(self) -> Binding:
-        self._blend = self._context.blend
-        binding, self._executor = self._resources._begin(self._context)
+        started = time.perf_counter()
+        resources, context = self._resources, self._context
+        self._blend = blend = context.blend
+        lora = resources._lora_manager.acquire(blend) if blend else None
+        self._executor = executor = resources._idle.get() if resources._idle is not None else resources.executor
+        try:
+            binding = context.binding  # the session's own thread is the only one setting it
+            if binding is None or context.bound_lora is not lora or binding.executor is not executor:
+                binding = resources._bind(context, lora, executor)
+        except BaseException:
+            self.__exit__()
+            raise
+        if resources._last_context != id(context) or resources._last_lora is not lora:
+            if resources._last_context:
+                resources.switch_latency.record(time.perf_counter() - started)
+            resources._last_context, resources._last_lora = id(context), lora
         return binding
 
     def __exit__(self, *exc_info: object) -> None:
-        self._resources._end(self._blend, self._executor)
+        resources = self._resources
+        if resources._idle is not None:
+            resources._idle.put(self._executor)
+        if self._blend:
+            resources._lora_manager.release(self._blend)
