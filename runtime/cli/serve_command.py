@@ -94,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
                                 timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[listener])
+        try:
+            uvicorn.Server(config).run(sockets=[listener])
+        except KeyboardInterrupt:
+            pass  # uvicorn shut down gracefully, then re-raised the Ctrl-C it had caught
     return 0
 
 

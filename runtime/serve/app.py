@@ -315,8 +315,7 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings)
         yield
         await run_in_threadpool(server.shutdown)
 
-    app = FastAPI(title="runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
-                  max_body_size=settings.max_body_bytes)
+    app = FastAPI(title="runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = server
 
     @app.get("/health")
@@ -368,17 +367,20 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings)
         log.exception("unexpected error while answering a request")
         return _error_response(_as_api_error(exc))
 
-    app.add_middleware(_Gate, api_key=settings.api_key, metrics=server.metrics)
+    app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       metrics=server.metrics)
     return app
 
 
 class _Gate:
-    """Checks the API key before anything else runs, and counts every answer by endpoint
-    and status."""
+    """What every request passes first: the API key check, then the body size cap (the
+    body is read here, at most ``max_body_bytes`` of it, and handed on); and the count of
+    every answer by endpoint and status."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics) -> None:
         self._app = app
         self._key = api_key.encode() if api_key is not None else None
+        self._max_body = max_body_bytes
         self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -399,7 +401,13 @@ class _Gate:
                                  "authentication_error", "invalid_api_key")
                 await _error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, counting)
                 return
-            await self._app(scope, receive, counting)
+            body = await self._read_body(scope, receive)
+            if body is None:
+                error = ApiError(413, f"the request body exceeds the server's limit of {self._max_body:,} bytes",
+                                 "invalid_request_error", "request_too_large")
+                await _error_response(error)(scope, receive, counting)
+                return
+            await self._app(scope, _replay(body, receive), counting)
         except Exception:
             status = status or 500  # answered by the outermost error handler
             raise
@@ -415,6 +423,34 @@ class _Gate:
                 scheme, _, token = value.partition(b" ")
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
         return False
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None past the cap (declared or sent)."""
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self._max_body:
+                return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client went away; the app sees an empty body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max_body:
+                return None
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that first gives ``body`` whole, then whatever the client sends (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 async def _disconnected(request: Request) -> None:

@@ -81,9 +81,11 @@ class AdapterCatalog:
         """``directory``: the adapters directory (``None``: no loading by path or URL);
         ``reserved_names``: names no adapter may take (the base model's)."""
         self._engine = engine
-        self.directory = Path(directory).resolve(strict=True) if directory is not None else None
-        if self.directory is not None and not self.directory.is_dir():
-            raise InvalidArgumentError(f"{directory}: the adapters directory is not a directory")
+        self.directory = None
+        if directory is not None:
+            if not Path(directory).is_dir():
+                raise NotFoundError(f"{directory}: no such adapters directory")
+            self.directory = Path(directory).resolve(strict=True)
         self._reserved = frozenset(reserved_names)
         self._max_download_bytes = max_download_bytes
         self._download_timeout_s = download_timeout_s
