@@ -128,7 +128,8 @@ class GenerationJob:
         self._on_close = on_close
         self._admitted = time.perf_counter()
         self._cancelled = threading.Event()
-        self._closed = threading.Lock()
+        self._state = threading.Lock()  # guards _session and _closed
+        self._closed = False
         self._session: Session | None = None
         self._prompt: list[int] = []
         self._max_tokens = 0
@@ -159,7 +160,13 @@ class GenerationJob:
                 f"{len(self._prompt) + max_tokens} exceeds the model's context of {context} tokens"
             )
         self._max_tokens = max_tokens
-        self._session = self._engine.create_session(SessionConfig(loras=self.request.loras))
+        session = self._engine.create_session(SessionConfig(loras=self.request.loras))
+        with self._state:
+            if not self._closed:
+                self._session = session
+                return
+        session.close()
+        raise FailedPreconditionError("the request ended before it ran")
 
     def run(self) -> Outcome:
         """Generates on the prepared session, sending text as it comes; closes the job."""
@@ -197,10 +204,13 @@ class GenerationJob:
 
     def close(self) -> None:
         """Closes the session and releases what the job held; closing twice is harmless."""
-        if not self._closed.acquire(blocking=False):
-            return
-        if self._session is not None:
-            self._session.close()
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            session = self._session
+        if session is not None:
+            session.close()
         if self._on_close is not None:
             self._on_close()
 
