@@ -8,9 +8,11 @@ may be retrained).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import http.server
+import io
 import json
 import os
 import re
@@ -508,7 +510,8 @@ def test_a_body_past_the_cap_gets_413_before_it_is_read(served):
     port = int(served.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 2000000\r\n\r\n{")
+                           b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n"
+                           b"Content-Length: 2000000\r\n\r\n{")
         answer = connection.makefile("rb").read()
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413")
@@ -597,26 +600,6 @@ def serve_command(*args: str, env: dict | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
-def test_the_serve_command_serves_until_interrupted(tmp_path, offline):
-    shutil.copy(DEMO / "adapters" / "json.tflite", tmp_path)
-    template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
-    process = serve_command("--model", str(MODEL), "--byte-tokens", "--stop-token", "10", "--adapters",
-                            str(tmp_path), "--chat-template", str(template), "--port", "0",
-                            env={**os.environ, "RUNTIME_API_KEY": KEY})
-    try:
-        line = process.stdout.readline()
-        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
-        assert "1 adapters: json" in line and "API key required" in line
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=30)
-        answer = client.chat.completions.create(model="model::json", messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=40, temperature=0)
-        assert answer.choices[0].message.content == offline("hi\n", [("json", 1.0)], 40).text
-    finally:
-        process.send_signal(signal.SIGINT)
-        assert process.wait(20) == 0
-
-
 def test_the_serve_command_refuses_bad_input_with_one_line():
     process = serve_command("--model", str(MODEL))
     out, err = process.communicate(timeout=60)
@@ -637,9 +620,46 @@ def test_the_serve_command_checks_its_arguments(args, words):
         parsed.run(parsed)
 
 
+def test_the_api_key_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RUNTIME_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve", "--model", "m"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--model", "m", "--api-key", "k"]).api_key == "k"
+
+
 def test_serve_without_the_extra_says_what_to_install():
     code = ("import sys; sys.modules['uvicorn'] = None; sys.modules['fastapi'] = None\n"
             "import runtime, runtime.cli.main\n"
             f"sys.exit(runtime.cli.main.main(['serve', '--model', {str(MODEL)!r}, '--byte-tokens']))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "pip install 'runtime[serve]'" in done.stderr, done.stderr
+
+
+def test_the_readme_serving_examples_run_as_written(tmp_path, offline):
+    section = (ROOT / "README.md").read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
+    setup, curl = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (client_code,) = re.findall(r"```py\n(.*?)```", section, re.S)
+    template = tmp_path / "demo_chat.jinja"
+    lines = [line.split("#")[0] for line in setup.replace("\\\n", " ").splitlines() if "pip install" not in line]
+    subprocess.run(["bash", "-c", lines[0].replace("demo_chat.jinja", str(template))], check=True, cwd=tmp_path)
+    command = lines[1].replace("demo_chat.jinja", str(template)).split() + ["--port", "0"]
+    assert command[:3] == ["python3", "-m", "runtime"]
+    process = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.PIPE)
+    try:
+        line = process.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        assert "4 adapters: json, no_vowels, uppercase, uppercase_litertlm" in line and "API key required" in line
+        if shutil.which("curl"):
+            done = subprocess.run(["bash", "-c", curl.replace("http://127.0.0.1:8000", url)], capture_output=True,
+                                  text=True, timeout=60, check=True)
+            text = json.loads(done.stdout)["choices"][0]["text"]
+            assert text == offline("hello world\n", [("uppercase", 1.0)], 32).text
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(client_code.replace("http://127.0.0.1:8000", url), {})
+        chat_prompt = "my blue kite\n"
+        assert printed.getvalue().splitlines() == [offline("green tea\n", [("no_vowels", 1.0)], 32).text,
+                                             offline(chat_prompt, [("json", 1.0)], 256 - len(chat_prompt)).text]
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(20) == 0

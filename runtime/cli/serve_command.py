@@ -118,6 +118,7 @@ def _bind(host: str, port: int) -> socket.socket:
         listener = socket.socket(family, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)  # connections wait in the backlog until the server runs
     except OSError as exc:
         raise FailedPreconditionError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     listener.set_inheritable(True)
