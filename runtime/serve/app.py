@@ -190,8 +190,7 @@ class Server:
                 put(exc)
 
         self.pool.submit(work)
-        return StreamingResponse(self._stream(job, events, reply, body.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStream(self._stream(events, reply, body.include_usage), job)
 
     async def _chat_prompt(self, body: ChatBody) -> str:
         template = self.engine.chat_template
@@ -247,29 +246,25 @@ class Server:
         finally:
             watcher.cancel()
 
-    async def _stream(self, job: GenerationJob, events: asyncio.Queue, reply: Reply,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The server-sent events of one streaming request; a client that goes away
-        cancels the generation (this generator is closed or cancelled)."""
-        try:
-            opening = reply.opening()
-            if opening is not None:
-                yield sse(opening)
-            while True:
-                item = await events.get()
-                if isinstance(item, str):
-                    yield sse(reply.delta(item))
-                    continue
-                if isinstance(item, Outcome):
-                    yield sse(reply.closing(item.finish_reason))
-                    if include_usage:
-                        yield sse(reply.usage_chunk(item))
-                else:
-                    yield sse(_as_api_error(item).body())
-                yield sse("[DONE]")
-                return
-        finally:
-            job.cancel()
+    @staticmethod
+    async def _stream(events: asyncio.Queue, reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
+        """The server-sent events of one streaming request, as the worker produces them."""
+        opening = reply.opening()
+        if opening is not None:
+            yield sse(opening)
+        while True:
+            item = await events.get()
+            if isinstance(item, str):
+                yield sse(reply.delta(item))
+                continue
+            if isinstance(item, Outcome):
+                yield sse(reply.closing(item.finish_reason))
+                if include_usage:
+                    yield sse(reply.usage_chunk(item))
+            else:
+                yield sse(_as_api_error(item).body())
+            yield sse("[DONE]")
+            return
 
     # -- models and adapters -------------------------------------------------------
 
@@ -316,7 +311,6 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings)
         await run_in_threadpool(server.shutdown)
 
     app = FastAPI(title="runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.server = server
 
     @app.get("/health")
     async def health() -> dict:
@@ -370,6 +364,22 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings)
     app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        metrics=server.metrics)
     return app
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generation is cancelled however the response ends: sent
+    whole, or abandoned because the client went away (even before the first event)."""
+
+    def __init__(self, events: AsyncIterator[bytes], job: GenerationJob) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._job.cancel()
 
 
 class _Gate:

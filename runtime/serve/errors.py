@@ -29,7 +29,7 @@ _STATUS_OF = (
 )
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity, like any exception
 class ApiError(Exception):
     """An error answer; raised anywhere in a request, turned into JSON by the application."""
 
