@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -47,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime import ByteTokenizer, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig
+from runtime import ByteTokenizer, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig, Tokenizer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -68,6 +71,7 @@ class Workload:
 
     model: Path
     server_args: list[str]  # tokenizer options for `python -m runtime serve`
+    tokenizer: Tokenizer | Path | None  # the same for an Engine in this process (None: the bundle's)
     sources: list[Path]  # the source adapters
     prompts: list[list[int]]  # token ids
     expected: dict[tuple[int, int], str] = field(default_factory=dict)  # (source, prompt) -> offline text
@@ -94,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8, help="adapters served (copies of the sources)")
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seconds", type=float, default=60.0, help="load time per server")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="the seconds are split into this many rounds, servers taking turns")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor (both servers)")
     parser.add_argument("--executors", type=int, default=1, help="our server's --executors")
@@ -107,20 +113,38 @@ def main(argv: list[str] | None = None) -> int:
 
     workload = build_workload(args)
     print(f"model {workload.model.name}: {len(workload.sources)} source adapters -> {args.adapters} served, "
-          f"{len(workload.prompts)} prompts, {args.clients} clients x {args.seconds:.0f} s, "
+          f"{len(workload.prompts)} prompts, {args.clients} clients x {args.seconds:.0f} s in {args.rounds} rounds, "
           f"max_tokens {args.max_tokens}", flush=True)
-    rows = [run_ours(workload, args)]
+    folder, names = copy_adapters(workload, args.adapters)
+    targets = [OurServer(workload, args, folder, names), EngineAlone(workload, args, folder, names)]
     llama = llama_setup(workload, args)
     if isinstance(llama, str):
         print(f"llama-server: skipped ({llama})", flush=True)
     else:
-        rows.append(run_llama(workload, args, llama))
+        targets.append(LlamaServer(workload, args, llama))
+    collected = {target.label: ([], 0.0) for target in targets}
+    rates: list[dict[str, float]] = []
+    with contextlib.ExitStack() as stack:
+        for target in targets:
+            stack.enter_context(target)
+        for round_index in range(args.rounds):
+            rates.append({})
+            for target in targets if round_index % 2 == 0 else targets[::-1]:
+                requests, wall = target.run(args.seconds / args.rounds)
+                done, total = collected[target.label]
+                collected[target.label] = (done + requests, total + wall)
+                rates[-1][target.label] = sum(r.tokens for r in requests if r.error is None) / wall
+                print(f"  round {round_index + 1} {target.label}: {len(requests)} requests, "
+                      f"{rates[-1][target.label]:.0f} tokens/s", flush=True)
+    rows = [summarize(t.label, *collected[t.label], workload if t.checks else None) for t in targets]
+    for row in rows[1:]:
+        row["ours_vs_this_tokens_per_s"] = statistics.median(r[rows[0]["server"]] / r[row["server"]] for r in rates)
     table = render(rows, workload, args, llama if isinstance(llama, str) else None)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(table)
-    args.out.with_suffix(".json").write_text(json.dumps({"settings": _settings(workload, args), "rows": rows},
-                                                        indent=2) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps({"settings": _settings(workload, args), "rows": rows,
+                                                         "tokens_per_s_by_round": rates}, indent=2) + "\n")
     print(f"wrote {args.out.with_suffix('.md')} and .json")
     return 0 if all(row["errors"] == 0 and row.get("mismatches", 0) == 0 for row in rows) else 1
 
@@ -148,7 +172,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
     else:
         path = write_id_tokenizer(vocab, WORK / f"ids_{vocab}.json")
         server_args, tokenizer, synthetic = ["--tokenizer", str(path)], HfTokenizer(path), True
-    workload = Workload(model, server_args, [Path(s) for s in sources], [])
+    workload = Workload(model, server_args, tokenizer, [Path(s) for s in sources], [])
     with Engine(model, EngineSettings(num_threads=args.threads), tokenizer=tokenizer) as engine:
         if synthetic:
             rng = random.Random(20250601)
@@ -198,8 +222,7 @@ async def client_loop(client, index: int, deadline: float, workload: Workload, m
     """One client: streamed greedy completions one after another until the deadline."""
     turn = 0
     while time.perf_counter() < deadline:
-        adapter = (index + turn) % len(request_options)
-        prompt = (index * 3 + turn) % len(workload.prompts)
+        adapter, prompt = _pick(index, turn, len(request_options), len(workload.prompts))
         model, extra = request_options[adapter]
         record = Request(adapter % len(workload.sources), prompt, time.perf_counter())
         last = None
@@ -210,30 +233,30 @@ async def client_loop(client, index: int, deadline: float, workload: Workload, m
             async for chunk in stream:
                 if chunk.usage is not None:
                     record.tokens = chunk.usage.completion_tokens
-                if not chunk.choices or not chunk.choices[0].text:
-                    continue
-                now = time.perf_counter()
+                if not chunk.choices or chunk.choices[0].finish_reason is not None:
+                    continue  # the usage chunk, the closing chunk
+                now = time.perf_counter()  # a token came (llama-server sends '' for pieces it holds back)
                 if record.first is None:
                     record.first = now
                 else:
                     record.gaps.append(now - last)
                 last = now
-                record.text += chunk.choices[0].text
+                record.text += chunk.choices[0].text or ""
         except Exception as exc:  # counted as an error
             record.error = f"{type(exc).__name__}: {exc}"[:200]
         out.append(record)
         turn += 1
 
 
-def drive(url: str, workload: Workload, args, request_options, key: str | None = None) -> tuple[list[Request], float]:
-    """Runs the clients; returns every request and the wall time."""
+def drive(url: str, workload: Workload, args, seconds: float, request_options) -> tuple[list[Request], float]:
+    """Runs the clients against a server for ``seconds``; returns every request and the wall time."""
     import openai
 
     async def run() -> tuple[list[Request], float]:
-        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "none", max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         requests: list[Request] = []
         started = time.perf_counter()
-        deadline = started + args.seconds
+        deadline = started + seconds
         await asyncio.gather(*(client_loop(client, i, deadline, workload, args.max_tokens, request_options, requests)
                                for i in range(args.clients)))
         wall = time.perf_counter() - started
@@ -265,33 +288,122 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-# -- our server --------------------------------------------------------------------
+# -- what is measured --------------------------------------------------------------
 
 
-def run_ours(workload: Workload, args) -> dict:
-    folder, names = copy_adapters(workload, args.adapters)
-    command = [sys.executable, "-m", "runtime", "serve", "--model", str(workload.model), *workload.server_args,
-               "--adapters", str(folder), "--port", "0", "--max-concurrent", str(args.clients),
-               "--threads", str(args.threads), "--executors", str(args.executors)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        line = process.stdout.readline()
+class OurServer:
+    """``python -m runtime serve`` in a subprocess, one adapter per request by name."""
+
+    label = "runtime serve"
+    checks = True  # its answers are compared with offline
+
+    def __init__(self, workload: Workload, args, folder: Path, names: list[str]) -> None:
+        self._workload, self._args, self._names = workload, args, names
+        self._command = [sys.executable, "-m", "runtime", "serve", "--model", str(workload.model),
+                         *workload.server_args, "--adapters", str(folder), "--port", "0",
+                         "--max-concurrent", str(args.clients), "--threads", str(args.threads),
+                         "--executors", str(args.executors)]
+
+    def __enter__(self) -> OurServer:
+        self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         cwd=ROOT)
+        line = self._process.stdout.readline()
         found = re.search(r"http://127\.0\.0\.1:\d+", line)
         if found is None:
-            raise SystemExit(f"the server did not start: {line}{process.stderr.read()}")
-        url = found.group(0)
-        _wait_healthy(url + "/health")
-        requests, wall = drive(url, workload, args, [(name, None) for name in names])
-    finally:
-        process.send_signal(signal.SIGINT)
-        process.wait(30)
-    row = summarize("runtime serve", requests, wall, workload)
-    print(f"  runtime serve: {row['requests']} requests, {row['errors']} errors, {row['mismatches']} not equal "
-          f"to offline, {row['tokens_per_s']:.0f} tokens/s", flush=True)
-    return row
+            self._process.kill()
+            raise SystemExit(f"the server did not start: {line}{self._process.stderr.read()}")
+        self._url = found.group(0)
+        _wait_healthy(self._url + "/health", self._process)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _stop(self._process)
+
+    def run(self, seconds: float) -> tuple[list[Request], float]:
+        return drive(self._url, self._workload, self._args, seconds, [(name, None) for name in self._names])
 
 
-# -- llama-server ------------------------------------------------------------------
+class LlamaServer:
+    """llama.cpp's ``llama-server`` on the same weights, adapters chosen per request."""
+
+    label = "llama-server"
+    checks = False  # its text is its own vocabulary's
+
+    def __init__(self, workload: Workload, args, loras: list[Path]) -> None:
+        self._workload, self._args = workload, args
+        self._port = _free_port()
+        copies = [loras[i % len(loras)] for i in range(args.adapters)]
+        self._command = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1",
+                         "--port", str(self._port), "-c", str(256 * args.clients), "--parallel", str(args.clients),
+                         "-t", str(args.threads), "-tb", str(args.threads), "-fa", "off", "--cache-type-k", "f32",
+                         "--cache-type-v", "f32", "--lora-init-without-apply", "--no-webui"]
+        for path in copies:
+            self._command += ["--lora", str(path)]
+        self._options = [("bench", {"lora": [{"id": j, "scale": float(j == i)} for j in range(len(copies))],
+                                    "ignore_eos": True}) for i in range(len(copies))]
+
+    def __enter__(self) -> LlamaServer:
+        self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, seconds=120)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _stop(self._process)
+
+    def run(self, seconds: float) -> tuple[list[Request], float]:
+        return drive(f"http://127.0.0.1:{self._port}", self._workload, self._args, seconds, self._options)
+
+
+class EngineAlone:
+    """The same requests on the engine in this process, one thread per client, no HTTP:
+    what the server's own work costs is the difference."""
+
+    label = "engine alone (no HTTP)"
+    checks = True
+
+    def __init__(self, workload: Workload, args, folder: Path, names: list[str]) -> None:
+        self._workload, self._args = workload, args
+        self._paths = [next(folder.glob(f"{name}*")) for name in names]
+
+    def __enter__(self) -> EngineAlone:
+        self._engine = Engine(self._workload.model,
+                              EngineSettings(num_threads=self._args.threads, executors=self._args.executors),
+                              tokenizer=self._workload.tokenizer)
+        for path in self._paths:
+            self._engine.register_adapter(LoraSource(path=path))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._engine.close()
+
+    def run(self, seconds: float) -> tuple[list[Request], float]:
+        requests: list[Request] = []
+        started = time.perf_counter()
+        deadline = started + seconds
+        threads = [threading.Thread(target=self._client, args=(i, deadline, requests)) for i in range(self._args.clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return requests, time.perf_counter() - started
+
+    def _client(self, index: int, deadline: float, out: list[Request]) -> None:
+        turn = 0
+        while time.perf_counter() < deadline:
+            adapter, prompt = _pick(index, turn, len(self._paths), len(self._workload.prompts))
+            record = Request(adapter % len(self._workload.sources), prompt, time.perf_counter())
+            times: list[float] = []
+            try:
+                with self._engine.create_session(SessionConfig(loras=[LoraSource(path=self._paths[adapter])])) as s:
+                    result = s.generate(self._workload.prompts[prompt], self._args.max_tokens,
+                                        on_token=lambda _: times.append(time.perf_counter()))
+                record.text, record.tokens = result.text, len(result.tokens)
+                record.first = times[0]
+                record.gaps = [b - a for a, b in zip(times, times[1:])]
+            except Exception as exc:  # counted as an error
+                record.error = f"{type(exc).__name__}: {exc}"[:200]
+            out.append(record)
+            turn += 1
 
 
 def _default_llama_server() -> Path | None:
@@ -317,32 +429,18 @@ def llama_setup(workload: Workload, args) -> list[Path] | str:
     return loras
 
 
-def run_llama(workload: Workload, args, loras: list[Path]) -> dict:
-    """The same clients and prompts against llama-server, adapters chosen per request."""
-    port = _free_port()
-    copies = [loras[i % len(loras)] for i in range(args.adapters)]
-    command = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-c", str(256 * args.clients), "--parallel", str(args.clients), "-t", str(args.threads),
-               "-tb", str(args.threads), "-fa", "off", "--cache-type-k", "f32", "--cache-type-v", "f32",
-               "--lora-init-without-apply", "--no-webui"]
-    for path in copies:
-        command += ["--lora", str(path)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def _pick(client: int, turn: int, adapters: int, prompts: int) -> tuple[int, int]:
+    """The adapter and prompt of a client's turn: each request on the next adapter."""
+    return (client + turn) % adapters, (client * 3 + turn) % prompts
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGINT)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/health", process, seconds=120)
-        options = [("bench", {"lora": [{"id": j, "scale": 1.0 if j == i else 0.0} for j in range(len(copies))],
-                              "ignore_eos": True}) for i in range(len(copies))]
-        requests, wall = drive(f"http://127.0.0.1:{port}", workload, args, options)
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    row = summarize("llama-server", requests, wall, None)
-    print(f"  llama-server: {row['requests']} requests, {row['errors']} errors, {row['tokens_per_s']:.0f} tokens/s",
-          flush=True)
-    return row
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def _free_port() -> int:
@@ -383,27 +481,34 @@ def _settings(workload: Workload, args) -> dict:
 def render(rows: list[dict], workload: Workload, args, skipped: str | None) -> str:
     settings = _settings(workload, args)
     lines = [
-        f"# Serving under load: {args.clients} streaming clients over {args.adapters} adapters for "
-        f"{args.seconds:.0f} s",
+        f"# Serving under load: {args.clients} streaming clients over {args.adapters} adapters, "
+        f"{args.seconds:.0f} s each",
         "",
         f"Model `{settings['model']}`, adapters {', '.join(settings['source_adapters'])} (copied round robin), "
         f"greedy, max_tokens {args.max_tokens}, {args.threads} thread(s), our --executors {args.executors}, "
-        f"{settings['cpus']} CPUs (load average {settings['load_average_at_end']:.1f} at the end).",
+        f"{settings['cpus']} CPUs (load average {settings['load_average_at_end']:.1f} at the end). "
+        f"Each took {args.rounds} turns of {args.seconds / args.rounds:.0f} s, in alternating order; the last "
+        "column is runtime serve's tokens/s over this row's, the median of the turns' ratios.",
         "",
         "| server | requests | errors | equal to offline | tokens/s | requests/s | TTFT p50 / p99 (ms) "
-        "| inter-token p50 / p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| inter-token p50 / p99 (ms) | runtime serve vs this |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         equal = (f"{row['requests'] - row['errors'] - row['mismatches']}/{row['requests'] - row['errors']}"
                  if "mismatches" in row else "n/a")
         lines.append(f"| {row['server']} | {row['requests']} | {row['errors']} | {equal} | {row['tokens_per_s']:.0f} "
                      f"| {row['requests_per_s']:.1f} | {_ms(row['ttft_ms_p50'])} / {_ms(row['ttft_ms_p99'])} "
-                     f"| {_ms(row['itl_ms_p50'])} / {_ms(row['itl_ms_p99'])} |")
+                     f"| {_ms(row['itl_ms_p50'])} / {_ms(row['itl_ms_p99'])} "
+                     f"| {_ratio(row.get('ours_vs_this_tokens_per_s'))} |")
     if skipped:
         lines += ["", f"llama-server: skipped ({skipped})."]
     lines += ["", "Command: `python3 benchmarks/serve_load.py " + " ".join(sys.argv[1:]) + "`", ""]
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
 
 
 def _ms(value: float | None) -> str:
