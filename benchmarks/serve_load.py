@@ -61,6 +61,7 @@ BENCH_ADAPTERS = [HERE / "models" / name for name in ("peft_r8_a", "peft_r8_b", 
 DEMO = ROOT / "runtime" / "demo_assets"
 DEMO_ADAPTERS = [DEMO / "adapters" / f"{name}.tflite" for name in ("uppercase", "no_vowels", "json")]
 NEWLINE = 10
+HANG_SECONDS = 60.0  # a turn waits this long past its end for the last answers
 TEXT_PROMPTS = ["hello world\n", "the cat sat\n", "open the door now\n", "green tea\n", "my blue kite\n",
                 "What is the capital of France?", "Name three colours.", "Write one short sentence."]
 
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_load")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the servers started below are stopped
 
     workload = build_workload(args)
     print(f"model {workload.model.name}: {len(workload.sources)} source adapters -> {args.adapters} served, "
@@ -134,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
                 done, total = collected[target.label]
                 collected[target.label] = (done + requests, total + wall)
                 rates[-1][target.label] = sum(r.tokens for r in requests if r.error is None) / wall
-                print(f"  round {round_index + 1} {target.label}: {len(requests)} requests, "
+                print(f"  round {round_index + 1} {target.label}: {len(requests)} requests in {wall:.1f} s, "
                       f"{rates[-1][target.label]:.0f} tokens/s", flush=True)
     rows = [summarize(t.label, *collected[t.label], workload if t.checks else None) for t in targets]
     for row in rows[1:]:
-        row["ours_vs_this_tokens_per_s"] = statistics.median(r[rows[0]["server"]] / r[row["server"]] for r in rates)
+        ratios = [r[rows[0]["server"]] / r[row["server"]] for r in rates if r[row["server"]] > 0]
+        row["ours_vs_this_tokens_per_s"] = statistics.median(ratios) if ratios else None
     table = render(rows, workload, args, llama if isinstance(llama, str) else None)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -257,8 +260,13 @@ def drive(url: str, workload: Workload, args, seconds: float, request_options) -
         requests: list[Request] = []
         started = time.perf_counter()
         deadline = started + seconds
-        await asyncio.gather(*(client_loop(client, i, deadline, workload, args.max_tokens, request_options, requests)
-                               for i in range(args.clients)))
+        clients = [asyncio.ensure_future(client_loop(client, i, deadline, workload, args.max_tokens, request_options,
+                                                     requests)) for i in range(args.clients)]
+        _, hung = await asyncio.wait(clients, timeout=seconds + HANG_SECONDS)
+        for task in hung:  # a request still unanswered long after the deadline: counted as an error
+            task.cancel()
+            requests.append(Request(-1, -1, deadline, error=f"no answer {HANG_SECONDS:.0f} s after the turn ended"))
+        await asyncio.gather(*hung, return_exceptions=True)
         wall = time.perf_counter() - started
         await client.close()
         return requests, wall
@@ -305,15 +313,16 @@ class OurServer:
                          "--executors", str(args.executors)]
 
     def __enter__(self) -> OurServer:
-        self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         cwd=ROOT)
-        line = self._process.stdout.readline()
+        log = WORK / "runtime-serve.log"  # a file, not a pipe: a full pipe would stall the server
+        with open(log, "w") as stderr:
+            self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT)
+        line = self._process.stdout.readline()  # the address; nothing else is printed there
         found = re.search(r"http://127\.0\.0\.1:\d+", line)
         if found is None:
             self._process.kill()
-            raise SystemExit(f"the server did not start: {line}{self._process.stderr.read()}")
+            raise SystemExit(f"the server did not start: {line}{log.read_text()[-2000:]}")
         self._url = found.group(0)
-        _wait_healthy(self._url + "/health", self._process)
+        _wait_healthy(self._url + "/health", self._process, log)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -343,8 +352,10 @@ class LlamaServer:
                                     "ignore_eos": True}) for i in range(len(copies))]
 
     def __enter__(self) -> LlamaServer:
-        self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, seconds=120)
+        log = WORK / "llama-server.log"  # it logs every request: a pipe nobody reads would fill and stall it
+        with open(log, "w") as stderr:
+            self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=stderr)
+        _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log, seconds=120)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -451,7 +462,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_healthy(url: str, process: subprocess.Popen | None = None, seconds: float = 60) -> None:
+def _wait_healthy(url: str, process: subprocess.Popen, log: Path, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -460,8 +471,8 @@ def _wait_healthy(url: str, process: subprocess.Popen | None = None, seconds: fl
                     return
         except OSError:
             pass
-        if process is not None and process.poll() is not None:
-            raise SystemExit(f"{url}: the server exited: {process.stderr.read()[-2000:]}")
+        if process.poll() is not None:
+            raise SystemExit(f"{url}: the server exited: {log.read_text()[-2000:]}")
         if time.monotonic() > deadline:
             raise SystemExit(f"{url}: not healthy after {seconds:.0f} s")
         time.sleep(0.2)
