@@ -256,16 +256,21 @@ class Server:
         if opening is not None:
             yield sse(opening)
         while True:
-            item = await events.get()
-            if isinstance(item, str):
-                yield sse(reply.delta(item))
+            pending = [await events.get()]
+            while not events.empty():  # what came meanwhile leaves in one write, each its own event
+                pending.append(events.get_nowait())
+            texts = [item for item in pending if isinstance(item, str)]
+            if texts:
+                yield b"".join(sse(reply.delta(text)) for text in texts)
+            end = pending[-1]
+            if isinstance(end, str):
                 continue
-            if isinstance(item, Outcome):
-                yield sse(reply.closing(item.finish_reason))
+            if isinstance(end, Outcome):
+                yield sse(reply.closing(end.finish_reason))
                 if include_usage:
-                    yield sse(reply.usage_chunk(item))
+                    yield sse(reply.usage_chunk(end))
             else:
-                yield sse(_as_api_error(item).body())
+                yield sse(_as_api_error(end).body())
             yield sse("[DONE]")
             return
 
