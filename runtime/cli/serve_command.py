@@ -12,6 +12,7 @@ from pathlib import Path
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 API_KEY_VARIABLE = "RUNTIME_API_KEY"
+SWITCH_INTERVAL_S = 0.0005
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -92,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         if settings.api_key is None and not _is_loopback(host):
             print(f"warning: listening on {host} without --api-key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)
+        # The event loop sends each token as soon as it gets the GIL from the threads that
+        # generate; with the default 5 ms switch interval tokens would leave in bursts.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
                                 timeout_graceful_shutdown=5)
         try:

@@ -154,9 +154,6 @@ class Server:
 
         def put(item: str | Outcome | BaseException) -> None:
             loop.call_soon_threadsafe(events.put_nowait, item)
-            # Hand the GIL over now: otherwise the event loop waits for the interpreter's
-            # switch interval (5 ms) and sends tokens in bursts.
-            time.sleep(0)
 
         def release() -> None:
             lease.release()
