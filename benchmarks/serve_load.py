@@ -1,0 +1,531 @@
+"""Load on ``python -m runtime serve``: N concurrent streaming clients over K adapters for T seconds.
+
+    python3 benchmarks/serve_load.py [--model M] [--clients 32] [--adapters 8] [--seconds 60]
+        [--llama-server PATH --gguf BASE.gguf --gguf-lora A.gguf ...]
+
+Needs the ``test`` extra (the ``serve`` extra and the ``openai`` client). Starts the server
+as a subprocess on a free loopback port with K adapters (copies of the source adapters,
+round robin, so that each is registered and materialized on its own), then runs N
+clients, each streaming greedy completions one after another, each request on the next
+adapter, until T seconds have passed. Every answer is compared with what
+``Session.generate`` gives offline for the same adapter and prompt. Prints a table
+(requests, errors, answers equal to offline, tokens/s, requests/s, time to first token
+and inter-token latency p50/p99) and writes ``benchmarks/results/serve_load.{json,md}``.
+
+The model: ``--model`` (default the bench model ``benchmarks/models/bench_f32.tflite``
+with the PEFT adapters ``benchmarks/models/peft_*``; ``--model demo`` is the bundled demo
+model with its adapters); ``--adapter PATH`` (repeatable) picks the source adapters. A
+``.litertlm`` bundle brings its tokenizer; ``--tokenizer FILE`` gives one; a byte-level
+model (vocabulary 256) gets ``--byte-tokens``; any other model is served with a
+synthetic tokenizer whose token ``i`` is the word ``t{i}``, so that any vocabulary
+streams as text (prompts are then random token ids; nothing stops a generation before
+``--max-tokens``).
+
+The same workload against llama.cpp's ``llama-server`` (``--llama-server``, built by
+``bash benchmarks/llama_cpp/build_server.sh``) runs with ``--gguf`` (the same weights)
+and one ``--gguf-lora`` per source adapter, in the same order: every client sends the
+same prompt ids with a per-request ``lora: [{"id", "scale"}]``. Its answers are counted,
+not compared (its text is its own vocabulary's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from runtime import ByteTokenizer, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig, Tokenizer
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+WORK = RESULTS / "tmp" / "serve_load"  # gitignored: copies of the adapters, the synthetic tokenizer
+BENCH_MODEL = HERE / "models" / "bench_f32.tflite"
+BENCH_ADAPTERS = [HERE / "models" / name for name in ("peft_r8_a", "peft_r8_b", "peft_r64")]
+DEMO = ROOT / "runtime" / "demo_assets"
+DEMO_ADAPTERS = [DEMO / "adapters" / f"{name}.tflite" for name in ("uppercase", "no_vowels", "json")]
+NEWLINE = 10
+HANG_SECONDS = 60.0  # a turn waits this long past its end for the last answers
+TEXT_PROMPTS = ["hello world\n", "the cat sat\n", "open the door now\n", "green tea\n", "my blue kite\n",
+                "What is the capital of France?", "Name three colours.", "Write one short sentence."]
+
+
+@dataclass
+class Workload:
+    """What the clients send and how each answer is checked."""
+
+    model: Path
+    server_args: list[str]  # tokenizer options for `python -m runtime serve`
+    tokenizer: Tokenizer | Path | None  # the same for an Engine in this process (None: the bundle's)
+    sources: list[Path]  # the source adapters
+    prompts: list[list[int]]  # token ids
+    expected: dict[tuple[int, int], str] = field(default_factory=dict)  # (source, prompt) -> offline text
+
+
+@dataclass
+class Request:
+    """One streamed answer as a client saw it."""
+
+    source: int
+    prompt: int
+    started: float
+    first: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    text: str = ""
+    error: str | None = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(BENCH_MODEL), help="a model file, or 'demo'")
+    parser.add_argument("--adapter", action="append", type=Path, help="a source adapter (repeatable)")
+    parser.add_argument("--tokenizer", type=Path)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=8, help="adapters served (copies of the sources)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="load time per server")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="the seconds are split into this many rounds, servers taking turns")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor (both servers)")
+    parser.add_argument("--executors", type=int, default=1, help="our server's --executors")
+    parser.add_argument("--llama-server", type=Path, default=_default_llama_server())
+    parser.add_argument("--gguf", type=Path, default=HERE / "models" / "gguf" / "bench-f32.gguf")
+    parser.add_argument("--gguf-lora", type=Path, action="append")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "serve_load")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the servers started below are stopped
+
+    workload = build_workload(args)
+    print(f"model {workload.model.name}: {len(workload.sources)} source adapters -> {args.adapters} served, "
+          f"{len(workload.prompts)} prompts, {args.clients} clients x {args.seconds:.0f} s in {args.rounds} rounds, "
+          f"max_tokens {args.max_tokens}", flush=True)
+    folder, names = copy_adapters(workload, args.adapters)
+    targets = [OurServer(workload, args, folder, names), EngineAlone(workload, args, folder, names)]
+    llama = llama_setup(workload, args)
+    if isinstance(llama, str):
+        print(f"llama-server: skipped ({llama})", flush=True)
+    else:
+        targets.append(LlamaServer(workload, args, llama))
+    collected = {target.label: ([], 0.0) for target in targets}
+    rates: list[dict[str, float]] = []
+    with contextlib.ExitStack() as stack:
+        for target in targets:
+            stack.enter_context(target)
+        for round_index in range(args.rounds):
+            rates.append({})
+            for target in targets if round_index % 2 == 0 else targets[::-1]:
+                requests, wall = target.run(args.seconds / args.rounds)
+                done, total = collected[target.label]
+                collected[target.label] = (done + requests, total + wall)
+                rates[-1][target.label] = sum(r.tokens for r in requests if r.error is None) / wall
+                print(f"  round {round_index + 1} {target.label}: {len(requests)} requests in {wall:.1f} s, "
+                      f"{rates[-1][target.label]:.0f} tokens/s", flush=True)
+    rows = [summarize(t.label, *collected[t.label], workload if t.checks else None) for t in targets]
+    for row in rows[1:]:
+        ratios = [r[rows[0]["server"]] / r[row["server"]] for r in rates if r[row["server"]] > 0]
+        row["ours_vs_this_tokens_per_s"] = statistics.median(ratios) if ratios else None
+    table = render(rows, workload, args, llama if isinstance(llama, str) else None)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(table)
+    args.out.with_suffix(".json").write_text(json.dumps({"settings": _settings(workload, args), "rows": rows,
+                                                         "tokens_per_s_by_round": rates}, indent=2) + "\n")
+    print(f"wrote {args.out.with_suffix('.md')} and .json")
+    checked = [row for row in rows if "mismatches" in row]  # ours; llama-server's errors are reported, not ours
+    return 0 if all(row["errors"] == 0 and row["mismatches"] == 0 for row in checked) else 1
+
+
+# -- the workload ------------------------------------------------------------------
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    """The model, the server's tokenizer options, the prompts and the offline answers."""
+    model = DEMO / "model.tflite" if args.model == "demo" else Path(args.model)
+    sources = args.adapter or (DEMO_ADAPTERS if args.model == "demo" else BENCH_ADAPTERS if model == BENCH_MODEL
+                               else [])
+    if not sources:
+        raise SystemExit("give the source adapters with --adapter PATH")
+    WORK.mkdir(parents=True, exist_ok=True)
+    with Engine(model) as probe:
+        bundled, vocab = probe.tokenizer is not None, probe.spec.vocab_size
+    synthetic = False  # a tokenizer of token-id words: prompts are then random ids
+    if args.tokenizer is not None:
+        server_args, tokenizer = ["--tokenizer", str(args.tokenizer)], args.tokenizer
+    elif bundled:
+        server_args, tokenizer = [], None
+    elif vocab == 256:
+        server_args, tokenizer = ["--byte-tokens", "--stop-token", str(NEWLINE)], ByteTokenizer([NEWLINE])
+    else:
+        path = write_id_tokenizer(vocab, WORK / f"ids_{vocab}.json")
+        server_args, tokenizer, synthetic = ["--tokenizer", str(path)], HfTokenizer(path), True
+    workload = Workload(model, server_args, tokenizer, [Path(s) for s in sources], [])
+    with Engine(model, EngineSettings(num_threads=args.threads), tokenizer=tokenizer) as engine:
+        if synthetic:
+            rng = random.Random(20250601)
+            workload.prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(6, 14))] for _ in range(8)]
+        else:
+            workload.prompts = [engine.tokenizer.encode(text) for text in TEXT_PROMPTS]
+        for s, source in enumerate(workload.sources):
+            for p, prompt in enumerate(workload.prompts):
+                with engine.create_session(SessionConfig(loras=[LoraSource(path=source)])) as session:
+                    workload.expected[s, p] = session.generate(prompt, args.max_tokens).text
+    return workload
+
+
+def write_id_tokenizer(vocab: int, path: Path) -> Path:
+    """A tokenizer.json whose token ``i`` is the word ``t{i}`` (for a model without a tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tokenizer.save(str(path))
+    return path
+
+
+def copy_adapters(workload: Workload, count: int) -> tuple[Path, list[str]]:
+    """``count`` copies of the source adapters, round robin, in a fresh folder; their names."""
+    folder = WORK / "adapters"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    names = []
+    for i in range(count):
+        source = workload.sources[i % len(workload.sources)]
+        name = f"a{i:02d}"
+        if source.is_dir():
+            shutil.copytree(source, folder / name)
+        else:
+            shutil.copy(source, folder / f"{name}{source.suffix}")
+        names.append(name)
+    return folder, names
+
+
+# -- the clients -------------------------------------------------------------------
+
+
+async def client_loop(client, index: int, deadline: float, workload: Workload, max_tokens: int,
+                      request_options, out: list[Request]) -> None:
+    """One client: streamed greedy completions one after another until the deadline."""
+    turn = 0
+    while time.perf_counter() < deadline:
+        adapter, prompt = _pick(index, turn, len(request_options), len(workload.prompts))
+        model, extra = request_options[adapter]
+        record = Request(adapter % len(workload.sources), prompt, time.perf_counter())
+        last = None
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=workload.prompts[prompt], max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra)
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    record.tokens = chunk.usage.completion_tokens
+                if not chunk.choices or chunk.choices[0].finish_reason is not None:
+                    continue  # the usage chunk, the closing chunk
+                now = time.perf_counter()  # a token came (llama-server sends '' for pieces it holds back)
+                if record.first is None:
+                    record.first = now
+                else:
+                    record.gaps.append(now - last)
+                last = now
+                record.text += chunk.choices[0].text or ""
+        except Exception as exc:  # counted as an error
+            record.error = f"{type(exc).__name__}: {exc}"[:200]
+        out.append(record)
+        turn += 1
+
+
+def drive(url: str, workload: Workload, args, seconds: float, request_options) -> tuple[list[Request], float]:
+    """Runs the clients against a server for ``seconds``; returns every request and the wall time."""
+    import openai
+
+    async def run() -> tuple[list[Request], float]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        requests: list[Request] = []
+        started = time.perf_counter()
+        deadline = started + seconds
+        clients = [asyncio.ensure_future(client_loop(client, i, deadline, workload, args.max_tokens, request_options,
+                                                     requests)) for i in range(args.clients)]
+        _, hung = await asyncio.wait(clients, timeout=seconds + HANG_SECONDS)
+        for task in hung:  # a request still unanswered long after the deadline: counted as an error
+            task.cancel()
+            requests.append(Request(-1, -1, deadline, error=f"no answer {HANG_SECONDS:.0f} s after the turn ended"))
+        await asyncio.gather(*hung, return_exceptions=True)
+        wall = time.perf_counter() - started
+        await client.close()
+        return requests, wall
+
+    return asyncio.run(run())
+
+
+def summarize(label: str, requests: list[Request], wall: float, workload: Workload | None) -> dict:
+    """One row of the table."""
+    done = [r for r in requests if r.error is None]
+    ttft = [1e3 * (r.first - r.started) for r in done if r.first is not None]
+    gaps = [1e3 * g for r in done for g in r.gaps]
+    tokens = sum(r.tokens for r in done)
+    row = {
+        "server": label, "requests": len(requests), "errors": len(requests) - len(done),
+        "tokens": tokens, "tokens_per_s": tokens / wall, "requests_per_s": len(done) / wall, "wall_s": wall,
+        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+        "itl_ms_p50": _pct(gaps, 50), "itl_ms_p99": _pct(gaps, 99),
+        "first_errors": sorted({r.error for r in requests if r.error})[:3],
+    }
+    if workload is not None:
+        row["mismatches"] = sum(r.text != workload.expected[r.source, r.prompt] for r in done)
+    return row
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+# -- what is measured --------------------------------------------------------------
+
+
+class OurServer:
+    """``python -m runtime serve`` in a subprocess, one adapter per request by name."""
+
+    label = "runtime serve"
+    checks = True  # its answers are compared with offline
+
+    def __init__(self, workload: Workload, args, folder: Path, names: list[str]) -> None:
+        self._workload, self._args, self._names = workload, args, names
+        self._command = [sys.executable, "-m", "runtime", "serve", "--model", str(workload.model),
+                         *workload.server_args, "--adapters", str(folder), "--port", "0",
+                         "--max-concurrent", str(args.clients), "--threads", str(args.threads),
+                         "--executors", str(args.executors)]
+
+    def __enter__(self) -> OurServer:
+        log = WORK / "runtime-serve.log"  # a file, not a pipe: a full pipe would stall the server
+        with open(log, "w") as stderr:
+            self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT)
+        line = self._process.stdout.readline()  # the address; nothing else is printed there
+        found = re.search(r"http://127\.0\.0\.1:\d+", line)
+        if found is None:
+            self._process.kill()
+            raise SystemExit(f"the server did not start: {line}{log.read_text()[-2000:]}")
+        self._url = found.group(0)
+        _wait_healthy(self._url + "/health", self._process, log)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _stop(self._process)
+
+    def run(self, seconds: float) -> tuple[list[Request], float]:
+        return drive(self._url, self._workload, self._args, seconds, [(name, None) for name in self._names])
+
+
+class LlamaServer:
+    """llama.cpp's ``llama-server`` on the same weights, adapters chosen per request."""
+
+    label = "llama-server"
+    checks = False  # its text is its own vocabulary's
+
+    def __init__(self, workload: Workload, args, loras: list[Path]) -> None:
+        self._workload, self._args = workload, args
+        self._port = _free_port()
+        copies = [loras[i % len(loras)] for i in range(args.adapters)]
+        self._command = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1",
+                         "--port", str(self._port), "-c", str(256 * args.clients), "--parallel", str(args.clients),
+                         "-t", str(args.threads), "-tb", str(args.threads), "-fa", "off", "--cache-type-k", "f32",
+                         "--cache-type-v", "f32", "--lora-init-without-apply", "--no-webui"]
+        for path in copies:
+            self._command += ["--lora", str(path)]
+        self._options = [("bench", {"lora": [{"id": j, "scale": float(j == i)} for j in range(len(copies))],
+                                    "ignore_eos": True}) for i in range(len(copies))]
+
+    def __enter__(self) -> LlamaServer:
+        log = WORK / "llama-server.log"  # it logs every request: a pipe nobody reads would fill and stall it
+        with open(log, "w") as stderr:
+            self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=stderr)
+        _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log, seconds=120)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _stop(self._process)
+
+    def run(self, seconds: float) -> tuple[list[Request], float]:
+        return drive(f"http://127.0.0.1:{self._port}", self._workload, self._args, seconds, self._options)
+
+
+class EngineAlone:
+    """The same requests on the engine in this process, one thread per client, no HTTP:
+    what the server's own work costs is the difference."""
+
+    label = "engine alone (no HTTP)"
+    checks = True
+
+    def __init__(self, workload: Workload, args, folder: Path, names: list[str]) -> None:
+        self._workload, self._args = workload, args
+        self._paths = [next(folder.glob(f"{name}*")) for name in names]
+
+    def __enter__(self) -> EngineAlone:
+        self._engine = Engine(self._workload.model,
+                              EngineSettings(num_threads=self._args.threads, executors=self._args.executors),
+                              tokenizer=self._workload.tokenizer)
+        for path in self._paths:
+            self._engine.register_adapter(LoraSource(path=path))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._engine.close()
+
+    def run(self, seconds: float) -> tuple[list[Request], float]:
+        requests: list[Request] = []
+        started = time.perf_counter()
+        deadline = started + seconds
+        threads = [threading.Thread(target=self._client, args=(i, deadline, requests)) for i in range(self._args.clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return requests, time.perf_counter() - started
+
+    def _client(self, index: int, deadline: float, out: list[Request]) -> None:
+        turn = 0
+        while time.perf_counter() < deadline:
+            adapter, prompt = _pick(index, turn, len(self._paths), len(self._workload.prompts))
+            record = Request(adapter % len(self._workload.sources), prompt, time.perf_counter())
+            times: list[float] = []
+            try:
+                with self._engine.create_session(SessionConfig(loras=[LoraSource(path=self._paths[adapter])])) as s:
+                    result = s.generate(self._workload.prompts[prompt], self._args.max_tokens,
+                                        on_token=lambda _: times.append(time.perf_counter()))
+                record.text, record.tokens = result.text, len(result.tokens)
+                record.first = times[0]
+                record.gaps = [b - a for a, b in zip(times, times[1:])]
+            except Exception as exc:  # counted as an error
+                record.error = f"{type(exc).__name__}: {exc}"[:200]
+            out.append(record)
+            turn += 1
+
+
+def _default_llama_server() -> Path | None:
+    found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if found:
+        return Path(found)
+    built = Path(os.environ.get("LLAMA_CPP_SRC", HERE / "llama_cpp" / "src")) / "bin" / "llama-server"
+    return built if built.exists() else None
+
+
+def llama_setup(workload: Workload, args) -> list[Path] | str:
+    """The GGUF adapters in source order, or why llama-server is left out."""
+    if args.skip_llama_cpp:
+        return "--skip-llama-cpp"
+    if args.llama_server is None or not args.llama_server.exists():
+        return "no llama-server binary: bash benchmarks/llama_cpp/build_server.sh, or --llama-server PATH"
+    if not args.gguf.exists():
+        return f"{args.gguf} is missing (bash benchmarks/llama_cpp/build_server.sh converts the bench model)"
+    loras = args.gguf_lora or [args.gguf.parent / f"lora-{s.name}-f32.gguf" for s in workload.sources]
+    missing = [str(p) for p in loras if not p.exists()]
+    if missing or len(loras) != len(workload.sources):
+        return f"GGUF adapters missing or not one per source adapter: {missing or loras}"
+    return loras
+
+
+def _pick(client: int, turn: int, adapters: int, prompts: int) -> tuple[int, int]:
+    """The adapter and prompt of a client's turn: each request on the next adapter."""
+    return (client + turn) % adapters, (client * 3 + turn) % prompts
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log: Path, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"{url}: the server exited: {log.read_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{url}: not healthy after {seconds:.0f} s")
+        time.sleep(0.2)
+
+
+# -- the report --------------------------------------------------------------------
+
+
+def _settings(workload: Workload, args) -> dict:
+    return {"model": str(workload.model.relative_to(ROOT) if workload.model.is_relative_to(ROOT) else workload.model),
+            "source_adapters": [s.name for s in workload.sources], "adapters": args.adapters,
+            "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
+            "threads": args.threads, "executors": args.executors, "prompts": len(workload.prompts),
+            "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count()}
+
+
+def render(rows: list[dict], workload: Workload, args, skipped: str | None) -> str:
+    settings = _settings(workload, args)
+    lines = [
+        f"# Serving under load: {args.clients} streaming clients over {args.adapters} adapters, "
+        f"{args.seconds:.0f} s each",
+        "",
+        f"Model `{settings['model']}`, adapters {', '.join(settings['source_adapters'])} (copied round robin), "
+        f"greedy, max_tokens {args.max_tokens}, {args.threads} thread(s), our --executors {args.executors}, "
+        f"{settings['cpus']} CPUs (load average {settings['load_average_at_end']:.1f} at the end). "
+        f"Each took {args.rounds} turns of {args.seconds / args.rounds:.0f} s, in alternating order; the last "
+        "column is runtime serve's tokens/s over this row's, the median of the turns' ratios.",
+        "",
+        "| server | requests | errors | equal to offline | tokens/s | requests/s | TTFT p50 / p99 (ms) "
+        "| inter-token p50 / p99 (ms) | runtime serve vs this |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        equal = (f"{row['requests'] - row['errors'] - row['mismatches']}/{row['requests'] - row['errors']}"
+                 if "mismatches" in row else "n/a")
+        lines.append(f"| {row['server']} | {row['requests']} | {row['errors']} | {equal} | {row['tokens_per_s']:.0f} "
+                     f"| {row['requests_per_s']:.1f} | {_ms(row['ttft_ms_p50'])} / {_ms(row['ttft_ms_p99'])} "
+                     f"| {_ms(row['itl_ms_p50'])} / {_ms(row['itl_ms_p99'])} "
+                     f"| {_ratio(row.get('ours_vs_this_tokens_per_s'))} |")
+    if skipped:
+        lines += ["", f"llama-server: skipped ({skipped})."]
+    lines += ["", "Command: `python3 benchmarks/serve_load.py " + " ".join(sys.argv[1:]) + "`", ""]
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

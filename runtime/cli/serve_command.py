@@ -1,0 +1,136 @@
+"""``serve``: an OpenAI-compatible HTTP server with per-request adapters (needs the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import sys
+from pathlib import Path
+
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+
+API_KEY_VARIABLE = "RUNTIME_API_KEY"
+SWITCH_INTERVAL_S = 0.0005
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Registers the ``serve`` sub-command."""
+    parser = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API, with per-request adapters",
+        description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health and /metrics. A request's model "
+        "is the base model's name, an adapter's name, or BASE::ADAPTER; its 'lora' field "
+        "([{\"name\", \"scale\"}]) blends adapters. Needs: pip install 'runtime[serve]'.",
+    )
+    parser.add_argument("--model", type=Path, required=True, help="a .tflite model or .litertlm bundle")
+    tokens = parser.add_mutually_exclusive_group()
+    tokens.add_argument("--tokenizer", type=Path, help="a tokenizer.json or SentencePiece model")
+    tokens.add_argument("--byte-tokens", action="store_true", help="UTF-8 bytes are the tokens")
+    parser.add_argument("--stop-token", type=int, action="append", default=None,
+                        help="with --byte-tokens: a byte that ends an answer (e.g. 10, a newline); repeatable")
+    parser.add_argument("--chat-template", type=Path,
+                        help="a Jinja2 chat template file for /v1/chat/completions (else the bundle's)")
+    parser.add_argument("--adapters", type=Path, metavar="DIR",
+                        help="registers every adapter in DIR by file or directory name; loads over HTTP go here")
+    parser.add_argument("--served-model-name", help="the base model's id in requests (default: the file's stem)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
+                        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        f"(default: ${API_KEY_VARIABLE})")
+    parser.add_argument("--max-concurrent", type=int, default=16, help="running requests beyond it get 429")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    parser.add_argument("--max-download-bytes", type=int, default=256 << 20,
+                        help="cap on an adapter downloaded by /v1/load_lora_adapter with a url")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
+    parser.add_argument("--executors", type=int, default=1,
+                        help="copies of the model running sessions in parallel (each costs the model's memory)")
+    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the model and the adapters, binds the address, serves until interrupted."""
+    try:
+        import uvicorn
+
+        from runtime.serve.app import ServeSettings, create_app
+        from runtime.serve.catalog import AdapterCatalog
+    except ImportError as exc:
+        raise FailedPreconditionError(
+            f"serve needs the serve extra ({exc.name} is missing): pip install 'runtime[serve]'"
+        ) from None
+    from runtime import ByteTokenizer, Engine, EngineSettings
+
+    if args.stop_token and not args.byte_tokens:
+        raise InvalidArgumentError("--stop-token goes with --byte-tokens (a tokenizer brings its own stop tokens)")
+    settings = ServeSettings(
+        model_name=args.served_model_name or args.model.stem,
+        api_key=args.api_key,
+        max_concurrent=args.max_concurrent,
+        max_body_bytes=args.max_body_bytes,
+    )
+    if args.max_download_bytes < 1:
+        raise InvalidArgumentError(f"--max-download-bytes {args.max_download_bytes}: expected >= 1")
+    tokenizer = ByteTokenizer(stop_token_ids=args.stop_token or ()) if args.byte_tokens else args.tokenizer
+    chat_template = _read_template(args.chat_template) if args.chat_template is not None else None
+    with Engine(args.model, EngineSettings(num_threads=args.threads, executors=args.executors),
+                tokenizer=tokenizer, chat_template=chat_template) as engine:
+        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name],
+                                 max_download_bytes=args.max_download_bytes)
+        entries = catalog.scan()
+        app = create_app(engine, catalog, settings)
+        listener = _bind(args.host, args.port)
+        host, port = listener.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"serving {settings.model_name} at http://{shown}:{port}/v1 "
+              f"({len(entries)} adapters: {', '.join(e.name for e in entries) or 'none'}; "
+              f"{'chat template' if engine.chat_template else 'no chat template'}; "
+              f"{'API key required' if settings.api_key else 'no API key'})", flush=True)
+        if settings.api_key is None and not _is_loopback(host):
+            print(f"warning: listening on {host} without --api-key: anyone who can reach it can use it",
+                  file=sys.stderr, flush=True)
+        # The event loop sends each token as soon as it gets the GIL from the threads that
+        # generate; with the default 5 ms switch interval tokens would leave in bursts.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
+                                timeout_graceful_shutdown=5)
+        try:
+            uvicorn.Server(config).run(sockets=[listener])
+        except KeyboardInterrupt:
+            pass  # uvicorn shut down gracefully, then re-raised the Ctrl-C it had caught
+    return 0
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise NotFoundError(f"{path}: no such chat template file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(f"{path}: cannot read the chat template: {exc}") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port < 65536:
+        raise InvalidArgumentError(f"--port {port}: expected 0-65535")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)  # connections wait in the backlog until the server runs
+    except OSError as exc:
+        raise FailedPreconditionError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    listener.set_inheritable(True)
+    return listener
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,271 @@
+"""AdapterCatalog: the names requests use for adapters, and loading and unloading them safely.
+
+Adapters found in ``--adapters DIR`` at start are registered under their file name
+without suffix (``uppercase.tflite`` -> ``uppercase``) or their directory name (a PEFT
+directory). Over HTTP an adapter is loaded from a path that must resolve inside that
+directory (no ``..``, no symlink leading out, nothing but regular files), or downloaded
+from a URL (size-capped, SHA-256 required) into a temporary file renamed into the
+directory once checked. A request holds a :class:`Lease` on the adapters it runs with;
+unloading a leased adapter is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime import Engine, LoraSource
+from runtime.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from runtime.serve.download import adapter_suffix, check_sha256, download
+
+ADAPTER_SUFFIXES = (".tflite", ".gguf")
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what the PEFT format reads
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One named adapter: where it lives, its engine id, how long registering it took."""
+
+    name: str
+    path: Path
+    lora_id: int
+    load_seconds: float
+    created: int  # when it was registered (Unix time)
+
+
+class Lease:
+    """The adapters one request runs with; none of them can be unloaded until :meth:`release`."""
+
+    def __init__(self, catalog: AdapterCatalog, entries: dict[str, CatalogEntry]) -> None:
+        self._catalog = catalog
+        self.entries = entries
+        self._released = False
+
+    def source(self, name: str, scale: float) -> LoraSource:
+        """The leased adapter ``name`` at ``scale``, for a SessionConfig."""
+        return LoraSource(path=self.entries[name].path, scale=scale)
+
+    def release(self) -> None:
+        """Lets the adapters go; releasing twice is harmless."""
+        if not self._released:
+            self._released = True
+            self._catalog._release(self.entries)
+
+
+class AdapterCatalog:
+    """Adapter names -> adapters registered with one engine. Thread-safe."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        directory: str | os.PathLike[str] | None,
+        *,
+        reserved_names: Iterable[str] = (),
+        max_download_bytes: int = 256 << 20,
+        download_timeout_s: float = 60.0,
+    ) -> None:
+        """``directory``: the adapters directory (``None``: no loading by path or URL);
+        ``reserved_names``: names no adapter may take (the base model's)."""
+        self._engine = engine
+        self.directory = None
+        if directory is not None:
+            if not Path(directory).is_dir():
+                raise NotFoundError(f"{directory}: no such adapters directory")
+            self.directory = Path(directory).resolve(strict=True)
+        self._reserved = frozenset(reserved_names)
+        self._max_download_bytes = max_download_bytes
+        self._download_timeout_s = download_timeout_s
+        self._entries: dict[str, CatalogEntry] = {}
+        self._pending: set[str] = set()  # names being loaded right now
+        self._leases: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    # -- reading -------------------------------------------------------------------
+
+    def entries(self) -> list[CatalogEntry]:
+        """Every registered adapter, by name."""
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda entry: entry.name)
+
+    def lease(self, names: Iterable[str]) -> Lease:
+        """Holds the adapters ``names`` for one request; ``NotFoundError`` names an unknown one."""
+        with self._lock:
+            entries = {}
+            for name in names:
+                if name not in self._entries:
+                    raise NotFoundError(f"adapter {name!r:.140} is not loaded; GET /v1/models lists what is")
+                entries[name] = self._entries[name]
+            self._leases.update(list(entries))
+        return Lease(self, entries)
+
+    def _release(self, entries: dict[str, CatalogEntry]) -> None:
+        with self._lock:
+            self._leases.subtract(list(entries))
+            for name in entries:
+                if self._leases[name] <= 0:
+                    del self._leases[name]
+
+    # -- loading -------------------------------------------------------------------
+
+    def scan(self) -> list[CatalogEntry]:
+        """Registers every adapter in the adapters directory (hidden files and files of
+        other kinds are skipped); the first one that cannot be registered raises."""
+        if self.directory is None:
+            return []
+        found: dict[str, Path] = {}
+        for path in sorted(self.directory.iterdir()):
+            name = _adapter_name(path)
+            if name is None:
+                continue
+            if name in found:
+                raise AlreadyExistsError(f"{found[name]} and {path} would both be named {name!r}")
+            found[name] = path
+        return [self.load_path(name, path.name) for name, path in found.items()]
+
+    def load_path(self, name: str, lora_path: str, sha256: str | None = None) -> CatalogEntry:
+        """Registers the adapter at ``lora_path`` (relative to the adapters directory, or
+        absolute inside it) as ``name``; with ``sha256``, only if its content has that digest."""
+        self._reserve(name)
+        try:
+            path = self._resolve_inside(lora_path)
+            return self._register(name, path, None if sha256 is None else check_sha256(sha256))
+        finally:
+            self._unreserve(name)
+
+    def load_url(self, name: str, url: str, sha256: str) -> CatalogEntry:
+        """Downloads a ``.tflite`` or GGUF adapter and registers it as ``name``; it is
+        renamed to ``name`` + suffix in the adapters directory only once its SHA-256 matched."""
+        sha256 = check_sha256(sha256)
+        if not isinstance(url, str) or not url:
+            raise InvalidArgumentError("url must be a non-empty string")
+        self._reserve(name)
+        try:
+            directory = self._require_directory("url")
+            temporary = download(url, directory, prefix=name, sha256=sha256,
+                                 max_bytes=self._max_download_bytes, timeout_s=self._download_timeout_s)
+            try:
+                final = directory / f"{name}{adapter_suffix(temporary)}"
+                if final.exists() or final.is_symlink():
+                    raise AlreadyExistsError(f"{final.name} already exists in the adapters directory")
+                os.replace(temporary, final)
+            except BaseException:
+                temporary.unlink(missing_ok=True)
+                raise
+            try:
+                return self._register(name, final)
+            except BaseException:
+                final.unlink(missing_ok=True)
+                raise
+        finally:
+            self._unreserve(name)
+
+    def unload(self, name: str) -> CatalogEntry:
+        """Unregisters ``name`` and frees its buffers; refused while a request uses it.
+        Its file stays in the adapters directory."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                raise NotFoundError(f"adapter {name!r:.140} is not loaded")
+            if self._leases[name] > 0:
+                raise FailedPreconditionError(
+                    f"adapter {name!r} is used by {self._leases[name]} running request(s); unload it when they end"
+                )
+            self._engine.unload_adapter(entry.lora_id)
+            del self._entries[name]
+            return entry
+
+    # -- internals -----------------------------------------------------------------
+
+    def _reserve(self, name: str) -> None:
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise InvalidArgumentError(
+                f"adapter name {name!r:.140}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+        with self._lock:
+            if name in self._reserved:
+                raise AlreadyExistsError(f"{name!r} is the base model's name")
+            if name in self._entries or name in self._pending:
+                raise AlreadyExistsError(f"adapter {name!r} is already loaded; unload it first")
+            self._pending.add(name)
+
+    def _unreserve(self, name: str) -> None:
+        with self._lock:
+            self._pending.discard(name)
+
+    def _register(self, name: str, path: Path, sha256: str | None = None) -> CatalogEntry:
+        started = time.perf_counter()
+        lora_id = self._engine.register_adapter(LoraSource(path=path, sha256=sha256))
+        elapsed = time.perf_counter() - started
+        with self._lock:
+            for other in self._entries.values():
+                if other.lora_id == lora_id:
+                    raise AlreadyExistsError(f"{path.name} is already loaded as adapter {other.name!r}")
+            entry = self._entries[name] = CatalogEntry(name, path, lora_id, elapsed, int(time.time()))
+        return entry
+
+    def _require_directory(self, what: str) -> Path:
+        if self.directory is None:
+            raise FailedPreconditionError(f"loading by {what} needs a server started with --adapters DIR")
+        return self.directory
+
+    def _resolve_inside(self, lora_path: str) -> Path:
+        """``lora_path`` resolved, if it stays inside the adapters directory and is a
+        regular file or a PEFT directory of regular files."""
+        directory = self._require_directory("lora_path")
+        if not isinstance(lora_path, str) or not lora_path or "\x00" in lora_path:
+            raise InvalidArgumentError("lora_path must be a non-empty string without NUL characters")
+        given = Path(lora_path)
+        if ".." in given.parts:
+            raise PermissionDeniedError(f"lora_path {lora_path!r:.200} must not contain '..'")
+        path = _inside(directory, given if given.is_absolute() else directory / given, lora_path)
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            for file in PEFT_FILES:
+                if not (path / file).exists():
+                    raise InvalidArgumentError(f"lora_path {lora_path!r:.200} is a directory without {file}")
+                _regular(_inside(directory, path / file, f"{lora_path}/{file}"), f"{lora_path}/{file}")
+            return path
+        return _regular(path, lora_path)
+
+
+def _inside(directory: Path, path: Path, label: str) -> Path:
+    try:
+        resolved = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise NotFoundError(f"lora_path {label!r:.200}: no such file in the adapters directory") from None
+    except (OSError, RuntimeError) as exc:  # a symlink loop, a name too long...
+        raise InvalidArgumentError(f"lora_path {label!r:.200}: {exc}") from None
+    if not resolved.is_relative_to(directory):
+        raise PermissionDeniedError(f"lora_path {label!r:.200} leads outside the adapters directory")
+    return resolved
+
+
+def _regular(path: Path, label: str) -> Path:
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise PermissionDeniedError(f"lora_path {label!r:.200} is not a regular file (a device, FIFO or socket)")
+    return path
+
+
+def _adapter_name(path: Path) -> str | None:
+    """The catalog name of a directory entry, or None if it is not an adapter to load."""
+    if path.name.startswith("."):
+        return None
+    if path.is_dir():
+        name = path.name if (path / PEFT_FILES[0]).exists() else None
+    else:
+        name = path.stem if path.suffix in ADAPTER_SUFFIXES else None
+    return name if name is not None and NAME_PATTERN.fullmatch(name) else None

@@ -1,0 +1,232 @@
+"""One request's generation on its own Session, in a worker thread, as text deltas.
+
+:class:`GenerationJob` is built on the event loop from a validated request and then runs
+in a worker thread: :meth:`~GenerationJob.prepare` (tokenize, check the context, create
+the session) and :meth:`~GenerationJob.run` (``Session.generate``, with each token turned
+into text as it comes). :meth:`~GenerationJob.cancel` may be called from any thread: the
+generation stops before its next decode step and the session is closed at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from runtime import Engine, LoraSource, SamplerConfig, Session, SessionConfig
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+
+REPLACEMENT_CHARACTER = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+
+
+class TextAssembler:
+    """Generated tokens -> the text deltas that are safe to send now.
+
+    Holds back an incomplete multi-byte character and any tail that could be the start
+    of a stop string; once a stop string appears, the text ends just before it.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+        """``decode``: the tokenizer's ids -> text; ``stop``: strings that end the text."""
+        self._decode = decode
+        self._stop = tuple(s for s in stop if s)
+        self._longest_stop = max(map(len, self._stop), default=0)
+        self._tokens: list[int] = []
+        self._text = ""
+        self._sent = 0
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (up to the stop string, once one appeared)."""
+        return self._text
+
+    def add(self, token: int) -> str:
+        """Takes one generated token; returns the text that may be sent now (maybe '')."""
+        if self.stopped:
+            raise FailedPreconditionError("the text already ended at a stop string")
+        self._tokens.append(token)
+        text = self._text = self._decode(self._tokens)
+        if self._stop:
+            start = max(0, self._sent - self._longest_stop + 1)
+            hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                self._text = text[: min(hits)]
+                return self._flush(len(self._text))
+        if text.endswith(REPLACEMENT_CHARACTER):
+            return ""
+        return self._flush(len(text) - self._stop_prefix_length(text))
+
+    def finish(self) -> str:
+        """The rest of the text, when no more tokens come."""
+        return self._flush(len(self._text))
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that begins some stop string."""
+        for length in range(min(self._longest_stop - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self._stop):
+                return length
+        return 0
+
+    def _flush(self, end: int) -> str:
+        delta = self._text[self._sent : end] if end > self._sent else ""
+        self._sent = max(self._sent, end)
+        return delta
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one HTTP request asks the engine for, already validated."""
+
+    prompt: str | tuple[int, ...]
+    max_tokens: int | None  # None: as many as the context has room for
+    sampler: SamplerConfig
+    stop: tuple[str, ...]
+    loras: tuple[LoraSource, ...]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a generation ended."""
+
+    text: str
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    queue_wait_s: float  # from admission to the worker taking the request
+    time_to_first_token_s: float | None  # from admission to the first token
+    decode_tokens_per_s: float  # tokens after the first, per second
+
+
+class _Cancelled(Exception):
+    """Raised from the token callback when the client went away."""
+
+
+class _StopString(Exception):
+    """Raised from the token callback when a stop string ended the text."""
+
+
+class GenerationJob:
+    """One request on one session: prepare, run, close (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        request: GenerationRequest,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_text`` gets each text delta as it is produced (from the worker thread);
+        ``on_close`` runs once when the job is closed (releasing what it held)."""
+        self._engine = engine
+        self.request = request
+        self._on_text = on_text
+        self._on_close = on_close
+        self._admitted = time.perf_counter()
+        self._cancelled = threading.Event()
+        self._state = threading.Lock()  # guards _session and _closed
+        self._closed = False
+        self._session: Session | None = None
+        self._prompt: list[int] = []
+        self._max_tokens = 0
+        self._queue_wait = 0.0
+        self._token_times: list[float] = []
+        self._assembler = TextAssembler(self._decode, request.stop)
+        self._stop_tokens = frozenset(engine.tokenizer.stop_token_ids)
+
+    def prepare(self) -> None:
+        """Tokenizes the prompt, checks that it and ``max_tokens`` fit the context, and
+        creates the session (registering nothing new: the adapters are the catalog's)."""
+        self._queue_wait = time.perf_counter() - self._admitted
+        prompt = self.request.prompt
+        self._prompt = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not self._prompt:
+            raise InvalidArgumentError("the prompt is empty: it needs at least one token")
+        context = self._engine.spec.kv_length
+        room = context - len(self._prompt)
+        if room < 1:
+            raise ResourceExhaustedError(
+                f"the prompt has {len(self._prompt)} tokens: the model's context of {context} tokens "
+                "leaves no room to generate"
+            )
+        max_tokens = self.request.max_tokens if self.request.max_tokens is not None else room
+        if max_tokens > room:
+            raise ResourceExhaustedError(
+                f"the prompt has {len(self._prompt)} tokens and max_tokens is {max_tokens}: "
+                f"{len(self._prompt) + max_tokens} exceeds the model's context of {context} tokens"
+            )
+        self._max_tokens = max_tokens
+        session = self._engine.create_session(SessionConfig(loras=self.request.loras))
+        with self._state:
+            if not self._closed:
+                self._session = session
+                return
+        session.close()
+        raise FailedPreconditionError("the request ended before it ran")
+
+    def run(self) -> Outcome:
+        """Generates on the prepared session, sending text as it comes; closes the job."""
+        try:
+            if self._session is None:
+                raise FailedPreconditionError("run() before prepare()")
+            try:
+                result = self._session.generate(
+                    self._prompt, self._max_tokens, sampler=self.request.sampler, on_token=self._on_token
+                )
+                finish_reason = "stop" if result.stop_reason == "stop_token" else "length"
+            except _StopString:
+                finish_reason = "stop"
+            except _Cancelled:
+                finish_reason = "cancelled"
+        finally:
+            self.close()
+        if finish_reason != "cancelled":
+            self._send(self._assembler.finish())
+        times = self._token_times
+        return Outcome(
+            text=self._assembler.text,
+            finish_reason=finish_reason,
+            prompt_tokens=len(self._prompt),
+            completion_tokens=len(times),
+            queue_wait_s=self._queue_wait,
+            time_to_first_token_s=times[0] - self._admitted if times else None,
+            decode_tokens_per_s=(len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0]
+            else 0.0,
+        )
+
+    def cancel(self) -> None:
+        """Stops the generation before its next step (any thread; harmless when done)."""
+        self._cancelled.set()
+
+    def close(self) -> None:
+        """Closes the session and releases what the job held; closing twice is harmless."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            session = self._session
+        if session is not None:
+            session.close()
+        if self._on_close is not None:
+            self._on_close()
+
+    def _on_token(self, token: int) -> None:
+        self._token_times.append(time.perf_counter())
+        if self._cancelled.is_set():
+            raise _Cancelled
+        if token in self._stop_tokens:
+            return  # generate() ends after it; it is not part of the text
+        self._send(self._assembler.add(token))
+        if self._assembler.stopped:
+            raise _StopString
+
+    def _send(self, delta: str) -> None:
+        if delta and self._on_text is not None:
+            self._on_text(delta)
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self._engine.tokenizer.decode(tokens)

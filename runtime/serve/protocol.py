@@ -1,0 +1,268 @@
+"""The OpenAI API's request bodies (validated strictly) and response shapes, including the
+server-sent events of ``stream: true`` exactly as OpenAI clients parse them."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.serve.errors import ApiError, bad_request
+from runtime.serve.generation import Outcome
+
+MAX_SCALE = 100.0  # |scale| of one adapter in a blend; beyond it float32 weights lose all meaning
+MAX_BLEND = 8  # adapters in one request's lora list
+MAX_STOP = 4  # stop strings, as OpenAI allows
+
+# Fields OpenAI defines that this server does not implement: accepted only at their
+# neutral value (or null), so that no request is silently answered differently.
+UNSUPPORTED = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+}
+
+
+class _Body(BaseModel):
+    # strict: no "5" for 5, no 5.0 for an integer, no 1 for true; unknown fields are kept
+    # in model_extra so that UNSUPPORTED can be checked, and otherwise ignored.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class LoraWeight(BaseModel):
+    """One adapter of a request's blend."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=300)
+    scale: float = Field(1.0, ge=-MAX_SCALE, le=MAX_SCALE, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: whether the stream ends with a usage chunk."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool | None = False
+
+
+class _GenerationBody(_Body):
+    model: str = Field(min_length=1, max_length=300)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    lora: list[LoraWeight] | None = Field(None, max_length=MAX_BLEND)
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """Refuses fields this server does not implement, unless they have their neutral value."""
+        for key, value in (self.model_extra or {}).items():
+            allowed = UNSUPPORTED.get(key)
+            if allowed is None or value is None:
+                continue
+            if not any(type(value) is type(neutral) and value == neutral for neutral in allowed):
+                raise bad_request(f"{key}={json.dumps(value)[:80]} is not supported by this server", param=key,
+                                  code="unsupported_parameter")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of non-empty strings (at most four)."""
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"stop has {len(stops)} strings; at most {MAX_STOP} are allowed", param="stop")
+        if any(not s for s in stops):
+            raise bad_request("stop strings must not be empty", param="stop")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionBody(_GenerationBody):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str]
+
+    def prompt_value(self) -> str | tuple[int, ...]:
+        """The one prompt: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise bad_request(f"prompt holds {len(prompt)} prompts; send one per request", param="prompt")
+            return prompt[0]
+        return tuple(prompt)
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are understood."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str = Field(max_length=32)
+    content: str | list[ContentPart] | None = None
+
+    def as_template_input(self, index: int) -> dict[str, str]:
+        """``{"role", "content"}`` with the content as one string (``developer`` is ``system``)."""
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{index}] has a {part.type!r:.40} part; only text is supported",
+                                      param=f"messages.{index}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = self.content or ""
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatBody(_GenerationBody):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def token_limit(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class LoadAdapterBody(BaseModel):
+    """``POST /v1/load_lora_adapter``: a path inside the adapters directory, or a URL with its SHA-256."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=300)
+    lora_path: str | None = Field(None, min_length=1, max_length=4096)
+    url: str | None = Field(None, min_length=1, max_length=8192)
+    sha256: str | None = None
+
+    def check(self) -> None:
+        """Exactly one of ``lora_path`` and ``url``; ``url`` needs ``sha256``."""
+        if (self.lora_path is None) == (self.url is None):
+            raise bad_request("give exactly one of lora_path and url", param="lora_path")
+        if self.url is not None and self.sha256 is None:
+            raise bad_request("loading from a url needs the file's sha256", param="sha256")
+
+
+class UnloadAdapterBody(BaseModel):
+    """``POST /v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=300)
+
+
+def validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """The first of pydantic's complaints about a body as a 400 that names the field."""
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        context = first.get("ctx", {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON: {context}".rstrip(": "), code="invalid_json")
+    message = str(first.get("msg", "invalid value"))
+    if param is None:
+        return bad_request(f"the request body must be a JSON object: {message}")
+    if first.get("type") == "missing":
+        return bad_request(f"{param} is required", param=param, code="missing_field")
+    return bad_request(f"{param}: {message}", param=param)
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: ``data: ...`` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The response shapes of one request: a whole completion, or the chunks of a stream."""
+
+    chat: bool
+    model: str
+    id: str = field(default="")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}")
+
+    def whole(self, outcome: Outcome) -> dict:
+        """The non-streaming answer."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
+                      "finish_reason": outcome.finish_reason}
+        else:
+            choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(outcome)}
+
+    def opening(self) -> dict | None:
+        """The first chunk of a chat stream (the assistant's role); None for completions."""
+        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+
+    def delta(self, text: str) -> dict:
+        """A chunk carrying more text."""
+        return self._chunk({"content": text} if self.chat else text, None)
+
+    def closing(self, finish_reason: str) -> dict:
+        """The chunk with the finish reason."""
+        return self._chunk({} if self.chat else "", finish_reason)
+
+    def usage_chunk(self, outcome: Outcome) -> dict:
+        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+        return {**self._head(self._chunk_object), "choices": [], "usage": usage(outcome)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, content: dict | str, finish_reason: str | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(self._chunk_object), "choices": [choice]}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def usage(outcome: Outcome) -> dict:
+    """OpenAI's usage counts."""
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}

@@ -1,0 +1,665 @@
+"""The OpenAI-compatible server (runtime.serve), driven by the real ``openai`` client against
+servers started on free loopback ports, on the bundled demo model.
+
+Every greedy answer is compared with what ``Session.generate`` gives offline, on another
+engine of the same model, for the same request; never with fixed strings (the demo model
+may be retrained).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import http.server
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from runtime import ByteTokenizer, Engine, LoraSource, SamplerConfig, SessionConfig  # noqa: E402
+from runtime.cli.main import build_parser  # noqa: E402
+from runtime.errors import StatusError  # noqa: E402
+from runtime.serve.app import ServeSettings, create_app  # noqa: E402
+from runtime.serve.catalog import AdapterCatalog  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = Path(str(resources.files("runtime") / "demo_assets"))
+MODEL = DEMO / "model.tflite"
+NEWLINE = 10
+KEY = "test-key-0123"
+TEMPLATE = '{{ messages[-1].content + "\\n" }}'  # the demo's prompt format: the line, then a newline
+ADAPTERS = ("uppercase", "no_vowels", "json")
+PROMPTS = ("hello world\n", "the cat sat\n", "green tea\n")
+TINY_MODEL = ROOT / "tests" / "models" / "gqa_default.tflite"  # random weights, vocab 256, KV 64
+TINY_ADAPTER_DIR = ROOT / "tests" / "models" / "adapters"
+TINY_ADAPTERS = ("torch_r4", "litertlm_r4")
+
+
+@dataclass
+class Served:
+    """A server running in a thread of this process."""
+
+    url: str
+    engine: Engine
+    adapters: Path
+
+    def client(self, key: str = KEY, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=30, **options)
+
+    def call(self, path: str, body: object = None, *, key: str | None = KEY, raw: bytes | None = None,
+             method: str | None = None, content_type: str = "application/json") -> tuple[int, dict]:
+        """A request without the openai client: status and JSON body."""
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            request.add_header("Content-Type", content_type)
+        if key is not None:
+            request.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                status, payload = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, payload = error.code, error.read()
+        try:
+            return status, json.loads(payload)
+        except json.JSONDecodeError:
+            return status, {"text": payload.decode(errors="replace")}
+
+    def live_sessions(self) -> int:
+        return len(self.engine.stats().sessions)
+
+    def wait_until_idle(self, seconds: float = 5.0) -> float:
+        """Seconds until the server's engine has no live session (fails past ``seconds``)."""
+        started = time.perf_counter()
+        while self.live_sessions():
+            assert time.perf_counter() - started < seconds, f"{self.live_sessions()} sessions still open"
+            time.sleep(0.005)
+        return time.perf_counter() - started
+
+
+def start_server(engine: Engine, adapters: Path | None, settings: ServeSettings, **catalog_options):
+    catalog = AdapterCatalog(engine, adapters, reserved_names=[settings.model_name], **catalog_options)
+    catalog.scan()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, catalog, settings), log_level="critical"))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The value of one series on a Prometheus page (labels in any order)."""
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        metric_name, _, label_text = series.partition("{")
+        if metric_name == name and dict(re.findall(r'(\w+)="([^"]*)"', label_text)) == labels:
+            return float(value)
+    return None
+
+
+def stop_server(server, thread) -> None:
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    adapters = tmp_path_factory.mktemp("adapters")
+    for name in ADAPTERS:
+        shutil.copy(DEMO / "adapters" / f"{name}.tflite", adapters)
+    engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]), chat_template=TEMPLATE)
+    server, thread, url = start_server(engine, adapters, ServeSettings("demo", api_key=KEY, max_concurrent=8),
+                                       max_download_bytes=200_000)
+    yield Served(url, engine, adapters)
+    stop_server(server, thread)
+    engine.close()
+
+
+class SlowByteTokenizer(ByteTokenizer):
+    """Byte tokens, no stop token, and decoding that takes 50 ms: a generation lasts long
+    enough for a test to act while it runs."""
+
+    def decode(self, ids):
+        time.sleep(0.05)
+        return super().decode(ids)
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory):
+    """A server on the tiny test model (rank slots 4 and 16, so two rank-4 adapters blend)
+    whose generations take ~50 ms a token, at most 2 running, no chat template."""
+    adapters = tmp_path_factory.mktemp("slow_adapters")
+    for name in TINY_ADAPTERS:
+        shutil.copy(TINY_ADAPTER_DIR / f"{name}.tflite", adapters)
+    engine = Engine(TINY_MODEL, tokenizer=SlowByteTokenizer())
+    server, thread, url = start_server(engine, adapters, ServeSettings("slow", max_concurrent=2))
+    yield Served(url, engine, adapters)
+    stop_server(server, thread)
+    engine.close()
+
+
+def reference(model: Path, adapters: Path, stop_token_ids=(), chat_template=None):
+    """Session.generate on another engine of the same model: the reference answers."""
+    engine = Engine(model, tokenizer=ByteTokenizer(stop_token_ids=stop_token_ids), chat_template=chat_template)
+
+    def generate(prompt, loras=(), max_tokens=16, **sampler):
+        sources = [LoraSource(path=adapters / f"{name}.tflite", scale=scale) for name, scale in loras]
+        with engine.create_session(SessionConfig(loras=sources)) as session:
+            return session.generate(prompt, max_tokens, sampler=SamplerConfig(**sampler))
+
+    generate.engine = engine
+    return generate
+
+
+@pytest.fixture(scope="module")
+def offline():
+    generate = reference(MODEL, DEMO / "adapters", [NEWLINE], TEMPLATE)
+    yield generate
+    generate.engine.close()
+
+
+@pytest.fixture(scope="module")
+def offline_tiny():
+    generate = reference(TINY_MODEL, TINY_ADAPTER_DIR)
+    yield generate
+    generate.engine.close()
+
+
+# -- answers equal offline ---------------------------------------------------------
+
+
+def test_models_lists_the_base_and_every_adapter_with_its_parent(served):
+    models = {m.id: m for m in served.client().models.list().data}
+    assert set(models) == {"demo", *ADAPTERS}
+    assert models["demo"].model_extra["parent"] is None
+    for name in ADAPTERS:
+        assert models[name].model_extra["parent"] == "demo"
+        assert models[name].model_extra["root"] == str(served.adapters / f"{name}.tflite")
+
+
+@pytest.mark.parametrize("model,loras", [("demo", ()), ("uppercase", [("uppercase", 1.0)]),
+                                         ("demo::no_vowels", [("no_vowels", 1.0)]), ("json", [("json", 1.0)])])
+def test_completion_equals_offline(served, offline, model, loras):
+    client = served.client()
+    for prompt in PROMPTS:
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0)
+        expected = offline(prompt, loras, 48)
+        choice = answer.choices[0]
+        assert choice.text == expected.text
+        assert choice.finish_reason == ("stop" if expected.stop_reason == "stop_token" else "length")
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt.encode()),
+                                                                                len(expected.tokens))
+        assert answer.model == model
+
+
+def test_completion_from_token_ids_and_hitting_max_tokens(served, offline):
+    ids = list(b"the cat sat\n")
+    answer = served.client().completions.create(model="uppercase", prompt=ids, max_tokens=3, temperature=0)
+    expected = offline(ids, [("uppercase", 1.0)], 3)
+    assert answer.choices[0].text == expected.text and answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 3
+
+
+def test_chat_equals_offline_through_the_template(served, offline):
+    messages = [{"role": "system", "content": "ignored by this template"}, {"role": "user", "content": "green tea"}]
+    answer = served.client().chat.completions.create(model="demo::uppercase", messages=messages, temperature=0)
+    prompt = offline.engine.chat_template.render(messages)
+    expected = offline(prompt, [("uppercase", 1.0)], 256 - len(prompt.encode()))  # default: the rest of the context
+    assert answer.choices[0].message.content == expected.text
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.prompt_tokens == len(prompt.encode())
+
+
+def test_streaming_completion_and_chat_equal_offline(served, offline):
+    client = served.client()
+    chunks = list(client.completions.create(model="json", prompt="green tea\n", max_tokens=60, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    expected = offline("green tea\n", [("json", 1.0)], 60)
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert len(pieces) > 2, "the text came in one piece, not streamed"
+    assert "".join(pieces) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(expected.tokens) and not chunks[-1].choices
+
+    stream = client.chat.completions.create(model="no_vowels", messages=[{"role": "user", "content": "my blue kite"}],
+                                            max_tokens=40, temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == offline("my blue kite\n", [("no_vowels", 1.0)], 40).text
+
+
+def test_a_blend_per_request_equals_offline(slow, offline_tiny):
+    client = slow.client()
+    prompt = [5, 17, 42]
+    blend = [{"name": "torch_r4", "scale": 0.6}, {"name": "litertlm_r4", "scale": -0.4}]
+    answer = client.completions.create(model="slow", prompt=prompt, max_tokens=6, temperature=0,
+                                       extra_body={"lora": blend})
+    expected = offline_tiny(prompt, [("torch_r4", 0.6), ("litertlm_r4", -0.4)], 6)
+    assert answer.choices[0].text == expected.text and answer.usage.completion_tokens == 6
+    assert expected.tokens != offline_tiny(prompt, [], 6).tokens  # the blend changes the answer
+    # the model's adapter at scale 1 plus the lora list
+    answer = client.completions.create(model="litertlm_r4", prompt=prompt, max_tokens=6, temperature=0,
+                                       extra_body={"lora": [{"name": "torch_r4", "scale": 0.5}]})
+    assert answer.choices[0].text == offline_tiny(prompt, [("litertlm_r4", 1.0), ("torch_r4", 0.5)], 6).text
+
+
+def test_a_blend_beyond_the_models_rank_slots_is_refused(served):
+    with pytest.raises(openai.BadRequestError, match="rank 16"):  # the demo model has rank-8 slots only
+        served.client().completions.create(model="demo", prompt="hi\n", max_tokens=4, extra_body={
+            "lora": [{"name": "uppercase", "scale": 0.5}, {"name": "json", "scale": 0.5}]})
+
+
+def test_seeded_sampling_equals_offline(served, offline):
+    client = served.client()
+    for seed in (1, 2, 3):
+        answer = client.completions.create(model="uppercase", prompt="the cat sat\n", max_tokens=20,
+                                           temperature=1.3, top_p=0.95, seed=seed)
+        expected = offline("the cat sat\n", [("uppercase", 1.0)], 20, temperature=1.3, top_p=0.95, seed=seed)
+        assert answer.choices[0].text == expected.text
+
+
+def test_stop_strings_end_the_text_before_them(served, offline):
+    client = served.client()
+    full = offline("hello world\n", [("json", 1.0)], 60).text
+    stop = full[8:11]  # a stop string that appears part-way through the answer
+    cut = full[: full.index(stop)]
+    answer = client.completions.create(model="json", prompt="hello world\n", max_tokens=60, temperature=0,
+                                       stop=[stop, "never appears"])
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (cut, "stop")
+    streamed = client.completions.create(model="json", prompt="hello world\n", max_tokens=60, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+# -- adapters over HTTP ------------------------------------------------------------
+
+
+def test_load_use_and_unload_an_adapter_from_a_path(served, offline):
+    shutil.copy(DEMO / "adapters" / "uppercase.tflite", served.adapters / "shout.tflite")
+    status, card = served.call("/v1/load_lora_adapter", {"lora_name": "shout", "lora_path": "shout.tflite"})
+    assert status == 200 and (card["id"], card["parent"]) == ("shout", "demo")
+    client = served.client()
+    assert "shout" in {m.id for m in client.models.list().data}
+    answer = client.completions.create(model="demo::shout", prompt="green tea\n", max_tokens=30, temperature=0)
+    assert answer.choices[0].text == offline("green tea\n", [("uppercase", 1.0)], 30).text
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "shout"}) == (
+        200, {"id": "shout", "object": "model", "deleted": True})
+    with pytest.raises(openai.NotFoundError, match="shout"):
+        client.completions.create(model="shout", prompt="green tea\n", max_tokens=3)
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "shout"})[0] == 404
+
+
+@pytest.fixture(scope="module")
+def files_on_loopback(tmp_path_factory):
+    """A plain HTTP server on 127.0.0.1 serving a folder: where adapters are downloaded from."""
+    folder = tmp_path_factory.mktemp("www")
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield folder, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_load_an_adapter_from_a_url(served, offline, files_on_loopback):
+    folder, base_url = files_on_loopback
+    blob = (DEMO / "adapters" / "no_vowels.tflite").read_bytes()
+    (folder / "nv.bin").write_bytes(blob)
+    digest = hashlib.sha256(blob).hexdigest()
+    status, card = served.call("/v1/load_lora_adapter",
+                               {"lora_name": "fetched", "url": f"{base_url}/nv.bin", "sha256": digest})
+    assert status == 200, card
+    assert (served.adapters / "fetched.tflite").read_bytes() == blob  # renamed into the catalog's folder
+    answer = served.client().completions.create(model="fetched", prompt="the cat sat\n", max_tokens=30,
+                                                temperature=0)
+    assert answer.choices[0].text == offline("the cat sat\n", [("no_vowels", 1.0)], 30).text
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "fetched"})[0] == 200
+
+
+def test_a_download_that_fails_a_check_leaves_nothing_behind(served, files_on_loopback):
+    folder, base_url = files_on_loopback
+    blob = (DEMO / "adapters" / "json.tflite").read_bytes()
+    (folder / "json.bin").write_bytes(blob)
+    (folder / "big.bin").write_bytes(blob + bytes(100_000))  # past the fixture's 200,000-byte cap
+    (folder / "text.bin").write_bytes(b"not an adapter at all")
+    before = sorted(os.listdir(served.adapters))
+    cases = [
+        ({"url": f"{base_url}/json.bin", "sha256": "0" * 64}, 400, "SHA-256"),
+        ({"url": f"{base_url}/big.bin", "sha256": hashlib.sha256(blob + bytes(100_000)).hexdigest()}, 400, "cap"),
+        ({"url": f"{base_url}/missing.bin", "sha256": "0" * 64}, 400, "HTTP 404"),
+        ({"url": f"{base_url}/text.bin", "sha256": hashlib.sha256(b"not an adapter at all").hexdigest()}, 400,
+         "neither"),
+        ({"url": f"file://{DEMO}/adapters/json.tflite", "sha256": "0" * 64}, 400, "http"),
+        ({"url": f"{base_url}/json.bin"}, 400, "sha256"),
+        ({"url": f"{base_url}/json.bin", "sha256": "xyz"}, 400, "64 hex"),
+    ]
+    for fields, status, words in cases:
+        got, body = served.call("/v1/load_lora_adapter", {"lora_name": "broken", **fields})
+        assert got == status and words in body["error"]["message"], (fields, body)
+    assert sorted(os.listdir(served.adapters)) == before  # no temporary file, no half-registered adapter
+    assert "broken" not in {m.id for m in served.client().models.list().data}
+
+
+# -- safe by default ----------------------------------------------------------------
+
+
+def test_keys_are_required_except_for_health(served):
+    assert served.call("/health", key=None) == (200, {"status": "ok"})
+    for key in (None, "wrong", KEY + "x", ""):
+        status, body = served.call("/v1/models", key=key)
+        assert (status, body["error"]["code"]) == (401, "invalid_api_key")
+    with pytest.raises(openai.AuthenticationError):
+        served.client(key="wrong").completions.create(model="demo", prompt="hi", max_tokens=2)
+    assert served.call("/metrics", key=None)[0] == 401
+
+
+def test_path_checks_on_load(served, tmp_path):
+    outside = tmp_path / "outside.tflite"
+    shutil.copy(DEMO / "adapters" / "json.tflite", outside)
+    (served.adapters / "escape.tflite").symlink_to(outside)
+    (served.adapters / "sub").mkdir(exist_ok=True)
+    os.mkfifo(served.adapters / "pipe.tflite")
+    try:
+        for lora_path, status in [("../outside.tflite", 403), (str(outside), 403), ("escape.tflite", 403),
+                                  ("sub/../../outside.tflite", 403), ("pipe.tflite", 403), ("nothing.tflite", 404),
+                                  ("sub", 400), ("bad\u0000name", 400)]:
+            got, body = served.call("/v1/load_lora_adapter", {"lora_name": "probe", "lora_path": lora_path})
+            assert got == status, (lora_path, body)
+            assert body["error"]["message"]
+    finally:
+        (served.adapters / "escape.tflite").unlink()
+        (served.adapters / "pipe.tflite").unlink()
+        (served.adapters / "sub").rmdir()
+
+
+def _catalogue(served) -> list[tuple[str, dict]]:
+    """(description, request) pairs of malformed requests, each answered with a 4xx."""
+    completions = "/v1/completions"
+    good = {"model": "demo", "prompt": "hi\n", "max_tokens": 4}
+    return [
+        ("bad JSON", {"path": completions, "raw": b'{"model": "demo", "prompt": '}),
+        ("not an object", {"path": completions, "raw": b"[1, 2, 3]"}),
+        ("form encoded", {"path": completions, "raw": b"model=demo", "content_type": "application/x-www-form-urlencoded"}),
+        ("missing model", {"path": completions, "body": {"prompt": "hi"}}),
+        ("model is a number", {"path": completions, "body": {**good, "model": 7}}),
+        ("max_tokens as a string", {"path": completions, "body": {**good, "max_tokens": "5"}}),
+        ("max_tokens as a float", {"path": completions, "body": {**good, "max_tokens": 5.5}}),
+        ("negative max_tokens", {"path": completions, "body": {**good, "max_tokens": -1}}),
+        ("zero max_tokens", {"path": completions, "body": {**good, "max_tokens": 0}}),
+        ("huge max_tokens", {"path": completions, "body": {**good, "max_tokens": 10**30}}),
+        ("huge temperature", {"path": completions, "raw": json.dumps({**good, "temperature": 1e308}).encode()}),
+        ("infinite temperature", {"path": completions, "raw": b'{"model": "demo", "prompt": "hi", "temperature": 1e999}'}),
+        ("NaN top_p", {"path": completions, "raw": b'{"model": "demo", "prompt": "hi", "top_p": NaN}'}),
+        ("temperature as a string", {"path": completions, "body": {**good, "temperature": "hot"}}),
+        ("huge seed", {"path": completions, "body": {**good, "seed": 2**70}}),
+        ("negative seed", {"path": completions, "body": {**good, "seed": -1}}),
+        ("stream as a string", {"path": completions, "body": {**good, "stream": "yes"}}),
+        ("prompt as a number", {"path": completions, "body": {**good, "prompt": 5}}),
+        ("empty prompt", {"path": completions, "body": {**good, "prompt": ""}}),
+        ("token id outside the vocabulary", {"path": completions, "body": {**good, "prompt": [300, 1]}}),
+        ("two prompts", {"path": completions, "body": {**good, "prompt": ["a", "b"]}}),
+        ("n=2", {"path": completions, "body": {**good, "n": 2}}),
+        ("logprobs", {"path": completions, "body": {**good, "logprobs": 3}}),
+        ("five stop strings", {"path": completions, "body": {**good, "stop": ["a", "b", "c", "d", "e"]}}),
+        ("empty stop string", {"path": completions, "body": {**good, "stop": [""]}}),
+        ("unknown model", {"path": completions, "body": {**good, "model": "gpt-4"}}),
+        ("unknown base", {"path": completions, "body": {**good, "model": "other::uppercase"}}),
+        ("unknown adapter after ::", {"path": completions, "body": {**good, "model": "demo::nope"}}),
+        ("unknown adapter in lora", {"path": completions, "body": {**good, "lora": [{"name": "nope", "scale": 1}]}}),
+        ("adapter twice", {"path": completions, "body": {**good, "model": "json", "lora": [{"name": "json"}]}}),
+        ("lora scale too large", {"path": completions, "body": {**good, "lora": [{"name": "json", "scale": 1e300}]}}),
+        ("lora with a wrong field", {"path": completions, "body": {**good, "lora": [{"id": 0, "scale": 1}]}}),
+        ("lora name as a number", {"path": completions, "body": {**good, "lora": [{"name": 3}]}}),
+        ("messages as a string", {"path": "/v1/chat/completions", "body": {"model": "demo", "messages": "hi"}}),
+        ("no messages", {"path": "/v1/chat/completions", "body": {"model": "demo", "messages": []}}),
+        ("unknown role", {"path": "/v1/chat/completions",
+                          "body": {"model": "demo", "messages": [{"role": "wizard", "content": "hi"}]}}),
+        ("image content", {"path": "/v1/chat/completions", "body": {"model": "demo", "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}}),
+        ("wrong key", {"path": completions, "body": good, "key": "nope"}),
+        ("no key", {"path": completions, "body": good, "key": None}),
+        ("unknown endpoint", {"path": "/v1/engines", "body": good}),
+        ("GET on a POST endpoint", {"path": completions, "method": "GET"}),
+        ("load: both path and url", {"path": "/v1/load_lora_adapter",
+                                     "body": {"lora_name": "x", "lora_path": "a", "url": "http://127.0.0.1:1/"}}),
+        ("load: a name taken", {"path": "/v1/load_lora_adapter", "body": {"lora_name": "json", "lora_path": "json.tflite"}}),
+        ("load: the base's name", {"path": "/v1/load_lora_adapter", "body": {"lora_name": "demo", "lora_path": "json.tflite"}}),
+        ("load: a bad name", {"path": "/v1/load_lora_adapter", "body": {"lora_name": "../x", "lora_path": "json.tflite"}}),
+        ("load: the same file under a second name",
+         {"path": "/v1/load_lora_adapter", "body": {"lora_name": "json2", "lora_path": "json.tflite"}}),
+        ("load: traversal", {"path": "/v1/load_lora_adapter", "body": {"lora_name": "x", "lora_path": "../../etc/passwd"}}),
+        ("load: not an adapter", {"path": "/v1/load_lora_adapter", "body": {"lora_name": "x", "lora_path": "/etc/passwd"}}),
+        ("unload: unknown", {"path": "/v1/unload_lora_adapter", "body": {"lora_name": "nope"}}),
+        ("unload: wrong type", {"path": "/v1/unload_lora_adapter", "body": {"lora_name": 5}}),
+    ]
+
+
+def test_malformed_requests_get_a_clear_4xx_and_do_not_disturb_others(served, offline):
+    expected = offline("the cat sat\n", [("uppercase", 1.0)], 30).text
+    answers: list[str] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def steady_client() -> None:  # good requests all along
+        client = served.client()
+        try:
+            while not stop.is_set():
+                request = {"model": "uppercase", "prompt": "the cat sat\n", "max_tokens": 30, "temperature": 0}
+                if len(answers) % 2:
+                    stream = client.completions.create(**request, stream=True)
+                    answers.append("".join(chunk.choices[0].text for chunk in stream))
+                else:
+                    answers.append(client.completions.create(**request).choices[0].text)
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    thread = threading.Thread(target=steady_client)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not answers and not failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answered_before = len(answers)
+        for description, request in _catalogue(served):
+            path = request.pop("path")
+            status, body = served.call(path, request.get("body"), key=request.get("key", KEY),
+                                       raw=request.get("raw"), method=request.get("method"),
+                                       content_type=request.get("content_type", "application/json"))
+            assert 400 <= status < 500, (description, status, body)
+            error = body.get("error", {})
+            assert error.get("message") and error.get("type"), (description, body)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not failures, failures
+    assert len(answers) > answered_before > 0 and set(answers) == {expected}
+    assert served.call("/health") == (200, {"status": "ok"})
+    served.wait_until_idle()
+
+
+def test_a_body_past_the_cap_gets_413_before_it_is_read(served):
+    port = int(served.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n"
+                           b"Content-Length: 2000000\r\n\r\n{")
+        answer = connection.makefile("rb").read()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_the_catalogue_answers_with_the_numbers(served):
+    status, body = served.call("/v1/completions", {"model": "demo", "prompt": "hi\n", "max_tokens": 10**30})
+    message = body["error"]["message"]
+    assert status == 400 and "3 tokens" in message and str(10**30) in message and "256" in message
+    status, body = served.call("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": -1})
+    assert (status, body["error"]["param"]) == (400, "max_tokens")
+    status, body = served.call("/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+
+
+def test_chat_without_a_template_is_refused_clearly(slow):
+    status, body = slow.call("/v1/chat/completions", {"model": "slow", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and "--chat-template" in body["error"]["message"]
+
+
+def test_a_client_that_goes_away_frees_its_session_at_once(slow):
+    client = slow.client()
+    stream = client.completions.create(model="torch_r4", prompt="hello\n", max_tokens=50, temperature=0,
+                                       stream=True)
+    next(iter(stream))
+    assert slow.live_sessions() == 1
+    stream.close()  # mid-stream: 50 tokens at ~50 ms each would take 2.5 s
+    assert slow.wait_until_idle(seconds=1.0) < 1.0
+    # the same for a request that does not stream
+    with socket.create_connection(("127.0.0.1", int(slow.url.rsplit(":", 1)[1]))) as connection:
+        body = json.dumps({"model": "slow", "prompt": "hello\n", "max_tokens": 50}).encode()
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 5
+        while not slow.live_sessions():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    assert slow.wait_until_idle(seconds=1.0) < 1.0
+    metrics = slow.call("/metrics")[1]["text"]
+    for model in ("torch_r4", "slow"):
+        assert metric(metrics, "runtime_generations_total", model=model, finish_reason="cancelled") == 1
+
+
+def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
+    client = slow.client()
+    streams = [client.completions.create(model="torch_r4", prompt="hi\n", max_tokens=50, stream=True)
+               for _ in range(2)]
+    for stream in streams:
+        next(iter(stream))
+    with pytest.raises(openai.RateLimitError, match="max-concurrent"):
+        client.completions.create(model="slow", prompt="hi\n", max_tokens=2)
+    status, body = slow.call("/v1/unload_lora_adapter", {"lora_name": "torch_r4"})
+    assert (status, body["error"]["type"]) == (409, "conflict_error") and "2 running" in body["error"]["message"]
+    for stream in streams:
+        stream.close()
+    slow.wait_until_idle()
+    assert client.completions.create(model="slow", prompt="hi\n", max_tokens=2).usage.completion_tokens == 2
+    assert slow.call("/v1/unload_lora_adapter", {"lora_name": "torch_r4"})[0] == 200
+
+
+def test_metrics_report_adapters_and_requests(served):
+    client = served.client()
+    client.completions.create(model="uppercase", prompt="hi\n", max_tokens=5, temperature=0)
+    status, body = served.call("/metrics")
+    text = body["text"]
+    assert status == 200
+    assert metric(text, "runtime_adapter_resident", adapter="uppercase") == 1
+    assert metric(text, "runtime_adapter_sessions", adapter="json") == 0
+    assert metric(text, "runtime_adapter_load_seconds", adapter="no_vowels") > 0
+    assert metric(text, "runtime_adapter_switch_seconds", quantile="0.5") >= 0
+    assert metric(text, "runtime_generated_tokens_total", model="uppercase") >= 5
+    assert metric(text, "runtime_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert metric(text, "runtime_running_requests") == 0
+    for name in ("runtime_queue_wait_seconds_count", "runtime_time_to_first_token_seconds_count",
+                 "runtime_residency_hits_total", "runtime_running_requests_at_admission_count",
+                 "runtime_decode_tokens_per_second_count"):
+        assert metric(text, name) >= 1, name
+
+
+# -- the command -------------------------------------------------------------------
+
+
+def serve_command(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "runtime", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_the_serve_command_refuses_bad_input_with_one_line():
+    process = serve_command("--model", str(MODEL))
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and err.startswith("error:") and "needs a tokenizer" in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--byte-tokens", "--adapters", "/no/such/dir"], "/no/such/dir"),
+    (["--stop-token", "10"], "--stop-token goes with --byte-tokens"),
+    (["--byte-tokens", "--chat-template", "/no/such.jinja"], "/no/such.jinja"),
+    (["--byte-tokens", "--max-concurrent", "0"], "max_concurrent"),
+    (["--byte-tokens", "--port", "70000"], "--port"),
+])
+def test_the_serve_command_checks_its_arguments(args, words):
+    parsed = build_parser().parse_args(["serve", "--model", str(MODEL), *args])
+    with pytest.raises(StatusError, match=re.escape(words)):
+        parsed.run(parsed)
+
+
+def test_the_api_key_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RUNTIME_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve", "--model", "m"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--model", "m", "--api-key", "k"]).api_key == "k"
+
+
+def test_serve_without_the_extra_says_what_to_install():
+    code = ("import sys; sys.modules['uvicorn'] = None; sys.modules['fastapi'] = None\n"
+            "import runtime, runtime.cli.main\n"
+            f"sys.exit(runtime.cli.main.main(['serve', '--model', {str(MODEL)!r}, '--byte-tokens']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "pip install 'runtime[serve]'" in done.stderr, done.stderr
+
+
+def test_the_readme_serving_examples_run_as_written(tmp_path, offline):
+    section = (ROOT / "README.md").read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
+    setup, curl = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (client_code,) = re.findall(r"```py\n(.*?)```", section, re.S)
+    template = tmp_path / "demo_chat.jinja"
+    lines = [line.split("#")[0] for line in setup.replace("\\\n", " ").splitlines() if "pip install" not in line]
+    subprocess.run(["bash", "-c", lines[0].replace("demo_chat.jinja", str(template))], check=True, cwd=tmp_path)
+    command = lines[1].replace("demo_chat.jinja", str(template)).split() + ["--port", "0"]
+    assert command[:3] == ["python3", "-m", "runtime"]
+    process = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.PIPE)
+    try:
+        line = process.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        assert "4 adapters: json, no_vowels, uppercase, uppercase_litertlm" in line and "API key required" in line
+        if shutil.which("curl"):
+            done = subprocess.run(["bash", "-c", curl.replace("http://127.0.0.1:8000", url)], capture_output=True,
+                                  text=True, timeout=60, check=True)
+            text = json.loads(done.stdout)["choices"][0]["text"]
+            assert text == offline("hello world\n", [("uppercase", 1.0)], 32).text
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(client_code.replace("http://127.0.0.1:8000", url), {})
+        chat_prompt = "my blue kite\n"
+        assert printed.getvalue().splitlines() == [offline("green tea\n", [("no_vowels", 1.0)], 32).text,
+                                             offline(chat_prompt, [("json", 1.0)], 256 - len(chat_prompt)).text]
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(20) == 0

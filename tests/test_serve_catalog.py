@@ -1,0 +1,118 @@
+"""Tests for runtime.serve.catalog: names, the path checks of loading, leases against unloading."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from runtime import Engine
+from runtime.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from runtime.serve.catalog import AdapterCatalog
+
+from conftest import MODEL_FILES, MODELS, adapter_path
+
+PEFT_DIR = MODELS / "peft" / "qkvo_r4"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(MODEL_FILES["default"]) as engine:
+        yield engine
+
+
+@pytest.fixture
+def folder(tmp_path):
+    shutil.copy(adapter_path("torch_r4"), tmp_path / "alpha.tflite")
+    shutil.copy(MODELS / "peft" / "qkvo_r4.gguf", tmp_path / "beta.gguf")
+    shutil.copytree(PEFT_DIR, tmp_path / "gamma")
+    (tmp_path / ".hidden.tflite").write_bytes(b"half a download")
+    (tmp_path / "notes.txt").write_text("not an adapter")
+    (tmp_path / "empty_dir").mkdir()
+    return tmp_path
+
+
+def test_scan_names_files_and_peft_directories(engine, folder):
+    catalog = AdapterCatalog(engine, folder)
+    names = [entry.name for entry in catalog.scan()]
+    assert names == ["alpha", "beta", "gamma"]
+    assert [e.name for e in catalog.entries()] == names
+    assert len({e.lora_id for e in catalog.entries()}) == 3
+    for entry in catalog.entries():
+        catalog.unload(entry.name)
+    assert engine.adapter_ids() == []
+
+
+def test_scan_refuses_two_adapters_with_one_name(engine, folder):
+    shutil.copy(adapter_path("litertlm_r4"), folder / "alpha.gguf")
+    with pytest.raises(AlreadyExistsError, match="'alpha'"):
+        AdapterCatalog(engine, folder).scan()
+
+
+def test_loading_by_path_stays_inside_the_folder(engine, folder, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    shutil.copy(adapter_path("torch_r4"), outside / "out.tflite")
+    (folder / "link.tflite").symlink_to(outside / "out.tflite")
+    os.mkfifo(folder / "fifo.tflite")
+    peft_escape = folder / "delta"
+    peft_escape.mkdir()
+    shutil.copy(PEFT_DIR / "adapter_config.json", peft_escape)
+    (peft_escape / "adapter_model.safetensors").symlink_to(PEFT_DIR / "adapter_model.safetensors")
+    catalog = AdapterCatalog(engine, folder)
+    for lora_path, error in [("../out.tflite", PermissionDeniedError), (str(outside / "out.tflite"), PermissionDeniedError),
+                             ("link.tflite", PermissionDeniedError), ("fifo.tflite", PermissionDeniedError),
+                             ("delta", PermissionDeniedError), ("missing.tflite", NotFoundError),
+                             ("empty_dir", InvalidArgumentError), ("notes.txt", InvalidArgumentError),
+                             ("", InvalidArgumentError)]:
+        with pytest.raises(error):
+            catalog.load_path("probe", lora_path)
+    assert catalog.entries() == [] and engine.adapter_ids() == []
+    entry = catalog.load_path("probe", str(folder / "gamma"))  # absolute, inside
+    assert entry.path == (folder / "gamma").resolve()
+    catalog.unload("probe")
+
+
+def test_names_are_checked_and_unique(engine, folder):
+    catalog = AdapterCatalog(engine, folder, reserved_names=["base"])
+    catalog.load_path("a", "alpha.tflite")
+    for name, error in [("a", AlreadyExistsError), ("base", AlreadyExistsError), ("../a", InvalidArgumentError),
+                        ("a::b", InvalidArgumentError), ("", InvalidArgumentError), ("x" * 129, InvalidArgumentError)]:
+        with pytest.raises(error):
+            catalog.load_path(name, "beta.gguf")
+    with pytest.raises(AlreadyExistsError, match="already loaded as adapter 'a'"):
+        catalog.load_path("a2", "alpha.tflite")  # one file, one name
+    with pytest.raises(InvalidArgumentError, match="64 hex"):
+        catalog.load_path("b", "beta.gguf", sha256="abc")
+    catalog.unload("a")
+
+
+def test_a_leased_adapter_cannot_be_unloaded(engine, folder):
+    catalog = AdapterCatalog(engine, folder)
+    catalog.scan()
+    lease = catalog.lease(["alpha", "gamma"])
+    with pytest.raises(FailedPreconditionError, match="1 running"):
+        catalog.unload("alpha")
+    with pytest.raises(NotFoundError):
+        catalog.lease(["alpha", "nope"])
+    lease.release()
+    lease.release()  # twice is harmless
+    for name in ("alpha", "beta", "gamma"):
+        catalog.unload(name)
+    with pytest.raises(NotFoundError):
+        catalog.unload("alpha")
+
+
+def test_without_a_folder_nothing_loads_by_path(engine, tmp_path):
+    catalog = AdapterCatalog(engine, None)
+    assert catalog.scan() == []
+    with pytest.raises(FailedPreconditionError, match="--adapters"):
+        catalog.load_path("a", str(adapter_path("torch_r4")))
+    with pytest.raises(NotFoundError):
+        AdapterCatalog(engine, tmp_path / "missing")
