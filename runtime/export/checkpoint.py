@@ -37,11 +37,15 @@ class TokenizerAssets:
 
 def load_model(source: Source) -> Any:
     """The source's transformers causal LM, float32, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
-    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    extra: dict[str, Any] = {}
+    if source.gguf_file:
+        extra["gguf_file"] = source.gguf_file
+        if hasattr(transformers, "GgufConfig"):  # versions that can keep GGUF blocks packed: unpack them
+            extra["quantization_config"] = transformers.GgufConfig(gguf_file=source.gguf_file, dequantize=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = transformers.AutoModelForCausalLM.from_pretrained(
             source.directory, dtype=torch.float32, local_files_only=True, **extra
         )
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for unreadable input

@@ -4,7 +4,7 @@ renamed into place only when every one of them is complete."""
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from runtime.errors import InvalidArgumentError, NotFoundError
@@ -69,9 +69,13 @@ class PendingOutputs:
 
     @staticmethod
     def _create(target: Path) -> Path:
-        handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-        os.close(handle)
-        return Path(name)
+        while True:  # a fresh name, created with the umask's permissions (mkstemp would make it private)
+            path = target.parent / f".{target.name}.{secrets.token_hex(4)}.partial"
+            try:
+                path.touch(exist_ok=False)
+                return path
+            except FileExistsError:
+                continue
 
     @staticmethod
     def _remove(paths: list[Path]) -> None:
