@@ -15,7 +15,7 @@ under ``tests/models/families/<family>/`` by default:
 ``model.tflite``
     The transformers model (random weights drawn with numpy from a fixed seed, spread so
     that logits differ by units) exported float32 with one LoRA slot of rank 8, prefill
-    lengths 4 and 16, KV length 64.
+    length 16, KV length 64.
 ``adapter/``
     A rank-4 PEFT LoRA on q/k/v/o of every layer (``lora_alpha`` 8), random A and B,
     saved by ``peft``.
@@ -36,6 +36,7 @@ import argparse
 import copy
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -86,8 +87,8 @@ FAMILIES = (
         _SMALL, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}), seed=14),
     FamilySpec("gemma3", "Gemma3TextConfig", dict(
-        _SMALL, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24, sliding_window=5,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        _SMALL, head_dim=32, query_pre_attn_scalar=24, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                          "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0}},
         hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6), seed=15),
@@ -138,7 +139,7 @@ def add_adapter(model: Any, seed: int) -> Any:
     with torch.no_grad():
         for name, parameter in sorted(peft_model.named_parameters()):
             if "lora_" in name:
-                parameter.copy_(torch.from_numpy((rng.standard_normal(tuple(parameter.shape)) * 0.3).astype(np.float32)))
+                parameter.copy_(torch.from_numpy((rng.standard_normal(tuple(parameter.shape)) * 0.15).astype(np.float32)))
     return peft_model.eval()
 
 
@@ -191,7 +192,7 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
     torch.manual_seed(spec.seed)
     model = build_hf_model(spec)
     peft_model = add_adapter(model, spec.seed)
-    settings = ExportSettings(lora_ranks=(LORA_SLOT,), kv_length=64, prefill_lengths=(4, 16))
+    settings = ExportSettings(lora_ranks=(LORA_SLOT,), kv_length=64, prefill_lengths=(16,))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -200,6 +201,7 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
         report = export(inspect_source(work), settings, model_out=out_dir / "model.tflite")
     peft_model.peft_config["default"].base_model_name_or_path = spec.name
     peft_model.save_pretrained(out_dir / "adapter")
+    (out_dir / "adapter" / "README.md").unlink()  # peft's model-card template
     config_file = out_dir / "adapter" / "adapter_config.json"
     config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
 
@@ -251,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     import importlib.metadata
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # peft looks the base model up on the hub when saving
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--family", action="append", choices=[f.name for f in FAMILIES],

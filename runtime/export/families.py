@@ -56,24 +56,15 @@ def _build_llama_like(hf_model: Any, kv_length: int) -> nn.Module:
     config = hf_model.config
     _refuse_sliding_window(config)
     qwen3 = config.model_type == "qwen3"
-    head_dim = head_dim_of(config)
     inv_freq, scaling = rope_table(hf_model.model.rotary_emb)
     norm = rms_norm(config.rms_norm_eps)
-    qkv_bias = True if config.model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
-    attention = cfg.AttentionConfig(
-        num_heads=config.num_attention_heads,
-        head_dim=head_dim,
-        num_query_groups=config.num_key_value_heads,
-        rotary_percentage=2 * inv_freq.numel() / head_dim,
-        qkv_use_bias=qkv_bias,
-        output_proj_use_bias=config.model_type == "llama" and bool(getattr(config, "attention_bias", False)),
-        qkv_fused_interleaved=not qwen3,
-        qkv_transpose_before_split=qwen3,
-        query_norm_config=norm if qwen3 else cfg.NormalizationConfig(),
-        key_norm_config=norm if qwen3 else cfg.NormalizationConfig(),
-    )
+    bias = bool(getattr(config, "attention_bias", False))
     block = cfg.TransformerBlockConfig(
-        attn_config=attention,
+        attn_config=attention_config(
+            config, inv_freq, qk_norm=norm if qwen3 else None,
+            qkv_bias=True if config.model_type == "qwen2" else bias,
+            output_bias=bias and config.model_type == "llama",
+        ),
         ff_config=gated_feed_forward(config, activation=config.hidden_act,
                                      bias=bool(getattr(config, "mlp_bias", False))),
         pre_attention_norm_config=norm,
@@ -98,6 +89,28 @@ def _build_llama_like(hf_model: Any, kv_length: int) -> nn.Module:
     model = model_builder.DecoderOnlyModel(model_config, mask_cache_size=kv_length)
     load_weights(model, hf_model, names)
     return model.eval()
+
+
+def attention_config(config: Any, inv_freq: torch.Tensor, *, qk_norm: cfg.NormalizationConfig | None,
+                     qkv_bias: bool, output_bias: bool, **extra: Any) -> cfg.AttentionConfig:
+    """The attention of a block. With ``qk_norm`` (q and k normalized per head) the fused
+    projection is laid out [q; k; v] and split per head; without, per KV group (litert-torch's
+    interleaved default). ``extra``: more AttentionConfig fields."""
+    head_dim = head_dim_of(config)
+    per_head = qk_norm is not None
+    return cfg.AttentionConfig(
+        num_heads=config.num_attention_heads,
+        head_dim=head_dim,
+        num_query_groups=config.num_key_value_heads,
+        rotary_percentage=2 * inv_freq.numel() / head_dim,
+        qkv_use_bias=qkv_bias,
+        output_proj_use_bias=output_bias,
+        qkv_fused_interleaved=not per_head,
+        qkv_transpose_before_split=per_head,
+        query_norm_config=qk_norm or cfg.NormalizationConfig(),
+        key_norm_config=qk_norm or cfg.NormalizationConfig(),
+        **extra,
+    )
 
 
 def head_dim_of(config: Any) -> int:

@@ -27,7 +27,9 @@ from runtime.errors import UnimplementedError
 from runtime.export.litert import attention, builder, cfg, kv_utils, lora_utils
 from runtime.export.litert import export_config as export_cfg
 from runtime.export.litert import loader as loading
-from runtime.export.families import gated_feed_forward, head_dim_of, load_weights, rms_norm, rope_from_table, rope_table
+from runtime.export.families import (
+    attention_config, gated_feed_forward, head_dim_of, load_weights, rms_norm, rope_from_table, rope_table,
+)
 
 TENSOR_NAMES = loading.ModelLoader.TensorNames(
     ff_up_proj="model.layers.{}.mlp.up_proj",
@@ -140,19 +142,10 @@ def build_decoder(hf_model: Any, kv_length: int) -> Gemma3Decoder:
     tables = {kind: rope_table(hf_model.model.rotary_emb, kind) for kind in sorted(set(config.layer_types))}
     blocks = []
     for kind in config.layer_types:
-        inv_freq, _ = tables[kind]
         blocks.append(cfg.TransformerBlockConfig(
-            attn_config=cfg.AttentionConfig(
-                num_heads=config.num_attention_heads,
-                head_dim=head_dim,
-                num_query_groups=config.num_key_value_heads,
-                rotary_percentage=2 * inv_freq.numel() / head_dim,
-                qkv_use_bias=bool(config.attention_bias),
-                output_proj_use_bias=bool(config.attention_bias),
-                qkv_fused_interleaved=False,
-                qkv_transpose_before_split=True,
-                query_norm_config=norm,
-                key_norm_config=norm,
+            attn_config=attention_config(
+                config, tables[kind][0], qk_norm=norm, qkv_bias=bool(config.attention_bias),
+                output_bias=bool(config.attention_bias),
                 attn_type=cfg.AttentionType.LOCAL_SLIDING if kind == _SLIDING else cfg.AttentionType.GLOBAL,
                 sliding_window_size=config.sliding_window if kind == _SLIDING else None,
             ),
