@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from litert_lm_builder import litertlm_builder as builder
+from litert_lm_builder.runtime.proto import llm_metadata_pb2
 
 from conftest import MODEL_FILES, adapter_path
 from runtime import Engine, SessionConfig
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, StatusError
-from runtime.util.litertlm_bundle import LitertLmBundle, is_litertlm
+from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +31,38 @@ def hf_json(tmp_path_factory):
     return path
 
 
-def build_bundle(path, model, tokenizer_json=None):
+def build_bundle(path, model, tokenizer_json=None, llm_metadata=None, texts=()):
     bundle = builder.LitertLmFileBuilder()
     bundle.add_system_metadata(builder.Metadata(key="Authors", value="runtime tests", dtype=builder.DType.STRING))
     bundle.add_tflite_model(str(model), builder.TfLiteModelType.PREFILL_DECODE)
     if tokenizer_json is not None:
         bundle.add_hf_tokenizer(str(tokenizer_json))
+    if llm_metadata is not None:
+        metadata_file = path.with_suffix(".pb")
+        metadata_file.write_bytes(llm_metadata.SerializeToString())
+        bundle.add_llm_metadata(str(metadata_file), additional_metadata=[
+            builder.Metadata(key=key, value=value, dtype=builder.DType.STRING) for key, value in texts] or None)
     with open(path, "wb") as stream:
         bundle.build(stream)
     return path
+
+
+# A chat template in the shape of Llama 3's: it inserts the bos token's text itself.
+CHAT_TEMPLATE = "{{ bos_token + ' ' }}{% for m in messages %}{{ m['content'] + ' ' }}{% endfor %}session"
+
+
+@pytest.fixture(scope="module")
+def chat_bundle_path(tmp_path_factory, hf_json):
+    """A bundle as ``runtime export`` writes it: LlmMetadata with start and stop tokens, the
+    chat template and the bos/eos texts."""
+    metadata = llm_metadata_pb2.LlmMetadata(max_num_tokens=64, jinja_prompt_template=CHAT_TEMPLATE)
+    metadata.start_token.token_ids.ids.append(2)
+    for stop in (3, 4):
+        metadata.stop_tokens.add().token_ids.ids.append(stop)
+    metadata.stop_tokens.add().token_ids.ids.extend([5, 6])  # a two-token stop sequence: not a stop token id
+    metadata.stop_tokens.add().token_str = "</s>"
+    return build_bundle(tmp_path_factory.mktemp("chat") / "chat.litertlm", MODEL_FILES["default"], hf_json,
+                        metadata, texts=[("bos_token", "hello"), ("eos_token", "</s>")])
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +122,48 @@ def test_corrupt_bundles(tmp_path, bundle_path):
                 pass
         assert isinstance(info.value, (InvalidArgumentError, DataLossError)), (name, info.value)
         assert str(path) in str(info.value)
+
+
+def test_llm_metadata_is_read(chat_bundle_path, bundle_path):
+    with LitertLmBundle(chat_bundle_path) as bundle:
+        assert bundle.llm_metadata() == LlmMetadata(
+            start_token_ids=(2,), stop_token_ids=(3, 4), chat_template=CHAT_TEMPLATE, max_num_tokens=64,
+            bos_token="hello", eos_token="</s>",
+        )
+    with LitertLmBundle(bundle_path) as bundle:
+        assert bundle.llm_metadata() is None
+
+
+def test_engine_takes_the_bundles_stop_tokens_and_chat_template(chat_bundle_path, bundle_path):
+    with Engine(chat_bundle_path) as engine:
+        assert engine.tokenizer.stop_token_ids == (3, 4)
+        assert engine.chat_template.render([{"role": "user", "content": "w1"}]) == "hello w1 session"
+    with Engine(bundle_path) as engine:
+        assert engine.chat_template is None
+        assert engine.tokenizer.stop_token_ids == (1,)  # "</s>", found in the vocabulary
+    with Engine(chat_bundle_path, chat_template="{{ messages[0].content }}") as engine:
+        assert engine.chat_template.render([{"role": "user", "content": "w1"}]) == "w1"
+
+
+def test_generate_sends_the_prompt_through_the_bundles_chat_template(chat_bundle_path):
+    def prefilled(*extra):
+        done = subprocess.run([sys.executable, "-m", "runtime", "generate", "--model", str(chat_bundle_path),
+                               "--prompt", "w1 w2", "--max-new-tokens", "2", *extra],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return int(re.search(r"prefill (\d+) tokens", done.stdout)[1])
+
+    assert prefilled() == 4  # "hello w1 w2 session"
+    assert prefilled("--no-chat-template") == 2
+
+
+def test_a_corrupt_llm_metadata_section_is_data_loss(tmp_path, chat_bundle_path):
+    with LitertLmBundle(chat_bundle_path) as bundle:
+        section = next(s for s in bundle.sections if s.data_type == "llm_metadata_proto")
+    blob = bytearray(chat_bundle_path.read_bytes())
+    blob[section.begin : section.begin + 4] = b"\xff\xff\xff\xff"
+    path = tmp_path / "corrupt.litertlm"
+    path.write_bytes(bytes(blob))
+    with pytest.raises(DataLossError, match="LlmMetadata section .* does not parse"):
+        with Engine(path):
+            pass

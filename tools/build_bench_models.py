@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Build the models the llama.cpp comparison benchmark runs on (the same weights twice).
 
-Run with the build virtualenv (torch 2.13.0, litert-torch 0.10.0, transformers, peft)::
+Run with the ``export`` extra installed (``pip install -e '.[export]'``)::
 
-    /work/venv-build/bin/python tools/build_bench_models.py [--out-dir DIR] [--skip-tflite]
+    python3 tools/build_bench_models.py [--out-dir DIR] [--skip-tflite]
 
 With fixed seeds this writes, under ``benchmarks/models/`` by default:
 
@@ -19,10 +19,9 @@ With fixed seeds this writes, under ``benchmarks/models/`` by default:
     PEFT LoRA adapters (``save_pretrained``) on q/k/v/o of every layer, ranks 8, 8 and
     64, ``lora_alpha = 2 * r`` (scale 2), random non-zero A and B, different seeds.
 ``bench_f32.tflite``, ``bench_int8.tflite``
-    The HF checkpoint converted with litert-torch 0.10.0 (its own HF-checkpoint
-    loader, ``model_builder.build_decoder_only_model``), float32 and
-    ``quantize="dynamic_int8"``, prefill lengths 8 and 64, KV length 256, LoRA slots
-    of rank 8, 16 and 64, default KV layout, no logits on prefill.
+    The HF checkpoint exported by ``runtime.export``, float32 and ``int8``
+    (dynamic-range), prefill lengths 8 and 64, KV length 256, LoRA slots of rank 8, 16
+    and 64, default KV layout, no logits on prefill.
 ``reference_logits.npz``
     transformers' float32 logits (eager attention) for one fixed token sequence, at
     every position: ``tokens``, ``plain``, ``r8_a``, ``r8_b``, ``r64`` and
@@ -35,8 +34,6 @@ With fixed seeds this writes, under ``benchmarks/models/`` by default:
 The f32 ``.tflite`` is checked against transformers (plain decode, prefill then
 decode, and the rank-8 LoRA signature fed with PEFT adapter A) before the int8 file is
 made; the build stops if a difference exceeds ``TFLITE_ATOL``.
-
-The two litert-torch 0.10.0 workarounds are imported from ``build_test_models``.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ import dataclasses
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +51,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import build_test_models as btm  # noqa: E402  (tools/ is not a package)
 
@@ -95,24 +92,6 @@ class BenchConfig:
     norm_std: float = 0.1
     # Tokens of the verification sequence (and of the reference logits).
     check_len: int = 16
-
-    def gqa_config(self) -> btm.TinyGqaConfig:
-        """The same shape as build_test_models' config, to reuse its litert-torch config."""
-        return btm.TinyGqaConfig(
-            num_layers=self.num_layers,
-            hidden=self.hidden,
-            num_heads=self.num_heads,
-            num_kv_groups=self.num_kv_groups,
-            head_dim=self.head_dim,
-            intermediate=self.intermediate,
-            vocab=self.vocab,
-            kv_cache_max_len=self.kv_cache_max_len,
-            prefill_seq_lens=self.prefill_seq_lens,
-            lora_ranks=self.lora_ranks,
-            rms_eps=self.rms_eps,
-            rope_base=self.rope_base,
-            seed=self.seed,
-        )
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -359,40 +338,16 @@ def hf_logits(model: Any, tokens: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------
 
 
-def build_litert_model(cfg: BenchConfig, hf_dir: Path) -> Any:
-    """litert-torch's own HF-checkpoint loader (the TinyLlama example's path)."""
-    from litert_torch.generative.utilities import model_builder
+def export(cfg: BenchConfig, hf_dir: Path, out_file: Path, quantize: str) -> float:
+    """Exports the HF checkpoint with ``runtime.export``; returns the seconds it took."""
+    from runtime.export.exporter import export as export_checkpoint
+    from runtime.export.settings import ExportSettings
+    from runtime.export.source import inspect_source
 
-    return model_builder.build_decoder_only_model(
-        checkpoint_path=str(hf_dir),
-        config=btm.litert_model_config(cfg.gqa_config()),
-        tensor_names=model_builder.TENSOR_NAMES_WITH_SEPARATE_LM_HEAD,
-        mask_cache_size=cfg.kv_cache_max_len,
-    )
-
-
-def export(model: Any, cfg: BenchConfig, out_file: Path, quantize: str) -> float:
-    from litert_torch.generative.layers import kv_cache as kv_utils
-    from litert_torch.generative.utilities import converter
-
-    export_config = converter.ExportConfig(
-        output_logits_on_prefill=False, kvcache_layout=kv_utils.KV_LAYOUT_DEFAULT
-    )
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        written = converter.convert_to_tflite(
-            model,
-            output_path=tmp,
-            output_name_prefix="bench",
-            prefill_seq_len=list(cfg.prefill_seq_lens),
-            kv_cache_max_len=cfg.kv_cache_max_len,
-            quantize=quantize,
-            config=model.config,
-            lora_ranks=list(cfg.lora_ranks),
-            export_config=export_config,
-        )
-        shutil.move(written, out_file)
-    return time.perf_counter() - start
+    settings = ExportSettings(lora_ranks=cfg.lora_ranks, kv_length=cfg.kv_cache_max_len,
+                              prefill_lengths=cfg.prefill_seq_lens, quantize=quantize)
+    report = export_checkpoint(inspect_source(hf_dir), settings, model_out=out_file)
+    return sum(report.stage_seconds.values())
 
 
 class TfliteDriver:
@@ -502,8 +457,6 @@ def check_tflite(
 def build(out_dir: Path, cfg: BenchConfig, skip_tflite: bool = False) -> dict[str, Any]:
     import torch
 
-    btm.install_tensorflow_schema_stand_in()
-    btm.patch_lora_gqa_sizes()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(2)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -593,10 +546,9 @@ def build(out_dir: Path, cfg: BenchConfig, skip_tflite: bool = False) -> dict[st
     }
 
     if not skip_tflite:
-        litert_model = build_litert_model(cfg, out_dir / HF_DIR)
         lora_a = litert_lora_inputs(cfg, a, adapter_w[a.name], slot_rank=8)
-        for file_name, quantize in ((F32_FILE, "none"), (INT8_FILE, "dynamic_int8")):
-            seconds = export(litert_model, cfg, out_dir / file_name, quantize)
+        for file_name, quantize in ((F32_FILE, "none"), (INT8_FILE, "int8")):
+            seconds = export(cfg, out_dir / HF_DIR, out_dir / file_name, quantize)
             print(f"exported {file_name} in {seconds:.1f} s", flush=True)
             check = check_tflite(out_dir / file_name, cfg, tokens, ref, lora_a)
             print(f"  vs transformers: {json.dumps(check)}", flush=True)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Build the small TFLite models the test-suite runs against.
 
-Run with the build virtualenv (torch 2.13.0 + litert-torch 0.10.0)::
+Run with the ``export`` extra installed (``pip install -e '.[export]'``)::
 
-    /work/venv-build/bin/python tools/build_test_models.py [--out-dir DIR]
+    python3 tools/build_test_models.py [--out-dir DIR]
 
 With fixed seeds this writes, under ``tests/models/`` by default:
 
@@ -25,11 +25,9 @@ With fixed seeds this writes, under ``tests/models/`` by default:
     sha256 and size in bytes.
 
 The weights are drawn with numpy from a fixed seed, so the ``.npz`` is the
-source of truth and the torch model is filled from it. The ``.tflite`` bytes
-depend on the converter version; the manifest records the versions used.
-
-Two defects of litert-torch 0.10.0 are worked around here, see
-:func:`install_tensorflow_schema_stand_in` and :func:`patch_lora_gqa_sizes`.
+source of truth: they are written as a Hugging Face Llama checkpoint which
+``runtime.export`` exports. The ``.tflite`` bytes depend on the converter version;
+the manifest records the versions used.
 """
 
 from __future__ import annotations
@@ -37,23 +35,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import importlib.machinery
 import importlib.metadata
-import importlib.util
 import io
 import json
-import shutil
 import sys
 import tempfile
 import time
-import types
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
 DEFAULT_OUT_DIR = REPO_ROOT / "tests" / "models"
 
 DEFAULT_MODEL_FILE = "gqa_default.tflite"
@@ -201,108 +196,62 @@ def config_scalars(cfg: TinyGqaConfig) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------
-# litert-torch 0.10.0 workarounds.
+# Export (runtime.export).
 # --------------------------------------------------------------------------
 
 
-def install_tensorflow_schema_stand_in() -> None:
-    """Workaround (a): let ``litert_torch.generative.layers.lora`` import.
+def write_hf_checkpoint(cfg: TinyGqaConfig, weights: Mapping[str, np.ndarray], out_dir: Path) -> None:
+    """Writes ``weights`` as a Hugging Face Llama checkpoint (config.json, model.safetensors)."""
+    from safetensors.numpy import save_file
 
-    litert-torch 0.10.0's ``generative/layers/lora.py`` does
-    ``from tensorflow.lite.python import schema_py_generated``, although
-    conversion needs no TensorFlow at all. The same flatbuffer schema ships as
-    ``ai_edge_litert.schema_py_generated``, so we register stand-in packages
-    ``tensorflow``, ``tensorflow.lite`` and ``tensorflow.lite.python`` in
-    ``sys.modules`` whose ``schema_py_generated`` is that module.
-
-    ``torch._dynamo`` is imported first: on import it looks up the
-    third-party libraries it skips (``tensorflow`` among them) with
-    ``importlib.util.find_spec``, which raises ``ValueError`` for a
-    ``sys.modules`` entry without ``__spec__``. So the lookup runs before the
-    stand-ins exist, and each stand-in also gets a real ``ModuleSpec``
-    (``is_package=True``, no origin) for any later lookup.
-
-    Does nothing if a real TensorFlow is installed.
-    """
-    import torch._dynamo  # noqa: F401  (must precede the stand-ins)
-
-    if "tensorflow" in sys.modules or importlib.util.find_spec("tensorflow"):
-        return
-    from ai_edge_litert import schema_py_generated
-
-    parent: types.ModuleType | None = None
-    for name in ("tensorflow", "tensorflow.lite", "tensorflow.lite.python"):
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
-        module.__path__ = []  # type: ignore[attr-defined]
-        sys.modules[name] = module
-        if parent is not None:
-            setattr(parent, name.rsplit(".", 1)[1], module)
-        parent = module
-    assert parent is not None
-    sys.modules["tensorflow.lite.python.schema_py_generated"] = schema_py_generated
-    parent.schema_py_generated = schema_py_generated  # type: ignore[attr-defined]
-
-
-def patch_lora_gqa_sizes() -> None:
-    """Workaround (b): correct the LoRA slot shapes for GQA/MHA models.
-
-    ``LoRA.zeros()`` (used by ``convert_to_tflite`` to trace the LoRA
-    signatures) builds its tensors with ``LoRA._from_tensor_generator``, which
-    in 0.10.0 sizes the q output as ``(heads // groups) * head_dim`` and the
-    k/v outputs as ``head_dim``, i.e. as if there were a single KV group. With
-    more than one group the traced ``apply_lora(..., shape=q.shape)`` reshape
-    fails. The replacement uses q out = heads*head_dim, k/v out =
-    groups*head_dim and o in = heads*head_dim (o out = embedding_dim), which
-    matches the fused qkv projection of ``CausalSelfAttention``.
-    """
-    import torch
-    from litert_torch.generative.layers import lora as lora_utils
-    from litert_torch.generative.layers import model_config as cfg_lib
-
-    def _from_tensor_generator(
-        cls: type,
-        tensor_generator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
-        rank: int,
-        config: cfg_lib.ModelConfig,
-        dtype: torch.dtype = torch.float32,
-    ) -> Any:
-        adapters = []
-        dim = config.embedding_dim
-        for i in range(config.num_layers):
-            attn = config.block_config(i).attn_config
-            q_out = attn.num_heads * attn.head_dim
-            kv_out = attn.num_query_groups * attn.head_dim
-
-            def weight(in_dim: int, out_dim: int) -> lora_utils.LoRAWeight:
-                return lora_utils.LoRAWeight(
-                    a_prime=tensor_generator((in_dim, rank), dtype),
-                    b_prime=tensor_generator((rank, out_dim), dtype),
-                )
-
-            adapters.append(
-                lora_utils.LoRAEntry(
-                    attention=lora_utils.AttentionLoRA(
-                        query=weight(dim, q_out),
-                        key=weight(dim, kv_out),
-                        value=weight(dim, kv_out),
-                        output=weight(q_out, dim),
-                    )
-                )
-            )
-        return cls(adapters=tuple(adapters))
-
-    lora_utils.LoRA._from_tensor_generator = classmethod(_from_tensor_generator)
+    if cfg.rope_fraction != 1.0:
+        raise ValueError("a Llama checkpoint rotates the whole head (rope_fraction 1.0)")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "max_position_embeddings": cfg.kv_cache_max_len,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    state = {
+        "model.embed_tokens.weight": weights["embedding"],
+        "model.norm.weight": weights["final_norm"],
+        "lm_head.weight": weights["lm_head"],
+    }
+    hf_names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                **{p: f"self_attn.{p}_proj" for p in ATTENTION_PROJECTIONS},
+                **{p: f"mlp.{p}_proj" for p in MLP_PROJECTIONS}}
+    for i in range(cfg.num_layers):
+        for name, hf_name in hf_names.items():
+            state[f"model.layers.{i}.{hf_name}.weight"] = weights[f"layers.{i}.{name}"]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(out_dir / "model.safetensors"))
 
 
-# --------------------------------------------------------------------------
-# Torch model.
-# --------------------------------------------------------------------------
+def export_settings(cfg: TinyGqaConfig, *, kv_layout: str, prefill_logits: bool, quantize: str = "none") -> Any:
+    """The ``runtime.export`` settings of the test models."""
+    from runtime.export.settings import ExportSettings
+
+    return ExportSettings(lora_ranks=tuple(cfg.lora_ranks), kv_length=cfg.kv_cache_max_len,
+                          prefill_lengths=tuple(cfg.prefill_seq_lens), quantize=quantize, kv_layout=kv_layout,
+                          prefill_logits=prefill_logits)
 
 
 def litert_model_config(cfg: TinyGqaConfig) -> Any:
-    """Returns the litert-torch ``ModelConfig`` for ``cfg``."""
-    from litert_torch.generative.layers import model_config as mc
+    """The litert-torch ``ModelConfig`` of ``cfg`` (tools/train_demo.py trains a litert-torch
+    model of this shape directly)."""
+    from runtime.export.litert import cfg as mc
 
     norm = mc.NormalizationConfig(type=mc.NormalizationType.RMS_NORM, epsilon=cfg.rms_eps)
     attn = mc.AttentionConfig(
@@ -334,60 +283,6 @@ def litert_model_config(cfg: TinyGqaConfig) -> Any:
     )
 
 
-def fused_qkv(cfg: TinyGqaConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Packs separate q/k/v ``[out, in]`` weights into litert-torch's fused layout.
-
-    ``CausalSelfAttention`` views the fused output as ``[groups, -1]`` and
-    splits each group into ``(heads_per_group*head_dim, head_dim, head_dim)``,
-    so the rows are, per KV group g: the q rows of heads
-    ``g*heads_per_group ... (g+1)*heads_per_group - 1``, then k of group g,
-    then v of group g.
-    """
-    per_group = cfg.num_heads // cfg.num_kv_groups
-    hd = cfg.head_dim
-    rows = []
-    for g in range(cfg.num_kv_groups):
-        rows.append(q[g * per_group * hd : (g + 1) * per_group * hd])
-        rows.append(k[g * hd : (g + 1) * hd])
-        rows.append(v[g * hd : (g + 1) * hd])
-    return np.concatenate(rows, axis=0)
-
-
-def build_torch_model(cfg: TinyGqaConfig, weights: Mapping[str, np.ndarray]) -> Any:
-    """Builds the litert-torch ``DecoderOnlyModel`` and loads ``weights`` into it."""
-    import torch
-    from litert_torch.generative.utilities import model_builder
-
-    model = model_builder.DecoderOnlyModel(
-        litert_model_config(cfg), mask_cache_size=cfg.kv_cache_max_len
-    )
-    state: dict[str, np.ndarray] = {
-        "tok_embedding.weight": weights["embedding"],
-        "lm_head.weight": weights["lm_head"],
-        "final_norm.weight": weights["final_norm"],
-    }
-    for i in range(cfg.num_layers):
-        p, b = f"layers.{i}.", f"transformer_blocks.{i}."
-        state[b + "pre_atten_norm.weight"] = weights[p + "attn_norm"]
-        state[b + "atten_func.qkv_projection.weight"] = fused_qkv(
-            cfg, weights[p + "q"], weights[p + "k"], weights[p + "v"]
-        )
-        state[b + "atten_func.output_projection.weight"] = weights[p + "o"]
-        state[b + "post_atten_norm.weight"] = weights[p + "mlp_norm"]
-        state[b + "ff.w1.weight"] = weights[p + "gate"]
-        state[b + "ff.w3.weight"] = weights[p + "up"]
-        state[b + "ff.w2.weight"] = weights[p + "down"]
-    model.load_state_dict(
-        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=True
-    )
-    return model.eval()
-
-
-# --------------------------------------------------------------------------
-# Export and description.
-# --------------------------------------------------------------------------
-
-
 def export_model(
     model: Any,
     cfg: TinyGqaConfig,
@@ -396,30 +291,14 @@ def export_model(
     transposed_kv: bool,
     output_logits_on_prefill: bool,
 ) -> float:
-    """Converts ``model`` to ``out_file`` and returns the seconds it took."""
-    from litert_torch.generative.layers import kv_cache as kv_utils
-    from litert_torch.generative.utilities import converter
+    """Converts a litert-torch ``model`` of ``cfg``'s shape (tools/train_demo.py's) to
+    ``out_file`` with ``runtime.export`` and returns the seconds it took."""
+    from runtime.export.convert import convert
 
-    export_config = converter.ExportConfig(
-        output_logits_on_prefill=output_logits_on_prefill,
-        kvcache_layout=(
-            kv_utils.KV_LAYOUT_TRANSPOSED if transposed_kv else kv_utils.KV_LAYOUT_DEFAULT
-        ),
-    )
+    settings = export_settings(cfg, kv_layout="transposed" if transposed_kv else "default",
+                               prefill_logits=output_logits_on_prefill)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        written = converter.convert_to_tflite(
-            model,
-            output_path=tmp,
-            output_name_prefix="gqa",
-            prefill_seq_len=list(cfg.prefill_seq_lens),
-            kv_cache_max_len=cfg.kv_cache_max_len,
-            quantize="none",
-            config=model.config,
-            lora_ranks=list(cfg.lora_ranks),
-            export_config=export_config,
-        )
-        shutil.move(written, out_file)
+    convert(model, settings, out_file)
     return time.perf_counter() - start
 
 
@@ -462,16 +341,12 @@ def package_version(name: str) -> str | None:
 
 def build(out_dir: Path, cfg: TinyGqaConfig) -> dict[str, Any]:
     """Builds every test model into ``out_dir`` and returns the manifest."""
-    import torch
-
-    install_tensorflow_schema_stand_in()
-    patch_lora_gqa_sizes()
-    torch.manual_seed(cfg.seed)
+    from runtime.export.exporter import export
+    from runtime.export.source import inspect_source
 
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = make_weights(cfg)
     save_npz_deterministic(out_dir / WEIGHTS_FILE, weights)
-    model = build_torch_model(cfg, weights)
 
     variants = {
         DEFAULT_MODEL_FILE: {"kv_layout": "default", "output_logits_on_prefill": False},
@@ -480,24 +355,24 @@ def build(out_dir: Path, cfg: TinyGqaConfig) -> dict[str, Any]:
     manifest: dict[str, Any] = {
         "generator": "tools/build_test_models.py",
         "versions": {
-            name: package_version(name) for name in ("torch", "litert-torch", "ai-edge-litert")
+            name: package_version(name)
+            for name in ("torch", "transformers", "litert-torch", "ai-edge-litert")
         },
         "files": {},
     }
-    for file_name, export in variants.items():
-        seconds = export_model(
-            model,
-            cfg,
-            out_dir / file_name,
-            transposed_kv=export["kv_layout"] == "transposed",
-            output_logits_on_prefill=export["output_logits_on_prefill"],
-        )
-        print(f"exported {file_name} in {seconds:.1f} s", flush=True)
-        manifest["files"][file_name] = {
-            "config": {**cfg.to_json(), **export, "weights": WEIGHTS_FILE},
-            "signatures": describe_signatures(out_dir / file_name),
-            **file_facts(out_dir / file_name),
-        }
+    with tempfile.TemporaryDirectory() as checkpoint:
+        write_hf_checkpoint(cfg, weights, Path(checkpoint))
+        source = inspect_source(checkpoint)
+        for file_name, variant in variants.items():
+            settings = export_settings(cfg, kv_layout=variant["kv_layout"],
+                                       prefill_logits=variant["output_logits_on_prefill"])
+            report = export(source, settings, model_out=out_dir / file_name)
+            print(f"exported {file_name} in {sum(report.stage_seconds.values()):.1f} s", flush=True)
+            manifest["files"][file_name] = {
+                "config": {**cfg.to_json(), **variant, "weights": WEIGHTS_FILE},
+                "signatures": describe_signatures(out_dir / file_name),
+                **file_facts(out_dir / file_name),
+            }
 
     manifest["files"][WEIGHTS_FILE] = {
         "config": cfg.to_json(),

@@ -42,7 +42,7 @@ Steps, all from fixed seeds:
    adapters with ``runtime.util.lora_writer`` into ``runtime/demo_assets/``, plus
    ``demo.json`` describing tasks, demo prompts, config, accuracy, sizes and versions.
 
-The two litert-torch 0.10.0 workarounds are imported from ``build_test_models``.
+The two litert-torch 0.10.0 workarounds come from ``runtime.export.litert_torch_fixes``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ if str(TOOLS_DIR) not in sys.path:
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import build_test_models as btm  # noqa: E402  (the litert-torch workarounds live there)
+import build_test_models as btm  # noqa: E402  (the test model's config and export)
+from runtime.export import litert_torch_fixes  # noqa: E402
 
 DEFAULT_OUT_DIR = REPO_ROOT / "runtime" / "demo_assets"
 MODEL_FILE = "model.tflite"
@@ -739,8 +740,7 @@ def run(
     import torch
 
     t0 = time.perf_counter()
-    btm.install_tensorflow_schema_stand_in()
-    btm.patch_lora_gqa_sizes()
+    litert_torch_fixes.apply()
     torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
     cfg = model_config()

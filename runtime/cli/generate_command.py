@@ -34,7 +34,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--lora-buffer-scale", type=float, default=1.0)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42")
-    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer)")
+    prompt.add_argument("--prompt", help="prompt text (needs a tokenizer); a user message through the model's chat "
+                        "template when it has one (a bundle's)")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="send --prompt as it is, even when the model has a chat template")
     tokens = parser.add_mutually_exclusive_group()
     tokens.add_argument("--tokenizer", type=Path, help="a tokenizer.json or SentencePiece model")
     tokens.add_argument("--byte-tokens", action="store_true", help="UTF-8 bytes are the tokens")
@@ -88,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         session = engine.create_session(SessionConfig(loras=loras, sampler=sampler))
         ready = time.perf_counter()
         prompt = args.prompt if args.prompt is not None else parse_token_ids(args.prompt_ids)
+        if args.prompt is not None and engine.chat_template is not None and not args.no_chat_template:
+            prompt = engine.chat_template.render([{"role": "user", "content": args.prompt}])
         text_mode = args.prompt is not None
 
         def show(token: int) -> None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from runtime.cli import bench_command, convert_command, generate_command, inspect_command, serve_command
+from runtime.cli import bench_command, convert_command, export_command, generate_command, inspect_command, serve_command
 from runtime.errors import StatusError
 
 USAGE_ERROR = 2
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_command.add_parser(commands)
     convert_command.add_parser(commands)
     bench_command.add_parser(commands)
+    export_command.add_parser(commands)
     serve_command.add_parser(commands)
     return parser
 

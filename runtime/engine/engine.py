@@ -17,7 +17,7 @@ from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
-from runtime.util.litertlm_bundle import LitertLmBundle, is_litertlm
+from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
 
 
 class Engine:
@@ -38,24 +38,26 @@ class Engine:
         """``model_path``: a ``.tflite`` LLM export or a ``.litertlm`` bundle (whose
         tokenizer is used unless ``tokenizer`` is given: a Tokenizer, or the path of a
         ``tokenizer.json`` or SentencePiece model). ``chat_template``: how a conversation
-        becomes prompt text (a ChatTemplate or its Jinja2 source); ``None`` leaves
-        :attr:`chat_template` unset."""
+        becomes prompt text (a ChatTemplate or its Jinja2 source); ``None`` takes the
+        bundle's template (and its bundle's stop tokens go to the bundled tokenizer)."""
         self.model_path = Path(model_path)
         self.settings = settings or EngineSettings()
         executor_settings = ExecutorSettings(num_threads=self.settings.num_threads)
         bundled_tokenizer = None
+        llm_metadata = None
         model: str | os.PathLike[str] | bytes = self.model_path
         if is_litertlm(self.model_path):
             with LitertLmBundle(self.model_path) as bundle:
                 with bundle.section_bytes(bundle.model_section()) as view:
                     model = bytes(view)
                 bundled_tokenizer = bundle.tokenizer()
+                llm_metadata = bundle.llm_metadata()
         executors: list[LlmExecutor] = []
         try:
             for _ in range(self.settings.executors):
                 executors.append(LlmExecutor(model, executor_settings, name=str(self.model_path)))
-            self.tokenizer = _tokenizer(tokenizer, bundled_tokenizer)
-            self.chat_template = ChatTemplate(chat_template) if isinstance(chat_template, str) else chat_template
+            self.tokenizer = _tokenizer(tokenizer, bundled_tokenizer, llm_metadata)
+            self.chat_template = _chat_template(chat_template, llm_metadata)
         except BaseException:
             for executor in executors:
                 executor.close()
@@ -147,11 +149,20 @@ class Engine:
 
 
 def _tokenizer(
-    given: Tokenizer | str | os.PathLike[str] | None, bundled: tuple[str, bytes] | None
+    given: Tokenizer | str | os.PathLike[str] | None, bundled: tuple[str, bytes] | None, llm: LlmMetadata | None
 ) -> Tokenizer | None:
     if given is None and bundled is not None:
         kind, data = bundled
-        return HfTokenizer(data) if kind == "hf" else SentencePieceTokenizer(data)
+        stops = llm.stop_token_ids if llm is not None and llm.stop_token_ids else None
+        return HfTokenizer(data, stops) if kind == "hf" else SentencePieceTokenizer(data, stops)
     if isinstance(given, str | os.PathLike):
         return load_tokenizer(given)
+    return given
+
+
+def _chat_template(given: ChatTemplate | str | None, llm: LlmMetadata | None) -> ChatTemplate | None:
+    if isinstance(given, str):
+        return ChatTemplate(given)
+    if given is None and llm is not None and llm.chat_template:
+        return ChatTemplate(llm.chat_template, bos_token=llm.bos_token, eos_token=llm.eos_token)
     return given

@@ -7,11 +7,16 @@ section_metadata: {objects: [SectionObject {items: [KeyValuePair], begin_offset,
 end_offset, data_type}]}}; each section's bytes lie at ``[begin_offset, end_offset)``,
 aligned to 16 KiB. A ``KeyValuePair`` is {key, value_type, value: union of one-field
 tables}. A Hugging Face tokenizer section holds the uint64 size of the JSON and then the
-JSON compressed with zlib.
+JSON compressed with zlib. An LlmMetadata section is a protocol buffer
+(``litert.lm.proto.LlmMetadata``) of which the engine reads start_token (1) and
+stop_tokens (2), TokenUnions of int32 ids; max_num_tokens (5); jinja_prompt_template (7).
+``runtime export`` also puts the texts of the bos and eos tokens, which chat templates
+insert, into the section's key/value items ``bos_token`` and ``eos_token``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import zlib
@@ -36,6 +41,24 @@ SECTION_TYPES = {
 _VALUE_FORMATS = {1: "B", 2: "b", 3: "H", 4: "h", 5: "I", 6: "i", 7: "f", 8: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING_VALUE = 9
 PREFILL_DECODE = "tf_lite_prefill_decode"
+
+
+@dataclass(frozen=True)
+class LlmMetadata:
+    """What a bundle says about generating with its model."""
+
+    # Token ids a conversation starts with (LiteRT-LM prepends them).
+    start_token_ids: tuple[int, ...] = ()
+    # Tokens that end a generation (stop sequences of one token; longer ones and stop
+    # texts are left out).
+    stop_token_ids: tuple[int, ...] = ()
+    # The Jinja2 chat template, or None.
+    chat_template: str | None = None
+    # The longest context the bundle was made for, or None.
+    max_num_tokens: int | None = None
+    # The texts chat templates insert for the bos and eos tokens ("" if unknown).
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +158,30 @@ class LitertLmBundle:
                 return "sentencepiece", bytes(self.section_bytes(section))
         return None
 
+    def llm_metadata(self) -> LlmMetadata | None:
+        """The LlmMetadata section's start and stop tokens, chat template and KV length, or
+        ``None`` when the bundle has no such section."""
+        for section in self.sections:
+            if section.data_type == "llm_metadata_proto":
+                from google.protobuf.message import DecodeError
+
+                message = _llm_metadata_message()()
+                try:
+                    with self.section_bytes(section) as view:
+                        message.ParseFromString(bytes(view))
+                except DecodeError as exc:
+                    raise DataLossError(f"{self.path}: LlmMetadata section {section.index} does not parse: {exc}") from None
+                return LlmMetadata(
+                    start_token_ids=tuple(message.start_token.token_ids.ids),
+                    stop_token_ids=tuple(stop.token_ids.ids[0] for stop in message.stop_tokens
+                                         if len(stop.token_ids.ids) == 1),
+                    chat_template=message.jinja_prompt_template or None,
+                    max_num_tokens=message.max_num_tokens if message.HasField("max_num_tokens") else None,
+                    bos_token=str(section.metadata.get("bos_token", "")),
+                    eos_token=str(section.metadata.get("eos_token", "")),
+                )
+        return None
+
     def close(self) -> None:
         """Unmaps the file (views handed out must be released first)."""
         try:
@@ -156,6 +203,36 @@ def is_litertlm(path: str | os.PathLike[str]) -> bool:
             return file.read(8) == MAGIC
     except OSError:
         return False
+
+
+@functools.cache
+def _llm_metadata_message() -> type:
+    """A protobuf message class for the LlmMetadata fields the engine reads (the others
+    are kept as unknown fields), made from a descriptor built here: the generated module
+    ships only with litert-lm-builder, which the runtime does not depend on."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    field = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="runtime_llm_metadata.proto", package="runtime_llm_metadata")
+
+    def message(name: str, *fields: tuple[str, int, int, int, str]) -> None:
+        added = proto.message_type.add(name=name)
+        for field_name, number, kind, label, type_name in fields:
+            added.field.add(name=field_name, number=number, type=kind, label=label, **(
+                {"type_name": type_name} if type_name else {}))
+
+    optional, repeated = field.LABEL_OPTIONAL, field.LABEL_REPEATED
+    message("TokenIds", ("ids", 1, field.TYPE_INT32, repeated, ""))
+    message("TokenUnion", ("token_ids", 1, field.TYPE_MESSAGE, optional, ".runtime_llm_metadata.TokenIds"),
+            ("token_str", 2, field.TYPE_STRING, optional, ""))
+    union = ".runtime_llm_metadata.TokenUnion"
+    message("LlmMetadata", ("start_token", 1, field.TYPE_MESSAGE, optional, union),
+            ("stop_tokens", 2, field.TYPE_MESSAGE, repeated, union),
+            ("max_num_tokens", 5, field.TYPE_INT32, optional, ""),
+            ("jinja_prompt_template", 7, field.TYPE_STRING, optional, ""))
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("runtime_llm_metadata.LlmMetadata"))
 
 
 def _key_values(entries: list[FlatTable]) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""``export``: a Hugging Face model directory or GGUF file -> a ``.tflite`` with LoRA slots
+and/or a ``.litertlm`` bundle (needs the ``export`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import warnings
+from pathlib import Path
+
+from runtime.cli.progress import progress_bar
+from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.export.outputs import check_targets
+from runtime.export.settings import KV_LAYOUTS, QUANTIZATIONS, ExportSettings
+from runtime.export.source import inspect_source, supported_architectures
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Registers the ``export`` sub-command."""
+    defaults = ExportSettings()
+    parser = commands.add_parser(
+        "export",
+        help="export a Hugging Face model or GGUF file as a .tflite with LoRA slots (and a .litertlm bundle)",
+        description="Exports a checkpoint with litert-torch: signatures prefill_{L} and decode, and per LoRA "
+        f"rank slot R prefill_{{L}}_lora_r{{R}} and decode_lora_r{{R}}. Families: {supported_architectures()}. "
+        "Needs the export extra: pip install -e '.[export]'.",
+    )
+    parser.add_argument("source", type=Path, help="a Hugging Face model directory or a GGUF model file")
+    parser.add_argument("--out", type=Path, help="the .tflite model to write")
+    parser.add_argument("--bundle", type=Path,
+                        help="also (or only) write a .litertlm bundle: model, tokenizer, stop tokens, chat template")
+    parser.add_argument("--lora-ranks", default="", metavar="R,R,...",
+                        help="LoRA rank slots, e.g. 8,16 (default: none)")
+    parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
+    parser.add_argument("--prefill-lengths", default=",".join(map(str, defaults.prefill_lengths)), metavar="L,L,...",
+                        help="prefill signature lengths")
+    parser.add_argument("--quantize", choices=list(QUANTIZATIONS), default=defaults.quantize,
+                        help="weights: none (float32), int8 (dynamic-range int8), int8-weights, fp16, "
+                        "int4-block32, int4-block128")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=defaults.kv_layout,
+                        help="transposed is what LiteRT-LM's engine reads")
+    parser.add_argument("--prefill-logits", action="store_true", help="prefill signatures also return logits")
+    parser.set_defaults(run=run)
+
+
+def parse_integers(option: str, text: str) -> tuple[int, ...]:
+    """``"8,16"`` -> ``(8, 16)``; an option name for the error message."""
+    try:
+        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise InvalidArgumentError(f"{option} {text!r}: expected comma-separated integers") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Checks everything that can be checked without torch, then exports stage by stage."""
+    if args.out is None and args.bundle is None:
+        raise InvalidArgumentError("give --out MODEL.tflite, --bundle MODEL.litertlm or both")
+    settings = ExportSettings(
+        lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
+        kv_length=args.kv_length,
+        prefill_lengths=parse_integers("--prefill-lengths", args.prefill_lengths),
+        quantize=args.quantize,
+        kv_layout=args.kv_layout,
+        prefill_logits=args.prefill_logits,
+    )
+    targets = [path for path in (args.out, args.bundle) if path is not None]
+    check_targets(targets)
+    source = inspect_source(args.source)
+    exporter = _import_exporter()
+    report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle,
+                             progress=progress_bar("export", unit="stage"))
+    for path in targets:
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report.stage_seconds.items())
+    print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}, KV length "
+          f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {settings.quantize}; {stages}")
+    return 0
+
+
+def _import_exporter():  # noqa: ANN202  (the module, imported late: it pulls in torch)
+    """runtime.export.exporter, with the libraries' import-time warnings and progress
+    bars kept off the terminal (the command shows its own progress)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        import torch  # noqa: F401  (its logging set-up comes first; the levels below outlast it)
+
+        for name in ("torchao", "torch.utils._pytree", "torch._export", "absl"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        from runtime.export import exporter
+    except ImportError as exc:
+        raise FailedPreconditionError(
+            f"export needs the export extra (torch, litert-torch, transformers): pip install -e '.[export]' "
+            f"({exc})"
+        ) from None
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    return exporter

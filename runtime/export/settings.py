@@ -1,0 +1,72 @@
+"""What an export produces: rank slots, KV length, prefill lengths, precision, KV layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.errors import InvalidArgumentError
+
+# Our names -> litert-torch 0.10.0's quantization recipe names. Only recipes whose
+# exports run in this runtime are offered (tests/test_export.py runs each one).
+QUANTIZATIONS = {
+    "none": "none",
+    "int8": "dynamic_int8",
+    "int8-weights": "weight_only_int8",
+    "fp16": "fp16",
+    "int4-block32": "dynamic_int4_block32",
+    "int4-block128": "dynamic_int4_block128",
+}
+KV_LAYOUTS = ("default", "transposed")
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """The shape of the exported graph.
+
+    Signatures: ``prefill_{L}`` for each prefill length and ``decode``, plus
+    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` for each LoRA rank slot R.
+    """
+
+    # LoRA rank slots; an adapter of rank r runs in the smallest slot >= r. Empty: no LoRA.
+    lora_ranks: tuple[int, ...] = ()
+    # KV-cache positions: the longest context a session can hold.
+    kv_length: int = 1024
+    # Token counts of the prefill signatures (a prompt is cut into chunks of these).
+    prefill_lengths: tuple[int, ...] = (32, 128, 512)
+    # A key of QUANTIZATIONS: "none" keeps float32 weights, "int8" is dynamic-range int8.
+    quantize: str = "none"
+    # "default": K and V [1, kv_length, kv_heads, head_dim]; "transposed": K [1, kv_heads,
+    # kv_length, head_dim], V [1, kv_heads, head_dim, kv_length] (what LiteRT-LM needs).
+    kv_layout: str = "default"
+    # Whether prefill signatures also return logits (decode always does).
+    prefill_logits: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("lora_ranks", "prefill_lengths"):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                        for v in values):
+                raise InvalidArgumentError(f"{name}={values!r}: expected a tuple of integers")
+            if any(v < 1 for v in values):
+                raise InvalidArgumentError(f"{name}={values}: every value must be >= 1")
+            if len(set(values)) != len(values):
+                raise InvalidArgumentError(f"{name}={values}: values repeat")
+        if not isinstance(self.kv_length, int) or self.kv_length < 2:
+            raise InvalidArgumentError(f"kv_length={self.kv_length!r}: expected an integer >= 2")
+        if not self.prefill_lengths:
+            raise InvalidArgumentError("prefill_lengths is empty: a model needs at least one prefill length")
+        too_long = [length for length in self.prefill_lengths if length > self.kv_length]
+        if too_long:
+            raise InvalidArgumentError(
+                f"prefill_lengths {too_long} exceed kv_length={self.kv_length}: a prefill writes that many "
+                "KV positions"
+            )
+        if self.quantize not in QUANTIZATIONS:
+            raise InvalidArgumentError(f"quantize={self.quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise InvalidArgumentError(f"kv_layout={self.kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
+
+    @property
+    def litert_quantize(self) -> str:
+        """The litert-torch recipe name of :attr:`quantize`."""
+        return QUANTIZATIONS[self.quantize]

@@ -1,0 +1,68 @@
+"""The signatures of an exported model, as data: a name, the module traced, sample inputs.
+
+The converter traces whatever list of :class:`Signature` it is given, so a new kind of
+signature is one more function of the :data:`SignatureSet` shape added to
+:data:`SIGNATURE_SETS` (or passed to :func:`runtime.export.convert.convert`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.export.litert import converter as litert_converter
+from runtime.export.litert import kv_utils, lora_utils
+from runtime.export.settings import ExportSettings
+
+_KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One signature: ``module`` is traced with ``sample_kwargs`` under ``name``."""
+
+    name: str
+    module: nn.Module
+    sample_kwargs: Mapping[str, Any]
+
+
+# A decoder and the settings -> the signatures it contributes.
+SignatureSet = Callable[[nn.Module, ExportSettings], list[Signature]]
+
+
+def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
+    """``prefill_{L}`` per prefill length and ``decode``; with each LoRA rank slot R also
+    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` (the runtime's naming contract)."""
+    layout = _KV_LAYOUTS[settings.kv_layout]
+    export_config = litert_converter.ExportConfig(
+        output_logits_on_prefill=settings.prefill_logits, kvcache_layout=layout
+    )
+    module = litert_converter.ExportableModule(model, export_config=export_config).eval()
+    kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
+    slots: list[tuple[str, lora_utils.LoRA | None]] = [("", None)]
+    slots += [(f"_lora_r{rank}", lora_utils.LoRA.zeros(rank, model.config)) for rank in sorted(settings.lora_ranks)]
+    signatures = []
+    for suffix, lora in slots:
+        extra = {} if lora is None else {"lora": lora}
+        for length in sorted(settings.prefill_lengths):
+            signatures.append(Signature(f"prefill_{length}{suffix}", module, {
+                "tokens": torch.zeros((1, length), dtype=torch.int32),
+                "input_pos": torch.arange(length, dtype=torch.int32),
+                "kv_cache": kv_cache,
+                **extra,
+            }))
+        signatures.append(Signature(f"decode{suffix}", module, {
+            "tokens": torch.zeros((1, 1), dtype=torch.int32),
+            "input_pos": torch.zeros((1,), dtype=torch.int32),
+            "kv_cache": kv_cache,
+            **extra,
+        }))
+    return signatures
+
+
+# Every signature set an export contains, in order.
+SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures,)

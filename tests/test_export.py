@@ -1,0 +1,182 @@
+"""runtime.export end to end (needs the ``export`` extra): a tiny Llama directory and the same
+weights as a GGUF file are exported, checked against float64 transformers (+ peft) through
+this runtime, bundled with tokenizer, stop tokens and chat template; failures leave nothing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("litert_torch")
+
+import checkpoints  # noqa: E402
+from runtime import Engine, SessionConfig  # noqa: E402
+from runtime.export import convert as convert_module  # noqa: E402
+from runtime.export.bundle import write_bundle  # noqa: E402
+from runtime.export.exporter import export  # noqa: E402
+from runtime.export.settings import QUANTIZATIONS, ExportSettings  # noqa: E402
+from runtime.export.source import inspect_source  # noqa: E402
+
+pytestmark = pytest.mark.export
+PROMPT_LEN, TOKENS = 6, 24
+TOKEN_IDS = [int(t) for t in np.random.default_rng(3).integers(5, checkpoints.VOCAB, TOKENS)]
+
+
+def cli(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", *map(str, args)], capture_output=True, text=True,
+                          timeout=900)
+
+
+def transformers_logits(model_dir: Path, adapter: Path | None = None) -> np.ndarray:
+    """float64 logits of TOKEN_IDS from the prompt's last position on."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([TOKEN_IDS])).logits[0].numpy()
+    return logits[PROMPT_LEN - 1:]
+
+
+def runtime_logits(model: Path, adapter: Path | None = None) -> np.ndarray:
+    with Engine(model) as engine, engine.create_session(SessionConfig(lora_path=adapter)) as session:
+        rows = [session.run_prefill(TOKEN_IDS[:PROMPT_LEN])]
+        rows += [session.run_decode(token) for token in TOKEN_IDS[PROMPT_LEN:]]
+    return np.stack(rows)
+
+
+def write_peft_adapter(model_dir: Path, out: Path) -> Path:
+    """A random rank-4 PEFT adapter on q/k/v/o, saved by peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"]))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Llama exported once through the command line: a .tflite and a bundle."""
+    work = tmp_path_factory.mktemp("export")
+    source = checkpoints.write_llama_directory(work / "llama")
+    out = work / "out"
+    out.mkdir()
+    done = cli("export", source, "--out", out / "tiny.tflite", "--bundle", out / "tiny.litertlm",
+               "--lora-ranks", "4", "--kv-length", "64", "--prefill-lengths", "8")
+    assert done.returncode == 0, done.stderr
+    return {"source": source, "out": out, "model": out / "tiny.tflite", "bundle": out / "tiny.litertlm",
+            "stdout": Path(done.stdout), "stderr": Path(done.stderr)}
+
+
+def test_the_command_writes_both_outputs_and_nothing_else(exported: dict[str, Path]) -> None:
+    assert sorted(p.name for p in exported["out"].iterdir()) == ["tiny.litertlm", "tiny.tflite"]
+    stdout = str(exported["stdout"])
+    assert f"wrote {exported['model']}" in stdout and "LoRA slots [4], KV length 64" in stdout
+    assert str(exported["stderr"]) == ""  # libraries' warnings stay off the terminal
+    with Engine(exported["model"]) as engine:
+        assert engine.spec.lora_ranks == (4,) and engine.spec.kv_length == 64
+        assert engine.spec.prefill_lengths == (8,)
+
+
+def test_logits_match_float64_transformers_plain_and_with_peft(exported: dict[str, Path], tmp_path: Path) -> None:
+    plain = runtime_logits(exported["model"])
+    assert np.max(np.abs(plain - transformers_logits(exported["source"]))) <= 1e-4
+    adapter = write_peft_adapter(exported["source"], tmp_path / "adapter")
+    with_adapter = runtime_logits(exported["model"], adapter)
+    assert np.max(np.abs(with_adapter - transformers_logits(exported["source"], adapter))) <= 1e-4
+    assert np.max(np.abs(with_adapter - plain)) > 0.1
+    np.testing.assert_array_equal(runtime_logits(exported["bundle"]), plain)
+
+
+def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: dict[str, Path]) -> None:
+    with Engine(exported["bundle"]) as engine:
+        assert engine.tokenizer.stop_token_ids == (checkpoints.EOS,)
+        prompt = engine.chat_template.render([{"role": "user", "content": "what is the capital of france ?"}])
+        assert prompt == "<s><|user|> what is the capital of france ? <|assistant|>"
+        prompt_ids = engine.tokenizer.encode(prompt)
+        assert prompt_ids[:2] == [checkpoints.BOS, checkpoints.WORDS.index("<|user|>")]
+    chat = cli("generate", "--model", exported["bundle"], "--prompt", "what is the capital of france ?",
+               "--max-new-tokens", "4")
+    raw = cli("generate", "--model", exported["bundle"], "--prompt", "what is the capital of france ?",
+              "--max-new-tokens", "4", "--no-chat-template")
+    assert chat.returncode == 0 and raw.returncode == 0, chat.stderr + raw.stderr
+    assert f"prefill {len(prompt_ids)} tokens" in chat.stdout
+    assert "prefill 7 tokens" in raw.stdout
+
+
+def test_a_gguf_source_gives_the_same_model(exported: dict[str, Path], tmp_path: Path) -> None:
+    gguf = checkpoints.write_llama_gguf(tmp_path / "tiny.gguf")
+    settings = ExportSettings(kv_length=64, prefill_lengths=(8,))
+    export(inspect_source(gguf), settings, model_out=tmp_path / "from_gguf.tflite")
+    np.testing.assert_allclose(runtime_logits(tmp_path / "from_gguf.tflite"), runtime_logits(exported["model"]),
+                               atol=1e-5, rtol=0)
+
+
+def test_a_failing_conversion_leaves_nothing(exported: dict[str, Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(model: object, settings: object, out_path: Path, *args: object) -> None:
+        Path(out_path).write_bytes(b"half a flatbuffer")
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr(convert_module, "convert", fail)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RuntimeError, match="lowering failed"):
+        export(inspect_source(exported["source"]), ExportSettings(kv_length=64, prefill_lengths=(8,)),
+               model_out=out / "m.tflite", bundle_out=out / "m.litertlm")
+    assert list(out.iterdir()) == []
+
+
+def test_a_failing_bundle_leaves_no_model_either(exported: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(model_path: Path, tokenizer: object, kv_length: int, out_path: Path) -> None:
+        write_bundle(model_path, tokenizer, kv_length, out_path)
+        raise OSError("disk full")
+
+    monkeypatch.setattr("runtime.export.bundle.write_bundle", fail)
+    monkeypatch.setattr(convert_module, "convert", lambda model, settings, out, *a: Path(out).write_bytes(
+        exported["model"].read_bytes()))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(OSError, match="disk full"):
+        export(inspect_source(exported["source"]), ExportSettings(kv_length=64, prefill_lengths=(8,)),
+               model_out=out / "m.tflite", bundle_out=out / "m.litertlm")
+    assert list(out.iterdir()) == []
+
+
+def test_an_unreadable_tokenizer_is_refused_before_the_weights(tmp_path: Path) -> None:
+    source = checkpoints.write_llama_directory(tmp_path / "llama")
+    (source / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
+    done = cli("export", source, "--out", tmp_path / "m.tflite", "--bundle", tmp_path / "m.litertlm")
+    assert done.returncode == 2
+    assert re.fullmatch(r"error: INVALID_ARGUMENT: .*llama: the tokenizer cannot be read: .*\n", done.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]
+
+
+@pytest.mark.parametrize("quantize", [q for q in QUANTIZATIONS if q != "none"])
+def test_every_offered_quantization_runs_in_this_runtime(exported: dict[str, Path], tmp_path: Path,
+                                                         quantize: str) -> None:
+    settings = ExportSettings(kv_length=32, prefill_lengths=(8,), quantize=quantize)
+    export(inspect_source(exported["source"]), settings, model_out=tmp_path / "q.tflite")
+    assert (tmp_path / "q.tflite").stat().st_size < exported["model"].stat().st_size
+    quantized = runtime_logits(tmp_path / "q.tflite")[:8]
+    reference = runtime_logits(exported["model"])[:8]
+    assert np.all(np.isfinite(quantized))
+    assert np.corrcoef(quantized.ravel(), reference.ravel())[0, 1] > 0.9

@@ -1,0 +1,88 @@
+"""``python -m runtime export`` refuses bad input with one ``error:`` line and exit code 2,
+writing nothing. None of these cases needs torch: they are refused before it is imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoints import write_llama_directory, write_llama_gguf
+
+
+def export(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", "export", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def files(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
+
+
+def refused(done: subprocess.CompletedProcess, match: str) -> None:
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert match in lines[0], lines[0]
+    assert done.stdout == ""
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    return write_llama_directory(tmp_path / "llama")
+
+
+def test_missing_config_json(tmp_path: Path, source: Path) -> None:
+    (source / "config.json").unlink()
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m.tflite"), "no config.json")
+    assert files(tmp_path) == before
+
+
+def test_unknown_architecture(tmp_path: Path, source: Path) -> None:
+    (source / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m.tflite", "--bundle", tmp_path / "m.litertlm"),
+            "architecture MambaForCausalLM (model_type 'mamba') is not supported; supported: Llama")
+    assert files(tmp_path) == before
+
+
+def test_truncated_safetensors(tmp_path: Path, source: Path) -> None:
+    weights = source / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m.tflite"), "model.safetensors: corrupt or truncated safetensors")
+    assert files(tmp_path) == before
+
+
+def test_truncated_gguf(tmp_path: Path) -> None:
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf")
+    gguf.write_bytes(gguf.read_bytes()[:-2000])
+    before = files(tmp_path)
+    refused(export(gguf, "--out", tmp_path / "m.tflite"), "tiny.gguf: corrupt or truncated GGUF")
+    assert files(tmp_path) == before
+
+
+def test_output_in_a_missing_directory(tmp_path: Path, source: Path) -> None:
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "nowhere" / "m.tflite"), "the output directory")
+    refused(export(source, "--out", tmp_path / "m.tflite", "--bundle", tmp_path / "nowhere" / "m.litertlm"),
+            "nowhere does not exist")
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("ranks, match", [("0", "lora_ranks=(0,)"), ("8,-8", "every value must be >= 1"),
+                                          ("8,x", "--lora-ranks '8,x': expected comma-separated integers")])
+def test_bad_ranks(tmp_path: Path, source: Path, ranks: str, match: str) -> None:
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m.tflite", "--lora-ranks", ranks), match)
+    assert files(tmp_path) == before
+
+
+def test_prefill_longer_than_the_kv_cache_and_no_output(tmp_path: Path, source: Path) -> None:
+    refused(export(source, "--out", tmp_path / "m.tflite", "--kv-length", "64", "--prefill-lengths", "8,128"),
+            "prefill_lengths [128] exceed kv_length=64")
+    refused(export(source), "give --out MODEL.tflite, --bundle MODEL.litertlm or both")

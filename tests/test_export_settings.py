@@ -1,0 +1,33 @@
+"""ExportSettings: the defaults are a valid export, and every bad field is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.errors import InvalidArgumentError
+from runtime.export.settings import QUANTIZATIONS, ExportSettings
+
+
+def test_defaults_and_recipe_names() -> None:
+    settings = ExportSettings(lora_ranks=(8, 64))
+    assert settings.kv_length >= max(settings.prefill_lengths)
+    assert ExportSettings(quantize="int8").litert_quantize == "dynamic_int8"
+    assert ExportSettings().litert_quantize == "none"
+    assert set(QUANTIZATIONS) >= {"none", "int8"}
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"lora_ranks": (8, 0)}, r"lora_ranks=\(8, 0\): every value must be >= 1"),
+    ({"lora_ranks": (-4,)}, "lora_ranks"),
+    ({"lora_ranks": (8, 8)}, "repeat"),
+    ({"lora_ranks": [8]}, "expected a tuple of integers"),
+    ({"lora_ranks": (8.0,)}, "expected a tuple of integers"),
+    ({"prefill_lengths": ()}, "at least one prefill length"),
+    ({"prefill_lengths": (32, 2048), "kv_length": 1024}, r"\[2048\] exceed kv_length=1024"),
+    ({"kv_length": 1}, "kv_length=1"),
+    ({"quantize": "int3"}, "quantize='int3': expected one of none, int8"),
+    ({"kv_layout": "sideways"}, "kv_layout='sideways'"),
+])
+def test_bad_fields_are_refused_by_name(fields: dict, match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        ExportSettings(**fields)

