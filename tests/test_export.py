@@ -72,7 +72,7 @@ def write_peft_adapter(model_dir: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
     """The tiny Llama exported once through the command line: a .tflite and a bundle."""
     work = tmp_path_factory.mktemp("export")
     source = checkpoints.write_llama_directory(work / "llama")
@@ -82,7 +82,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                "--lora-ranks", "4", "--kv-length", "64", "--prefill-lengths", "8")
     assert done.returncode == 0, done.stderr
     return {"source": source, "out": out, "model": out / "tiny.tflite", "bundle": out / "tiny.litertlm",
-            "stdout": Path(done.stdout), "stderr": Path(done.stderr)}
+            "stdout": done.stdout, "stderr": done.stderr}
 
 
 def test_the_command_writes_both_outputs_and_nothing_else(exported: dict[str, Path]) -> None:

@@ -14,6 +14,7 @@ from runtime.errors import FailedPreconditionError, InvalidArgumentError
 from runtime.export.outputs import check_targets
 from runtime.export.settings import KV_LAYOUTS, QUANTIZATIONS, ExportSettings
 from runtime.export.source import inspect_source, supported_architectures
+from runtime.util.native_logs import muted_native_logs
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -67,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
     targets = [path for path in (args.out, args.bundle) if path is not None]
     check_targets(targets)
     source = inspect_source(args.source)
-    exporter = _import_exporter()
-    report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle,
-                             progress=progress_bar("export", unit="stage"))
+    with muted_native_logs(keep_python_stderr=True):  # torch and the converter log natively
+        exporter = _import_exporter()
+        report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle,
+                                 progress=progress_bar("export", unit="stage"))
     for path in targets:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report.stage_seconds.items())

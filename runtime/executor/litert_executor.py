@@ -34,7 +34,7 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.fast_path import FastPath
-from runtime.executor.native_logs import mute_native_logs_at_exit, muted_native_logs
+from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
 
 

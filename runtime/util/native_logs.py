@@ -20,17 +20,25 @@ _exit_hook_registered = False
 
 
 @contextmanager
-def muted_native_logs() -> Iterator[None]:
+def muted_native_logs(*, keep_python_stderr: bool = False) -> Iterator[None]:
     """Points file descriptor 2 at /dev/null while the block runs (Python's own writes to
-    ``sys.stderr`` made meanwhile are flushed first)."""
+    ``sys.stderr`` made before are flushed first). ``keep_python_stderr``: Python's
+    ``sys.stderr`` keeps writing to where descriptor 2 went before (for long work whose
+    progress bars and errors must still show, such as an export)."""
     with _mute_lock:
         sys.stderr.flush()
         saved = os.dup(2)
         devnull = os.open(os.devnull, os.O_WRONLY)
+        python_stderr = sys.stderr
         try:
             os.dup2(devnull, 2)
+            if keep_python_stderr:
+                sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
             yield
         finally:
+            if sys.stderr is not python_stderr:
+                sys.stderr.close()
+                sys.stderr = python_stderr
             os.dup2(saved, 2)
             os.close(saved)
             os.close(devnull)
