@@ -7,8 +7,10 @@ runs on its own :class:`~runtime.Session` in a worker thread, never on the event
 
 * :mod:`runtime.serve.catalog`: adapter names, loading (from ``--adapters DIR``, a path
   inside it, or a URL) and unloading, and which requests use which adapter.
+* :mod:`runtime.serve.download`: fetching an adapter from a URL, capped and checked.
 * :mod:`runtime.serve.generation`: one request's generation on its session, as text deltas.
 * :mod:`runtime.serve.protocol`: the OpenAI request bodies and response shapes.
 * :mod:`runtime.serve.metrics`: the Prometheus ``/metrics`` page.
+* :mod:`runtime.serve.errors`: errors as OpenAI-shaped JSON with a status code.
 * :mod:`runtime.serve.app`: the ASGI application tying them together.
 """
