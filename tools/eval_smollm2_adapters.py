@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", type=Path, help="a litert-torch export of SmolLM2-135M with a LoRA rank slot >= 8")
     parser.add_argument("--num-test", type=int, default=100, help="held-out items per task")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "smollm2_adapters.json")
     args = parser.parse_args(argv)
