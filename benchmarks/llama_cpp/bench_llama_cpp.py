@@ -6,6 +6,11 @@ Run with the llama.cpp virtualenv made by ``setup.sh`` (never a project dependen
     benchmarks/llama_cpp/.venv/bin/python benchmarks/llama_cpp/bench_llama_cpp.py \
         [--repeats 9] [--steps 128] [--cycles 1000] [--out FILE]
 
+That standalone run measures the bench model set on its own. ``benchmarks/run.py`` uses
+the same code differently: a ``--serve SET`` child (:class:`Server`) that times one thing
+per request, so that each of its rounds measures both sides back to back, at either
+model size of ``files.py``; and fresh-process probes (``--load-probe``, ``--rss-probe``).
+
 Uses only llama-cpp-python 0.3.36's low-level ctypes API. (The high-level
 ``Llama(lora_path=...)`` tests the adapter pointer with ``is None``; a failed load
 returns a NULL ``LP_c_void_p``, which is falsy but not None, so a bad adapter file is
@@ -16,12 +21,13 @@ Functions used:
 ``llama_adapter_lora_free``, ``llama_set_adapters_lora``, ``llama_get_memory`` /
 ``llama_memory_clear``.
 
-Models (``benchmarks/models/gguf/``, built by ``setup.sh`` from ``benchmarks/models/hf``
-and the PEFT adapters): ``bench-f32.gguf``, ``bench-q8_0.gguf``,
-``lora-peft_r8_a-f32.gguf``, ``lora-peft_r8_b-f32.gguf``, ``lora-peft_r64-f32.gguf``.
+Models: those of ``files.py`` (built by ``setup.sh``); the standalone run uses the
+bench set (``bench-f32.gguf``, ``bench-q8_0.gguf``, ``lora-peft_r8_a-f32.gguf``,
+``lora-peft_r8_b-f32.gguf``, ``lora-peft_r64-f32.gguf`` in ``benchmarks/models/gguf/``).
 
-Every timing is the median of ``--repeats`` runs, one thread (``n_threads`` and
-``n_threads_batch`` = 1). Two context settings are measured:
+Every standalone timing is the median of ``--repeats`` runs, one thread (``n_threads``
+and ``n_threads_batch`` = 1). Two context settings are measured (the served requests
+use the exact one):
 
 ``exact``
     float32 KV cache, flash attention off. The logits then match transformers'

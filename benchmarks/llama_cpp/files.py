@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_MODELS = REPO / "benchmarks" / "models"
-CACHE = Path(os.environ.get("RUNTIME_CACHE", Path.home() / ".cache" / "runtime"))
+CACHE = Path(os.environ.get("RUNTIME_CACHE") or Path.home() / ".cache" / "runtime")
 SMOLLM2_HF = CACHE / "models" / "smollm2-135m-instruct-hf"
 SMOLLM2_BENCH = CACHE / "bench" / "smollm2"
 
