@@ -9,9 +9,9 @@ to GGUF); without it only our side is measured. Model sets (``benchmarks/llama_c
 ``bench``
     the committed 5.25M-parameter Llama (``benchmarks/models/``), 1 thread;
 ``smollm2``
-    SmolLM2-135M-Instruct at real size (f32 and int8 exports with LoRA slots 8 and 64,
-    KV length 1024, prefill 128 and 512, in the cache directory), 1 thread and all
-    cores; skipped, with what is missing, when the exports are not there.
+    SmolLM2-135M-Instruct at real size (the f32 and int8 exports that
+    ``tools/build_smollm2.py`` writes to the cache directory; KV length 1024), 1 thread
+    and all cores; skipped, with what is missing, when they are not there.
 
 Every comparison is measured in alternating rounds: each round times our side and then
 llama.cpp's (the order flips every round) on the same weights, so the ratio is taken
@@ -51,7 +51,7 @@ from runtime.bench import (  # noqa: E402
     ConcurrencyRig,
     SwitchRig,
     bench_cold_switch,
-    bench_graph,
+    GraphRig,
     bench_memory,
     decode_round,
     load_cost,
@@ -149,66 +149,111 @@ def same_weights(models: ModelSet, llama: Any) -> dict:
     return out
 
 
+class SideBySide:
+    """One model set at one thread count, both sides open: our engines (a session per
+    adapter setting, a switching rig, the bare graphs) and a llama.cpp child. Each
+    ``round`` measures decode, prefill and switching on both sides."""
+
+    def __init__(self, models: ModelSet, threads: int, llama: Any | None, stack: ExitStack) -> None:
+        self.models, self.threads, self.llama = models, threads, llama
+        self.steps = models.decode_steps
+        self.theirs_kinds = set(models.theirs) if llama else set()
+        self.engines = {p: stack.enter_context(Engine(path, EngineSettings(num_threads=threads)))
+                        for p, path in models.ours.items()}
+        self.sessions = {p: {s: stack.enter_context(engine.create_session(SessionConfig(loras=sources(models, s))))
+                             for s in DECODE_SETTINGS} for p, engine in self.engines.items()}
+        self.graphs = {p: GraphRig(path, threads) for p, path in models.ours.items()}
+        self.switch_rig = SwitchRig(self.engines["f32"], *(LoraSource(path=models.adapters[n].peft)
+                                                          for n in ("r8_a", "r8_b")))
+        for rig in (*self.graphs.values(), self.switch_rig):
+            stack.callback(rig.close)
+        self.slots: dict[str, dict[str, int | None]] = {}
+
+    def round(self, r: int, record: Callable[..., None]) -> None:
+        for precision, ours_p, theirs_p in PRECISION_PAIRS:
+            self.decode(r, record, precision, ours_p if ours_p in self.engines else None,
+                        theirs_p if theirs_p in self.theirs_kinds else None)
+            for n in self.models.prefill_lengths:
+                self.prefill(r, record, precision, n, ours_p if ours_p in self.engines else None,
+                             theirs_p if theirs_p in self.theirs_kinds else None)
+        self.switch(r, record)
+        if not self.slots:  # every setting's adapters are resident after the first round
+            self.slots = {p: {s: _slot(self.engines[p], session) for s, session in by_setting.items()}
+                          for p, by_setting in self.sessions.items()}
+
+    def decode(self, r: int, record: Callable[..., None], precision: str, ours: str | None, theirs: str | None) -> None:
+        """ms per step of each setting on both sides; on ours also the runtime's share of the
+        step, and the step's ratio to base next to the bare graph's ratio (same round)."""
+        def ours_run() -> tuple[dict, dict]:
+            if ours is None:
+                return {}, {}
+            return decode_round(self.engines[ours], self.sessions[ours], self.steps), self.graphs[ours].round(self.steps)
+
+        def theirs_run() -> dict[str, float]:
+            if theirs is None:
+                return {}
+            return {s: self.llama.request("decode", kind=theirs, setting=s, threads=self.threads,
+                                          steps=self.steps)["ms"] for s in DECODE_SETTINGS}
+
+        (mine, graph), other = both(ours_run, theirs_run, r)
+        for setting, (step, invoke) in mine.items():
+            record("decode", precision, setting, "ours_ms", step * 1e3)
+            record("decode", precision, setting, "glue_share", (step - invoke) / step)
+            slot = self.slots.get(ours, {}).get(setting)
+            x_base, graph_x = step / mine["base"][0], graph[f"r{slot}"] / graph["plain"] if slot else 1.0
+            record("decode", precision, setting, "x_base", x_base)
+            record("decode", precision, setting, "graph_x", graph_x)
+            record("decode", precision, setting, "x_base_minus_graph_x", x_base - graph_x)
+        for name, seconds in graph.items():
+            record("graph_ms", precision, name, seconds * 1e3)
+        for setting, ms in other.items():
+            record("decode", precision, setting, "theirs_ms", ms)
+            if setting in mine:
+                record("decode", precision, setting, "speed", ms / (mine[setting][0] * 1e3))
+
+    def prefill(self, r: int, record: Callable[..., None], precision: str, n: int, ours: str | None,
+                theirs: str | None) -> None:
+        """ms to prefill ``n`` tokens (base model) on both sides."""
+        mine, other = both(
+            lambda: prefill_seconds(self.sessions[ours]["base"], n) * 1e3 if ours else None,
+            lambda: self.llama.request("prefill", kind=theirs, tokens=n, threads=self.threads)["ms"] if theirs else None,
+            r)
+        if mine is not None:
+            record("prefill", precision, n, "ours_ms", mine)
+        if other is not None:
+            record("prefill", precision, n, "theirs_ms", other)
+        if mine is not None and other is not None:
+            record("prefill", precision, n, "speed", other / mine)
+
+    def switch(self, r: int, record: Callable[..., None]) -> None:
+        """Switching between two rank-8 adapters (f32), as a multiple of a step, both sides."""
+        mine, other = both(
+            lambda: self.switch_rig.round(self.steps),
+            lambda: self.llama.request("switch", kind="f32", threads=self.threads, steps=self.steps)
+            if "f32" in self.theirs_kinds else {},
+            r)
+        record("switch", "ours", "step_ms", mine["alone"] * 1e3)
+        record("switch", "ours", "switch_over_step", mine["switch"] / mine["alone"])
+        record("switch", "ours", "two_sessions_over_step", mine["alternate_other"] / mine["alone"])
+        record("switch", "ours", "two_sessions_same_adapter_over_step", mine["alternate_same"] / mine["alone"])
+        if other:
+            record("switch", "theirs", "step_ms", other["step_ms"])
+            record("switch", "theirs", "switch_over_step", other["switch_ms"] / other["step_ms"])
+            record("switch", "theirs", "two_sessions_over_step", other["two_contexts_ms"] / other["step_ms"])
+
+
 def side_by_side(models: ModelSet, threads: int, rounds: int, llama: Any | None) -> dict:
-    """Decode per adapter setting and precision, prefill, and switching, ours and llama.cpp's,
-    in alternating rounds; then the bare invoke time of each of our decode signatures."""
-    steps = models.decode_steps
+    """:class:`SideBySide` over ``rounds`` rounds after one that only warms up."""
     data = Rounds()
-    theirs_kinds = set(models.theirs) if llama else set()
     with ExitStack() as stack:
-        engines = {p: stack.enter_context(Engine(path, EngineSettings(num_threads=threads)))
-                   for p, path in models.ours.items()}
-        sessions = {p: {s: stack.enter_context(engine.create_session(SessionConfig(loras=sources(models, s))))
-                        for s in DECODE_SETTINGS} for p, engine in engines.items()}
-        rig = SwitchRig(engines["f32"], *(LoraSource(path=models.adapters[n].peft) for n in ("r8_a", "r8_b")))
-        stack.callback(rig.close)
+        both_sides = SideBySide(models, threads, llama, stack)
         for r in progress_bar(f"{models.key}, {threads} thread(s)", unit="round")(range(rounds + 1)):
-            record = data.add if r else (lambda *_: None)  # round 0 warms up
-            for precision, ours_p, theirs_p in PRECISION_PAIRS:
-                ours_run = (lambda p=ours_p: decode_round(engines[p], sessions[p], steps)) if ours_p in engines else dict
-                theirs_run = ((lambda p=theirs_p: {s: llama.request("decode", kind=p, setting=s, threads=threads,
-                                                                    steps=steps)["ms"] for s in DECODE_SETTINGS})
-                              if theirs_p in theirs_kinds else dict)
-                mine, other = both(ours_run, theirs_run, r)
-                for setting, (step, invoke) in mine.items():
-                    record("decode", precision, setting, "ours_ms", step * 1e3)
-                    record("decode", precision, setting, "glue_share", (step - invoke) / step)
-                for setting, ms in other.items():
-                    record("decode", precision, setting, "theirs_ms", ms)
-                    if setting in mine:
-                        record("decode", precision, setting, "speed", ms / (mine[setting][0] * 1e3))
-                for n in models.prefill_lengths:
-                    ours_run = ((lambda p=ours_p: prefill_seconds(sessions[p]["base"], n) * 1e3)
-                                if ours_p in engines else lambda: None)
-                    theirs_run = ((lambda p=theirs_p: llama.request("prefill", kind=p, tokens=n, threads=threads)["ms"])
-                                  if theirs_p in theirs_kinds else lambda: None)
-                    mine, other = both(ours_run, theirs_run, r)
-                    if mine is not None:
-                        record("prefill", precision, n, "ours_ms", mine)
-                    if other is not None:
-                        record("prefill", precision, n, "theirs_ms", other)
-                    if mine is not None and other is not None:
-                        record("prefill", precision, n, "speed", other / mine)
-            mine, other = both(lambda: rig.round(steps),
-                               (lambda: llama.request("switch", kind="f32", threads=threads, steps=steps))
-                               if "f32" in theirs_kinds else dict, r)
-            record("switch", "ours", "step_ms", mine["alone"] * 1e3)
-            record("switch", "ours", "switch_over_step", mine["switch"] / mine["alone"])
-            record("switch", "ours", "two_sessions_over_step", mine["alternate_other"] / mine["alone"])
-            record("switch", "ours", "two_sessions_same_adapter_over_step", mine["alternate_same"] / mine["alone"])
-            if other:
-                record("switch", "theirs", "step_ms", other["step_ms"])
-                record("switch", "theirs", "switch_over_step", other["switch_ms"] / other["step_ms"])
-                record("switch", "theirs", "two_sessions_over_step", other["two_contexts_ms"] / other["step_ms"])
-        slots = {p: {s: _slot(engines[p], session) for s, session in by_setting.items()}
-                 for p, by_setting in sessions.items()}
+            both_sides.round(r, data.add if r else lambda *_: None)
+        slots = both_sides.slots
     out = data.summary()
     for precision, ours_p, _ in PRECISION_PAIRS:
         for setting, slot in slots.get(ours_p, {}).items():
             out["decode"][precision][setting]["slot"] = slot
-    out["graph_ms"] = {p: {name: seconds * 1e3 for name, seconds in
-                           bench_graph(path, repeats=5, calls=max(4, 400 // steps), num_threads=threads).items()}
-                       for p, path in models.ours.items()}
     return out
 
 
@@ -218,25 +263,30 @@ def _slot(engine: Engine, session: Any) -> int | None:
 
 
 def register_section(models: ModelSet, rounds: int, llama: Any | None, repeats: int = 5) -> list[dict]:
-    """Registering each of the set's adapters, by file size: its GGUF LoRA file on both
-    sides (our PEFT directories when llama.cpp is not set up)."""
+    """Registering each of the set's adapters, by file size: ours from its GGUF LoRA file and
+    from its PEFT directory, llama.cpp from the same GGUF file."""
     data = Rounds()
-    files = {name: a.gguf if llama else a.peft / "adapter_model.safetensors" for name, a in models.adapters.items()
-             if name != "r8_b"}  # r8_b is r8_a's size
+    adapters = {name: a for name, a in models.adapters.items() if name != "r8_b"}  # r8_b is r8_a's size
     with Engine(models.ours["f32"]) as engine:
         for r in range(rounds + 1):
             record = data.add if r else (lambda *_: None)
-            for name, path in files.items():
-                ours_run = lambda f=path: register_seconds(engine, LoraSource(path=f), repeats) * 1e3  # noqa: E731
-                theirs_run = ((lambda f=path: llama.request("register", kind="f32", adapter=str(f),
-                                                            repeats=repeats)["ms"]) if llama else lambda: None)
-                mine, other = both(ours_run, theirs_run, r)
-                record(name, "ours_ms", mine)
-                if other is not None:
-                    record(name, "theirs_ms", other)
+            for name, a in adapters.items():
+                def ours(a: Any = a) -> dict[str, float]:
+                    paths = {"ours_peft_ms": a.peft, "ours_ms": a.gguf if llama else None}
+                    return {field: register_seconds(engine, LoraSource(path=path), repeats) * 1e3
+                            for field, path in paths.items() if path is not None}
+
+                def theirs(a: Any = a) -> dict[str, float]:
+                    if not llama:
+                        return {}
+                    return {"theirs_ms": llama.request("register", kind="f32", adapter=str(a.gguf), repeats=repeats)["ms"]}
+
+                mine, other = both(ours, theirs, r)
+                for field, ms in {**mine, **other}.items():
+                    record(name, field, ms)
     summary = data.summary()
-    return [{"adapter": name, "rank": models.adapters[name].rank, "format": "gguf" if llama else "peft",
-             "file_mb": path.stat().st_size / 1e6, **summary[name]} for name, path in files.items()]
+    return [{"adapter": name, "rank": a.rank, "file_mb": (a.gguf if llama else a.peft / "adapter_model.safetensors")
+             .stat().st_size / 1e6, **summary[name]} for name, a in adapters.items()]
 
 
 def load_section(models: ModelSet, rounds: int, with_llama: bool) -> dict:
@@ -253,10 +303,12 @@ def load_section(models: ModelSet, rounds: int, with_llama: bool) -> dict:
                 data.add(precision, "ours", "load_ms", mine["load_s"] * 1e3)
                 data.add(precision, "ours", "first_decode_ms", mine["first_decode_s"] * 1e3)
                 data.add(precision, "ours", "peak_rss_mib", mine["peak_rss_bytes"] / 2**20)
+                data.add(precision, "ours", "rss_before_mib", mine["rss_before_bytes"] / 2**20)
             if other:
                 data.add(precision, "theirs", "load_ms", other["load_ms"] + other["context_ms"])
                 data.add(precision, "theirs", "first_decode_ms", other["first_decode_ms"])
                 data.add(precision, "theirs", "peak_rss_mib", other["peak_rss_kib"] / 1024)
+                data.add(precision, "theirs", "rss_before_mib", other["rss_before_kib"] / 1024)
     out = data.summary()
     for precision, ours_p, theirs_p in PRECISION_PAIRS:
         sizes = {"ours": models.ours.get(ours_p), "theirs": models.theirs.get(theirs_p) if with_llama else None}

@@ -134,33 +134,37 @@ def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, 
     return out
 
 
-def bench_graph(model: str | os.PathLike[str], repeats: int, calls: int = 50, num_threads: int = 1) -> dict[str, float]:
-    """Seconds per decode step of each decode signature (plain and every rank slot, with
-    zero LoRA inputs) run on the executor directly: the graph's own cost, none of the
-    sessions' work. Signatures are measured round-robin within each repeat, so drift hits
-    them alike."""
-    executor = LlmExecutor(model, ExecutorSettings(num_threads=num_threads))
-    kv = executor.create_kv_cache()
-    runs = {}
-    for rank in (None, *executor.spec.lora_ranks):
-        buffers = None
-        if rank is not None:
-            slot = executor.spec.lora_slot(rank)
-            buffers = {name: executor.create_lora_buffer(rank, name) for name in slot}
-            for name, spec in slot.items():
-                buffers[name].write(np.zeros(spec.shape, spec.dtype))
-        runs["plain" if rank is None else f"r{rank}"] = executor.bind(kv, buffers, rank)
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    try:
-        for _ in range(repeats):
-            for name, binding in runs.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    executor.decode(binding, 1, 0)
-                samples[name].append((time.perf_counter() - start) / calls)
-    finally:
-        executor.close()
-    return {name: statistics.median(values) for name, values in samples.items()}
+class GraphRig:
+    """Each decode signature of a model (plain and every rank slot, with zero LoRA inputs)
+    bound on an executor of its own, to time the graph's own cost per step, none of the
+    sessions' work. Closes its executor on ``close()``."""
+
+    def __init__(self, model: str | os.PathLike[str], num_threads: int = 1) -> None:
+        self.executor = LlmExecutor(model, ExecutorSettings(num_threads=num_threads))
+        kv = self.executor.create_kv_cache()
+        self.bindings = {}
+        for rank in (None, *self.executor.spec.lora_ranks):
+            buffers = None
+            if rank is not None:
+                slot = self.executor.spec.lora_slot(rank)
+                buffers = {name: self.executor.create_lora_buffer(rank, name) for name in slot}
+                for name, spec in slot.items():
+                    buffers[name].write(np.zeros(spec.shape, spec.dtype))
+            self.bindings["plain" if rank is None else f"r{rank}"] = self.executor.bind(kv, buffers, rank)
+
+    def round(self, calls: int) -> dict[str, float]:
+        """Seconds per call of each signature (``plain``, ``r8``, ...), ``calls`` calls each,
+        one signature after the other."""
+        out = {}
+        for name, binding in self.bindings.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.executor.decode(binding, 1, 0)
+            out[name] = (time.perf_counter() - start) / calls
+        return out
+
+    def close(self) -> None:
+        self.executor.close()
 
 
 class SwitchRig:
@@ -237,15 +241,16 @@ def register_seconds(engine: Engine, source: LoraSource, repeats: int) -> float:
 def load_cost(model: str | os.PathLike[str], num_threads: int = 1) -> dict[str, float]:
     """What opening ``model`` costs, meant for a fresh process: seconds to construct the
     Engine and to run the first decode step (the library prepares its kernels' weights
-    then), RSS and peak RSS (bytes) after it."""
+    then); RSS before (bytes), and RSS and peak RSS after it."""
+    before = rss_bytes()
     start = time.perf_counter()
     engine = Engine(model, EngineSettings(num_threads=num_threads))
     loaded = time.perf_counter()
     with engine, engine.create_session() as session:
         session.run_decode(1)
         done = time.perf_counter()
-        return {"load_s": loaded - start, "first_decode_s": done - loaded, "rss_bytes": rss_bytes(),
-                "peak_rss_bytes": rss_bytes("VmHWM")}
+        return {"load_s": loaded - start, "first_decode_s": done - loaded, "rss_before_bytes": before,
+                "rss_bytes": rss_bytes(), "peak_rss_bytes": rss_bytes("VmHWM")}
 
 
 def bench_cold_switch(model: str | os.PathLike[str], sources: Sequence[LoraSource], repeats: int) -> list[tuple[int, float]]:

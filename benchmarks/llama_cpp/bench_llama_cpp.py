@@ -663,7 +663,8 @@ class Server:
 
 def load_probe(model_path: Path, n_ctx: int, threads: int) -> dict[str, Any]:
     """In a fresh process: load the model, make a context, run the first decode step.
-    Times in ms, RSS and peak RSS (VmHWM) in KiB at the end."""
+    Times in ms; RSS before loading, and RSS and peak RSS (VmHWM) at the end, in KiB."""
+    before = rss_kib()
     start = time.perf_counter()
     model = Model(model_path)
     loaded = time.perf_counter()
@@ -672,7 +673,8 @@ def load_probe(model_path: Path, n_ctx: int, threads: int) -> dict[str, Any]:
     ctx.step(1)
     done = time.perf_counter()
     return {"load_ms": (loaded - start) * 1e3, "context_ms": (made - loaded) * 1e3,
-            "first_decode_ms": (done - made) * 1e3, "rss_kib": rss_kib(), "peak_rss_kib": rss_kib("VmHWM")}
+            "first_decode_ms": (done - made) * 1e3, "rss_before_kib": before, "rss_kib": rss_kib(),
+            "peak_rss_kib": rss_kib("VmHWM")}
 
 
 def main(argv: list[str] | None = None) -> int:

