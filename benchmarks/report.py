@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend of two rank-8 (0.7/0.3)", "r64": "rank-64"}
-SHORT_SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend 2x r8", "r64": "rank-64"}
+SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend of two rank-8 (0.7/0.3)", "r64": "rank-64",
+                 "base_late": "base, after the long prompt"}
+SHORT_SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend 2x r8", "r64": "rank-64",
+                       "base_late": "base after\nlong prompt"}
 # (precision group, side) -> (the label a reader sees, its colour), for every table and plot.
 SIDES = {
     ("f32", "ours"): ("ours f32", "#1f4e9c"),
@@ -101,6 +103,11 @@ def set_tables(key: str, data: dict) -> list[str]:
                 + "; ".join(f"{SETTING_NAMES[s]} max |diff| {e['max_abs_diff']:.1e}, argmax agrees at "
                             f"{100 * e['argmax_agree']:.0f}%" for s, e in data["same_weights"].items()) + ".", ""]
     out += [f"### Decode (ms per token, {steps} steps from an empty context, KV length {data['n_ctx']})", "",
+            f"\"After the long prompt\": the same steps after a {data['late_prompt']}-token prompt (prefilled, not "
+            "timed). Our graphs attend over the whole KV length at every step, llama.cpp over the positions "
+            "filled so far, so its steps grow slower as the context fills and ours stay the same. "
+            "\"x base\" and \"graph's own x\" are per-round ratios to the base model's step: the whole step, "
+            "and the bare invoke of the slot's signature timed on an executor of its own.", "",
             "| threads | precision | adapters | ours | llama.cpp | speed | our slot | ours x base | graph's own x | "
             "runtime's share |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for threads, by_thread in _threads(data):
@@ -139,10 +146,12 @@ def set_tables(key: str, data: dict) -> list[str]:
             "`llama_adapter_lora_init` (reads and copies the file) + free.", "",
             "| adapter | GGUF file | ours, GGUF ms | ours, PEFT directory ms | llama.cpp, GGUF ms |",
             "|---|---:|---:|---:|---:|"]
-    for row in data["register"]:
+    for row in data["register"]["rows"]:
         out.append(f"| rank {row['rank']} | {row['file_mb']:.2f} MB | "
                    + " | ".join(_range(row[f]) if f in row else "-" for f in ("ours_ms", "ours_peft_ms", "theirs_ms"))
                    + " |")
+    for what, error in data["register"]["errors"].items():
+        out.append(f"\nOurs failed to register the {what}: `{error}`")
     out += memory_table(data["memory"])
     out += ["", "### Opening the model (fresh process, 1 thread)", "",
             "Load = until the model can run (ours: `Engine(...)`; llama.cpp: model load + context); "
@@ -178,7 +187,7 @@ def decode_cells(by_thread: dict, precision: str, setting: str) -> list[str]:
     if "ours_ms" not in e:
         return ["-", _med(e.get("theirs_ms")), speed, "-", "-", "-", "-"]
     return [_med(e["ours_ms"]), _med(e.get("theirs_ms")), speed, f"r{e['slot']}" if e.get("slot") else "plain",
-            _med(e["x_base"]), _med(e["graph_x"]), _med(e["glue_share"], "{:.1f}%", 100)]
+            _med(e.get("x_base")), _med(e.get("graph_x")), _med(e["glue_share"], "{:.1f}%", 100)]
 
 
 def memory_table(mem: dict) -> list[str]:
@@ -233,7 +242,7 @@ def targets(results: dict) -> list[str]:
                         f"{e['x_base']['median']:.3f} vs {e['graph_x']['median']:.3f}: "
                         f"{e['x_base_minus_graph_x']['median']:+.3f}", e["x_base_minus_graph_x"]["median"] <= 0.03)
             for precision, factor in (("f32", 1.0), ("int8", 1.0 if real else 1.3)):
-                for setting in ("base", "r8"):
+                for setting in ("base", "r8", "base_late"):
                     e = t["decode"].get(precision, {}).get(setting, {})
                     if "speed" in e:
                         add(f"decode tokens/s >= {factor}x llama.cpp ({SIDES[(precision, 'ours')][0]} vs "
@@ -252,7 +261,7 @@ def targets(results: dict) -> list[str]:
                 f"{_range(sw['two_sessions_over_step'], '{:.3f}')}x", sw["two_sessions_over_step"]["median"] <= limit)
             add(f"same, one session re-targeted with set_adapters (<= {limit}x)", where,
                 f"{_range(sw['switch_over_step'], '{:.3f}')}x", sw["switch_over_step"]["median"] <= limit)
-        smallest, largest = min(data["register"], key=_size), max(data["register"], key=_size)
+        smallest, largest = min(data["register"]["rows"], key=_size), max(data["register"]["rows"], key=_size)
         for field, source in (("ours_ms", "GGUF file"), ("ours_peft_ms", "PEFT directory")):
             if field in smallest:
                 low, high = smallest[field]["median"], largest[field]["median"]
@@ -335,7 +344,7 @@ def _whiskers(spreads: list[dict], value: Callable[[float], float] = lambda v: v
 
 def _grouped_figure(plt: Any, results: dict, part: str, groups: Callable[[dict], list[str]],
                     group_label: Callable[[str], str], rate: Callable[[str, float], float], ylabel: str,
-                    xlabel: str, title: str) -> Any:
+                    xlabel: Callable[[dict], str], title: str) -> Any:
     """One panel per model set and thread count; in each, a group of bars per ``groups``
     entry with a bar per side and precision (:data:`SIDES`), ``rate(group, ms)`` plotted."""
     import numpy as np
@@ -365,8 +374,8 @@ def _grouped_figure(plt: Any, results: dict, part: str, groups: Callable[[dict],
         axis.grid(axis="y", alpha=0.3)
         axis.set_title(f"{data['title']}, {_threads_label(threads)}")
         axis.set_ylabel(ylabel)
-        axis.set_xlabel(xlabel)
-    handles, labels = {}, {}
+        axis.set_xlabel(xlabel(data))
+    handles = {}
     for axis in axes[0]:
         for handle, label in zip(*axis.get_legend_handles_labels()):
             handles.setdefault(label, handle)
@@ -380,7 +389,7 @@ def _grouped_figure(plt: Any, results: dict, part: str, groups: Callable[[dict],
 def plot_decode(plt: Any, results: dict) -> Any:
     return _grouped_figure(plt, results, "decode", lambda part: [s for s in SETTING_NAMES if s in part.get("f32", {})],
                            SHORT_SETTING_NAMES.get, lambda _, ms: 1e3 / ms, "tokens/s",
-                           "adapters (decode from an empty context)",
+                           lambda data: f"adapters, from an empty context (long prompt: {data['late_prompt']} tokens)",
                            "Decode speed on the same weights, ours vs llama.cpp: higher is better")
 
 
@@ -388,7 +397,7 @@ def plot_prefill(plt: Any, results: dict) -> Any:
     return _grouped_figure(plt, results, "prefill",
                            lambda part: sorted({n for lengths in part.values() for n in lengths}, key=int),
                            lambda n: f"{n} tokens", lambda n, ms: int(n) * 1e3 / ms, "prompt tokens/s",
-                           "prompt length (base model)",
+                           lambda _: "prompt length (base model)",
                            "Prefill speed on the same weights, ours vs llama.cpp: higher is better")
 
 
@@ -439,7 +448,7 @@ REGISTER_LINES = (("ours_ms", "ours, from the GGUF file", "#1f4e9c", "o"),
 def plot_register(plt: Any, results: dict) -> Any:
     from matplotlib.ticker import FuncFormatter
 
-    rows = sorted(((data["title"], row) for _, data in _sets(results) for row in data["register"]),
+    rows = sorted(((data["title"], row) for _, data in _sets(results) for row in data["register"]["rows"]),
                   key=lambda item: item[1]["file_mb"])
     if not rows:
         return None

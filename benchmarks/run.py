@@ -47,6 +47,7 @@ import client as llama_cpp  # noqa: E402  (benchmarks/llama_cpp/client.py)
 from files import DECODE_SETTINGS, MODEL_SETS, PRECISION_PAIRS, SETTING_ADAPTERS, ModelSet  # noqa: E402
 
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
+from runtime.errors import StatusError  # noqa: E402
 from runtime.bench import (  # noqa: E402
     ConcurrencyRig,
     SwitchRig,
@@ -54,6 +55,7 @@ from runtime.bench import (  # noqa: E402
     GraphRig,
     bench_memory,
     decode_round,
+    timed_decode,
     load_cost,
     prefill_seconds,
     register_seconds,
@@ -62,6 +64,7 @@ from runtime.bench import (  # noqa: E402
 from runtime.cli.progress import progress_bar  # noqa: E402
 
 RESULTS = HERE / "results"
+LATE = "base_late"  # base model, decode after the longest prefill length's prompt
 CONCURRENCY_COUNTS = (1, 2, 4, 8, 16)
 SAME_WEIGHTS_TOKENS = 16
 
@@ -182,23 +185,33 @@ class SideBySide:
                           for p, by_setting in self.sessions.items()}
 
     def decode(self, r: int, record: Callable[..., None], precision: str, ours: str | None, theirs: str | None) -> None:
-        """ms per step of each setting on both sides; on ours also the runtime's share of the
-        step, and the step's ratio to base next to the bare graph's ratio (same round)."""
+        """ms per step of each setting on both sides from an empty context, and of the base
+        model after the longest prompt (``LATE``); on ours also the runtime's share of the step,
+        and the step's ratio to base next to the bare graph's ratio (same round)."""
+        prompt = max(self.models.prefill_lengths)
+
         def ours_run() -> tuple[dict, dict]:
             if ours is None:
                 return {}, {}
-            return decode_round(self.engines[ours], self.sessions[ours], self.steps), self.graphs[ours].round(self.steps)
+            engine, sessions = self.engines[ours], self.sessions[ours]
+            mine = decode_round(engine, sessions, self.steps)
+            mine[LATE] = timed_decode(engine, sessions["base"], self.steps, prompt)
+            return mine, self.graphs[ours].round(self.steps)
 
         def theirs_run() -> dict[str, float]:
             if theirs is None:
                 return {}
-            return {s: self.llama.request("decode", kind=theirs, setting=s, threads=self.threads,
-                                          steps=self.steps)["ms"] for s in DECODE_SETTINGS}
+            return {s: self.llama.request("decode", kind=theirs, setting="base" if s == LATE else s,
+                                          threads=self.threads, steps=self.steps,
+                                          prompt=prompt if s == LATE else 0)["ms"]
+                    for s in (*DECODE_SETTINGS, LATE)}
 
         (mine, graph), other = both(ours_run, theirs_run, r)
         for setting, (step, invoke) in mine.items():
             record("decode", precision, setting, "ours_ms", step * 1e3)
             record("decode", precision, setting, "glue_share", (step - invoke) / step)
+            if setting == LATE:
+                continue
             slot = self.slots.get(ours, {}).get(setting)
             x_base, graph_x = step / mine["base"][0], graph[f"r{slot}"] / graph["plain"] if slot else 1.0
             record("decode", precision, setting, "x_base", x_base)
@@ -262,19 +275,27 @@ def _slot(engine: Engine, session: Any) -> int | None:
     return next((r.slot_rank for r in engine.stats().resident if r.blend == tuple(session.blend)), None)
 
 
-def register_section(models: ModelSet, rounds: int, llama: Any | None, repeats: int = 5) -> list[dict]:
+def register_section(models: ModelSet, rounds: int, llama: Any | None, repeats: int = 5) -> dict:
     """Registering each of the set's adapters, by file size: ours from its GGUF LoRA file and
     from its PEFT directory, llama.cpp from the same GGUF file."""
     data = Rounds()
+    errors: dict[str, str] = {}
     adapters = {name: a for name, a in models.adapters.items() if name != "r8_b"}  # r8_b is r8_a's size
     with Engine(models.ours["f32"]) as engine:
         for r in range(rounds + 1):
             record = data.add if r else (lambda *_: None)
             for name, a in adapters.items():
                 def ours(a: Any = a) -> dict[str, float]:
-                    paths = {"ours_peft_ms": a.peft, "ours_ms": a.gguf if llama else None}
-                    return {field: register_seconds(engine, LoraSource(path=path), repeats) * 1e3
-                            for field, path in paths.items() if path is not None}
+                    paths = {"ours_peft_ms": ("PEFT directory", a.peft), "ours_ms": ("GGUF file", a.gguf if llama else None)}
+                    out = {}
+                    for field, (kind, path) in paths.items():
+                        if path is None:
+                            continue
+                        try:
+                            out[field] = register_seconds(engine, LoraSource(path=path), repeats) * 1e3
+                        except StatusError as exc:  # reported, not fatal: the other figures stand
+                            errors[f"rank-{a.rank} {kind}"] = str(exc)
+                    return out
 
                 def theirs(a: Any = a) -> dict[str, float]:
                     if not llama:
@@ -285,8 +306,9 @@ def register_section(models: ModelSet, rounds: int, llama: Any | None, repeats: 
                 for field, ms in {**mine, **other}.items():
                     record(name, field, ms)
     summary = data.summary()
-    return [{"adapter": name, "rank": a.rank, "file_mb": (a.gguf if llama else a.peft / "adapter_model.safetensors")
-             .stat().st_size / 1e6, **summary[name]} for name, a in adapters.items()]
+    return {"errors": errors,
+            "rows": [{"adapter": name, "rank": a.rank, "file_mb": (a.gguf if llama else a.peft / "adapter_model.safetensors")
+                      .stat().st_size / 1e6, **summary[name]} for name, a in adapters.items()]}
 
 
 def load_section(models: ModelSet, rounds: int, with_llama: bool) -> dict:
@@ -332,6 +354,7 @@ def memory_section(models: ModelSet, quick: bool, with_llama: bool) -> dict:
 def model_set_section(models: ModelSet, rounds: int, quick: bool, with_llama: bool) -> dict:
     """Everything measured on one model set."""
     out: dict = {"title": models.title, "decode_steps": models.decode_steps, "n_ctx": models.n_ctx,
+                 "late_prompt": max(models.prefill_lengths),
                  "files": {side: {p: str(path) for p, path in paths.items()}
                            for side, paths in (("ours", models.ours), ("theirs", models.theirs))}}
     with ExitStack() as stack:

@@ -81,23 +81,25 @@ def _decoder(session: Session, steps: int) -> Callable[[], None]:
     return run
 
 
-def decode_step_seconds(session: Session, steps: int) -> float:
-    """Seconds per decode step of ``session``: ``steps + 1`` steps from an empty context."""
-    return median_seconds(_decoder(session, steps), 1) / (steps + 1)
+def timed_decode(engine: Engine, session: Session, steps: int, prompt: int = 0) -> tuple[float, float]:
+    """Seconds per decode step of ``session`` and per bare invoke (the graph's share; the
+    rest of the step is the runtime's) over ``steps`` steps, after a reset and, when
+    ``prompt`` is not 0, a prompt of that many tokens (prefilled, not timed)."""
+    session.reset()
+    if prompt:
+        session.run_prefill([i % 97 + 1 for i in range(prompt)])
+    before = engine.stats()
+    start = time.perf_counter()
+    for i in range(steps):
+        session.run_decode(i % 97 + 1)
+    total = time.perf_counter() - start
+    after = engine.stats()
+    return total / steps, (after.invoke_seconds - before.invoke_seconds) / (after.invokes - before.invokes)
 
 
 def decode_round(engine: Engine, sessions: dict[str, Session], steps: int) -> dict[str, tuple[float, float]]:
-    """Per session, one after the other: seconds per decode step and per bare invoke (the
-    graph's share; the rest of the step is the runtime's) over ``steps + 1`` steps."""
-    out = {}
-    for name, session in sessions.items():
-        before = engine.stats()
-        start = time.perf_counter()
-        _decoder(session, steps)()
-        total = time.perf_counter() - start
-        after = engine.stats()
-        out[name] = (total / (steps + 1), (after.invoke_seconds - before.invoke_seconds) / (after.invokes - before.invokes))
-    return out
+    """:func:`timed_decode` of each session from an empty context, one after the other."""
+    return {name: timed_decode(engine, session, steps) for name, session in sessions.items()}
 
 
 def prefill_seconds(session: Session, tokens: int) -> float:

@@ -146,7 +146,17 @@ def test_decode_round_times_each_session_and_its_invokes(engine):
         assert set(out) == {"plain", "r4"}
         for step, invoke in out.values():
             assert 0 < invoke < step
-        assert adapted.stats().decode_tokens == 7
+        assert adapted.stats().decode_tokens == 6
+        assert adapted.position == 6  # from an empty context
+
+
+def test_timed_decode_after_a_prompt_times_only_the_steps(engine, monkeypatch):
+    with engine.create_session() as session:
+        monkeypatch.setattr(bench, "time", Clock())  # the timed block reads as 1 s
+        step, invoke = bench.timed_decode(engine, session, steps=4, prompt=10)
+        assert step == 0.25 and 0 < invoke < step
+        assert session.position == 14
+        assert session.stats().decode_tokens == 4
 
 
 def test_prefill_seconds_prefills_from_an_empty_context(engine, monkeypatch):
@@ -195,9 +205,3 @@ def test_quick_table_renders_one_line_per_row():
     assert lines[0] == "title" and lines[2].startswith("| measurement")
     assert len(lines) == 4 + len(rows)
     assert all(row.what in table for row in rows)
-
-
-def test_decode_step_seconds_runs_one_more_step_than_asked(engine):
-    with engine.create_session() as session:
-        bench.decode_step_seconds(session, 5)
-        assert session.stats().decode_tokens == 6

@@ -253,11 +253,15 @@ def check_logits(ctx: Context, adapters: dict, ref: Any, atol: float) -> dict[st
     return out
 
 
-def timed_steps(ctx: Context, steps: int) -> float:
-    """Seconds per decode step over ``steps`` steps, after a reset and a 1-token prompt."""
+def timed_steps(ctx: Context, steps: int, prompt: int = 0) -> float:
+    """Seconds per decode step over ``steps`` steps, after a reset and a prompt of
+    ``prompt`` tokens (1 when 0; prefilled in one batch, not timed)."""
     n_vocab = ctx.n_vocab
     ctx.reset()
-    ctx.step(1)
+    if prompt:
+        ctx.eval([token_at(i, n_vocab) for i in range(prompt)])
+    else:
+        ctx.step(1)
     start = time.perf_counter()
     for i in range(steps):
         ctx.step(token_at(i, n_vocab))
@@ -538,7 +542,7 @@ class Server:
     measures. Requests (``kind`` is a GGUF precision of the set, ``threads`` the
     context's thread count)::
 
-        {"op": "decode", "kind", "setting", "threads", "steps"} -> {"ms"}  (per step)
+        {"op": "decode", "kind", "setting", "threads", "steps", "prompt"} -> {"ms"}  (per step)
         {"op": "prefill", "kind", "tokens", "threads"} -> {"ms"}  (the whole prompt)
         {"op": "switch", "kind", "threads", "steps"} -> {"step_ms", "switch_ms", "two_contexts_ms"}
         {"op": "register", "kind", "adapter", "repeats"} -> {"ms"}  (median of repeats)
@@ -570,10 +574,10 @@ class Server:
         self.model(kind)
         return [(self.loaded[kind][adapter], scale) for adapter, scale in SETTING_ADAPTERS[name]]
 
-    def decode(self, kind: str, setting: str, threads: int, steps: int) -> dict:
+    def decode(self, kind: str, setting: str, threads: int, steps: int, prompt: int = 0) -> dict:
         ctx = self.context(kind, threads)
         ctx.set_adapters(self.setting(kind, setting))
-        return {"ms": timed_steps(ctx, steps) * 1e3}
+        return {"ms": timed_steps(ctx, steps, prompt) * 1e3}
 
     def prefill(self, kind: str, tokens: int, threads: int) -> dict:
         ctx = self.context(kind, threads)

