@@ -29,7 +29,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from collections import defaultdict

@@ -25,8 +25,8 @@ from runtime.engine.engine import Engine
 from runtime.engine.session import Session
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.framework.lora_source import LoraSource
-from runtime.util.lora_util import PROJECTIONS, SIDES, Convention, lora_input_name, parse_lora_input_name
-from runtime.util.lora_writer import LoraWeights, serialize_lora_tensors, write_lora_file
+from runtime.util.lora_util import Convention, parse_lora_input_name
+from runtime.util.lora_writer import LoraWeights, write_lora_file
 
 
 @dataclass(frozen=True)
@@ -279,34 +279,6 @@ def bench_cold_switch(model: str | os.PathLike[str], sources: Sequence[LoraSourc
             session.close()
             evictor.close()
     return results
-
-
-def bench_register(sizes_mb: Sequence[int], repeats: int) -> list[tuple[float, float]]:
-    """``(file MB, ms)``: time to open and parse an adapter file (256 tensors) by size."""
-    from runtime.util.lora_data import LoraData
-
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for megabytes in sizes_mb:
-            path = Path(tmp) / f"a{megabytes}.tflite"
-            _write_wide_adapter(path, megabytes)
-            LoraData.create_from_file_path(path).close()
-            seconds = median_seconds(lambda: LoraData.create_from_file_path(path).close(), repeats)
-            results.append((path.stat().st_size / 1e6, seconds * 1e3))
-            path.unlink()
-    return results
-
-
-def _write_wide_adapter(path: Path, megabytes: int, layers: int = 32) -> None:
-    """A LiteRT-LM style file of about ``megabytes`` MB with 256 float16 rank-16 tensors."""
-    tensors_per_file = layers * len(PROJECTIONS) * len(SIDES)
-    width = max(1, megabytes * (1 << 20) // (tensors_per_file * 16 * 2))
-    zeros = np.zeros((16, width), np.float16)
-    tensors = {
-        lora_input_name(Convention.LITERT_LM, layer, proj, side): zeros
-        for layer in range(layers) for proj in PROJECTIONS for side in SIDES
-    }
-    path.write_bytes(serialize_lora_tensors(tensors, external_data=True, lora_rank=16))
 
 
 def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, seed: int = 0) -> list[Path]:
