@@ -1,179 +1,307 @@
-"""Turns the benchmark results into markdown tables, target verdicts and PNG plots."""
+"""Turns the benchmark results into the report (``results.md``: machine, targets, tables)
+and the PNG plots, each comparing our runtime with llama.cpp measured in the same run.
+
+    python3 benchmarks/report.py [RESULTS_DIR]
+
+re-renders both from ``results.json`` (``benchmarks/run.py`` calls the same functions).
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend of two rank-8 (0.7/0.3)", "r64": "rank-64",
+                 "base_late": "base, after the long prompt"}
+SHORT_SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend 2x r8", "r64": "rank-64",
+                       "base_late": "base after\nlong prompt"}
+# (precision group, side) -> (the label a reader sees, its colour), for every table and plot.
+SIDES = {
+    ("f32", "ours"): ("ours f32", "#1f4e9c"),
+    ("f32", "theirs"): ("llama.cpp f32", "#c45a10"),
+    ("int8", "ours"): ("ours int8", "#7aa6dc"),
+    ("int8", "theirs"): ("llama.cpp q8_0", "#f0a35e"),
+    ("q4", "theirs"): ("llama.cpp Q4_1 (original file)", "#f6d2a8"),
+}
+SPEED_NOTE = "speed = llama.cpp's ms / ours (above 1: ours is faster)"
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4f}"
+# -- small helpers -------------------------------------------------------------------------
+
+
+def _range(s: dict, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    """``median [min-max]`` of a spread."""
+    return (f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}-"
+            f"{fmt.format(s['max'] * scale)}]")
+
+
+def _med(s: dict | None, fmt: str = "{:.3f}", scale: float = 1.0) -> str:
+    return fmt.format(s["median"] * scale) if s else "-"
+
+
+def _sets(results: dict) -> Iterator[tuple[str, dict]]:
+    """The model sets measured, real size first."""
+    for key in sorted(results["sets"], key=lambda k: k != "smollm2"):
+        yield key, results["sets"][key]
+
+
+def _threads(data: dict) -> Iterator[tuple[str, dict]]:
+    yield from sorted(data["threads"].items(), key=lambda item: int(item[0]))
+
+
+def _threads_label(threads: str) -> str:
+    return f"{threads} thread" + ("" if threads == "1" else "s")
+
+
+def _pair_label(precision: str) -> str:
+    """``ours int8 / llama.cpp q8_0`` (``-`` for a side that has no such precision)."""
+    return " / ".join(SIDES.get((precision, side), ("-",))[0] for side in ("ours", "theirs"))
+
+
+# -- the report ------------------------------------------------------------------------------
 
 
 def render_markdown(results: dict) -> str:
-    """All tables, then the targets with met / not met."""
-    out = ["## Decode (1 thread, ms per token, median)", "",
-           "| model | configuration | step | tokens/s | x base | graph's own x (bare invokes) | runtime's share of the step | slot |",
-           "|---|---|---:|---:|---:|---:|---:|---|"]
-    for model, configs in results["decode"].items():
-        graph = configs["_graph"]
-        base = configs["base"]["step"]
-        for name, d in configs.items():
-            if name.startswith("_"):
-                continue
-            slot = d["slot"]
-            own = graph[f"r{slot}"] / graph["plain"] if slot else 1.0
-            out.append(f"| {model} | {name} | {_ms(d['step'])} | {1 / d['step']:,.0f} | {d['step'] / base:.3f} | "
-                       f"{own:.3f} | {100 * d['glue_share']:.1f}% | {('r' + str(slot)) if slot else 'plain'} |")
-    out += ["", "## Registering an adapter file (256 tensors, median)", "", "| file | LoraData.create_from_file_path |",
-            "|---:|---:|"]
-    out += [f"| {mb:.0f} MB | {ms:.2f} ms |" for mb, ms in results["register"]]
-    sw = results["switch"]
-    out += ["", "## Switching (bench model f32, rank-8 adapters, per decode step)", "", "| what | ms | x one session |",
-            "|---|---:|---:|",
-            f"| one session, one adapter | {_ms(sw['alone'])} | 1.000 |",
-            f"| two sessions alternating, same adapter | {_ms(sw['alternate_same'])} | {sw['alternate_same'] / sw['alone']:.3f} |",
-            f"| two sessions alternating, different adapters | {_ms(sw['alternate_other'])} | {sw['alternate_other'] / sw['alone']:.3f} |",
-            f"| one session switched between two resident adapters, + next step | {_ms(sw['switch'])} | {sw['switch'] / sw['alone']:.3f} |"]
-    out += ["", "| cold switch (adapter evicted, rebuilt) + one decode step | buffers | ms |", "|---|---:|---:|"]
-    out += [f"| | {nbytes / 1024:.0f} KiB | {seconds * 1e3:.3f} |" for nbytes, seconds in results["cold_switch"]]
-    mem = results["memory"]
-    out += ["", "## Memory (VmRSS, bench model, rank-8 adapters)", "", "| what | value |", "|---|---:|",
-            f"| RSS per registered (not resident) adapter | {mem['registered_per_adapter_bytes'] / 1024:.1f} KiB |",
-            f"| adapter tensor bytes (float32) | {mem['tensor_bytes_per_adapter'] / 1024:.1f} KiB |",
-            f"| RSS of the first resident adapter (heap growth, first binding included) | {mem['resident_first_adapter_bytes'] / 1024:.1f} KiB |",
-            f"| RSS per further resident adapter (slope, 16 resident at once) | {mem['resident_per_adapter_bytes'] / 1024:.1f} KiB |",
-            f"| its slot buffers (float32) | {mem['slot_float32_bytes'] / 1024:.1f} KiB |",
-            f"| RSS growth with all registered, each used once under Lru(4) | {mem['rss_all_registered_used_once_lru4_bytes'] / 1024:.0f} KiB |",
-            f"| resident after that walk | {mem['resident_after_walk']} |",
-            f"| RSS growth per switch+decode cycle | {mem['growth_per_switch_bytes']:.2f} B |",
-            f"| RSS left after unloading all | {mem['after_unload_bytes'] / 1024:.0f} KiB |"]
-    conc = results["concurrency"]
-    one = conc[1] if 1 in conc else conc["1"]
-    out += ["", "## Concurrent sessions (distinct adapters, one thread each)", "", "| sessions | tokens/s | x one |",
-            "|---:|---:|---:|"]
-    out += [f"| {n} | {tps:,.0f} | {tps / one:.3f} |" for n, tps in conc.items()]
-    llama = results.get("llama_cpp")
-    if llama:
-        out += ["", *llama_table(results, llama)]
-    if results.get("head_to_head"):
-        out += ["", *head_to_head_table(results["head_to_head"])]
-    out += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|", *targets(results)]
+    """The report: machine, how to read it, the targets (the only verdicts), then tables."""
+    out = ["# Benchmark results", "", *machine_lines(results["machine"]), ""]
+    out += ["Every comparison is measured in alternating rounds: each round times our side and "
+            "llama.cpp's back to back on the same weights (who goes first flips every round); "
+            "figures are the median over rounds, `[min-max]` the range, and ratios are taken "
+            f"within a round. {SPEED_NOTE}.", ""]
+    for key, message in results.get("skipped", {}).items():
+        out += [f"**{key} skipped**: {message}", ""]
+    out += ["## Targets", "", "| target | model | measured | met |", "|---|---|---|---|", *targets(results), ""]
+    out += ["## Plots", ""]
+    out += [f"![{title}]({name})" for name, title in PLOT_TITLES.items()]
+    for key, data in _sets(results):
+        out += ["", f"## {data['title']}", ""]
+        out += set_tables(key, data)
     return "\n".join(out)
 
 
-HEAD_TO_HEAD_TARGETS = (("f32", "f32", 1.0), ("q8_0", "int8 vs q8_0", 1.3))
-HEAD_TO_HEAD_NAMES = {"plain": "base", "lora_r8": "rank-8 adapter"}
+def machine_lines(m: dict) -> list[str]:
+    start, end = m["load_average_start"][0], m.get("load_average_end", [float("nan")])[0]
+    busy = start > 0.5 or end > 0.5 + m["cores"]
+    lines = [f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), "
+             f"Python {m['python']}, ai-edge-litert {m['ai_edge_litert']}, "
+             + (f"llama-cpp-python {m['llama_cpp_python']} (llama.cpp built from its sdist for this CPU, AMX off)."
+                if m.get("llama_cpp_python") else "llama.cpp not measured.")]
+    lines += ["", f"Load average {start:.1f} when the run started and {end:.1f} when it ended, on {m['cores']} cores: "
+              + ("**other jobs shared the machine**, so absolute times are slower and noisier than on an idle one; "
+                 "the ratios, taken within a round, are what to compare." if busy else "the machine was otherwise idle.")]
+    return lines
 
 
-def head_to_head_table(h2h: dict) -> list[str]:
-    """Ours vs llama.cpp measured in alternating rounds (the ratios the targets use)."""
-    rows = ["## Head to head with llama.cpp, alternating rounds (same weights, 1 thread)", "",
-            "Each round times both sides back to back; speed = their ms / ours, median over rounds "
-            "(range in brackets).", "",
-            "| precision | configuration | ours ms/token | llama.cpp ms/token | ours / theirs speed |",
-            "|---|---|---:|---:|---:|"]
-    for kind, precision, _ in HEAD_TO_HEAD_TARGETS:
-        for name, e in h2h.get(kind, {}).items():
-            rows.append(f"| {precision} | {HEAD_TO_HEAD_NAMES[name]} | {e['ours_ms']:.4f} | {e['theirs_ms']:.4f} | "
-                        f"{e['speed']:.2f}x [{e['speed_min']:.2f}-{e['speed_max']:.2f}], {e['rounds']} rounds |")
-    return rows
+def set_tables(key: str, data: dict) -> list[str]:
+    out = []
+    steps = data["decode_steps"]
+    if "same_weights" in data:
+        out += [f"Same weights: our f32 logits vs llama.cpp's f32 logits over 16 positions: "
+                + "; ".join(f"{SETTING_NAMES[s]} max |diff| {e['max_abs_diff']:.1e}, argmax agrees at "
+                            f"{100 * e['argmax_agree']:.0f}%" for s, e in data["same_weights"].items()) + ".", ""]
+    out += [f"### Decode (ms per token, {steps} steps from an empty context, KV length {data['n_ctx']})", "",
+            f"\"After the long prompt\": the same steps after a {data['late_prompt']}-token prompt (prefilled, not "
+            "timed). Our graphs attend over the whole KV length at every step, llama.cpp over the positions "
+            "filled so far, so its steps grow slower as the context fills and ours stay the same. "
+            "\"x base\" and \"graph's own x\" are per-round ratios to the base model's step: the whole step, "
+            "and the bare invoke of the slot's signature timed on an executor of its own.", "",
+            "| threads | precision | adapters | ours | llama.cpp | speed | our slot | ours x base | graph's own x | "
+            "runtime's share |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    for threads, by_thread in _threads(data):
+        for precision, settings in by_thread["decode"].items():
+            label = _pair_label(precision)
+            for setting, e in settings.items():
+                out.append(f"| {threads} | {label} | {SETTING_NAMES[setting]} | " + " | ".join(
+                    decode_cells(by_thread, precision, setting)) + " |")
+    out += ["", "### Prefill (ms for the whole prompt, base model)", "",
+            "| threads | precision | tokens | ours | llama.cpp | speed |", "|---|---|---:|---:|---:|---:|"]
+    for threads, by_thread in _threads(data):
+        for precision, lengths in by_thread["prefill"].items():
+            for n, e in lengths.items():
+                out.append(f"| {threads} | {_pair_label(precision)} | {n} | "
+                           f"{_med(e.get('ours_ms'), '{:.1f}')} | {_med(e.get('theirs_ms'), '{:.1f}')} | "
+                           f"{_range(e['speed']) + 'x' if 'speed' in e else '-'} |")
+    out += ["", "### Switching adapters (f32, rank-8 adapters A and B, both resident / loaded)", "",
+            "Per decode step, as a multiple of a step with one adapter fixed (lower is better).", "",
+            "| threads | pattern | ours | llama.cpp |", "|---|---|---:|---:|"]
+    for threads, by_thread in _threads(data):
+        sw = by_thread["switch"]
+        theirs = sw.get("theirs", {})
+        out += [f"| {threads} | a step, adapter fixed (ms) | {_med(sw['ours']['step_ms'])} | {_med(theirs.get('step_ms'))} |",
+                f"| {threads} | one session re-targeted A<->B before each step | {_range(sw['ours']['switch_over_step'], '{:.3f}')}x | "
+                f"{_range(theirs['switch_over_step'], '{:.3f}') + 'x' if theirs else '-'} |",
+                f"| {threads} | two sessions (ours) / two contexts (llama.cpp), one adapter each, stepped in turn | "
+                f"{_range(sw['ours']['two_sessions_over_step'], '{:.3f}')}x | "
+                f"{_range(theirs['two_sessions_over_step'], '{:.3f}') + 'x' if theirs else '-'} |"]
+    if "cold_switch" in data:
+        out += ["", "Ours only: a cold switch (adapter evicted, its buffers rebuilt) + one decode step: "
+                + ", ".join(f"{seconds * 1e3:.2f} ms for {nbytes / 1024:.0f} KiB of buffers"
+                            for nbytes, seconds in data["cold_switch"]) + "."]
+    out += ["", "### Registering an adapter (1 thread)", "",
+            "Ours: `Engine.register_adapter` (parse and check, no weights read) + unload, from the GGUF file "
+            "llama.cpp reads and from the PEFT directory it was converted from; llama.cpp: "
+            "`llama_adapter_lora_init` (reads and copies the file) + free.", "",
+            "| adapter | GGUF file | ours, GGUF ms | ours, PEFT directory ms | llama.cpp, GGUF ms |",
+            "|---|---:|---:|---:|---:|"]
+    for row in data["register"]["rows"]:
+        out.append(f"| rank {row['rank']} | {row['file_mb']:.2f} MB | "
+                   + " | ".join(_range(row[f]) if f in row else "-" for f in ("ours_ms", "ours_peft_ms", "theirs_ms"))
+                   + " |")
+    for what, error in data["register"]["errors"].items():
+        out.append(f"\nOurs failed to register the {what}: `{error}`")
+    out += memory_table(data["memory"])
+    out += ["", "### Opening the model (fresh process, 1 thread)", "",
+            "Load = until the model can run (ours: `Engine(...)`; llama.cpp: model load + context); "
+            "the first decode step is separate (ours: the library prepares its kernels' weights there). "
+            "Peak RSS = VmHWM after the first step; before = the process before loading (Python and the "
+            "side's libraries). llama.cpp maps the file, so its RSS counts the file pages it touched.", "",
+            "| precision | file MiB | load ms | first step ms | peak RSS MiB | before loading MiB |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for precision, sides in data["load"].items():
+        for side, e in sides.items():
+            if "load_ms" in e:
+                out.append(f"| {SIDES[(precision, side)][0]} | {e.get('file_mib', 0):.0f} | "
+                           + " | ".join(_range(e[f], "{:.0f}") for f in ("load_ms", "first_decode_ms", "peak_rss_mib"))
+                           + f" | {_med(e['rss_before_mib'], '{:.0f}')} |")
+    if "concurrency" in data:
+        conc = data["concurrency"]
+        names = list(conc["curves"])
+        counts = sorted({int(n) for curve in conc["curves"].values() for n in curve})
+        out += ["", f"### Concurrent sessions ({conc['precision']}, {conc['adapters']}, "
+                f"{conc['threads_per_session']} thread per session; aggregate tokens/s)", "",
+                "| sessions | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+        for n in counts:
+            out.append(f"| {n} | " + " | ".join(_range(conc["curves"][name][str(n)], "{:,.0f}")
+                                              if str(n) in conc["curves"][name] else "-" for name in names) + " |")
+    return out
 
 
-LLAMA_PAIRS = [("base", "plain"), ("rank-8 adapter", "lora_r8"), ("blend of two rank-8 (0.7/0.3)", "blend_r8_a0.7_b0.3"),
-               ("rank-64 adapter", "lora_r64")]
+def decode_cells(by_thread: dict, precision: str, setting: str) -> list[str]:
+    """Ours, llama.cpp, speed, slot, ours x base, graph's own x, runtime's share (``-`` where
+    a side did not run)."""
+    e = by_thread["decode"][precision][setting]
+    speed = f"{_range(e['speed'])}x" if "speed" in e else "-"
+    if "ours_ms" not in e:
+        return ["-", _med(e.get("theirs_ms")), speed, "-", "-", "-", "-"]
+    return [_med(e["ours_ms"]), _med(e.get("theirs_ms")), speed, f"r{e['slot']}" if e.get("slot") else "plain",
+            _med(e.get("x_base")), _med(e.get("graph_x")), _med(e["glue_share"], "{:.1f}%", 100)]
 
 
-def llama_table(results: dict, llama: dict) -> list[str]:
-    """Ours vs llama.cpp on the same weights."""
-    ours = {"f32": results["decode"]["bench model f32"], "q8_0 / int8": results["decode"]["bench model int8"]}
-    theirs = {"f32": llama["models"].get("f32", {}), "q8_0 / int8": llama["models"].get("q8_0", {})}
-    rows = ["## Side by side with llama.cpp (same weights, 1 thread)", "",
-            "| precision | configuration | ours ms/token | llama.cpp ms/token | ours / theirs speed |", "|---|---|---:|---:|---:|"]
-    for precision in ours:
-        decode = theirs[precision].get("decode_ms_per_token_exact_ctx", {})
-        for our_name, their_name in LLAMA_PAIRS:
-            if our_name in ours[precision] and their_name in decode:
-                mine, other = ours[precision][our_name]["step"] * 1e3, decode[their_name]["median"]
-                rows.append(f"| {precision} | {our_name} | {mine:.4f} | {other:.4f} | {other / mine:.2f}x |")
-    switch = theirs["f32"].get("switch_exact_ctx", {})
-    if switch:
-        rows += ["", f"llama.cpp switch between two loaded adapters + next decode: "
-                 f"{switch.get('switch_a_b_plus_decode_ms', float('nan')):.4f} ms "
-                 f"({switch.get('switch_a_b_plus_decode_over_plain_decode', float('nan')):.3f}x its plain step); "
-                 f"ours: {results['switch']['switch'] * 1e3:.4f} ms "
-                 f"({results['switch']['switch'] / results['switch']['alone']:.3f}x our step)."]
-    memory = theirs["f32"].get("adapter_rss_fresh_process", {}).get("r8_a", {})
-    register = theirs["f32"].get("adapter_register_ms", {})
-    if register:
-        rows.append(f"llama.cpp adapter register (init) time: rank 8 {register.get('r8_a')} ms, rank 64 "
-                    f"{register.get('r64')} ms (it reads and copies the file).")
-    if memory:
-        rows.append(f"llama.cpp RSS per loaded rank-8 adapter: {memory.get('rss_growth_per_adapter_kib')} KiB; "
-                    f"ours per registered adapter: {results['memory']['registered_per_adapter_bytes'] / 1024:.1f} KiB, "
-                    f"per resident: {results['memory']['resident_per_adapter_bytes'] / 1024:.1f} KiB.")
-    return rows
+def memory_table(mem: dict) -> list[str]:
+    ours = mem["ours"]
+    out = ["", "### Memory per adapter (VmRSS, f32 model, fresh processes)", "", "| what | value |", "|---|---:|",
+           f"| ours: RSS per registered (not resident) rank-8 adapter | {ours['registered_per_adapter_bytes'] / 1024:.1f} KiB |",
+           f"| ours: its tensor bytes (float32) | {ours['tensor_bytes_per_adapter'] / 1024:.1f} KiB |",
+           f"| ours: RSS of the first resident adapter (heap growth, first binding included) | "
+           f"{ours['resident_first_adapter_bytes'] / 1024:.1f} KiB |",
+           f"| ours: RSS per further resident rank-8 adapter (slope, 16 resident at once) | "
+           f"{ours['resident_per_adapter_bytes'] / 1024:.1f} KiB |",
+           f"| ours: its slot buffers (float32) | {ours['slot_float32_bytes'] / 1024:.1f} KiB |",
+           f"| ours: RSS growth with all registered, each used once under Lru(4) | "
+           f"{ours['rss_all_registered_used_once_lru4_bytes'] / 1024:.0f} KiB |",
+           f"| ours: RSS growth per switch+decode cycle | {ours['growth_per_switch_bytes']:.2f} B |",
+           f"| ours: RSS left after unloading all | {ours['after_unload_bytes'] / 1024:.0f} KiB |"]
+    for name, e in mem.get("theirs", {}).items():
+        if "rss_growth_per_adapter_kib" in e:
+            out.append(f"| llama.cpp: RSS per loaded {name.split('_')[0].replace('r', 'rank-')} adapter "
+                       f"({e['copies']} copies; file {e['file_kib']:.0f} KiB) | {e['rss_growth_per_adapter_kib']:.1f} KiB |")
+    return out
+
+
+def _size(register_row: dict) -> float:
+    return register_row["file_mb"]
 
 
 def targets(results: dict) -> list[str]:
-    """The issue's targets, each with the measured figure and a verdict."""
+    """The targets, each with the measured figure and a verdict."""
     rows = []
 
-    def add(target: str, measured: str, met: bool) -> None:
-        rows.append(f"| {target} | {measured} | {'yes' if met else 'NO'} |")
+    def add(target: str, where: str, measured: str, met: bool) -> None:
+        rows.append(f"| {target} | {where} | {measured} | {'yes' if met else 'NO'} |")
 
-    for model, configs in results["decode"].items():
-        graph = configs["_graph"]
-        worst_glue = max(d["glue_share"] for k, d in configs.items() if not k.startswith("_"))
-        add(f"runtime's own work <= 3% of a decode step ({model})", f"worst {100 * worst_glue:.1f}%",
-            worst_glue <= 0.03)
-        base = configs["base"]["step"]
-        for name, d in configs.items():
-            if name.startswith("_") or not d["slot"]:
-                continue
-            own = graph[f"r{d['slot']}"] / graph["plain"]
-            ratio = d["step"] / base
-            add(f"adapter / plain <= graph's own ratio + 3% ({model}, {name})", f"{ratio:.3f} vs {own:.3f} + 0.03",
-                ratio <= own + 0.03)
-    sw = results["switch"]
-    add("switch between resident adapters + next step <= 1.05x a plain step (two sessions)",
-        f"{sw['alternate_other'] / sw['alone']:.3f}x", sw["alternate_other"] / sw["alone"] <= 1.05)
-    add("same, one session re-targeted with set_adapters", f"{sw['switch'] / sw['alone']:.3f}x",
-        sw["switch"] / sw["alone"] <= 1.05)
-    register = results["register"]
-    spread = max(ms for _, ms in register) / min(ms for _, ms in register)
-    add("register time independent of file size", f"{register[0][1]:.2f} ms at {register[0][0]:.0f} MB, "
-        f"{register[-1][1]:.2f} ms at {register[-1][0]:.0f} MB", spread < 2.0)
-    mem = results["memory"]
-    add("registered, non-resident adapter <= 64 KB RSS", f"{mem['registered_per_adapter_bytes'] / 1024:.1f} KiB",
-        mem["registered_per_adapter_bytes"] <= 64 * 1024)
-    ratio = mem["resident_per_adapter_bytes"] / mem["slot_float32_bytes"]
-    add("resident adapter <= 1.1x its float32 tensor bytes (each beyond the first)", f"{ratio:.3f}x", ratio <= 1.1)
-    add("0 bytes growth per switch", f"{mem['growth_per_switch_bytes']:.2f} B", mem["growth_per_switch_bytes"] <= 1.0)
-    conc = results["concurrency"]
-    one = conc.get(1, conc.get("1"))
-    eight = conc.get(8, conc.get("8"))
-    add("8 concurrent sessions >= 0.95x the tokens/s of one", f"{eight / one:.3f}x", eight / one >= 0.95)
-    llama = results.get("llama_cpp")
-    h2h = results.get("head_to_head")
-    if h2h:
-        for kind, precision, factor in HEAD_TO_HEAD_TARGETS:
-            for name, e in h2h.get(kind, {}).items():
-                add(f"decode tokens/s >= {factor}x llama.cpp ({precision}, {HEAD_TO_HEAD_NAMES[name]}; alternating rounds)",
-                    f"{e['speed']:.2f}x", e["speed"] >= factor)
-    elif llama:
-        for precision, ours_key, their_key, factor in (("f32", "bench model f32", "f32", 1.0),
-                                                       ("int8 vs q8_0", "bench model int8", "q8_0", 1.3)):
-            decode = llama["models"].get(their_key, {}).get("decode_ms_per_token_exact_ctx", {})
-            for our_name, their_name in LLAMA_PAIRS[:2]:
-                if their_name in decode:
-                    speed = decode[their_name]["median"] / (results["decode"][ours_key][our_name]["step"] * 1e3)
-                    add(f"decode tokens/s >= {factor}x llama.cpp ({precision}, {our_name})", f"{speed:.2f}x",
-                        speed >= factor)
+    for key, data in _sets(results):
+        real = key == "smollm2"
+        name = "SmolLM2-135M" if real else "bench model"
+        for threads, t in _threads(data):
+            where = f"{name}, {_threads_label(threads)}"
+            for precision in ("f32", "int8"):
+                settings = t["decode"].get(precision, {})
+                if "ours_ms" not in settings.get("base", {}):
+                    continue
+                if not real:
+                    worst = max(e["glue_share"]["median"] for e in settings.values())
+                    add("runtime's own work <= 3% of a decode step", f"{where}, {precision}",
+                        f"worst {100 * worst:.1f}%", worst <= 0.03)
+                for setting in ("r8", "blend", "r64"):
+                    e = settings[setting]
+                    add("adapter / plain decode <= the graph's own ratio + 3% (per round, median)",
+                        f"{where}, {precision}, {SETTING_NAMES[setting]}",
+                        f"{e['x_base']['median']:.3f} vs {e['graph_x']['median']:.3f}: "
+                        f"{e['x_base_minus_graph_x']['median']:+.3f}", e["x_base_minus_graph_x"]["median"] <= 0.03)
+            for precision, factor in (("f32", 1.0), ("int8", 1.0 if real else 1.3)):
+                for setting in ("base", "r8", "base_late"):
+                    e = t["decode"].get(precision, {}).get(setting, {})
+                    if "speed" in e:
+                        add(f"decode tokens/s >= {factor}x llama.cpp ({SIDES[(precision, 'ours')][0]} vs "
+                            f"{SIDES[(precision, 'theirs')][0]})", f"{where}, {SETTING_NAMES[setting]}",
+                            f"{_range(e['speed'])}x", e["speed"]["median"] >= factor)
+            if real:
+                for precision in ("f32", "int8"):
+                    e = t["prefill"].get(precision, {}).get("512", {})
+                    if "speed" in e:
+                        add(f"prefill 512 tokens >= 1.0x llama.cpp ({SIDES[(precision, 'ours')][0]} vs "
+                            f"{SIDES[(precision, 'theirs')][0]})", where, f"{_range(e['speed'])}x",
+                            e["speed"]["median"] >= 1.0)
+            limit = 1.02 if real else 1.05
+            sw = t["switch"]["ours"]
+            add(f"switch between resident adapters + next step <= {limit}x a step (two sessions)", where,
+                f"{_range(sw['two_sessions_over_step'], '{:.3f}')}x", sw["two_sessions_over_step"]["median"] <= limit)
+            add(f"same, one session re-targeted with set_adapters (<= {limit}x)", where,
+                f"{_range(sw['switch_over_step'], '{:.3f}')}x", sw["switch_over_step"]["median"] <= limit)
+        smallest, largest = min(data["register"]["rows"], key=_size), max(data["register"]["rows"], key=_size)
+        for field, source in (("ours_ms", "GGUF file"), ("ours_peft_ms", "PEFT directory")):
+            if field in smallest:
+                low, high = smallest[field]["median"], largest[field]["median"]
+                add(f"register time independent of file size (largest / smallest < 2), {source}", name,
+                    f"{low:.2f} ms at {smallest['file_mb']:.2f} MB, {high:.2f} ms at {largest['file_mb']:.0f} MB",
+                    high / low < 2.0)
+        mem = data["memory"]["ours"]
+        add("registered, non-resident adapter <= 64 KB RSS", name,
+            f"{mem['registered_per_adapter_bytes'] / 1024:.1f} KiB", mem["registered_per_adapter_bytes"] <= 64_000)
+        ratio = mem["resident_per_adapter_bytes"] / mem["slot_float32_bytes"]
+        add("resident adapter <= 1.1x its float32 buffer bytes (each beyond the first)", name, f"{ratio:.3f}x",
+            ratio <= 1.1)
+        if not real:
+            add("0 bytes RSS growth per switch", name, f"{mem['growth_per_switch_bytes']:.2f} B",
+                mem["growth_per_switch_bytes"] <= 1.0)
+        if "concurrency" in data:
+            curve = data["concurrency"]["curves"]["ours, 1 executor"]
+            eight = curve["8"]["median"] / curve["1"]["median"]
+            add("8 concurrent sessions >= 0.95x the tokens/s of one (ours, 1 executor)", name, f"{eight:.3f}x",
+                eight >= 0.95)
     return rows
 
 
-def plots(results: dict, folder: Path) -> None:
-    """decode.png, register.png and concurrency.png (skipped without matplotlib)."""
+# -- the plots ---------------------------------------------------------------------------------
+
+PLOT_TITLES = {
+    "decode.png": "decode tokens/s, ours vs llama.cpp",
+    "prefill.png": "prefill tokens/s, ours vs llama.cpp",
+    "switch.png": "cost of switching adapters, ours vs llama.cpp",
+    "register.png": "register time vs file size, ours vs llama.cpp",
+    "memory.png": "memory per adapter, ours vs llama.cpp",
+    "load.png": "opening the model, ours vs llama.cpp",
+    "concurrency.png": "concurrent sessions, ours vs llama.cpp",
+}
+WHISKERS = "bars and points: median over rounds; whiskers: min-max"
+
+
+def plots(results: dict, folder: Path) -> list[Path]:
+    """Every plot of :data:`PLOT_TITLES` that the results have data for (none without
+    matplotlib); returns the files written."""
     try:
         import matplotlib
 
@@ -181,36 +309,276 @@ def plots(results: dict, folder: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
-        return
-    figure, axis = plt.subplots(figsize=(9, 4))
-    labels, values = [], []
-    for model, configs in results["decode"].items():
-        for name, d in configs.items():
-            if not name.startswith("_"):
-                labels.append(f"{model}\n{name}")
-                values.append(1 / d["step"])
-    axis.barh(labels, values)
-    axis.set_xlabel("decode tokens/s (1 thread)")
-    axis.tick_params(axis="y", labelsize=6)
+        return []
+    plt.rcParams.update({"font.size": 9, "axes.titlesize": 9.5, "figure.titlesize": 10.5})
+    drawers = {"decode.png": plot_decode, "prefill.png": plot_prefill, "switch.png": plot_switch,
+               "register.png": plot_register, "memory.png": plot_memory, "load.png": plot_load,
+               "concurrency.png": plot_concurrency}
+    written = []
+    for name, draw in drawers.items():
+        figure = draw(plt, results)
+        if figure is None:
+            continue
+        figure.savefig(folder / name, dpi=110, bbox_inches="tight")
+        plt.close(figure)
+        written.append(folder / name)
+    return written
+
+
+def _set_panels(results: dict) -> list[tuple[dict, str, dict]]:
+    """(model set, thread count, its measurements) for every panel of a per-size plot."""
+    return [(data, threads, t) for _, data in _sets(results) for threads, t in _threads(data)]
+
+
+def _whiskers(spreads: list[dict], value: Callable[[float], float] = lambda v: v) -> tuple[list, list, list]:
+    """Medians and the distances down to the min and up to the max, after ``value``."""
+    middle, low, high = [], [], []
+    for s in spreads:
+        ends = sorted(value(s[k]) for k in ("min", "max"))
+        m = value(s["median"])
+        middle.append(m)
+        low.append(m - ends[0])
+        high.append(ends[1] - m)
+    return middle, low, high
+
+
+def _grouped_figure(plt: Any, results: dict, part: str, groups: Callable[[dict], list[str]],
+                    group_label: Callable[[str], str], rate: Callable[[str, float], float], ylabel: str,
+                    xlabel: Callable[[dict], str], title: str) -> Any:
+    """One panel per model set and thread count; in each, a group of bars per ``groups``
+    entry with a bar per side and precision (:data:`SIDES`), ``rate(group, ms)`` plotted."""
+    import numpy as np
+
+    panels = _set_panels(results)
+    if not panels:
+        return None
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 0.6, 3.9), squeeze=False)
+    for axis, (data, threads, t) in zip(axes[0], panels):
+        names = groups(t[part])
+        keys = [key for key in SIDES if any(f"{key[1]}_ms" in t[part].get(key[0], {}).get(g, {}) for g in names)]
+        width = 0.8 / max(1, len(keys))
+        for i, (precision, side) in enumerate(keys):
+            present = [(g, t[part][precision][name][f"{side}_ms"]) for g, name in enumerate(names)
+                       if f"{side}_ms" in t[part][precision].get(name, {})]
+            middle, low, high = [], [], []
+            for g, spread in present:
+                (m,), (lo,), (hi,) = _whiskers([spread], lambda ms, name=names[g]: rate(name, ms))
+                middle.append(m)
+                low.append(lo)
+                high.append(hi)
+            axis.bar([g - 0.4 + width * (i + 0.5) for g, _ in present], middle, width, yerr=[low, high], capsize=2,
+                     color=SIDES[(precision, side)][1], label=SIDES[(precision, side)][0], edgecolor="black",
+                     linewidth=0.4, error_kw={"elinewidth": 0.8})
+        axis.set_xticks(np.arange(len(names)), [group_label(n) for n in names])
+        axis.set_ylim(bottom=0)
+        axis.grid(axis="y", alpha=0.3)
+        axis.set_title(f"{data['title']}, {_threads_label(threads)}")
+        axis.set_ylabel(ylabel)
+        axis.set_xlabel(xlabel(data))
+    handles = {}
+    for axis in axes[0]:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8,
+                  bbox_to_anchor=(0.5, -0.01), frameon=False)
+    figure.suptitle(f"{title}\n({WHISKERS})")
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
+    return figure
+
+
+def plot_decode(plt: Any, results: dict) -> Any:
+    return _grouped_figure(plt, results, "decode", lambda part: [s for s in SETTING_NAMES if s in part.get("f32", {})],
+                           SHORT_SETTING_NAMES.get, lambda _, ms: 1e3 / ms, "tokens/s",
+                           lambda data: f"adapters, from an empty context (long prompt: {data['late_prompt']} tokens)",
+                           "Decode speed on the same weights, ours vs llama.cpp: higher is better")
+
+
+def plot_prefill(plt: Any, results: dict) -> Any:
+    return _grouped_figure(plt, results, "prefill",
+                           lambda part: sorted({n for lengths in part.values() for n in lengths}, key=int),
+                           lambda n: f"{n} tokens", lambda n, ms: int(n) * 1e3 / ms, "prompt tokens/s",
+                           lambda _: "prompt length (base model)",
+                           "Prefill speed on the same weights, ours vs llama.cpp: higher is better")
+
+
+SWITCH_BARS = (
+    ("ours", "switch_over_step", "ours: one session,\nre-targeted A<->B", "#1f4e9c"),
+    ("ours", "two_sessions_over_step", "ours: two sessions,\none adapter each", "#7aa6dc"),
+    ("theirs", "switch_over_step", "llama.cpp: one context,\nre-targeted A<->B", "#c45a10"),
+    ("theirs", "two_sessions_over_step", "llama.cpp: two contexts,\none adapter each", "#f0a35e"),
+)
+
+
+def plot_switch(plt: Any, results: dict) -> Any:
+    panels = _set_panels(results)
+    if not panels:
+        return None
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels) + 1.4, 3.4), squeeze=False, sharey=True)
+    for axis, (data, threads, t) in zip(axes[0], panels):
+        bars = [(label, color, t["switch"][side][field]) for side, field, label, color in SWITCH_BARS
+                if side in t["switch"]]
+        middle, low, high = _whiskers([s for _, _, s in bars])
+        right = max(2.0, max(middle) * 1.35)
+        ys = range(len(bars))[::-1]
+        axis.barh(list(ys), middle, 0.65, xerr=[low, [min(h, right - m) for m, h in zip(middle, high)]], capsize=3,
+                  color=[color for _, color, _ in bars], edgecolor="black", linewidth=0.4)
+        for y, m, h in zip(ys, middle, high):
+            clipped = f" (max {m + h:.1f}x, clipped)" if m + h > right else ""
+            axis.annotate(f"{m:.2f}x{clipped}", (0.03, y), va="center", fontsize=7.5, color="white")
+        limit = 1.02 if data["n_ctx"] >= 1024 else 1.05
+        axis.axvline(1.0, color="black", linewidth=0.8)
+        axis.axvline(limit, color="green", linestyle="--", linewidth=0.9, label=f"target: {limit}x")
+        axis.set_xlim(0, right)
+        axis.set_yticks(list(ys), [label for label, _, _ in bars], fontsize=7.5)
+        axis.set_xlabel("time per step / a step with one adapter fixed")
+        axis.set_title(f"{data['title']}, {_threads_label(threads)}")
+        axis.legend(fontsize=7.5, loc="lower right")
+        axis.grid(axis="x", alpha=0.3)
+    figure.suptitle("Switching between two rank-8 adapters (f32) before every decode step: lower is better\n"
+                    f"({WHISKERS})")
     figure.tight_layout()
-    figure.savefig(folder / "decode.png", dpi=120)
-    plt.close(figure)
-    figure, axis = plt.subplots(figsize=(5, 3.5))
-    sizes, times = zip(*results["register"])
-    axis.plot(sizes, times, marker="o")
+    return figure
+
+
+REGISTER_LINES = (("ours_ms", "ours, from the GGUF file", "#1f4e9c", "o"),
+                  ("ours_peft_ms", "ours, from the PEFT directory", "#7aa6dc", "s"),
+                  ("theirs_ms", "llama.cpp, from the GGUF file", "#c45a10", "o"))
+
+
+def plot_register(plt: Any, results: dict) -> Any:
+    from matplotlib.ticker import FuncFormatter
+
+    rows = sorted(((data["title"], row) for _, data in _sets(results) for row in data["register"]["rows"]),
+                  key=lambda item: item[1]["file_mb"])
+    if not rows:
+        return None
+    figure, axis = plt.subplots(figsize=(6.8, 4.4))
+    for field, label, color, marker in REGISTER_LINES:
+        points = [(row["file_mb"], row[field]) for _, row in rows if field in row]
+        if points:
+            middle, low, high = _whiskers([s for _, s in points])
+            axis.errorbar([x for x, _ in points], middle, yerr=[low, high], marker=marker, color=color, capsize=3,
+                          label=label)
+    for title, row in rows:
+        axis.annotate(f"{title.split(' ')[0].split('-Instruct')[0]}\nrank {row['rank']}", (row["file_mb"], 0),
+                      xycoords=("data", "axes fraction"), xytext=(0, 4), textcoords="offset points", ha="center",
+                      va="bottom", fontsize=6.5, color="#555555")
     axis.set_xscale("log")
-    axis.set_ylim(bottom=0)
-    axis.set_xlabel("adapter file size (MB)")
-    axis.set_ylabel("register time (ms)")
+    axis.set_yscale("log")
+    for ticks in (axis.xaxis, axis.yaxis):
+        ticks.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ticks.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    axis.set_xlabel("adapter file size (MB; GGUF LoRA, f32)")
+    axis.set_ylabel("register time (ms, log scale)")
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(fontsize=8, loc="center right")
+    axis.set_title("Registering an adapter: ours parses it (no weights read), llama.cpp reads and copies it\n"
+                   f"1 thread: lower is better ({WHISKERS})")
     figure.tight_layout()
-    figure.savefig(folder / "register.png", dpi=120)
-    plt.close(figure)
-    figure, axis = plt.subplots(figsize=(5, 3.5))
-    counts = [int(n) for n in results["concurrency"]]
-    axis.plot(counts, list(results["concurrency"].values()), marker="o")
-    axis.set_xlabel("concurrent sessions")
-    axis.set_ylabel("aggregate tokens/s")
-    axis.set_ylim(bottom=0)
+    return figure
+
+
+def plot_memory(plt: Any, results: dict) -> Any:
+    sets = list(_sets(results))
+    if not sets:
+        return None
+    figure, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets) + 1.0, 3.2), squeeze=False)
+    for axis, (_, data) in zip(axes[0], sets):
+        mem = data["memory"]
+        bars = [("ours: registered, not resident (r8)", mem["ours"]["registered_per_adapter_bytes"] / 1024, "#7aa6dc"),
+                ("ours: resident (r8)", mem["ours"]["resident_per_adapter_bytes"] / 1024, "#1f4e9c")]
+        for name, label, color in (("r8_a", "llama.cpp: loaded (r8)", "#c45a10"),
+                                   ("r64", "llama.cpp: loaded (r64)", "#f0a35e")):
+            e = mem.get("theirs", {}).get(name, {})
+            if "rss_growth_per_adapter_kib" in e:
+                bars.append((label, e["rss_growth_per_adapter_kib"], color))
+        ys = list(range(len(bars)))[::-1]
+        axis.barh(ys, [kib for _, kib, _ in bars], 0.65, color=[c for _, _, c in bars], edgecolor="black",
+                  linewidth=0.4)
+        for y, (_, kib, _) in zip(ys, bars):
+            axis.annotate(f" {kib:,.0f} KiB" if kib >= 10 else f" {kib:.1f} KiB", (kib, y), va="center", fontsize=7.5)
+        axis.axvline(62.5, color="green", linestyle="--", linewidth=0.9, label="target, registered: 64 KB")
+        axis.set_xscale("log")
+        axis.set_xlim(right=max(kib for _, kib, _ in bars) * 12)
+        axis.set_ylim(-0.6, len(bars) + 0.2)  # room for the legend above the bars
+        axis.set_yticks(ys, [label for label, _, _ in bars], fontsize=7.5)
+        axis.set_xlabel("RSS growth per adapter (KiB, log scale)")
+        axis.set_title(f"{data['title']}, f32")
+        axis.legend(fontsize=7.5, loc="upper right")
+    figure.suptitle("Memory per adapter, measured in fresh processes: lower is better")
     figure.tight_layout()
-    figure.savefig(folder / "concurrency.png", dpi=120)
-    plt.close(figure)
+    return figure
+
+
+def plot_load(plt: Any, results: dict) -> Any:
+    sets = [data for _, data in _sets(results) if data.get("load")]
+    if not sets:
+        return None
+    figure, axes = plt.subplots(len(sets), 2, figsize=(10, 3.3 * len(sets)), squeeze=False)
+    for row, data in zip(axes, sets):
+        keys = [key for key in SIDES if "load_ms" in data["load"].get(key[0], {}).get(key[1], {})]
+        labels = [SIDES[k][0].replace(" (original file)", "").replace(" ", "\n", 1) for k in keys]
+        for i, key in enumerate(keys):
+            e = data["load"][key[0]][key[1]]
+            bottom = 0.0
+            for hatch, field in ((None, "load_ms"), ("//", "first_decode_ms")):
+                (m,), (lo,), (hi,) = _whiskers([e[field]])
+                row[0].bar(i, m, 0.7, bottom=bottom, yerr=[[lo], [hi]], capsize=2, color=SIDES[key][1], hatch=hatch,
+                           edgecolor="black", linewidth=0.4)
+                bottom += m
+            (m,), (lo,), (hi,) = _whiskers([e["peak_rss_mib"]])
+            before = e["rss_before_mib"]["median"]
+            row[1].bar(i, before, 0.7, color="#dddddd", edgecolor="black", linewidth=0.4,
+                       label="the process before loading (Python, libraries)" if i == 0 else None)
+            row[1].bar(i, m - before, 0.7, bottom=before, yerr=[[lo], [hi]], capsize=2, color=SIDES[key][1],
+                       edgecolor="black", linewidth=0.4)
+            row[1].annotate(f"+{m - before:,.0f}", (i, m), textcoords="offset points", xytext=(0, 3), ha="center",
+                            fontsize=7.5)
+        for axis, ylabel in ((row[0], "ms"), (row[1], "MiB")):
+            axis.set_xticks(range(len(keys)), labels, fontsize=7.5)
+            axis.set_ylabel(ylabel)
+            axis.grid(axis="y", alpha=0.3)
+        row[0].set_title(f"{data['title']}, 1 thread\ntime to open (plain) + the first decode step (hatched)")
+        row[1].set_title(f"{data['title']}\npeak RSS after the first decode step (the model: coloured)")
+        row[1].legend(fontsize=7, loc="upper right")
+    figure.suptitle(f"Opening the model in a fresh process: lower is better ({WHISKERS})")
+    figure.tight_layout()
+    return figure
+
+
+CURVE_COLORS = ("#1f4e9c", "#7aa6dc", "#c45a10", "#2e8b57", "#8a2be2", "#777777")
+
+
+def plot_concurrency(plt: Any, results: dict) -> Any:
+    """Aggregate tokens/s against sessions, one line per named curve of the results (any
+    number of them)."""
+    found = [(data, data["concurrency"]) for _, data in _sets(results) if "concurrency" in data]
+    if not found:
+        return None
+    data, conc = found[0]
+    figure, axis = plt.subplots(figsize=(6.6, 4.2))
+    counts: set[int] = set()
+    for color, (name, curve) in zip(CURVE_COLORS, conc["curves"].items()):
+        xs = sorted(curve, key=int)
+        counts.update(int(n) for n in xs)
+        middle, low, high = _whiskers([curve[n] for n in xs])
+        axis.errorbar([int(n) for n in xs], middle, yerr=[low, high], marker="o", capsize=3, color=color, label=name)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(sorted(counts), [str(n) for n in sorted(counts)])
+    axis.set_ylim(bottom=0)
+    axis.set_xlabel("concurrent sessions (a thread each, started at once)")
+    axis.set_ylabel("aggregate decode tokens/s")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="lower right")
+    axis.set_title(f"Concurrent sessions on {results['machine']['cores']} cores: {data['title']}, "
+                   f"{conc['precision']}, {conc['adapters']}\nhigher is better ({WHISKERS})")
+    figure.tight_layout()
+    return figure
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "results"
+    loaded = json.loads((folder / "results.json").read_text())
+    (folder / "results.md").write_text(render_markdown(loaded) + "\n")
+    for path in plots(loaded, folder):
+        print(f"wrote {path}")

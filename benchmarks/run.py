@@ -1,178 +1,446 @@
-"""The benchmark suite: what adapters cost in latency and memory, side by side with llama.cpp.
+"""The benchmark suite: what the runtime and its adapters cost, side by side with llama.cpp.
 
-    python benchmarks/run.py [--quick] [--skip-llama-cpp]
+    python benchmarks/run.py [--quick] [--sets bench,smollm2] [--skip-llama-cpp]
 
-Needs the ``bench`` extra (matplotlib for the plots) and the committed models in
-``benchmarks/models/`` (rebuilt by ``tools/build_bench_models.py``). The llama.cpp column
-needs ``bash benchmarks/llama_cpp/setup.sh`` once (its own virtualenv, ~6 minutes to
-compile); without it that section is skipped. Every figure is the median of repeated
-runs; ratios are measured in the same run. Writes ``benchmarks/results/results.md``,
-``results.json`` and PNG plots.
+Needs the ``bench`` extra (matplotlib for the plots). llama.cpp runs from its own
+virtualenv (``bash benchmarks/llama_cpp/setup.sh`` once; it also converts every model set
+to GGUF); without it only our side is measured. Model sets (``benchmarks/llama_cpp/files.py``):
+
+``bench``
+    the committed 5.25M-parameter Llama (``benchmarks/models/``), 1 thread;
+``smollm2``
+    SmolLM2-135M-Instruct at real size (the f32 and int8 exports that
+    ``tools/build_smollm2.py`` writes to the cache directory; KV length 1024), 1 thread
+    and all cores; skipped, with what is missing, when they are not there.
+
+Every comparison is measured in alternating rounds: each round times our side and then
+llama.cpp's (the order flips every round) on the same weights, so the ratio is taken
+within a round and drift of a shared machine's speed cancels out; figures are the median
+over rounds, with the min and max. The first round only warms up. Writes
+``benchmarks/results/results.md``, ``results.json`` and the PNG plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
 import json
 import multiprocessing as mp
-import statistics
-import subprocess
+import os
+import platform
 import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
-from runtime import Engine, EngineSettings, LoraSource, SessionConfig
-from runtime.cli.progress import progress_bar
-from runtime.bench import (
-    bench_cold_switch,
-    bench_concurrency,
-    bench_decode,
-    bench_graph,
-    bench_memory,
-    bench_register,
-    bench_switch,
-    decode_step_seconds,
-)
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
-MODELS = HERE / "models"
+sys.path.insert(0, str(HERE / "llama_cpp"))
+
+import client as llama_cpp  # noqa: E402  (benchmarks/llama_cpp/client.py)
+from files import DECODE_SETTINGS, MODEL_SETS, PRECISION_PAIRS, SETTING_ADAPTERS, ModelSet  # noqa: E402
+
+from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
+from runtime.errors import StatusError  # noqa: E402
+from runtime.bench import (  # noqa: E402
+    ConcurrencyRig,
+    SwitchRig,
+    bench_cold_switch,
+    GraphRig,
+    bench_memory,
+    decode_round,
+    timed_decode,
+    load_cost,
+    prefill_seconds,
+    register_seconds,
+    spread,
+)
+from runtime.cli.progress import progress_bar  # noqa: E402
+
 RESULTS = HERE / "results"
-TEST_MODEL = HERE.parent / "tests" / "models" / "gqa_default.tflite"
-TEST_ADAPTERS = HERE.parent / "tests" / "models" / "adapters"
-LLAMA_PYTHON = HERE / "llama_cpp" / ".venv" / "bin" / "python"
-LLAMA_SCRIPT = HERE / "llama_cpp" / "bench_llama_cpp.py"
-
-R8_A, R8_B, R64 = (LoraSource(path=MODELS / n) for n in ("peft_r8_a", "peft_r8_b", "peft_r64"))
+LATE = "base_late"  # base model, decode after the longest prefill length's prompt
+CONCURRENCY_COUNTS = (1, 2, 4, 8, 16)
+SAME_WEIGHTS_TOKENS = 16
 
 
-def decode_section(repeats: int, steps: int) -> dict:
-    """Decode step per model and adapter configuration, with the graph's own ratio."""
-    models = {"test model (f32)": (TEST_MODEL, {
-        "base": SessionConfig(),
-        "rank-4 adapter": SessionConfig(lora_path=TEST_ADAPTERS / "torch_r4.tflite"),
-        "blend of two rank-4": SessionConfig(loras=[LoraSource(path=TEST_ADAPTERS / "torch_r4.tflite", scale=0.7),
-                                                    LoraSource(path=TEST_ADAPTERS / "litertlm_r4.tflite", scale=0.3)]),
-    })}
-    for label, file in (("bench model f32", "bench_f32.tflite"), ("bench model int8", "bench_int8.tflite")):
-        models[label] = (MODELS / file, {
-            "base": SessionConfig(),
-            "rank-8 adapter": SessionConfig(loras=[R8_A]),
-            "blend of two rank-8 (0.7/0.3)": SessionConfig(loras=[LoraSource(path=R8_A.path, scale=0.7),
-                                                                 LoraSource(path=R8_B.path, scale=0.3)]),
-            "rank-64 adapter": SessionConfig(loras=[R64]),
-        })
-    out = {}
-    for label, (model, configs) in models.items():
-        with Engine(model, EngineSettings(num_threads=1)) as engine:
-            out[label] = bench_decode(engine, configs, steps, repeats)
-            out[label]["_graph"] = bench_graph(model, repeats)
-    return out
+class Rounds:
+    """Figures collected round by round under a key path, summarized as nested dicts of
+    :func:`runtime.bench.spread` (median, min, max, rounds)."""
+
+    def __init__(self) -> None:
+        self.samples: dict[tuple, list[float]] = defaultdict(list)
+
+    def add(self, *path_and_value: Any) -> None:
+        *path, value = path_and_value
+        self.samples[tuple(str(p) for p in path)].append(float(value))
+
+    def summary(self) -> dict:
+        out: dict = {}
+        for path, values in self.samples.items():
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = spread(values)
+        return out
 
 
-def _in_child(function, *args):
-    """Runs a memory measurement in a fresh process, so other sections do not pollute its RSS."""
+def both(ours: Callable[[], Any], theirs: Callable[[], Any], round_index: int) -> tuple[Any, Any]:
+    """Runs our measurement and llama.cpp's, ours first in even rounds and second in odd ones."""
+    if round_index % 2 == 0:
+        mine = ours()
+        return mine, theirs()
+    other = theirs()
+    return ours(), other
+
+
+def sources(models: ModelSet, setting: str) -> list[LoraSource]:
+    """Our LoraSources (PEFT directories) for one adapter setting of ``files.SETTING_ADAPTERS``."""
+    return [LoraSource(path=models.adapters[name].peft, scale=scale) for name, scale in SETTING_ADAPTERS[setting]]
+
+
+def in_child(function: Callable, *args: Any) -> Any:
+    """Runs ``function`` in a fresh process, so other measurements do not pollute its RSS."""
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(function, args)
 
 
-def llama_cpp_section() -> dict | None:
-    """llama.cpp's numbers on the same weights, from its own virtualenv (None if not set up)."""
-    if not LLAMA_PYTHON.exists():
-        return None
-    done = subprocess.run([str(LLAMA_PYTHON), str(LLAMA_SCRIPT)], capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        print(f"llama.cpp benchmark failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(done.stdout[done.stdout.index("{"):])
+# -- the machine -----------------------------------------------------------------------
 
 
-def head_to_head_section(rounds: int, steps: int) -> dict | None:
-    """Decode ms per step, ours and llama.cpp's, in alternating rounds on the same weights.
+def machine(llama_hello: dict | None) -> dict:
+    """What ran the benchmark: CPU, cores, memory, versions, date, load before the run."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    memory_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemTotal:"))
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory_kib / 2**20, 1),
+        "python": platform.python_version(),
+        "ai_edge_litert": importlib.metadata.version("ai-edge-litert"),
+        "llama_cpp_python": llama_hello["llama_cpp_python"] if llama_hello else None,
+        "llama_cpp_system_info": llama_hello["system_info"] if llama_hello else None,
+        "load_average_start": os.getloadavg(),
+    }
 
-    llama.cpp runs in a child process serving one round per request (idle in between),
-    so each round measures both sides within a second of each other; the ratio is taken
-    per round, then the median, so drift of this shared machine's speed cancels out.
-    The first round only warms up. ``None`` without the llama.cpp virtualenv.
-    """
-    if not LLAMA_PYTHON.exists():
-        return None
-    configs = {"plain": SessionConfig(), "lora_r8": SessionConfig(loras=[R8_A])}
-    ours_models = {"f32": MODELS / "bench_f32.tflite", "q8_0": MODELS / "bench_int8.tflite"}
-    child = subprocess.Popen([str(LLAMA_PYTHON), str(LLAMA_SCRIPT), "--serve-decode-rounds", "--steps", str(steps)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
-    def reply() -> dict:
-        while line := child.stdout.readline():
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError("the llama.cpp decode server stopped")
+# -- one model set, both sides -----------------------------------------------------------
 
-    samples: dict[str, dict[str, dict[str, list[float]]]] = {}
-    try:
-        reply()  # ready
-        with Engine(ours_models["f32"]) as f32, Engine(ours_models["q8_0"]) as int8:
-            sessions = {kind: {name: engine.create_session(config) for name, config in configs.items()}
-                        for kind, engine in (("f32", f32), ("q8_0", int8))}
-            for round_index in range(rounds + 1):
-                ours = {kind: {name: decode_step_seconds(session, steps) * 1e3
-                               for name, session in by_name.items()} for kind, by_name in sessions.items()}
-                child.stdin.write("round\n")
-                child.stdin.flush()
-                theirs = reply()
-                if round_index == 0:
-                    continue
-                for kind, by_name in ours.items():
-                    for name, ms in by_name.items():
-                        entry = samples.setdefault(kind, {}).setdefault(name, {"ours": [], "theirs": [], "speed": []})
-                        entry["ours"].append(ms)
-                        entry["theirs"].append(theirs[kind][name])
-                        entry["speed"].append(theirs[kind][name] / ms)
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
-    return {kind: {name: {"ours_ms": statistics.median(e["ours"]), "theirs_ms": statistics.median(e["theirs"]),
-                          "speed": statistics.median(e["speed"]), "speed_min": min(e["speed"]),
-                          "speed_max": max(e["speed"]), "rounds": len(e["speed"])}
-                   for name, e in by_name.items()} for kind, by_name in samples.items()}
+
+def same_weights(models: ModelSet, llama: Any) -> dict:
+    """Our f32 logits vs llama.cpp's f32 logits at each of 16 positions (tokens decoded one
+    by one), base and rank-8: the two sides run the same weights."""
+    tokens = [(i * 7919 + 11) % 4093 + 3 for i in range(SAME_WEIGHTS_TOKENS)]
+    out = {}
+    with Engine(models.ours["f32"]) as engine, tempfile.TemporaryDirectory() as tmp:
+        for setting in ("base", "r8"):
+            with engine.create_session(SessionConfig(loras=sources(models, setting))) as session:
+                ours = np.stack([session.run_decode(t).copy() for t in tokens])
+            file = Path(tmp) / f"{setting}.npy"
+            llama.request("logits", kind="f32", setting=setting, tokens=tokens, out=str(file))
+            theirs = np.load(file)
+            out[setting] = {"max_abs_diff": float(np.max(np.abs(ours - theirs))),
+                            "argmax_agree": float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))}
+    return out
+
+
+class SideBySide:
+    """One model set at one thread count, both sides open: our engines (a session per
+    adapter setting, a switching rig, the bare graphs) and a llama.cpp child. Each
+    ``round`` measures decode, prefill and switching on both sides."""
+
+    def __init__(self, models: ModelSet, threads: int, llama: Any | None, stack: ExitStack) -> None:
+        self.models, self.threads, self.llama = models, threads, llama
+        self.steps = models.decode_steps
+        self.theirs_kinds = set(models.theirs) if llama else set()
+        self.engines = {p: stack.enter_context(Engine(path, EngineSettings(num_threads=threads)))
+                        for p, path in models.ours.items()}
+        self.sessions = {p: {s: stack.enter_context(engine.create_session(SessionConfig(loras=sources(models, s))))
+                             for s in DECODE_SETTINGS} for p, engine in self.engines.items()}
+        self.graphs = {p: GraphRig(path, threads) for p, path in models.ours.items()}
+        self.switch_rig = SwitchRig(self.engines["f32"], *(LoraSource(path=models.adapters[n].peft)
+                                                          for n in ("r8_a", "r8_b")))
+        for rig in (*self.graphs.values(), self.switch_rig):
+            stack.callback(rig.close)
+        self.slots: dict[str, dict[str, int | None]] = {}
+
+    def round(self, r: int, record: Callable[..., None]) -> None:
+        for precision, ours_p, theirs_p in PRECISION_PAIRS:
+            self.decode(r, record, precision, ours_p if ours_p in self.engines else None,
+                        theirs_p if theirs_p in self.theirs_kinds else None)
+            for n in self.models.prefill_lengths:
+                self.prefill(r, record, precision, n, ours_p if ours_p in self.engines else None,
+                             theirs_p if theirs_p in self.theirs_kinds else None)
+        self.switch(r, record)
+        if not self.slots:  # every setting's adapters are resident after the first round
+            self.slots = {p: {s: _slot(self.engines[p], session) for s, session in by_setting.items()}
+                          for p, by_setting in self.sessions.items()}
+
+    def decode(self, r: int, record: Callable[..., None], precision: str, ours: str | None, theirs: str | None) -> None:
+        """ms per step of each setting on both sides from an empty context, and of the base
+        model after the longest prompt (``LATE``); on ours also the runtime's share of the step,
+        and the step's ratio to base next to the bare graph's ratio (same round)."""
+        prompt = max(self.models.prefill_lengths)
+
+        def ours_run() -> tuple[dict, dict]:
+            if ours is None:
+                return {}, {}
+            engine, sessions = self.engines[ours], self.sessions[ours]
+            mine = decode_round(engine, sessions, self.steps)
+            mine[LATE] = timed_decode(engine, sessions["base"], self.steps, prompt)
+            return mine, self.graphs[ours].round(self.steps)
+
+        def theirs_run() -> dict[str, float]:
+            if theirs is None:
+                return {}
+            return {s: self.llama.request("decode", kind=theirs, setting="base" if s == LATE else s,
+                                          threads=self.threads, steps=self.steps,
+                                          prompt=prompt if s == LATE else 0)["ms"]
+                    for s in (*DECODE_SETTINGS, LATE)}
+
+        (mine, graph), other = both(ours_run, theirs_run, r)
+        for setting, (step, invoke) in mine.items():
+            record("decode", precision, setting, "ours_ms", step * 1e3)
+            record("decode", precision, setting, "glue_share", (step - invoke) / step)
+            if setting == LATE:
+                continue
+            slot = self.slots.get(ours, {}).get(setting)
+            x_base, graph_x = step / mine["base"][0], graph[f"r{slot}"] / graph["plain"] if slot else 1.0
+            record("decode", precision, setting, "x_base", x_base)
+            record("decode", precision, setting, "graph_x", graph_x)
+            record("decode", precision, setting, "x_base_minus_graph_x", x_base - graph_x)
+        for name, seconds in graph.items():
+            record("graph_ms", precision, name, seconds * 1e3)
+        for setting, ms in other.items():
+            record("decode", precision, setting, "theirs_ms", ms)
+            if setting in mine:
+                record("decode", precision, setting, "speed", ms / (mine[setting][0] * 1e3))
+
+    def prefill(self, r: int, record: Callable[..., None], precision: str, n: int, ours: str | None,
+                theirs: str | None) -> None:
+        """ms to prefill ``n`` tokens (base model) on both sides."""
+        mine, other = both(
+            lambda: prefill_seconds(self.sessions[ours]["base"], n) * 1e3 if ours else None,
+            lambda: self.llama.request("prefill", kind=theirs, tokens=n, threads=self.threads)["ms"] if theirs else None,
+            r)
+        if mine is not None:
+            record("prefill", precision, n, "ours_ms", mine)
+        if other is not None:
+            record("prefill", precision, n, "theirs_ms", other)
+        if mine is not None and other is not None:
+            record("prefill", precision, n, "speed", other / mine)
+
+    def switch(self, r: int, record: Callable[..., None]) -> None:
+        """Switching between two rank-8 adapters (f32), as a multiple of a step, both sides."""
+        mine, other = both(
+            lambda: self.switch_rig.round(self.steps),
+            lambda: self.llama.request("switch", kind="f32", threads=self.threads, steps=self.steps)
+            if "f32" in self.theirs_kinds else {},
+            r)
+        record("switch", "ours", "step_ms", mine["alone"] * 1e3)
+        record("switch", "ours", "switch_over_step", mine["switch"] / mine["alone"])
+        record("switch", "ours", "two_sessions_over_step", mine["alternate_other"] / mine["alone"])
+        record("switch", "ours", "two_sessions_same_adapter_over_step", mine["alternate_same"] / mine["alone"])
+        if other:
+            record("switch", "theirs", "step_ms", other["step_ms"])
+            record("switch", "theirs", "switch_over_step", other["switch_ms"] / other["step_ms"])
+            record("switch", "theirs", "two_sessions_over_step", other["two_contexts_ms"] / other["step_ms"])
+
+
+def side_by_side(models: ModelSet, threads: int, rounds: int, llama: Any | None) -> dict:
+    """:class:`SideBySide` over ``rounds`` rounds after one that only warms up."""
+    data = Rounds()
+    with ExitStack() as stack:
+        both_sides = SideBySide(models, threads, llama, stack)
+        for r in progress_bar(f"{models.key}, {threads} thread(s)", unit="round")(range(rounds + 1)):
+            both_sides.round(r, data.add if r else lambda *_: None)
+        slots = both_sides.slots
+    out = data.summary()
+    for precision, ours_p, _ in PRECISION_PAIRS:
+        for setting, slot in slots.get(ours_p, {}).items():
+            out["decode"][precision][setting]["slot"] = slot
+    return out
+
+
+def _slot(engine: Engine, session: Any) -> int | None:
+    """The rank slot ``session``'s adapters run in (``None``: the plain signature)."""
+    return next((r.slot_rank for r in engine.stats().resident if r.blend == tuple(session.blend)), None)
+
+
+def register_section(models: ModelSet, rounds: int, llama: Any | None, repeats: int = 5) -> dict:
+    """Registering each of the set's adapters, by file size: ours from its GGUF LoRA file and
+    from its PEFT directory, llama.cpp from the same GGUF file."""
+    data = Rounds()
+    errors: dict[str, str] = {}
+    adapters = {name: a for name, a in models.adapters.items() if name != "r8_b"}  # r8_b is r8_a's size
+    with Engine(models.ours["f32"]) as engine:
+        for r in range(rounds + 1):
+            record = data.add if r else (lambda *_: None)
+            for name, a in adapters.items():
+                def ours(a: Any = a) -> dict[str, float]:
+                    paths = {"ours_peft_ms": ("PEFT directory", a.peft), "ours_ms": ("GGUF file", a.gguf if llama else None)}
+                    out = {}
+                    for field, (kind, path) in paths.items():
+                        if path is None:
+                            continue
+                        try:
+                            out[field] = register_seconds(engine, LoraSource(path=path), repeats) * 1e3
+                        except StatusError as exc:  # reported, not fatal: the other figures stand
+                            errors[f"rank-{a.rank} {kind}"] = str(exc)
+                    return out
+
+                def theirs(a: Any = a) -> dict[str, float]:
+                    if not llama:
+                        return {}
+                    return {"theirs_ms": llama.request("register", kind="f32", adapter=str(a.gguf), repeats=repeats)["ms"]}
+
+                mine, other = both(ours, theirs, r)
+                for field, ms in {**mine, **other}.items():
+                    record(name, field, ms)
+    summary = data.summary()
+    return {"errors": errors,
+            "rows": [{"adapter": name, "rank": a.rank, "file_mb": (a.gguf if llama else a.peft / "adapter_model.safetensors")
+                      .stat().st_size / 1e6, **summary[name]} for name, a in adapters.items()]}
+
+
+def load_section(models: ModelSet, rounds: int, with_llama: bool) -> dict:
+    """Opening each model file in a fresh process (1 thread): load time, first decode step,
+    peak RSS; ours and llama.cpp's in alternating rounds."""
+    data = Rounds()
+    for r in range(rounds):
+        for precision, ours_p, theirs_p in PRECISION_PAIRS:
+            ours_run = (lambda p=ours_p: in_child(load_cost, models.ours[p], 1)) if ours_p in models.ours else dict
+            theirs_run = ((lambda p=theirs_p: llama_cpp.load_probe(models.theirs[p], models.n_ctx, 1))
+                          if with_llama and theirs_p in models.theirs else dict)
+            mine, other = both(ours_run, theirs_run, r)
+            if mine:
+                data.add(precision, "ours", "load_ms", mine["load_s"] * 1e3)
+                data.add(precision, "ours", "first_decode_ms", mine["first_decode_s"] * 1e3)
+                data.add(precision, "ours", "peak_rss_mib", mine["peak_rss_bytes"] / 2**20)
+                data.add(precision, "ours", "rss_before_mib", mine["rss_before_bytes"] / 2**20)
+            if other:
+                data.add(precision, "theirs", "load_ms", other["load_ms"] + other["context_ms"])
+                data.add(precision, "theirs", "first_decode_ms", other["first_decode_ms"])
+                data.add(precision, "theirs", "peak_rss_mib", other["peak_rss_kib"] / 1024)
+                data.add(precision, "theirs", "rss_before_mib", other["rss_before_kib"] / 1024)
+    out = data.summary()
+    for precision, ours_p, theirs_p in PRECISION_PAIRS:
+        sizes = {"ours": models.ours.get(ours_p), "theirs": models.theirs.get(theirs_p) if with_llama else None}
+        for side, path in sizes.items():
+            if path is not None and precision in out:
+                out[precision].setdefault(side, {})["file_mib"] = path.stat().st_size / 2**20
+    return out
+
+
+def memory_section(models: ModelSet, quick: bool, with_llama: bool) -> dict:
+    """RSS per registered and per resident rank-8 adapter (ours), per loaded adapter
+    (llama.cpp, 20 copies), each in a fresh process."""
+    count, cycles = ((200, 2000) if quick else (1000, 10_000)) if models.key == "bench" else (48, 100)
+    out = {"ours": in_child(bench_memory, models.ours["f32"], 8, count, cycles)}
+    if with_llama:
+        out["theirs"] = {name: llama_cpp.rss_per_adapter(models.theirs["f32"], models.adapters[name].gguf, 20)
+                         for name in ("r8_a", "r64")}
+    return out
+
+
+def model_set_section(models: ModelSet, rounds: int, quick: bool, with_llama: bool) -> dict:
+    """Everything measured on one model set."""
+    out: dict = {"title": models.title, "decode_steps": models.decode_steps, "n_ctx": models.n_ctx,
+                 "late_prompt": max(models.prefill_lengths),
+                 "files": {side: {p: str(path) for p, path in paths.items()}
+                           for side, paths in (("ours", models.ours), ("theirs", models.theirs))}}
+    with ExitStack() as stack:
+        llama = stack.enter_context(llama_cpp.LlamaCpp(models.key)) if with_llama else None
+        if llama:
+            out["same_weights"] = same_weights(models, llama)
+        out["threads"] = {str(threads): side_by_side(models, threads, rounds, llama) for threads in models.threads}
+        out["register"] = register_section(models, max(3, rounds // 3), llama)
+        if models.key == "bench":
+            out["concurrency"] = concurrency_section(models, max(3, rounds // 3), llama)
+    out["load"] = load_section(models, 3, with_llama)
+    out["memory"] = memory_section(models, quick, with_llama)
+    if models.key == "bench":
+        out["cold_switch"] = bench_cold_switch(models.ours["f32"], [LoraSource(path=models.adapters[n].peft)
+                                                                   for n in ("r8_a", "r64")], 5 if quick else 15)
+    return out
+
+
+def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dict:
+    """Aggregate decode tokens/s of 1-16 sessions, each with its own rank-8 adapter and one
+    thread, started at once: ours with one executor (runs serialized) and with one per
+    core, and llama.cpp with a context per session; the curves in alternating rounds."""
+    counts = CONCURRENCY_COUNTS
+    data = Rounds()
+    cores = os.cpu_count() or 1
+    with ExitStack() as stack:
+        rigs = {"ours, 1 executor": ConcurrencyRig(models.ours["f32"], max(counts))}
+        if cores > 1:
+            rigs[f"ours, {cores} executors"] = ConcurrencyRig(models.ours["f32"], max(counts), executors=cores)
+        for rig in rigs.values():
+            stack.callback(rig.close)
+        for r in progress_bar("concurrency", unit="round")(range(rounds + 1)):
+            for count in counts:
+                def ours(count: int = count) -> dict[str, float]:
+                    return {name: rig.tokens_per_second(count, models.decode_steps) for name, rig in rigs.items()}
+
+                def theirs(count: int = count) -> dict[str, float]:
+                    if not llama:
+                        return {}
+                    reply = llama.request("concurrency", kind="f32", sessions=count, steps=models.decode_steps)
+                    return {"llama.cpp, a context per session": reply["tokens_per_s"]}
+
+                mine, other = both(ours, theirs, r)
+                if r:
+                    for name, tokens_per_s in {**mine, **other}.items():
+                        data.add(name, count, tokens_per_s)
+    return {"model": models.title, "precision": "f32", "adapters": "rank 8, one per session",
+            "threads_per_session": 1, "curves": data.summary()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and cases")
-    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--sets", default=",".join(MODEL_SETS), help="model sets to measure (default: %(default)s)")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="measure our side only")
     args = parser.parse_args()
-    repeats, steps = (5, 48) if args.quick else (15, 96)
-    bench_f32 = MODELS / "bench_f32.tflite"
-
-    def switch() -> dict:
-        with Engine(bench_f32) as engine:
-            return bench_switch(engine, R8_A, R8_B, steps, repeats)
-
-    sections = {
-        "decode": lambda: decode_section(repeats, steps),
-        "register": lambda: bench_register([1, 8, 64] if args.quick else [1, 8, 64, 200], repeats),
-        "switch": switch,
-        "cold_switch": lambda: bench_cold_switch(bench_f32, [R8_A, R64], repeats),
-        "memory": lambda: _in_child(bench_memory, bench_f32, 8, 200 if args.quick else 1000,
-                                    2000 if args.quick else 10_000),
-        "concurrency": lambda: bench_concurrency(bench_f32, [1, 2, 4, 8], steps, rank=8),
-    }
-    if not args.skip_llama_cpp:
-        sections["llama_cpp"] = llama_cpp_section
-        sections["head_to_head"] = lambda: head_to_head_section(5 if args.quick else 15, steps)
-    results: dict = {}
-    for name in progress_bar("benchmark", unit="section")(list(sections)):
-        print(f"{name} ...", file=sys.stderr)
-        results[name] = sections[name]()
+    rounds = 5 if args.quick else 15
+    with_llama = not args.skip_llama_cpp and llama_cpp.available()
+    if not with_llama and not args.skip_llama_cpp:
+        print("llama.cpp is not set up (bash benchmarks/llama_cpp/setup.sh): measuring our side only", file=sys.stderr)
+    hello = None
+    if with_llama:
+        with llama_cpp.LlamaCpp("bench") as probe:
+            hello = probe.hello
+    results: dict = {"machine": machine(hello), "sets": {}, "skipped": {}}
+    for key in args.sets.split(","):
+        models = MODEL_SETS[key]
+        missing = models.missing(with_llama)
+        if missing:
+            message = f"{models.title}: skipped, missing " + ", ".join(map(str, missing))
+            print(message, file=sys.stderr)
+            results["skipped"][key] = message
+            continue
+        print(f"{models.title} ...", file=sys.stderr)
+        set_rounds = rounds if key == "bench" else max(3, rounds // 2)
+        results["sets"][key] = model_set_section(models, set_rounds, args.quick, with_llama)
+    results["machine"]["load_average_end"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     from report import plots, render_markdown
 
-    table = render_markdown(results)
-    (RESULTS / "results.md").write_text(table + "\n")
-    plots(results, RESULTS)
-    print(table)
+    report = render_markdown(results)
+    (RESULTS / "results.md").write_text(report + "\n")
+    for path in plots(results, RESULTS):
+        print(f"wrote {path}", file=sys.stderr)
+    print(report)
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE))
     main()

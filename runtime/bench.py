@@ -25,8 +25,8 @@ from runtime.engine.engine import Engine
 from runtime.engine.session import Session
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.framework.lora_source import LoraSource
-from runtime.util.lora_util import PROJECTIONS, SIDES, Convention, lora_input_name, parse_lora_input_name
-from runtime.util.lora_writer import LoraWeights, serialize_lora_tensors, write_lora_file
+from runtime.util.lora_util import Convention, parse_lora_input_name
+from runtime.util.lora_writer import LoraWeights, write_lora_file
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,22 @@ def median_seconds(action: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process (Linux), 0 where unknown."""
+def rss_bytes(field: str = "VmRSS") -> int:
+    """Resident set size of this process (Linux), 0 where unknown; ``field="VmHWM"`` gives
+    its peak so far."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of per-round figures, and how many rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
 
 
 def _decoder(session: Session, steps: int) -> Callable[[], None]:
@@ -75,9 +81,34 @@ def _decoder(session: Session, steps: int) -> Callable[[], None]:
     return run
 
 
-def decode_step_seconds(session: Session, steps: int) -> float:
-    """Seconds per decode step of ``session``: ``steps + 1`` steps from an empty context."""
-    return median_seconds(_decoder(session, steps), 1) / (steps + 1)
+def timed_decode(engine: Engine, session: Session, steps: int, prompt: int = 0) -> tuple[float, float]:
+    """Seconds per decode step of ``session`` and per bare invoke (the graph's share; the
+    rest of the step is the runtime's) over ``steps`` steps, after a reset and, when
+    ``prompt`` is not 0, a prompt of that many tokens (prefilled, not timed)."""
+    session.reset()
+    if prompt:
+        session.run_prefill([i % 97 + 1 for i in range(prompt)])
+    before = engine.stats()
+    start = time.perf_counter()
+    for i in range(steps):
+        session.run_decode(i % 97 + 1)
+    total = time.perf_counter() - start
+    after = engine.stats()
+    return total / steps, (after.invoke_seconds - before.invoke_seconds) / (after.invokes - before.invokes)
+
+
+def decode_round(engine: Engine, sessions: dict[str, Session], steps: int) -> dict[str, tuple[float, float]]:
+    """:func:`timed_decode` of each session from an empty context, one after the other."""
+    return {name: timed_decode(engine, session, steps) for name, session in sessions.items()}
+
+
+def prefill_seconds(session: Session, tokens: int) -> float:
+    """Seconds to prefill ``tokens`` tokens into ``session`` from an empty context."""
+    prompt = [i % 97 + 1 for i in range(tokens)]
+    session.reset()
+    start = time.perf_counter()
+    session.run_prefill(prompt)
+    return time.perf_counter() - start
 
 
 def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, repeats: int) -> dict[str, dict]:
@@ -91,14 +122,8 @@ def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, 
         _decoder(session, 4)()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in sessions}
     for _ in range(repeats):
-        for name, session in sessions.items():
-            before = engine.stats()
-            start = time.perf_counter()
-            _decoder(session, steps)()
-            total = time.perf_counter() - start
-            after = engine.stats()
-            invoke = (after.invoke_seconds - before.invoke_seconds) / (after.invokes - before.invokes)
-            samples[name].append((total / (steps + 1), invoke))
+        for name, pair in decode_round(engine, sessions, steps).items():
+            samples[name].append(pair)
     resident_slots = {r.blend: r.slot_rank for r in engine.stats().resident}
     out = {}
     for name, pairs in samples.items():
@@ -111,48 +136,68 @@ def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, 
     return out
 
 
-def bench_graph(model: str | os.PathLike[str], repeats: int, calls: int = 50, num_threads: int = 1) -> dict[str, float]:
-    """Seconds per decode step of each decode signature (plain and every rank slot, with
-    zero LoRA inputs) run on the executor directly: the graph's own cost, none of the
-    sessions' work. Signatures are measured round-robin within each repeat, so drift hits
-    them alike."""
-    executor = LlmExecutor(model, ExecutorSettings(num_threads=num_threads))
-    kv = executor.create_kv_cache()
-    runs = {}
-    for rank in (None, *executor.spec.lora_ranks):
-        buffers = None
-        if rank is not None:
-            slot = executor.spec.lora_slot(rank)
-            buffers = {name: executor.create_lora_buffer(rank, name) for name in slot}
-            for name, spec in slot.items():
-                buffers[name].write(np.zeros(spec.shape, spec.dtype))
-        runs["plain" if rank is None else f"r{rank}"] = executor.bind(kv, buffers, rank)
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    try:
-        for _ in range(repeats):
-            for name, binding in runs.items():
-                start = time.perf_counter()
-                for _ in range(calls):
-                    executor.decode(binding, 1, 0)
-                samples[name].append((time.perf_counter() - start) / calls)
-    finally:
-        executor.close()
-    return {name: statistics.median(values) for name, values in samples.items()}
+class GraphRig:
+    """Each decode signature of a model (plain and every rank slot, with zero LoRA inputs)
+    bound on an executor of its own, to time the graph's own cost per step, none of the
+    sessions' work. Closes its executor on ``close()``."""
+
+    def __init__(self, model: str | os.PathLike[str], num_threads: int = 1) -> None:
+        self.executor = LlmExecutor(model, ExecutorSettings(num_threads=num_threads))
+        kv = self.executor.create_kv_cache()
+        self.bindings = {}
+        for rank in (None, *self.executor.spec.lora_ranks):
+            buffers = None
+            if rank is not None:
+                slot = self.executor.spec.lora_slot(rank)
+                buffers = {name: self.executor.create_lora_buffer(rank, name) for name in slot}
+                for name, spec in slot.items():
+                    buffers[name].write(np.zeros(spec.shape, spec.dtype))
+            self.bindings["plain" if rank is None else f"r{rank}"] = self.executor.bind(kv, buffers, rank)
+
+    def round(self, calls: int) -> dict[str, float]:
+        """Seconds per call of each signature (``plain``, ``r8``, ...), ``calls`` calls each,
+        one signature after the other."""
+        out = {}
+        for name, binding in self.bindings.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.executor.decode(binding, 1, 0)
+            out[name] = (time.perf_counter() - start) / calls
+        return out
+
+    def close(self) -> None:
+        self.executor.close()
 
 
-def bench_switch(engine: Engine, a: LoraSource, b: LoraSource, steps: int, repeats: int) -> dict[str, float]:
-    """Per decode step: one session alone; two sessions alternating (same adapter, different
-    adapters); one session switched between two resident adapters before each step."""
-    one = engine.create_session(SessionConfig(loras=[a]))
-    twin = engine.create_session(SessionConfig(loras=[a]))
-    other = engine.create_session(SessionConfig(loras=[b]))
-    switcher = engine.create_session(SessionConfig(loras=[a]))
-    for session in (one, twin, other, switcher):
-        _decoder(session, 2)()
-    switcher.set_adapters([b], reset=True)
-    switcher.run_decode(1)  # both blends resident now
+class SwitchRig:
+    """Sessions for measuring what switching adapters costs per decode step, in rounds:
+    one session alone (adapter ``a``); two sessions alternating step by step (same
+    adapter, different adapters); one session re-targeted between ``a`` and ``b``
+    (both resident) before each step. Closes its sessions on ``close()``."""
 
-    def alternate(x: Session, y: Session) -> Callable[[], None]:
+    def __init__(self, engine: Engine, a: LoraSource, b: LoraSource) -> None:
+        self.a, self.b = a, b
+        self.one = engine.create_session(SessionConfig(loras=[a]))
+        self.twin = engine.create_session(SessionConfig(loras=[a]))
+        self.other = engine.create_session(SessionConfig(loras=[b]))
+        self.switcher = engine.create_session(SessionConfig(loras=[a]))
+        for session in (self.one, self.twin, self.other, self.switcher):
+            _decoder(session, 2)()
+        self.switcher.set_adapters([b], reset=True)
+        self.switcher.run_decode(1)  # both blends resident now
+
+    def round(self, steps: int) -> dict[str, float]:
+        """Seconds per decode step of each pattern: ``alone``, ``alternate_same``,
+        ``alternate_other``, ``switch``."""
+        return {
+            "alone": median_seconds(_decoder(self.one, steps), 1) / (steps + 1),
+            "alternate_same": median_seconds(self._alternate(self.one, self.twin, steps), 1) / steps,
+            "alternate_other": median_seconds(self._alternate(self.one, self.other, steps), 1) / steps,
+            "switch": median_seconds(self._switching(steps), 1) / steps,
+        }
+
+    @staticmethod
+    def _alternate(x: Session, y: Session, steps: int) -> Callable[[], None]:
         def run() -> None:
             for i in range(steps // 2):
                 for s in (x, y):
@@ -161,21 +206,53 @@ def bench_switch(engine: Engine, a: LoraSource, b: LoraSource, steps: int, repea
                     s.run_decode(i % 97 + 1)
         return run
 
-    def switching() -> None:
-        for i in range(steps // 2):
-            for source in (b, a):
-                switcher.set_adapters([source], reset=True)
-                switcher.run_decode(i % 97 + 1)
+    def _switching(self, steps: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(steps // 2):
+                for source in (self.b, self.a):
+                    self.switcher.set_adapters([source], reset=True)
+                    self.switcher.run_decode(i % 97 + 1)
+        return run
 
-    results: dict[str, list[float]] = {"alone": [], "alternate_same": [], "alternate_other": [], "switch": []}
+    def close(self) -> None:
+        for session in (self.one, self.twin, self.other, self.switcher):
+            session.close()
+
+
+def bench_switch(engine: Engine, a: LoraSource, b: LoraSource, steps: int, repeats: int) -> dict[str, float]:
+    """:class:`SwitchRig`'s patterns, each the median of ``repeats`` rounds."""
+    rig = SwitchRig(engine, a, b)
+    try:
+        rounds = [rig.round(steps) for _ in range(repeats)]
+    finally:
+        rig.close()
+    return {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+
+
+def register_seconds(engine: Engine, source: LoraSource, repeats: int) -> float:
+    """Median seconds to register ``source`` with ``engine`` (unloaded after each time)."""
+    samples = []
     for _ in range(repeats):
-        results["alone"].append(median_seconds(_decoder(one, steps), 1) / (steps + 1))
-        results["alternate_same"].append(median_seconds(alternate(one, twin), 1) / steps)
-        results["alternate_other"].append(median_seconds(alternate(one, other), 1) / steps)
-        results["switch"].append(median_seconds(switching, 1) / steps)
-    for session in (one, twin, other, switcher):
-        session.close()
-    return {name: statistics.median(values) for name, values in results.items()}
+        start = time.perf_counter()
+        lora_id = engine.register_adapter(source)
+        samples.append(time.perf_counter() - start)
+        engine.unload_adapter(lora_id)
+    return statistics.median(samples)
+
+
+def load_cost(model: str | os.PathLike[str], num_threads: int = 1) -> dict[str, float]:
+    """What opening ``model`` costs, meant for a fresh process: seconds to construct the
+    Engine and to run the first decode step (the library prepares its kernels' weights
+    then); RSS before (bytes), and RSS and peak RSS after it."""
+    before = rss_bytes()
+    start = time.perf_counter()
+    engine = Engine(model, EngineSettings(num_threads=num_threads))
+    loaded = time.perf_counter()
+    with engine, engine.create_session() as session:
+        session.run_decode(1)
+        done = time.perf_counter()
+        return {"load_s": loaded - start, "first_decode_s": done - loaded, "rss_before_bytes": before,
+                "rss_bytes": rss_bytes(), "peak_rss_bytes": rss_bytes("VmHWM")}
 
 
 def bench_cold_switch(model: str | os.PathLike[str], sources: Sequence[LoraSource], repeats: int) -> list[tuple[int, float]]:
@@ -202,34 +279,6 @@ def bench_cold_switch(model: str | os.PathLike[str], sources: Sequence[LoraSourc
             session.close()
             evictor.close()
     return results
-
-
-def bench_register(sizes_mb: Sequence[int], repeats: int) -> list[tuple[float, float]]:
-    """``(file MB, ms)``: time to open and parse an adapter file (256 tensors) by size."""
-    from runtime.util.lora_data import LoraData
-
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for megabytes in sizes_mb:
-            path = Path(tmp) / f"a{megabytes}.tflite"
-            _write_wide_adapter(path, megabytes)
-            LoraData.create_from_file_path(path).close()
-            seconds = median_seconds(lambda: LoraData.create_from_file_path(path).close(), repeats)
-            results.append((path.stat().st_size / 1e6, seconds * 1e3))
-            path.unlink()
-    return results
-
-
-def _write_wide_adapter(path: Path, megabytes: int, layers: int = 32) -> None:
-    """A LiteRT-LM style file of about ``megabytes`` MB with 256 float16 rank-16 tensors."""
-    tensors_per_file = layers * len(PROJECTIONS) * len(SIDES)
-    width = max(1, megabytes * (1 << 20) // (tensors_per_file * 16 * 2))
-    zeros = np.zeros((16, width), np.float16)
-    tensors = {
-        lora_input_name(Convention.LITERT_LM, layer, proj, side): zeros
-        for layer in range(layers) for proj in PROJECTIONS for side in SIDES
-    }
-    path.write_bytes(serialize_lora_tensors(tensors, external_data=True, lora_rank=16))
 
 
 def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, seed: int = 0) -> list[Path]:
@@ -309,7 +358,7 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
                     s.reset()
                 s.run_decode(i % 97 + 1)
 
-        for i in range(500):
+        for i in range(min(500, cycles)):  # settle the allocator first
             cycle(i)
         start = rss_bytes()
         for i in range(cycles // 2):
@@ -323,42 +372,43 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
     return out
 
 
-def bench_concurrency(model: str | os.PathLike[str], counts: Sequence[int], steps: int, rank: int = 8,
-                      num_threads: int = 1, repeats: int = 5) -> dict[int, float]:
-    """Aggregate decode tokens/s with N sessions on N threads, each session with its own
-    adapter (distinct random adapters of one ``rank``, so every session's graph costs
-    the same as the single one's). The median over ``repeats`` rounds; each round
-    measures every count, so drift in the machine's speed hits them alike."""
-    samples: dict[int, list[float]] = {count: [] for count in counts}
-    with tempfile.TemporaryDirectory() as tmp, Engine(model, EngineSettings(num_threads=num_threads)) as engine:
-        paths = random_adapter_files(engine, Path(tmp), max(counts), rank)
-        sessions = [engine.create_session(SessionConfig(lora_path=path)) for path in paths]
-        for session in sessions:
+class ConcurrencyRig:
+    """Up to ``max_sessions`` sessions of one engine, each with its own adapter (distinct
+    random adapters of one ``rank``, so every session's graph costs the same as a single
+    one's), for aggregate decode throughput with N sessions on N threads. Closes its
+    engine on ``close()``."""
+
+    def __init__(self, model: str | os.PathLike[str], max_sessions: int, rank: int = 8, num_threads: int = 1,
+                 executors: int = 1) -> None:
+        self._folder = tempfile.TemporaryDirectory()
+        self.engine = Engine(model, EngineSettings(num_threads=num_threads, executors=executors))
+        paths = random_adapter_files(self.engine, Path(self._folder.name), max_sessions, rank)
+        self.sessions = [self.engine.create_session(SessionConfig(lora_path=path)) for path in paths]
+        for session in self.sessions:
             _decoder(session, 2)()
-        for _ in range(repeats):
-            for count in counts:
-                samples[count].append(_aggregate_tokens_per_second(sessions[:count], steps))
-        for session in sessions:
-            session.close()
-    return {count: statistics.median(values) for count, values in samples.items()}
 
+    def tokens_per_second(self, count: int, steps: int) -> float:
+        """Tokens/s of ``steps + 1`` decode steps in each of ``count`` sessions, all
+        started at once, one thread each."""
+        sessions = self.sessions[:count]
+        barrier = threading.Barrier(len(sessions) + 1)
 
-def _aggregate_tokens_per_second(sessions: Sequence[Session], steps: int) -> float:
-    """Tokens/s of ``steps + 1`` decode steps in each session, all started at once."""
-    barrier = threading.Barrier(len(sessions) + 1)
+        def drive(session: Session) -> None:
+            barrier.wait()
+            _decoder(session, steps)()
 
-    def drive(session: Session) -> None:
+        threads = [threading.Thread(target=drive, args=(s,)) for s in sessions]
+        for t in threads:
+            t.start()
         barrier.wait()
-        _decoder(session, steps)()
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+        return len(sessions) * (steps + 1) / (time.perf_counter() - start)
 
-    threads = [threading.Thread(target=drive, args=(s,)) for s in sessions]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for t in threads:
-        t.join()
-    return len(sessions) * (steps + 1) / (time.perf_counter() - start)
+    def close(self) -> None:
+        self.engine.close()
+        self._folder.cleanup()
 
 
 def quick_table(model: str | os.PathLike[str], adapters: Sequence[str], steps: int = 64, repeats: int = 7,

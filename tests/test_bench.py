@@ -66,10 +66,13 @@ class Clock:
         return self.now
 
 
-def test_graph_times_every_decode_signature_per_call(monkeypatch):
-    monkeypatch.setattr(bench, "time", Clock())  # each timed block of 4 calls reads as 1 s
-    out = bench.bench_graph(MODEL_FILES["default"], repeats=2, calls=4)
-    assert out == {"plain": 0.25, "r4": 0.25, "r16": 0.25}
+def test_graph_rig_times_every_decode_signature_per_call(monkeypatch):
+    rig = bench.GraphRig(MODEL_FILES["default"])
+    try:
+        monkeypatch.setattr(bench, "time", Clock())  # each timed block of 4 calls reads as 1 s
+        assert rig.round(calls=4) == {"plain": 0.25, "r4": 0.25, "r16": 0.25}
+    finally:
+        rig.close()
 
 
 def test_switch_measures_each_pattern_and_really_switches(engine):
@@ -86,11 +89,6 @@ def test_cold_switch_reports_each_adapters_buffer_bytes():
     with Engine(MODEL_FILES["default"]) as engine:
         expected = {rank: sum(spec.nbytes for spec in engine.spec.lora_slot(rank).values()) for rank in (4, 16)}
     assert (r4_bytes, r16_bytes) == (expected[4], expected[16])
-
-
-def test_register_reports_each_file_size():
-    out = bench.bench_register([1, 4], repeats=2)
-    assert [round(mb) for mb, _ in out] == [1, 4]
 
 
 def test_random_adapter_files_are_distinct_and_fit(engine, tmp_path):
@@ -114,14 +112,81 @@ def test_memory_walks_every_adapter_under_lru4_and_unloads_them():
             "rss_all_registered_used_once_lru4_bytes", "after_unload_bytes"} <= set(out)
 
 
-def test_concurrency_reports_tokens_per_second_per_count(monkeypatch):
-    made = []
-    original = bench.random_adapter_files
-    monkeypatch.setattr(bench, "random_adapter_files", lambda *a, **k: made.extend(original(*a, **k)) or made)
-    monkeypatch.setattr(bench, "time", Clock())  # every round reads as 1 s
-    out = bench.bench_concurrency(MODEL_FILES["default"], [1, 3], steps=8, rank=4, repeats=2)
-    assert out == {1: 9.0, 3: 27.0}  # sessions x (steps + 1) tokens per second
-    assert len(made) == 3  # one distinct adapter per session of the largest count
+def test_concurrency_rig_gives_each_session_its_own_adapter_and_counts_tokens(monkeypatch):
+    rig = bench.ConcurrencyRig(MODEL_FILES["default"], 3, rank=4, executors=2)
+    try:
+        assert len({session.lora_ids[0] for session in rig.sessions}) == 3
+        assert rig.engine.settings.executors == 2
+        before = [session.stats().decode_tokens for session in rig.sessions]
+        monkeypatch.setattr(bench, "time", Clock())  # the timed block reads as 1 s
+        assert rig.tokens_per_second(2, steps=8) == 18.0  # 2 sessions x (8 + 1) tokens in 1 s
+        after = [session.stats().decode_tokens for session in rig.sessions]
+        assert [a - b for a, b in zip(after, before)] == [9, 9, 0]  # only the first two ran
+    finally:
+        rig.close()
+
+
+def test_spread_summarizes_rounds():
+    assert bench.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "rounds": 4}
+
+
+def test_peak_rss_is_at_least_the_current_rss():
+    assert bench.rss_bytes("VmHWM") >= bench.rss_bytes() > 0
+    assert bench.rss_bytes("NoSuchField") == 0
+
+
+def test_decode_round_times_each_session_and_its_invokes(engine):
+    with engine.create_session() as plain, engine.create_session(SessionConfig(loras=[R4])) as adapted:
+        out = bench.decode_round(engine, {"plain": plain, "r4": adapted}, steps=6)
+        assert set(out) == {"plain", "r4"}
+        for step, invoke in out.values():
+            assert 0 < invoke < step
+        assert adapted.stats().decode_tokens == 6
+        assert adapted.position == 6  # from an empty context
+
+
+def test_timed_decode_after_a_prompt_times_only_the_steps(engine, monkeypatch):
+    with engine.create_session() as session:
+        monkeypatch.setattr(bench, "time", Clock())  # the timed block reads as 1 s
+        step, invoke = bench.timed_decode(engine, session, steps=4, prompt=10)
+        assert step == 0.25 and 0 < invoke < step
+        assert session.position == 14
+        assert session.stats().decode_tokens == 4
+
+
+def test_prefill_seconds_prefills_from_an_empty_context(engine, monkeypatch):
+    with engine.create_session() as session:
+        session.run_decode(1)
+        monkeypatch.setattr(bench, "time", Clock())
+        assert bench.prefill_seconds(session, 12) == 1.0
+        assert session.position == 12
+
+
+def test_register_seconds_registers_and_unloads_each_time(monkeypatch):
+    with Engine(MODEL_FILES["default"]) as engine:
+        monkeypatch.setattr(bench, "time", Clock())
+        assert bench.register_seconds(engine, R16, repeats=3) == 1.0
+        assert engine.stats().load.count == 3
+        assert engine.stats().adapters == ()
+
+
+def test_load_cost_reports_times_and_peak_memory():
+    out = bench.load_cost(MODEL_FILES["default"])
+    assert out["load_s"] > 0 and out["first_decode_s"] > 0
+    assert out["peak_rss_bytes"] >= out["rss_bytes"] > out["rss_before_bytes"] > 0
+
+
+def test_switch_rig_rounds_time_every_pattern(engine):
+    rig = bench.SwitchRig(engine, R4, OTHER_R4)
+    try:
+        before = engine.stats().switch.count
+        out = rig.round(steps=8)
+        assert set(out) == {"alone", "alternate_same", "alternate_other", "switch"}
+        assert all(seconds > 0 for seconds in out.values())
+        assert engine.stats().switch.count - before >= 3 * 8
+    finally:
+        rig.close()
+    assert engine.stats().sessions == ()
 
 
 def test_quick_table_renders_one_line_per_row():
@@ -135,9 +200,3 @@ def test_quick_table_renders_one_line_per_row():
     assert lines[0] == "title" and lines[2].startswith("| measurement")
     assert len(lines) == 4 + len(rows)
     assert all(row.what in table for row in rows)
-
-
-def test_decode_step_seconds_runs_one_more_step_than_asked(engine):
-    with engine.create_session() as session:
-        bench.decode_step_seconds(session, 5)
-        assert session.stats().decode_tokens == 6

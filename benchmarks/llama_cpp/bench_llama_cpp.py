@@ -6,6 +6,11 @@ Run with the llama.cpp virtualenv made by ``setup.sh`` (never a project dependen
     benchmarks/llama_cpp/.venv/bin/python benchmarks/llama_cpp/bench_llama_cpp.py \
         [--repeats 9] [--steps 128] [--cycles 1000] [--out FILE]
 
+That standalone run measures the bench model set on its own. ``benchmarks/run.py`` uses
+the same code differently: a ``--serve SET`` child (:class:`Server`) that times one thing
+per request, so that each of its rounds measures both sides back to back, at either
+model size of ``files.py``; and fresh-process probes (``--load-probe``, ``--rss-probe``).
+
 Uses only llama-cpp-python 0.3.36's low-level ctypes API. (The high-level
 ``Llama(lora_path=...)`` tests the adapter pointer with ``is None``; a failed load
 returns a NULL ``LP_c_void_p``, which is falsy but not None, so a bad adapter file is
@@ -16,12 +21,13 @@ Functions used:
 ``llama_adapter_lora_free``, ``llama_set_adapters_lora``, ``llama_get_memory`` /
 ``llama_memory_clear``.
 
-Models (``benchmarks/models/gguf/``, built by ``setup.sh`` from ``benchmarks/models/hf``
-and the PEFT adapters): ``bench-f32.gguf``, ``bench-q8_0.gguf``,
-``lora-peft_r8_a-f32.gguf``, ``lora-peft_r8_b-f32.gguf``, ``lora-peft_r64-f32.gguf``.
+Models: those of ``files.py`` (built by ``setup.sh``); the standalone run uses the
+bench set (``bench-f32.gguf``, ``bench-q8_0.gguf``, ``lora-peft_r8_a-f32.gguf``,
+``lora-peft_r8_b-f32.gguf``, ``lora-peft_r64-f32.gguf`` in ``benchmarks/models/gguf/``).
 
-Every timing is the median of ``--repeats`` runs, one thread (``n_threads`` and
-``n_threads_batch`` = 1). Two context settings are measured:
+Every standalone timing is the median of ``--repeats`` runs, one thread (``n_threads``
+and ``n_threads_batch`` = 1). Two context settings are measured (the served requests
+use the exact one):
 
 ``exact``
     float32 KV cache, flash attention off. The logits then match transformers'
@@ -52,6 +58,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -59,20 +66,11 @@ from typing import Any, Callable
 import numpy as np
 
 import llama_cpp as L
+from files import BENCH, BENCH_MODELS, BLEND, MODEL_SETS, SETTING_ADAPTERS, ModelSet
 
 HERE = Path(__file__).resolve().parent
-MODELS = HERE.parent / "models"
-GGUF = MODELS / "gguf"
-REFERENCE = MODELS / "reference_logits.npz"
-
-MODEL_FILES = {"f32": "bench-f32.gguf", "q8_0": "bench-q8_0.gguf"}
-ADAPTER_FILES = {
-    "r8_a": "lora-peft_r8_a-f32.gguf",
-    "r8_b": "lora-peft_r8_b-f32.gguf",
-    "r64": "lora-peft_r64-f32.gguf",
-}
-N_CTX = 256
-BLEND = (("r8_a", 0.7), ("r8_b", 0.3))
+REFERENCE = BENCH_MODELS / "reference_logits.npz"
+N_CTX = BENCH.n_ctx
 
 # --------------------------------------------------------------------------
 # Logging: keep llama.cpp quiet, but remember what it said (for crash reports).
@@ -92,13 +90,13 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         del _LOG_TAIL[:-50]
 
 
-def rss_kib() -> int:
-    """Resident set size of this process, KiB."""
+def rss_kib(field: str = "VmRSS") -> int:
+    """Resident set size of this process (or another field of /proc/self/status), KiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def median_ms(samples: list[float]) -> float:
@@ -138,14 +136,14 @@ class Model:
 class Context:
     """A one-sequence context with a reusable batch and a preallocated logits array."""
 
-    def __init__(self, model: Model, exact: bool) -> None:
+    def __init__(self, model: Model, exact: bool, n_ctx: int = N_CTX, threads: int = 1) -> None:
         params = L.llama_context_default_params()
-        params.n_ctx = N_CTX
-        params.n_batch = N_CTX
-        params.n_ubatch = N_CTX
+        params.n_ctx = n_ctx
+        params.n_batch = n_ctx
+        params.n_ubatch = n_ctx
         params.n_seq_max = 1
-        params.n_threads = 1
-        params.n_threads_batch = 1
+        params.n_threads = threads
+        params.n_threads_batch = threads
         if exact:
             params.type_k = L.GGML_TYPE_F32
             params.type_v = L.GGML_TYPE_F32
@@ -154,8 +152,9 @@ class Context:
         if not self.ptr:
             raise RuntimeError(f"llama_init_from_model failed: {_LOG_TAIL[-3:]}")
         self.n_vocab = model.n_vocab
+        self.n_ctx = n_ctx
         self.memory = L.llama_get_memory(self.ptr)
-        self.batch = L.llama_batch_init(N_CTX, 0, 1)
+        self.batch = L.llama_batch_init(n_ctx, 0, 1)
         self.logits = np.empty(self.n_vocab, np.float32)
         self._logits_addr = self.logits.ctypes.data
         self._logit_bytes = self.logits.nbytes
@@ -254,11 +253,15 @@ def check_logits(ctx: Context, adapters: dict, ref: Any, atol: float) -> dict[st
     return out
 
 
-def timed_steps(ctx: Context, steps: int) -> float:
-    """Seconds per decode step over ``steps`` steps, after a reset and a 1-token prompt."""
+def timed_steps(ctx: Context, steps: int, prompt: int = 0) -> float:
+    """Seconds per decode step over ``steps`` steps, after a reset and a prompt of
+    ``prompt`` tokens (1 when 0; prefilled in one batch, not timed)."""
     n_vocab = ctx.n_vocab
     ctx.reset()
-    ctx.step(1)
+    if prompt:
+        ctx.eval([token_at(i, n_vocab) for i in range(prompt)])
+    else:
+        ctx.step(1)
     start = time.perf_counter()
     for i in range(steps):
         ctx.step(token_at(i, n_vocab))
@@ -305,7 +308,7 @@ def per_step_samples(ctx: Context, steps: int, before_step: Callable[[int], None
     ctx.reset()
     ctx.step(1)
     for i in range(steps):
-        if ctx.pos >= N_CTX - 1:
+        if ctx.pos >= ctx.n_ctx - 1:
             ctx.reset()
             ctx.step(1)
         tok = token_at(i, ctx.n_vocab)
@@ -419,7 +422,7 @@ def switch_cycles_rss(ctx: Context, a: Any, b: Any, cycles: int) -> dict[str, An
     before = rss_kib()
     start = time.perf_counter()
     for i in range(cycles):
-        if ctx.pos >= N_CTX - 1:
+        if ctx.pos >= ctx.n_ctx - 1:
             ctx.reset()
             ctx.step(1)
         ctx.set_adapters(one_b if i % 2 else one_a)
@@ -442,11 +445,11 @@ def switch_cycles_rss(ctx: Context, a: Any, b: Any, cycles: int) -> dict[str, An
 
 
 def bench_model(kind: str, args: argparse.Namespace, ref: Any, out: dict) -> None:
-    model_path = GGUF / MODEL_FILES[kind]
+    model_path = BENCH.theirs[kind]
     rss0 = rss_kib()
     model = Model(model_path)
     entry: dict[str, Any] = {
-        "file": str(model_path.relative_to(HERE.parent.parent)),
+        "file": str(model_path.relative_to(BENCH_MODELS.parent.parent)),
         "file_kib": round(model_path.stat().st_size / 1024, 1),
         "load_ms": round(model.load_ms, 2),
         "rss_growth_after_load_kib": rss_kib() - rss0,
@@ -455,9 +458,9 @@ def bench_model(kind: str, args: argparse.Namespace, ref: Any, out: dict) -> Non
 
     adapters: dict[str, Any] = {}
     rss_before = rss_kib()
-    for name, file in ADAPTER_FILES.items():
+    for name, adapter in BENCH.adapters.items():
         start = time.perf_counter()
-        adapters[name] = model.adapter(GGUF / file)
+        adapters[name] = model.adapter(adapter.gguf)
         entry.setdefault("first_adapter_init_ms", {})[name] = round(
             (time.perf_counter() - start) * 1e3, 3
         )
@@ -516,12 +519,12 @@ def bench_model(kind: str, args: argparse.Namespace, ref: Any, out: dict) -> Non
     ctx_default.free()
 
     entry["adapter_register_ms"] = {
-        name: register_ms(model, GGUF / ADAPTER_FILES[name], max(reps, 10))
+        name: register_ms(model, BENCH.adapters[name].gguf, max(reps, 10))
         for name in ("r8_a", "r64")
     }
     if kind == "f32":
         entry["adapter_rss_fresh_process"] = {
-            name: rss_per_adapter(model_path, GGUF / ADAPTER_FILES[name], args.rss_copies)
+            name: rss_per_adapter(model_path, BENCH.adapters[name].gguf, args.rss_copies)
             for name in ("r8_a", "r64")
         }
     for ptr in adapters.values():
@@ -529,29 +532,153 @@ def bench_model(kind: str, args: argparse.Namespace, ref: Any, out: dict) -> Non
     model.free()
 
 
-def serve_decode_rounds(args: argparse.Namespace) -> int:
-    """Decode timings on request, for a harness that alternates with its own runtime.
+class Server:
+    """llama.cpp's side of ``benchmarks/run.py``'s alternating rounds, on one model set.
 
-    Loads every model of ``--models`` with the rank-8 adapter, prints ``{"ready": true}``,
-    then for each line read from stdin times ``--steps`` decode steps per model, plain
-    and with the adapter, and prints one JSON line of ms per step. Blocked on stdin
-    between rounds, so it takes no CPU while the other side measures.
+    Reads one JSON request per line on stdin and answers with one JSON line on stdout
+    (``{"error": ...}`` for a request it cannot serve). Models, adapters and contexts
+    (exact: f32 KV cache, flash attention off; the set's ``n_ctx``) are made on first use
+    and kept. Blocked on stdin between requests, it takes no CPU while the other side
+    measures. Requests (``kind`` is a GGUF precision of the set, ``threads`` the
+    context's thread count)::
+
+        {"op": "decode", "kind", "setting", "threads", "steps", "prompt"} -> {"ms"}  (per step)
+        {"op": "prefill", "kind", "tokens", "threads"} -> {"ms"}  (the whole prompt)
+        {"op": "switch", "kind", "threads", "steps"} -> {"step_ms", "switch_ms", "two_contexts_ms"}
+        {"op": "register", "kind", "adapter", "repeats"} -> {"ms"}  (median of repeats)
+        {"op": "concurrency", "kind", "sessions", "steps"} -> {"tokens_per_s"}
+        {"op": "logits", "kind", "setting", "tokens", "out"} -> {"positions"}  (.npy file)
     """
-    served = {}
-    for kind in args.models.split(","):
-        model = Model(GGUF / MODEL_FILES[kind])
-        adapter = model.adapter(GGUF / ADAPTER_FILES["r8_a"])
-        served[kind] = (Context(model, exact=True), {"plain": [], "lora_r8": [(adapter, 1.0)]})
-    print(json.dumps({"ready": True}), flush=True)
-    for _ in sys.stdin:
-        timings = {}
-        for kind, (ctx, settings) in served.items():
-            timings[kind] = {}
-            for name, setting in settings.items():
-                ctx.set_adapters(setting)
-                timings[kind][name] = timed_steps(ctx, args.steps) * 1e3
-        print(json.dumps(timings), flush=True)
-    return 0
+
+    def __init__(self, models: ModelSet) -> None:
+        self.set = models
+        self.models: dict[str, Model] = {}
+        self.loaded: dict[str, dict[str, Any]] = {}
+        self.contexts: dict[tuple, Context] = {}
+        self.pools: dict[str, list[Context]] = {}
+
+    def model(self, kind: str) -> Model:
+        if kind not in self.models:
+            self.models[kind] = Model(self.set.theirs[kind])
+            self.loaded[kind] = {name: self.models[kind].adapter(self.set.adapters[name].gguf)
+                                 for name in ("r8_a", "r8_b", "r64")}
+        return self.models[kind]
+
+    def context(self, kind: str, threads: int, slot: str = "main") -> Context:
+        key = (kind, threads, slot)
+        if key not in self.contexts:
+            self.contexts[key] = Context(self.model(kind), exact=True, n_ctx=self.set.n_ctx, threads=threads)
+        return self.contexts[key]
+
+    def setting(self, kind: str, name: str) -> list[tuple[Any, float]]:
+        self.model(kind)
+        return [(self.loaded[kind][adapter], scale) for adapter, scale in SETTING_ADAPTERS[name]]
+
+    def decode(self, kind: str, setting: str, threads: int, steps: int, prompt: int = 0) -> dict:
+        ctx = self.context(kind, threads)
+        ctx.set_adapters(self.setting(kind, setting))
+        return {"ms": timed_steps(ctx, steps, prompt) * 1e3}
+
+    def prefill(self, kind: str, tokens: int, threads: int) -> dict:
+        ctx = self.context(kind, threads)
+        ctx.set_adapters([])
+        prompt = [token_at(i, ctx.n_vocab) for i in range(tokens)]
+        ctx.reset()
+        start = time.perf_counter()
+        ctx.eval(prompt)
+        return {"ms": (time.perf_counter() - start) * 1e3}
+
+    def switch(self, kind: str, threads: int, steps: int) -> dict:
+        """Per step: adapter A fixed; A and B set alternately before each step on one
+        context; two contexts (one per adapter) stepped alternately, nothing switched."""
+        ctx = self.context(kind, threads)
+        one_a, one_b = self.setting(kind, "r8"), [(self.loaded[kind]["r8_b"], 1.0)]
+        ctx.set_adapters(one_a)
+        fixed = per_step_samples(ctx, steps, lambda i: None)
+        switching = per_step_samples(ctx, steps, lambda i: ctx.set_adapters(one_b if i % 2 else one_a))
+        other = self.context(kind, threads, "other")
+        other.set_adapters(one_b)
+        ctx.set_adapters(one_a)
+        for c in (ctx, other):
+            c.reset()
+            c.step(1)
+        pairs = []
+        for i in range(steps // 2):
+            start = time.perf_counter()
+            for c in (ctx, other):
+                if c.pos >= c.n_ctx - 1:
+                    c.reset()
+                    c.step(1)
+                c.step(token_at(i, c.n_vocab))
+            pairs.append((time.perf_counter() - start) / 2)
+        return {"step_ms": median_ms(fixed), "switch_ms": median_ms(switching), "two_contexts_ms": median_ms(pairs[2:])}
+
+    def register(self, kind: str, adapter: str, repeats: int) -> dict:
+        return {"ms": register_ms(self.model(kind), Path(adapter), repeats)}
+
+    def concurrency(self, kind: str, sessions: int, steps: int) -> dict:
+        """Aggregate tokens/s of ``sessions`` contexts (1 thread each, rank-8 adapters A
+        and B in turn) stepped by as many Python threads at once (ctypes calls release
+        the GIL)."""
+        pool = self.pools.setdefault(kind, [])
+        while len(pool) < sessions:
+            ctx = Context(self.model(kind), exact=True, n_ctx=self.set.n_ctx, threads=1)
+            ctx.set_adapters([(self.loaded[kind]["r8_b" if len(pool) % 2 else "r8_a"], 1.0)])
+            timed_steps(ctx, 2)
+            pool.append(ctx)
+        barrier = threading.Barrier(sessions + 1)
+
+        def drive(ctx: Context) -> None:
+            barrier.wait()
+            timed_steps(ctx, steps)
+
+        threads = [threading.Thread(target=drive, args=(ctx,)) for ctx in pool[:sessions]]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        start = time.perf_counter()
+        for t in threads:
+            t.join()
+        return {"tokens_per_s": sessions * (steps + 1) / (time.perf_counter() - start)}
+
+    def logits(self, kind: str, setting: str, tokens: list[int], out: str) -> dict:
+        """Logits at each position, the tokens decoded one by one (threads 1)."""
+        ctx = self.context(kind, 1)
+        ctx.set_adapters(self.setting(kind, setting))
+        ctx.reset()
+        np.save(out, np.stack([ctx.eval([int(t)]).copy() for t in tokens]))
+        return {"positions": len(tokens)}
+
+    def serve(self) -> int:
+        print(json.dumps({"ready": True, "llama_cpp_python": L.__version__,
+                          "system_info": L.llama_print_system_info().decode().strip()}), flush=True)
+        for line in sys.stdin:
+            request = json.loads(line)
+            op = request.pop("op")
+            try:
+                reply = getattr(self, op)(**request) if op in self.OPS else {"error": f"unknown op {op!r}"}
+            except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+                reply = {"error": f"{op}: {exc}"}
+            print(json.dumps(reply), flush=True)
+        return 0
+
+    OPS = ("decode", "prefill", "switch", "register", "concurrency", "logits")
+
+
+def load_probe(model_path: Path, n_ctx: int, threads: int) -> dict[str, Any]:
+    """In a fresh process: load the model, make a context, run the first decode step.
+    Times in ms; RSS before loading, and RSS and peak RSS (VmHWM) at the end, in KiB."""
+    before = rss_kib()
+    start = time.perf_counter()
+    model = Model(model_path)
+    loaded = time.perf_counter()
+    ctx = Context(model, exact=True, n_ctx=n_ctx, threads=threads)
+    made = time.perf_counter()
+    ctx.step(1)
+    done = time.perf_counter()
+    return {"load_ms": (loaded - start) * 1e3, "context_ms": (made - loaded) * 1e3,
+            "first_decode_ms": (done - made) * 1e3, "rss_before_kib": before, "rss_kib": rss_kib(),
+            "peak_rss_kib": rss_kib("VmHWM")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -568,14 +695,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write the JSON here (default: %(default)s)")
     parser.add_argument("--rss-probe", nargs=3, metavar=("MODEL", "ADAPTER", "COUNT"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--serve-decode-rounds", action="store_true",
-                        help="time decode rounds requested on stdin (see serve_decode_rounds)")
+    parser.add_argument("--serve", choices=list(MODEL_SETS), metavar="SET",
+                        help="serve timing requests on stdin for a model set of files.py (see Server)")
+    parser.add_argument("--load-probe", nargs=3, metavar=("MODEL", "N_CTX", "THREADS"),
+                        help="print load_probe's JSON for one model and exit")
     args = parser.parse_args(argv)
 
     L.llama_log_set(_log_callback, ctypes.c_void_p(0))
     L.llama_backend_init()
-    if args.serve_decode_rounds:
-        return serve_decode_rounds(args)
+    if args.serve:
+        return Server(MODEL_SETS[args.serve]).serve()
+    if args.load_probe:
+        model_path, n_ctx, threads = args.load_probe
+        print(json.dumps(load_probe(Path(model_path), int(n_ctx), int(threads))))
+        return 0
     if args.rss_probe:
         model_path, adapter_path, count = args.rss_probe
         print(json.dumps(rss_probe(Path(model_path), Path(adapter_path), int(count))))

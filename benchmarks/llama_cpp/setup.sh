@@ -12,13 +12,18 @@
 #    (`tilezero`) inside llama_decode.
 # 2. If benchmarks/models/hf is missing, builds every benchmark model with
 #    tools/build_bench_models.py (needs the build virtualenv, ~7 min).
-# 3. Downloads the llama-cpp-python sdist (benchmarks/llama_cpp/src/, gitignored),
+# 3. Downloads the llama-cpp-python sdist (benchmarks/llama_cpp/src/, gitignored) and
 #    unpacks only its vendored converters (vendor/llama.cpp/convert_*.py, conversion/,
-#    gguf-py/) and converts, into benchmarks/models/gguf/ (gitignored):
-#      hf/          -> bench-f32.gguf, bench-q8_0.gguf
-#      peft_r8_a/   -> lora-peft_r8_a-f32.gguf   (and peft_r8_b, peft_r64)
-#    The converters run with the build virtualenv's python (torch, transformers,
-#    safetensors, sentencepiece, numpy), BUILD_PYTHON to override.
+#    gguf-py/).
+# 4. prepare_models.py, for each model set of files.py whose checkpoint is there:
+#      bench (benchmarks/models/, into models/gguf/, gitignored):
+#        hf/ -> bench-f32.gguf, bench-q8_0.gguf; peft_r8_a/ -> lora-peft_r8_a-f32.gguf
+#        (and peft_r8_b, peft_r64)
+#      smollm2 (real size, in $RUNTIME_CACHE or ~/.cache/runtime, under bench/smollm2/):
+#        random PEFT adapters of rank 8, 8, 64 and 256 on the cached checkpoint
+#        (models/smollm2-135m-instruct-hf), its f32 and q8_0 GGUF, the adapters' GGUF.
+#    It and the converters run with python3, which needs the export extra (torch,
+#    transformers, peft, sentencepiece); BUILD_PYTHON to override.
 #
 # Then: benchmarks/llama_cpp/.venv/bin/python benchmarks/llama_cpp/bench_llama_cpp.py
 set -euo pipefail
@@ -79,40 +84,6 @@ if [ ! -f "$CONV/convert_hf_to_gguf.py" ]; then
         "llama_cpp_python-$VERSION/vendor/llama.cpp/LICENSE"
 fi
 
-mkdir -p "$GGUF"
-cd "$CONV"
-for outtype in f32 q8_0; do
-    log "converting hf/ -> gguf/bench-$outtype.gguf"
-    "$BUILD_PYTHON" convert_hf_to_gguf.py --outtype "$outtype" \
-        --outfile "$GGUF/bench-$outtype.gguf" "$MODELS/hf" > "$GGUF/convert-bench-$outtype.log" 2>&1 \
-        || { tail -20 "$GGUF/convert-bench-$outtype.log"; exit 1; }
-done
-for adapter in peft_r8_a peft_r8_b peft_r64; do
-    log "converting $adapter/ -> gguf/lora-$adapter-f32.gguf"
-    "$BUILD_PYTHON" convert_lora_to_gguf.py --outtype f32 --base "$MODELS/hf" \
-        --outfile "$GGUF/lora-$adapter-f32.gguf" "$MODELS/$adapter" > "$GGUF/convert-lora-$adapter.log" 2>&1 \
-        || { tail -20 "$GGUF/convert-lora-$adapter.log"; exit 1; }
-done
-
-"$VENV/bin/python" - "$GGUF" "$VERSION" <<'EOF'
-import hashlib, json, sys
-from pathlib import Path
-gguf, version = Path(sys.argv[1]), sys.argv[2]
-files = {
-    p.name: {"size_bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-    for p in sorted(gguf.glob("*.gguf"))
-}
-manifest = {
-    "generator": "benchmarks/llama_cpp/setup.sh",
-    "converters": f"llama-cpp-python {version} sdist, vendor/llama.cpp/convert_hf_to_gguf.py "
-                  "and convert_lora_to_gguf.py",
-    "sources": {"bench-f32.gguf": "hf/ --outtype f32", "bench-q8_0.gguf": "hf/ --outtype q8_0",
-                **{f"lora-{a}-f32.gguf": f"{a}/ --base hf/ --outtype f32"
-                   for a in ("peft_r8_a", "peft_r8_b", "peft_r64")}},
-    "files": files,
-}
-(gguf / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-for name, f in files.items():
-    print(f"  {name}: {f['size_bytes'] / 1e6:.2f} MB")
-EOF
+# --- 4. GGUF files and adapters of every model set (prepare_models.py; see files.py) ---------
+"$BUILD_PYTHON" "$HERE/prepare_models.py" --converters "$CONV"
 log "done; run: $VENV/bin/python $HERE/bench_llama_cpp.py"
