@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from runtime.errors import InvalidArgumentError
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import litert_torch
 from runtime.export.settings import ExportSettings
@@ -29,4 +30,13 @@ def convert(
         for signature in signature_set(model, settings):
             converter.add_signature(signature.name, signature.module, sample_kwargs=dict(signature.sample_kwargs))
     recipe = litert_converter.get_quant_recipe_from_flag(settings.litert_quantize, model.config)
-    converter.convert(quant_config=recipe).export(str(out_path))
+    try:
+        converted = converter.convert(quant_config=recipe)
+    except ValueError as exc:  # the quantizer's word when a weight does not split into its blocks
+        if "block size" not in str(exc):
+            raise
+        reason = " ".join(str(exc).split()).rsplit("Error: ", 1)[-1]
+    else:
+        converted.export(str(out_path))
+        return
+    raise InvalidArgumentError(f"quantize={settings.quantize!r} does not fit this model: {reason}")
