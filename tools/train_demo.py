@@ -172,15 +172,15 @@ class TrainConfig:
     base_echo_fraction: float = 0.85
     # Adapters.
     lora_rank: int = 8
-    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 300), ("no_vowels", 400), ("json", 500))
-    lora_batch: int = 32
+    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 200), ("no_vowels", 300), ("json", 300))
+    lora_batch: int = 16
     lora_lr: float = 1e-2
     # Measuring: lines of 1-4 words, random strings of 2-8 letters.
     eval_max_words: int = 4
     eval_random_len: tuple[int, int] = (2, 8)
     num_eval: int = 200
     num_dev: int = 32  # lines per set scored during training (from their own seed)
-    dev_every: int = 250
+    dev_every: int = 100
     max_new_tokens: int = 96
 
     def stage_key(self, stage: str) -> str:
@@ -631,9 +631,10 @@ def train_base(model: Any, cfg: Any, tc: TrainConfig, data: BaseData, dev: dict[
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == tc.base_steps - 1:
+        dev_step = (step + 1) % tc.dev_every == 0 or step == tc.base_steps - 1
+        if step % 50 == 0 or dev_step:
             line = f"  base step {step:4d} loss {np.mean(losses[-50:]):.3f} ({time.perf_counter() - start:.0f} s)"
-            if (step + 1) % tc.dev_every == 0 or step == tc.base_steps - 1:
+            if dev_step:
                 model.eval()
                 line += "  echo on dev lines: " + dev_report(model, cfg, dev, None, "echo", tc.max_new_tokens)
             print(line, flush=True)
@@ -671,9 +672,10 @@ def train_lora(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
+        dev_step = (step + 1) % tc.dev_every == 0 or step == steps - 1
+        if step % 50 == 0 or dev_step:
             line = f"  {task} step {step:4d} loss {np.mean(losses[-50:]):.4f} ({time.perf_counter() - start:.0f} s)"
-            if (step + 1) % tc.dev_every == 0 or step == steps - 1:
+            if dev_step:
                 line += f"  {task} on dev lines: " + dev_report(model, cfg, dev, lora, task, tc.max_new_tokens)
             print(line, flush=True)
     for t in params:
