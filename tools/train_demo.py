@@ -172,7 +172,7 @@ class TrainConfig:
     base_echo_fraction: float = 0.85
     # Adapters.
     lora_rank: int = 8
-    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 200), ("no_vowels", 300), ("json", 300))
+    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 500), ("no_vowels", 800), ("json", 1000))
     lora_batch: int = 16
     lora_lr: float = 1e-2
     # Measuring: lines of 1-4 words, random strings of 2-8 letters.
@@ -180,7 +180,7 @@ class TrainConfig:
     eval_random_len: tuple[int, int] = (2, 8)
     num_eval: int = 200
     num_dev: int = 32  # lines per set scored during training (from their own seed)
-    dev_every: int = 100
+    dev_every: int = 250
     max_new_tokens: int = 96
 
     def stage_key(self, stage: str) -> str:
