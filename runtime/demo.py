@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m runtime.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--assets", type=Path, default=ASSETS, help="folder with demo.json, the model and adapters")
-    parser.add_argument("--prompt", action="append", help="a line to give every session (repeatable)")
+    parser.add_argument("--prompt", action="append",
+                        help="a line of lowercase words to give every session (repeatable); the model "
+                        "was trained on letters a-z and spaces, up to 60 characters")
     args = parser.parse_args(argv)
     demo = load_demo(args.assets)
     prompts = [p.rstrip("\n") for p in (args.prompt or demo["demo_prompts"])]

