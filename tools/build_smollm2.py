@@ -190,10 +190,11 @@ def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
     for label, table in report["fidelity"].items():
         if isinstance(table, dict):
             for precision, rows in table.items():
-                print(f"{label:>15} {precision}: max |diff| "
-                      f"{', '.join(f'{r['max_abs_logit_diff']:.2e}' for r in rows)}; greedy identical "
-                      f"{[r['greedy_identical'] for r in rows]} (agreeing prefix {[r['greedy_agreeing_prefix'] for r in rows]})",
-                      flush=True)
+                diffs = ", ".join(f"{r['max_abs_logit_diff']:.2e}" for r in rows)
+                identical = [r["greedy_identical"] for r in rows]
+                prefixes = [r["greedy_agreeing_prefix"] for r in rows]
+                print(f"{label:>15} {precision}: max |diff| {diffs}; greedy identical {identical} "
+                      f"(agreeing prefix {prefixes})", flush=True)
     report["answers"] = {}
     for precision in PRECISIONS:
         print(f"answers, {precision}:", flush=True)
