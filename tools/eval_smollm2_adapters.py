@@ -274,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "learning_rate": training["config"]["learning_rate"],
             "train_examples": training["train_examples"],
             "train_seconds": training["train_seconds"],
+            "train_cpu_seconds": training.get("train_cpu_seconds"),
             "final_loss": training["losses"][-1],
             "adapter_bytes": (path / "adapter_model.safetensors").stat().st_size,
         }
@@ -357,10 +358,12 @@ def markdown(record: dict[str, Any]) -> str:
     for name, task in record["tasks"].items():
         instruction = task["example"]["instruction"].replace("\n", " / ").replace("|", "\\|")
         lines.append(f"| {name} | {task['description']} | {instruction} | `{task['example']['answer']}` |")
-    lines += ["", "| adapter | rank / alpha | steps x batch | train time | final loss | bytes |", "|---|---|---|---:|---:|---:|"]
+    lines += ["", "| adapter | rank / alpha | steps x batch | train time (wall, shared box) | CPU time | final loss | bytes |",
+              "|---|---|---|---:|---:|---:|---:|"]
     for name, a in record["adapters"].items():
+        cpu = f"{a['train_cpu_seconds'] / 60:.1f} min" if a["train_cpu_seconds"] is not None else "not recorded"
         lines.append(f"| {name} | {a['rank']} / {a['alpha']} | {a['steps']} x {a['batch']} | "
-                     f"{a['train_seconds'] / 60:.1f} min | {a['final_loss']:.4f} | {a['adapter_bytes']:,} |")
+                     f"{a['train_seconds'] / 60:.1f} min | {cpu} | {a['final_loss']:.4f} | {a['adapter_bytes']:,} |")
 
     def table(title: str, accuracy: dict[str, dict[str, float]]) -> list[str]:
         rows = ["", f"**{title}**", "", "| model | " + " | ".join(task_names) + " |",

@@ -219,7 +219,7 @@ def train(task: tasks.Task, model_dir: Path, out_dir: Path, cfg: TrainConfig) ->
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     data = batches(encoded, cfg, tokenizer.pad_token_id)
     losses: list[float] = []
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, cfg)
@@ -233,6 +233,7 @@ def train(task: tasks.Task, model_dir: Path, out_dir: Path, cfg: TrainConfig) ->
             elapsed = time.perf_counter() - start
             print(f"{task.name} step {step + 1}/{cfg.steps} loss {losses[-1]:.4f} {elapsed:.0f} s", flush=True)
     seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     record = {
         "task": task.name,
         "description": task.description,
@@ -242,6 +243,7 @@ def train(task: tasks.Task, model_dir: Path, out_dir: Path, cfg: TrainConfig) ->
         "train_examples": len(encoded),
         "train_tokens_per_example_mean": sum(len(t) for t, _ in encoded) / len(encoded),
         "train_seconds": round(seconds, 1),
+        "train_cpu_seconds": round(cpu_seconds, 1),  # all threads; the box is shared
         "losses": losses,
         "versions": versions(),
     }
