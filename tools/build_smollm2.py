@@ -32,11 +32,13 @@ import argparse
 import copy
 import importlib.util
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +136,12 @@ def reference_paths(model: Any, prompts: list[list[int]]) -> list[tuple[list[int
 
     paths = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            greedy = model.generate(ids, do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS,
-                                    attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+        greedy: list[int] = []
+        with torch.no_grad():  # argmax at every step, end-of-sequence included (as the runtime does)
+            step = model(torch.tensor([prompt]), use_cache=True)
+            for _ in range(STEPS):
+                greedy.append(int(step.logits[0, -1].argmax()))
+                step = model(torch.tensor([greedy[-1:]]), past_key_values=step.past_key_values, use_cache=True)
             logits = model(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1: -1].numpy()
         paths.append((greedy, logits))
     return paths
@@ -194,9 +198,9 @@ def answers(bundle: Path) -> dict[str, str]:
 
 def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
     """Fidelity against float64 transformers (+ peft) and chat answers, into ``report``.
-    The float64 reference is computed and freed before a runtime model is loaded (an f32
-    export with 16 signatures takes ~7.6 GB once loaded: XNNPACK packs the weights per
-    signature)."""
+    The float64 reference is computed and freed before a runtime model is loaded, and each
+    runtime model is checked in a process of its own (an f32 export with 16 signatures
+    takes ~7.6 GB once loaded: XNNPACK packs the weights per signature)."""
     import gc
 
     from runtime import Engine
@@ -225,8 +229,10 @@ def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
         ours = [engine.tokenizer.encode(engine.chat_template.render(m)) for m in messages]
     report["bundle_chat_template_matches_transformers"] = ours == prompts
     report["fidelity"] = {"steps": STEPS, "prompts": list(CHECK_PROMPTS)}
-    for precision in PRECISIONS:
-        report["fidelity"][precision] = fidelity(out_dir / f"{NAME}-{precision}.tflite", prompts, references, adapter)
+    for precision in PRECISIONS:  # each in a process of its own, which gives its memory back when done
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            report["fidelity"][precision] = pool.submit(
+                fidelity, out_dir / f"{NAME}-{precision}.tflite", prompts, references, adapter).result()
         for label, rows in report["fidelity"][precision].items():
             diffs = ", ".join(f"{row['max_abs_logit_diff']:.2e}" for row in rows)
             agreeing = [(row["greedy_tokens_agreeing"], row.get("reference_margin_where_they_part")) for row in rows]
