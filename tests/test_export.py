@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,65 +72,74 @@ def write_peft_adapter(model_dir: Path, out: Path) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class Exported:
+    """The tiny Llama's source directory and what the export command made of it."""
+
+    source: Path
+    model: Path
+    bundle: Path
+    run: subprocess.CompletedProcess
+
+
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     """The tiny Llama exported once through the command line: a .tflite and a bundle."""
     work = tmp_path_factory.mktemp("export")
     source = checkpoints.write_llama_directory(work / "llama")
-    out = work / "out"
-    out.mkdir()
-    done = cli("export", source, "--out", out / "tiny.tflite", "--bundle", out / "tiny.litertlm",
-               "--lora-ranks", "4", "--kv-length", "64", "--prefill-lengths", "8")
+    (work / "out").mkdir()
+    model, bundle = work / "out" / "tiny.tflite", work / "out" / "tiny.litertlm"
+    done = cli("export", source, "--out", model, "--bundle", bundle, "--lora-ranks", "4", "--kv-length", "64",
+               "--prefill-lengths", "8")
     assert done.returncode == 0, done.stderr
-    return {"source": source, "out": out, "model": out / "tiny.tflite", "bundle": out / "tiny.litertlm",
-            "stdout": done.stdout, "stderr": done.stderr}
+    return Exported(source, model, bundle, done)
 
 
-def test_the_command_writes_both_outputs_and_nothing_else(exported: dict[str, Path]) -> None:
-    assert sorted(p.name for p in exported["out"].iterdir()) == ["tiny.litertlm", "tiny.tflite"]
-    stdout = str(exported["stdout"])
-    assert f"wrote {exported['model']}" in stdout and "LoRA slots [4], KV length 64" in stdout
-    assert str(exported["stderr"]) == ""  # libraries' warnings stay off the terminal
-    with Engine(exported["model"]) as engine:
+def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) -> None:
+    assert sorted(p.name for p in exported.model.parent.iterdir()) == ["tiny.litertlm", "tiny.tflite"]
+    assert f"wrote {exported.model}" in exported.run.stdout
+    assert "LoRA slots [4], KV length 64" in exported.run.stdout
+    assert exported.run.stderr == ""  # the libraries' warnings stay off the terminal
+    with Engine(exported.model) as engine:
         assert engine.spec.lora_ranks == (4,) and engine.spec.kv_length == 64
         assert engine.spec.prefill_lengths == (8,)
 
 
-def test_logits_match_float64_transformers_plain_and_with_peft(exported: dict[str, Path], tmp_path: Path) -> None:
-    plain = runtime_logits(exported["model"])
-    assert np.max(np.abs(plain - transformers_logits(exported["source"]))) <= 1e-4
-    adapter = write_peft_adapter(exported["source"], tmp_path / "adapter")
-    with_adapter = runtime_logits(exported["model"], adapter)
-    assert np.max(np.abs(with_adapter - transformers_logits(exported["source"], adapter))) <= 1e-4
+def test_logits_match_float64_transformers_plain_and_with_peft(exported: Exported, tmp_path: Path) -> None:
+    plain = runtime_logits(exported.model)
+    assert np.max(np.abs(plain - transformers_logits(exported.source))) <= 1e-4
+    adapter = write_peft_adapter(exported.source, tmp_path / "adapter")
+    with_adapter = runtime_logits(exported.model, adapter)
+    assert np.max(np.abs(with_adapter - transformers_logits(exported.source, adapter))) <= 1e-4
     assert np.max(np.abs(with_adapter - plain)) > 0.1
-    np.testing.assert_array_equal(runtime_logits(exported["bundle"]), plain)
+    np.testing.assert_array_equal(runtime_logits(exported.bundle), plain)
 
 
-def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: dict[str, Path]) -> None:
-    with Engine(exported["bundle"]) as engine:
+def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: Exported) -> None:
+    with Engine(exported.bundle) as engine:
         assert engine.tokenizer.stop_token_ids == (checkpoints.EOS,)
         prompt = engine.chat_template.render([{"role": "user", "content": "what is the capital of france ?"}])
         assert prompt == "<s><|user|> what is the capital of france ? <|assistant|>"
         prompt_ids = engine.tokenizer.encode(prompt)
         assert prompt_ids[:2] == [checkpoints.BOS, checkpoints.WORDS.index("<|user|>")]
-    chat = cli("generate", "--model", exported["bundle"], "--prompt", "what is the capital of france ?",
+    chat = cli("generate", "--model", exported.bundle, "--prompt", "what is the capital of france ?",
                "--max-new-tokens", "4")
-    raw = cli("generate", "--model", exported["bundle"], "--prompt", "what is the capital of france ?",
+    raw = cli("generate", "--model", exported.bundle, "--prompt", "what is the capital of france ?",
               "--max-new-tokens", "4", "--no-chat-template")
     assert chat.returncode == 0 and raw.returncode == 0, chat.stderr + raw.stderr
     assert f"prefill {len(prompt_ids)} tokens" in chat.stdout
     assert "prefill 7 tokens" in raw.stdout
 
 
-def test_a_gguf_source_gives_the_same_model(exported: dict[str, Path], tmp_path: Path) -> None:
+def test_a_gguf_source_gives_the_same_model(exported: Exported, tmp_path: Path) -> None:
     gguf = checkpoints.write_llama_gguf(tmp_path / "tiny.gguf")
     settings = ExportSettings(kv_length=64, prefill_lengths=(8,))
     export(inspect_source(gguf), settings, model_out=tmp_path / "from_gguf.tflite")
-    np.testing.assert_allclose(runtime_logits(tmp_path / "from_gguf.tflite"), runtime_logits(exported["model"]),
+    np.testing.assert_allclose(runtime_logits(tmp_path / "from_gguf.tflite"), runtime_logits(exported.model),
                                atol=1e-5, rtol=0)
 
 
-def test_a_failing_conversion_leaves_nothing(exported: dict[str, Path], tmp_path: Path,
+def test_a_failing_conversion_leaves_nothing(exported: Exported, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(model: object, settings: object, out_path: Path, *args: object) -> None:
         Path(out_path).write_bytes(b"half a flatbuffer")
@@ -139,12 +149,12 @@ def test_a_failing_conversion_leaves_nothing(exported: dict[str, Path], tmp_path
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(RuntimeError, match="lowering failed"):
-        export(inspect_source(exported["source"]), ExportSettings(kv_length=64, prefill_lengths=(8,)),
+        export(inspect_source(exported.source), ExportSettings(kv_length=64, prefill_lengths=(8,)),
                model_out=out / "m.tflite", bundle_out=out / "m.litertlm")
     assert list(out.iterdir()) == []
 
 
-def test_a_failing_bundle_leaves_no_model_either(exported: dict[str, Path], tmp_path: Path,
+def test_a_failing_bundle_leaves_no_model_either(exported: Exported, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(model_path: Path, tokenizer: object, kv_length: int, out_path: Path) -> None:
         write_bundle(model_path, tokenizer, kv_length, out_path)
@@ -152,11 +162,11 @@ def test_a_failing_bundle_leaves_no_model_either(exported: dict[str, Path], tmp_
 
     monkeypatch.setattr("runtime.export.bundle.write_bundle", fail)
     monkeypatch.setattr(convert_module, "convert", lambda model, settings, out, *a: Path(out).write_bytes(
-        exported["model"].read_bytes()))
+        exported.model.read_bytes()))
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(OSError, match="disk full"):
-        export(inspect_source(exported["source"]), ExportSettings(kv_length=64, prefill_lengths=(8,)),
+        export(inspect_source(exported.source), ExportSettings(kv_length=64, prefill_lengths=(8,)),
                model_out=out / "m.tflite", bundle_out=out / "m.litertlm")
     assert list(out.iterdir()) == []
 
@@ -171,17 +181,17 @@ def test_an_unreadable_tokenizer_is_refused_before_the_weights(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("quantize", [q for q in QUANTIZATIONS if q != "none"])
-def test_every_offered_quantization_runs_in_this_runtime(exported: dict[str, Path], tmp_path: Path,
+def test_every_offered_quantization_runs_in_this_runtime(exported: Exported, tmp_path: Path,
                                                          quantize: str) -> None:
     settings = ExportSettings(kv_length=32, prefill_lengths=(8,), quantize=quantize)
     if quantize == "int4-block128":  # the tiny model's 32-wide weights do not split into blocks of 128
         with pytest.raises(InvalidArgumentError, match="int4-block128.*not divisible by block size 128"):
-            export(inspect_source(exported["source"]), settings, model_out=tmp_path / "q.tflite")
+            export(inspect_source(exported.source), settings, model_out=tmp_path / "q.tflite")
         assert list(tmp_path.iterdir()) == []
         return
-    export(inspect_source(exported["source"]), settings, model_out=tmp_path / "q.tflite")
-    assert (tmp_path / "q.tflite").stat().st_size < exported["model"].stat().st_size
+    export(inspect_source(exported.source), settings, model_out=tmp_path / "q.tflite")
+    assert (tmp_path / "q.tflite").stat().st_size < exported.model.stat().st_size
     quantized = runtime_logits(tmp_path / "q.tflite")[:8]
-    reference = runtime_logits(exported["model"])[:8]
+    reference = runtime_logits(exported.model)[:8]
     assert np.all(np.isfinite(quantized))
     assert np.corrcoef(quantized.ravel(), reference.ravel())[0, 1] > 0.9

@@ -20,8 +20,8 @@ Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
 ``report.json``
     Export time, peak RSS and size per file; per precision and prompt, max |logit diff|
     against float64 transformers over 32 teacher-forced steps (plain, and with the adapter
-    against transformers + peft), whether 32 greedy tokens are identical, and the answers
-    to a few questions through ``python -m runtime generate``.
+    against transformers + peft), how many of 32 greedy tokens agree, and the answers to a
+    few questions through ``python -m runtime generate``.
 
 The wheel is found without importing it (its ``__init__`` imports the ``llm`` package).
 """
@@ -29,13 +29,16 @@ The wheel is found without importing it (its ``__init__`` imports the ``llm`` pa
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +113,8 @@ def reference_model(gguf: Path) -> tuple[Any, Any]:
 
 
 def random_adapter(model: Any, out_dir: Path) -> tuple[Any, Path]:
-    """A random rank-8 PEFT adapter on q/k/v/o (B non-zero), saved; and the PeftModel."""
+    """A random rank-8 PEFT adapter on q/k/v/o (B non-zero) over ``model``, saved; returns
+    the PeftModel and the adapter's directory."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -126,32 +130,54 @@ def random_adapter(model: Any, out_dir: Path) -> tuple[Any, Path]:
     return peft_model.eval(), path
 
 
-def fidelity(model_file: Path, prompts: list[list[int]], reference: Any, adapter: tuple[Any, Path] | None
-             ) -> list[dict[str, Any]]:
-    """Per prompt: max |logit diff| over STEPS teacher-forced steps along the reference's
-    greedy path, and whether the runtime's own STEPS greedy tokens are the same."""
+def reference_paths(model: Any, prompts: list[list[int]]) -> list[tuple[list[int], np.ndarray]]:
+    """Per prompt: the model's STEPS greedy tokens and its logits at each of those steps."""
     import torch
 
+    paths = []
+    for prompt in prompts:
+        greedy: list[int] = []
+        with torch.no_grad():  # argmax at every step, end-of-sequence included (as the runtime does)
+            step = model(torch.tensor([prompt]), use_cache=True)
+            for _ in range(STEPS):
+                greedy.append(int(step.logits[0, -1].argmax()))
+                step = model(torch.tensor([greedy[-1:]]), past_key_values=step.past_key_values, use_cache=True)
+            logits = model(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1: -1].numpy()
+        paths.append((greedy, logits))
+    return paths
+
+
+def agreement(tokens: list[int], greedy: list[int], logits: np.ndarray) -> dict[str, Any]:
+    """How many of ``tokens`` follow the reference's ``greedy`` path and, where they part,
+    the reference's margin between its best and second-best logit there."""
+    agreeing = next((i for i, (a, b) in enumerate(zip(tokens, greedy)) if a != b), len(greedy))
+    out: dict[str, Any] = {"greedy_tokens_agreeing": agreeing}
+    if agreeing < len(greedy):
+        top2 = np.sort(logits[agreeing])[-2:]
+        out["reference_margin_where_they_part"] = float(top2[1] - top2[0])
+    return out
+
+
+def fidelity(model_file: Path, prompts: list[list[int]], references: dict[str, list], adapter: Path
+             ) -> dict[str, list[dict[str, Any]]]:
+    """Through the runtime, per prompt, plain and with the adapter: max |logit diff| over
+    STEPS teacher-forced steps along the reference's greedy path, and how many of the
+    runtime's own STEPS greedy tokens agree with the reference's."""
     from runtime import Engine, SessionConfig
 
-    hf = reference if adapter is None else adapter[0]
-    config = SessionConfig(lora_path=None if adapter is None else adapter[1])
-    rows = []
+    out: dict[str, list[dict[str, Any]]] = {}
     with Engine(model_file) as engine:
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            with torch.no_grad():
-                greedy = hf.generate(ids, do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS,
-                                     attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
-                expected = hf(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1: -1].numpy()
-            with engine.create_session(config) as session:
-                got = [session.run_prefill(prompt)] + [session.run_decode(t) for t in greedy[:-1]]
-            with engine.create_session(config) as session:
-                tokens = session.generate(prompt, max_new_tokens=STEPS, stop_tokens=[]).tokens
-            rows.append({"prompt_tokens": len(prompt), "max_abs_logit_diff": float(np.max(np.abs(np.stack(got) - expected))),
-                         "logit_std": float(expected.std()), "greedy_identical": tokens == greedy,
-                         "greedy_agreeing_prefix": next((i for i, (a, b) in enumerate(zip(tokens, greedy)) if a != b), STEPS)})
-    return rows
+        for label, config in (("plain", SessionConfig()), ("peft_random_r8", SessionConfig(lora_path=adapter))):
+            rows = out[label] = []
+            for prompt, (greedy, expected) in zip(prompts, references[label]):
+                with engine.create_session(config) as session:
+                    got = [session.run_prefill(prompt)] + [session.run_decode(t) for t in greedy[:-1]]
+                with engine.create_session(config) as session:
+                    tokens = session.generate(prompt, max_new_tokens=STEPS, stop_tokens=[]).tokens
+                rows.append({"prompt_tokens": len(prompt),
+                             "max_abs_logit_diff": float(np.max(np.abs(np.stack(got) - expected))),
+                             "logit_std": float(expected.std()), **agreement(tokens, greedy, expected)})
+    return out
 
 
 def answers(bundle: Path) -> dict[str, str]:
@@ -171,34 +197,47 @@ def answers(bundle: Path) -> dict[str, str]:
 
 
 def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
-    """Fidelity against float64 transformers (+ peft) and chat answers, into ``report``."""
+    """Fidelity against float64 transformers (+ peft) and chat answers, into ``report``.
+    The float64 reference is computed and freed before a runtime model is loaded, and each
+    runtime model is checked in a process of its own (an f32 export with 16 signatures
+    takes ~7.6 GB once loaded: XNNPACK packs the weights per signature)."""
+    import gc
+
     from runtime import Engine
 
-    model, tokenizer = reference_model(gguf)
-    messages = [[{"role": "user", "content": text}] for text in CHECK_PROMPTS]
-    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
-               for m in messages]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompts]
-    with Engine(out_dir / f"{NAME}-f32.litertlm") as engine:  # the bundle's template gives the same tokens
-        ours = [engine.tokenizer.encode(engine.chat_template.render(m)) for m in messages]
-    report["bundle_chat_template_matches_transformers"] = ours == prompts
-    plain = {p: fidelity(out_dir / f"{NAME}-{p}.tflite", prompts, model, None) for p in PRECISIONS}
-    adapter = random_adapter(model, out_dir)
-    with_adapter = {p: fidelity(out_dir / f"{NAME}-{p}.tflite", prompts, model, adapter) for p in PRECISIONS}
-    report["fidelity"] = {"plain": plain, "peft_random_r8": with_adapter, "steps": STEPS,
-                          "prompts": list(CHECK_PROMPTS)}
-    for label, table in report["fidelity"].items():
-        if isinstance(table, dict):
-            for precision, rows in table.items():
-                diffs = ", ".join(f"{r['max_abs_logit_diff']:.2e}" for r in rows)
-                identical = [r["greedy_identical"] for r in rows]
-                prefixes = [r["greedy_agreeing_prefix"] for r in rows]
-                print(f"{label:>15} {precision}: max |diff| {diffs}; greedy identical {identical} "
-                      f"(agreeing prefix {prefixes})", flush=True)
     report["answers"] = {}
-    for precision in PRECISIONS:
+    for precision in PRECISIONS:  # first, while this process holds no model
         print(f"answers, {precision}:", flush=True)
         report["answers"][precision] = answers(out_dir / f"{NAME}-{precision}.litertlm")
+    model, tokenizer = reference_model(gguf)
+    messages = [[{"role": "user", "content": text}] for text in CHECK_PROMPTS]
+    prompts = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)
+                    ["input_ids"]) for m in messages]
+    references = {"plain": reference_paths(model, prompts)}
+    # transformers itself in float32, against its float64 greedy path: where near-ties flip
+    float32 = reference_paths(copy.deepcopy(model).float(), prompts)
+    report["transformers_float32_vs_float64"] = [
+        {"max_abs_logit_diff": float(np.max(np.abs(logits32 - logits64[: len(logits32)]))) if greedy32 == greedy64
+         else None, **agreement(greedy32, greedy64, logits64)}
+        for (greedy32, logits32), (greedy64, logits64) in zip(float32, references["plain"])]
+    print(f"transformers float32 vs float64: {report['transformers_float32_vs_float64']}", flush=True)
+    peft_model, adapter = random_adapter(model, out_dir)
+    references["peft_random_r8"] = reference_paths(peft_model, prompts)
+    del model, peft_model
+    gc.collect()
+    with Engine(out_dir / f"{NAME}-int8.litertlm") as engine:  # the bundle's template gives the same tokens
+        ours = [engine.tokenizer.encode(engine.chat_template.render(m)) for m in messages]
+    report["bundle_chat_template_matches_transformers"] = ours == prompts
+    report["fidelity"] = {"steps": STEPS, "prompts": list(CHECK_PROMPTS)}
+    for precision in PRECISIONS:  # each in a process of its own, which gives its memory back when done
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            report["fidelity"][precision] = pool.submit(
+                fidelity, out_dir / f"{NAME}-{precision}.tflite", prompts, references, adapter).result()
+        for label, rows in report["fidelity"][precision].items():
+            diffs = ", ".join(f"{row['max_abs_logit_diff']:.2e}" for row in rows)
+            agreeing = [(row["greedy_tokens_agreeing"], row.get("reference_margin_where_they_part")) for row in rows]
+            print(f"{precision} {label}: max |logit diff| {diffs}; greedy tokens agreeing (of {STEPS}) and the "
+                  f"reference's top-2 margin where they part: {agreeing}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

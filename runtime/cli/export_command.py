@@ -4,9 +4,10 @@ and/or a ``.litertlm`` bundle (needs the ``export`` extra)."""
 from __future__ import annotations
 
 import argparse
-import logging
+import contextlib
 import os
-import warnings
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from runtime.cli.progress import progress_bar
@@ -68,10 +69,19 @@ def run(args: argparse.Namespace) -> int:
     targets = [path for path in (args.out, args.bundle) if path is not None]
     check_targets(targets)
     source = inspect_source(args.source)
-    with muted_native_logs(keep_python_stderr=True):  # torch and the converter log natively
-        exporter = _import_exporter()
-        report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle,
-                                 progress=progress_bar("export", unit="stage"))
+    # torch and the converter log natively (fd 2) and through Python (import-time warnings,
+    # their own progress bars): only our progress bar reaches the terminal.
+    with muted_native_logs(keep_python_stderr=True):
+        terminal = sys.stderr
+
+        def progress(stages: Iterable) -> Iterable:
+            with contextlib.redirect_stderr(terminal):
+                return progress_bar("export", unit="stage")(stages)
+
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+            exporter = _import_exporter()
+            report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle,
+                                     progress=progress)
     for path in targets:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report.stage_seconds.items())
@@ -81,24 +91,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _import_exporter():  # noqa: ANN202  (the module, imported late: it pulls in torch)
-    """runtime.export.exporter, with the libraries' import-time warnings and progress
-    bars kept off the terminal (the command shows its own progress)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
+    """runtime.export.exporter; without the export extra a FailedPreconditionError saying so."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sources are local; never wait on the hub
     try:
-        import torch  # noqa: F401  (its logging set-up comes first; the levels below outlast it)
-
-        for name in ("torchao", "torch.utils._pytree", "torch._export", "absl"):
-            logging.getLogger(name).setLevel(logging.ERROR)
         from runtime.export import exporter
     except ImportError as exc:
         raise FailedPreconditionError(
             f"export needs the export extra (torch, litert-torch, transformers): pip install -e '.[export]' "
             f"({exc})"
         ) from None
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
     return exporter

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.errors import InvalidArgumentError
 from runtime.export import bundle, checkpoint, convert, families
 from runtime.export.outputs import PendingOutputs
 from runtime.export.settings import ExportSettings
@@ -46,7 +47,7 @@ def export(
     failure nothing is left behind. ``progress`` wraps the iteration over the stages."""
     targets = [path for path in (model_out, bundle_out) if path is not None]
     if not targets:
-        raise ValueError("export needs model_out, bundle_out or both")
+        raise InvalidArgumentError("export needs model_out, bundle_out or both")
     with PendingOutputs(targets) as outputs:
         job = _Job(source, settings, outputs, model_out, bundle_out)
         report = ExportReport(model_out, bundle_out)
