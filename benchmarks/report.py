@@ -78,13 +78,18 @@ def render_markdown(results: dict) -> str:
     out += [f"![{title}]({name})" for name, title in PLOT_TITLES.items()]
     for key, data in _sets(results):
         out += ["", f"## {data['title']}", ""]
-        out += set_tables(key, data)
+        out += set_tables(key, data, shared_machine(results["machine"]))
     return "\n".join(out)
+
+
+def shared_machine(m: dict) -> bool:
+    """Whether other jobs ran beside the benchmark (a load average above what it adds itself)."""
+    return m["load_average_start"][0] > 0.5 or m.get("load_average_end", [0])[0] > 0.5 + m["cores"]
 
 
 def machine_lines(m: dict) -> list[str]:
     start, end = m["load_average_start"][0], m.get("load_average_end", [float("nan")])[0]
-    busy = start > 0.5 or end > 0.5 + m["cores"]
+    busy = shared_machine(m)
     lines = [f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB), "
              f"Python {m['python']}, ai-edge-litert {m['ai_edge_litert']}, "
              + (f"llama-cpp-python {m['llama_cpp_python']} (llama.cpp built from its sdist for this CPU, AMX off)."
@@ -95,8 +100,12 @@ def machine_lines(m: dict) -> list[str]:
     return lines
 
 
-def set_tables(key: str, data: dict) -> list[str]:
+def set_tables(key: str, data: dict, shared: bool) -> list[str]:
     out = []
+    if shared and len(data["threads"]) > 1:
+        out += [f"With {max(data['threads'], key=int)} threads, both sides competed with the other jobs for every "
+                "core, and a step waits for its slowest thread: those rows show how each runtime copes with that "
+                "contention more than its speed on an idle machine.", ""]
     steps = data["decode_steps"]
     if "same_weights" in data:
         out += [f"Same weights: our f32 logits vs llama.cpp's f32 logits over 16 positions: "
@@ -106,8 +115,8 @@ def set_tables(key: str, data: dict) -> list[str]:
             f"\"After the long prompt\": the same steps after a {data['late_prompt']}-token prompt (prefilled, not "
             "timed). Our graphs attend over the whole KV length at every step, llama.cpp over the positions "
             "filled so far, so its steps grow slower as the context fills and ours stay the same. "
-            "\"x base\" and \"graph's own x\" are per-round ratios to the base model's step: the whole step, "
-            "and the bare invoke of the slot's signature timed on an executor of its own.", "",
+            "\"x base\" and \"graph's own x\" are per-round ratios to the base model: of the whole step, and of "
+            "the signature's run alone (the graph's own cost; the rest of a step is the runtime's share).", "",
             "| threads | precision | adapters | ours | llama.cpp | speed | our slot | ours x base | graph's own x | "
             "runtime's share |", "|---|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for threads, by_thread in _threads(data):
@@ -261,9 +270,10 @@ def targets(results: dict) -> list[str]:
                 f"{_range(sw['two_sessions_over_step'], '{:.3f}')}x", sw["two_sessions_over_step"]["median"] <= limit)
             add(f"same, one session re-targeted with set_adapters (<= {limit}x)", where,
                 f"{_range(sw['switch_over_step'], '{:.3f}')}x", sw["switch_over_step"]["median"] <= limit)
-        smallest, largest = min(data["register"]["rows"], key=_size), max(data["register"]["rows"], key=_size)
         for field, source in (("ours_ms", "GGUF file"), ("ours_peft_ms", "PEFT directory")):
-            if field in smallest:
+            measured = [row for row in data["register"]["rows"] if field in row]
+            if len(measured) > 1:
+                smallest, largest = min(measured, key=_size), max(measured, key=_size)
                 low, high = smallest[field]["median"], largest[field]["median"]
                 add(f"register time independent of file size (largest / smallest < 2), {source}", name,
                     f"{low:.2f} ms at {smallest['file_mb']:.2f} MB, {high:.2f} ms at {largest['file_mb']:.0f} MB",
@@ -353,13 +363,16 @@ def _grouped_figure(plt: Any, results: dict, part: str, groups: Callable[[dict],
     if not panels:
         return None
     figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 0.6, 3.9), squeeze=False)
+    # The same bar positions and colours in every panel, for every side that any panel has.
+    keys = [key for key in SIDES if any(f"{key[1]}_ms" in entry for _, _, t in panels
+                                        for entry in t[part].get(key[0], {}).values())]
+    width = 0.8 / max(1, len(keys))
     for axis, (data, threads, t) in zip(axes[0], panels):
         names = groups(t[part])
-        keys = [key for key in SIDES if any(f"{key[1]}_ms" in t[part].get(key[0], {}).get(g, {}) for g in names)]
-        width = 0.8 / max(1, len(keys))
         for i, (precision, side) in enumerate(keys):
-            present = [(g, t[part][precision][name][f"{side}_ms"]) for g, name in enumerate(names)
-                       if f"{side}_ms" in t[part][precision].get(name, {})]
+            by_group = t[part].get(precision, {})
+            present = [(g, by_group[name][f"{side}_ms"]) for g, name in enumerate(names)
+                       if f"{side}_ms" in by_group.get(name, {})]
             middle, low, high = [], [], []
             for g, spread in present:
                 (m,), (lo,), (hi,) = _whiskers([spread], lambda ms, name=names[g]: rate(name, ms))
@@ -375,12 +388,11 @@ def _grouped_figure(plt: Any, results: dict, part: str, groups: Callable[[dict],
         axis.set_title(f"{data['title']}, {_threads_label(threads)}")
         axis.set_ylabel(ylabel)
         axis.set_xlabel(xlabel(data))
-    handles = {}
-    for axis in axes[0]:
-        for handle, label in zip(*axis.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    figure.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=8,
-                  bbox_to_anchor=(0.5, -0.01), frameon=False)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=SIDES[key][1], edgecolor="black", linewidth=0.4, label=SIDES[key][0]) for key in keys]
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, bbox_to_anchor=(0.5, -0.01),
+                  frameon=False)
     figure.suptitle(f"{title}\n({WHISKERS})")
     figure.tight_layout(rect=(0, 0.07, 1, 1))
     return figure

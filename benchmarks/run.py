@@ -51,7 +51,6 @@ from runtime.bench import (  # noqa: E402
     ConcurrencyRig,
     SwitchRig,
     bench_cold_switch,
-    GraphRig,
     bench_memory,
     decode_round,
     timed_decode,
@@ -152,50 +151,54 @@ def same_weights(models: ModelSet, llama: Any) -> dict:
 
 
 class SideBySide:
-    """One model set at one thread count, both sides open: our engines (a session per
-    adapter setting, a switching rig, the bare graphs) and a llama.cpp child. Each
-    ``round`` measures decode, prefill and switching on both sides."""
+    """One model set at one thread count, both sides open: our engines for ``precisions``
+    (a session per adapter setting, and a switching rig on f32) and a llama.cpp child.
+    Each ``round`` measures decode, prefill and switching on both sides."""
 
-    def __init__(self, models: ModelSet, threads: int, llama: Any | None, stack: ExitStack) -> None:
+    def __init__(self, models: ModelSet, threads: int, precisions: tuple[str, ...], llama: Any | None,
+                 stack: ExitStack) -> None:
         self.models, self.threads, self.llama = models, threads, llama
         self.steps = models.decode_steps
-        self.theirs_kinds = set(models.theirs) if llama else set()
-        self.engines = {p: stack.enter_context(Engine(path, EngineSettings(num_threads=threads)))
-                        for p, path in models.ours.items()}
+        self.pairs = [pair for pair in PRECISION_PAIRS if pair[0] in precisions]
+        self.theirs_kinds = {theirs for _, _, theirs in self.pairs if theirs in models.theirs} if llama else set()
+        self.engines = {ours: stack.enter_context(Engine(models.ours[ours], EngineSettings(num_threads=threads)))
+                        for _, ours, _ in self.pairs if ours in models.ours}
         self.sessions = {p: {s: stack.enter_context(engine.create_session(SessionConfig(loras=sources(models, s))))
                              for s in DECODE_SETTINGS} for p, engine in self.engines.items()}
-        self.graphs = {p: GraphRig(path, threads) for p, path in models.ours.items()}
-        self.switch_rig = SwitchRig(self.engines["f32"], *(LoraSource(path=models.adapters[n].peft)
-                                                          for n in ("r8_a", "r8_b")))
-        for rig in (*self.graphs.values(), self.switch_rig):
-            stack.callback(rig.close)
+        self.switch_rig = None
+        if "f32" in self.engines:
+            self.switch_rig = SwitchRig(self.engines["f32"], *(LoraSource(path=models.adapters[n].peft)
+                                                              for n in ("r8_a", "r8_b")))
+            stack.callback(self.switch_rig.close)
         self.slots: dict[str, dict[str, int | None]] = {}
 
     def round(self, r: int, record: Callable[..., None]) -> None:
-        for precision, ours_p, theirs_p in PRECISION_PAIRS:
+        for precision, ours_p, theirs_p in self.pairs:
             self.decode(r, record, precision, ours_p if ours_p in self.engines else None,
                         theirs_p if theirs_p in self.theirs_kinds else None)
             for n in self.models.prefill_lengths:
                 self.prefill(r, record, precision, n, ours_p if ours_p in self.engines else None,
                              theirs_p if theirs_p in self.theirs_kinds else None)
-        self.switch(r, record)
+        if self.switch_rig:
+            self.switch(r, record)
         if not self.slots:  # every setting's adapters are resident after the first round
             self.slots = {p: {s: _slot(self.engines[p], session) for s, session in by_setting.items()}
                           for p, by_setting in self.sessions.items()}
 
     def decode(self, r: int, record: Callable[..., None], precision: str, ours: str | None, theirs: str | None) -> None:
         """ms per step of each setting on both sides from an empty context, and of the base
-        model after the longest prompt (``LATE``); on ours also the runtime's share of the step,
-        and the step's ratio to base next to the bare graph's ratio (same round)."""
+        model after the longest prompt (``LATE``); on ours also the runtime's share of the step
+        (the rest is inside the signature's invoke), and the step's ratio to the base model's
+        next to the same ratio of the invokes alone: the graph's own cost."""
         prompt = max(self.models.prefill_lengths)
 
-        def ours_run() -> tuple[dict, dict]:
+        def ours_run() -> dict[str, tuple[float, float]]:
             if ours is None:
-                return {}, {}
+                return {}
             engine, sessions = self.engines[ours], self.sessions[ours]
             mine = decode_round(engine, sessions, self.steps)
             mine[LATE] = timed_decode(engine, sessions["base"], self.steps, prompt)
-            return mine, self.graphs[ours].round(self.steps)
+            return mine
 
         def theirs_run() -> dict[str, float]:
             if theirs is None:
@@ -205,19 +208,16 @@ class SideBySide:
                                           prompt=prompt if s == LATE else 0)["ms"]
                     for s in (*DECODE_SETTINGS, LATE)}
 
-        (mine, graph), other = both(ours_run, theirs_run, r)
+        mine, other = both(ours_run, theirs_run, r)
         for setting, (step, invoke) in mine.items():
             record("decode", precision, setting, "ours_ms", step * 1e3)
             record("decode", precision, setting, "glue_share", (step - invoke) / step)
             if setting == LATE:
                 continue
-            slot = self.slots.get(ours, {}).get(setting)
-            x_base, graph_x = step / mine["base"][0], graph[f"r{slot}"] / graph["plain"] if slot else 1.0
+            x_base, graph_x = step / mine["base"][0], invoke / mine["base"][1]
             record("decode", precision, setting, "x_base", x_base)
             record("decode", precision, setting, "graph_x", graph_x)
             record("decode", precision, setting, "x_base_minus_graph_x", x_base - graph_x)
-        for name, seconds in graph.items():
-            record("graph_ms", precision, name, seconds * 1e3)
         for setting, ms in other.items():
             record("decode", precision, setting, "theirs_ms", ms)
             if setting in mine:
@@ -254,14 +254,22 @@ class SideBySide:
             record("switch", "theirs", "two_sessions_over_step", other["two_contexts_ms"] / other["step_ms"])
 
 
+# Our precisions measured together; f32 alone, as its export holds several GB in memory.
+PHASES = (("f32",), ("int8", "q4"))
+
+
 def side_by_side(models: ModelSet, threads: int, rounds: int, llama: Any | None) -> dict:
-    """:class:`SideBySide` over ``rounds`` rounds after one that only warms up."""
+    """:class:`SideBySide` over ``rounds`` rounds after one that only warms up, one phase of
+    :data:`PHASES` after the other."""
     data = Rounds()
-    with ExitStack() as stack:
-        both_sides = SideBySide(models, threads, llama, stack)
-        for r in progress_bar(f"{models.key}, {threads} thread(s)", unit="round")(range(rounds + 1)):
-            both_sides.round(r, data.add if r else lambda *_: None)
-        slots = both_sides.slots
+    slots = {}
+    for precisions in PHASES:
+        with ExitStack() as stack:
+            both_sides = SideBySide(models, threads, precisions, llama, stack)
+            label = f"{models.key}, {'/'.join(precisions)}, {threads} thread(s)"
+            for r in progress_bar(label, unit="round")(range(rounds + 1)):
+                both_sides.round(r, data.add if r else lambda *_: None)
+            slots.update(both_sides.slots)
     out = data.summary()
     for precision, ours_p, _ in PRECISION_PAIRS:
         for setting, slot in slots.get(ours_p, {}).items():

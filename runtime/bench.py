@@ -136,39 +136,6 @@ def bench_decode(engine: Engine, configs: dict[str, SessionConfig], steps: int, 
     return out
 
 
-class GraphRig:
-    """Each decode signature of a model (plain and every rank slot, with zero LoRA inputs)
-    bound on an executor of its own, to time the graph's own cost per step, none of the
-    sessions' work. Closes its executor on ``close()``."""
-
-    def __init__(self, model: str | os.PathLike[str], num_threads: int = 1) -> None:
-        self.executor = LlmExecutor(model, ExecutorSettings(num_threads=num_threads))
-        kv = self.executor.create_kv_cache()
-        self.bindings = {}
-        for rank in (None, *self.executor.spec.lora_ranks):
-            buffers = None
-            if rank is not None:
-                slot = self.executor.spec.lora_slot(rank)
-                buffers = {name: self.executor.create_lora_buffer(rank, name) for name in slot}
-                for name, spec in slot.items():
-                    buffers[name].write(np.zeros(spec.shape, spec.dtype))
-            self.bindings["plain" if rank is None else f"r{rank}"] = self.executor.bind(kv, buffers, rank)
-
-    def round(self, calls: int) -> dict[str, float]:
-        """Seconds per call of each signature (``plain``, ``r8``, ...), ``calls`` calls each,
-        one signature after the other."""
-        out = {}
-        for name, binding in self.bindings.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                self.executor.decode(binding, 1, 0)
-            out[name] = (time.perf_counter() - start) / calls
-        return out
-
-    def close(self) -> None:
-        self.executor.close()
-
-
 class SwitchRig:
     """Sessions for measuring what switching adapters costs per decode step, in rounds:
     one session alone (adapter ``a``); two sessions alternating step by step (same
