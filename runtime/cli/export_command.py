@@ -42,6 +42,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "int4-block32, int4-block128")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=defaults.kv_layout,
                         help="transposed is what LiteRT-LM's engine reads")
+    parser.add_argument("--batch-sizes", default="", metavar="B,B,...",
+                        help="batched decode signatures: B sessions step in one pass over the weights (e.g. 2,4,8)")
+    parser.add_argument("--batch-lora-ranks", default=None, metavar="R,R,...",
+                        help="the LoRA rank slots the batched signatures take (default: every --lora-ranks slot)")
     parser.add_argument("--prefill-logits", action="store_true", help="prefill signatures also return logits")
     parser.set_defaults(run=run)
 
@@ -65,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         kv_layout=args.kv_layout,
         prefill_logits=args.prefill_logits,
+        batch_sizes=parse_integers("--batch-sizes", args.batch_sizes),
+        batch_lora_ranks=None if args.batch_lora_ranks is None
+        else parse_integers("--batch-lora-ranks", args.batch_lora_ranks),
     )
     targets = [path for path in (args.out, args.bundle) if path is not None]
     check_targets(targets)

@@ -24,7 +24,9 @@ class ExportSettings:
     """The shape of the exported graph.
 
     Signatures: ``prefill_{L}`` for each prefill length and ``decode``, plus
-    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` for each LoRA rank slot R.
+    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` for each LoRA rank slot R; with
+    batch sizes, ``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank R
+    (``decode_batch{B}`` when the model has no LoRA slots).
     """
 
     # LoRA rank slots; an adapter of rank r runs in the smallest slot >= r. Empty: no LoRA.
@@ -40,10 +42,17 @@ class ExportSettings:
     kv_layout: str = "default"
     # Whether prefill signatures also return logits (decode always does).
     prefill_logits: bool = False
+    # Rows of the batched decode signatures: B sessions step in one pass over the weights.
+    batch_sizes: tuple[int, ...] = ()
+    # The LoRA rank slots the batched signatures take per row (None: every slot of
+    # lora_ranks). Each costs memory when loaded: the runtime packs weights per signature.
+    batch_lora_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("lora_ranks", "prefill_lengths"):
+        for name in ("lora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks"):
             values = getattr(self, name)
+            if values is None and name == "batch_lora_ranks":
+                continue
             if not isinstance(values, tuple) or not all(isinstance(v, int) and not isinstance(v, bool)
                                                         for v in values):
                 raise InvalidArgumentError(f"{name}={values!r}: expected a tuple of integers")
@@ -61,10 +70,21 @@ class ExportSettings:
                 f"prefill_lengths {too_long} exceed kv_length={self.kv_length}: a prefill writes that many "
                 "KV positions"
             )
+        if any(size < 2 for size in self.batch_sizes):
+            raise InvalidArgumentError(f"batch_sizes={self.batch_sizes}: a batch has at least 2 rows")
+        stray = sorted(set(self.batch_lora_ranks or ()) - set(self.lora_ranks))
+        if stray:
+            raise InvalidArgumentError(f"batch_lora_ranks {stray} are not LoRA rank slots {sorted(self.lora_ranks)}")
         if self.quantize not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantize={self.quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise InvalidArgumentError(f"kv_layout={self.kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
+
+    @property
+    def batch_ranks(self) -> tuple[int, ...]:
+        """The rank slots of the batched decode signatures, ascending."""
+        ranks = self.lora_ranks if self.batch_lora_ranks is None else self.batch_lora_ranks
+        return tuple(sorted(ranks))
 
     @property
     def litert_quantize(self) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.export.batch_decode import BatchDecode
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.settings import ExportSettings
@@ -64,5 +65,19 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
     return signatures
 
 
+def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
+    """``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank slot R
+    (``decode_batch{B}`` without LoRA slots): see :mod:`runtime.export.batch_decode`."""
+    layout = _KV_LAYOUTS[settings.kv_layout]
+    signatures = []
+    for batch in sorted(settings.batch_sizes):
+        for rank in settings.batch_ranks or (None,):
+            module = BatchDecode(model, batch, rank, layout).eval()
+            suffix = f"_lora_r{rank}" if rank else ""
+            signatures.append(Signature(f"decode_batch{batch}{suffix}", module,
+                                        module.sample_kwargs(settings.kv_length)))
+    return signatures
+
+
 # Every signature set an export contains, in order.
-SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures,)
+SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures)
