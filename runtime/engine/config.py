@@ -38,15 +38,23 @@ class EngineSettings:
     ``Lru(max_resident=K, max_bytes=None)`` or ``OnlyActive()``.
     ``allow_non_finite_weights``: accept adapters holding NaN or Inf (refused by default).
     ``executors``: how many copies of the model run sessions in parallel (each costs the
-    model's memory again; the default 1 serializes runs, interleaving sessions step by step).
+    model's memory again; the default 1 serializes runs).
+    ``batch_wait_s``: on a model exported with batched decode signatures (``export
+    --batch-sizes``), decode steps that sessions request at the same time run as one pass
+    over the weights; a batch waits at most this long for the sessions of the previous
+    batch to come back (a session alone never waits). ``None``: sessions take turns.
     """
 
     num_threads: int = 1
     lora_residency: ResidencyPolicy = field(default_factory=KeepAll)
     allow_non_finite_weights: bool = False
     executors: int = 1
+    batch_wait_s: float | None = 0.002
 
     def __post_init__(self) -> None:
+        if self.batch_wait_s is not None and (
+                type(self.batch_wait_s) not in (int, float) or not 0 <= self.batch_wait_s <= 1):
+            raise InvalidArgumentError(f"batch_wait_s={self.batch_wait_s!r}, expected seconds in [0, 1] or None")
         if type(self.executors) is not int or self.executors < 1:
             raise InvalidArgumentError(f"executors={self.executors!r}, expected an integer >= 1")
         if type(self.num_threads) is not int or self.num_threads < 0:

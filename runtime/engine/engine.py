@@ -66,6 +66,7 @@ class Engine:
             executors,
             residency=self.settings.lora_residency,
             allow_non_finite=self.settings.allow_non_finite_weights,
+            batch_wait_s=self.settings.batch_wait_s,
         )
         self._sessions = SessionRegistry()
         self._closed = False
@@ -107,6 +108,7 @@ class Engine:
         misses, and every live session's counters."""
         report = self._resources.adapter_report()
         invokes, invoke_seconds = self._resources.invoke_totals()
+        batch_sizes, queue_wait = self._resources.batch_report()
         sessions = []
         for session in self._sessions.snapshot():
             try:
@@ -125,6 +127,8 @@ class Engine:
             sessions=tuple(sorted(sessions, key=lambda s: s.session_id)),
             invokes=invokes,
             invoke_seconds=invoke_seconds,
+            decode_batches=batch_sizes,
+            queue_wait=queue_wait,
         )
 
     def close(self) -> None:

@@ -293,8 +293,7 @@ class Session:
 
     def _decode(self, context: ContextHandler, token: int) -> np.ndarray:
         start = time.perf_counter()
-        with self._resources.run(context) as binding:
-            logits = binding.executor.decode(binding, token, context.position)
+        logits = self._resources.decode(context, token)
         context.position += 1
         self._counters.decode_tokens += 1
         self._counters.decode_seconds += time.perf_counter() - start

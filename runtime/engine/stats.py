@@ -38,6 +38,10 @@ class EngineStats:
     sessions: tuple[SessionStats, ...]
     invokes: int = 0  # runs of the model's signatures (prefill chunks and decode steps)
     invoke_seconds: float = 0.0  # wall time inside those runs: the rest of a step is the runtime's
+    # Batched decode (a model with decode_batch signatures): (rows, batches of that many
+    # sessions' steps) by rows, and how long steps waited in the queue for their batch.
+    decode_batches: tuple[tuple[int, int], ...] = ()
+    queue_wait: LatencySummary = LatencySummary(0, 0.0, 0.0)
 
     @property
     def resident_bytes(self) -> int:

@@ -108,8 +108,31 @@ class Binding:
     executor: LlmExecutor
     kv: KvCache
     lora_rank: int | None
+    lora_buffers: Mapping[str, TensorBuffer] | None
     decode: _Run
     prefill: dict[int, _Run] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One session's decode step in a batch: its binding, its token and the position."""
+
+    binding: Binding
+    token: int
+    position: int
+
+
+@dataclass(frozen=True)
+class _BatchGroup:
+    """Steps (by index) that can share batched runs: one rank slot (``None``: no LoRA)."""
+
+    rank: int | None
+    indices: list[int]
+
+
+def _row_buffer(signature: SignatureSpec, rows: Sequence[Mapping[str, TensorBuffer]], name: str) -> TensorBuffer:
+    row, single_name = signature.row_input(name)
+    return rows[row][single_name]
 
 
 class LlmExecutor:
@@ -149,6 +172,9 @@ class LlmExecutor:
                 io.positions.write(io.position_array)
         self._lock = threading.Lock()
         self._closed = False
+        self._zero_lora: dict[int, dict[str, TensorBuffer]] = {}  # per rank slot: rows without an adapter
+        self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
+        self._last_batch: tuple[tuple[int, ...], _Run] | None = None  # consecutive steps of the same rows
         self.invokes = 0  # signature runs so far, and the seconds spent inside them
         self.invoke_seconds = 0.0
 
@@ -162,9 +188,9 @@ class LlmExecutor:
             tokens=self._model.create_input_buffer_by_name(key, TOKENS),
             positions=self._model.create_input_buffer_by_name(key, INPUT_POS),
             logits=self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
-            token_array=np.zeros((1, signature.seq_len), np.int32),
-            position_array=np.zeros(signature.seq_len, np.int32),
-            logits_shape=(signature.seq_len, self.spec.vocab_size),
+            token_array=np.zeros((signature.rows, signature.seq_len), np.int32),
+            position_array=np.zeros(signature.rows * signature.seq_len, np.int32),
+            logits_shape=(signature.rows * signature.seq_len, self.spec.vocab_size),
         )
         io.write_tokens = self._fast.writer(io.tokens, io.token_array)
         io.write_positions = self._fast.writer(io.positions, io.position_array)
@@ -223,7 +249,8 @@ class LlmExecutor:
         if (lora_buffers is None) != (lora_rank is None):
             raise InvalidArgumentError("lora_buffers and lora_rank go together")
         self._check_open()
-        binding = Binding(self, kv, lora_rank, self._run_args(self.spec.decode(lora_rank), kv, lora_buffers))
+        binding = Binding(self, kv, lora_rank, lora_buffers,
+                          self._run_args(self.spec.decode(lora_rank), kv, lora_buffers))
         for length in self.spec.prefill_lengths:
             binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_rank), kv, lora_buffers)
         return binding
@@ -296,6 +323,118 @@ class LlmExecutor:
             raise InternalError("prefill produced no logits")
         return logits
 
+    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[np.ndarray | BaseException]:
+        """Runs many sessions' decode steps, in as few runs as the model's batched
+        signatures allow; returns each step's logits ``(vocab,)``, or the error of that
+        step alone (a position past the KV cache). A failing run raises for all.
+
+        Steps are grouped by rank slot; rows without an adapter join a group with zero
+        LoRA inputs (exact). A group runs in the smallest ``decode_batch{B}`` that holds
+        it (rows beyond it pad with a scratch KV cache and are dropped) or, if the model
+        has no batched signature for its slot, step by step as :meth:`decode` does.
+        """
+        results: list[np.ndarray | BaseException | None] = [None] * len(steps)
+        runnable = []
+        for index, step in enumerate(steps):
+            try:
+                self._check_position(step.position, 1)
+                runnable.append(index)
+            except ResourceExhaustedError as exc:
+                results[index] = exc
+        with self._lock:
+            self._check_open()
+            for group in self._batch_groups([steps[i] for i in runnable], runnable):
+                sizes = self.spec.batch_sizes(group.rank)
+                pending = group.indices
+                while pending:
+                    if len(pending) == 1 or not sizes:
+                        step = steps[pending[0]]
+                        results[pending[0]] = self._invoke(step.binding.decode, [step.token], step.position)[0]
+                        pending = pending[1:]
+                        continue
+                    rows = next((b for b in sizes if b >= len(pending)), sizes[-1])
+                    chunk, pending = pending[:rows], pending[rows:]
+                    logits = self._invoke_batch(rows, group.rank, [steps[i] for i in chunk])
+                    for row, index in enumerate(chunk):
+                        results[index] = logits[row]
+        return results  # type: ignore[return-value]
+
+    def _batch_groups(self, steps: Sequence[DecodeStep], indices: Sequence[int]) -> list[_BatchGroup]:
+        """Steps by rank slot; rows without an adapter go with the first slot that has
+        batched signatures (or their own group when none does)."""
+        groups: dict[int | None, list[int]] = {}
+        for step, index in zip(steps, indices):
+            groups.setdefault(step.binding.lora_rank, []).append(index)
+        plain = groups.pop(None, [])
+        if plain and not self.spec.batch_sizes(None):
+            host = next((rank for rank in sorted(groups) if self.spec.batch_sizes(rank)), None)
+            if host is None:
+                host = next((rank for rank in self.spec.lora_ranks if self.spec.batch_sizes(rank)), None)
+            if host is not None:
+                groups[host] = groups.get(host, []) + plain
+                plain = []
+        found = [_BatchGroup(rank, members) for rank, members in sorted(groups.items())]
+        return ([_BatchGroup(None, plain)] if plain else []) + found
+
+    def _invoke_batch(self, rows: int, lora_rank: int | None, steps: Sequence[DecodeStep]) -> np.ndarray:
+        """One run of ``decode_batch{rows}`` for ``steps`` (padded to ``rows``); the
+        logits ``(rows, vocab)``."""
+        signature = self.spec.decode_batch(rows, lora_rank)
+        key = (id(signature), *(id(step.binding) for step in steps))
+        if self._last_batch is not None and self._last_batch[0] == key:
+            run = self._last_batch[1]
+        else:
+            run = self._batch_run(signature, [step.binding for step in steps])
+            self._last_batch = (key, run)
+        io = run.io
+        io.token_array[:] = 0
+        io.position_array[:] = 0
+        for row, step in enumerate(steps):
+            io.token_array[row, 0] = step.token
+            io.position_array[row] = step.position
+        logits = np.empty(io.logits_shape, np.float32)
+        io.write_tokens()
+        io.write_positions()
+        started = time.perf_counter()
+        try:
+            self._fast.run(io.index, run.prepared)
+        except Exception as exc:
+            raise InternalError(f"running {signature.key!r} failed: {exc}") from None
+        self.invoke_seconds += time.perf_counter() - started
+        self.invokes += 1
+        io.read_logits(logits)
+        return logits
+
+    def _batch_run(self, signature: SignatureSpec, bindings: Sequence[Binding]) -> _Run:
+        """Run arguments binding each row's own KV cache and LoRA buffers (no copies);
+        rows past ``bindings`` get the scratch KV cache and zero LoRA inputs."""
+        rank = signature.lora_rank
+        zero_lora = self._zero_lora_buffers(rank) if rank else {}
+        rows = []
+        for binding in bindings:
+            lora = binding.lora_buffers if binding.lora_rank == rank and binding.lora_buffers else zero_lora
+            rows.append({**binding.kv.buffers, **lora})
+        if len(rows) < signature.rows:
+            if self._scratch_kv is None:
+                self._scratch_kv = self.create_kv_cache()
+            rows += [{**self._scratch_kv.buffers, **zero_lora}] * (signature.rows - len(rows))
+        io = self._io[signature.key]
+        shared_inputs = {TOKENS: io.tokens, INPUT_POS: io.positions}
+        inputs = [shared_inputs[name] if name in shared_inputs else _row_buffer(signature, rows, name)
+                  for name in io.input_order]
+        outputs = [io.logits if name == LOGITS else _row_buffer(signature, rows, name) for name in io.output_order]
+        return _Run(signature, io, self._fast.prepare(inputs, outputs), inputs + outputs)
+
+    def _zero_lora_buffers(self, lora_rank: int) -> dict[str, TensorBuffer]:
+        """All-zero LoRA inputs of a rank slot, made once: a row with no adapter."""
+        if lora_rank not in self._zero_lora:
+            buffers = {}
+            for name, spec in self.spec.lora_slot(lora_rank).items():
+                buffers[name] = self.create_lora_buffer(lora_rank, name)
+                buffers[name].write(np.zeros(spec.shape, spec.dtype))
+            self._zero_lora[lora_rank] = buffers
+        return self._zero_lora[lora_rank]
+
     def _invoke(self, run: _Run, chunk: Sequence[int], start: int) -> np.ndarray | None:
         """Writes tokens and positions (padded to the signature's length) and runs it."""
         length = run.signature.seq_len
@@ -344,6 +483,8 @@ class LlmExecutor:
             self._closed = True
             with self._native_logs():
                 self._model.close()
+                self._last_batch = self._scratch_kv = None
+                self._zero_lora.clear()
                 del self._model, self._io, self._fast  # frees the library's environment now
 
     def _native_logs(self) -> AbstractContextManager[None]:

@@ -6,6 +6,11 @@ one ``kv_cache_{k,v}_{layer}`` per layer and, on LoRA signatures, the LoRA input
 Outputs are the updated KV caches and ``logits`` (always on decode, on prefill only
 when exported with ``output_logits_on_prefill``).
 
+``python -m runtime export --batch-sizes`` adds ``decode_batch{B}`` and
+``decode_batch{B}_lora_r{R}``: B sessions' decode steps in one run, with ``tokens``
+``[B, 1]``, ``input_pos`` ``[B]`` and each row's KV cache and LoRA inputs named as in
+``decode`` with ``_{row}`` appended (see ``runtime/export/batch_decode.py``).
+
 This module turns the details the interpreter reports into a :class:`ModelSpec`,
 checking everything the executor relies on, so that a model this runtime cannot drive
 is refused at open time with a message naming the signature and the tensor.
@@ -29,8 +34,9 @@ INPUT_POS = "input_pos"
 LOGITS = "logits"
 _KV_NAME = re.compile(r"kv_cache_(?P<kind>[kv])_(?P<layer>0|[1-9][0-9]*)")
 _SIGNATURE_NAME = re.compile(
-    r"(?P<kind>prefill|decode)(?:_(?P<len>[0-9]+))?(?:_lora_r(?P<rank>[0-9]+))?"
+    r"(?P<kind>prefill|decode)(?:_(?P<len>[0-9]+))?(?:_batch(?P<rows>[0-9]+))?(?:_lora_r(?P<rank>[0-9]+))?"
 )
+_ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 
 KV_LAYOUT_DEFAULT = "default"  # k and v: [1, kv_len, groups, head_dim]
 KV_LAYOUT_TRANSPOSED = "transposed"  # k: [1, groups, kv_len, head_dim]; v: [1, groups, head_dim, kv_len]
@@ -41,7 +47,8 @@ SignatureDetails = tuple[Mapping[str, Mapping[str, Any]], Mapping[str, Mapping[s
 
 @dataclass(frozen=True)
 class SignatureSpec:
-    """One runnable signature: prefill of a fixed length or decode, plain or with LoRA."""
+    """One runnable signature: prefill of a fixed length or decode, plain or with LoRA;
+    a batched decode runs ``rows`` sessions at once."""
 
     key: str
     kind: str  # "prefill" or "decode"
@@ -49,6 +56,15 @@ class SignatureSpec:
     lora_rank: int | None
     inputs: Mapping[str, TensorSpec]
     outputs: Mapping[str, TensorSpec]
+    rows: int = 1  # sessions per run: B for decode_batch{B}
+
+    def row_input(self, name: str) -> tuple[int, str] | None:
+        """For an input of a batched signature, ``(row, the single-session name)``;
+        ``None`` for ``tokens`` and ``input_pos`` (or any input of an unbatched one)."""
+        if self.rows == 1 or name in (TOKENS, INPUT_POS):
+            return None
+        match = _ROW_SUFFIX.fullmatch(name)
+        return (int(match["row"]), match["name"]) if match else None
 
     @property
     def has_logits(self) -> bool:
@@ -57,8 +73,9 @@ class SignatureSpec:
 
     @property
     def lora_inputs(self) -> dict[str, TensorSpec]:
-        """The signature's LoRA inputs, by name."""
-        return {n: s for n, s in self.inputs.items() if is_lora_input_name(n)}
+        """The signature's LoRA inputs (of one row), by name."""
+        inputs = self.inputs if self.rows == 1 else _rows(self.key, self.inputs, self.rows)[0]
+        return {n: s for n, s in inputs.items() if is_lora_input_name(n)}
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,15 @@ class ModelSpec:
         """The decode signature for a rank slot (``None``: the plain one)."""
         return self._find("decode", 1, lora_rank)
 
+    def batch_sizes(self, lora_rank: int | None) -> tuple[int, ...]:
+        """Rows of the batched decode signatures for a rank slot (``None``: without LoRA
+        inputs), ascending; empty when there are none."""
+        return tuple(sorted(s.rows for s in self.signatures.values() if s.rows > 1 and s.lora_rank == lora_rank))
+
+    def decode_batch(self, rows: int, lora_rank: int | None) -> SignatureSpec:
+        """The batched decode signature of ``rows`` rows for a rank slot."""
+        return self._find("decode", 1, lora_rank, rows)
+
     def prefill(self, seq_len: int, lora_rank: int | None = None) -> SignatureSpec:
         """The prefill signature of length ``seq_len`` for a rank slot."""
         return self._find("prefill", seq_len, lora_rank)
@@ -118,18 +144,19 @@ class ModelSpec:
         """The smallest rank slot that holds ``rank``, or ``None`` if none does."""
         return smallest_rank_slot(self.lora_ranks, rank)
 
-    def _find(self, kind: str, seq_len: int, lora_rank: int | None) -> SignatureSpec:
+    def _find(self, kind: str, seq_len: int, lora_rank: int | None, rows: int = 1) -> SignatureSpec:
         for spec in self.signatures.values():
-            if (spec.kind, spec.seq_len, spec.lora_rank) == (kind, seq_len, lora_rank):
+            if (spec.kind, spec.seq_len, spec.lora_rank, spec.rows) == (kind, seq_len, lora_rank, rows):
                 return spec
         slot = f" with LoRA rank slot {lora_rank}" if lora_rank else ""
-        raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{slot}")
+        batch = f" for {rows} rows" if rows > 1 else ""
+        raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{batch}{slot}")
 
     @classmethod
     def from_details(cls, details: Mapping[str, SignatureDetails], source: str) -> ModelSpec:
         """Builds and checks a spec from ``{signature_key: (input_details, output_details)}``."""
         signatures = {key: _signature(key, ins, outs, source) for key, (ins, outs) in details.items()}
-        decodes = [s for s in signatures.values() if s.kind == "decode" and s.lora_rank is None]
+        decodes = [s for s in signatures.values() if s.kind == "decode" and s.lora_rank is None and s.rows == 1]
         if not decodes:
             raise InvalidArgumentError(
                 f"{source}: no plain 'decode' signature among {sorted(signatures)}; "
@@ -143,7 +170,10 @@ class ModelSpec:
             raise InvalidArgumentError(f"{source}: signature 'decode' has no kv_cache_* inputs")
         kv = {s.name: s for s in kv_inputs}
         for spec in signatures.values():
-            _check_same_kv(spec, kv, source)
+            if spec.rows == 1:
+                _check_same_kv(spec, kv, source)
+            else:
+                _check_batch(spec, signatures, kv, source)
         layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1))
         for spec in signatures.values():
             if spec.kind == "decode" and spec.lora_rank:
@@ -180,6 +210,8 @@ def _signature(
     for required in (TOKENS, INPUT_POS):
         if required not in ins:
             raise InvalidArgumentError(f"{source}: signature {key!r} has no {required!r} input")
+    if match["rows"] is not None:
+        return _batch_signature(key, int(match["rows"]), match["rank"], ins, outs, source)
     unknown = [n for n in ins if n not in (TOKENS, INPUT_POS) and not _KV_NAME.fullmatch(n) and not is_lora_input_name(n)]
     if unknown:
         raise UnimplementedError(
@@ -197,6 +229,72 @@ def _signature(
             f"{source}: signature {key!r} is named for rank {match['rank']} but its LoRA inputs have rank {lora_rank}"
         )
     return SignatureSpec(key, match["kind"], seq_len, lora_rank, ins, outs)
+
+
+def _batch_signature(key: str, rows: int, named_rank: str | None, ins: Mapping[str, TensorSpec],
+                     outs: Mapping[str, TensorSpec], source: str) -> SignatureSpec:
+    """A ``decode_batch{rows}[_lora_r{R}]`` signature: tokens ``[rows, 1]``, positions
+    ``[rows]``, logits ``[rows, 1, vocab]``, each row's inputs checked by :func:`_check_batch`."""
+    expected = {TOKENS: (rows, 1), INPUT_POS: (rows,)}
+    for name, shape in expected.items():
+        if ins[name].shape != shape or ins[name].dtype != np.int32:
+            raise InvalidArgumentError(
+                f"{source}: signature {key!r} input {name!r} is {ins[name].describe()}, expected {list(shape)} int32")
+    logits = outs.get(LOGITS)
+    if logits is None or len(logits.shape) != 3 or logits.shape[:2] != (rows, 1):
+        got = logits.describe() if logits else "nothing"
+        raise InvalidArgumentError(f"{source}: signature {key!r} output 'logits' is {got}, expected [{rows}, 1, vocab]")
+    per_row = _rows(key, ins, rows)
+    lora_rank = _lora_rank(key, per_row[0], source)
+    if (int(named_rank) if named_rank else None) != lora_rank:
+        raise InvalidArgumentError(
+            f"{source}: signature {key!r} is named for rank {named_rank} but its LoRA inputs have rank {lora_rank}")
+    return SignatureSpec(key, "decode", 1, lora_rank, ins, outs, rows)
+
+
+def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int) -> list[dict[str, TensorSpec]]:
+    """A batched signature's KV and LoRA tensors, per row, under their single-session names."""
+    per_row: list[dict[str, TensorSpec]] = [{} for _ in range(rows)]
+    for name, spec in tensors.items():
+        if name in (TOKENS, INPUT_POS, LOGITS):
+            continue
+        match = _ROW_SUFFIX.fullmatch(name)
+        base = match["name"] if match else ""
+        if match is None or int(match["row"]) >= rows or not (_KV_NAME.fullmatch(base) or is_lora_input_name(base)):
+            raise UnimplementedError(
+                f"signature {key!r} has a tensor this runtime cannot feed: {name!r} (expected KV cache and LoRA "
+                f"names ending in _0 ... _{rows - 1})")
+        per_row[int(match["row"])][base] = TensorSpec(base, spec.shape, spec.dtype)
+    return per_row
+
+
+def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], kv: Mapping[str, TensorSpec],
+                 source: str) -> None:
+    """Every row of a batched signature takes and returns exactly what ``decode`` (or
+    ``decode_lora_r{R}``) does: the same KV caches and LoRA inputs, the same shapes."""
+    single = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_rank, s.rows)
+                   == ("decode", 1, spec.lora_rank, 1)), None)
+    if single is None:
+        raise InvalidArgumentError(
+            f"{source}: signature {spec.key!r} has no single-session counterpart "
+            f"{'decode_lora_r%d' % spec.lora_rank if spec.lora_rank else 'decode'}")
+    expected = {**kv, **single.lora_inputs}
+    try:
+        inputs, outputs = _rows(spec.key, spec.inputs, spec.rows), _rows(spec.key, spec.outputs, spec.rows)
+    except UnimplementedError as exc:
+        raise UnimplementedError(f"{source}: {exc}") from None
+    for row in range(spec.rows):
+        for side, tensors, wanted in (("input", inputs[row], expected), ("output", outputs[row], kv)):
+            for name, want in wanted.items():
+                got = tensors.get(name)
+                if got is None or got.shape != want.shape or got.dtype != want.dtype:
+                    raise InvalidArgumentError(
+                        f"{source}: signature {spec.key!r} {side} {name}_{row} is "
+                        f"{got.describe() if got else 'missing'}, expected {want.describe()}")
+            extra = sorted(set(tensors) - set(wanted))
+            if extra:
+                raise InvalidArgumentError(f"{source}: signature {spec.key!r} {side}s of row {row} include "
+                                           f"{extra[:3]}, which {single.key!r} does not have")
 
 
 def _lora_rank(key: str, inputs: Mapping[str, TensorSpec], source: str) -> int | None:

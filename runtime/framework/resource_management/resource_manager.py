@@ -10,6 +10,9 @@
   blend is acquired (materialized if needed, protected from eviction meanwhile) and the
   executor arguments rebuilt only if those buffers changed. When the residency policy evicts a
   blend, the idle contexts bound to it drop their bindings, so its memory really goes.
+* Decode steps go through :meth:`decode`: on a model with batched decode signatures,
+  steps that sessions request from different threads at the same time run together
+  (a :class:`BatchScheduler`), each row with its own KV cache and adapter buffers.
 """
 
 from __future__ import annotations
@@ -18,18 +21,23 @@ import queue
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
+
+import numpy as np
 
 from runtime.components.lora import LoRA
 from runtime.components.lora_manager import Blend, LoraManager, normalize_blend
 from runtime.components.residency import ResidencyPolicy
-from runtime.executor.litert_executor import Binding, LlmExecutor
+from runtime.executor.batch_scheduler import BatchPolicy, BatchScheduler
+from runtime.executor.litert_executor import Binding, DecodeStep, LlmExecutor
 from runtime.errors import NotFoundError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.util.adapter_formats import AdapterKey
-from runtime.util.latency import LatencyRecorder
+from runtime.util.latency import LatencyRecorder, LatencySummary
 
 
 class ResourceManager:
@@ -41,9 +49,13 @@ class ResourceManager:
         *,
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
+        batch_wait_s: float | None = None,
     ) -> None:
         """``executors``: one executor, or a pool of executors of the same model; KV
-        caches and adapter buffers are made by the first and bound to whichever runs."""
+        caches and adapter buffers are made by the first and bound to whichever runs.
+        ``batch_wait_s``: with a model that has batched decode signatures, how long a
+        batch waits for the sessions of the previous one to come back (``None``: no
+        batching, sessions take turns)."""
         self.executors = [executors] if isinstance(executors, LlmExecutor) else list(executors)
         self.executor = executor = self.executors[0]
         spec = executor.spec
@@ -68,6 +80,13 @@ class ResourceManager:
         self._last_lora: LoRA | None = None
         self.load_latency = LatencyRecorder()
         self.switch_latency = LatencyRecorder()
+        self.queue_wait = LatencyRecorder()  # of batched decode steps
+        self._batch_sizes: Counter[int] = Counter()  # rows -> batches of that many rows
+        self._batcher: BatchScheduler[tuple[ContextHandler, int], np.ndarray] | None = None
+        largest = max((s.rows for s in spec.signatures.values()), default=1)
+        if batch_wait_s is not None and largest > 1:
+            self._batcher = BatchScheduler(self._decode_together, BatchPolicy(largest, batch_wait_s),
+                                           on_batch=self._record_batch)
 
     # -- adapter ids ---------------------------------------------------------------
 
@@ -211,6 +230,55 @@ class ResourceManager:
         and adapter buffers (see :class:`Run`)."""
         return Run(self, context)
 
+    def decode(self, context: ContextHandler, token: int) -> np.ndarray:
+        """One decode step of ``context`` at its position: the logits for the next token.
+        Batched with other sessions' steps when the model allows it (the caller's thread
+        waits at most the batch wait for others, and never when it is alone)."""
+        if self._batcher is not None:
+            return self._batcher.submit((context, token))
+        with Run(self, context) as binding:
+            return binding.executor.decode(binding, token, context.position)
+
+    def batch_report(self) -> tuple[tuple[tuple[int, int], ...], LatencySummary]:
+        """Batched decode so far: ``(rows, batches)`` by rows, and the steps' wait in the queue."""
+        with self._lock:
+            sizes = tuple(sorted(self._batch_sizes.items()))
+        return sizes, self.queue_wait.summary()
+
+    def _decode_together(self, steps: Sequence[tuple[ContextHandler, int]]) -> list[np.ndarray | BaseException]:
+        """Runs queued decode steps on one executor: each row's run is entered (its blend
+        acquired and bound) and left around one :meth:`LlmExecutor.decode_batch`. A
+        step alone runs as without batching."""
+        if len(steps) == 1:
+            context, token = steps[0]
+            with Run(self, context) as binding:
+                return [binding.executor.decode(binding, token, context.position)]
+        executor = self._idle.get() if self._idle is not None else self.executor
+        outcomes: list[np.ndarray | BaseException | None] = [None] * len(steps)
+        try:
+            with ExitStack() as runs:
+                ready, rows = [], []
+                for index, (context, token) in enumerate(steps):
+                    try:
+                        binding = runs.enter_context(Run(self, context, executor))
+                    except Exception as exc:  # this row alone: an evicted or unloaded adapter, a closed model
+                        outcomes[index] = exc
+                        continue
+                    ready.append(index)
+                    rows.append(DecodeStep(binding, token, context.position))
+                for index, outcome in zip(ready, executor.decode_batch(rows) if rows else ()):
+                    outcomes[index] = outcome
+        finally:
+            if self._idle is not None:
+                self._idle.put(executor)
+        return outcomes  # type: ignore[return-value]
+
+    def _record_batch(self, rows: int, waits: Sequence[float]) -> None:
+        with self._lock:
+            self._batch_sizes[rows] += 1
+        for wait in waits:
+            self.queue_wait.record(wait)
+
     def _bind(self, context: ContextHandler, lora: LoRA | None, executor: LlmExecutor) -> Binding:
         return context.use_binding(
             executor,
@@ -264,18 +332,25 @@ class Run:
     previous run's. A plain class rather than a generator: it brackets every decode step.
     """
 
-    __slots__ = ("_resources", "_context", "_blend", "_executor")
+    __slots__ = ("_resources", "_context", "_blend", "_executor", "_pooled")
 
-    def __init__(self, resources: ResourceManager, context: ContextHandler) -> None:
+    def __init__(self, resources: ResourceManager, context: ContextHandler, executor: LlmExecutor | None = None) -> None:
+        """``executor``: the one a batch runs on (its rows record no switches); ``None``
+        takes one (from the pool, if any) for this run."""
         self._resources = resources
         self._context = context
+        self._executor = executor
+        self._pooled = executor is None and resources._idle is not None
 
     def __enter__(self) -> Binding:
         started = time.perf_counter()
         resources, context = self._resources, self._context
         self._blend = blend = context.blend
         lora = resources._lora_manager.acquire(blend) if blend else None
-        self._executor = executor = resources._idle.get() if resources._idle is not None else resources.executor
+        batched = self._executor is not None
+        if not batched:
+            self._executor = resources._idle.get() if self._pooled else resources.executor
+        executor = self._executor
         try:
             binding = context.binding  # the session's own thread is the only one setting it
             if binding is None or context.bound_lora is not lora or binding.executor is not executor:
@@ -283,7 +358,7 @@ class Run:
         except BaseException:
             self.__exit__()
             raise
-        if resources._last_context != id(context) or resources._last_lora is not lora:
+        if not batched and (resources._last_context != id(context) or resources._last_lora is not lora):
             if resources._last_context:
                 resources.switch_latency.record(time.perf_counter() - started)
             resources._last_context, resources._last_lora = id(context), lora
@@ -291,7 +366,7 @@ class Run:
 
     def __exit__(self, *exc_info: object) -> None:
         resources = self._resources
-        if resources._idle is not None:
+        if self._pooled:
             resources._idle.put(self._executor)
         if self._blend:
             resources._lora_manager.release(self._blend)
