@@ -42,7 +42,33 @@ def test_discovers_the_test_models(layout):
     assert spec.prefill(8, 4).key == "prefill_8_lora_r4"
     with pytest.raises(NotFoundError):
         spec.prefill(9)
+    assert spec.batch_sizes(4) == spec.batch_sizes(16) == (2, 4) and spec.batch_sizes(None) == ()
+    batch = spec.decode_batch(4, 16)
+    assert (batch.key, batch.rows, batch.lora_rank) == ("decode_batch4_lora_r16", 4, 16)
+    assert batch.lora_inputs == spec.lora_slot(16)  # each row takes what decode_lora_r16 takes
+    assert batch.row_input("kv_cache_v_1_3") == (3, "kv_cache_v_1") and batch.row_input("tokens") is None
+    assert spec.decode(16).key == "decode_lora_r16"
     executor.close()
+
+
+def test_refuses_batched_signatures_whose_rows_differ_from_decode(details):
+    missing = copy.deepcopy(details)
+    del missing["decode_batch2_lora_r4"][0]["lora_atten_v_b_prime_weight_1_1"]
+    with pytest.raises(InvalidArgumentError, match=r"'decode_batch2_lora_r4' input lora_atten_v_b_prime_weight_1_1 "
+                                                   r"is missing, expected"):
+        ModelSpec.from_details(missing, "m")
+    shape = copy.deepcopy(details)
+    shape["decode_batch4_lora_r16"][0]["kv_cache_k_0_2"]["shape"] = [1, 32, 2, 16]
+    with pytest.raises(InvalidArgumentError, match=r"input kv_cache_k_0_2 is \[1, 32, 2, 16\] float32, expected"):
+        ModelSpec.from_details(shape, "m")
+    stray = copy.deepcopy(details)
+    stray["decode_batch2_lora_r4"][0]["kv_cache_k_0_7"] = stray["decode_batch2_lora_r4"][0]["kv_cache_k_0_0"]
+    with pytest.raises(UnimplementedError, match="cannot feed: 'kv_cache_k_0_7'"):
+        ModelSpec.from_details(stray, "m")
+    tokens = copy.deepcopy(details)
+    tokens["decode_batch2_lora_r4"][0]["tokens"]["shape"] = [1, 1]
+    with pytest.raises(InvalidArgumentError, match=r"input 'tokens' is \[1, 1\] int32, expected \[2, 1\] int32"):
+        ModelSpec.from_details(tokens, "m")
 
 
 def test_refuses_exports_it_cannot_drive(details):

@@ -85,6 +85,14 @@ def worker(engine: Engine, seed: int, records: list[Record], errors: list[BaseEx
                 item.record.fed.append([item.next_token])
                 item.record.argmax.append(token)
                 item.next_token = token
+            elif op < 0.79:  # several of this thread's sessions in one step
+                items = [i for i in rng.sample(live, min(len(live), rng.randint(2, 4)))
+                         if i.session.position < MAX_POSITION]
+                logits = engine.decode_together([(i.session, i.next_token) for i in items])
+                for item, row in zip(items, logits):
+                    item.record.fed.append([item.next_token])
+                    item.next_token = int(np.argmax(row))
+                    item.record.argmax.append(item.next_token)
             elif op < 0.82:
                 item = rng.choice(live)
                 clone = item.session.clone()
@@ -120,11 +128,13 @@ def replay(engine: Engine, record: Record) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("executors", [1, 2], ids=["one executor", "a pool of two"])
-def test_random_operations_from_many_threads(executors):
+@pytest.mark.parametrize("executors, batch_wait_s", [(1, 0.002), (2, 0.002), (1, 0.01), (1, None)],
+                         ids=["one executor", "a pool of two", "batches wait 10 ms", "no batching"])
+def test_random_operations_from_many_threads(executors, batch_wait_s):
     records: list[Record] = []
     errors: list[BaseException] = []
-    with Engine(MODEL_FILES["default"], EngineSettings(executors=executors)) as engine:
+    settings = EngineSettings(executors=executors, batch_wait_s=batch_wait_s)
+    with Engine(MODEL_FILES["default"], settings) as engine:
         threads = [threading.Thread(target=worker, args=(engine, seed, records, errors), daemon=True)
                    for seed in range(THREADS)]
         for t in threads:
@@ -142,7 +152,9 @@ def test_random_operations_from_many_threads(executors):
             engine.unload_adapter(lora_id)  # nothing holds them any more
         assert engine.adapter_ids() == [] and engine.stats().resident == ()
     assert len(records) > THREADS * OPERATIONS * 0.1
-    with Engine(MODEL_FILES["default"]) as alone:
+    if batch_wait_s is not None:  # decode_together alone guarantees batches of several rows
+        assert max(rows for rows, _ in stats.decode_batches) > 1
+    with Engine(MODEL_FILES["default"], EngineSettings(batch_wait_s=None)) as alone:
         for record in records:
             assert replay(alone, record) == record.argmax
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.components.chat_template import ChatTemplate
 from runtime.components.residency import ResidencyPolicy
 from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
-from runtime.engine.session import Session, SessionRegistry
+from runtime.engine.session import Session, SessionRegistry, decode_together
 from runtime.engine.stats import EngineStats
-from runtime.errors import FailedPreconditionError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.framework.lora_source import LoraSource
@@ -97,6 +100,17 @@ class Engine:
         config = config or SessionConfig()
         context = self._resources.new_context_for_sources(config.sources())
         return Session(self._resources, context, config.sampler, self._sessions, self.tokenizer)
+
+    def decode_together(self, steps: Sequence[tuple[Session, int]]) -> list[np.ndarray]:
+        """One decode step for each ``(session, token)`` of this engine, in one pass over
+        the weights where the model has batched decode signatures (``export
+        --batch-sizes``); each session's logits ``(vocab,)``, in order. Sessions stepping
+        from their own threads are batched without this (see ``EngineSettings.batch_wait_s``)."""
+        self._check_open()
+        foreign = [session.session_id for session, _ in steps if session._resources is not self._resources]
+        if foreign:
+            raise InvalidArgumentError(f"sessions {foreign} belong to another engine")
+        return decode_together(steps)
 
     def set_residency(self, policy: ResidencyPolicy) -> None:
         """Changes which materialized adapters stay resident; applied at once."""

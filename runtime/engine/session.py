@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,7 +180,7 @@ class Session:
             sampler = Sampler(sampler or self._sampler_config)
         stops = set(self._check_tokens(stop_tokens))
         kv_length = self.kv_length
-        with self._use() as context:
+        with self._use() as context, self._resources.streaming():
             needed = context.position + len(prompt) + max_new_tokens
             if needed > kv_length:
                 raise ResourceExhaustedError(
@@ -326,3 +326,35 @@ class Session:
         if bad:
             raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {self._vocab})")
         return ids
+
+
+def decode_together(steps: Sequence[tuple[Session, int]]) -> list[np.ndarray]:
+    """One decode step for each ``(session, token)``, in as few runs of the model as its
+    batched signatures allow; returns each session's logits ``(vocab,)``, in order.
+
+    Sessions must be of one engine, distinct and idle. Nothing runs unless every session
+    has room for its token; if the run fails, no session advances.
+    """
+    sessions = [session for session, _ in steps]
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise InvalidArgumentError("decode_together got one session twice")
+    if len({id(s._resources) for s in sessions}) > 1:
+        raise InvalidArgumentError("decode_together takes sessions of one engine")
+    tokens = [s._check_tokens([token])[0] for s, token in steps]
+    with ExitStack() as held:
+        contexts = [held.enter_context(session._use()) for session in sessions]
+        for session, context in zip(sessions, contexts):
+            if context.position + 1 > session.kv_length:
+                raise ResourceExhaustedError(
+                    f"session {session.session_id}: 1 token at position {context.position} would exceed "
+                    f"the KV cache of {session.kv_length} positions")
+        if not steps:
+            return []
+        start = time.perf_counter()
+        logits = sessions[0]._resources.decode_together(list(zip(contexts, tokens)))
+        seconds = time.perf_counter() - start
+        for session, context in zip(sessions, contexts):
+            context.position += 1
+            session._counters.decode_tokens += 1
+            session._counters.decode_seconds += seconds
+    return logits

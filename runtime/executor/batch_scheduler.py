@@ -1,8 +1,9 @@
 """BatchScheduler: steps submitted from many threads run together, in batches.
 
 No thread of its own: the first caller to arrive while no batch is being formed leads. It
-waits, briefly, for the callers the previous batch served to come back with their next
-step (continuous batching: a decoding session submits again as soon as it has sampled),
+waits, briefly, for the callers the previous batch served, or the callers that announced
+a stream of steps (:meth:`BatchScheduler.streaming`), whichever are more, to come back with
+their next step (continuous batching: a decoding session submits again as soon as it has sampled),
 takes up to ``max_batch`` waiting steps, runs them as one batch outside the lock, hands
 each caller its own result, and passes the lead to a caller still waiting. A caller alone
 never waits: the previous batch had one row, and that row is here.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -72,6 +74,7 @@ class BatchScheduler(Generic[Item, Result]):
         self._waiting: deque[_Ticket[Item, Result]] = deque()
         self._leading = False
         self._last_rows = 0  # size of the previous batch: how many callers to wait for
+        self._streaming = 0  # callers inside streaming(): they will submit again soon
 
     def submit(self, item: Item) -> Result:
         """Runs ``item`` in the next batch that has room and returns its result (or
@@ -94,11 +97,23 @@ class BatchScheduler(Generic[Item, Result]):
             raise ticket.error
         return ticket.result  # type: ignore[return-value]
 
+    @contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Announces, for the block, a caller that will submit step after step (a
+        generation loop): batches wait for it as for a caller of the previous batch."""
+        with self._lock:
+            self._streaming += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._streaming -= 1
+
     def _lead(self) -> None:
         """Forms and runs one batch, then passes the lead on (or gives it up)."""
         policy = self._policy
         with self._lock:
-            expected = min(max(self._last_rows, 1), policy.max_batch)
+            expected = min(max(self._last_rows, self._streaming, 1), policy.max_batch)
             deadline = time.perf_counter() + policy.max_wait_s
             while len(self._waiting) < expected:
                 left = deadline - time.perf_counter()

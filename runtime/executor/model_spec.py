@@ -239,7 +239,7 @@ def _batch_signature(key: str, rows: int, named_rank: str | None, ins: Mapping[s
     for name, shape in expected.items():
         if ins[name].shape != shape or ins[name].dtype != np.int32:
             raise InvalidArgumentError(
-                f"{source}: signature {key!r} input {name!r} is {ins[name].describe()}, expected {list(shape)} int32")
+                f"{source}: signature {key!r} input {name!r} is {_shape(ins[name])}, expected {list(shape)} int32")
     logits = outs.get(LOGITS)
     if logits is None or len(logits.shape) != 3 or logits.shape[:2] != (rows, 1):
         got = logits.describe() if logits else "nothing"
@@ -290,11 +290,15 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
                 if got is None or got.shape != want.shape or got.dtype != want.dtype:
                     raise InvalidArgumentError(
                         f"{source}: signature {spec.key!r} {side} {name}_{row} is "
-                        f"{got.describe() if got else 'missing'}, expected {want.describe()}")
+                        f"{_shape(got) if got else 'missing'}, expected {_shape(want)} as in {single.key!r}")
             extra = sorted(set(tensors) - set(wanted))
             if extra:
                 raise InvalidArgumentError(f"{source}: signature {spec.key!r} {side}s of row {row} include "
                                            f"{extra[:3]}, which {single.key!r} does not have")
+
+
+def _shape(spec: TensorSpec) -> str:
+    return f"{list(spec.shape)} {spec.dtype}"
 
 
 def _lora_rank(key: str, inputs: Mapping[str, TensorSpec], source: str) -> int | None:

@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import numpy as np
 
@@ -238,6 +238,21 @@ class ResourceManager:
             return self._batcher.submit((context, token))
         with Run(self, context) as binding:
             return binding.executor.decode(binding, token, context.position)
+
+    def streaming(self) -> AbstractContextManager[None]:
+        """``with resources.streaming():`` around a loop of :meth:`decode` calls (a
+        generation): batches being formed wait (briefly) for this caller's next step."""
+        return self._batcher.streaming() if self._batcher is not None else nullcontext()
+
+    def decode_together(self, steps: Sequence[tuple[ContextHandler, int]]) -> list[np.ndarray]:
+        """One decode step for each ``(context, token)`` at its position, batched as the
+        model allows (see :meth:`decode`); raises the first row's error if any failed."""
+        outcomes = self._decode_together(steps)
+        self._record_batch(len(steps), [0.0] * len(steps))
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes  # type: ignore[return-value]
 
     def batch_report(self) -> tuple[tuple[tuple[int, int], ...], LatencySummary]:
         """Batched decode so far: ``(rows, batches)`` by rows, and the steps' wait in the queue."""
