@@ -50,6 +50,7 @@ from runtime.errors import StatusError  # noqa: E402
 from runtime.bench import (  # noqa: E402
     ConcurrencyRig,
     SwitchRig,
+    batch_memory,
     bench_cold_switch,
     bench_memory,
     decode_round,
@@ -370,8 +371,7 @@ def model_set_section(models: ModelSet, rounds: int, quick: bool, with_llama: bo
             out["same_weights"] = same_weights(models, llama)
         out["threads"] = {str(threads): side_by_side(models, threads, rounds, llama) for threads in models.threads}
         out["register"] = register_section(models, max(3, rounds // 3), llama)
-        if models.key == "bench":
-            out["concurrency"] = concurrency_section(models, max(3, rounds // 3), llama)
+        out["concurrency"] = concurrency_section(models, max(3, rounds // 3), llama)
     out["load"] = load_section(models, 3, with_llama)
     out["memory"] = memory_section(models, quick, with_llama)
     if models.key == "bench":
@@ -382,34 +382,48 @@ def model_set_section(models: ModelSet, rounds: int, quick: bool, with_llama: bo
 
 def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dict:
     """Aggregate decode tokens/s of 1-16 sessions, each with its own rank-8 adapter and one
-    thread, started at once: ours with one executor (runs serialized) and with one per
-    core, and llama.cpp with a context per session; the curves in alternating rounds."""
+    thread, started at once, per precision: ours on one model copy with batched decode
+    (steps of concurrent sessions run as one pass over the weights) and taking turns (the
+    same model, batching off), and llama.cpp with a context per session (its own thread:
+    up to all cores); 8 sessions of mixed ranks 8 and 16 besides. Alternating rounds. Then
+    the RSS growth from 1 to 8 sessions stepping together, in a fresh process."""
     counts = CONCURRENCY_COUNTS
-    data = Rounds()
-    cores = os.cpu_count() or 1
-    with ExitStack() as stack:
-        rigs = {"ours, 1 executor": ConcurrencyRig(models.ours["f32"], max(counts))}
-        if cores > 1:
-            rigs[f"ours, {cores} executors"] = ConcurrencyRig(models.ours["f32"], max(counts), executors=cores)
-        for rig in rigs.values():
-            stack.callback(rig.close)
-        for r in progress_bar("concurrency", unit="round")(range(rounds + 1)):
-            for count in counts:
-                def ours(count: int = count) -> dict[str, float]:
-                    return {name: rig.tokens_per_second(count, models.decode_steps) for name, rig in rigs.items()}
+    out: dict = {"model": models.title, "adapters": "rank 8, a distinct one per session", "threads_per_session": 1,
+                 "counts": list(counts), "precisions": {}}
+    for ours_precision, _, theirs_precision in PRECISION_PAIRS:
+        if ours_precision not in models.batched:
+            continue
+        model = models.batched[ours_precision]
+        data = Rounds()
+        with ExitStack() as stack:
+            rigs = {"ours, batched": ConcurrencyRig(model, [8] * max(counts), batch_wait_s=0.002),
+                    "ours, taking turns": ConcurrencyRig(model, [8] * max(counts), batch_wait_s=None),
+                    "ours, batched, ranks 8 and 16": ConcurrencyRig(model, [8, 16] * 4, batch_wait_s=0.002)}
+            for rig in rigs.values():
+                stack.callback(rig.close)
+            for r in progress_bar(f"concurrency {ours_precision}", unit="round")(range(rounds + 1)):
+                for count in counts:
+                    def ours(count: int = count) -> dict[str, float]:
+                        return {name: rig.tokens_per_second(count, models.decode_steps) for name, rig in rigs.items()
+                                if count <= len(rig.sessions) and (count == 8 or "ranks" not in name)}
 
-                def theirs(count: int = count) -> dict[str, float]:
-                    if not llama:
-                        return {}
-                    reply = llama.request("concurrency", kind="f32", sessions=count, steps=models.decode_steps)
-                    return {"llama.cpp, a context per session": reply["tokens_per_s"]}
+                    def theirs(count: int = count) -> dict[str, float]:
+                        if not llama:
+                            return {}
+                        reply = llama.request("concurrency", kind=theirs_precision, sessions=count,
+                                              steps=models.decode_steps)
+                        return {"llama.cpp, a context per session": reply["tokens_per_s"]}
 
-                mine, other = both(ours, theirs, r)
-                if r:
-                    for name, tokens_per_s in {**mine, **other}.items():
-                        data.add(name, count, tokens_per_s)
-    return {"model": models.title, "precision": "f32", "adapters": "rank 8, one per session",
-            "threads_per_session": 1, "curves": data.summary()}
+                    mine, other = both(ours, theirs, r)
+                    if r:
+                        for name, tokens_per_s in {**mine, **other}.items():
+                            data.add(name, count, tokens_per_s)
+                stats = rigs["ours, batched"].engine.stats()
+        out["precisions"][ours_precision] = {
+            "theirs": theirs_precision, "curves": data.summary(), "decode_batches": dict(stats.decode_batches),
+            "queue_wait_ms": {"p50": stats.queue_wait.p50_ms, "p99": stats.queue_wait.p99_ms},
+            "memory": in_child(batch_memory, model, 8)}
+    return out
 
 
 def main() -> None:

