@@ -293,31 +293,34 @@ class LlmExecutor:
 
         Runs the largest prefill signatures that fit without padding, a padded smallest
         one for a short remainder when the cache has room, and decode steps otherwise. A
-        model whose prefill returns no logits gets its last token decoded.
+        model whose prefill returns no logits gets its last token decoded. Other sessions'
+        runs (decode batches) may go between the chunks: a long prompt does not stall them.
         """
         if not tokens:
             raise InvalidArgumentError("prefill needs at least one token")
         self._check_position(start, len(tokens))
         lengths = self.spec.prefill_lengths
         logits: np.ndarray | None = None
-        with self._lock:
-            self._check_open()
-            pos, rest = start, list(tokens)
-            bulk = rest if self.spec.prefill_has_logits else rest[:-1]
-            while bulk:
-                fitting = [n for n in lengths if n <= len(bulk)]
-                if fitting:
-                    length = fitting[-1]
-                elif lengths and pos + lengths[0] <= self.spec.kv_length:
-                    length = lengths[0]  # pad the remainder
-                else:
-                    length = 1
-                chunk, bulk = bulk[:length], bulk[length:]
-                run = binding.decode if length == 1 else binding.prefill[length]
+        pos, rest = start, list(tokens)
+        bulk = rest if self.spec.prefill_has_logits else rest[:-1]
+        while bulk:
+            fitting = [n for n in lengths if n <= len(bulk)]
+            if fitting:
+                length = fitting[-1]
+            elif lengths and pos + lengths[0] <= self.spec.kv_length:
+                length = lengths[0]  # pad the remainder
+            else:
+                length = 1
+            chunk, bulk = bulk[:length], bulk[length:]
+            run = binding.decode if length == 1 else binding.prefill[length]
+            with self._lock:
+                self._check_open()
                 out = self._invoke(run, chunk, pos)
-                logits = out[len(chunk) - 1] if out is not None else None
-                pos += len(chunk)
-            if not self.spec.prefill_has_logits:
+            logits = out[len(chunk) - 1] if out is not None else None
+            pos += len(chunk)
+        if not self.spec.prefill_has_logits:
+            with self._lock:
+                self._check_open()
                 logits = self._invoke(binding.decode, rest[-1:], pos)[0]
         if logits is None:
             raise InternalError("prefill produced no logits")
