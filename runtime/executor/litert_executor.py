@@ -348,7 +348,9 @@ class LlmExecutor:
             self._check_open()
             for group in self._batch_groups([steps[i] for i in runnable], runnable):
                 sizes = self.spec.batch_sizes(group.rank)
-                pending = group.indices
+                # One order for the same sessions whatever order they came in: consecutive
+                # steps of the same batch reuse its run arguments.
+                pending = sorted(group.indices, key=lambda i: id(steps[i].binding))
                 while pending:
                     if len(pending) == 1 or not sizes:
                         step = steps[pending[0]]

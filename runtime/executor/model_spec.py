@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -121,7 +122,19 @@ class ModelSpec:
     def batch_sizes(self, lora_rank: int | None) -> tuple[int, ...]:
         """Rows of the batched decode signatures for a rank slot (``None``: without LoRA
         inputs), ascending; empty when there are none."""
-        return tuple(sorted(s.rows for s in self.signatures.values() if s.rows > 1 and s.lora_rank == lora_rank))
+        return self._batch_sizes.get(lora_rank, ())
+
+    @cached_property
+    def _batch_sizes(self) -> dict[int | None, tuple[int, ...]]:
+        sizes: dict[int | None, list[int]] = {}
+        for spec in self.signatures.values():
+            if spec.rows > 1:
+                sizes.setdefault(spec.lora_rank, []).append(spec.rows)
+        return {rank: tuple(sorted(rows)) for rank, rows in sizes.items()}
+
+    @cached_property
+    def _by_shape(self) -> dict[tuple[str, int, int | None, int], SignatureSpec]:
+        return {(s.kind, s.seq_len, s.lora_rank, s.rows): s for s in self.signatures.values()}
 
     def decode_batch(self, rows: int, lora_rank: int | None) -> SignatureSpec:
         """The batched decode signature of ``rows`` rows for a rank slot."""
@@ -145,9 +158,9 @@ class ModelSpec:
         return smallest_rank_slot(self.lora_ranks, rank)
 
     def _find(self, kind: str, seq_len: int, lora_rank: int | None, rows: int = 1) -> SignatureSpec:
-        for spec in self.signatures.values():
-            if (spec.kind, spec.seq_len, spec.lora_rank, spec.rows) == (kind, seq_len, lora_rank, rows):
-                return spec
+        spec = self._by_shape.get((kind, seq_len, lora_rank, rows))
+        if spec is not None:
+            return spec
         slot = f" with LoRA rank slot {lora_rank}" if lora_rank else ""
         batch = f" for {rows} rows" if rows > 1 else ""
         raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{batch}{slot}")
