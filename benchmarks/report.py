@@ -309,6 +309,12 @@ def targets(results: dict) -> list[str]:
                 latency = 8 / eight
                 add("a session's per-token latency in a batch of 8 <= 2x alone", label, f"{latency:.2f}x",
                     latency <= 2.0)
+            fidelity = entry["fidelity"]
+            tolerance = 1e-4 if precision == "f32" else 1e-3
+            add(f"a batch's rows equal their sessions alone: max |logit diff| <= {tolerance:g}, greedy identical "
+                f"({fidelity['sessions']} sessions, {fidelity['steps']} steps)", label,
+                f"{fidelity['max_abs_logit_diff']:.1e}, {'identical' if fidelity['greedy_identical'] else 'DIFFERENT'}",
+                fidelity["max_abs_logit_diff"] <= tolerance and fidelity["greedy_identical"])
             mem = entry["memory"]
             add(f"RSS growth from 1 to {mem['sessions']} sessions <= their KV caches + adapter buffers + 10%", label,
                 f"{mem['growth_over_held']:.2f}x", mem["growth_over_held"] <= 1.1)

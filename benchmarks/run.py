@@ -50,6 +50,7 @@ from runtime.errors import StatusError  # noqa: E402
 from runtime.bench import (  # noqa: E402
     ConcurrencyRig,
     SwitchRig,
+    batch_fidelity,
     batch_memory,
     bench_cold_switch,
     bench_memory,
@@ -422,7 +423,7 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dic
         out["precisions"][ours_precision] = {
             "theirs": theirs_precision, "curves": data.summary(), "decode_batches": dict(stats.decode_batches),
             "queue_wait_ms": {"p50": stats.queue_wait.p50_ms, "p99": stats.queue_wait.p99_ms},
-            "memory": in_child(batch_memory, model, 8)}
+            "memory": in_child(batch_memory, model, 8), "fidelity": in_child(batch_fidelity, model, 8)}
     return out
 
 

@@ -385,6 +385,38 @@ class ConcurrencyRig:
         self._folder.cleanup()
 
 
+def batch_fidelity(model: str | os.PathLike[str], sessions: int, steps: int = 8, rank: int = 8) -> dict[str, float]:
+    """``sessions`` sessions with distinct rank-``rank`` adapters (one without), at
+    different positions, stepped together for ``steps`` greedy steps and then each alone:
+    the largest logit difference and whether the greedy tokens agree."""
+    with tempfile.TemporaryDirectory() as tmp, Engine(model, EngineSettings(batch_wait_s=None)) as engine:
+        paths = random_adapter_files(engine, Path(tmp), sessions - 1, rank, seed=11)
+        configs = [SessionConfig()] + [SessionConfig(lora_path=path) for path in paths]
+        prompts = [[(7 * row + i) % 97 + 1 for i in range(1 + 3 * row)] for row in range(sessions)]
+
+        def run(together: bool) -> tuple[list[list[int]], list[np.ndarray]]:
+            group = [engine.create_session(config) for config in configs]
+            tokens = [[int(np.argmax(s.run_prefill(p)))] for s, p in zip(group, prompts)]
+            seen = []
+            for _ in range(steps):
+                if together:
+                    logits = engine.decode_together([(s, t[-1]) for s, t in zip(group, tokens)])
+                else:
+                    logits = [s.run_decode(t[-1]) for s, t in zip(group, tokens)]
+                seen.append(np.stack(logits))
+                for row, out in zip(tokens, logits):
+                    row.append(int(np.argmax(out)))
+            for s in group:
+                s.close()
+            return tokens, seen
+
+        batched_tokens, batched = run(True)
+        alone_tokens, alone = run(False)
+        return {"sessions": sessions, "steps": steps,
+                "max_abs_logit_diff": float(max(np.abs(a - b).max() for a, b in zip(batched, alone))),
+                "greedy_identical": batched_tokens == alone_tokens}
+
+
 def batch_memory(model: str | os.PathLike[str], sessions: int, rank: int = 8) -> dict[str, float]:
     """RSS growth from 1 to ``sessions`` sessions stepping together, each with its own
     rank-``rank`` adapter, against what they hold (KV caches and adapter buffers). Every

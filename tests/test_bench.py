@@ -126,6 +126,11 @@ def test_batch_memory_compares_rss_growth_with_what_the_sessions_hold():
     assert out["growth_over_held"] == out["rss_growth_bytes"] / out["kv_and_adapter_bytes"]
 
 
+def test_batch_fidelity_runs_sessions_together_and_alone():
+    out = bench.batch_fidelity(MODEL_FILES["default"], 4, steps=3, rank=4)
+    assert out["max_abs_logit_diff"] <= 1e-5 and out["greedy_identical"] is True
+
+
 def test_spread_summarizes_rounds():
     assert bench.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "min": 1.0, "max": 10.0, "rounds": 4}
 
