@@ -90,7 +90,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     (work / "out").mkdir()
     model, bundle = work / "out" / "tiny.tflite", work / "out" / "tiny.litertlm"
     done = cli("export", source, "--out", model, "--bundle", bundle, "--lora-ranks", "4", "--kv-length", "64",
-               "--prefill-lengths", "8")
+               "--prefill-lengths", "8", "--batch-sizes", "3")
     assert done.returncode == 0, done.stderr
     return Exported(source, model, bundle, done)
 
@@ -103,6 +103,22 @@ def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) ->
     with Engine(exported.model) as engine:
         assert engine.spec.lora_ranks == (4,) and engine.spec.kv_length == 64
         assert engine.spec.prefill_lengths == (8,)
+        assert engine.spec.batch_sizes(4) == (3,) and engine.spec.batch_sizes(None) == ()
+
+
+def test_a_batched_step_equals_each_session_alone_with_peft_adapters(exported: Exported, tmp_path: Path) -> None:
+    adapter = write_peft_adapter(exported.source, tmp_path / "adapter")
+    configs = [SessionConfig(lora_path=adapter), SessionConfig(), SessionConfig(lora_path=adapter, lora_scale=0.5)]
+    with Engine(exported.model) as engine:
+        sessions = [engine.create_session(config) for config in configs]
+        for row, session in enumerate(sessions):
+            session.run_prefill(TOKEN_IDS[:PROMPT_LEN + row])  # rows at different positions
+        together = engine.decode_together([(s, TOKEN_IDS[-1]) for s in sessions])
+        assert dict(engine.stats().decode_batches) == {3: 1} and engine.stats().invokes == 3 * 2 + 1
+    for row, (config, logits) in enumerate(zip(configs, together)):
+        with Engine(exported.model) as engine, engine.create_session(config) as session:
+            session.run_prefill(TOKEN_IDS[:PROMPT_LEN + row])
+            assert np.max(np.abs(session.run_decode(TOKEN_IDS[-1]) - logits)) <= 1e-5
 
 
 def test_logits_match_float64_transformers_plain_and_with_peft(exported: Exported, tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ def test_defaults_and_recipe_names() -> None:
     assert ExportSettings(quantize="int8").litert_quantize == "dynamic_int8"
     assert ExportSettings().litert_quantize == "none"
     assert set(QUANTIZATIONS) >= {"none", "int8"}
+    assert ExportSettings(lora_ranks=(16, 8), batch_sizes=(2,)).batch_ranks == (8, 16)  # every slot by default
+    assert ExportSettings(lora_ranks=(16, 8), batch_sizes=(2,), batch_lora_ranks=(8,)).batch_ranks == (8,)
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -27,6 +29,9 @@ def test_defaults_and_recipe_names() -> None:
     ({"kv_length": 1}, "kv_length=1"),
     ({"quantize": "int3"}, "quantize='int3': expected one of none, int8"),
     ({"kv_layout": "sideways"}, "kv_layout='sideways'"),
+    ({"batch_sizes": (1, 4)}, r"batch_sizes=\(1, 4\): a batch has at least 2 rows"),
+    ({"batch_sizes": (4, 4)}, "repeat"),
+    ({"lora_ranks": (8,), "batch_lora_ranks": (16,)}, r"batch_lora_ranks \[16\] are not LoRA rank slots \[8\]"),
 ])
 def test_bad_fields_are_refused_by_name(fields: dict, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
