@@ -180,7 +180,7 @@ class Session:
             sampler = Sampler(sampler or self._sampler_config)
         stops = set(self._check_tokens(stop_tokens))
         kv_length = self.kv_length
-        with self._use() as context, self._resources.streaming():
+        with self._use() as context:
             needed = context.position + len(prompt) + max_new_tokens
             if needed > kv_length:
                 raise ResourceExhaustedError(
@@ -194,16 +194,17 @@ class Session:
             generated = [sampler.sample(logits)]
             first_token = time.perf_counter()
             stop_reason = "max_new_tokens"
-            while True:
-                if on_token is not None:
-                    on_token(generated[-1])
-                logits = self._decode(context, generated[-1])
-                if generated[-1] in stops:
-                    stop_reason = "stop_token"
-                    break
-                if len(generated) == max_new_tokens:
-                    break
-                generated.append(sampler.sample(logits))
+            with self._resources.streaming():  # decode batches being formed wait for this session's steps
+                while True:
+                    if on_token is not None:
+                        on_token(generated[-1])
+                    logits = self._decode(context, generated[-1])
+                    if generated[-1] in stops:
+                        stop_reason = "stop_token"
+                        break
+                    if len(generated) == max_new_tokens:
+                        break
+                    generated.append(sampler.sample(logits))
             end = time.perf_counter()
             self._counters.time_to_first_token_s = first_token - start
         text = None
