@@ -392,9 +392,11 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dic
     out: dict = {"model": models.title, "adapters": "rank 8, a distinct one per session", "threads_per_session": 1,
                  "counts": list(counts), "precisions": {}}
     for ours_precision, _, theirs_precision in PRECISION_PAIRS:
-        if ours_precision not in models.batched:
+        model = models.batched.get(ours_precision)
+        if model is None or not model.exists():
+            if model is not None:
+                print(f"concurrent sessions, {ours_precision}: skipped, missing {model}", file=sys.stderr)
             continue
-        model = models.batched[ours_precision]
         data = Rounds()
         with ExitStack() as stack:
             rigs = {"ours, batched": ConcurrencyRig(model, [8] * max(counts), batch_wait_s=0.002),

@@ -70,7 +70,7 @@ class ModelSet:
     decode_steps: int  # decode steps per timed run
     threads: tuple[int, ...]  # thread counts measured
     # our precision -> .tflite with batched decode signatures (export --batch-sizes 2,4,8,16
-    # --batch-lora-ranks 8): the "concurrent sessions" section
+    # --batch-lora-ranks 8): the "concurrent sessions" section, for those that exist
     batched: dict[str, Path] = field(default_factory=dict)
     # PEFT directories that prepare_models.py makes (random weights); the rest are committed.
     generated_adapters: tuple[str, ...] = field(default=())
@@ -78,7 +78,7 @@ class ModelSet:
     def missing(self, with_llama_cpp: bool = True) -> list[Path]:
         """Files the measurements need that are not there (empty: ready); llama.cpp's
         only ``with_llama_cpp``."""
-        needed = [*self.ours.values(), *self.batched.values(), *(a.peft for a in self.adapters.values())]
+        needed = [*self.ours.values(), *(a.peft for a in self.adapters.values())]
         if with_llama_cpp:
             needed += [*self.theirs.values(), *(a.gguf for a in self.adapters.values())]
         return [path for path in needed if not path.exists()]
