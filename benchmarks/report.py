@@ -78,6 +78,10 @@ def render_markdown(results: dict) -> str:
     out += [f"![{title}]({name})" for name, title in PLOT_TITLES.items()]
     for key, data in _sets(results):
         out += ["", f"## {data['title']}", ""]
+        if "measured" in data:
+            when = data["measured"]
+            out += [f"Measured {when['date']}; load average {when['load_average_start'][0]:.1f} at the start, "
+                    f"{when['load_average_end'][0]:.1f} at the end.", ""]
         out += set_tables(key, data, shared_machine(results["machine"]))
     return "\n".join(out)
 

@@ -434,6 +434,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--sets", default=",".join(MODEL_SETS), help="model sets to measure (default: %(default)s)")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="measure our side only")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other sets of the existing results.json (re-measure only --sets)")
     args = parser.parse_args()
     rounds = 5 if args.quick else 15
     with_llama = not args.skip_llama_cpp and llama_cpp.available()
@@ -454,9 +456,14 @@ def main() -> None:
             continue
         print(f"{models.title} ...", file=sys.stderr)
         set_rounds = rounds if key == "bench" else max(3, rounds // 2)
+        started = {"date": machine(None)["date"], "load_average_start": os.getloadavg()}
         results["sets"][key] = model_set_section(models, set_rounds, args.quick, with_llama)
+        results["sets"][key]["measured"] = {**started, "load_average_end": os.getloadavg()}
     results["machine"]["load_average_end"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
+    if args.update and (RESULTS / "results.json").exists():
+        kept = json.loads((RESULTS / "results.json").read_text())["sets"]
+        results["sets"] = {**{k: v for k, v in kept.items() if k not in results["sets"]}, **results["sets"]}
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     from report import plots, render_markdown
 
