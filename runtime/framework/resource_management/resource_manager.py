@@ -82,6 +82,7 @@ class ResourceManager:
         self.switch_latency = LatencyRecorder()
         self.queue_wait = LatencyRecorder()  # of batched decode steps
         self._batch_sizes: Counter[int] = Counter()  # rows -> batches of that many rows
+        self._batch_sizes_lock = threading.Lock()  # not self._lock: registering may hold that one long
         self._batcher: BatchScheduler[tuple[ContextHandler, int], np.ndarray] | None = None
         largest = max((s.rows for s in spec.signatures.values()), default=1)
         if batch_wait_s is not None and largest > 1:
@@ -248,7 +249,7 @@ class ResourceManager:
         """One decode step for each ``(context, token)`` at its position, batched as the
         model allows (see :meth:`decode`); raises the first row's error if any failed."""
         outcomes = self._decode_together(steps)
-        self._record_batch(len(steps), [0.0] * len(steps))
+        self._record_batch(len(steps), ())  # no queue: nothing waited
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -256,7 +257,7 @@ class ResourceManager:
 
     def batch_report(self) -> tuple[tuple[tuple[int, int], ...], LatencySummary]:
         """Batched decode so far: ``(rows, batches)`` by rows, and the steps' wait in the queue."""
-        with self._lock:
+        with self._batch_sizes_lock:
             sizes = tuple(sorted(self._batch_sizes.items()))
         return sizes, self.queue_wait.summary()
 
@@ -289,7 +290,7 @@ class ResourceManager:
         return outcomes  # type: ignore[return-value]
 
     def _record_batch(self, rows: int, waits: Sequence[float]) -> None:
-        with self._lock:
+        with self._batch_sizes_lock:
             self._batch_sizes[rows] += 1
         for wait in waits:
             self.queue_wait.record(wait)
