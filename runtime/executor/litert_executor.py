@@ -174,7 +174,8 @@ class LlmExecutor:
         self._closed = False
         self._zero_lora: dict[int, dict[str, TensorBuffer]] = {}  # per rank slot: rows without an adapter
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
-        self._last_batch: tuple[tuple[int, ...], _Run] | None = None  # consecutive steps of the same rows
+        # The last batched run's key, bindings and arguments: consecutive steps of the same rows.
+        self._last_batch: tuple[tuple[int, ...], tuple[Binding, ...], _Run] | None = None
         self.invokes = 0  # signature runs so far, and the seconds spent inside them
         self.invoke_seconds = 0.0
 
@@ -385,12 +386,14 @@ class LlmExecutor:
         """One run of ``decode_batch{rows}`` for ``steps`` (padded to ``rows``); the
         logits ``(rows, vocab)``."""
         signature = self.spec.decode_batch(rows, lora_rank)
-        key = (id(signature), *(id(step.binding) for step in steps))
+        bindings = tuple(step.binding for step in steps)
+        key = (id(signature), *map(id, bindings))
         if self._last_batch is not None and self._last_batch[0] == key:
-            run = self._last_batch[1]
+            run = self._last_batch[2]
         else:
-            run = self._batch_run(signature, [step.binding for step in steps])
-            self._last_batch = (key, run)
+            run = self._batch_run(signature, bindings)
+            # The bindings are kept with their run: while cached, no other binding can take their ids.
+            self._last_batch = (key, bindings, run)
         io = run.io
         io.token_array[:] = 0
         io.position_array[:] = 0
