@@ -23,6 +23,7 @@ over rounds, with the min and max. The first round only warms up. Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -434,6 +435,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--sets", default=",".join(MODEL_SETS), help="model sets to measure (default: %(default)s)")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="measure our side only")
+    parser.add_argument("--threads", type=int, action="append",
+                        help="thread counts to measure (repeatable; default: each set's own)")
     parser.add_argument("--update", action="store_true",
                         help="keep the other sets of the existing results.json (re-measure only --sets)")
     args = parser.parse_args()
@@ -448,6 +451,8 @@ def main() -> None:
     results: dict = {"machine": machine(hello), "sets": {}, "skipped": {}}
     for key in args.sets.split(","):
         models = MODEL_SETS[key]
+        if args.threads:
+            models = dataclasses.replace(models, threads=tuple(args.threads))
         missing = models.missing(with_llama)
         if missing:
             message = f"{models.title}: skipped, missing " + ", ".join(map(str, missing))
