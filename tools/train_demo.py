@@ -166,14 +166,14 @@ class TrainConfig:
     max_line_chars: int = 60
     held_out_word_fraction: float = 0.02
     # Base model.
-    base_steps: int = 1500
+    base_steps: int = 3000
     base_batch: int = 32
     base_seq_len: int = 96
     base_lr: float = 3e-3
     base_echo_fraction: float = 0.85
     # Adapters.
     lora_rank: int = 8
-    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 500), ("no_vowels", 800), ("json", 1000))
+    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 800), ("no_vowels", 1200), ("json", 2000))
     lora_batch: int = 16
     lora_lr: float = 1e-2
     # Measuring: lines of 1-4 words, random strings of 2-8 letters.
@@ -181,7 +181,7 @@ class TrainConfig:
     eval_random_len: tuple[int, int] = (2, 8)
     num_eval: int = 200
     num_dev: int = 32  # lines per set scored during training (from their own seed)
-    dev_every: int = 250
+    dev_every: int = 500
     max_new_tokens: int = 96
 
     def stage_key(self, stage: str) -> str:
@@ -1094,8 +1094,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--try-dynamic-int8", action="store_true",
                         help="also export a dynamic_int8 copy to a temporary directory and print "
                              "its size and runtime accuracy (writes nothing)")
+    parser.add_argument("--threads", type=int, default=TrainConfig.threads,
+                        help="torch threads for training (on a shared machine, 1 leaves a core to others)")
     args = parser.parse_args(argv)
-    run(args.out_dir, TrainConfig(), not args.skip_runtime_eval, args.cache_dir, args.try_dynamic_int8)
+    run(args.out_dir, TrainConfig(threads=args.threads), not args.skip_runtime_eval, args.cache_dir, args.try_dynamic_int8)
     return 0
 
 
