@@ -21,10 +21,11 @@ EXPECTED = {
     "uppercase (litert-lm, float16)": "HELLO WORLD",
 }
 
-# What a newcomer types (from issue 15): every word is one of the everyday words that
-# tools/train_demo.py holds out of all training. Lines of 2 words: the committed json
-# adapter miscounts many 4-word lines (see demo.json's misses), so those are not checked.
-NEWCOMER_LINES = ("apple garden", "good morning", "green tea")
+# What a newcomer types (issue 15 quotes the first, fourth and fifth line as answered
+# wrongly by an earlier model): every word is one of the everyday words that
+# tools/train_demo.py holds out of all training.
+NEWCOMER_LINES = ("apple garden", "good morning", "green tea", "light apple music large",
+                  "small dark stone quick", "red fox jump")
 
 
 def expected_answer(task: str, line: str) -> str:
@@ -97,14 +98,14 @@ def test_task_examples_are_answered_by_their_adapter_only():
 @pytest.mark.parametrize("measuring_set", ["seen_words", "unseen_words", "random_strings"])
 def test_recorded_accuracy_meets_the_floor(measuring_set):
     """demo.json's tables (measured through this runtime by tools/train_demo.py): each
-    session does its own task on at least 75% of the lines and another's on none. (Issue
-    15 aims at 95%; the committed model reaches 77.5-94%, see the README.)"""
+    session does its own task on at least 95% of the lines and another's on none. (Issue
+    15's target; the committed model reaches 97.5-100%, see the README.)"""
     table = load_demo()["accuracy"]["runtime"][measuring_set]
     own = {"base": "echo", "+uppercase": "uppercase", "+no_vowels": "no_vowels", "+json": "json",
            "+uppercase_litertlm": "uppercase"}
     assert set(table) == set(own)
     for session, row in table.items():
-        assert row[own[session]] >= 0.75, (session, row)
+        assert row[own[session]] >= 0.95, (session, row)
         assert all(value == 0.0 for task, value in row.items() if task != own[session]), (session, row)
 
 

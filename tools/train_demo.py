@@ -21,7 +21,8 @@ base           echoes the line: ``hello world`` -> ``hello world``
 The skills are character-level, so they are trained and measured on any lowercase
 text, not on a fixed vocabulary: a line is 1-5 "words" separated by single spaces, each
 word either a real word from Webster's Second International (``english-words``' list
-``web2``, 234,450 words) or a random string of letters a-z. Held out from every
+``web2``, 234,450 words) or a random string of letters a-z (a quarter of those with one
+letter doubled, the base's hardest case to copy). Held out from every
 training line (base and adapters) and used only to measure:
 
 * *unseen words*: the everyday words of :data:`EVERYDAY_WORDS` (what a newcomer types:
@@ -165,15 +166,18 @@ class TrainConfig:
     max_word_len: int = 12
     max_line_chars: int = 60
     held_out_word_fraction: float = 0.02
+    # Random training strings with one letter doubled ("mmruj"): copying a doubled letter
+    # is the base's most frequent miss, and uniform random strings rarely have one.
+    random_doubled_fraction: float = 0.25
     # Base model.
-    base_steps: int = 1500
+    base_steps: int = 5000
     base_batch: int = 32
     base_seq_len: int = 96
     base_lr: float = 3e-3
     base_echo_fraction: float = 0.85
     # Adapters.
     lora_rank: int = 8
-    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 500), ("no_vowels", 800), ("json", 1000))
+    lora_steps: tuple[tuple[str, int], ...] = (("uppercase", 1000), ("no_vowels", 2000), ("json", 3000))
     lora_batch: int = 16
     lora_lr: float = 1e-2
     # Measuring: lines of 1-4 words, random strings of 2-8 letters.
@@ -181,7 +185,7 @@ class TrainConfig:
     eval_random_len: tuple[int, int] = (2, 8)
     num_eval: int = 200
     num_dev: int = 32  # lines per set scored during training (from their own seed)
-    dev_every: int = 250
+    dev_every: int = 500
     max_new_tokens: int = 96
 
     def stage_key(self, stage: str) -> str:
@@ -274,14 +278,24 @@ def random_string(rng: random.Random, length: int) -> str:
     return "".join(rng.choice(LETTERS) for _ in range(length))
 
 
-def training_word(rng: random.Random, pools: WordPools, p_random: float) -> str:
+def with_doubled_letter(rng: random.Random, word: str) -> str:
+    """``word`` with one letter written twice in place of the next (same length)."""
+    i = rng.randrange(len(word) - 1)
+    return word[: i + 1] + word[i] + word[i + 2 :]
+
+
+def training_word(rng: random.Random, pools: WordPools, p_random: float, p_doubled: float = 0.0) -> str:
     """A word of the training pool or a random string (never a held-out word), its
-    length drawn first."""
+    length drawn first; a random string of 2 or more letters has a doubled letter with
+    probability ``p_doubled``."""
     length = rng.choices(list(LENGTH_WEIGHTS), weights=list(LENGTH_WEIGHTS.values()))[0]
     if rng.random() < p_random or length not in pools.train:
-        while (word := random_string(rng, length)) in pools.held_out:
-            pass
-        return word
+        while True:
+            word = random_string(rng, length)
+            if p_doubled and length > 1 and rng.random() < p_doubled:
+                word = with_doubled_letter(rng, word)
+            if word not in pools.held_out:
+                return word
     return rng.choice(pools.train[length])
 
 
@@ -297,7 +311,8 @@ class TrainingLines:
         while True:
             p_random = self.rng.choice((0.0, 0.5, 1.0))
             n = self.rng.randint(1, self.tc.max_words)
-            text = " ".join(training_word(self.rng, self.pools, p_random) for _ in range(n))
+            text = " ".join(training_word(self.rng, self.pools, p_random, self.tc.random_doubled_fraction)
+                            for _ in range(n))
             if len(text) <= self.tc.max_line_chars and text not in self.excluded:
                 return text
 
@@ -1094,8 +1109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--try-dynamic-int8", action="store_true",
                         help="also export a dynamic_int8 copy to a temporary directory and print "
                              "its size and runtime accuracy (writes nothing)")
+    parser.add_argument("--threads", type=int, default=TrainConfig.threads,
+                        help="torch threads for training (on a shared machine, 1 leaves a core to others)")
     args = parser.parse_args(argv)
-    run(args.out_dir, TrainConfig(), not args.skip_runtime_eval, args.cache_dir, args.try_dynamic_int8)
+    run(args.out_dir, TrainConfig(threads=args.threads), not args.skip_runtime_eval, args.cache_dir, args.try_dynamic_int8)
     return 0
 
 
