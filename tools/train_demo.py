@@ -212,6 +212,7 @@ def model_config() -> Any:
         kv_cache_max_len=256,
         prefill_seq_lens=(16, 64),
         lora_ranks=(8,),
+        batch_sizes=(),  # no batched decode signatures: the demo stays small
     )
 
 
