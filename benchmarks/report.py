@@ -180,23 +180,29 @@ def set_tables(key: str, data: dict, shared: bool) -> list[str]:
                            + " | ".join(_range(e[f], "{:.0f}") for f in ("load_ms", "first_decode_ms", "peak_rss_mib"))
                            + f" | {_med(e['rss_before_mib'], '{:.0f}')} |")
     if "concurrency" in data:
-        conc = data["concurrency"]
-        for precision, entry in conc["precisions"].items():
-            names = list(entry["curves"])
-            counts = sorted({int(n) for curve in entry["curves"].values() for n in curve})
-            out += ["", f"### Concurrent sessions ({SIDES[(precision, 'ours')][0]} vs "
-                    f"{SIDES[(precision, 'theirs')][0]}, {conc['adapters']}, {conc['threads_per_session']} thread "
-                    "per session; aggregate decode tokens/s)", "",
-                    "| sessions | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
-            for n in counts:
-                out.append(f"| {n} | " + " | ".join(_range(entry["curves"][name][str(n)], "{:,.0f}")
-                                                  if str(n) in entry["curves"][name] else "-" for name in names) + " |")
-            memory = entry["memory"]
-            wait = entry["queue_wait_ms"]
-            out += ["", f"Batches formed (rows: batches) {entry['decode_batches']}; queue wait p50 {wait['p50']:.2f} ms, "
-                    f"p99 {wait['p99']:.2f} ms. RSS growth from 1 to {memory['sessions']} sessions stepping together: "
-                    f"{memory['rss_growth_bytes'] / 2**20:.1f} MiB for {memory['kv_and_adapter_bytes'] / 2**20:.1f} MiB "
-                    f"of KV caches and adapter buffers ({memory['growth_over_held']:.2f}x)."]
+        out += concurrency_tables(data["concurrency"])
+    return out
+
+
+def concurrency_tables(conc: dict) -> list[str]:
+    """The concurrent-sessions tables, one per precision, with batches, queue wait, memory."""
+    out: list[str] = []
+    for precision, entry in conc["precisions"].items():
+        names = list(entry["curves"])
+        counts = sorted({int(n) for curve in entry["curves"].values() for n in curve})
+        out += ["", f"### Concurrent sessions ({SIDES[(precision, 'ours')][0]} vs "
+                f"{SIDES[(precision, 'theirs')][0]}, {conc['adapters']}, {conc['threads_per_session']} thread "
+                "per session; aggregate decode tokens/s)", "",
+                "| sessions | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+        for n in counts:
+            out.append(f"| {n} | " + " | ".join(_range(entry["curves"][name][str(n)], "{:,.0f}")
+                                              if str(n) in entry["curves"][name] else "-" for name in names) + " |")
+        memory = entry["memory"]
+        wait = entry["queue_wait_ms"]
+        out += ["", f"Batches formed (rows: batches) {entry['decode_batches']}; queue wait p50 {wait['p50']:.2f} ms, "
+                f"p99 {wait['p99']:.2f} ms. RSS growth from 1 to {memory['sessions']} sessions stepping together: "
+                f"{memory['rss_growth_bytes'] / 2**20:.1f} MiB for {memory['kv_and_adapter_bytes'] / 2**20:.1f} MiB "
+                f"of KV caches and adapter buffers ({memory['growth_over_held']:.2f}x)."]
     return out
 
 
@@ -299,31 +305,36 @@ def targets(results: dict) -> list[str]:
         if not real:
             add("0 bytes RSS growth per switch", name, f"{mem['growth_per_switch_bytes']:.2f} B",
                 mem["growth_per_switch_bytes"] <= 1.0)
-        for precision, entry in data.get("concurrency", {}).get("precisions", {}).items():
-            curves, label = entry["curves"], f"{name}, {SIDES[(precision, 'ours')][0]}"
-            batched, alone = curves["ours, batched"], curves["ours, batched"]["1"]["median"]
-            lone = alone / curves["ours, taking turns"]["1"]["median"]
-            add("a session alone on a batching engine >= 0.97x the tokens/s without batching", label,
-                f"{lone:.3f}x", lone >= 0.97)
-            if "8" in batched:
-                eight = batched["8"]["median"] / alone
-                need = 4.0 if precision == "f32" else 3.0
-                add(f"8 sessions, 8 distinct rank-8 adapters, one model copy: aggregate >= {need:.0f}x one session",
-                    label, f"{eight:.2f}x", eight >= need)
-                latency = 8 / eight
-                add("a session's per-token latency in a batch of 8 <= 2x alone", label, f"{latency:.2f}x",
-                    latency <= 2.0)
-            fidelity = entry["fidelity"]
-            tolerance = 1e-4 if precision == "f32" else 1e-3
-            add(f"a batch's rows equal their sessions alone: max |logit diff| <= {tolerance:g}, greedy identical "
-                f"({fidelity['sessions']} sessions, {fidelity['steps']} steps)", label,
-                f"{fidelity['max_abs_logit_diff']:.1e}, {'identical' if fidelity['greedy_identical'] else 'DIFFERENT'}",
-                fidelity["max_abs_logit_diff"] <= tolerance and fidelity["greedy_identical"])
-            mem = entry["memory"]
-            add(f"RSS growth from 1 to {mem['sessions']} sessions <= their KV caches + adapter buffers + 10%", label,
-                f"{mem['growth_over_held']:.2f}x", mem["growth_over_held"] <= 1.1)
+        if "concurrency" in data:
+            concurrency_targets(name, data["concurrency"], add)
     return rows
 
+
+def concurrency_targets(name: str, conc: dict, add: Callable[[str, str, str, bool], None]) -> None:
+    """The concurrent-sessions targets of one model set, through ``add(target, where, measured, met)``."""
+    for precision, entry in conc["precisions"].items():
+        curves, label = entry["curves"], f"{name}, {SIDES[(precision, 'ours')][0]}"
+        batched, alone = curves["ours, batched"], curves["ours, batched"]["1"]["median"]
+        lone = alone / curves["ours, taking turns"]["1"]["median"]
+        add("a session alone on a batching engine >= 0.97x the tokens/s without batching", label,
+            f"{lone:.3f}x", lone >= 0.97)
+        if "8" in batched:
+            eight = batched["8"]["median"] / alone
+            need = 4.0 if precision == "f32" else 3.0
+            add(f"8 sessions, 8 distinct rank-8 adapters, one model copy: aggregate >= {need:.0f}x one session",
+                label, f"{eight:.2f}x", eight >= need)
+            latency = 8 / eight
+            add("a session's per-token latency in a batch of 8 <= 2x alone", label, f"{latency:.2f}x",
+                latency <= 2.0)
+        fidelity = entry["fidelity"]
+        tolerance = 1e-4 if precision == "f32" else 1e-3
+        add(f"a batch's rows equal their sessions alone: max |logit diff| <= {tolerance:g}, greedy identical "
+            f"({fidelity['sessions']} sessions, {fidelity['steps']} steps)", label,
+            f"{fidelity['max_abs_logit_diff']:.1e}, {'identical' if fidelity['greedy_identical'] else 'DIFFERENT'}",
+            fidelity["max_abs_logit_diff"] <= tolerance and fidelity["greedy_identical"])
+        mem = entry["memory"]
+        add(f"RSS growth from 1 to {mem['sessions']} sessions <= their KV caches + adapter buffers + 10%", label,
+            f"{mem['growth_over_held']:.2f}x", mem["growth_over_held"] <= 1.1)
 
 # -- the plots ---------------------------------------------------------------------------------
 

@@ -400,16 +400,21 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dic
             continue
         data = Rounds()
         with ExitStack() as stack:
-            rigs = {"ours, batched": ConcurrencyRig(model, [8] * max(counts), batch_wait_s=0.002),
-                    "ours, taking turns": ConcurrencyRig(model, [8] * max(counts), batch_wait_s=None),
-                    "ours, batched, ranks 8 and 16": ConcurrencyRig(model, [8, 16] * 4, batch_wait_s=0.002)}
-            for rig in rigs.values():
+            # Two engines only (a model loads with every signature's weights packed): the
+            # batched one also holds 4 rank-16 sessions, which with 4 rank-8 ones make the mixed case.
+            batched = ConcurrencyRig(model, [8] * max(counts) + [16] * 4, batch_wait_s=0.002)
+            turns = ConcurrencyRig(model, [8] * max(counts), batch_wait_s=None)
+            for rig in (batched, turns):
                 stack.callback(rig.close)
             for r in progress_bar(f"concurrency {ours_precision}", unit="round")(range(rounds + 1)):
                 for count in counts:
                     def ours(count: int = count) -> dict[str, float]:
-                        return {name: rig.tokens_per_second(count, models.decode_steps) for name, rig in rigs.items()
-                                if count <= len(rig.sessions) and (count == 8 or "ranks" not in name)}
+                        out = {"ours, batched": batched.tokens_per_second(count, models.decode_steps),
+                               "ours, taking turns": turns.tokens_per_second(count, models.decode_steps)}
+                        if count == 8:
+                            out["ours, batched, ranks 8 and 16"] = batched.tokens_per_second(
+                                8, models.decode_steps, first=max(counts) - 4)
+                        return out
 
                     def theirs(count: int = count) -> dict[str, float]:
                         if not llama:
@@ -422,7 +427,7 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dic
                     if r:
                         for name, tokens_per_s in {**mine, **other}.items():
                             data.add(name, count, tokens_per_s)
-                stats = rigs["ours, batched"].engine.stats()
+                stats = batched.engine.stats()
         out["precisions"][ours_precision] = {
             "theirs": theirs_precision, "curves": data.summary(), "decode_batches": dict(stats.decode_batches),
             "queue_wait_ms": {"p50": stats.queue_wait.p50_ms, "p99": stats.queue_wait.p99_ms},

@@ -361,10 +361,10 @@ class ConcurrencyRig:
         for session in self.sessions:
             _decoder(session, 2)()
 
-    def tokens_per_second(self, count: int, steps: int) -> float:
-        """Tokens/s of ``steps + 1`` decode steps in each of ``count`` sessions, all
-        started at once, one thread each."""
-        sessions = self.sessions[:count]
+    def tokens_per_second(self, count: int, steps: int, first: int = 0) -> float:
+        """Tokens/s of ``steps + 1`` decode steps in each of ``count`` sessions (from the
+        ``first``), all started at once, one thread each."""
+        sessions = self.sessions[first:first + count]
         barrier = threading.Barrier(len(sessions) + 1)
 
         def drive(session: Session) -> None:

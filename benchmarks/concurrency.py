@@ -1,0 +1,66 @@
+"""Concurrent sessions on one model set, on their own (the section of ``run.py``, alone).
+
+    python3 benchmarks/concurrency.py [--set smollm2] [--rounds 3] [--skip-llama-cpp]
+
+The same measurement as ``run.py``'s "Concurrent sessions" (ours batched, ours taking
+turns, llama.cpp with a context per session, in alternating rounds; mixed ranks; a batch's
+rows against their sessions alone; RSS growth from 1 to 8 sessions), for when the whole
+suite is too long for the machine at hand. Writes ``benchmarks/results/concurrency_{set}``
+``.json``, ``.md`` (targets and tables) and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import ExitStack
+
+from run import RESULTS, MODEL_SETS, concurrency_section, llama_cpp, machine
+
+import report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="smollm2", choices=sorted(MODEL_SETS))
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="measure our side only")
+    args = parser.parse_args()
+    models = MODEL_SETS[args.set]
+    with_llama = not args.skip_llama_cpp and llama_cpp.available()
+    with ExitStack() as stack:
+        llama = stack.enter_context(llama_cpp.LlamaCpp(models.key)) if with_llama else None
+        results = {"machine": machine(llama.hello if llama else None),
+                   "sets": {models.key: {"title": models.title,
+                                         "concurrency": concurrency_section(models, args.rounds, llama)}}}
+    results["machine"]["load_average_end"] = os.getloadavg()
+    out = RESULTS / f"concurrency_{models.key}"
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    rows: list[str] = []
+    report.concurrency_targets(models.title, results["sets"][models.key]["concurrency"],
+                               lambda target, where, measured, met: rows.append(
+                                   f"| {target} | {where} | {measured} | {'yes' if met else 'NO'} |"))
+    lines = [f"# Concurrent sessions: {models.title}", "", *report.machine_lines(results["machine"]), "",
+             f"Command: `python3 benchmarks/concurrency.py --set {args.set} --rounds {args.rounds}`", "",
+             "| target | model | measured | met |", "|---|---|---|---|", *rows, "",
+             f"![concurrent sessions]({out.name}.png)",
+             *report.concurrency_tables(results["sets"][models.key]["concurrency"])]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    figure = report.plot_concurrency(_pyplot(), results)
+    figure.savefig(out.with_suffix(".png"), dpi=110)
+    print("\n".join(lines))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+if __name__ == "__main__":
+    sys.exit(main())
