@@ -36,20 +36,24 @@ def main() -> None:
                    "sets": {models.key: {"title": models.title,
                                          "concurrency": concurrency_section(models, args.rounds, llama)}}}
     results["machine"]["load_average_end"] = os.getloadavg()
-    out = RESULTS / f"concurrency_{models.key}"
+    write_report(results, args.set, args.rounds)
+
+
+def write_report(results: dict, key: str, rounds: int) -> None:
+    """``concurrency_{key}.json``, ``.md`` and ``.png`` from the measured ``results``."""
+    title = results["sets"][key]["title"]
+    conc = results["sets"][key]["concurrency"]
+    out = RESULTS / f"concurrency_{key}"
     out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     rows: list[str] = []
-    report.concurrency_targets(models.title, results["sets"][models.key]["concurrency"],
-                               lambda target, where, measured, met: rows.append(
-                                   f"| {target} | {where} | {measured} | {'yes' if met else 'NO'} |"))
-    lines = [f"# Concurrent sessions: {models.title}", "", *report.machine_lines(results["machine"]), "",
-             f"Command: `python3 benchmarks/concurrency.py --set {args.set} --rounds {args.rounds}`", "",
+    report.concurrency_targets(title, conc, lambda target, where, measured, met: rows.append(
+        f"| {target} | {where} | {measured} | {'yes' if met else 'NO'} |"))
+    lines = [f"# Concurrent sessions: {title}", "", *report.machine_lines(results["machine"]), "",
+             f"Command: `python3 benchmarks/concurrency.py --set {key} --rounds {rounds}`", "",
              "| target | model | measured | met |", "|---|---|---|---|", *rows, "",
-             f"![concurrent sessions]({out.name}.png)",
-             *report.concurrency_tables(results["sets"][models.key]["concurrency"])]
+             f"![concurrent sessions]({out.name}.png)", *report.concurrency_tables(conc)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    figure = report.plot_concurrency(_pyplot(), results)
-    figure.savefig(out.with_suffix(".png"), dpi=110)
+    report.plot_concurrency(_pyplot(), results).savefig(out.with_suffix(".png"), dpi=110)
     print("\n".join(lines))
 
 

@@ -199,7 +199,9 @@ def concurrency_tables(conc: dict) -> list[str]:
                                               if str(n) in entry["curves"][name] else "-" for name in names) + " |")
         memory = entry["memory"]
         wait = entry["queue_wait_ms"]
-        out += ["", f"Batches formed (rows: batches) {entry['decode_batches']}; queue wait p50 {wait['p50']:.2f} ms, "
+        out += ["", "Batches formed (rows: batches) "
+                + ", ".join(f"{rows}: {count}" for rows, count in entry["decode_batches"].items())
+                + f"; queue wait p50 {wait['p50']:.2f} ms, "
                 f"p99 {wait['p99']:.2f} ms. RSS growth from 1 to {memory['sessions']} sessions stepping together: "
                 f"{memory['rss_growth_bytes'] / 2**20:.1f} MiB for {memory['kv_and_adapter_bytes'] / 2**20:.1f} MiB "
                 f"of KV caches and adapter buffers ({memory['growth_over_held']:.2f}x)."]
@@ -628,7 +630,7 @@ def plot_concurrency(plt: Any, results: dict) -> Any:
         axis.set_title(f"{data['title']}\n{SIDES[(precision, 'ours')][0]} vs {SIDES[(precision, 'theirs')][0]}")
     conc = panels[0][0]["concurrency"]
     figure.suptitle(f"Concurrent sessions, {conc['adapters']}, {conc['threads_per_session']} thread per session, "
-                    f"{results['machine']['cores']} cores: higher is better ({WHISKERS})")
+                    f"{results['machine']['cores']} cores: higher is better\n({WHISKERS})")
     figure.tight_layout()
     return figure
 
