@@ -53,6 +53,15 @@ def gguf_tensors(hf, dtype=np.float32):
 def test_undo_rope_permutation_inverts_llama_cpp():
     rows = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
     np.testing.assert_array_equal(undo_rope_permutation(llama_permute(rows, 4), 16), rows)
+    odd_heads = np.arange(48 * 2, dtype=np.float32).reshape(48, 2)  # 3 heads of 16, as SmolLM2's 3 KV heads
+    np.testing.assert_array_equal(undo_rope_permutation(llama_permute(odd_heads, 3), 16), odd_heads)
+
+
+def test_an_odd_number_of_kv_heads_is_read(tmp_path, hf):
+    a, b = hf["k"]
+    three_heads = {"k": (a, np.concatenate([b, b[:HEAD_DIM]]))}  # the k projection of 3 heads
+    data = read_gguf_lora(write(tmp_path / "k3.gguf", gguf_tensors(three_heads)), head_dim=HEAD_DIM)
+    np.testing.assert_array_equal(data.read_tensor("lora_atten_k_b_prime_weight_0"), three_heads["k"][1].T)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

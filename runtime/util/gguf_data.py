@@ -85,9 +85,9 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
         rank = a_shape[0]
         scale = float(alpha) / rank if alpha else 1.0
         needs_head_dim = permuted and projection in ("q", "k")
-        if needs_head_dim and head_dim is not None and b_shape[0] % (2 * head_dim):
+        if needs_head_dim and head_dim is not None and (b_shape[0] % head_dim or head_dim % 2):
             raise InvalidArgumentError(
-                f"{path}: {name}.lora_b has {b_shape[0]} rows, not a multiple of 2 x head size {head_dim}"
+                f"{path}: {name}.lora_b has {b_shape[0]} rows, not whole heads of the even head size {head_dim}"
             )
         tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "a")] = DerivedTensor(
             (a_shape[1], rank), np.dtype(np.float32), _a_prime(a, a_shape, scale, path)
