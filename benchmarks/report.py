@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend of two rank-8 (0.7/0.3)", "r64": "rank-64",
                  "base_late": "base, after the long prompt"}
 SHORT_SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend 2x r8", "r64": "rank-64",
@@ -348,6 +350,7 @@ PLOT_TITLES = {
     "memory.png": "memory per adapter, ours vs llama.cpp",
     "load.png": "opening the model, ours vs llama.cpp",
     "concurrency.png": "concurrent sessions, ours vs llama.cpp",
+    "serve.png": "the server under load, ours vs llama-server",
 }
 WHISKERS = "bars and points: median over rounds; whiskers: min-max"
 
@@ -367,6 +370,7 @@ def plots(results: dict, folder: Path) -> list[Path]:
     drawers = {"decode.png": plot_decode, "prefill.png": plot_prefill, "switch.png": plot_switch,
                "register.png": plot_register, "memory.png": plot_memory, "load.png": plot_load,
                "concurrency.png": plot_concurrency}
+    drawers["serve.png"] = lambda plt, results: plot_serve(plt, folder)
     written = []
     for name, draw in drawers.items():
         figure = draw(plt, results)
@@ -631,6 +635,43 @@ def plot_concurrency(plt: Any, results: dict) -> Any:
     conc = panels[0][0]["concurrency"]
     figure.suptitle(f"Concurrent sessions, {conc['adapters']}, {conc['threads_per_session']} thread per session, "
                     f"{results['machine']['cores']} cores: higher is better\n({WHISKERS})")
+    figure.tight_layout()
+    return figure
+
+
+SERVE_LOADS = {"serve_load_smollm2.json": "SmolLM2-135M f32", "serve_load.json": "bench model f32"}
+
+
+def plot_serve(plt: Any, folder: Path) -> Any:
+    """``benchmarks/serve_load.py``'s results (written beside the report): tokens/s, and
+    time to first token and inter-token latency p50 / p99, per server, a column per model."""
+    found = [(title, json.loads((folder / name).read_text())) for name, title in SERVE_LOADS.items()
+             if (folder / name).exists()]
+    if not found:
+        return None
+    figure, axes = plt.subplots(3, len(found), figsize=(5.2 * len(found), 8.4), squeeze=False)
+    for column, (title, load) in enumerate(found):
+        rows = load["rows"]
+        names = [row["server"] for row in rows]
+        colors = [CURVE_COLORS[i % len(CURVE_COLORS)] for i in range(len(rows))]
+        settings = load["settings"]
+        axes[0][column].bar(names, [row["tokens_per_s"] for row in rows], color=colors)
+        axes[0][column].set_title(f"{title}: {settings.get('clients')} streaming clients, "
+                                  f"{settings.get('adapters')} adapters\naggregate tokens/s (higher is better)")
+        for axis, key, what in ((axes[1][column], "ttft_ms", "time to first token"),
+                                (axes[2][column], "itl_ms", "inter-token latency")):
+            positions = np.arange(len(rows))
+            axis.bar(positions - 0.2, [row[f"{key}_p50"] for row in rows], 0.4, label="p50", color="#1f4e9c")
+            axis.bar(positions + 0.2, [row[f"{key}_p99"] for row in rows], 0.4, label="p99", color="#c45a10")
+            axis.set_xticks(positions, names)
+            axis.set_yscale("log")
+            axis.set_ylabel("ms")
+            axis.set_title(f"{what}, ms (lower is better; log scale)")
+            axis.legend(fontsize=7)
+        for axis in axes[:, column]:
+            axis.tick_params(axis="x", labelsize=7)
+            axis.grid(alpha=0.3, axis="y")
+    figure.suptitle("Serving under load (benchmarks/serve_load.py), one run per server")
     figure.tight_layout()
     return figure
 
