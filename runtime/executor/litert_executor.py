@@ -400,18 +400,7 @@ class LlmExecutor:
         for row, step in enumerate(steps):
             io.token_array[row, 0] = step.token
             io.position_array[row] = step.position
-        logits = np.empty(io.logits_shape, np.float32)
-        io.write_tokens()
-        io.write_positions()
-        started = time.perf_counter()
-        try:
-            self._fast.run(io.index, run.prepared)
-        except Exception as exc:
-            raise InternalError(f"running {signature.key!r} failed: {exc}") from None
-        self.invoke_seconds += time.perf_counter() - started
-        self.invokes += 1
-        io.read_logits(logits)
-        return logits
+        return self._run_filled(run)
 
     def _batch_run(self, signature: SignatureSpec, bindings: Sequence[Binding]) -> _Run:
         """Run arguments binding each row's own KV cache and LoRA buffers (no copies);
@@ -454,6 +443,12 @@ class LlmExecutor:
             io.token_array[0, : len(chunk)] = chunk
             io.token_array[0, len(chunk) :] = 0
             io.position_array[:] = range(start, start + length)
+        return self._run_filled(run)
+
+    def _run_filled(self, run: _Run) -> np.ndarray | None:
+        """Runs ``run`` with its token and position arrays as filled: writes them, runs the
+        signature (counted and timed) and returns its logits (``None`` when it has none)."""
+        io = run.io
         # A fresh array each step (callers keep logits while later steps run), allocated
         # before the run: right after an invoke the same allocation took 10 us, not 0.3.
         logits = np.empty(io.logits_shape, np.float32) if io.read_logits is not None else None
