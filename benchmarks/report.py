@@ -330,6 +330,12 @@ def concurrency_targets(name: str, conc: dict, add: Callable[[str, str, str, boo
             latency = 8 / eight
             add("a session's per-token latency in a batch of 8 <= 2x alone", label, f"{latency:.2f}x",
                 latency <= 2.0)
+        late = next((name for name in curves if name.startswith("ours, batched, from position")), None)
+        if late and {"1", "8"} <= set(curves[late]):
+            ratio = curves[late]["8"]["median"] / curves[late]["1"]["median"]
+            need = 4.0 if precision == "f32" else 3.0
+            add(f"the same, sessions {late.rsplit(' ', 1)[1]} tokens into their caches: aggregate >= "
+                f"{need:.0f}x one session", label, f"{ratio:.2f}x", ratio >= need)
         fidelity = entry["fidelity"]
         tolerance = 1e-4 if precision == "f32" else 1e-3
         add(f"a batch's rows equal their sessions alone: max |logit diff| <= {tolerance:g}, greedy identical "

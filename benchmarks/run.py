@@ -387,9 +387,13 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dic
     thread, started at once, per precision: ours on one model copy with batched decode
     (steps of concurrent sessions run as one pass over the weights) and taking turns (the
     same model, batching off), and llama.cpp with a context per session (its own thread:
-    up to all cores); 8 sessions of mixed ranks 8 and 16 besides. Alternating rounds. Then
+    up to all cores); 8 sessions of mixed ranks 8 and 16, and 1 and 8 sessions near the end
+    of their caches (where no attention window is shorter) besides. Alternating rounds. Then
     the RSS growth from 1 to 8 sessions stepping together, in a fresh process."""
     counts = CONCURRENCY_COUNTS
+    # Sessions near the end of their cache: a step attends over (nearly) all of it.
+    late = models.n_ctx - models.decode_steps - 2
+    late_name = f"ours, batched, from position {late}"
     out: dict = {"model": models.title, "adapters": "rank 8, a distinct one per session", "threads_per_session": 1,
                  "counts": list(counts), "precisions": {}}
     for ours_precision, _, theirs_precision in PRECISION_PAIRS:
@@ -414,6 +418,8 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dic
                         if count == 8:
                             out["ours, batched, ranks 8 and 16"] = batched.tokens_per_second(
                                 8, models.decode_steps, first=max(counts) - 4)
+                        if count in (1, 8):
+                            out[late_name] = batched.tokens_per_second(count, models.decode_steps, position=late)
                         return out
 
                     def theirs(count: int = count) -> dict[str, float]:

@@ -23,6 +23,7 @@ from runtime.components.residency import KeepAll, Lru
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.engine.session import Session
+from runtime.errors import InvalidArgumentError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.framework.lora_source import LoraSource
 from runtime.util.lora_util import Convention, parse_lora_input_name
@@ -361,15 +362,23 @@ class ConcurrencyRig:
         for session in self.sessions:
             _decoder(session, 2)()
 
-    def tokens_per_second(self, count: int, steps: int, first: int = 0) -> float:
+    def tokens_per_second(self, count: int, steps: int, first: int = 0, position: int = 0) -> float:
         """Tokens/s of ``steps + 1`` decode steps in each of ``count`` sessions (from the
-        ``first``), all started at once, one thread each."""
+        ``first``), all started at once, one thread each; with ``position``, each session
+        first holds that many prompt tokens (prefilled before the clock starts)."""
         sessions = self.sessions[first:first + count]
+        if position + steps + 1 > sessions[0].kv_length:
+            raise InvalidArgumentError(f"{position} prompt tokens and {steps + 1} steps exceed the KV cache of "
+                                       f"{sessions[0].kv_length} positions")
         barrier = threading.Barrier(len(sessions) + 1)
 
         def drive(session: Session) -> None:
+            session.reset()
+            if position:
+                session.run_prefill([i % 97 + 1 for i in range(position)])
             barrier.wait()
-            _decoder(session, steps)()
+            for i in range(steps + 1):
+                session.run_decode(i % 97 + 1)
 
         threads = [threading.Thread(target=drive, args=(s,)) for s in sessions]
         for t in threads:

@@ -1,6 +1,6 @@
 """Batched decode: sessions stepping together equal each session run alone.
 
-The committed test models carry ``decode_batch{2,4}_lora_r{4,16}`` signatures. Each case
+The committed test models carry ``decode_batch{2,4}[_attend{16,32}]_lora_r{4,16}`` signatures. Each case
 runs the same sessions twice, on an engine without batching (each step alone) and through
 the batched path, and compares every row's logits and greedy tokens.
 """
@@ -42,8 +42,9 @@ MIXED = [
 
 
 def prompt(row: int) -> list[int]:
-    """Prompts of different lengths: the rows sit at different positions."""
-    return [(7 * row + 3 * i) % 250 + 1 for i in range(2 + 3 * row)]
+    """Prompts of different lengths: the rows sit at different positions, on both sides of
+    the models' attention windows (16 and 32 positions)."""
+    return [(7 * row + 3 * i) % 250 + 1 for i in range(2 + 5 * (row % 8))]
 
 
 def alone(model, configs, steps: int) -> list[tuple[list[int], list[np.ndarray]]]:

@@ -90,7 +90,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     (work / "out").mkdir()
     model, bundle = work / "out" / "tiny.tflite", work / "out" / "tiny.litertlm"
     done = cli("export", source, "--out", model, "--bundle", bundle, "--lora-ranks", "4", "--kv-length", "64",
-               "--prefill-lengths", "8", "--batch-sizes", "3")
+               "--prefill-lengths", "8", "--batch-sizes", "3", "--attention-windows", "16")
     assert done.returncode == 0, done.stderr
     return Exported(source, model, bundle, done)
 
@@ -104,6 +104,7 @@ def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) ->
         assert engine.spec.lora_ranks == (4,) and engine.spec.kv_length == 64
         assert engine.spec.prefill_lengths == (8,)
         assert engine.spec.batch_sizes(4) == (3,) and engine.spec.batch_sizes(None) == ()
+        assert engine.spec.windows(None) == engine.spec.windows(4) == engine.spec.windows(4, rows=3) == (16,)
 
 
 def test_a_batched_step_equals_each_session_alone_with_peft_adapters(exported: Exported, tmp_path: Path) -> None:

@@ -64,6 +64,24 @@ def test_rank_4_adapter_in_rank_16_slot(executor, weights):
         np.testing.assert_allclose(executor.decode(binding, seq[pos], pos), expected[pos], atol=TOL)
 
 
+@pytest.mark.parametrize("adapter", [None, "torch_r4"])
+def test_decode_across_its_attention_windows_matches_reference(executor, weights, adapter):
+    """Positions 0-15 run decode_attend16, 16-31 decode_attend32, the rest the whole
+    cache: every step's logits are the reference's, at each window's edges too."""
+    assert executor.spec.windows(None) == executor.spec.windows(16) == (16, 32)
+    if adapter is None:
+        binding, deltas = executor.bind(executor.create_kv_cache()), None
+    else:
+        plan = plan_adapter(LoraData.create_from_file_path(adapter_path(adapter)), {16: executor.spec.lora_slot(16)})
+        lora = LoRA([(plan, 1.0)], 16, executor.spec.lora_slot(16), lambda n: executor.create_lora_buffer(16, n))
+        binding, deltas = executor.bind(executor.create_kv_cache(), lora.buffers, 16), adapter_deltas(adapter)
+    seq = tokens(64, seed=9)
+    expected = reference_logits(weights, seq, lora=deltas)
+    for pos in range(64):
+        np.testing.assert_allclose(executor.decode(binding, seq[pos], pos), expected[pos], atol=TOL,
+                                   err_msg=f"position {pos}")
+
+
 def test_kv_copy_is_independent(executor, weights):
     seq = tokens(12, seed=5)
     original = executor.bind(executor.create_kv_cache())

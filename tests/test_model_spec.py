@@ -48,7 +48,26 @@ def test_discovers_the_test_models(layout):
     assert batch.lora_inputs == spec.lora_slot(16)  # each row takes what decode_lora_r16 takes
     assert batch.row_input("kv_cache_v_1_3") == (3, "kv_cache_v_1") and batch.row_input("tokens") is None
     assert spec.decode(16).key == "decode_lora_r16"
+    assert spec.windows(None) == spec.windows(16) == spec.windows(4, rows=2) == (16, 32)
+    assert [spec.window_for(p, 16) for p in (0, 15, 16, 31, 32, 63)] == [16, 16, 32, 32, None, None]
+    assert spec.decode(4, window=16).key == "decode_attend16_lora_r4"
+    assert spec.decode_batch(4, 16, window=32).key == "decode_batch4_attend32_lora_r16"
+    with pytest.raises(NotFoundError, match="attending over 8 positions"):
+        spec.decode(None, window=8)
     executor.close()
+
+
+def test_refuses_attention_windows_it_cannot_honour(details):
+    prefill = copy.deepcopy(details)
+    prefill["prefill_8_attend16"] = prefill["prefill_8"]
+    with pytest.raises(UnimplementedError, match="'prefill_8_attend16': only decode signatures"):
+        ModelSpec.from_details(prefill, "m")
+    too_long = {**details, "decode_attend64": details["decode_attend16"]}
+    with pytest.raises(InvalidArgumentError, match=r"'decode_attend64' attends over 64 positions, expected 1 ... 63"):
+        ModelSpec.from_details(too_long, "m")
+    orphan = {k: v for k, v in details.items() if not k.startswith("decode_batch4_lora")}
+    with pytest.raises(InvalidArgumentError, match="'decode_batch4_attend16_lora_r4' has no whole-cache counterpart"):
+        ModelSpec.from_details(orphan, "m")
 
 
 def test_refuses_batched_signatures_whose_rows_differ_from_decode(details):

@@ -77,6 +77,8 @@ class TinyGqaConfig:
     lora_ranks: tuple[int, ...] = (4, 16)
     # Rows of the batched decode signatures (decode_batch{B}_lora_r{R}, every rank slot).
     batch_sizes: tuple[int, ...] = (2, 4)
+    # Attention windows of the extra decode signatures (decode[_batch{B}]_attend{W}...).
+    attention_windows: tuple[int, ...] = (16, 32)
     rms_eps: float = 1e-6
     rope_base: float = 10_000.0
     # Fraction of head_dim that RoPE rotates (litert-torch "rotary_percentage").
@@ -100,6 +102,7 @@ class TinyGqaConfig:
         out["prefill_seq_lens"] = list(self.prefill_seq_lens)
         out["lora_ranks"] = list(self.lora_ranks)
         out["batch_sizes"] = list(self.batch_sizes)
+        out["attention_windows"] = list(self.attention_windows)
         out["attn_scale"] = self.attn_scale
         out["final_logit_softcap"] = None
         out["attn_logit_softcap"] = None
@@ -248,7 +251,8 @@ def export_settings(cfg: TinyGqaConfig, *, kv_layout: str, prefill_logits: bool,
 
     return ExportSettings(lora_ranks=tuple(cfg.lora_ranks), kv_length=cfg.kv_cache_max_len,
                           prefill_lengths=tuple(cfg.prefill_seq_lens), quantize=quantize, kv_layout=kv_layout,
-                          prefill_logits=prefill_logits, batch_sizes=tuple(cfg.batch_sizes))
+                          prefill_logits=prefill_logits, batch_sizes=tuple(cfg.batch_sizes),
+                          attention_windows=tuple(cfg.attention_windows))
 
 
 def litert_model_config(cfg: TinyGqaConfig) -> Any:

@@ -46,6 +46,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="batched decode signatures: B sessions step in one pass over the weights (e.g. 2,4,8)")
     parser.add_argument("--batch-lora-ranks", default=None, metavar="R,R,...",
                         help="the LoRA rank slots the batched signatures take (default: every --lora-ranks slot)")
+    parser.add_argument("--attention-windows", default="", metavar="W,W,...",
+                        help="extra decode signatures (single and batched) attending over the cache's first W "
+                        "positions only: faster while a session is short (e.g. 128,512)")
     parser.add_argument("--prefill-logits", action="store_true", help="prefill signatures also return logits")
     parser.set_defaults(run=run)
 
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=parse_integers("--batch-sizes", args.batch_sizes),
         batch_lora_ranks=None if args.batch_lora_ranks is None
         else parse_integers("--batch-lora-ranks", args.batch_lora_ranks),
+        attention_windows=parse_integers("--attention-windows", args.attention_windows),
     )
     targets = [path for path in (args.out, args.bundle) if path is not None]
     check_targets(targets)

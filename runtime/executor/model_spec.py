@@ -10,6 +10,10 @@ when exported with ``output_logits_on_prefill``).
 ``decode_batch{B}_lora_r{R}``: B sessions' decode steps in one run, with ``tokens``
 ``[B, 1]``, ``input_pos`` ``[B]`` and each row's KV cache and LoRA inputs named as in
 ``decode`` with ``_{row}`` appended (see ``runtime/export/batch_decode.py``).
+``--attention-windows`` adds ``decode_attend{W}[_lora_r{R}]`` and
+``decode_batch{B}_attend{W}[_lora_r{R}]``: the same inputs and outputs, attending over the
+cache's first W positions only (for a session whose position is below W). Only the name
+says W: the caches they take are whole.
 
 This module turns the details the interpreter reports into a :class:`ModelSpec`,
 checking everything the executor relies on, so that a model this runtime cannot drive
@@ -18,6 +22,7 @@ is refused at open time with a message naming the signature and the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +40,8 @@ INPUT_POS = "input_pos"
 LOGITS = "logits"
 _KV_NAME = re.compile(r"kv_cache_(?P<kind>[kv])_(?P<layer>0|[1-9][0-9]*)")
 _SIGNATURE_NAME = re.compile(
-    r"(?P<kind>prefill|decode)(?:_(?P<len>[0-9]+))?(?:_batch(?P<rows>[0-9]+))?(?:_lora_r(?P<rank>[0-9]+))?"
+    r"(?P<kind>prefill|decode)(?:_(?P<len>[0-9]+))?(?:_batch(?P<rows>[0-9]+))?(?:_attend(?P<window>[0-9]+))?"
+    r"(?:_lora_r(?P<rank>[0-9]+))?"
 )
 _ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 
@@ -58,6 +64,7 @@ class SignatureSpec:
     inputs: Mapping[str, TensorSpec]
     outputs: Mapping[str, TensorSpec]
     rows: int = 1  # sessions per run: B for decode_batch{B}
+    window: int | None = None  # attends over the cache's first `window` positions (None: all)
 
     def row_input(self, name: str) -> tuple[int, str] | None:
         """For an input of a batched signature, ``(row, the single-session name)``;
@@ -115,9 +122,28 @@ class ModelSpec:
         """Bytes one session's KV cache takes."""
         return sum(spec.nbytes for spec in self.kv_inputs)
 
-    def decode(self, lora_rank: int | None = None) -> SignatureSpec:
-        """The decode signature for a rank slot (``None``: the plain one)."""
-        return self._find("decode", 1, lora_rank)
+    def decode(self, lora_rank: int | None = None, window: int | None = None) -> SignatureSpec:
+        """The decode signature for a rank slot (``None``: the plain one), attending over
+        the first ``window`` positions (``None``: the whole cache)."""
+        return self._find("decode", 1, lora_rank, window=window)
+
+    def windows(self, lora_rank: int | None, rows: int = 1) -> tuple[int, ...]:
+        """The attention windows of the decode signatures of ``rows`` rows for a rank slot,
+        ascending (empty: they attend over the whole cache only)."""
+        return self._windows.get((lora_rank, rows), ())
+
+    def window_for(self, position: int, lora_rank: int | None, rows: int = 1) -> int | None:
+        """The smallest attention window that holds a step at ``position`` (the step
+        attends over positions ``0..position``), or ``None``: the whole cache."""
+        return next((w for w in self.windows(lora_rank, rows) if w > position), None)
+
+    @cached_property
+    def _windows(self) -> dict[tuple[int | None, int], tuple[int, ...]]:
+        windows: dict[tuple[int | None, int], list[int]] = {}
+        for spec in self.signatures.values():
+            if spec.window is not None:
+                windows.setdefault((spec.lora_rank, spec.rows), []).append(spec.window)
+        return {key: tuple(sorted(found)) for key, found in windows.items()}
 
     def batch_sizes(self, lora_rank: int | None) -> tuple[int, ...]:
         """Rows of the batched decode signatures for a rank slot (``None``: without LoRA
@@ -128,17 +154,17 @@ class ModelSpec:
     def _batch_sizes(self) -> dict[int | None, tuple[int, ...]]:
         sizes: dict[int | None, list[int]] = {}
         for spec in self.signatures.values():
-            if spec.rows > 1:
+            if spec.rows > 1 and spec.window is None:
                 sizes.setdefault(spec.lora_rank, []).append(spec.rows)
         return {rank: tuple(sorted(rows)) for rank, rows in sizes.items()}
 
     @cached_property
-    def _by_shape(self) -> dict[tuple[str, int, int | None, int], SignatureSpec]:
-        return {(s.kind, s.seq_len, s.lora_rank, s.rows): s for s in self.signatures.values()}
+    def _by_shape(self) -> dict[tuple[str, int, int | None, int, int | None], SignatureSpec]:
+        return {(s.kind, s.seq_len, s.lora_rank, s.rows, s.window): s for s in self.signatures.values()}
 
-    def decode_batch(self, rows: int, lora_rank: int | None) -> SignatureSpec:
-        """The batched decode signature of ``rows`` rows for a rank slot."""
-        return self._find("decode", 1, lora_rank, rows)
+    def decode_batch(self, rows: int, lora_rank: int | None, window: int | None = None) -> SignatureSpec:
+        """The batched decode signature of ``rows`` rows for a rank slot (and window)."""
+        return self._find("decode", 1, lora_rank, rows, window)
 
     def prefill(self, seq_len: int, lora_rank: int | None = None) -> SignatureSpec:
         """The prefill signature of length ``seq_len`` for a rank slot."""
@@ -157,19 +183,22 @@ class ModelSpec:
         """The smallest rank slot that holds ``rank``, or ``None`` if none does."""
         return smallest_rank_slot(self.lora_ranks, rank)
 
-    def _find(self, kind: str, seq_len: int, lora_rank: int | None, rows: int = 1) -> SignatureSpec:
-        spec = self._by_shape.get((kind, seq_len, lora_rank, rows))
+    def _find(self, kind: str, seq_len: int, lora_rank: int | None, rows: int = 1,
+              window: int | None = None) -> SignatureSpec:
+        spec = self._by_shape.get((kind, seq_len, lora_rank, rows, window))
         if spec is not None:
             return spec
         slot = f" with LoRA rank slot {lora_rank}" if lora_rank else ""
         batch = f" for {rows} rows" if rows > 1 else ""
-        raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{batch}{slot}")
+        attend = f" attending over {window} positions" if window else ""
+        raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{batch}{attend}{slot}")
 
     @classmethod
     def from_details(cls, details: Mapping[str, SignatureDetails], source: str) -> ModelSpec:
         """Builds and checks a spec from ``{signature_key: (input_details, output_details)}``."""
         signatures = {key: _signature(key, ins, outs, source) for key, (ins, outs) in details.items()}
-        decodes = [s for s in signatures.values() if s.kind == "decode" and s.lora_rank is None and s.rows == 1]
+        decodes = [s for s in signatures.values()
+                   if s.kind == "decode" and s.lora_rank is None and s.rows == 1 and s.window is None]
         if not decodes:
             raise InvalidArgumentError(
                 f"{source}: no plain 'decode' signature among {sorted(signatures)}; "
@@ -188,6 +217,8 @@ class ModelSpec:
             else:
                 _check_batch(spec, signatures, kv, source)
         layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1))
+        for spec in signatures.values():
+            _check_window(spec, signatures, kv_length, source)
         for spec in signatures.values():
             if spec.kind == "decode" and spec.lora_rank:
                 for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
@@ -223,8 +254,10 @@ def _signature(
     for required in (TOKENS, INPUT_POS):
         if required not in ins:
             raise InvalidArgumentError(f"{source}: signature {key!r} has no {required!r} input")
+    window = int(match["window"]) if match["window"] is not None else None
     if match["rows"] is not None:
-        return _batch_signature(key, int(match["rows"]), match["rank"], ins, outs, source)
+        return dataclasses.replace(_batch_signature(key, int(match["rows"]), match["rank"], ins, outs, source),
+                                   window=window)
     unknown = [n for n in ins if n not in (TOKENS, INPUT_POS) and not _KV_NAME.fullmatch(n) and not is_lora_input_name(n)]
     if unknown:
         raise UnimplementedError(
@@ -241,7 +274,7 @@ def _signature(
         raise InvalidArgumentError(
             f"{source}: signature {key!r} is named for rank {match['rank']} but its LoRA inputs have rank {lora_rank}"
         )
-    return SignatureSpec(key, match["kind"], seq_len, lora_rank, ins, outs)
+    return SignatureSpec(key, match["kind"], seq_len, lora_rank, ins, outs, window=window)
 
 
 def _batch_signature(key: str, rows: int, named_rank: str | None, ins: Mapping[str, TensorSpec],
@@ -285,8 +318,8 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
                  source: str) -> None:
     """Every row of a batched signature takes and returns exactly what ``decode`` (or
     ``decode_lora_r{R}``) does: the same KV caches and LoRA inputs, the same shapes."""
-    single = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_rank, s.rows)
-                   == ("decode", 1, spec.lora_rank, 1)), None)
+    single = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_rank, s.rows, s.window)
+                   == ("decode", 1, spec.lora_rank, 1, None)), None)
     if single is None:
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} has no single-session counterpart "
@@ -308,6 +341,23 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
             if extra:
                 raise InvalidArgumentError(f"{source}: signature {spec.key!r} {side}s of row {row} include "
                                            f"{extra[:3]}, which {single.key!r} does not have")
+
+
+def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], kv_length: int, source: str) -> None:
+    """An attention window belongs to a decode step, is shorter than the cache, and has
+    the whole-cache signature of the same rows and slot beside it (positions past it)."""
+    if spec.window is None:
+        return
+    if spec.kind != "decode":
+        raise UnimplementedError(f"{source}: signature {spec.key!r}: only decode signatures may have an "
+                                 "attention window")
+    if not 1 <= spec.window < kv_length:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} attends over {spec.window} positions, "
+                                   f"expected 1 ... {kv_length - 1} (the KV cache holds {kv_length})")
+    if not any((s.kind, s.lora_rank, s.rows, s.window) == ("decode", spec.lora_rank, spec.rows, None)
+               for s in signatures.values()):
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no whole-cache counterpart "
+                                   f"of {spec.rows} row(s) for the same LoRA slot")
 
 
 def _shape(spec: TensorSpec) -> str:

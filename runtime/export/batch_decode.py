@@ -1,30 +1,36 @@
-"""``decode_batch{B}``: one decode step for B sessions in one pass over the base weights.
+"""``decode_batch{B}``: one decode step for B sessions in one pass over the base weights;
+``decode_attend{W}``: a decode step that attends over the cache's first W positions.
 
 Every row has its own token, position, KV cache and LoRA weights; the base linears (q/k/v,
 output projection, feed-forward, lm_head) run once over the ``[B, 1, hidden]``
-activations, which at real size is what a decode step costs: reading the weights.
-Attention runs per row (each row attends over its own cache up to its own position) with
-litert-torch's own ``sdpa_with_kv_update``, and each row adds its own ``x A_i B_i``.
+activations, which at real size is what a decode step costs: reading the weights. Each
+row's new K and V are written into its own cache; the rows' caches (their first W
+positions with an attention window, else all of them) are then stacked, and attention
+and each row's own ``x A_i B_i`` run as batched matmuls, so the graph grows by a few
+operations per row, not by a copy of the attention block.
 
 Inputs, named as the runtime binds them (litert-torch names a nested dict's leaves
-``{outer}_{inner}``; a row's names are the single-session names with ``_{row}`` appended):
+``{outer}_{inner}``; a row's names are the single-session names with ``_{row}`` appended,
+and with one row they are the single-session names):
 
 - ``tokens`` int32 ``[B, 1]``, ``input_pos`` int32 ``[B]``;
-- ``kv_cache_{k,v}_{layer}_{row}``: one session's cache, in the layout of ``decode``;
+- ``kv_cache_{k,v}_{layer}_{row}``: one session's whole cache, in the layout of ``decode``;
 - ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{layer}_{row}`` (with a LoRA rank): that
   row's adapter, in the layout of ``decode_lora_r{R}``. Zeros make a row plain.
 
-Outputs: ``logits`` ``[B, 1, vocab]`` and ``kv_cache_{k,v}_{layer}_{row}``.
+Outputs: ``logits`` ``[B, 1, vocab]`` and ``kv_cache_{k,v}_{layer}_{row}``. With a window
+W, a row's position must be below W (the runtime picks the signature).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.litert import attention, kv_utils, lora_utils, model_builder, rotary_position_embedding
-from runtime.export.litert import sdpa_with_kv_update
 
 _PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "output"}
 
@@ -38,23 +44,29 @@ def check_batchable(model: nn.Module) -> None:
         for block in blocks)
     if not plain:
         raise UnimplementedError(
-            f"batched decode signatures are not available for {type(model).__name__} (Gemma 3's own "
-            "decoder); Llama, Qwen2 and Qwen3 exports have them")
+            f"batched and attention-window decode signatures are not available for {type(model).__name__} "
+            "(Gemma 3's own decoder); Llama, Qwen2 and Qwen3 exports have them")
     if any(block.atten_func.config.use_alibi for block in blocks):
-        raise UnimplementedError("batched decode signatures do not support ALiBi attention")
+        raise UnimplementedError("batched and attention-window decode signatures do not support ALiBi attention")
 
 
 class BatchDecode(nn.Module):
     """The ``decode_batch{batch}`` step of ``model`` (litert-torch's ``DecoderOnlyModel``),
-    with per-row LoRA inputs of rank ``lora_rank`` (``None``: no LoRA inputs)."""
+    with per-row LoRA inputs of rank ``lora_rank`` (``None``: no LoRA inputs), attending
+    over the first ``window`` positions of each cache (``None``: all of them)."""
 
-    def __init__(self, model: nn.Module, batch: int, lora_rank: int | None, kv_layout: tuple) -> None:
+    def __init__(self, model: nn.Module, batch: int, lora_rank: int | None, kv_layout: tuple,
+                 window: int | None = None) -> None:
         super().__init__()
         check_batchable(model)
         self.model = model
         self.batch = batch
         self.lora_rank = lora_rank
         self.kv_layout = kv_layout
+        self.window = window
+
+    def _row(self, name: str, row: int) -> str:
+        return f"{name}_{row}" if self.batch > 1 else name
 
     def sample_kwargs(self, kv_length: int) -> dict[str, object]:
         """Inputs of the right shapes; they also fix the signature's input names."""
@@ -65,13 +77,14 @@ class BatchDecode(nn.Module):
         }
         entry = kv_utils.KVCacheEntry.from_model_config(kv_length, config.block_config(0).attn_config,
                                                         kv_layout=self.kv_layout)
-        kwargs["kv_cache"] = {f"{kind}_{layer}_{row}": torch.zeros_like(cache)
+        kwargs["kv_cache"] = {self._row(f"{kind}_{layer}", row): torch.zeros_like(cache)
                               for layer in range(config.num_layers) for row in range(self.batch)
                               for kind, cache in (("k", entry.k_cache), ("v", entry.v_cache))}
         if self.lora_rank:
             zeros = lora_utils.LoRA.zeros(self.lora_rank, config)
             kwargs["lora"] = {
-                _lora_key(layer, short, side, row): torch.zeros_like(getattr(getattr(entry.attention, long), side))
+                self._row(_lora_key(layer, short, side), row):
+                    torch.zeros_like(getattr(getattr(entry.attention, long), side))
                 for layer, entry in enumerate(zeros.adapters) for short, long in _PROJECTIONS.items()
                 for side in ("a_prime", "b_prime") for row in range(self.batch)}
         return kwargs
@@ -88,9 +101,9 @@ class BatchDecode(nn.Module):
         n_elem = int(attn_config.rotary_percentage * attn_config.head_dim)
         cos, sin = config.build_rope(input_pos, n_elem, attn_config.rotary_base)  # [1, B, n/2]
         rope = (cos.reshape(batch, 1, 1, -1), sin.reshape(batch, 1, 1, -1))  # [B, heads, T, n/2]
-        kv_length = kv_utils.KVCacheEntry(kv_cache["k_0_0"], kv_cache["v_0_0"],
-                                          kv_layout=self.kv_layout).get_max_seq_len()
-        mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :kv_length].reshape(batch, 1, 1, kv_length)
+        span = self.window or kv_utils.KVCacheEntry(kv_cache[self._row("k_0", 0)], kv_cache[self._row("v_0", 0)],
+                                                    kv_layout=self.kv_layout).get_max_seq_len()
+        mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :span].reshape(batch, 1, 1, span)
         updated: dict[str, torch.Tensor] = {}
         for layer, block in enumerate(model.transformer_blocks):
             normed = block.pre_atten_norm(x)
@@ -108,35 +121,59 @@ class BatchDecode(nn.Module):
                    mask: torch.Tensor, input_pos: torch.Tensor, kv_cache: dict[str, torch.Tensor],
                    lora: dict[str, torch.Tensor] | None, updated: dict[str, torch.Tensor]) -> torch.Tensor:
         """litert-torch's ``CausalSelfAttention.forward`` for B rows of one token each:
-        shared projections, per-row LoRA, per-row attention over the row's own cache."""
+        shared projections, per-row LoRA, each row's K/V written into its own cache, and
+        attention over the stacked caches (their first ``window`` positions)."""
         config, batch = attn.config, self.batch
+        groups, head_dim = config.num_query_groups, config.head_dim
         qkv = attn.qkv_projection(x)
-        q_per_kv = config.num_heads // config.num_query_groups
+        q_per_kv = config.num_heads // groups
         if config.qkv_transpose_before_split:
-            qkv = qkv.view(batch, 1, -1, config.head_dim)
-            q, k, v = qkv.split((q_per_kv * config.num_query_groups, config.num_query_groups,
-                                 config.num_query_groups), dim=-2)
+            qkv = qkv.view(batch, 1, -1, head_dim)
+            q, k, v = qkv.split((q_per_kv * groups, groups, groups), dim=-2)
         else:
-            qkv = qkv.view(batch, 1, config.num_query_groups, -1)
-            q, k, v = qkv.split((q_per_kv * config.head_dim, config.head_dim, config.head_dim), dim=-1)
+            qkv = qkv.view(batch, 1, groups, -1)
+            q, k, v = qkv.split((q_per_kv * head_dim, head_dim, head_dim), dim=-1)
         if lora is not None:
             q = q + self._lora_delta(x, lora, layer, "q").reshape(q.shape)
             k = k + self._lora_delta(x, lora, layer, "k").reshape(k.shape)
             v = v + self._lora_delta(x, lora, layer, "v").reshape(v.shape)
-        q = attn.query_norm(q).reshape(batch, 1, -1, config.head_dim)
-        k = attn.key_norm(k).reshape(batch, 1, -1, config.head_dim)
-        v = attn.value_norm(v).reshape(batch, 1, -1, config.head_dim)
+        q = attn.query_norm(q).reshape(batch, 1, -1, head_dim)
+        k = attn.key_norm(k).reshape(batch, 1, -1, head_dim)
+        v = attn.value_norm(v).reshape(batch, 1, -1, head_dim)
         q, k = rotary_position_embedding.apply_rope_inline(q, k, *rope)
-        rows = []
+        transposed = self.kv_layout == kv_utils.KV_LAYOUT_TRANSPOSED
+        keys, values = [], []
         for row in range(batch):
-            entry = kv_utils.KVCacheEntry(kv_cache[f"k_{layer}_{row}"], kv_cache[f"v_{layer}_{row}"],
-                                          kv_layout=self.kv_layout)
+            k_name, v_name = self._row(f"k_{layer}", row), self._row(f"v_{layer}", row)
+            entry = kv_utils.KVCacheEntry(kv_cache[k_name], kv_cache[v_name], kv_layout=self.kv_layout)
             one = slice(row, row + 1)
-            out, entry = sdpa_with_kv_update.sdpa_with_kv_update(
-                q[one], k[one], v[one], entry, input_pos[one], mask[one], config, attn.enable_hlfb)
-            updated[f"k_{layer}_{row}"], updated[f"v_{layer}_{row}"] = entry.k_cache, entry.v_cache
-            rows.append(out)
-        attended = torch.cat(rows, dim=0) if batch > 1 else rows[0]  # [B, 1, heads * head_dim]
+            if transposed:  # K [1, G, T, hd], V [1, G, hd, T]
+                entry = kv_utils.update_transposed(entry, input_pos[one], k[one].permute(0, 2, 1, 3),
+                                                   v[one].permute(0, 2, 3, 1))
+            else:  # K and V [1, T, G, hd]
+                entry = kv_utils.update(entry, input_pos[one], k[one], v[one])
+            updated[k_name], updated[v_name] = entry.k_cache, entry.v_cache
+            if transposed:
+                keys.append(entry.k_cache[:, :, :self.window] if self.window else entry.k_cache)
+                values.append(entry.v_cache[..., :self.window] if self.window else entry.v_cache)
+            else:
+                keys.append(entry.k_cache[:, :self.window] if self.window else entry.k_cache)
+                values.append(entry.v_cache[:, :self.window] if self.window else entry.v_cache)
+        keys_t = _stack(keys)  # [B, G, hd, T] for q @ K^T
+        values_t = _stack(values)
+        if transposed:
+            keys_t, values = keys_t.transpose(-1, -2), values_t.transpose(-1, -2)  # V [B, G, T, hd]
+        else:
+            keys_t, values = keys_t.permute(0, 2, 3, 1), values_t.permute(0, 2, 1, 3)
+        # Head h reads KV group h // q_per_kv, as litert-torch's repeat_interleave does.
+        queries = q.reshape(batch, groups, q_per_kv, head_dim)
+        scale = 1.0 / math.sqrt(head_dim)
+        if config.logit_softcap is None:
+            scores = torch.matmul(queries, keys_t) * scale
+        else:
+            scores = torch.tanh(torch.matmul(queries * scale, keys_t) / config.logit_softcap) * config.logit_softcap
+        probs = torch.softmax(scores + mask, dim=-1)  # [B, G, q_per_kv, T]
+        attended = torch.matmul(probs, values).reshape(batch, 1, -1)  # [B, 1, heads * hd]
         y = attn.output_projection(attended)
         if lora is not None:
             y = y + self._lora_delta(attended, lora, layer, "o")
@@ -144,14 +181,19 @@ class BatchDecode(nn.Module):
 
     def _lora_delta(self, x: torch.Tensor, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
         """``x_i A_i B_i`` for every row i of ``x`` ``[B, 1, in]``: ``[B, 1, out]``."""
-        rows = [torch.matmul(torch.matmul(x[row:row + 1], lora[_lora_key(layer, projection, "a_prime", row)]),
-                             lora[_lora_key(layer, projection, "b_prime", row)])
-                for row in range(self.batch)]
-        return torch.cat(rows, dim=0) if self.batch > 1 else rows[0]
+        a = _stack([lora[self._row(_lora_key(layer, projection, "a_prime"), row)] for row in range(self.batch)])
+        b = _stack([lora[self._row(_lora_key(layer, projection, "b_prime"), row)] for row in range(self.batch)])
+        return torch.matmul(torch.matmul(x, a), b)
 
 
-def _lora_key(layer: int, projection: str, side: str, row: int) -> str:
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows along a new leading axis (``[1, ...]`` tensors along their own)."""
+    if tensors[0].dim() == 2:
+        return torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+    return torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+
+
+def _lora_key(layer: int, projection: str, side: str) -> str:
     """The ``lora`` dict key whose flattened input name is the single-session name
-    (``lora_atten_q_a_prime_weight_{layer}``) with ``_{row}`` appended."""
-    return f"atten_{projection}_{side}_weight_{layer}_{row}"
-
+    (``lora_atten_q_a_prime_weight_{layer}``); rows append ``_{row}``."""
+    return f"atten_{projection}_{side}_weight_{layer}"

@@ -26,7 +26,10 @@ class ExportSettings:
     Signatures: ``prefill_{L}`` for each prefill length and ``decode``, plus
     ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` for each LoRA rank slot R; with
     batch sizes, ``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank R
-    (``decode_batch{B}`` when the model has no LoRA slots).
+    (``decode_batch{B}`` when the model has no LoRA slots). Each attention window W adds
+    ``decode_attend{W}[_lora_r{R}]`` and ``decode_batch{B}_attend{W}[_lora_r{R}]``: the same
+    steps attending over the cache's first W positions only (a session whose position is
+    below W), which costs a fraction of attending over all ``kv_length``.
     """
 
     # LoRA rank slots; an adapter of rank r runs in the smallest slot >= r. Empty: no LoRA.
@@ -47,9 +50,12 @@ class ExportSettings:
     # The LoRA rank slots the batched signatures take per row (None: every slot of
     # lora_ranks). Each costs memory when loaded: the runtime packs weights per signature.
     batch_lora_ranks: tuple[int, ...] | None = None
+    # Shorter spans of the cache that extra decode signatures attend over (each < kv_length):
+    # a decode step's attention reads every position it spans, filled or not.
+    attention_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("lora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks"):
+        for name in ("lora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks", "attention_windows"):
             values = getattr(self, name)
             if values is None and name == "batch_lora_ranks":
                 continue
@@ -70,6 +76,11 @@ class ExportSettings:
                 f"prefill_lengths {too_long} exceed kv_length={self.kv_length}: a prefill writes that many "
                 "KV positions"
             )
+        too_long = [window for window in self.attention_windows if window >= self.kv_length]
+        if too_long:
+            raise InvalidArgumentError(
+                f"attention_windows {too_long} are not shorter than kv_length={self.kv_length}: decode already "
+                "attends over the whole cache")
         if any(size < 2 for size in self.batch_sizes):
             raise InvalidArgumentError(f"batch_sizes={self.batch_sizes}: a batch has at least 2 rows")
         stray = sorted(set(self.batch_lora_ranks or ()) - set(self.lora_ranks))

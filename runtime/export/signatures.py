@@ -67,17 +67,28 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
 
 def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
     """``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank slot R
-    (``decode_batch{B}`` without LoRA slots): see :mod:`runtime.export.batch_decode`."""
+    (``decode_batch{B}`` without LoRA slots), and for each attention window W
+    ``decode_attend{W}[_lora_r{R}]`` for every slot and ``decode_batch{B}_attend{W}...``:
+    see :mod:`runtime.export.batch_decode`."""
     layout = _KV_LAYOUTS[settings.kv_layout]
     signatures = []
-    for batch in sorted(settings.batch_sizes):
-        for rank in settings.batch_ranks or (None,):
-            module = BatchDecode(model, batch, rank, layout).eval()
-            suffix = f"_lora_r{rank}" if rank else ""
-            signatures.append(Signature(f"decode_batch{batch}{suffix}", module,
+    for window in sorted(settings.attention_windows):
+        for rank in (None, *sorted(settings.lora_ranks)):
+            module = BatchDecode(model, 1, rank, layout, window).eval()
+            signatures.append(Signature(f"decode_attend{window}{_slot(rank)}", module,
                                         module.sample_kwargs(settings.kv_length)))
+    for batch in sorted(settings.batch_sizes):
+        for window in (None, *sorted(settings.attention_windows)):
+            for rank in settings.batch_ranks or (None,):
+                module = BatchDecode(model, batch, rank, layout, window).eval()
+                attend = f"_attend{window}" if window else ""
+                signatures.append(Signature(f"decode_batch{batch}{attend}{_slot(rank)}", module,
+                                            module.sample_kwargs(settings.kv_length)))
     return signatures
 
 
-# Every signature set an export contains, in order.
+def _slot(rank: int | None) -> str:
+    return f"_lora_r{rank}" if rank else ""
+
+
 SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures)
