@@ -404,8 +404,7 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None) -> dic
             continue
         data = Rounds()
         with ExitStack() as stack:
-            # Two engines only (a model loads with every signature's weights packed): the
-            # batched one also holds 4 rank-16 sessions, which with 4 rank-8 ones make the mixed case.
+            # The batched engine also holds 4 rank-16 sessions, which with 4 rank-8 ones make the mixed case.
             batched = ConcurrencyRig(model, [8] * max(counts) + [16] * 4, batch_wait_s=0.002)
             turns = ConcurrencyRig(model, [8] * max(counts), batch_wait_s=None)
             for rig in (batched, turns):

@@ -95,10 +95,15 @@ def export(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, 
 
 def export_batched(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, Any]:
     """The export with batched decode signatures and attention windows (:data:`BATCH_ARGS`)."""
-    model = out_dir.parent / f"{NAME}-batch" / f"{NAME}-{precision}-batch.tflite"
+    model = batched_model(out_dir, precision)
     model.parent.mkdir(parents=True, exist_ok=True)
     return _run_export([str(gguf), "--out", str(model), *BATCH_ARGS, "--quantize", PRECISIONS[precision]], [model],
                        f"{precision} batched", force)
+
+
+def batched_model(out_dir: Path, precision: str) -> Path:
+    """Where :func:`export_batched` writes ``precision``'s model."""
+    return out_dir.parent / f"{NAME}-batch" / f"{NAME}-{precision}-batch.tflite"
 
 
 def _run_export(arguments: list[str], outputs: list[Path], label: str, force: bool) -> dict[str, Any]:
@@ -219,8 +224,8 @@ def answers(bundle: Path) -> dict[str, str]:
 def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
     """Fidelity against float64 transformers (+ peft) and chat answers, into ``report``.
     The float64 reference is computed and freed before a runtime model is loaded, and each
-    runtime model is checked in a process of its own (an f32 export with 16 signatures
-    takes ~7.6 GB once loaded: XNNPACK packs the weights per signature)."""
+    runtime model is checked in a process of its own. The batched models (``--batched``),
+    where built, are checked too: their steps run the attention-window signatures."""
     import gc
 
     from runtime import Engine
@@ -249,10 +254,12 @@ def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
         ours = [engine.tokenizer.encode(engine.chat_template.render(m)) for m in messages]
     report["bundle_chat_template_matches_transformers"] = ours == prompts
     report["fidelity"] = {"steps": STEPS, "prompts": list(CHECK_PROMPTS)}
-    for precision in PRECISIONS:  # each in a process of its own, which gives its memory back when done
+    models = {precision: out_dir / f"{NAME}-{precision}.tflite" for precision in PRECISIONS}
+    models.update({f"{precision} batched": batched_model(out_dir, precision) for precision in PRECISIONS
+                   if batched_model(out_dir, precision).exists()})
+    for precision, model_file in models.items():  # each in a process of its own, which gives its memory back
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            report["fidelity"][precision] = pool.submit(
-                fidelity, out_dir / f"{NAME}-{precision}.tflite", prompts, references, adapter).result()
+            report["fidelity"][precision] = pool.submit(fidelity, model_file, prompts, references, adapter).result()
         for label, rows in report["fidelity"][precision].items():
             diffs = ", ".join(f"{row['max_abs_logit_diff']:.2e}" for row in rows)
             agreeing = [(row["greedy_tokens_agreeing"], row.get("reference_margin_where_they_part")) for row in rows]

@@ -48,7 +48,7 @@ class ExportSettings:
     # Rows of the batched decode signatures: B sessions step in one pass over the weights.
     batch_sizes: tuple[int, ...] = ()
     # The LoRA rank slots the batched signatures take per row (None: every slot of
-    # lora_ranks). Each costs memory when loaded: the runtime packs weights per signature.
+    # lora_ranks).
     batch_lora_ranks: tuple[int, ...] | None = None
     # Shorter spans of the cache that extra decode signatures attend over (each < kv_length):
     # a decode step's attention reads every position it spans, filled or not.
