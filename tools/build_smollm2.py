@@ -13,7 +13,7 @@ Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
 
 ``smollm2-135m-instruct-{f32,int8}.tflite`` and ``.litertlm``
     Float32 and dynamic-range int8 exports with LoRA rank slots 8, 16 and 64, KV length
-    1024, prefill lengths 32, 128 and 512; the bundles add the tokenizer, stop tokens and
+    1024, prefill lengths 32, 128 and 512, attention windows 128 and 512; the bundles add the tokenizer, stop tokens and
     chat template (``python -m runtime generate --model X.litertlm --prompt TEXT``).
 ``../smollm2-135m-instruct-batch/smollm2-135m-instruct-{f32,int8}-batch.tflite`` (``--batched``)
     For concurrent sessions (the benchmark's "concurrent sessions"): LoRA slots 8 and 16,
@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO_ROOT))
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
 PRECISIONS = {"f32": "none", "int8": "int8"}
-LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS = (8, 16, 64), 1024, (32, 128, 512)
+LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS, ATTENTION_WINDOWS = (8, 16, 64), 1024, (32, 128, 512), (128, 512)
 BATCH_ARGS = ("--lora-ranks", "8,16", "--kv-length", "1024", "--prefill-lengths", "128", "--batch-sizes", "2,4,8,16",
               "--batch-lora-ranks", "8", "--attention-windows", "128,512")
 STEPS = 32
@@ -89,7 +89,8 @@ def export(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, 
     model, bundle = out_dir / f"{NAME}-{precision}.tflite", out_dir / f"{NAME}-{precision}.litertlm"
     return _run_export([str(gguf), "--out", str(model), "--bundle", str(bundle),
                         "--lora-ranks", ",".join(map(str, LORA_RANKS)), "--kv-length", str(KV_LENGTH),
-                        "--prefill-lengths", ",".join(map(str, PREFILL_LENGTHS)), "--quantize", PRECISIONS[precision]],
+                        "--prefill-lengths", ",".join(map(str, PREFILL_LENGTHS)),
+                        "--attention-windows", ",".join(map(str, ATTENTION_WINDOWS)), "--quantize", PRECISIONS[precision]],
                        [model, bundle], precision, force)
 
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     report_file = out_dir / "report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     report.update(source=str(gguf), lora_ranks=list(LORA_RANKS), kv_length=KV_LENGTH,
-                  prefill_lengths=list(PREFILL_LENGTHS))
+                  prefill_lengths=list(PREFILL_LENGTHS), attention_windows=list(ATTENTION_WINDOWS))
     for precision in PRECISIONS:
         built = export(gguf, out_dir, precision, args.force)
         if built:
