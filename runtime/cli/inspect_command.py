@@ -80,6 +80,15 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
         f"  LoRA rank slots {list(spec.lora_ranks) or 'none'}",
     ]
+    slots = [None, *spec.lora_ranks]
+    batched = {rank: spec.batch_sizes(rank) for rank in slots if spec.batch_sizes(rank)}
+    if batched:
+        lines.append("  batched decode rows " + ", ".join(
+            f"{list(rows)} ({f'rank slot {rank}' if rank else 'no LoRA'})" for rank, rows in batched.items()))
+    windows = sorted({w for rank in slots for w in spec.windows(rank)})
+    if windows:
+        lines.append(f"  attention windows {windows} (a decode step attends over the first W positions while it "
+                     "fits in one)")
     for key, signature in spec.signatures.items():
         lora = signature.lora_inputs
         lines.append(f"  signature {key}: {len(signature.inputs)} inputs ({len(lora)} LoRA), "
