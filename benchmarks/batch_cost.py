@@ -1,0 +1,67 @@
+"""What one batched decode step costs against one session's step, at several positions.
+
+    python3 benchmarks/batch_cost.py MODEL.tflite [--rows 8] [--positions 8,300,600] [--rounds 4]
+
+``rows`` sessions, each with its own random rank-8 adapter, are prefilled to a position;
+then, in alternating rounds, one session steps alone (``Session.run_decode``) and all of
+them step together (``Engine.decode_together``). Prints the median milliseconds of each,
+the aggregate speed-up (rows x single / batch) and the latency ratio (batch / single), per
+position: with attention windows, a position picks the window both paths run in. Needs a
+model exported with ``--batch-sizes`` (and LoRA slot 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from runtime import Engine, EngineSettings, SessionConfig
+from runtime.bench import random_adapter_files
+
+STEPS = 6  # decode steps per timed run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--rows", type=int, default=8, help="sessions stepping together")
+    parser.add_argument("--positions", default="8,300,600", help="where the sessions start, comma-separated")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    positions = [int(p) for p in args.positions.split(",")]
+    with tempfile.TemporaryDirectory() as folder, Engine(args.model, EngineSettings(batch_wait_s=None)) as engine:
+        sessions = [engine.create_session(SessionConfig(lora_path=path))
+                    for path in random_adapter_files(engine, Path(folder), args.rows, 8, seed=3)]
+        print(f"{args.model.name}: {args.rows} sessions, windows {list(engine.spec.windows(engine.spec.smallest_slot(8), args.rows))}, "
+              f"1 thread, median of {args.rounds} rounds of {STEPS} steps")
+        print("| position | one session (ms) | batch of %d (ms) | aggregate | latency |" % args.rows)
+        print("|---:|---:|---:|---:|---:|")
+        for position in positions:
+            if position + 2 * args.rounds * STEPS > engine.spec.kv_length:
+                raise SystemExit(f"position {position}: the first session would step past the KV cache of "
+                                 f"{engine.spec.kv_length} positions ({2 * args.rounds * STEPS} steps a position)")
+            for session in sessions:
+                session.reset()
+                session.run_prefill([i % 97 + 1 for i in range(position)])
+            alone, together = [], []
+            for _ in range(args.rounds):
+                alone.append(_timed(lambda: sessions[0].run_decode(5)))
+                together.append(_timed(lambda: engine.decode_together([(s, 5) for s in sessions])))
+            single, batch = statistics.median(alone), statistics.median(together)
+            print(f"| {position} | {single:.2f} | {batch:.2f} | {args.rows * single / batch:.2f}x | "
+                  f"{batch / single:.2f}x |")
+
+
+def _timed(step) -> float:
+    """Milliseconds per call of ``step`` over STEPS calls."""
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    return (time.perf_counter() - start) / STEPS * 1000
+
+
+if __name__ == "__main__":
+    main()
