@@ -119,8 +119,9 @@ def set_tables(key: str, data: dict, shared: bool) -> list[str]:
                             f"{100 * e['argmax_agree']:.0f}%" for s, e in data["same_weights"].items()) + ".", ""]
     out += [f"### Decode (ms per token, {steps} steps from an empty context, KV length {data['n_ctx']})", "",
             f"\"After the long prompt\": the same steps after a {data['late_prompt']}-token prompt (prefilled, not "
-            "timed). Our graphs attend over the whole KV length at every step, llama.cpp over the positions "
-            "filled so far, so its steps grow slower as the context fills and ours stay the same. "
+            "timed). llama.cpp attends over the positions filled so far; our graphs attend over a fixed span: "
+            "the shortest of the export's attention windows that holds the step (if it has any), else the "
+            "whole KV length, so our steps grow slower in steps, at each window's end. "
             "\"x base\" and \"graph's own x\" are per-round ratios to the base model: of the whole step, and of "
             "the signature's run alone (the graph's own cost; the rest of a step is the runtime's share).", "",
             "| threads | precision | adapters | ours | llama.cpp | speed | our slot | ours x base | graph's own x | "
