@@ -84,11 +84,33 @@ def test_every_row_of_a_batch_equals_its_session_alone(layout):
             logits = engine.decode_together([(s, tokens[row][-1]) for row, s in enumerate(sessions)])
             for row, (_, seen) in enumerate(expected):
                 assert np.abs(logits[row] - seen[step]).max() <= TOLERANCE, (layout, row, step)
-        # rank-4 rows, blends and base rows share a rank-4 batch of 4 and one of 2; the rank-16 row runs alone
-        assert (engine.stats().invokes - invokes) == 3 * steps
+        # the rank-4 rows are padded into the rank-16 slot of the rank-16 row and the blend (zeros:
+        # exact), base rows join with zero LoRA: all 7 run as one batch of 4 and one of 3 (padded to 4)
+        assert (engine.stats().invokes - invokes) == 2 * steps
         assert tokens == [t for t, _ in expected]
         assert [s.position for s in sessions] == [len(prompt(row)) + steps for row in range(len(sessions))]
         assert dict(engine.stats().decode_batches) == {len(MIXED): steps}
+        for s in sessions:
+            s.close()
+
+
+def test_a_lower_rank_adapter_joins_a_higher_rank_batch_zero_padded():
+    configs = [SessionConfig(lora_path=R4), SessionConfig(lora_path=R16), SessionConfig(lora_path=OTHER_R4)]
+    expected = alone(MODEL_FILES["default"], configs, 3)
+    with Engine(MODEL_FILES["default"]) as engine:
+        sessions, tokens = prefilled(engine, configs)
+        for step in range(3):
+            invokes = engine.stats().invokes
+            logits = engine.decode_together(list(zip(sessions, tokens)))
+            assert engine.stats().invokes - invokes == 1  # one run of the rank-16 batch, not a rank-4 one besides
+            for row, (_, seen) in enumerate(expected):
+                assert np.abs(logits[row] - seen[step]).max() <= TOLERANCE, (row, step)
+            tokens = [int(np.argmax(out)) for out in logits]
+        # the rank-4 adapters now also hold rank-16 buffers; alone, they run in their own slot again
+        assert sorted(a.slot_rank for a in engine.stats().resident) == [4, 4, 16, 16, 16]
+        invokes = engine.stats().invokes
+        sessions[0].run_decode(tokens[0])
+        assert engine.stats().invokes - invokes == 1
         for s in sessions:
             s.close()
 

@@ -41,7 +41,7 @@ def use(manager, *entries):
 
 
 def resident(manager, blend):
-    return blend in manager.resident()
+    return any(b == blend for b, _ in manager.resident())
 
 
 def test_load_parses_and_first_use_builds_buffers(manager):
@@ -52,6 +52,25 @@ def test_load_parses_and_first_use_builds_buffers(manager):
     assert lora.slot_rank == 4
     assert len(manager.allocations) == len(SLOTS[4])
     assert set(lora.buffers) == set(SLOTS[4])
+
+
+def test_a_blend_also_runs_zero_padded_in_a_larger_slot(manager):
+    manager.load_lora(1, data("torch_r4"))
+    blend = normalize_blend([(1, 1.0)])
+    own = use(manager, (1, 1.0))
+    padded = manager.acquire(blend, 16)
+    assert padded is not own and (own.slot_rank, padded.slot_rank) == (4, 16)
+    assert manager.acquire(blend, 4) is own and manager.acquire(blend, 16) is padded  # each found again
+    assert sorted(slot for b, slot in manager.resident()) == [4, 16]
+    for slot in (4, 16, 16):
+        manager.release(blend, slot)
+    manager.load_lora(2, data("torch_r16"))
+    with pytest.raises(InvalidArgumentError, match="adapters \\[2\\] cannot run in rank slot 4: they need slot 16"):
+        manager.acquire(normalize_blend([(2, 1.0)]), 4)
+    with pytest.raises(InvalidArgumentError, match="cannot run in rank slot 8"):
+        manager.acquire(blend, 8)
+    manager.unload_lora(1)  # drops the blend in every slot
+    assert not resident(manager, blend)
 
 
 def test_taken_id_and_unknown_id(manager):
@@ -119,7 +138,7 @@ def test_unload_frees_and_refuses_pinned(manager):
     manager.unpin(1)
     manager.unload_lora(1)
     assert manager.loaded_ids() == [2]
-    assert list(manager.resident()) == [((2, 1.0),)]  # every blend holding 1 went with it
+    assert [b for b, _ in manager.resident()] == [((2, 1.0),)]  # every blend holding 1 went with it
     with pytest.raises(NotFoundError):
         manager.acquire(((1, 1.0),))
 

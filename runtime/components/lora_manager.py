@@ -36,6 +36,7 @@ from runtime.util.lora_util import smallest_rank_slot
 
 # A weighted set of loaded adapters: ((lora_id, scale), ...), sorted by id, no zero scales.
 Blend = tuple[tuple[int, float], ...]
+Materialized = tuple[Blend, int]  # a blend in one rank slot
 
 
 def normalize_blend(entries: Iterable[tuple[int, float]]) -> Blend:
@@ -76,8 +77,10 @@ class LoraManager:
         self._allow_non_finite = allow_non_finite
         self._residency = KeepAll() if residency is None else check_policy(residency)
         self._plans: dict[int, AdapterPlan] = {}
-        self._resident: OrderedDict[Blend, LoRA] = OrderedDict()  # least recently used first
-        self._running: dict[Blend, int] = {}
+        # Materialized (blend, rank slot) pairs, least recently used first: a blend lives in
+        # its own slot, and in a larger one too while it runs in a batch of that slot.
+        self._resident: OrderedDict[Materialized, LoRA] = OrderedDict()
+        self._running: dict[Materialized, int] = {}
         self._pins: dict[int, int] = {}
         self._evict_listeners: list[Callable[[Blend, LoRA], None]] = []
         self._hits = self._misses = self._evictions = 0
@@ -128,21 +131,36 @@ class LoraManager:
             f"LoRA slot of the model (slots: {', '.join(map(str, sorted(self._slots)))})"
         )
 
-    def acquire(self, blend: Blend) -> LoRA:
-        """Materializes ``blend`` and marks it running (never evicted) until :meth:`release`."""
+    def acquire(self, blend: Blend, slot: int | None = None) -> LoRA:
+        """Materializes ``blend`` in rank slot ``slot`` (default: :meth:`slot_for`; a larger
+        slot holds it zero-padded, which is exact) and marks it running (never evicted)
+        until :meth:`release` with the same arguments."""
         with self._lock:
-            built = blend not in self._resident
-            lora = self._get_or_build(blend)
-            self._running[blend] = self._running.get(blend, 0) + 1
+            key = self._materialized(blend, slot)
+            built = key not in self._resident
+            lora = self._get_or_build(key)
+            self._running[key] = self._running.get(key, 0) + 1
             if built:  # a hit adds no bytes: nothing to evict for it
-                self._enforce_residency(protect=blend)
+                self._enforce_residency(protect=key)
             return lora
 
-    def release(self, blend: Blend) -> None:
-        """Ends one :meth:`acquire`; the blend may now be evicted."""
+    def release(self, blend: Blend, slot: int | None = None) -> None:
+        """Ends one :meth:`acquire`; the blend (in that slot) may now be evicted."""
         with self._lock:
-            _decrement(self._running, blend)
+            _decrement(self._running, self._materialized(blend, slot))
             self._enforce_residency(protect=None)
+
+    def _materialized(self, blend: Blend, slot: int | None) -> Materialized:
+        if not blend:
+            raise InvalidArgumentError("an empty blend has no LoRA buffers: use the base model")
+        own = self.slot_for(blend)
+        if slot is None or slot == own:
+            return blend, own
+        if slot not in self._slots or slot < own:
+            raise InvalidArgumentError(
+                f"adapters {[i for i, _ in blend]} cannot run in rank slot {slot}: they need slot {own} or a "
+                f"larger one of {', '.join(map(str, sorted(self._slots)))}")
+        return blend, slot
 
     def add_evict_listener(self, listener: Callable[[Blend, LoRA], None]) -> None:
         """Calls ``listener(blend, lora)`` (under the manager's lock) whenever buffers are dropped."""
@@ -162,15 +180,13 @@ class LoraManager:
             hits, misses, evictions = self._hits, self._misses, self._evictions
         return ResidencyStats(hits, misses, evictions, self._materialize_latency.summary())
 
-    def _get_or_build(self, blend: Blend) -> LoRA:
-        if not blend:
-            raise InvalidArgumentError("an empty blend has no LoRA buffers: use the base model")
-        lora = self._resident.get(blend)
+    def _get_or_build(self, key: Materialized) -> LoRA:
+        lora = self._resident.get(key)
         if lora is not None:
             self._hits += 1
-            self._resident.move_to_end(blend)
+            self._resident.move_to_end(key)
             return lora
-        slot = self.slot_for(blend)
+        blend, slot = key
         plans = [(self._require(lora_id), scale) for lora_id, scale in blend]
         with self._materialize_latency.time():
             lora = LoRA(
@@ -183,10 +199,10 @@ class LoraManager:
         for plan, _ in plans:
             plan.data.release_memory()  # the weights now live in the buffers
         self._misses += 1
-        self._resident[blend] = lora
+        self._resident[key] = lora
         return lora
 
-    def _enforce_residency(self, protect: Blend | None) -> None:
+    def _enforce_residency(self, protect: Materialized | None) -> None:
         if isinstance(self._residency, KeepAll) or len(self._resident) <= len(self._running):
             return  # nothing evictable: the common case on the decode path costs nothing
         if isinstance(self._residency, Lru) and self._within(self._residency):
@@ -194,25 +210,25 @@ class LoraManager:
         protected = set(self._running)
         if protect:
             protected.add(protect)
-        sizes = {blend: lora.nbytes for blend, lora in self._resident.items()}
-        for blend in choose_evictions(self._residency, sizes, protected):
-            self._drop(blend)
+        sizes = {key: lora.nbytes for key, lora in self._resident.items()}
+        for key in choose_evictions(self._residency, sizes, protected):
+            self._drop(key)
 
     def _within(self, policy: Lru) -> bool:
         if policy.max_resident is not None and len(self._resident) > policy.max_resident:
             return False
         return policy.max_bytes is None or sum(l.nbytes for l in self._resident.values()) <= policy.max_bytes
 
-    def _drop(self, blend: Blend) -> None:
-        lora = self._resident.pop(blend)
+    def _drop(self, key: Materialized) -> None:
+        lora = self._resident.pop(key)
         self._evictions += 1
         for listener in self._evict_listeners:
-            listener(blend, lora)
+            listener(key[0], lora)
 
     # -- residency and unloading ---------------------------------------------------
 
-    def resident(self) -> dict[Blend, LoRA]:
-        """The materialized blends and their buffers."""
+    def resident(self) -> dict[Materialized, LoRA]:
+        """The materialized (blend, rank slot) pairs and their buffers."""
         with self._lock:
             return dict(self._resident)
 
@@ -246,8 +262,8 @@ class LoraManager:
                     f"{self._pins[lora_id]} live session(s); close them first"
                 )
             del self._plans[lora_id]
-            for blend in [b for b in self._resident if any(i == lora_id for i, _ in b)]:
-                self._drop(blend)
+            for key in [k for k in self._resident if any(i == lora_id for i, _ in k[0])]:
+                self._drop(key)
         plan.data.close()
 
     def _require(self, lora_id: int) -> AdapterPlan:

@@ -32,7 +32,7 @@ from runtime.components.lora_manager import Blend, LoraManager, normalize_blend
 from runtime.components.residency import ResidencyPolicy
 from runtime.executor.batch_scheduler import BatchPolicy, BatchScheduler
 from runtime.executor.litert_executor import Binding, DecodeStep, LlmExecutor
-from runtime.errors import NotFoundError
+from runtime.errors import NotFoundError, StatusError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
 from runtime.framework.resource_management.context_handler import ContextHandler
@@ -136,7 +136,7 @@ class ResourceManager:
         the residency counters."""
         manager = self._lora_manager
         resident = tuple(
-            ResidentStats(blend, lora.slot_rank, lora.nbytes) for blend, lora in manager.resident().items()
+            ResidentStats(blend, lora.slot_rank, lora.nbytes) for (blend, _), lora in manager.resident().items()
         )
         adapters = []
         for lora_id in manager.loaded_ids():
@@ -271,12 +271,13 @@ class ResourceManager:
                 return [binding.executor.decode(binding, token, context.position)]
         executor = self._idle.get() if self._idle is not None else self.executor
         outcomes: list[np.ndarray | BaseException | None] = [None] * len(steps)
+        slots = self._batch_slots([context.blend for context, _ in steps], executor)
         try:
             with ExitStack() as runs:
                 ready, rows = [], []
-                for index, (context, token) in enumerate(steps):
+                for index, ((context, token), slot) in enumerate(zip(steps, slots)):
                     try:
-                        binding = runs.enter_context(Run(self, context, executor))
+                        binding = runs.enter_context(Run(self, context, executor, slot))
                     except Exception as exc:  # this row alone: an evicted or unloaded adapter, a closed model
                         outcomes[index] = exc
                         continue
@@ -288,6 +289,21 @@ class ResourceManager:
             if self._idle is not None:
                 self._idle.put(executor)
         return outcomes  # type: ignore[return-value]
+
+    def _batch_slots(self, blends: Sequence[Blend], executor: LlmExecutor) -> list[int | None]:
+        """The rank slot each row of a batch runs in: rows of smaller slots are padded into
+        the largest slot among the rows that has batched signatures, so that they share
+        its batch (zero rank columns: exact); ``None`` keeps a row's own slot."""
+        own: list[int | None] = []
+        for blend in blends:
+            try:
+                own.append(self._lora_manager.slot_for(blend) if blend else None)
+            except StatusError:  # an unloaded adapter: the row's own run reports it
+                own.append(None)
+        host = max((slot for slot in own if slot is not None and executor.spec.batch_sizes(slot)), default=None)
+        if host is None:
+            return [None] * len(blends)
+        return [host if slot is not None and slot < host else None for slot in own]
 
     def _record_batch(self, rows: int, waits: Sequence[float]) -> None:
         with self._batch_sizes_lock:
@@ -348,21 +364,24 @@ class Run:
     previous run's. A plain class rather than a generator: it brackets every decode step.
     """
 
-    __slots__ = ("_resources", "_context", "_blend", "_executor", "_pooled")
+    __slots__ = ("_resources", "_context", "_blend", "_executor", "_pooled", "_slot")
 
-    def __init__(self, resources: ResourceManager, context: ContextHandler, executor: LlmExecutor | None = None) -> None:
+    def __init__(self, resources: ResourceManager, context: ContextHandler, executor: LlmExecutor | None = None,
+                 slot: int | None = None) -> None:
         """``executor``: the one a batch runs on (its rows record no switches); ``None``
-        takes one (from the pool, if any) for this run."""
+        takes one (from the pool, if any) for this run. ``slot``: a larger rank slot than
+        the blend's own to run it in (zero-padded), for a batch of that slot."""
         self._resources = resources
         self._context = context
         self._executor = executor
+        self._slot = slot
         self._pooled = executor is None and resources._idle is not None
 
     def __enter__(self) -> Binding:
         started = time.perf_counter()
         resources, context = self._resources, self._context
         self._blend = blend = context.blend
-        lora = resources._lora_manager.acquire(blend) if blend else None
+        lora = resources._lora_manager.acquire(blend, self._slot) if blend else None
         batched = self._executor is not None
         if not batched:
             self._executor = resources._idle.get() if self._pooled else resources.executor
@@ -385,4 +404,4 @@ class Run:
         if self._pooled:
             resources._idle.put(self._executor)
         if self._blend:
-            resources._lora_manager.release(self._blend)
+            resources._lora_manager.release(self._blend, self._slot)
