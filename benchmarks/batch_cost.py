@@ -1,13 +1,14 @@
 """What one batched decode step costs against one session's step, at several positions.
 
-    python3 benchmarks/batch_cost.py MODEL.tflite [--rows 8] [--positions 8,300,600] [--rounds 4]
+    python3 benchmarks/batch_cost.py MODEL.tflite [--rows 8] [--ranks 8] [--positions 8,300,600] [--rounds 4]
 
-``rows`` sessions, each with its own random rank-8 adapter, are prefilled to a position;
+``rows`` sessions, each with its own random adapter (of the ``--ranks`` in turn: ``8,16``
+mixes ranks, whose rows share a batch of the larger slot), are prefilled to a position;
 then, in alternating rounds, one session steps alone (``Session.run_decode``) and all of
 them step together (``Engine.decode_together``). Prints the median milliseconds of each,
 the aggregate speed-up (rows x single / batch) and the latency ratio (batch / single), per
 position: with attention windows, a position picks the window both paths run in. Needs a
-model exported with ``--batch-sizes`` (and LoRA slot 8).
+model exported with ``--batch-sizes`` (and LoRA slots for the ranks).
 """
 
 from __future__ import annotations
@@ -28,15 +29,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path)
     parser.add_argument("--rows", type=int, default=8, help="sessions stepping together")
+    parser.add_argument("--ranks", default="8", help="adapter ranks, given to the sessions in turn")
     parser.add_argument("--positions", default="8,300,600", help="where the sessions start, comma-separated")
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
+    ranks = [int(r) for r in args.ranks.split(",")]
     with tempfile.TemporaryDirectory() as folder, Engine(args.model, EngineSettings(batch_wait_s=None)) as engine:
-        sessions = [engine.create_session(SessionConfig(lora_path=path))
-                    for path in random_adapter_files(engine, Path(folder), args.rows, 8, seed=3)]
-        print(f"{args.model.name}: {args.rows} sessions, windows {list(engine.spec.windows(engine.spec.smallest_slot(8), args.rows))}, "
-              f"1 thread, median of {args.rounds} rounds of {STEPS} steps")
+        paths = {}
+        for rank in ranks:
+            (Path(folder) / f"r{rank}").mkdir()
+            paths[rank] = iter(random_adapter_files(engine, Path(folder) / f"r{rank}", args.rows, rank, seed=rank))
+        sessions = [engine.create_session(SessionConfig(lora_path=next(paths[ranks[row % len(ranks)]])))
+                    for row in range(args.rows)]
+        slot = engine.spec.smallest_slot(max(ranks))
+        print(f"{args.model.name}: {args.rows} sessions of ranks {ranks} (batch slot {slot}, windows "
+              f"{list(engine.spec.windows(slot, args.rows))}), 1 thread, median of {args.rounds} rounds of {STEPS} steps")
         print("| position | one session (ms) | batch of %d (ms) | aggregate | latency |" % args.rows)
         print("|---:|---:|---:|---:|---:|")
         for position in positions:
