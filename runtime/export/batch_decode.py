@@ -54,7 +54,8 @@ def check_batchable(model: nn.Module) -> None:
 class BatchDecode(nn.Module):
     """The ``decode_batch{batch}`` step of ``model`` (litert-torch's ``DecoderOnlyModel``),
     with per-row LoRA inputs of rank ``lora_rank`` (``None``: no LoRA inputs), attending
-    over the first ``window`` positions of each cache (``None``: all of them)."""
+    over the first ``window`` positions of each cache (``None``: all of them). With one
+    row it is a single session's ``decode_attend{window}``, under the single-session names."""
 
     def __init__(self, model: nn.Module, batch: int, lora_rank: int | None, kv_layout: tuple,
                  window: int | None = None) -> None:
@@ -67,6 +68,7 @@ class BatchDecode(nn.Module):
         self.window = window
 
     def _row(self, name: str, row: int) -> str:
+        """The input name of ``row``'s ``name`` (one row: the single-session name)."""
         return f"{name}_{row}" if self.batch > 1 else name
 
     def sample_kwargs(self, kv_length: int) -> dict[str, object]:
