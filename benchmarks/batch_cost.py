@@ -39,7 +39,8 @@ def main() -> None:
         paths = {}
         for rank in ranks:
             (Path(folder) / f"r{rank}").mkdir()
-            paths[rank] = iter(random_adapter_files(engine, Path(folder) / f"r{rank}", args.rows, rank, seed=rank))
+            count = sum(1 for row in range(args.rows) if ranks[row % len(ranks)] == rank)
+            paths[rank] = iter(random_adapter_files(engine, Path(folder) / f"r{rank}", count, rank, seed=rank))
         sessions = [engine.create_session(SessionConfig(lora_path=next(paths[ranks[row % len(ranks)]])))
                     for row in range(args.rows)]
         slot = engine.spec.smallest_slot(max(ranks))

@@ -256,8 +256,8 @@ def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
     report["bundle_chat_template_matches_transformers"] = ours == prompts
     report["fidelity"] = {"steps": STEPS, "prompts": list(CHECK_PROMPTS)}
     models = {precision: out_dir / f"{NAME}-{precision}.tflite" for precision in PRECISIONS}
-    models.update({f"{precision} batched": batched_model(out_dir, precision) for precision in PRECISIONS
-                   if batched_model(out_dir, precision).exists()})
+    batched = {f"{precision} batched": batched_model(out_dir, precision) for precision in PRECISIONS}
+    models.update({label: path for label, path in batched.items() if path.exists()})
     for precision, model_file in models.items():  # each in a process of its own, which gives its memory back
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             report["fidelity"][precision] = pool.submit(fidelity, model_file, prompts, references, adapter).result()

@@ -22,7 +22,6 @@ is refused at open time with a message naming the signature and the tensor.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -256,8 +255,7 @@ def _signature(
             raise InvalidArgumentError(f"{source}: signature {key!r} has no {required!r} input")
     window = int(match["window"]) if match["window"] is not None else None
     if match["rows"] is not None:
-        return dataclasses.replace(_batch_signature(key, int(match["rows"]), match["rank"], ins, outs, source),
-                                   window=window)
+        return _batch_signature(key, int(match["rows"]), match["rank"], window, ins, outs, source)
     unknown = [n for n in ins if n not in (TOKENS, INPUT_POS) and not _KV_NAME.fullmatch(n) and not is_lora_input_name(n)]
     if unknown:
         raise UnimplementedError(
@@ -277,9 +275,9 @@ def _signature(
     return SignatureSpec(key, match["kind"], seq_len, lora_rank, ins, outs, window=window)
 
 
-def _batch_signature(key: str, rows: int, named_rank: str | None, ins: Mapping[str, TensorSpec],
-                     outs: Mapping[str, TensorSpec], source: str) -> SignatureSpec:
-    """A ``decode_batch{rows}[_lora_r{R}]`` signature: tokens ``[rows, 1]``, positions
+def _batch_signature(key: str, rows: int, named_rank: str | None, window: int | None,
+                     ins: Mapping[str, TensorSpec], outs: Mapping[str, TensorSpec], source: str) -> SignatureSpec:
+    """A ``decode_batch{rows}[_attend{W}][_lora_r{R}]`` signature: tokens ``[rows, 1]``, positions
     ``[rows]``, logits ``[rows, 1, vocab]``, each row's inputs checked by :func:`_check_batch`."""
     expected = {TOKENS: (rows, 1), INPUT_POS: (rows,)}
     for name, shape in expected.items():
@@ -295,7 +293,7 @@ def _batch_signature(key: str, rows: int, named_rank: str | None, ins: Mapping[s
     if (int(named_rank) if named_rank else None) != lora_rank:
         raise InvalidArgumentError(
             f"{source}: signature {key!r} is named for rank {named_rank} but its LoRA inputs have rank {lora_rank}")
-    return SignatureSpec(key, "decode", 1, lora_rank, ins, outs, rows)
+    return SignatureSpec(key, "decode", 1, lora_rank, ins, outs, rows, window)
 
 
 def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int) -> list[dict[str, TensorSpec]]:
