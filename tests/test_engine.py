@@ -24,6 +24,33 @@ def test_register_unload_and_sessions():
             engine.unload_adapter(lora_id)
 
 
+def test_sessions_take_registered_adapters_by_id(tmp_path):
+    import shutil
+
+    path = tmp_path / "adapter.tflite"
+    shutil.copy(adapter_path("torch_r4"), path)
+    with Engine(MODEL_FILES["default"], EngineSettings(num_threads=1)) as engine:
+        lora_id = engine.register_adapter(LoraSource(path=path))
+        by_path = engine.create_session(SessionConfig(lora_path=path, lora_scale=0.5))
+        expected = by_path.run_prefill([1, 2, 3])
+        by_path.close()
+        path.write_bytes(b"rewritten: no longer an adapter")  # the id keeps what was registered
+        by_id = engine.create_session(SessionConfig(adapters={lora_id: 0.5}))
+        assert by_id.blend == ((lora_id, 0.5),)
+        assert (by_id.run_prefill([1, 2, 3]) == expected).all()
+        by_id.set_adapters(adapters={}, reset=True)
+        assert by_id.lora_ids == []
+        with pytest.raises(NotFoundError, match="LoRA id 99"):
+            engine.create_session(SessionConfig(adapters={99: 1.0}))
+        with pytest.raises(InvalidArgumentError, match="adapters"):
+            SessionConfig(adapters={"a": 1.0})
+        with pytest.raises(InvalidArgumentError, match=r"adapters\[1\]"):
+            SessionConfig(adapters={1: float("nan")})
+        assert engine.stats().adapters[0].sessions == 0  # by_id switched away; the failures pinned nothing
+        by_id.close()
+        engine.unload_adapter(lora_id)
+
+
 def test_close_closes_sessions_and_refuses_work():
     engine = Engine(MODEL_FILES["default"])
     session = engine.create_session()

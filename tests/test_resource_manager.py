@@ -91,7 +91,7 @@ def test_concurrent_registration_loads_once(manager):
 
 def test_contexts_pin_their_adapters(manager):
     source = LoraSource(path=adapter_path("torch_r4"))
-    context = manager.new_context_for_sources([source])
+    context = manager.new_context([source])
     (lora_id,) = context.lora_ids
     clone = manager.clone_context(context)
     assert sessions_using(manager, lora_id) == 2
@@ -101,7 +101,7 @@ def test_contexts_pin_their_adapters(manager):
     manager.release_context(clone)
     manager.unload(lora_id)
     assert manager.adapter_ids() == []
-    again = manager.new_context_for_sources([source])  # registered anew, under a new id
+    again = manager.new_context([source])  # registered anew, under a new id
     assert again.lora_ids != [lora_id] and manager.adapter_ids() == again.lora_ids
 
 
@@ -111,7 +111,7 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
     context must still get it (and the unload be refused), never a NotFoundError."""
     source = LoraSource(path=adapter_path("torch_r4"))
     lora_id = manager.register(source)
-    context = manager.new_context_for_sources([]) if switch else None
+    context = manager.new_context([]) if switch else None
     outcome: list[BaseException | None] = []
     racers: list[threading.Thread] = []
 
@@ -134,9 +134,9 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
 
     monkeypatch.setattr(manager, "register", register_then_let_an_unload_try)
     if switch:
-        manager.set_sources(context, [source])
+        manager.set_adapters(context, [source])
     else:
-        context = manager.new_context_for_sources([source])
+        context = manager.new_context([source])
     monkeypatch.undo()
     for racer in racers:
         racer.join(10)
@@ -152,23 +152,23 @@ def bound(manager, context):
 
 def test_binding_is_reused_until_the_adapter_changes(manager):
     one = LoraSource(path=adapter_path("torch_r4"))
-    context = manager.new_context_for_sources([one])
+    context = manager.new_context([one])
     first = bound(manager, context)
     assert bound(manager, context) is first
     assert first.lora_rank == 4
-    manager.set_sources(context, [LoraSource(path=adapter_path("litertlm_r8_layer0"))])
+    manager.set_adapters(context, [LoraSource(path=adapter_path("litertlm_r8_layer0"))])
     assert sessions_using(manager, manager.register(one)) == 0
     second = bound(manager, context)
     assert second is not first and second.lora_rank == 16
-    manager.set_sources(context, [])
+    manager.set_adapters(context, [])
     assert bound(manager, context).lora_rank is None
-    manager.set_sources(context, [one])
+    manager.set_adapters(context, [one])
     assert bound(manager, context) is first  # a recent binding, not rebuilt
 
 
 def test_a_run_protects_its_adapter_and_always_ends(manager):
     manager.set_residency(OnlyActive())
-    context = manager.new_context_for_sources([LoraSource(path=adapter_path("torch_r4"))])
+    context = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
     with manager.run(context):
         assert len(manager.adapter_report().resident) == 1  # running: kept
     assert manager.adapter_report().resident == ()  # ended: OnlyActive drops it
@@ -180,8 +180,8 @@ def test_a_run_protects_its_adapter_and_always_ends(manager):
 
 
 def test_switches_are_counted_when_context_or_adapter_changes(manager):
-    a = manager.new_context_for_sources([LoraSource(path=adapter_path("torch_r4"))])
-    b = manager.new_context_for_sources([])
+    a = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
+    b = manager.new_context([])
     for context in (a, a, b, b, a):
         bound(manager, context)
     assert manager.switch_latency.summary().count == 2  # a->b and b->a; the first run is no switch
@@ -190,7 +190,7 @@ def test_switches_are_counted_when_context_or_adapter_changes(manager):
 def test_mutable_buffer_is_snapshotted_at_registration(manager):
     blob = bytearray(adapter_path("torch_r4").read_bytes())
     lora_id = manager.register(LoraSource(buffer=blob))
-    context = manager.new_context_for_sources([LoraSource(buffer=bytes(blob))])
+    context = manager.new_context([LoraSource(buffer=bytes(blob))])
     assert context.lora_ids == [lora_id]  # same content, same adapter
     before = bound(manager, context).executor.decode(bound(manager, context), 1, 0)
     blob[:] = bytes(len(blob))  # the caller scribbles over its buffer

@@ -29,6 +29,19 @@ def check_sources(loras: Iterable[LoraSource]) -> tuple[LoraSource, ...]:
     return sources
 
 
+def check_adapters(adapters: Mapping[int, float]) -> dict[int, float]:
+    """``adapters`` (registered adapter id -> scale) as a dict, or ``InvalidArgumentError``
+    naming the entry that is not an integer id with a finite scale."""
+    if not isinstance(adapters, Mapping):
+        raise InvalidArgumentError(f"adapters={adapters!r:.80}, expected a mapping of adapter id to scale")
+    checked = {}
+    for lora_id, scale in adapters.items():
+        if type(lora_id) is not int or lora_id < 1:
+            raise InvalidArgumentError(f"adapters holds the id {lora_id!r:.40}, expected an adapter id (an int >= 1)")
+        checked[lora_id] = check_scale(scale, f"adapters[{lora_id}]")
+    return checked
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """How the engine runs the model.
@@ -67,9 +80,12 @@ class SessionConfig:
     """What one session runs with.
 
     One adapter: ``lora_path`` (a ``.tflite``, GGUF or PEFT adapter) or ``lora_buffer``
-    (``.tflite`` bytes, or a PEFT state dict with ``lora_peft_config``) at ``lora_scale``. Several: ``loras=[LoraSource(...), ...]``, applied together, each
-    with its own scale. None of them: the base model. ``sampler`` is what
-    :meth:`Session.generate` uses when it is given none.
+    (``.tflite`` bytes, or a PEFT state dict with ``lora_peft_config``) at ``lora_scale``.
+    Several: ``loras=[LoraSource(...), ...]``, applied together, each with its own scale.
+    Adapters already registered (:meth:`Engine.register_adapter`) by id, without going
+    back to their files: ``adapters={lora_id: scale, ...}``. All of these are applied
+    together; none of them: the base model. ``sampler`` is what :meth:`Session.generate`
+    uses when it is given none.
     """
 
     lora_path: str | os.PathLike[str] | None = None
@@ -77,6 +93,7 @@ class SessionConfig:
     lora_scale: float = 1.0
     lora_peft_config: Mapping[str, Any] | None = None
     loras: Sequence[LoraSource] = ()
+    adapters: Mapping[int, float] = field(default_factory=dict)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
     def __post_init__(self) -> None:
@@ -88,6 +105,7 @@ class SessionConfig:
             )
         object.__setattr__(self, "lora_scale", check_scale(self.lora_scale, "lora_scale"))
         object.__setattr__(self, "loras", check_sources(self.loras))
+        object.__setattr__(self, "adapters", check_adapters(self.adapters))
 
     def sources(self) -> list[LoraSource]:
         """Every adapter this session asks for, as LoraSource objects."""

@@ -98,7 +98,7 @@ class Engine:
         """A new, empty session running with the adapters ``config`` names."""
         self._check_open()
         config = config or SessionConfig()
-        context = self._resources.new_context_for_sources(config.sources())
+        context = self._resources.new_context(config.sources(), config.adapters.items())
         return Session(self._resources, context, config.sampler, self._sessions, self.tokenizer)
 
     def decode_together(self, steps: Sequence[tuple[Session, int]]) -> list[np.ndarray]:

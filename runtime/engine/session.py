@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.components.tokenizer import Tokenizer
-from runtime.engine.config import check_sources
+from runtime.engine.config import check_adapters, check_sources
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.framework.lora_source import LoraSource
@@ -237,8 +237,10 @@ class Session:
         with self._use() as context:
             context.position = 0
 
-    def set_adapters(self, loras: Sequence[LoraSource] = (), *, reset: bool = False) -> None:
-        """Runs the session with other adapters (or scales); ``()`` means the base model.
+    def set_adapters(self, loras: Sequence[LoraSource] = (), *, adapters: Mapping[int, float] | None = None,
+                     reset: bool = False) -> None:
+        """Runs the session with other adapters (or scales): ``loras`` and the registered
+        ``adapters`` (id -> scale), as in :class:`SessionConfig`; none means the base model.
 
         The KV cache was computed with the old adapters, so a session holding context
         must be reset: pass ``reset=True``, or get ``FailedPreconditionError``. On any
@@ -250,7 +252,7 @@ class Session:
                     f"the session holds {context.position} tokens computed with its current "
                     "adapters; pass reset=True to clear them and switch"
                 )
-            self._resources.set_sources(context, check_sources(loras))
+            self._resources.set_adapters(context, check_sources(loras), check_adapters(adapters or {}).items())
             context.position = 0
 
     def close(self) -> None:

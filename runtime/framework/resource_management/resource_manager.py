@@ -167,10 +167,12 @@ class ResourceManager:
 
     # -- contexts ------------------------------------------------------------------
 
-    def new_context_for_sources(self, sources: Iterable[LoraSource]) -> ContextHandler:
-        """A fresh context using ``sources``, registered if needed. Registration and
-        pinning happen under one lock, so a concurrent unload cannot slip in between."""
-        return self._context_for(self._pinned_sources(sources))
+    def new_context(self, sources: Iterable[LoraSource] = (), registered: Iterable[tuple[int, float]] = ()
+                    ) -> ContextHandler:
+        """A fresh context using ``sources`` (registered if needed) and the already
+        registered ``(lora_id, scale)`` entries. Registration and pinning happen under
+        one lock, so a concurrent unload cannot slip in between."""
+        return self._context_for(self._pinned(sources, registered))
 
     def clone_context(self, context: ContextHandler) -> ContextHandler:
         """A new context with a copy of ``context``'s KV cache, position and adapters."""
@@ -185,10 +187,12 @@ class ResourceManager:
             self._contexts.add(clone)
         return clone
 
-    def set_sources(self, context: ContextHandler, sources: Iterable[LoraSource]) -> None:
-        """Switches a context to ``sources``, registered if needed (atomically with
-        respect to unload, like :meth:`new_context_for_sources`)."""
-        self._switch(context, self._pinned_sources(sources))
+    def set_adapters(self, context: ContextHandler, sources: Iterable[LoraSource] = (),
+                     registered: Iterable[tuple[int, float]] = ()) -> None:
+        """Switches a context to ``sources`` (registered if needed) and the registered
+        ``(lora_id, scale)`` entries, atomically with respect to unload, like
+        :meth:`new_context`."""
+        self._switch(context, self._pinned(sources, registered))
 
     def _context_for(self, blend: Blend) -> ContextHandler:
         """A fresh context owning ``blend``'s pins (released if the KV cache cannot be made)."""
@@ -212,10 +216,12 @@ class ResourceManager:
             self._pin(blend)
         return blend
 
-    def _pinned_sources(self, sources: Iterable[LoraSource]) -> Blend:
-        """Registers ``sources`` and pins their blend without releasing the lock between."""
+    def _pinned(self, sources: Iterable[LoraSource], registered: Iterable[tuple[int, float]]) -> Blend:
+        """Registers ``sources`` and pins their blend with ``registered`` without releasing
+        the lock between."""
         with self._lock:
-            return self._pinned_blend([(self.register(source), source.scale) for source in sources])
+            entries = [(self.register(source), source.scale) for source in sources]
+            return self._pinned_blend(entries + list(registered))
 
     def release_context(self, context: ContextHandler) -> None:
         """Unpins the context's adapters and drops its KV cache."""
