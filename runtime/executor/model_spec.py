@@ -1,19 +1,13 @@
 """What a litert-torch LLM export offers, discovered from its signatures alone.
 
-litert-torch exports ``prefill_{N}`` (or ``prefill``), ``decode`` and, per LoRA rank R,
-``prefill_{N}_lora_r{R}`` and ``decode_lora_r{R}``. Inputs are ``tokens``, ``input_pos``,
-one ``kv_cache_{k,v}_{layer}`` per layer and, on LoRA signatures, the LoRA inputs.
+Signatures are named by the contract of :mod:`runtime.util.signature_names` (prefill of a
+length, decode, batched decode, attention windows, LoRA rank slots). Inputs are
+``tokens``, ``input_pos``, one ``kv_cache_{k,v}_{layer}`` per layer and, on LoRA
+signatures, the LoRA inputs; a batched signature's ``tokens`` are ``[B, 1]``,
+``input_pos`` ``[B]``, and each row's KV cache and LoRA inputs carry the row's suffix.
 Outputs are the updated KV caches and ``logits`` (always on decode, on prefill only
-when exported with ``output_logits_on_prefill``).
-
-``python -m runtime export --batch-sizes`` adds ``decode_batch{B}`` and
-``decode_batch{B}_lora_r{R}``: B sessions' decode steps in one run, with ``tokens``
-``[B, 1]``, ``input_pos`` ``[B]`` and each row's KV cache and LoRA inputs named as in
-``decode`` with ``_{row}`` appended (see ``runtime/export/batch_decode.py``).
-``--attention-windows`` adds ``decode_attend{W}[_lora_r{R}]`` and
-``decode_batch{B}_attend{W}[_lora_r{R}]``: the same inputs and outputs, attending over the
-cache's first W positions only (for a session whose position is below W). Only the name
-says W: the caches they take are whole.
+when exported with ``output_logits_on_prefill``). A window's caches are whole: only the
+name says W.
 
 This module turns the details the interpreter reports into a :class:`ModelSpec`,
 checking everything the executor relies on, so that a model this runtime cannot drive
@@ -31,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
+from runtime.util.signature_names import SignatureName, parse_row_tensor_name
 from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis, smallest_rank_slot
 from runtime.util.tensor_spec import TensorSpec
 
@@ -38,11 +33,6 @@ TOKENS = "tokens"
 INPUT_POS = "input_pos"
 LOGITS = "logits"
 _KV_NAME = re.compile(r"kv_cache_(?P<kind>[kv])_(?P<layer>0|[1-9][0-9]*)")
-_SIGNATURE_NAME = re.compile(
-    r"(?P<kind>prefill|decode)(?:_(?P<len>[0-9]+))?(?:_batch(?P<rows>[0-9]+))?(?:_attend(?P<window>[0-9]+))?"
-    r"(?:_lora_r(?P<rank>[0-9]+))?"
-)
-_ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 
 KV_LAYOUT_DEFAULT = "default"  # k and v: [1, kv_len, groups, head_dim]
 KV_LAYOUT_TRANSPOSED = "transposed"  # k: [1, groups, kv_len, head_dim]; v: [1, groups, head_dim, kv_len]
@@ -70,8 +60,8 @@ class SignatureSpec:
         ``None`` for ``tokens`` and ``input_pos`` (or any input of an unbatched one)."""
         if self.rows == 1 or name in (TOKENS, INPUT_POS):
             return None
-        match = _ROW_SUFFIX.fullmatch(name)
-        return (int(match["row"]), match["name"]) if match else None
+        parsed = parse_row_tensor_name(name)
+        return (parsed[1], parsed[0]) if parsed else None
 
     @property
     def has_logits(self) -> bool:
@@ -221,7 +211,7 @@ class ModelSpec:
         for spec in signatures.values():
             if spec.kind == "decode" and spec.lora_rank:
                 for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
-                    prefill = signatures.get(f"prefill_{length}_lora_r{spec.lora_rank}")
+                    prefill = signatures.get(str(SignatureName("prefill", length, lora_rank=spec.lora_rank)))
                     if prefill is not None and prefill.lora_inputs != spec.lora_inputs:
                         raise InvalidArgumentError(
                             f"{source}: LoRA inputs of {prefill.key!r} differ from {spec.key!r}"
@@ -243,8 +233,8 @@ def _spec(name: str, detail: Mapping[str, Any]) -> TensorSpec:
 def _signature(
     key: str, inputs: Mapping[str, Mapping[str, Any]], outputs: Mapping[str, Mapping[str, Any]], source: str
 ) -> SignatureSpec:
-    match = _SIGNATURE_NAME.fullmatch(key)
-    if match is None:
+    named = SignatureName.parse(key)
+    if named is None:
         raise UnimplementedError(
             f"{source}: signature {key!r} is neither prefill nor decode; expected a litert-torch LLM export"
         )
@@ -253,9 +243,8 @@ def _signature(
     for required in (TOKENS, INPUT_POS):
         if required not in ins:
             raise InvalidArgumentError(f"{source}: signature {key!r} has no {required!r} input")
-    window = int(match["window"]) if match["window"] is not None else None
-    if match["rows"] is not None:
-        return _batch_signature(key, int(match["rows"]), match["rank"], window, ins, outs, source)
+    if named.rows > 1:
+        return _batch_signature(key, named, ins, outs, source)
     unknown = [n for n in ins if n not in (TOKENS, INPUT_POS) and not _KV_NAME.fullmatch(n) and not is_lora_input_name(n)]
     if unknown:
         raise UnimplementedError(
@@ -268,17 +257,18 @@ def _signature(
         )
     seq_len = tokens.shape[1]
     lora_rank = _lora_rank(key, ins, source)
-    if match["rank"] is not None and int(match["rank"]) != lora_rank:
+    if named.lora_rank is not None and named.lora_rank != lora_rank:
         raise InvalidArgumentError(
-            f"{source}: signature {key!r} is named for rank {match['rank']} but its LoRA inputs have rank {lora_rank}"
+            f"{source}: signature {key!r} is named for rank {named.lora_rank} but its LoRA inputs have rank {lora_rank}"
         )
-    return SignatureSpec(key, match["kind"], seq_len, lora_rank, ins, outs, window=window)
+    return SignatureSpec(key, named.kind, seq_len, lora_rank, ins, outs, window=named.window)
 
 
-def _batch_signature(key: str, rows: int, named_rank: str | None, window: int | None,
-                     ins: Mapping[str, TensorSpec], outs: Mapping[str, TensorSpec], source: str) -> SignatureSpec:
+def _batch_signature(key: str, named: SignatureName, ins: Mapping[str, TensorSpec], outs: Mapping[str, TensorSpec],
+                     source: str) -> SignatureSpec:
     """A ``decode_batch{rows}[_attend{W}][_lora_r{R}]`` signature: tokens ``[rows, 1]``, positions
     ``[rows]``, logits ``[rows, 1, vocab]``, each row's inputs checked by :func:`_check_batch`."""
+    rows = named.rows
     expected = {TOKENS: (rows, 1), INPUT_POS: (rows,)}
     for name, shape in expected.items():
         if ins[name].shape != shape or ins[name].dtype != np.int32:
@@ -290,10 +280,10 @@ def _batch_signature(key: str, rows: int, named_rank: str | None, window: int | 
         raise InvalidArgumentError(f"{source}: signature {key!r} output 'logits' is {got}, expected [{rows}, 1, vocab]")
     per_row = _rows(key, ins, rows)
     lora_rank = _lora_rank(key, per_row[0], source)
-    if (int(named_rank) if named_rank else None) != lora_rank:
+    if named.lora_rank != lora_rank:
         raise InvalidArgumentError(
-            f"{source}: signature {key!r} is named for rank {named_rank} but its LoRA inputs have rank {lora_rank}")
-    return SignatureSpec(key, "decode", 1, lora_rank, ins, outs, rows, window)
+            f"{source}: signature {key!r} is named for rank {named.lora_rank} but its LoRA inputs have rank {lora_rank}")
+    return SignatureSpec(key, "decode", 1, lora_rank, ins, outs, rows, named.window)
 
 
 def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int) -> list[dict[str, TensorSpec]]:
@@ -302,13 +292,12 @@ def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int) -> list[dict[s
     for name, spec in tensors.items():
         if name in (TOKENS, INPUT_POS, LOGITS):
             continue
-        match = _ROW_SUFFIX.fullmatch(name)
-        base = match["name"] if match else ""
-        if match is None or int(match["row"]) >= rows or not (_KV_NAME.fullmatch(base) or is_lora_input_name(base)):
+        base, row = parse_row_tensor_name(name) or ("", rows)
+        if row >= rows or not (_KV_NAME.fullmatch(base) or is_lora_input_name(base)):
             raise UnimplementedError(
                 f"signature {key!r} has a tensor this runtime cannot feed: {name!r} (expected KV cache and LoRA "
                 f"names ending in _0 ... _{rows - 1})")
-        per_row[int(match["row"])][base] = TensorSpec(base, spec.shape, spec.dtype)
+        per_row[row][base] = TensorSpec(base, spec.shape, spec.dtype)
     return per_row
 
 
@@ -321,7 +310,7 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
     if single is None:
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} has no single-session counterpart "
-            f"{'decode_lora_r%d' % spec.lora_rank if spec.lora_rank else 'decode'}")
+            f"{SignatureName('decode', lora_rank=spec.lora_rank)}")
     expected = {**kv, **single.lora_inputs}
     try:
         inputs, outputs = _rows(spec.key, spec.inputs, spec.rows), _rows(spec.key, spec.outputs, spec.rows)

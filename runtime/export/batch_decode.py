@@ -32,6 +32,7 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.litert import attention, kv_utils, lora_utils, model_builder, rotary_position_embedding
+from runtime.util.signature_names import row_tensor_name
 
 _PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "output"}
 
@@ -69,7 +70,7 @@ class BatchDecode(nn.Module):
 
     def _row(self, name: str, row: int) -> str:
         """The input name of ``row``'s ``name`` (one row: the single-session name)."""
-        return f"{name}_{row}" if self.batch > 1 else name
+        return row_tensor_name(name, row) if self.batch > 1 else name
 
     def sample_kwargs(self, kv_length: int) -> dict[str, object]:
         """Inputs of the right shapes; they also fix the signature's input names."""

@@ -18,6 +18,7 @@ from runtime.export.batch_decode import BatchDecode
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.settings import ExportSettings
+from runtime.util.signature_names import SignatureName
 
 _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
 
@@ -37,26 +38,27 @@ SignatureSet = Callable[[nn.Module, ExportSettings], list[Signature]]
 
 def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
     """``prefill_{L}`` per prefill length and ``decode``; with each LoRA rank slot R also
-    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` (the runtime's naming contract)."""
+    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` (named by
+    :mod:`runtime.util.signature_names`)."""
     layout = _KV_LAYOUTS[settings.kv_layout]
     export_config = litert_converter.ExportConfig(
         output_logits_on_prefill=settings.prefill_logits, kvcache_layout=layout
     )
     module = litert_converter.ExportableModule(model, export_config=export_config).eval()
     kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
-    slots: list[tuple[str, lora_utils.LoRA | None]] = [("", None)]
-    slots += [(f"_lora_r{rank}", lora_utils.LoRA.zeros(rank, model.config)) for rank in sorted(settings.lora_ranks)]
+    slots: list[tuple[int | None, lora_utils.LoRA | None]] = [(None, None)]
+    slots += [(rank, lora_utils.LoRA.zeros(rank, model.config)) for rank in sorted(settings.lora_ranks)]
     signatures = []
-    for suffix, lora in slots:
+    for rank, lora in slots:
         extra = {} if lora is None else {"lora": lora}
         for length in sorted(settings.prefill_lengths):
-            signatures.append(Signature(f"prefill_{length}{suffix}", module, {
+            signatures.append(Signature(str(SignatureName("prefill", length, lora_rank=rank)), module, {
                 "tokens": torch.zeros((1, length), dtype=torch.int32),
                 "input_pos": torch.arange(length, dtype=torch.int32),
                 "kv_cache": kv_cache,
                 **extra,
             }))
-        signatures.append(Signature(f"decode{suffix}", module, {
+        signatures.append(Signature(str(SignatureName("decode", lora_rank=rank)), module, {
             "tokens": torch.zeros((1, 1), dtype=torch.int32),
             "input_pos": torch.zeros((1,), dtype=torch.int32),
             "kv_cache": kv_cache,
@@ -75,20 +77,15 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
     for window in sorted(settings.attention_windows):
         for rank in (None, *sorted(settings.lora_ranks)):
             module = BatchDecode(model, 1, rank, layout, window).eval()
-            signatures.append(Signature(f"decode_attend{window}{_slot(rank)}", module,
+            signatures.append(Signature(str(SignatureName("decode", window=window, lora_rank=rank)), module,
                                         module.sample_kwargs(settings.kv_length)))
     for batch in sorted(settings.batch_sizes):
         for window in (None, *sorted(settings.attention_windows)):
             for rank in settings.batch_ranks or (None,):
                 module = BatchDecode(model, batch, rank, layout, window).eval()
-                attend = f"_attend{window}" if window else ""
-                signatures.append(Signature(f"decode_batch{batch}{attend}{_slot(rank)}", module,
-                                            module.sample_kwargs(settings.kv_length)))
+                name = SignatureName("decode", rows=batch, window=window, lora_rank=rank)
+                signatures.append(Signature(str(name), module, module.sample_kwargs(settings.kv_length)))
     return signatures
-
-
-def _slot(rank: int | None) -> str:
-    return f"_lora_r{rank}" if rank else ""
 
 
 SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures)

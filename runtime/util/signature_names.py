@@ -1,0 +1,83 @@
+"""The names of an exported model's signatures and of a batched signature's row tensors.
+
+The one place that writes and reads the naming contract between the exporter and the
+runtime (``runtime/export`` formats names with it, ``runtime/executor/model_spec.py``
+parses them with it):
+
+* ``prefill_{L}`` (or litert-torch's bare ``prefill``) and ``decode``: one session's
+  prefill of L tokens, one session's decode step;
+* ``decode_batch{B}``: B sessions' decode steps in one run;
+* ``_attend{W}`` on a decode: the step attends over the cache's first W positions only;
+* ``_lora_r{R}``: the signature takes LoRA inputs of rank slot R.
+
+In that order: ``decode_batch8_attend128_lora_r16``. A batched signature's KV cache and
+LoRA tensors are the single-session names with ``_{row}`` appended.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIGNATURE = re.compile(
+    r"(?P<kind>prefill|decode)(?:_(?P<len>[1-9][0-9]*))?(?:_batch(?P<rows>[1-9][0-9]*))?"
+    r"(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora_r(?P<rank>[1-9][0-9]*))?"
+)
+_ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
+
+
+@dataclass(frozen=True)
+class SignatureName:
+    """What a signature's name says about it.
+
+    ``kind``: ``"prefill"`` or ``"decode"``. ``seq_len``: a prefill's length (``None`` for
+    a decode, or a bare ``prefill`` whose length only its inputs tell). ``rows``: sessions
+    per run (B of ``decode_batch{B}``; 1 otherwise). ``window``: attends over the cache's
+    first ``window`` positions (``None``: all of them). ``lora_rank``: the LoRA rank slot
+    whose inputs it takes (``None``: no LoRA inputs).
+    """
+
+    kind: str
+    seq_len: int | None = None
+    rows: int = 1
+    window: int | None = None
+    lora_rank: int | None = None
+
+    def __str__(self) -> str:
+        length = f"_{self.seq_len}" if self.seq_len is not None else ""
+        batch = f"_batch{self.rows}" if self.rows > 1 else ""
+        attend = f"_attend{self.window}" if self.window is not None else ""
+        slot = f"_lora_r{self.lora_rank}" if self.lora_rank is not None else ""
+        return f"{self.kind}{length}{batch}{attend}{slot}"
+
+    @classmethod
+    def parse(cls, name: str) -> SignatureName | None:
+        """The parts of ``name``, or ``None`` if it is not spelled by this contract.
+        Whether the parts make sense together (a window on a prefill) is for the
+        model's checks to say, naming the signature."""
+        match = _SIGNATURE.fullmatch(name)
+        if match is None:
+            return None
+        return cls(
+            kind=match["kind"],
+            seq_len=_int(match["len"]),
+            rows=_int(match["rows"]) or 1,
+            window=_int(match["window"]),
+            lora_rank=_int(match["rank"]),
+        )
+
+
+def row_tensor_name(name: str, row: int) -> str:
+    """The name of row ``row``'s copy of the single-session tensor ``name`` in a batched signature."""
+    return f"{name}_{row}"
+
+
+def parse_row_tensor_name(name: str) -> tuple[str, int] | None:
+    """``(single-session name, row)`` of a batched signature's tensor, or ``None`` if the
+    name has no row suffix."""
+    match = _ROW_SUFFIX.fullmatch(name)
+    return (match["name"], int(match["row"])) if match else None
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text else None

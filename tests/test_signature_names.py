@@ -1,0 +1,38 @@
+"""Tests for runtime.util.signature_names: the exporter's names read back as written."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.util.signature_names import SignatureName, parse_row_tensor_name, row_tensor_name
+
+
+@pytest.mark.parametrize("name, parts", [
+    ("prefill_128", SignatureName("prefill", 128)),
+    ("prefill", SignatureName("prefill")),
+    ("prefill_32_lora_r8", SignatureName("prefill", 32, lora_rank=8)),
+    ("decode", SignatureName("decode")),
+    ("decode_lora_r16", SignatureName("decode", lora_rank=16)),
+    ("decode_attend128", SignatureName("decode", window=128)),
+    ("decode_batch8", SignatureName("decode", rows=8)),
+    ("decode_batch8_attend512_lora_r8", SignatureName("decode", rows=8, window=512, lora_rank=8)),
+])
+def test_names_round_trip(name, parts):
+    assert SignatureName.parse(name) == parts
+    assert str(parts) == name
+
+
+@pytest.mark.parametrize("name", [
+    "serving_default", "decode_lora_r0", "decode_batch0", "decode_lora_r8_batch2", "prefill_08", "decode ",
+    "verify4",
+])
+def test_other_names_are_not_of_the_contract(name):
+    assert SignatureName.parse(name) is None
+
+
+def test_row_tensor_names():
+    name = row_tensor_name("kv_cache_k_12", 3)
+    assert name == "kv_cache_k_12_3"
+    assert parse_row_tensor_name(name) == ("kv_cache_k_12", 3)
+    assert parse_row_tensor_name("tokens") is None
+    assert parse_row_tensor_name("kv_cache_k_1_03") is None
