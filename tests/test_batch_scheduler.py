@@ -1,4 +1,4 @@
-"""Tests for runtime.executor.batch_scheduler: steps from many threads run together."""
+"""Tests for runtime.framework.resource_management.batch_scheduler: steps from many threads run together."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from runtime.executor.batch_scheduler import BatchPolicy, BatchScheduler
+from runtime.framework.resource_management.batch_scheduler import BatchPolicy, BatchScheduler
 
 
 class Recorder:

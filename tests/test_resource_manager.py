@@ -26,7 +26,7 @@ def manager():
 
 
 def sessions_using(manager, lora_id):
-    return next(a.sessions for a in manager.adapter_report().adapters if a.lora_id == lora_id)
+    return next(a.sessions for a in manager.registry.report().adapters if a.lora_id == lora_id)
 
 
 def test_same_file_same_id_through_any_path(manager, tmp_path):
@@ -36,57 +36,57 @@ def test_same_file_same_id_through_any_path(manager, tmp_path):
     link.symlink_to(original)
     hard = tmp_path / "hard.tflite"
     os.link(original, hard)
-    first = manager.register(LoraSource(path=original))
-    assert manager.register(LoraSource(path=str(original))) == first
-    assert manager.register(LoraSource(path=link)) == first
-    assert manager.register(LoraSource(path=hard)) == first
-    assert manager.register(LoraSource(path=tmp_path / "." / "a.tflite")) == first
+    first = manager.registry.register(LoraSource(path=original))
+    assert manager.registry.register(LoraSource(path=str(original))) == first
+    assert manager.registry.register(LoraSource(path=link)) == first
+    assert manager.registry.register(LoraSource(path=hard)) == first
+    assert manager.registry.register(LoraSource(path=tmp_path / "." / "a.tflite")) == first
     copy = tmp_path / "copy.tflite"
     shutil.copy(original, copy)  # same bytes, another file: another adapter
-    assert manager.register(LoraSource(path=copy)) != first
-    assert manager.adapter_ids() == [first, first + 1]
+    assert manager.registry.register(LoraSource(path=copy)) != first
+    assert manager.registry.ids() == [first, first + 1]
 
 
 def test_rewritten_file_is_a_new_adapter(manager, tmp_path):
     path = tmp_path / "a.tflite"
     shutil.copy(adapter_path("torch_r4"), path)
-    first = manager.register(LoraSource(path=path))
+    first = manager.registry.register(LoraSource(path=path))
     path.unlink()
     shutil.copy(adapter_path("litertlm_r4"), path)
-    assert manager.register(LoraSource(path=path)) != first
+    assert manager.registry.register(LoraSource(path=path)) != first
 
 
 def test_same_bytes_same_id_different_bytes_new_id(manager):
     blob = adapter_path("torch_r4").read_bytes()
-    first = manager.register(LoraSource(buffer=blob))
-    assert manager.register(LoraSource(buffer=bytearray(blob))) == first
-    assert manager.register(LoraSource(buffer=memoryview(blob))) == first
-    other = manager.register(LoraSource(buffer=adapter_path("litertlm_r4").read_bytes()))
+    first = manager.registry.register(LoraSource(buffer=blob))
+    assert manager.registry.register(LoraSource(buffer=bytearray(blob))) == first
+    assert manager.registry.register(LoraSource(buffer=memoryview(blob))) == first
+    other = manager.registry.register(LoraSource(buffer=adapter_path("litertlm_r4").read_bytes()))
     assert other != first
 
 
 def test_failed_load_leaves_no_id(manager):
     bad = adapter_path("wrong_hidden_r4")
     with pytest.raises(InvalidArgumentError, match="input size 48"):
-        manager.register(LoraSource(path=bad))
-    assert manager.adapter_ids() == []
+        manager.registry.register(LoraSource(path=bad))
+    assert manager.registry.ids() == []
     with pytest.raises(InvalidArgumentError, match="file identifier"):
-        manager.register(LoraSource(buffer=b"garbage, but long enough to have an identifier"))
+        manager.registry.register(LoraSource(buffer=b"garbage, but long enough to have an identifier"))
     with pytest.raises(NotFoundError):
-        manager.register(LoraSource(path="/nonexistent/adapter.tflite"))
-    good = manager.register(LoraSource(path=adapter_path("torch_r4")))
-    assert manager.adapter_ids() == [good]
+        manager.registry.register(LoraSource(path="/nonexistent/adapter.tflite"))
+    good = manager.registry.register(LoraSource(path=adapter_path("torch_r4")))
+    assert manager.registry.ids() == [good]
 
 
 def test_concurrent_registration_loads_once(manager):
     blob = adapter_path("torch_r16").read_bytes()
     ids = []
-    threads = [threading.Thread(target=lambda: ids.append(manager.register(LoraSource(buffer=blob)))) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: ids.append(manager.registry.register(LoraSource(buffer=blob)))) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(set(ids)) == 1 and manager.adapter_ids() == ids[:1]
+    assert len(set(ids)) == 1 and manager.registry.ids() == ids[:1]
 
 
 def test_contexts_pin_their_adapters(manager):
@@ -96,13 +96,13 @@ def test_contexts_pin_their_adapters(manager):
     clone = manager.clone_context(context)
     assert sessions_using(manager, lora_id) == 2
     with pytest.raises(FailedPreconditionError):
-        manager.unload(lora_id)
+        manager.registry.unload(lora_id)
     manager.release_context(context)
     manager.release_context(clone)
-    manager.unload(lora_id)
-    assert manager.adapter_ids() == []
+    manager.registry.unload(lora_id)
+    assert manager.registry.ids() == []
     again = manager.new_context([source])  # registered anew, under a new id
-    assert again.lora_ids != [lora_id] and manager.adapter_ids() == again.lora_ids
+    assert again.lora_ids != [lora_id] and manager.registry.ids() == again.lora_ids
 
 
 @pytest.mark.parametrize("switch", [False, True])
@@ -110,19 +110,19 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
     """Another thread unloads the adapter just as it is registered for a context: the
     context must still get it (and the unload be refused), never a NotFoundError."""
     source = LoraSource(path=adapter_path("torch_r4"))
-    lora_id = manager.register(source)
+    lora_id = manager.registry.register(source)
     context = manager.new_context([]) if switch else None
     outcome: list[BaseException | None] = []
     racers: list[threading.Thread] = []
 
     def unload() -> None:
         try:
-            manager.unload(lora_id)
+            manager.registry.unload(lora_id)
             outcome.append(None)
         except (FailedPreconditionError, NotFoundError) as exc:
             outcome.append(exc)
 
-    original_register = manager.register
+    original_register = manager.registry.register
 
     def register_then_let_an_unload_try(registered: LoraSource) -> int:
         registered_id = original_register(registered)
@@ -132,7 +132,7 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
         racer.join(0.3)  # long enough for an unload that is not kept out to finish
         return registered_id
 
-    monkeypatch.setattr(manager, "register", register_then_let_an_unload_try)
+    monkeypatch.setattr(manager.registry, "register", register_then_let_an_unload_try)
     if switch:
         manager.set_adapters(context, [source])
     else:
@@ -157,7 +157,7 @@ def test_binding_is_reused_until_the_adapter_changes(manager):
     assert bound(manager, context) is first
     assert first.lora_rank == 4
     manager.set_adapters(context, [LoraSource(path=adapter_path("litertlm_r8_layer0"))])
-    assert sessions_using(manager, manager.register(one)) == 0
+    assert sessions_using(manager, manager.registry.register(one)) == 0
     second = bound(manager, context)
     assert second is not first and second.lora_rank == 16
     manager.set_adapters(context, [])
@@ -167,15 +167,15 @@ def test_binding_is_reused_until_the_adapter_changes(manager):
 
 
 def test_a_run_protects_its_adapter_and_always_ends(manager):
-    manager.set_residency(OnlyActive())
+    manager.registry.set_residency(OnlyActive())
     context = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
     with manager.run(context):
-        assert len(manager.adapter_report().resident) == 1  # running: kept
-    assert manager.adapter_report().resident == ()  # ended: OnlyActive drops it
+        assert len(manager.registry.report().resident) == 1  # running: kept
+    assert manager.registry.report().resident == ()  # ended: OnlyActive drops it
     with pytest.raises(RuntimeError, match="inside the run"):
         with manager.run(context):
             raise RuntimeError("inside the run")
-    assert manager.adapter_report().resident == ()  # ended by the exception too
+    assert manager.registry.report().resident == ()  # ended by the exception too
     manager.release_context(context)
 
 
@@ -189,13 +189,13 @@ def test_switches_are_counted_when_context_or_adapter_changes(manager):
 
 def test_mutable_buffer_is_snapshotted_at_registration(manager):
     blob = bytearray(adapter_path("torch_r4").read_bytes())
-    lora_id = manager.register(LoraSource(buffer=blob))
+    lora_id = manager.registry.register(LoraSource(buffer=blob))
     context = manager.new_context([LoraSource(buffer=bytes(blob))])
     assert context.lora_ids == [lora_id]  # same content, same adapter
     before = bound(manager, context).executor.decode(bound(manager, context), 1, 0)
     blob[:] = bytes(len(blob))  # the caller scribbles over its buffer
-    manager.set_residency(OnlyActive())  # buffers rebuilt from the registered bytes
-    manager.set_residency(KeepAll())
+    manager.registry.set_residency(OnlyActive())  # buffers rebuilt from the registered bytes
+    manager.registry.set_residency(KeepAll())
     after = bound(manager, context).executor.decode(bound(manager, context), 1, 0)
     np.testing.assert_array_equal(after, before)
     manager.release_context(context)
@@ -203,4 +203,4 @@ def test_mutable_buffer_is_snapshotted_at_registration(manager):
 
 def test_wrong_buffer_type(manager):
     with pytest.raises(InvalidArgumentError, match="got str"):
-        manager.register(LoraSource(buffer="not bytes"))
+        manager.registry.register(LoraSource(buffer="not bytes"))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +15,9 @@ from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.components.chat_template import ChatTemplate
 from runtime.components.residency import ResidencyPolicy
 from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
-from runtime.engine.session import Session, SessionRegistry, decode_together
+from runtime.engine.session import Session, SessionRegistry, check_token_ids
 from runtime.engine.stats import EngineStats
-from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.framework.lora_source import LoraSource
@@ -78,21 +80,22 @@ class Engine:
     @property
     def spec(self) -> ModelSpec:
         """What the model offers: signatures, rank slots, KV length, vocabulary."""
-        return self._resources.executor.spec
+        return self._resources.spec
 
     def register_adapter(self, source: LoraSource) -> int:
-        """Loads an adapter (parse and check only) and returns its id; idempotent."""
+        """Registers an adapter (parse and check only: no buffers until a session runs
+        it) and returns its id; the same adapter again returns the same id."""
         self._check_open()
-        return self._resources.register(source)
+        return self._resources.registry.register(source)
 
     def unload_adapter(self, lora_id: int) -> None:
-        """Unloads an adapter no live session uses and frees its buffers."""
+        """Unregisters an adapter no live session uses and frees its buffers."""
         self._check_open()
-        self._resources.unload(lora_id)
+        self._resources.registry.unload(lora_id)
 
     def adapter_ids(self) -> list[int]:
         """The ids of the registered adapters."""
-        return self._resources.adapter_ids()
+        return self._resources.registry.ids()
 
     def create_session(self, config: SessionConfig | None = None) -> Session:
         """A new, empty session running with the adapters ``config`` names."""
@@ -105,24 +108,48 @@ class Engine:
         """One decode step for each ``(session, token)`` of this engine, in one pass over
         the weights where the model has batched decode signatures (``export
         --batch-sizes``); each session's logits ``(vocab,)``, in order. Sessions stepping
-        from their own threads are batched without this (see ``EngineSettings.batch_wait_s``)."""
+        from their own threads are batched without this (see ``EngineSettings.batch_wait_s``).
+
+        Sessions must be distinct and idle. Nothing runs unless every session has room
+        for its token; if the run fails, no session advances."""
         self._check_open()
-        foreign = [session.session_id for session, _ in steps if session._resources is not self._resources]
+        sessions = [session for session, _ in steps]
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise InvalidArgumentError("decode_together got one session twice")
+        closed = [session.session_id for session in sessions if session.closed]
+        if closed:
+            raise FailedPreconditionError(f"sessions {closed} are closed")
+        foreign = [session.session_id for session in sessions if session not in self._sessions]
         if foreign:
             raise InvalidArgumentError(f"sessions {foreign} belong to another engine")
-        return decode_together(steps)
+        tokens = [check_token_ids([token], self.spec.vocab_size)[0] for _, token in steps]
+        if not steps:
+            return []
+        with ExitStack() as held:
+            contexts = [held.enter_context(session.reserve()) for session in sessions]
+            for session, context in zip(sessions, contexts):
+                if context.position + 1 > self.spec.kv_length:
+                    raise ResourceExhaustedError(
+                        f"session {session.session_id}: 1 token at position {context.position} would exceed "
+                        f"the KV cache of {self.spec.kv_length} positions")
+            start = time.perf_counter()
+            logits = self._resources.batcher.decode_together(list(zip(contexts, tokens)))
+            seconds = time.perf_counter() - start
+            for session, context in zip(sessions, contexts):
+                session.record_decode(context, seconds)
+        return logits
 
     def set_residency(self, policy: ResidencyPolicy) -> None:
         """Changes which materialized adapters stay resident; applied at once."""
         self._check_open()
-        self._resources.set_residency(policy)
+        self._resources.registry.set_residency(policy)
 
     def stats(self) -> EngineStats:
         """Registered and resident adapters with their bytes, latencies, residency hits and
         misses, and every live session's counters."""
-        report = self._resources.adapter_report()
+        report = self._resources.registry.report()
         invokes, invoke_seconds = self._resources.invoke_totals()
-        batch_sizes, queue_wait = self._resources.batch_report()
+        batch_sizes, queue_wait = self._resources.batcher.report()
         sessions = []
         for session in self._sessions.snapshot():
             try:
@@ -132,7 +159,7 @@ class Engine:
         return EngineStats(
             adapters=report.adapters,
             resident=report.resident,
-            load=self._resources.load_latency.summary(),
+            load=self._resources.registry.load_latency.summary(),
             materialize=report.residency.materialize,
             switch=self._resources.switch_latency.summary(),
             residency_hits=report.residency.hits,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,10 @@ class SessionRegistry:
         """Forgets a closed session."""
         with self._lock:
             self._sessions.discard(session)
+
+    def __contains__(self, session: object) -> bool:
+        with self._lock:
+            return session in self._sessions
 
     def snapshot(self) -> list[Session]:
         """The live sessions now."""
@@ -134,7 +138,7 @@ class Session:
         tokens = self._check_tokens(tokens)
         if not tokens:
             raise InvalidArgumentError("run_prefill needs at least one token")
-        with self._use() as context:
+        with self.reserve() as context:
             return self._prefill(context, tokens)
 
     def run_decode(self, token: int) -> np.ndarray:
@@ -180,7 +184,7 @@ class Session:
             sampler = Sampler(sampler or self._sampler_config)
         stops = set(self._check_tokens(stop_tokens))
         kv_length = self.kv_length
-        with self._use() as context:
+        with self.reserve() as context:
             needed = context.position + len(prompt) + max_new_tokens
             if needed > kv_length:
                 raise ResourceExhaustedError(
@@ -194,7 +198,7 @@ class Session:
             generated = [sampler.sample(logits)]
             first_token = time.perf_counter()
             stop_reason = "max_new_tokens"
-            with self._resources.streaming():  # decode batches being formed wait for this session's steps
+            with self._resources.batcher.streaming():  # decode batches being formed wait for this session's steps
                 while True:
                     if on_token is not None:
                         on_token(generated[-1])
@@ -224,7 +228,7 @@ class Session:
 
     def clone(self) -> Session:
         """A new session with a copy of this one's context and the same adapters."""
-        with self._use() as context:
+        with self.reserve() as context:
             copy = self._resources.clone_context(context)
         return Session(self._resources, copy, self._sampler_config, self._registry, self._tokenizer)
 
@@ -234,7 +238,7 @@ class Session:
         KV rows past the position are masked by the model until they are overwritten,
         so nothing needs clearing.
         """
-        with self._use() as context:
+        with self.reserve() as context:
             context.position = 0
 
     def set_adapters(self, loras: Sequence[LoraSource] = (), *, adapters: Mapping[int, float] | None = None,
@@ -246,7 +250,7 @@ class Session:
         must be reset: pass ``reset=True``, or get ``FailedPreconditionError``. On any
         error the session keeps its old adapters.
         """
-        with self._use() as context:
+        with self.reserve() as context:
             if context.position and not reset:
                 raise FailedPreconditionError(
                     f"the session holds {context.position} tokens computed with its current "
@@ -288,8 +292,7 @@ class Session:
         )
 
     def _prefill(self, context: ContextHandler, tokens: list[int]) -> np.ndarray:
-        with self._resources.run(context) as binding:
-            logits = binding.executor.prefill(binding, tokens, context.position)
+        logits = self._resources.prefill(context, tokens)
         context.position += len(tokens)
         self._counters.prompt_tokens += len(tokens)
         return logits
@@ -297,13 +300,21 @@ class Session:
     def _decode(self, context: ContextHandler, token: int) -> np.ndarray:
         start = time.perf_counter()
         logits = self._resources.decode(context, token)
-        context.position += 1
-        self._counters.decode_tokens += 1
-        self._counters.decode_seconds += time.perf_counter() - start
+        self.record_decode(context, time.perf_counter() - start)
         return logits
 
+    def record_decode(self, context: ContextHandler, seconds: float) -> None:
+        """Counts one decode step of the reserved ``context`` that took ``seconds``: its
+        position advances by one. For the engine's steps of many sessions together."""
+        context.position += 1
+        self._counters.decode_tokens += 1
+        self._counters.decode_seconds += seconds
+
     @contextmanager
-    def _use(self) -> Iterator[ContextHandler]:
+    def reserve(self) -> Iterator[ContextHandler]:
+        """``with session.reserve() as context:`` the session's context, held against
+        other calls for the block (a concurrent call raises ``FailedPreconditionError``).
+        For the engine, which steps many reserved sessions together."""
         if not self._lock.acquire(blocking=False):
             raise FailedPreconditionError("the session is being used by another call")
         try:
@@ -318,46 +329,20 @@ class Session:
         return context
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        try:
-            ids = [int(t) for t in tokens]
-            exact = all(int(t) == t for t in tokens)
-        except (TypeError, ValueError, OverflowError):
-            raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}") from None
-        if not exact:
-            raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}")
-        bad = [t for t in ids if not 0 <= t < self._vocab]
-        if bad:
-            raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {self._vocab})")
-        return ids
+        return check_token_ids(tokens, self._vocab)
 
 
-def decode_together(steps: Sequence[tuple[Session, int]]) -> list[np.ndarray]:
-    """One decode step for each ``(session, token)``, in as few runs of the model as its
-    batched signatures allow; returns each session's logits ``(vocab,)``, in order.
-
-    Sessions must be of one engine, distinct and idle. Nothing runs unless every session
-    has room for its token; if the run fails, no session advances.
-    """
-    sessions = [session for session, _ in steps]
-    if len({id(s) for s in sessions}) != len(sessions):
-        raise InvalidArgumentError("decode_together got one session twice")
-    if len({id(s._resources) for s in sessions}) > 1:
-        raise InvalidArgumentError("decode_together takes sessions of one engine")
-    tokens = [s._check_tokens([token])[0] for s, token in steps]
-    with ExitStack() as held:
-        contexts = [held.enter_context(session._use()) for session in sessions]
-        for session, context in zip(sessions, contexts):
-            if context.position + 1 > session.kv_length:
-                raise ResourceExhaustedError(
-                    f"session {session.session_id}: 1 token at position {context.position} would exceed "
-                    f"the KV cache of {session.kv_length} positions")
-        if not steps:
-            return []
-        start = time.perf_counter()
-        logits = sessions[0]._resources.decode_together(list(zip(contexts, tokens)))
-        seconds = time.perf_counter() - start
-        for session, context in zip(sessions, contexts):
-            context.position += 1
-            session._counters.decode_tokens += 1
-            session._counters.decode_seconds += seconds
-    return logits
+def check_token_ids(tokens: Sequence[int], vocab_size: int) -> list[int]:
+    """``tokens`` as a list of ints, or ``InvalidArgumentError`` naming the first that is
+    not an integer id of the vocabulary."""
+    try:
+        ids = [int(t) for t in tokens]
+        exact = all(int(t) == t for t in tokens)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}") from None
+    if not exact:
+        raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids

@@ -33,6 +33,7 @@ from runtime.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from runtime.executor.batch_plan import DecodePlan
 from runtime.executor.fast_path import FastPath
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
@@ -124,14 +125,6 @@ class DecodeStep:
     binding: Binding
     token: int
     position: int
-
-
-@dataclass(frozen=True)
-class _BatchGroup:
-    """Steps (by index) that can share batched runs: one rank slot (``None``: no LoRA)."""
-
-    rank: int | None
-    indices: list[int]
 
 
 def _row_buffer(signature: SignatureSpec, rows: Sequence[Mapping[str, TensorBuffer]], name: str) -> TensorBuffer:
@@ -341,67 +334,39 @@ class LlmExecutor:
         window = self.spec.window_for(position, binding.lora_rank)
         return binding.decode if window is None else binding.decode_windows[window]
 
-    def decode_batch(self, steps: Sequence[DecodeStep]) -> list[np.ndarray | BaseException]:
-        """Runs many sessions' decode steps, in as few runs as the model's batched
-        signatures allow; returns each step's logits ``(vocab,)``, or the error of that
-        step alone (a position past the KV cache). A failing run raises for all.
+    def run_decode_plan(self, plan: DecodePlan, steps: Sequence[DecodeStep]) -> list[np.ndarray | BaseException]:
+        """Runs the decode steps of a batch as ``plan`` (:func:`plan_decode` over these
+        steps) says; returns each step's logits ``(vocab,)``, or the error of that step
+        alone (a position past the KV cache). A failing run raises for all.
 
-        Steps are grouped by rank slot; rows without an adapter join a group with zero
-        LoRA inputs (exact). A group runs in the smallest ``decode_batch{B}`` that holds
-        it (rows beyond it pad with a scratch KV cache and are dropped) or, if the model
-        has no batched signature for its slot, step by step as :meth:`decode` does.
+        Each row of a batched run binds its own KV cache and LoRA buffers (rows without
+        an adapter, and padding rows, zero LoRA inputs; padding rows a scratch KV cache).
         """
         results: list[np.ndarray | BaseException | None] = [None] * len(steps)
-        runnable = []
-        for index, step in enumerate(steps):
+        for index in plan.overflow:
             try:
-                self._check_position(step.position, 1)
-                runnable.append(index)
-            except ResourceExhaustedError as exc:
+                self._check_position(steps[index].position, 1)
+            except (ResourceExhaustedError, InvalidArgumentError) as exc:
                 results[index] = exc
         with self._lock:
             self._check_open()
-            for group in self._batch_groups([steps[i] for i in runnable], runnable):
-                sizes = self.spec.batch_sizes(group.rank)
-                # One order for the same sessions whatever order they came in: consecutive
-                # steps of the same batch reuse its run arguments.
-                pending = sorted(group.indices, key=lambda i: id(steps[i].binding))
-                while pending:
-                    if len(pending) == 1 or not sizes:
-                        step = steps[pending[0]]
-                        run = self._decode_run(step.binding, step.position)
-                        results[pending[0]] = self._invoke(run, [step.token], step.position)[0]
-                        pending = pending[1:]
-                        continue
-                    rows = next((b for b in sizes if b >= len(pending)), sizes[-1])
-                    chunk, pending = pending[:rows], pending[rows:]
-                    logits = self._invoke_batch(rows, group.rank, [steps[i] for i in chunk])
-                    for row, index in enumerate(chunk):
-                        results[index] = logits[row]
+            for planned in plan.runs:
+                signature = planned.signature
+                if signature.rows == 1:
+                    step = steps[planned.rows[0]]
+                    run = step.binding.decode if signature.window is None else step.binding.decode_windows[signature.window]
+                    if run.signature is not signature:
+                        raise InternalError(f"the plan runs {signature.key!r} for a session bound to {run.signature.key!r}")
+                    results[planned.rows[0]] = self._invoke(run, [step.token], step.position)[0]
+                    continue
+                logits = self._invoke_batch(signature, [steps[i] for i in planned.rows])
+                for row, index in enumerate(planned.rows):
+                    results[index] = logits[row]
         return results  # type: ignore[return-value]
 
-    def _batch_groups(self, steps: Sequence[DecodeStep], indices: Sequence[int]) -> list[_BatchGroup]:
-        """Steps by rank slot; rows without an adapter go with the first slot that has
-        batched signatures (or their own group when none does)."""
-        groups: dict[int | None, list[int]] = {}
-        for step, index in zip(steps, indices):
-            groups.setdefault(step.binding.lora_rank, []).append(index)
-        plain = groups.pop(None, [])
-        if plain and not self.spec.batch_sizes(None):
-            host = next((rank for rank in sorted(groups) if self.spec.batch_sizes(rank)), None)
-            if host is None:
-                host = next((rank for rank in self.spec.lora_ranks if self.spec.batch_sizes(rank)), None)
-            if host is not None:
-                groups[host] = groups.get(host, []) + plain
-                plain = []
-        found = [_BatchGroup(rank, members) for rank, members in sorted(groups.items())]
-        return ([_BatchGroup(None, plain)] if plain else []) + found
-
-    def _invoke_batch(self, rows: int, lora_rank: int | None, steps: Sequence[DecodeStep]) -> np.ndarray:
-        """One run of ``decode_batch{rows}`` for ``steps`` (padded to ``rows``), attending
-        over the shortest window that holds every row; the logits ``(rows, vocab)``."""
-        window = self.spec.window_for(max(step.position for step in steps), lora_rank, rows)
-        signature = self.spec.decode_batch(rows, lora_rank, window)
+    def _invoke_batch(self, signature: SignatureSpec, steps: Sequence[DecodeStep]) -> np.ndarray:
+        """One run of a batched ``signature`` for ``steps`` (padded to its rows); the
+        logits ``(rows, vocab)``."""
         bindings = tuple(step.binding for step in steps)
         key = (id(signature), *map(id, bindings))
         if self._last_batch is not None and self._last_batch[0] == key:

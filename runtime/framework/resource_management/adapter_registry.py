@@ -1,0 +1,176 @@
+"""AdapterRegistry: adapter ids, and the LoRA manager that holds each adapter's buffers.
+
+* The same adapter gets the same id: a file (or a PEFT directory's files) is identified
+  by device, inode, size and modification time (so another path or a symlink to it is
+  the same adapter, and a rewritten file is a new one); an in-memory blob by the
+  SHA-256 of its content. Ids are assigned here and nowhere else.
+* Each adapter is parsed once, under the lock; one that fails leaves no id behind.
+* Sessions pin the adapters of their blend, so an adapter a live session uses cannot be
+  unloaded; a blend is registered and pinned under one lock, so an unload cannot slip in
+  between.
+
+Adapter states, in the words used throughout: an adapter is *registered* (it has an id,
+its file parsed and checked against the model, no buffers yet) and a blend of them is
+*resident* (materialized into LoRA input buffers of one rank slot, kept by the residency
+policy); a resident blend a run is using is *active* and is never evicted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from runtime.components.lora import LoRA
+from runtime.components.lora_manager import Blend, LoraManager, normalize_blend
+from runtime.components.residency import ResidencyPolicy
+from runtime.errors import NotFoundError, StatusError
+from runtime.framework.lora_source import LoraSource
+from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
+from runtime.util.adapter_formats import AdapterKey
+from runtime.util.latency import LatencyRecorder
+from runtime.util.tensor_spec import TensorSpec
+
+
+class AdapterRegistry:
+    """The registered adapters of one model, their ids, pins and resident buffers. Thread-safe."""
+
+    def __init__(
+        self,
+        lora_slots: Mapping[int, Mapping[str, TensorSpec]],
+        allocate: Callable[[int, str], object],
+        *,
+        head_dim: int,
+        residency: ResidencyPolicy | None = None,
+        allow_non_finite: bool = False,
+    ) -> None:
+        """``lora_slots``: the model's LoRA inputs per rank slot; ``allocate(rank, name)``
+        makes one input buffer; ``head_dim`` is what GGUF adapters need to undo
+        llama.cpp's row order."""
+        self._manager = LoraManager(lora_slots, allocate, residency=residency, allow_non_finite=allow_non_finite)
+        self._head_dim = head_dim
+        self._ids: dict[AdapterKey, int] = {}
+        self._next_id = 1
+        self._lock = threading.RLock()
+        self.load_latency = LatencyRecorder()
+
+    def register(self, source: LoraSource) -> int:
+        """Registers ``source`` once and returns its id; a failure registers nothing."""
+        origin = source.origin()
+        with self._lock:
+            known = origin.key in self._ids
+            lora_id = self._id_for(origin.key)
+            if self._manager.has_lora(lora_id):
+                return lora_id
+            started = time.perf_counter()
+            try:
+                if source.sha256 is not None:
+                    origin.check_sha256(source.sha256)
+                data = origin.open(head_dim=self._head_dim)
+                try:
+                    self._manager.load_lora(lora_id, data)
+                except BaseException:
+                    data.close()
+                    raise
+            except BaseException:
+                if not known:
+                    del self._ids[origin.key]
+                raise
+            self.load_latency.record(time.perf_counter() - started)
+            return lora_id
+
+    def unload(self, lora_id: int) -> None:
+        """Unregisters an adapter no live session uses, drops its buffers and forgets its id."""
+        with self._lock:
+            self._manager.unload_lora(lora_id)
+            for key in [k for k, v in self._ids.items() if v == lora_id]:
+                del self._ids[key]
+
+    def ids(self) -> list[int]:
+        """The ids of the registered adapters, ascending."""
+        return self._manager.loaded_ids()
+
+    def pinned_blend(self, sources: Iterable[LoraSource], registered: Iterable[tuple[int, float]]) -> Blend:
+        """Registers ``sources`` and pins the blend of them and the ``(lora_id, scale)``
+        entries of ``registered`` under one lock; :meth:`unpin` gives the pins back."""
+        with self._lock:
+            entries = [(self.register(source), source.scale) for source in sources]
+            blend = normalize_blend(entries + list(registered))
+            if blend:
+                self._manager.slot_for(blend)  # raises for unknown ids or too large a rank
+            self.pin(blend)
+        return blend
+
+    def pin(self, blend: Blend) -> None:
+        """Marks ``blend``'s adapters as used by one more live session (all or none)."""
+        pinned = []
+        try:
+            for lora_id, _ in blend:
+                self._manager.pin(lora_id)
+                pinned.append(lora_id)
+        except BaseException:
+            for lora_id in pinned:
+                self._manager.unpin(lora_id)
+            raise
+
+    def unpin(self, blend: Blend) -> None:
+        """Ends one :meth:`pin` of ``blend``."""
+        for lora_id, _ in blend:
+            self._manager.unpin(lora_id)
+
+    def slot_or_none(self, blend: Blend) -> int | None:
+        """The rank slot ``blend`` runs in; ``None`` for the base model, or when an adapter
+        of it is gone (the row's own acquire then reports why)."""
+        if not blend:
+            return None
+        try:
+            return self._manager.slot_for(blend)
+        except StatusError:
+            return None
+
+    def acquire(self, blend: Blend, slot: int | None = None) -> LoRA:
+        """Makes ``blend`` resident in rank slot ``slot`` (default: its own) and active
+        until :meth:`release` with the same arguments."""
+        return self._manager.acquire(blend, slot)
+
+    def release(self, blend: Blend, slot: int | None = None) -> None:
+        """Ends one :meth:`acquire`: the blend may be evicted again."""
+        self._manager.release(blend, slot)
+
+    def on_evict(self, listener: Callable[[Blend, LoRA], None]) -> None:
+        """Calls ``listener(blend, buffers)`` whenever a resident blend's buffers are dropped."""
+        self._manager.add_evict_listener(listener)
+
+    def set_residency(self, policy: ResidencyPolicy) -> None:
+        """Changes which resident blends stay resident; applied at once."""
+        self._manager.set_residency(policy)
+
+    def report(self) -> AdapterReport:
+        """Every registered adapter with its bytes and sessions, the resident blends, and
+        the residency counters."""
+        manager = self._manager
+        resident = tuple(
+            ResidentStats(blend, lora.slot_rank, lora.nbytes) for (blend, _), lora in manager.resident().items()
+        )
+        adapters = []
+        for lora_id in manager.loaded_ids():
+            try:
+                plan = manager.plan(lora_id)
+            except NotFoundError:
+                continue  # unloaded meanwhile
+            adapters.append(AdapterStats(
+                lora_id=lora_id,
+                source=plan.source_name,
+                format=plan.data.format_name,
+                rank=plan.rank,
+                tensor_bytes=plan.data.nbytes,
+                resident_bytes=sum(r.nbytes for r in resident if any(i == lora_id for i, _ in r.blend)),
+                sessions=manager.pin_count(lora_id),
+            ))
+        return AdapterReport(tuple(adapters), resident, manager.residency_stats())
+
+    def _id_for(self, key: AdapterKey) -> int:
+        if key not in self._ids:
+            self._ids[key] = self._next_id
+            self._next_id += 1
+        return self._ids[key]
