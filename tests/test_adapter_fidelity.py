@@ -72,7 +72,8 @@ def test_blend_costs_one_slot_of_the_summed_rank(engine):
     sources = [LoraSource(path=PEFT / "qkvo_r4", scale=0.7), LoraSource(path=PEFT / "qkvo_r4_b", scale=0.3)]
     with engine.create_session(SessionConfig(loras=sources)) as session:
         session.run_decode(1)
-        assert session._context.bound_lora.slot_rank == 16  # 4 + 4 -> smallest slot that fits
+        (resident,) = [r for r in engine.stats().resident if r.blend == session.blend]
+        assert resident.slot_rank == 16  # 4 + 4 -> smallest slot that fits
     too_wide = [LoraSource(path=PEFT / "qv_r8_rslora"), LoraSource(path=PEFT / "rank_pattern"),
                 LoraSource(path=PEFT / "qkvo_r4")]  # 8 + 8 + 4 = 20
     with pytest.raises(InvalidArgumentError, match=r"need rank 20 together.*slots: 4, 16"):

@@ -97,9 +97,6 @@ def test_residency_policies_evict_without_changing_results(policy):
         assert got == expected
         assert stats.evictions > 0 and stats.residency_misses > 2
         assert len(stats.resident) <= 1
-        # The idle session let go of the evicted buffers (else eviction would free nothing).
-        idle = a if stats.resident and stats.resident[0].blend == tuple(b.blend) else b
-        assert idle._context.bound_lora is None
 
 
 def test_stats_report_adapters_sessions_and_latencies():
@@ -116,7 +113,7 @@ def test_stats_report_adapters_sessions_and_latencies():
     assert by_rank[4].resident_bytes == by_rank[4].tensor_bytes  # rank 4 in the r4 slot
     assert by_rank[16].format == "tflite" and by_rank[16].sessions == 1
     assert stats.load.count == 2 and stats.materialize.count == 2
-    assert stats.switch.count >= 1
+    assert stats.switch.count == 1  # s1's runs, then s2's: one switch
     assert stats.residency_misses == 2 and stats.residency_hits > 0
     assert [s.session_id for s in stats.sessions] == [s1.session_id, s2.session_id]
     first = stats.sessions[0]
@@ -137,7 +134,6 @@ def test_executor_pool_runs_sessions_in_parallel_with_isolated_results():
     with Engine(MODEL_FILES["default"]) as engine:
         alone = [run(engine, config, i) for i, config in enumerate(configs)]
     with Engine(MODEL_FILES["default"], EngineSettings(executors=2)) as engine:
-        assert len(engine._resources.executors) == 2
         results = [None] * len(configs)
         threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(engine, configs[i], i)))
                    for i in range(len(configs))]

@@ -28,7 +28,7 @@ def build(blend, rank, slot=None):
 def graph_pair(d: LoraData, layer: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
     """The adapter's (a [in, r], b [r, out]) for one projection, read the slow obvious way."""
     torch_a = f"lora_atten_{proj}_a_prime_weight_{layer}"
-    if d.has_tensor(torch_a):
+    if torch_a in d.get_all_tensor_names():
         return d.read_tensor(torch_a).astype(np.float32), d.read_tensor(f"lora_atten_{proj}_b_prime_weight_{layer}").astype(np.float32)
     a = d.read_tensor(lora_input_name(Convention.LITERT_LM, layer, proj, "a")).astype(np.float32).T
     b = d.read_tensor(lora_input_name(Convention.LITERT_LM, layer, proj, "b")).astype(np.float32)

@@ -179,6 +179,21 @@ def test_a_run_protects_its_adapter_and_always_ends(manager):
     manager.release_context(context)
 
 
+def test_idle_contexts_let_go_of_evicted_buffers(manager):
+    """Else an eviction would free nothing: the idle context's binding would keep them."""
+    a = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
+    b = manager.new_context([LoraSource(path=adapter_path("litertlm_r4"))])
+    bound(manager, a)
+    assert a.bound_lora is not None
+    manager.registry.set_residency(OnlyActive())  # a is idle: its blend goes
+    assert a.bound_lora is None and a.binding is None and a.recent == {}
+    with manager.run(b):
+        assert b.bound_lora is not None  # active: kept while it runs
+    assert b.bound_lora is None  # idle again: evicted, let go
+    manager.release_context(a)
+    manager.release_context(b)
+
+
 def test_switches_are_counted_when_context_or_adapter_changes(manager):
     a = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
     b = manager.new_context([])

@@ -39,33 +39,6 @@ def test_resident_bytes_of_nothing_is_zero():
     assert engine_stats().resident_bytes == 0
 
 
-@pytest.mark.parametrize(
-    "value",
-    [
-        AdapterStats(1, "a.tflite", "tflite", 4, 10, 0, 0),
-        ResidentStats(((1, 1.0),), 4, 10),
-        SessionStats(1, (1,), 3, 3, 0, None, 0.0),
-        engine_stats(),
-    ],
-    ids=lambda v: type(v).__name__,
-)
-def test_stats_are_value_objects(value):
-    assert value == dataclasses.replace(value)
-    assert hash(value) == hash(dataclasses.replace(value))
-
-
-def test_stats_compare_by_value():
-    session = SessionStats(
-        session_id=2, lora_ids=(1, 3), position=9, prompt_tokens=5, decode_tokens=4,
-        time_to_first_token_s=0.01, decode_tokens_per_s=100.0,
-    )
-    assert session == SessionStats(2, (1, 3), 9, 5, 4, 0.01, 100.0)
-    assert session != dataclasses.replace(session, decode_tokens=5)
-    adapter = AdapterStats(1, "a.tflite", "gguf", 8, 100, 50, 2)
-    assert (adapter.format, adapter.rank, adapter.sessions) == ("gguf", 8, 2)
-    assert adapter != dataclasses.replace(adapter, resident_bytes=0)
-
-
 # -- what Engine.stats() reports --------------------------------------------------------
 
 

@@ -47,9 +47,6 @@ class AdapterData(Protocol):
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order."""
 
-    def has_tensor(self, name: str) -> bool:
-        """Whether tensor ``name`` exists."""
-
     def tensor_info(self, name: str) -> TensorInfo:
         """Shape, dtype and size of ``name`` (read from metadata only)."""
 
@@ -104,10 +101,6 @@ class DerivedLoraData:
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order."""
         return list(self._tensors)
-
-    def has_tensor(self, name: str) -> bool:
-        """Whether tensor ``name`` exists."""
-        return name in self._tensors
 
     def tensor_info(self, name: str) -> TensorInfo:
         """Shape, dtype and size of ``name``; ``NotFoundError`` if absent."""

@@ -79,10 +79,6 @@ class LoraInputName:
         """The convention-independent identity ``(layer, projection, side)``."""
         return (self.layer, self.projection, self.side)
 
-    def spelled(self, convention: Convention) -> str:
-        """This tensor's name in another convention."""
-        return lora_input_name(convention, self.layer, self.projection, self.side)
-
 
 def is_lora_input_name(name: str) -> bool:
     """True when ``name`` is, as a whole, a LoRA input name in any known convention."""
