@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from runtime import Engine, EngineSettings, SessionConfig
-from runtime.bench import random_adapter_files
+from measure import random_adapter_files  # benchmarks/measure.py, beside this script
 
 STEPS = 6  # decode steps per timed run
 

@@ -48,15 +48,13 @@ from files import DECODE_SETTINGS, MODEL_SETS, PRECISION_PAIRS, SETTING_ADAPTERS
 
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
 from runtime.errors import StatusError  # noqa: E402
-from runtime.bench import (  # noqa: E402
+from runtime.bench import SwitchRig, decode_round, timed_decode  # noqa: E402
+from measure import (  # noqa: E402  (benchmarks/measure.py)
     ConcurrencyRig,
-    SwitchRig,
     batch_fidelity,
     batch_memory,
     bench_cold_switch,
     bench_memory,
-    decode_round,
-    timed_decode,
     load_cost,
     prefill_seconds,
     register_seconds,
@@ -72,7 +70,7 @@ SAME_WEIGHTS_TOKENS = 16
 
 class Rounds:
     """Figures collected round by round under a key path, summarized as nested dicts of
-    :func:`runtime.bench.spread` (median, min, max, rounds)."""
+    :func:`measure.spread` (median, min, max, rounds)."""
 
     def __init__(self) -> None:
         self.samples: dict[tuple, list[float]] = defaultdict(list)

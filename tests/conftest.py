@@ -76,3 +76,14 @@ def pytest_unconfigure(config):
         os.close(devnull)
 
     atexit.register(mute)  # runs after pytest has restored its captured file descriptors
+
+
+class Clock:
+    """A stand-in for the ``time`` module whose clock advances one second per reading."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
