@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from runtime import Engine, EngineSettings, SessionConfig
+from runtime.util.signature_names import LoraSlot
 from measure import random_adapter_files  # benchmarks/measure.py, beside this script
 
 STEPS = 6  # decode steps per timed run
@@ -43,7 +44,7 @@ def main() -> None:
             paths[rank] = iter(random_adapter_files(engine, Path(folder) / f"r{rank}", count, rank, seed=rank))
         sessions = [engine.create_session(SessionConfig(lora_path=next(paths[ranks[row % len(ranks)]])))
                     for row in range(args.rows)]
-        slot = engine.spec.smallest_slot(max(ranks))
+        slot = engine.spec.slot_for(LoraSlot(max(ranks)))
         print(f"{args.model.name}: {args.rows} sessions of ranks {ranks} (batch slot {slot}, windows "
               f"{list(engine.spec.windows(slot, args.rows))}), 1 thread, median of {args.rounds} rounds of {STEPS} steps")
         print("| position | one session (ms) | batch of %d (ms) | aggregate | latency |" % args.rows)

@@ -23,6 +23,7 @@ from runtime.bench import decode_loop
 from runtime.errors import InvalidArgumentError
 from runtime.util.lora_util import Convention, parse_lora_input_name
 from runtime.util.lora_writer import LoraWeights, write_lora_file
+from runtime.util.signature_names import LoraSlot
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -107,7 +108,7 @@ def bench_cold_switch(model: str | os.PathLike[str], sources: Sequence[LoraSourc
 def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, seed: int = 0) -> list[Path]:
     """``count`` distinct random adapter files that fit ``engine``'s model at ``rank``."""
     spec = engine.spec
-    slot = spec.lora_slot(spec.smallest_slot(rank))
+    slot = spec.slot_inputs(spec.slot_for(LoraSlot(rank)))
     shapes = {}
     for name, tensor in slot.items():
         parsed = parse_lora_input_name(name)

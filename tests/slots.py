@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.util.lora_util import Convention, lora_input_name
+from runtime.util.signature_names import LoraSlot
 from runtime.util.tensor_spec import TensorSpec
 
 FAN = {"q": (64, 64), "k": (64, 32), "v": (64, 32), "o": (64, 64)}
@@ -34,13 +35,13 @@ class ArrayBuffer:
         self.array = data_array.copy()
 
 
-def allocator(slots: dict[int, dict[str, TensorSpec]]):
-    """``allocate(rank, name)`` over :class:`ArrayBuffer`, counting allocations."""
+def allocator(slots: dict[LoraSlot, dict[str, TensorSpec]]):
+    """``allocate(slot, name)`` over :class:`ArrayBuffer`, counting allocations."""
     calls = []
 
-    def allocate(rank: int, name: str) -> ArrayBuffer:
-        calls.append((rank, name))
-        return ArrayBuffer(slots[rank][name])
+    def allocate(slot: LoraSlot, name: str) -> ArrayBuffer:
+        calls.append((slot, name))
+        return ArrayBuffer(slots[slot][name])
 
     allocate.calls = calls
     return allocate

@@ -69,11 +69,11 @@ def test_refuse_nothing_is_silent():
 
 def test_refuse_lists_source_count_and_names():
     with pytest.raises(InvalidArgumentError) as caught:
-        refuse_unappliable("dir/adapter.gguf", ["blk.0.ffn_up.lora_a", "blk.1.ffn_down.lora_b"])
+        refuse_unappliable("dir/adapter.gguf", ["token_embd.lora_a", "output.lora_b"])
     message = str(caught.value)
     assert message.startswith("INVALID_ARGUMENT: dir/adapter.gguf: cannot apply 2 tensor(s)")
-    assert "attention q/k/v/o" in message
-    assert message.endswith(": blk.0.ffn_up.lora_a, blk.1.ffn_down.lora_b")
+    assert "q/k/v/o and the MLP's gate/up/down only" in message
+    assert message.endswith(": token_embd.lora_a, output.lora_b")
 
 
 def test_refuse_uses_the_separator():
@@ -88,7 +88,7 @@ def test_refuse_lists_at_most_max_listed(count):
         refuse_unappliable("src", refused)
     message = str(caught.value)
     assert f"cannot apply {count} tensor(s)" in message
-    listed = message.split("q/k/v/o): ", 1)[1]
+    listed = message.split("gate/up/down only): ", 1)[1]
     shown = min(count, MAX_LISTED)
     expected = ", ".join(refused[:shown])
     if count > MAX_LISTED:

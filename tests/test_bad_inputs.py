@@ -111,7 +111,7 @@ CATALOGUE = [
      "unsupported dtype INT32"),
     ("duplicate tensor names", lambda t: _write(t, _duplicate_names()), InvalidArgumentError, "duplicate"),
     ("rank above every slot", lambda t: adapter_path("torch_r32"), InvalidArgumentError,
-     "rank 32 exceeds every LoRA slot of the model (slots: 4, 16)"),
+     "rank 32 exceeds every LoRA slot of the model (slots: r4, r16)"),
     ("adapter for another hidden size", lambda t: adapter_path("wrong_hidden_r4"), InvalidArgumentError,
      "'lora_atten_k_a_prime_weight_0' has shape [48, 4]: input size 48, expected 64"),
     ("adapter for more layers", lambda t: _write(t, _layer(2)), InvalidArgumentError,
@@ -128,7 +128,8 @@ CATALOGUE = [
     ("PEFT: corrupt safetensors header", lambda t: _peft_dir(t, weights=b"\x08\0\0\0\0\0\0\0{bad json"),
      InvalidArgumentError, "not a readable safetensors file"),
     ("PEFT: MLP-only adapter", lambda t: PEFT / "mlp_only", InvalidArgumentError,
-     "cannot apply 12 tensor(s)"),
+     "12 tensor(s) are on MLP projections, which this model takes no LoRA on (its slots cover q/k/v/o; "
+     "re-export it with --lora-targets all-linear): lora_ff_down_a_prime_weight_0"),
     ("GGUF of the wrong general.type", lambda t: PEFT / "not_an_adapter.gguf", InvalidArgumentError,
      "general.type is 'model', expected 'adapter'"),
     ("GGUF truncated", lambda t: _write(t, (PEFT / "qkvo_r4.gguf").read_bytes()[:200]), InvalidArgumentError,

@@ -50,8 +50,8 @@ def test_help_texts():
 def test_inspect_model_and_adapter():
     model = cli("inspect", MODEL_FILES["transposed"])
     assert model.returncode == 0
-    assert "LoRA rank slots [4, 16]" in model.stdout and "transposed layout" in model.stdout
-    assert "batched decode rows [2, 4] (rank slot 4), [2, 4] (rank slot 16)" in model.stdout
+    assert "LoRA slots r4, r16" in model.stdout and "transposed layout" in model.stdout
+    assert "batched decode rows [2, 4] (LoRA slot r4), [2, 4] (LoRA slot r16)" in model.stdout
     assert "attention windows [16, 32]" in model.stdout
     assert "lora_atten_q_a_prime_weight_0" in model.stdout and "[LoRA]" in model.stdout
     adapter = cli("inspect", adapter_path("litertlm_r4"), "--model", MODEL_FILES["default"])

@@ -23,6 +23,7 @@ from runtime.export.bundle import write_bundle  # noqa: E402
 from runtime.export.exporter import export  # noqa: E402
 from runtime.export.settings import QUANTIZATIONS, ExportSettings  # noqa: E402
 from runtime.export.source import inspect_source  # noqa: E402
+from runtime.util.signature_names import LoraSlot
 
 pytestmark = pytest.mark.export
 PROMPT_LEN, TOKENS = 6, 24
@@ -101,10 +102,10 @@ def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) ->
     assert "LoRA slots [4], KV length 64" in exported.run.stdout
     assert exported.run.stderr == ""  # the libraries' warnings stay off the terminal
     with Engine(exported.model) as engine:
-        assert engine.spec.lora_ranks == (4,) and engine.spec.kv_length == 64
+        assert engine.spec.slots == (LoraSlot(4),) and engine.spec.kv_length == 64
         assert engine.spec.prefill_lengths == (8,)
-        assert engine.spec.batch_sizes(4) == (3,) and engine.spec.batch_sizes(None) == ()
-        assert engine.spec.windows(None) == engine.spec.windows(4) == engine.spec.windows(4, rows=3) == (16,)
+        assert engine.spec.batch_sizes(LoraSlot(4)) == (3,) and engine.spec.batch_sizes(None) == ()
+        assert engine.spec.windows(None) == engine.spec.windows(LoraSlot(4)) == engine.spec.windows(LoraSlot(4), rows=3) == (16,)
 
 
 def test_a_batched_step_equals_each_session_alone_with_peft_adapters(exported: Exported, tmp_path: Path) -> None:

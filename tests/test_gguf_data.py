@@ -96,10 +96,14 @@ def test_refusals(tmp_path, hf):
         read_gguf_lora(write(tmp_path / "m.gguf", tensors, general_type="model"))
     with pytest.raises(InvalidArgumentError, match="adapter.type is 'control_vector'"):
         read_gguf_lora(write(tmp_path / "c.gguf", tensors, adapter_type="control_vector"))
-    mlp = dict(tensors)
-    mlp["blk.0.ffn_up.weight.lora_a"] = np.zeros((4, 64), np.float32)
-    with pytest.raises(InvalidArgumentError, match=r"cannot apply 1 tensor\(s\).*ffn_up"):
-        read_gguf_lora(write(tmp_path / "f.gguf", mlp))
+    other = dict(tensors)
+    other["blk.0.ffn_norm.weight.lora_a"] = np.zeros((4, 64), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"cannot apply 1 tensor\(s\).*ffn_norm"):
+        read_gguf_lora(write(tmp_path / "f.gguf", other))
+    half_mlp = dict(tensors)
+    half_mlp["blk.0.ffn_up.weight.lora_a"] = np.zeros((4, 64), np.float32)
+    with pytest.raises(InvalidArgumentError, match="ffn_up.weight has no lora_b"):
+        read_gguf_lora(write(tmp_path / "u.gguf", half_mlp))
     half = {k: v for k, v in tensors.items() if k != "blk.0.attn_v.weight.lora_b"}
     with pytest.raises(InvalidArgumentError, match="attn_v.weight has no lora_b"):
         read_gguf_lora(write(tmp_path / "h.gguf", half))

@@ -16,6 +16,7 @@ from runtime.errors import (
 )
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.util.lora_data import LoraData
+from runtime.util.signature_names import LoraSlot
 
 TOL = 1e-4
 
@@ -54,9 +55,9 @@ def test_prefill_then_decode_and_continue(executor, weights):
 
 
 def test_rank_4_adapter_in_rank_16_slot(executor, weights):
-    plan = plan_adapter(LoraData.create_from_file_path(adapter_path("torch_r4")), {16: executor.spec.lora_slot(16)})
-    lora = LoRA([(plan, 1.0)], 16, executor.spec.lora_slot(16), lambda n: executor.create_lora_buffer(16, n))
-    binding = executor.bind(executor.create_kv_cache(), lora.buffers, 16)
+    plan = plan_adapter(LoraData.create_from_file_path(adapter_path("torch_r4")), {LoraSlot(16): executor.spec.slot_inputs(LoraSlot(16))})
+    lora = LoRA([(plan, 1.0)], LoraSlot(16), executor.spec.slot_inputs(LoraSlot(16)), lambda n: executor.create_lora_buffer(LoraSlot(16), n))
+    binding = executor.bind(executor.create_kv_cache(), lora.buffers, LoraSlot(16))
     seq = tokens(14, seed=4)
     expected = reference_logits(weights, seq, lora=adapter_deltas("torch_r4"))
     np.testing.assert_allclose(executor.prefill(binding, seq[:6], 0), expected[5], atol=TOL)
@@ -68,13 +69,13 @@ def test_rank_4_adapter_in_rank_16_slot(executor, weights):
 def test_decode_across_its_attention_windows_matches_reference(executor, weights, adapter):
     """Positions 0-15 run decode_attend16, 16-31 decode_attend32, the rest the whole
     cache: every step's logits are the reference's, at each window's edges too."""
-    assert executor.spec.windows(None) == executor.spec.windows(16) == (16, 32)
+    assert executor.spec.windows(None) == executor.spec.windows(LoraSlot(16)) == (16, 32)
     if adapter is None:
         binding, deltas = executor.bind(executor.create_kv_cache()), None
     else:
-        plan = plan_adapter(LoraData.create_from_file_path(adapter_path(adapter)), {16: executor.spec.lora_slot(16)})
-        lora = LoRA([(plan, 1.0)], 16, executor.spec.lora_slot(16), lambda n: executor.create_lora_buffer(16, n))
-        binding, deltas = executor.bind(executor.create_kv_cache(), lora.buffers, 16), adapter_deltas(adapter)
+        plan = plan_adapter(LoraData.create_from_file_path(adapter_path(adapter)), {LoraSlot(16): executor.spec.slot_inputs(LoraSlot(16))})
+        lora = LoRA([(plan, 1.0)], LoraSlot(16), executor.spec.slot_inputs(LoraSlot(16)), lambda n: executor.create_lora_buffer(LoraSlot(16), n))
+        binding, deltas = executor.bind(executor.create_kv_cache(), lora.buffers, LoraSlot(16)), adapter_deltas(adapter)
     seq = tokens(64, seed=9)
     expected = reference_logits(weights, seq, lora=deltas)
     for pos in range(64):
@@ -111,9 +112,9 @@ def test_bad_arguments(executor):
     with pytest.raises(InvalidArgumentError):
         executor.decode(binding, 1, -1)
     with pytest.raises(NotFoundError):
-        executor.create_lora_buffer(4, "kv_cache_k_0")
+        executor.create_lora_buffer(LoraSlot(4), "kv_cache_k_0")
     with pytest.raises(InvalidArgumentError):
-        executor.bind(binding.kv, lora_rank=4)
+        executor.bind(binding.kv, lora_slot=LoraSlot(4))
 
 
 def test_missing_and_invalid_model_files(tmp_path):

@@ -11,18 +11,19 @@ from runtime.errors import InvalidArgumentError
 from runtime.util.lora_data import LoraData
 from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.lora_writer import LoraWeights, serialize_lora_tensors, name_adapter_tensors
+from runtime.util.signature_names import LoraSlot
 from slots import ArrayBuffer, slot_inputs
 
-SLOTS = {4: slot_inputs(4), 16: slot_inputs(16)}
+SLOTS = {LoraSlot(4): slot_inputs(4), LoraSlot(16): slot_inputs(16)}
 
 
 def data(name: str) -> LoraData:
     return LoraData.create_from_file_path(adapter_path(name))
 
 
-def build(blend, rank, slot=None):
-    slot = slot or SLOTS[rank]
-    return LoRA(blend, rank, slot, lambda name: ArrayBuffer(slot[name]))
+def build(blend, rank, inputs=None):
+    inputs = inputs or SLOTS[LoraSlot(rank)]
+    return LoRA(blend, LoraSlot(rank), inputs, lambda name: ArrayBuffer(inputs[name]))
 
 
 def graph_pair(d: LoraData, layer: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
@@ -42,7 +43,7 @@ def test_fill_is_exact_in_own_slot_and_padded_slot(name):
     assert plan.rank == 4
     for rank in (4, 16):
         lora = build([(plan, 0.5)], rank)
-        assert lora.nbytes == sum(s.nbytes for s in SLOTS[rank].values())
+        assert lora.nbytes == sum(s.nbytes for s in SLOTS[LoraSlot(rank)].values())
         for layer in range(2):
             for proj in "qkvo":
                 a, b = graph_pair(d, layer, proj)
@@ -57,7 +58,7 @@ def test_partial_adapter_zero_fills_the_rest():
     plan = plan_adapter(data("torch_r4_layer1_qv"), SLOTS)
     assert sorted(plan.pairs) == [(1, "q"), (1, "v")]
     lora = build([(plan, 1.0)], 4)
-    assert len(lora.buffers) == len(SLOTS[4])
+    assert len(lora.buffers) == len(SLOTS[LoraSlot(4)])
     assert lora.buffers["lora_atten_q_a_prime_weight_1"].array.any()
     for name in ("lora_atten_q_a_prime_weight_0", "lora_atten_k_b_prime_weight_1", "lora_atten_o_a_prime_weight_0"):
         assert not lora.buffers[name].array.any()
@@ -76,10 +77,10 @@ def test_blend_concatenates_ranks():
 
 
 def test_writes_into_a_model_of_the_other_convention():
-    lm_slots = {8: slot_inputs(8, Convention.LITERT_LM)}
+    lm_slots = {LoraSlot(8): slot_inputs(8, Convention.LITERT_LM)}
     d = data("torch_r4")
     plan = plan_adapter(d, lm_slots)
-    lora = build([(plan, 1.0)], 8, lm_slots[8])
+    lora = build([(plan, 1.0)], 8, lm_slots[LoraSlot(8)])
     left = lora.buffers["query_w_prime_left_1"].array  # [r, in]
     a, _ = graph_pair(d, 1, "q")
     np.testing.assert_array_equal(left[:4], a.T)
@@ -89,7 +90,7 @@ def test_writes_into_a_model_of_the_other_convention():
     "name,match",
     [
         ("wrong_hidden_r4", r"input size 48, expected 64"),
-        ("torch_r32", r"rank 32 exceeds every LoRA slot of the model \(slots: 4, 16\)"),
+        ("torch_r32", r"rank 32 exceeds every LoRA slot of the model \(slots: r4, r16\)"),
     ],
 )
 def test_misfits_are_refused_with_the_reason(name, match):
@@ -124,5 +125,5 @@ def test_non_finite_weights_refused_unless_allowed():
     plan = plan_adapter(d, SLOTS)
     with pytest.raises(InvalidArgumentError, match="NaN or Inf"):
         build([(plan, 1.0)], 4)
-    lora = LoRA([(plan, 1.0)], 4, SLOTS[4], lambda n: ArrayBuffer(SLOTS[4][n]), allow_non_finite=True)
+    lora = LoRA([(plan, 1.0)], LoraSlot(4), SLOTS[LoraSlot(4)], lambda n: ArrayBuffer(SLOTS[LoraSlot(4)][n]), allow_non_finite=True)
     assert np.isnan(lora.buffers["lora_atten_q_a_prime_weight_0"].array).all()

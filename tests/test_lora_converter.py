@@ -11,9 +11,10 @@ from runtime.components.lora_converter import convert_adapter
 from runtime.errors import InvalidArgumentError
 from runtime.util.lora_data import LoraData
 from runtime.util.lora_util import Convention, to_graph_layout
+from runtime.util.signature_names import LoraSlot
 from slots import slot_inputs
 
-SLOTS = {4: slot_inputs(4), 16: slot_inputs(16)}
+SLOTS = {LoraSlot(4): slot_inputs(4), LoraSlot(16): slot_inputs(16)}
 
 
 def graph_pairs(data):

@@ -15,9 +15,11 @@ from runtime.errors import (
     NotFoundError,
 )
 from runtime.util.lora_data import LoraData
+from runtime.util.signature_names import LoraSlot
 from slots import allocator, slot_inputs
 
-SLOTS = {4: slot_inputs(4), 16: slot_inputs(16)}
+R4, R16 = LoraSlot(4), LoraSlot(16)
+SLOTS = {R4: slot_inputs(4), R16: slot_inputs(16)}
 
 
 @pytest.fixture
@@ -49,26 +51,26 @@ def test_load_parses_and_first_use_builds_buffers(manager):
     assert plan.rank == 4
     assert manager.allocations == []  # load parses only
     lora = use(manager, (1, 1.0))
-    assert lora.slot_rank == 4
-    assert len(manager.allocations) == len(SLOTS[4])
-    assert set(lora.buffers) == set(SLOTS[4])
+    assert lora.slot == R4
+    assert len(manager.allocations) == len(SLOTS[R4])
+    assert set(lora.buffers) == set(SLOTS[R4])
 
 
 def test_a_blend_also_runs_zero_padded_in_a_larger_slot(manager):
     manager.load_lora(1, data("torch_r4"))
     blend = normalize_blend([(1, 1.0)])
     own = use(manager, (1, 1.0))
-    padded = manager.acquire(blend, 16)
-    assert padded is not own and (own.slot_rank, padded.slot_rank) == (4, 16)
-    assert manager.acquire(blend, 4) is own and manager.acquire(blend, 16) is padded  # each found again
-    assert sorted(slot for b, slot in manager.resident()) == [4, 16]
-    for slot in (4, 16, 16):
+    padded = manager.acquire(blend, R16)
+    assert padded is not own and (own.slot, padded.slot) == (R4, R16)
+    assert manager.acquire(blend, R4) is own and manager.acquire(blend, R16) is padded  # each found again
+    assert sorted(slot.rank for b, slot in manager.resident()) == [4, 16]
+    for slot in (R4, R16, R16):
         manager.release(blend, slot)
     manager.load_lora(2, data("torch_r16"))
-    with pytest.raises(InvalidArgumentError, match="adapters \\[2\\] cannot run in rank slot 4: they need slot 16"):
-        manager.acquire(normalize_blend([(2, 1.0)]), 4)
-    with pytest.raises(InvalidArgumentError, match="cannot run in rank slot 8"):
-        manager.acquire(blend, 8)
+    with pytest.raises(InvalidArgumentError, match="adapters \\[2\\] cannot run in LoRA slot r4: they need slot r16"):
+        manager.acquire(normalize_blend([(2, 1.0)]), R4)
+    with pytest.raises(InvalidArgumentError, match="cannot run in LoRA slot r8"):
+        manager.acquire(blend, LoraSlot(8))
     manager.unload_lora(1)  # drops the blend in every slot
     assert not resident(manager, blend)
 
@@ -93,7 +95,7 @@ def test_switch_ones_twos_ones_reuses_buffers(manager):
     manager.load_lora(2, data("litertlm_r8_layer0"))
     ones = use(manager, (1, 1.0))
     twos = use(manager, (2, 1.0))
-    assert twos.slot_rank == 16  # rank 8 goes into the r16 slot
+    assert twos.slot == R16  # rank 8 goes into the r16 slot
     allocated = len(manager.allocations)
     assert use(manager, (1, 1.0)) is ones  # resident: no new buffers
     assert len(manager.allocations) == allocated
@@ -105,9 +107,9 @@ def test_blend_and_scales(manager):
     manager.load_lora(1, data("torch_r4"))
     manager.load_lora(2, data("litertlm_r4"))
     blend = use(manager, (1, 0.7), (2, 0.3))
-    assert blend.slot_rank == 16  # ranks add up: 8 goes into the r16 slot
+    assert blend.slot == R16  # ranks add up: 8 goes into the r16 slot
     assert use(manager, (1, 0.5)) is not use(manager, (1, 1.0))  # scale is part of the key
-    assert manager.slot_for(normalize_blend([(1, 1.0), (2, 1.0)])) == 16
+    assert manager.slot_for(normalize_blend([(1, 1.0), (2, 1.0)])) == R16
     manager.load_lora(3, data("torch_r16"))
     with pytest.raises(InvalidArgumentError, match="need rank 20 together"):
         manager.acquire(normalize_blend([(1, 1.0), (3, 1.0)]))
@@ -152,7 +154,7 @@ def test_concurrent_use_materializes_once(manager):
     for t in threads:
         t.join()
     assert len({id(r) for r in results}) == 1
-    assert len(manager.allocations) == len(SLOTS[4])
+    assert len(manager.allocations) == len(SLOTS[R4])
 
 
 def test_lru_evicts_least_recently_used_idle_blend():

@@ -7,6 +7,7 @@ import pytest
 
 from runtime.errors import InvalidArgumentError
 from runtime.util.lora_util import (
+    ATTENTION_PROJECTIONS,
     PROJECTIONS,
     SIDES,
     Convention,
@@ -68,22 +69,35 @@ def test_invalid_names_are_refused(name):
         parse_lora_input_name(name)
 
 
+def spells(convention: Convention, projection: str) -> bool:
+    return projection in ATTENTION_PROJECTIONS or convention is not Convention.MEDIAPIPE
+
+
 @pytest.mark.parametrize("convention", list(Convention))
 def test_spelling_round_trips(convention):
     for layer in (0, 5, 31):
-        for projection in PROJECTIONS:
+        for projection in filter(lambda p: spells(convention, p), PROJECTIONS):
             for side in SIDES:
                 name = lora_input_name(convention, layer, projection, side)
                 parsed = parse_lora_input_name(name)
                 assert parsed.key == (layer, projection, side)
                 assert parsed.convention is convention
-                for other in Convention:
+                for other in filter(lambda c: spells(c, projection), Convention):
                     assert parse_lora_input_name(lora_input_name(other, *parsed.key)).key == parsed.key
 
 
+def test_mlp_inputs_are_named_like_the_attention_ones():
+    assert lora_input_name(Convention.LITERT_TORCH, 2, "gate", "a") == "lora_ff_gate_a_prime_weight_2"
+    assert lora_input_name(Convention.LITERT_LM, 0, "down", "b") == "down_w_prime_right_0"
+    assert not is_lora_input_name("lora_atten_gate_a_prime_weight_0")
+    assert not is_lora_input_name("lora_ff_q_a_prime_weight_0")
+
+
 def test_lora_input_name_refuses_unknown_parts():
+    with pytest.raises(InvalidArgumentError, match="mediapipe convention"):
+        lora_input_name(Convention.MEDIAPIPE, 0, "gate", "a")
     with pytest.raises(InvalidArgumentError):
-        lora_input_name(Convention.LITERT_TORCH, 0, "gate", "a")
+        lora_input_name(Convention.LITERT_TORCH, 0, "ffn", "a")
     with pytest.raises(InvalidArgumentError):
         lora_input_name(Convention.LITERT_LM, -1, "q", "a")
 

@@ -107,9 +107,14 @@ def test_names_default_dtype_is_float32():
 
 
 def test_names_refuse_an_unknown_projection():
-    weights = {(0, "gate"): LoraWeights(np.ones((4, 2), np.float32), np.ones((2, 4), np.float32))}
-    with pytest.raises(InvalidArgumentError, match="gate"):
+    weights = {(0, "ffn"): LoraWeights(np.ones((4, 2), np.float32), np.ones((2, 4), np.float32))}
+    with pytest.raises(InvalidArgumentError, match="ffn"):
         name_adapter_tensors(weights, Convention.LITERT_TORCH)
+    mlp = {(0, "gate"): LoraWeights(np.ones((4, 2), np.float32), np.ones((2, 4), np.float32))}
+    assert set(name_adapter_tensors(mlp, Convention.LITERT_TORCH)) == {"lora_ff_gate_a_prime_weight_0",
+                                                                      "lora_ff_gate_b_prime_weight_0"}
+    with pytest.raises(InvalidArgumentError, match="mediapipe convention"):  # its names stop at attention
+        name_adapter_tensors(mlp, Convention.MEDIAPIPE)
 
 
 # -- serialize_lora_tensors ---------------------------------------------------------

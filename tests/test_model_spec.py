@@ -10,6 +10,7 @@ from conftest import MODEL_FILES
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import KV_LAYOUT_DEFAULT, KV_LAYOUT_TRANSPOSED, ModelSpec
+from runtime.util.signature_names import ALL_LINEAR, LoraSlot
 
 
 @pytest.fixture(scope="module")
@@ -33,25 +34,26 @@ def test_discovers_the_test_models(layout):
     assert spec.vocab_size == 256
     assert spec.num_layers == 2
     assert spec.prefill_lengths == (8, 32)
-    assert spec.lora_ranks == (4, 16)
+    assert spec.slots == (LoraSlot(4), LoraSlot(16))
     assert spec.prefill_has_logits == (layout == "transposed")
     assert spec.kv_cache_bytes == 4 * 64 * 2 * 16 * 4
-    assert len(spec.lora_slot(4)) == 16
-    assert spec.lora_slot(16)["lora_atten_k_b_prime_weight_1"].shape == (16, 32)
-    assert spec.smallest_slot(5) == 16 and spec.smallest_slot(17) is None
-    assert spec.prefill(8, 4).key == "prefill_8_lora_r4"
+    assert len(spec.slot_inputs(LoraSlot(4))) == 16
+    assert spec.slot_inputs(LoraSlot(16))["lora_atten_k_b_prime_weight_1"].shape == (16, 32)
+    assert spec.slot_for(LoraSlot(5)) == LoraSlot(16) and spec.slot_for(LoraSlot(17)) is None
+    assert spec.slot_for(LoraSlot(4, ALL_LINEAR)) is None  # attention-only slots: no MLP inputs
+    assert spec.prefill(8, LoraSlot(4)).key == "prefill_8_lora_r4"
     with pytest.raises(NotFoundError):
         spec.prefill(9)
-    assert spec.batch_sizes(4) == spec.batch_sizes(16) == (2, 4) and spec.batch_sizes(None) == ()
-    batch = spec.decode_batch(4, 16)
-    assert (batch.key, batch.rows, batch.lora_rank) == ("decode_batch4_lora_r16", 4, 16)
-    assert batch.lora_inputs == spec.lora_slot(16)  # each row takes what decode_lora_r16 takes
+    assert spec.batch_sizes(LoraSlot(4)) == spec.batch_sizes(LoraSlot(16)) == (2, 4) and spec.batch_sizes(None) == ()
+    batch = spec.decode_batch(4, LoraSlot(16))
+    assert (batch.key, batch.rows, batch.lora_slot) == ("decode_batch4_lora_r16", 4, LoraSlot(16))
+    assert batch.lora_inputs == spec.slot_inputs(LoraSlot(16))  # each row takes what decode_lora_r16 takes
     assert batch.row_input("kv_cache_v_1_3") == (3, "kv_cache_v_1") and batch.row_input("tokens") is None
-    assert spec.decode(16).key == "decode_lora_r16"
-    assert spec.windows(None) == spec.windows(16) == spec.windows(4, rows=2) == (16, 32)
-    assert [spec.window_for(p, 16) for p in (0, 15, 16, 31, 32, 63)] == [16, 16, 32, 32, None, None]
-    assert spec.decode(4, window=16).key == "decode_attend16_lora_r4"
-    assert spec.decode_batch(4, 16, window=32).key == "decode_batch4_attend32_lora_r16"
+    assert spec.decode(LoraSlot(16)).key == "decode_lora_r16"
+    assert spec.windows(None) == spec.windows(LoraSlot(16)) == spec.windows(LoraSlot(4), rows=2) == (16, 32)
+    assert [spec.window_for(p, LoraSlot(16)) for p in (0, 15, 16, 31, 32, 63)] == [16, 16, 32, 32, None, None]
+    assert spec.decode(LoraSlot(4), window=16).key == "decode_attend16_lora_r4"
+    assert spec.decode_batch(4, LoraSlot(16), window=32).key == "decode_batch4_attend32_lora_r16"
     with pytest.raises(NotFoundError, match="attending over 8 positions"):
         spec.decode(None, window=8)
     executor.close()

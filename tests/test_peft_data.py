@@ -95,16 +95,37 @@ def test_config_refusals(rng, config, error, match):
 
 def test_unappliable_tensors_are_all_listed(rng):
     sd = pair(rng, 0, "q", 4)
-    sd["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"] = np.zeros((4, 64), np.float32)
-    sd["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = np.zeros((128, 4), np.float32)
+    sd["base_model.model.lm_head.lora_A.weight"] = np.zeros((4, 64), np.float32)
+    sd["base_model.model.model.embed_tokens.lora_embedding_A"] = np.zeros((4, 256), np.float32)
     sd["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = np.zeros(64, np.float32)
     sd["base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"] = np.zeros(64, np.float32)
     with pytest.raises(InvalidArgumentError) as info:
         read_peft_state_dict(sd, {"r": 4})
     message = str(info.value)
     assert "cannot apply 4 tensor(s)" in message
-    for fragment in ("mlp.gate_proj.lora_A", "mlp.gate_proj.lora_B", "(DoRA magnitude)", "(LoRA bias)"):
+    for fragment in ("lm_head.lora_A", "(embedding LoRA)", "(DoRA magnitude)", "(LoRA bias)"):
         assert fragment in message
+
+
+def test_mlp_projections_read_like_the_attention_ones(rng):
+    sd = pair(rng, 0, "q", 4)
+    sd[f"{PREFIX}.1.mlp.gate_proj.lora_A.weight"] = rng.standard_normal((4, 64)).astype(np.float32)
+    sd[f"{PREFIX}.1.mlp.gate_proj.lora_B.weight"] = rng.standard_normal((128, 4)).astype(np.float32)
+    sd[f"{PREFIX}.1.mlp.down_proj.lora_A.weight"] = rng.standard_normal((4, 128)).astype(np.float32)
+    sd[f"{PREFIX}.1.mlp.down_proj.lora_B.weight"] = rng.standard_normal((64, 4)).astype(np.float32)
+    data = read_peft_state_dict(sd, {"r": 4, "lora_alpha": 8})
+    assert data.tensor_info("lora_ff_gate_a_prime_weight_1").shape == (64, 4)
+    assert data.tensor_info("lora_ff_down_b_prime_weight_1").shape == (4, 64)
+    np.testing.assert_allclose(data.read_tensor("lora_ff_gate_a_prime_weight_1"),
+                               2.0 * sd[f"{PREFIX}.1.mlp.gate_proj.lora_A.weight"].T)  # alpha / r = 2
+
+
+def test_lora_xs_by_type_and_r_only_files_are_named(rng):
+    sd = pair(rng, 0, "q", 4)
+    assert read_peft_state_dict(sd, {"r": 4, "peft_type": "lora_xs"}).get_lora_rank() == 4
+    r_only = {f"{PREFIX}.0.self_attn.q_proj.lora_R.weight": np.eye(4, dtype=np.float32)}
+    with pytest.raises(UnimplementedError, match="R-only LoRA-XS"):
+        read_peft_state_dict(r_only, {"r": 4, "peft_type": "LORA_XS"})
 
 
 def test_missing_half_and_bad_pair(rng):

@@ -16,6 +16,7 @@ from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFou
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
+from runtime.util.signature_names import LoraSlot
 
 
 @pytest.fixture
@@ -155,13 +156,13 @@ def test_binding_is_reused_until_the_adapter_changes(manager):
     context = manager.new_context([one])
     first = bound(manager, context)
     assert bound(manager, context) is first
-    assert first.lora_rank == 4
+    assert first.lora_slot == LoraSlot(4)
     manager.set_adapters(context, [LoraSource(path=adapter_path("litertlm_r8_layer0"))])
     assert sessions_using(manager, manager.registry.register(one)) == 0
     second = bound(manager, context)
-    assert second is not first and second.lora_rank == 16
+    assert second is not first and second.lora_slot == LoraSlot(16)
     manager.set_adapters(context, [])
-    assert bound(manager, context).lora_rank is None
+    assert bound(manager, context).lora_slot is None
     manager.set_adapters(context, [one])
     assert bound(manager, context) is first  # a recent binding, not rebuilt
 

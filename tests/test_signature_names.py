@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.util.signature_names import SignatureName, parse_row_tensor_name, row_tensor_name
+from runtime.util.signature_names import (
+    ALL_LINEAR,
+    LoraSlot,
+    SignatureName,
+    cheapest_slot,
+    parse_row_tensor_name,
+    row_tensor_name,
+)
 
 
 @pytest.mark.parametrize("name, parts", [
     ("prefill_128", SignatureName("prefill", 128)),
     ("prefill", SignatureName("prefill")),
-    ("prefill_32_lora_r8", SignatureName("prefill", 32, lora_rank=8)),
+    ("prefill_32_lora_r8", SignatureName("prefill", 32, lora_slot=LoraSlot(8))),
+    ("prefill_32_lora_all_r8", SignatureName("prefill", 32, lora_slot=LoraSlot(8, ALL_LINEAR))),
     ("decode", SignatureName("decode")),
-    ("decode_lora_r16", SignatureName("decode", lora_rank=16)),
+    ("decode_lora_r16", SignatureName("decode", lora_slot=LoraSlot(16))),
     ("decode_attend128", SignatureName("decode", window=128)),
     ("decode_batch8", SignatureName("decode", rows=8)),
-    ("decode_batch8_attend512_lora_r8", SignatureName("decode", rows=8, window=512, lora_rank=8)),
+    ("decode_batch8_attend512_lora_r8", SignatureName("decode", rows=8, window=512, lora_slot=LoraSlot(8))),
+    ("decode_batch4_lora_all_r16", SignatureName("decode", rows=4, lora_slot=LoraSlot(16, ALL_LINEAR))),
 ])
 def test_names_round_trip(name, parts):
     assert SignatureName.parse(name) == parts
@@ -24,6 +33,7 @@ def test_names_round_trip(name, parts):
 
 @pytest.mark.parametrize("name", [
     "serving_default", "decode_lora_r0", "decode_batch0", "decode_lora_r8_batch2", "prefill_08", "decode ",
+    "decode_lora_mlp_r8", "decode_all_r8",
     "verify4",
 ])
 def test_other_names_are_not_of_the_contract(name):
@@ -36,3 +46,14 @@ def test_row_tensor_names():
     assert parse_row_tensor_name(name) == ("kv_cache_k_12", 3)
     assert parse_row_tensor_name("tokens") is None
     assert parse_row_tensor_name("kv_cache_k_1_03") is None
+
+
+def test_the_cheapest_slot_that_holds_an_adapter():
+    slots = [LoraSlot(8), LoraSlot(16), LoraSlot(8, ALL_LINEAR), LoraSlot(64, ALL_LINEAR)]
+    assert cheapest_slot(slots, LoraSlot(4)) == LoraSlot(8)  # attention-only: no MLP inputs to pay for
+    assert cheapest_slot(slots, LoraSlot(12)) == LoraSlot(16)
+    assert cheapest_slot(slots, LoraSlot(32)) == LoraSlot(64, ALL_LINEAR)  # zero MLP inputs: exact
+    assert cheapest_slot(slots, LoraSlot(4, ALL_LINEAR)) == LoraSlot(8, ALL_LINEAR)
+    assert cheapest_slot(slots, LoraSlot(128)) is None
+    assert cheapest_slot(slots[:2], LoraSlot(4, ALL_LINEAR)) is None  # MLP tensors need MLP inputs
+    assert str(LoraSlot(8, ALL_LINEAR)) == "all-linear r8" and str(LoraSlot(8)) == "r8"

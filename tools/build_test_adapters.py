@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from runtime.util.lora_data import LoraData
-from runtime.util.lora_util import PROJECTIONS, Convention
+from runtime.util.lora_util import ATTENTION_PROJECTIONS, Convention
 from runtime.util.lora_writer import LoraWeights, name_adapter_tensors, write_lora_file
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "models" / "adapters"
@@ -42,7 +42,7 @@ class AdapterSpec:
     seed: int
     dtype: np.dtype = np.dtype(np.float32)
     layers: tuple[int, ...] = tuple(range(NUM_LAYERS))
-    projections: tuple[str, ...] = PROJECTIONS
+    projections: tuple[str, ...] = ATTENTION_PROJECTIONS
     hidden: int = HIDDEN
     scale: float = 0.25
     zero: bool = False

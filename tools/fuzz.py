@@ -116,7 +116,7 @@ def load_case(case: Case, workdir: Path, slots) -> str:
     from runtime.components.lora import LoRA, plan_adapter
     from runtime.errors import StatusError
     from runtime.util.adapter_formats import AdapterOrigin, open_adapter
-    from runtime.util.lora_util import smallest_rank_slot
+    from runtime.util.signature_names import LoraSlot, cheapest_slot
 
     target = workdir / "case"
     if target.is_dir():
@@ -135,8 +135,8 @@ def load_case(case: Case, workdir: Path, slots) -> str:
             sources.append(AdapterOrigin.of_buffer(case.data, name="<fuzz buffer>").open())
         for data in sources:
             plan = plan_adapter(data, slots)
-            rank = smallest_rank_slot(slots, plan.rank)
-            LoRA([(plan, 1.0)], rank, slots[rank], lambda name, r=rank: _ArrayBuffer(slots[r][name]))
+            slot = cheapest_slot(slots, LoraSlot(plan.rank, plan.targets))
+            LoRA([(plan, 1.0)], slot, slots[slot], lambda name, s=slot: _ArrayBuffer(slots[s][name]))
             data.close()
         return "ok"
     except StatusError as exc:

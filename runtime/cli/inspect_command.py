@@ -11,7 +11,8 @@ from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.util.adapter_data import AdapterData
 from runtime.util.adapter_formats import open_adapter
-from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name
+from runtime.util.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
+from runtime.util.signature_names import LoraSlot
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -64,7 +65,9 @@ def _check_fit(adapter_path: Path, model_path: Path) -> int:
         with open_adapter(adapter_path, head_dim=spec.head_dim) as adapter:
             print(describe_adapter(adapter))
             plan = plan_adapter(adapter, spec.lora_slots)
-            print(f"fits {model_path}: rank {plan.rank} goes in slot r{spec.smallest_slot(plan.rank)}")
+            touched = sorted({projection for _, projection in plan.pairs}, key=PROJECTIONS.index)
+            print(f"fits {model_path}: touches {'/'.join(touched)}; rank {plan.rank} goes in slot "
+                  f"{spec.slot_for(LoraSlot(plan.rank, plan.targets))}")
     finally:
         executor.close()
     return 0
@@ -78,14 +81,14 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
         f"({spec.kv_layout} layout, {spec.kv_cache_bytes:,} bytes per session)",
         f"  prefill lengths {list(spec.prefill_lengths)}"
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
-        f"  LoRA rank slots {list(spec.lora_ranks) or 'none'}",
+        f"  LoRA slots {', '.join(map(str, spec.slots)) or 'none'}",
     ]
-    slots = [None, *spec.lora_ranks]
-    batched = {rank: spec.batch_sizes(rank) for rank in slots if spec.batch_sizes(rank)}
+    slots = [None, *spec.slots]
+    batched = {slot: spec.batch_sizes(slot) for slot in slots if spec.batch_sizes(slot)}
     if batched:
         lines.append("  batched decode rows " + ", ".join(
-            f"{list(rows)} ({f'rank slot {rank}' if rank else 'no LoRA'})" for rank, rows in batched.items()))
-    windows = sorted({w for rank in slots for w in spec.windows(rank)})
+            f"{list(rows)} ({f'LoRA slot {slot}' if slot else 'no LoRA'})" for slot, rows in batched.items()))
+    windows = sorted({w for slot in slots for w in spec.windows(slot)})
     if windows:
         lines.append(f"  attention windows {windows} (a decode step attends over the first W positions while it "
                      "fits in one)")

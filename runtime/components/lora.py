@@ -1,7 +1,8 @@
-"""LoRA: one adapter (or a weighted blend of several) materialized for one rank slot.
+"""LoRA: one adapter (or a weighted blend of several) materialized for one LoRA slot.
 
-A model exported with LoRA slots takes, per layer and attention projection, an ``a``
-and a ``b`` input whose rank dimension is the slot's rank R. Materializing fills one
+A model exported with LoRA slots takes, per layer and projection of the slot (attention
+q/k/v/o, and the MLP's gate/up/down in an all-linear slot), an ``a`` and a ``b`` input
+whose rank dimension is the slot's rank R. Materializing fills one
 buffer per such input from the adapters' tensors:
 
 * names are matched by meaning (layer, projection, side), whatever the convention;
@@ -24,8 +25,10 @@ from typing import Protocol
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.adapter_data import AdapterData
+from runtime.util.adapter_data import MAX_LISTED, AdapterData
 from runtime.util.lora_util import (
+    MLP_PROJECTIONS,
+    PROJECTIONS,
     LoraInputName,
     from_graph_layout,
     is_lora_input_name,
@@ -34,9 +37,10 @@ from runtime.util.lora_util import (
     rank_axis,
     to_graph_layout,
 )
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, cheapest_slot
 from runtime.util.tensor_spec import TensorSpec
 
-# A rank slot's LoRA inputs, by input name.
+# A LoRA slot's inputs, by input name.
 SlotInputs = Mapping[str, TensorSpec]
 
 
@@ -64,11 +68,17 @@ class ProjectionPair:
 
 @dataclass(frozen=True)
 class AdapterPlan:
-    """An adapter checked against a model: its pairs, and the rank it needs."""
+    """An adapter checked against a model: its pairs, the rank they need, and whether they
+    touch the MLP (then only an all-linear slot holds them)."""
 
     data: AdapterData
     pairs: Mapping[tuple[int, str], ProjectionPair]
     rank: int
+
+    @property
+    def targets(self) -> str:
+        """``"all-linear"`` when a pair is on an MLP projection, else ``"attention"``."""
+        return ALL_LINEAR if any(projection in MLP_PROJECTIONS for _, projection in self.pairs) else ATTENTION
 
     @property
     def source_name(self) -> str:
@@ -98,7 +108,7 @@ def model_geometry(slot: SlotInputs) -> dict[tuple[int, str], _Geometry]:
     return {key: _Geometry(d["in"], d["out"]) for key, d in dims.items() if len(d) == 2}
 
 
-def plan_adapter(data: AdapterData, slots: Mapping[int, SlotInputs]) -> AdapterPlan:
+def plan_adapter(data: AdapterData, slots: Mapping[LoraSlot, SlotInputs]) -> AdapterPlan:
     """Checks that ``data`` fits the model's LoRA inputs; reads metadata only.
 
     Raises ``InvalidArgumentError`` naming the adapter, the first tensor that does not
@@ -107,14 +117,17 @@ def plan_adapter(data: AdapterData, slots: Mapping[int, SlotInputs]) -> AdapterP
     source = data.source_name
     if not slots:
         raise InvalidArgumentError(f"{source}: the model takes no LoRA inputs (exported without lora_ranks)")
-    largest = max(slots)
-    geometry = model_geometry(slots[largest])
+    geometry: dict[tuple[int, str], _Geometry] = {}
+    for inputs in slots.values():
+        geometry.update(model_geometry(inputs))
     layers = sorted({layer for layer, _ in geometry})
-    example = next(iter(slots[largest]))
+    covered = [p for p in PROJECTIONS if any(projection == p for _, projection in geometry)]
+    example = next(iter(next(iter(slots.values()))))
     halves: dict[tuple[int, str], dict[str, tuple[LoraInputName, str]]] = {}
     names = data.get_all_tensor_names()
     if not names:
         raise InvalidArgumentError(f"{source}: the adapter holds no tensors")
+    uncovered_mlp = []
     for name in names:
         if not is_lora_input_name(name):
             raise InvalidArgumentError(
@@ -123,13 +136,22 @@ def plan_adapter(data: AdapterData, slots: Mapping[int, SlotInputs]) -> AdapterP
             )
         parsed = parse_lora_input_name(name)
         key = (parsed.layer, parsed.projection)
+        if parsed.projection in MLP_PROJECTIONS and parsed.projection not in covered:
+            uncovered_mlp.append(name)
+            continue
         if key not in geometry:
             raise InvalidArgumentError(
                 f"{source}: tensor {name!r} targets layer {parsed.layer} projection "
                 f"{parsed.projection!r}, which the model has no LoRA input for (layers "
-                f"{layers[0]}-{layers[-1]}, projections q/k/v/o)"
+                f"{layers[0]}-{layers[-1]}, projections {'/'.join(covered)})"
             )
         halves.setdefault(key, {})[parsed.side] = (parsed, name)
+    if uncovered_mlp:
+        listed = ", ".join(uncovered_mlp[:MAX_LISTED]) + (
+            f" and {len(uncovered_mlp) - MAX_LISTED} more" if len(uncovered_mlp) > MAX_LISTED else "")
+        raise InvalidArgumentError(
+            f"{source}: {len(uncovered_mlp)} tensor(s) are on MLP projections, which this model takes no LoRA "
+            f"on (its slots cover {'/'.join(covered)}; re-export it with --lora-targets all-linear): {listed}")
 
     pairs: dict[tuple[int, str], ProjectionPair] = {}
     for key, sides in sorted(halves.items()):
@@ -142,13 +164,14 @@ def plan_adapter(data: AdapterData, slots: Mapping[int, SlotInputs]) -> AdapterP
             )
         (a, a_name), (b, b_name) = sides["a"], sides["b"]
         pairs[key] = _check_pair(data, a, a_name, b, b_name, geometry[key])
-    rank = max(pair.rank for pair in pairs.values())
-    if rank > largest:
+    plan = AdapterPlan(data, pairs, max(pair.rank for pair in pairs.values()))
+    if cheapest_slot(slots, LoraSlot(plan.rank, plan.targets)) is None:
+        kind = " all-linear" if plan.targets == ALL_LINEAR else ""
         raise InvalidArgumentError(
-            f"{source}: rank {rank} exceeds every LoRA slot of the model (slots: "
-            f"{', '.join(map(str, sorted(slots)))})"
+            f"{source}: rank {plan.rank} exceeds every{kind} LoRA slot of the model (slots: "
+            f"{', '.join(map(str, slots))})"
         )
-    return AdapterPlan(data, pairs, rank)
+    return plan
 
 
 def _check_pair(
@@ -183,8 +206,15 @@ def _check_pair(
     return ProjectionPair(a, a_name, b, b_name, a_rank)
 
 
+def blend_needs(blend: Sequence[tuple[AdapterPlan, float]]) -> LoraSlot:
+    """What a blend needs of a slot: the summed rank (adapters side by side along the
+    rank), all-linear if any adapter touches the MLP."""
+    targets = ALL_LINEAR if any(plan.targets == ALL_LINEAR for plan, _ in blend) else ATTENTION
+    return LoraSlot(sum(plan.rank for plan, _ in blend), targets)
+
+
 class LoRA:
-    """A blend of adapters written into one rank slot's input buffers.
+    """A blend of adapters written into one LoRA slot's input buffers.
 
     ``buffers`` maps every LoRA input of the slot to its filled buffer, ready to be
     bound to both the slot's prefill and decode signatures.
@@ -193,29 +223,29 @@ class LoRA:
     def __init__(
         self,
         blend: Sequence[tuple[AdapterPlan, float]],
-        slot_rank: int,
-        slot: SlotInputs,
+        slot: LoraSlot,
+        inputs: SlotInputs,
         allocate: BufferFactory,
         *,
         allow_non_finite: bool = False,
     ) -> None:
-        total = sum(plan.rank for plan, _ in blend)
-        if total > slot_rank:
+        """``inputs``: ``slot``'s LoRA inputs; ``allocate(name)`` makes the buffer of one."""
+        need = blend_needs(blend)
+        if not slot.holds(need):
             raise InvalidArgumentError(
-                f"adapters of summed rank {total} do not fit rank slot {slot_rank}"
-            )
-        self.slot_rank = slot_rank
-        self.nbytes = sum(spec.nbytes for spec in slot.values())
+                f"adapters of summed rank {need.rank} ({need.targets}) do not fit LoRA slot {slot}")
+        self.slot = slot
+        self.nbytes = sum(spec.nbytes for spec in inputs.values())
         by_key = {
             parsed.key: (parsed, spec)
-            for name, spec in slot.items()
+            for name, spec in inputs.items()
             for parsed in [parse_lora_input_name(name)]
         }
         # Every long-lived buffer first, then the short-lived arrays that fill them: so the
         # allocator does not leave the temporaries' holes between resident buffers.
-        buffers = {name: allocate(name) for name in slot}
-        for (layer, projection), dims in sorted(model_geometry(slot).items()):
-            a, b = self._fill(blend, (layer, projection), dims, slot_rank, allow_non_finite)
+        buffers = {name: allocate(name) for name in inputs}
+        for (layer, projection), dims in sorted(model_geometry(inputs).items()):
+            a, b = self._fill(blend, (layer, projection), dims, slot.rank, allow_non_finite)
             for side, graph_array in (("a", a), ("b", b)):
                 parsed, spec = by_key[(layer, projection, side)]
                 stored = from_graph_layout(parsed.convention, side, graph_array)

@@ -10,11 +10,12 @@ from runtime.components.lora import SlotInputs, plan_adapter
 from runtime.util.adapter_data import AdapterData
 from runtime.util.lora_util import Convention, to_graph_layout
 from runtime.util.lora_writer import LoraWeights, serialize_lora_weights
+from runtime.util.signature_names import LoraSlot
 
 
 def convert_adapter(
     data: AdapterData,
-    slots: Mapping[int, SlotInputs],
+    slots: Mapping[LoraSlot, SlotInputs],
     convention: Convention,
     dtype: np.dtype,
     progress: Callable[[Iterable], Iterable] = iter,

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from runtime.components.lora import AdapterPlan, LoRA, SlotInputs, WritableBuffer, plan_adapter
+from runtime.components.lora import AdapterPlan, LoRA, SlotInputs, WritableBuffer, blend_needs, plan_adapter
 from runtime.components.residency import KeepAll, Lru, ResidencyPolicy, check_policy, choose_evictions
 from runtime.errors import (
     AlreadyExistsError,
@@ -32,11 +32,11 @@ from runtime.errors import (
 )
 from runtime.util.adapter_data import AdapterData
 from runtime.util.latency import LatencyRecorder, LatencySummary
-from runtime.util.lora_util import smallest_rank_slot
+from runtime.util.signature_names import LoraSlot, cheapest_slot
 
 # A weighted set of loaded adapters: ((lora_id, scale), ...), sorted by id, no zero scales.
 Blend = tuple[tuple[int, float], ...]
-Materialized = tuple[Blend, int]  # a blend in one rank slot
+Materialized = tuple[Blend, LoraSlot]  # a blend in one LoRA slot
 
 
 def normalize_blend(entries: Iterable[tuple[int, float]]) -> Blend:
@@ -64,13 +64,13 @@ class LoraManager:
 
     def __init__(
         self,
-        slots: Mapping[int, SlotInputs],
-        allocate: Callable[[int, str], WritableBuffer],
+        slots: Mapping[LoraSlot, SlotInputs],
+        allocate: Callable[[LoraSlot, str], WritableBuffer],
         *,
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
     ) -> None:
-        """``slots`` maps each rank slot to its LoRA inputs; ``allocate(rank, name)``
+        """``slots`` maps each LoRA slot to its inputs; ``allocate(slot, name)``
         returns an empty buffer for one of them."""
         self._slots = dict(slots)
         self._allocate = allocate
@@ -119,22 +119,23 @@ class LoraManager:
 
     # -- using ---------------------------------------------------------------------
 
-    def slot_for(self, blend: Blend) -> int:
-        """The smallest rank slot that holds the summed rank of ``blend``."""
+    def slot_for(self, blend: Blend) -> LoraSlot:
+        """The cheapest slot that holds ``blend``: its summed rank, and the MLP's inputs
+        if any of its adapters touches the MLP."""
         with self._lock:
-            total = sum(self._require(lora_id).rank for lora_id, _ in blend)
-        slot = smallest_rank_slot(self._slots, total)
+            need = blend_needs([(self._require(lora_id), scale) for lora_id, scale in blend])
+        slot = cheapest_slot(self._slots, need)
         if slot is not None:
             return slot
         raise InvalidArgumentError(
-            f"adapters {[i for i, _ in blend]} need rank {total} together, more than any "
-            f"LoRA slot of the model (slots: {', '.join(map(str, sorted(self._slots)))})"
+            f"adapters {[i for i, _ in blend]} need rank {need.rank} together ({need.targets}), more than any "
+            f"LoRA slot of the model holds (slots: {', '.join(map(str, self._slots))})"
         )
 
-    def acquire(self, blend: Blend, slot: int | None = None) -> LoRA:
-        """Materializes ``blend`` in rank slot ``slot`` (default: :meth:`slot_for`; a larger
-        slot holds it zero-padded, which is exact) and marks it running (never evicted)
-        until :meth:`release` with the same arguments."""
+    def acquire(self, blend: Blend, slot: LoraSlot | None = None) -> LoRA:
+        """Materializes ``blend`` in ``slot`` (default: :meth:`slot_for`; a slot that holds
+        it, zero-padded, which is exact) and marks it running (never evicted) until
+        :meth:`release` with the same arguments."""
         with self._lock:
             key = self._materialized(blend, slot)
             built = key not in self._resident
@@ -144,22 +145,22 @@ class LoraManager:
                 self._enforce_residency(protect=key)
             return lora
 
-    def release(self, blend: Blend, slot: int | None = None) -> None:
+    def release(self, blend: Blend, slot: LoraSlot | None = None) -> None:
         """Ends one :meth:`acquire`; the blend (in that slot) may now be evicted."""
         with self._lock:
             _decrement(self._running, self._materialized(blend, slot))
             self._enforce_residency(protect=None)
 
-    def _materialized(self, blend: Blend, slot: int | None) -> Materialized:
+    def _materialized(self, blend: Blend, slot: LoraSlot | None) -> Materialized:
         if not blend:
             raise InvalidArgumentError("an empty blend has no LoRA buffers: use the base model")
         own = self.slot_for(blend)
         if slot is None or slot == own:
             return blend, own
-        if slot not in self._slots or slot < own:
+        if slot not in self._slots or not slot.holds(own):
             raise InvalidArgumentError(
-                f"adapters {[i for i, _ in blend]} cannot run in rank slot {slot}: they need slot {own} or a "
-                f"larger one of {', '.join(map(str, sorted(self._slots)))}")
+                f"adapters {[i for i, _ in blend]} cannot run in LoRA slot {slot}: they need slot {own} or one "
+                f"of {', '.join(map(str, self._slots))} that holds it")
         return blend, slot
 
     def add_evict_listener(self, listener: Callable[[Blend, LoRA], None]) -> None:

@@ -36,6 +36,7 @@ from runtime.errors import (
 from runtime.executor.batch_plan import DecodePlan
 from runtime.executor.fast_path import FastPath
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
+from runtime.util.signature_names import LoraSlot
 from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
 
 
@@ -106,12 +107,12 @@ class _Run:
 
 @dataclass
 class Binding:
-    """A KV cache bound to one rank slot's LoRA buffers (or none), for every signature of
+    """A KV cache bound to one LoRA slot's buffers (or none), for every signature of
     one executor."""
 
     executor: LlmExecutor
     kv: KvCache
-    lora_rank: int | None
+    lora_slot: LoraSlot | None
     lora_buffers: Mapping[str, TensorBuffer] | None
     decode: _Run  # attending over the whole cache
     prefill: dict[int, _Run] = field(default_factory=dict)
@@ -169,7 +170,7 @@ class LlmExecutor:
                 io.positions.write(io.position_array)
         self._lock = threading.Lock()
         self._closed = False
-        self._zero_lora: dict[int, dict[str, TensorBuffer]] = {}  # per rank slot: rows without an adapter
+        self._zero_lora: dict[LoraSlot, dict[str, TensorBuffer]] = {}  # per LoRA slot: rows without an adapter
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
         # The last batched run's key, bindings and arguments: consecutive steps of the same rows.
         self._last_batch: tuple[tuple[int, ...], tuple[Binding, ...], _Run] | None = None
@@ -234,27 +235,27 @@ class LlmExecutor:
                 copy.buffers[spec.name].write(data.reshape(spec.shape))
         return copy
 
-    def create_lora_buffer(self, lora_rank: int, name: str) -> TensorBuffer:
-        """An empty buffer for LoRA input ``name`` of rank slot ``lora_rank``."""
+    def create_lora_buffer(self, slot: LoraSlot, name: str) -> TensorBuffer:
+        """An empty buffer for LoRA input ``name`` of ``slot``."""
         self._check_open()
-        signature = self.spec.decode(lora_rank)
+        signature = self.spec.decode(slot)
         if name not in signature.lora_inputs:
-            raise NotFoundError(f"rank slot {lora_rank} has no LoRA input {name!r}")
+            raise NotFoundError(f"LoRA slot {slot} has no LoRA input {name!r}")
         return self._model.create_input_buffer_by_name(signature.key, name)
 
     def bind(
-        self, kv: KvCache, lora_buffers: Mapping[str, TensorBuffer] | None = None, lora_rank: int | None = None
+        self, kv: KvCache, lora_buffers: Mapping[str, TensorBuffer] | None = None, lora_slot: LoraSlot | None = None
     ) -> Binding:
         """Prebuilds the run arguments of every signature for ``kv`` and a LoRA slot."""
-        if (lora_buffers is None) != (lora_rank is None):
-            raise InvalidArgumentError("lora_buffers and lora_rank go together")
+        if (lora_buffers is None) != (lora_slot is None):
+            raise InvalidArgumentError("lora_buffers and lora_slot go together")
         self._check_open()
-        binding = Binding(self, kv, lora_rank, lora_buffers,
-                          self._run_args(self.spec.decode(lora_rank), kv, lora_buffers))
+        binding = Binding(self, kv, lora_slot, lora_buffers,
+                          self._run_args(self.spec.decode(lora_slot), kv, lora_buffers))
         for length in self.spec.prefill_lengths:
-            binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_rank), kv, lora_buffers)
-        for window in self.spec.windows(lora_rank):
-            binding.decode_windows[window] = self._run_args(self.spec.decode(lora_rank, window), kv, lora_buffers)
+            binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_slot), kv, lora_buffers)
+        for window in self.spec.windows(lora_slot):
+            binding.decode_windows[window] = self._run_args(self.spec.decode(lora_slot, window), kv, lora_buffers)
         return binding
 
     def _run_args(
@@ -331,7 +332,7 @@ class LlmExecutor:
     def _decode_run(self, binding: Binding, position: int) -> _Run:
         """The decode run for a step at ``position``: the shortest attention window that
         holds it, else the whole cache."""
-        window = self.spec.window_for(position, binding.lora_rank)
+        window = self.spec.window_for(position, binding.lora_slot)
         return binding.decode if window is None else binding.decode_windows[window]
 
     def run_decode_plan(self, plan: DecodePlan, steps: Sequence[DecodeStep]) -> list[np.ndarray | BaseException]:
@@ -386,11 +387,11 @@ class LlmExecutor:
     def _batch_run(self, signature: SignatureSpec, bindings: Sequence[Binding]) -> _Run:
         """Run arguments binding each row's own KV cache and LoRA buffers (no copies);
         rows past ``bindings`` get the scratch KV cache and zero LoRA inputs."""
-        rank = signature.lora_rank
-        zero_lora = self._zero_lora_buffers(rank) if rank else {}
+        slot = signature.lora_slot
+        zero_lora = self._zero_lora_buffers(slot) if slot else {}
         rows = []
         for binding in bindings:
-            lora = binding.lora_buffers if binding.lora_rank == rank and binding.lora_buffers else zero_lora
+            lora = binding.lora_buffers if binding.lora_slot == slot and binding.lora_buffers else zero_lora
             rows.append({**binding.kv.buffers, **lora})
         if len(rows) < signature.rows:
             if self._scratch_kv is None:
@@ -403,15 +404,15 @@ class LlmExecutor:
         outputs = [io.logits if name == LOGITS else _row_buffer(signature, rows, name) for name in io.output_order]
         return _Run(signature, io, self._fast.prepare(inputs, outputs), inputs + outputs)
 
-    def _zero_lora_buffers(self, lora_rank: int) -> dict[str, TensorBuffer]:
-        """All-zero LoRA inputs of a rank slot, made once: a row with no adapter."""
-        if lora_rank not in self._zero_lora:
+    def _zero_lora_buffers(self, slot: LoraSlot) -> dict[str, TensorBuffer]:
+        """All-zero LoRA inputs of a slot, made once: a row with no adapter."""
+        if slot not in self._zero_lora:
             buffers = {}
-            for name, spec in self.spec.lora_slot(lora_rank).items():
-                buffers[name] = self.create_lora_buffer(lora_rank, name)
+            for name, spec in self.spec.slot_inputs(slot).items():
+                buffers[name] = self.create_lora_buffer(slot, name)
                 buffers[name].write(np.zeros(spec.shape, spec.dtype))
-            self._zero_lora[lora_rank] = buffers
-        return self._zero_lora[lora_rank]
+            self._zero_lora[slot] = buffers
+        return self._zero_lora[slot]
 
     def _invoke(self, run: _Run, chunk: Sequence[int], start: int) -> np.ndarray | None:
         """Writes tokens and positions (padded to the signature's length) and runs it."""

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.util.signature_names import SignatureName, parse_row_tensor_name
-from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis, smallest_rank_slot
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name
+from runtime.util.lora_util import MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
 from runtime.util.tensor_spec import TensorSpec
 
 TOKENS = "tokens"
@@ -49,7 +49,7 @@ class SignatureSpec:
     key: str
     kind: str  # "prefill" or "decode"
     seq_len: int
-    lora_rank: int | None
+    lora_slot: LoraSlot | None
     inputs: Mapping[str, TensorSpec]
     outputs: Mapping[str, TensorSpec]
     rows: int = 1  # sessions per run: B for decode_batch{B}
@@ -92,9 +92,10 @@ class ModelSpec:
         return tuple(sorted({s.seq_len for s in self.signatures.values() if s.kind == "prefill"}))
 
     @property
-    def lora_ranks(self) -> tuple[int, ...]:
-        """The LoRA rank slots, ascending (empty when the model takes no LoRA)."""
-        return tuple(sorted({s.lora_rank for s in self.signatures.values() if s.lora_rank}))
+    def slots(self) -> tuple[LoraSlot, ...]:
+        """The LoRA slots, cheapest first (empty when the model takes no LoRA)."""
+        found = {s.lora_slot for s in self.signatures.values() if s.lora_slot}
+        return tuple(sorted(found, key=lambda slot: slot.cost_order))
 
     @property
     def prefill_has_logits(self) -> bool:
@@ -111,73 +112,74 @@ class ModelSpec:
         """Bytes one session's KV cache takes."""
         return sum(spec.nbytes for spec in self.kv_inputs)
 
-    def decode(self, lora_rank: int | None = None, window: int | None = None) -> SignatureSpec:
-        """The decode signature for a rank slot (``None``: the plain one), attending over
+    def decode(self, lora_slot: LoraSlot | None = None, window: int | None = None) -> SignatureSpec:
+        """The decode signature for a LoRA slot (``None``: the plain one), attending over
         the first ``window`` positions (``None``: the whole cache)."""
-        return self._find("decode", 1, lora_rank, window=window)
+        return self._find("decode", 1, lora_slot, window=window)
 
-    def windows(self, lora_rank: int | None, rows: int = 1) -> tuple[int, ...]:
+    def windows(self, lora_slot: LoraSlot | None, rows: int = 1) -> tuple[int, ...]:
         """The attention windows of the decode signatures of ``rows`` rows for a rank slot,
         ascending (empty: they attend over the whole cache only)."""
-        return self._windows.get((lora_rank, rows), ())
+        return self._windows.get((lora_slot, rows), ())
 
-    def window_for(self, position: int, lora_rank: int | None, rows: int = 1) -> int | None:
+    def window_for(self, position: int, lora_slot: LoraSlot | None, rows: int = 1) -> int | None:
         """The smallest attention window that holds a step at ``position`` (the step
         attends over positions ``0..position``), or ``None``: the whole cache."""
-        return next((w for w in self.windows(lora_rank, rows) if w > position), None)
+        return next((w for w in self.windows(lora_slot, rows) if w > position), None)
 
     @cached_property
-    def _windows(self) -> dict[tuple[int | None, int], tuple[int, ...]]:
-        windows: dict[tuple[int | None, int], list[int]] = {}
+    def _windows(self) -> dict[tuple[LoraSlot | None, int], tuple[int, ...]]:
+        windows: dict[tuple[LoraSlot | None, int], list[int]] = {}
         for spec in self.signatures.values():
             if spec.window is not None:
-                windows.setdefault((spec.lora_rank, spec.rows), []).append(spec.window)
+                windows.setdefault((spec.lora_slot, spec.rows), []).append(spec.window)
         return {key: tuple(sorted(found)) for key, found in windows.items()}
 
-    def batch_sizes(self, lora_rank: int | None) -> tuple[int, ...]:
+    def batch_sizes(self, lora_slot: LoraSlot | None) -> tuple[int, ...]:
         """Rows of the batched decode signatures for a rank slot (``None``: without LoRA
         inputs), ascending; empty when there are none."""
-        return self._batch_sizes.get(lora_rank, ())
+        return self._batch_sizes.get(lora_slot, ())
 
     @cached_property
-    def _batch_sizes(self) -> dict[int | None, tuple[int, ...]]:
-        sizes: dict[int | None, list[int]] = {}
+    def _batch_sizes(self) -> dict[LoraSlot | None, tuple[int, ...]]:
+        sizes: dict[LoraSlot | None, list[int]] = {}
         for spec in self.signatures.values():
             if spec.rows > 1 and spec.window is None:
-                sizes.setdefault(spec.lora_rank, []).append(spec.rows)
-        return {rank: tuple(sorted(rows)) for rank, rows in sizes.items()}
+                sizes.setdefault(spec.lora_slot, []).append(spec.rows)
+        return {slot: tuple(sorted(rows)) for slot, rows in sizes.items()}
 
     @cached_property
-    def _by_shape(self) -> dict[tuple[str, int, int | None, int, int | None], SignatureSpec]:
-        return {(s.kind, s.seq_len, s.lora_rank, s.rows, s.window): s for s in self.signatures.values()}
+    def _by_shape(self) -> dict[tuple[str, int, LoraSlot | None, int, int | None], SignatureSpec]:
+        return {(s.kind, s.seq_len, s.lora_slot, s.rows, s.window): s for s in self.signatures.values()}
 
-    def decode_batch(self, rows: int, lora_rank: int | None, window: int | None = None) -> SignatureSpec:
+    def decode_batch(self, rows: int, lora_slot: LoraSlot | None, window: int | None = None) -> SignatureSpec:
         """The batched decode signature of ``rows`` rows for a rank slot (and window)."""
-        return self._find("decode", 1, lora_rank, rows, window)
+        return self._find("decode", 1, lora_slot, rows, window)
 
-    def prefill(self, seq_len: int, lora_rank: int | None = None) -> SignatureSpec:
+    def prefill(self, seq_len: int, lora_slot: LoraSlot | None = None) -> SignatureSpec:
         """The prefill signature of length ``seq_len`` for a rank slot."""
-        return self._find("prefill", seq_len, lora_rank)
+        return self._find("prefill", seq_len, lora_slot)
 
-    def lora_slot(self, lora_rank: int) -> dict[str, TensorSpec]:
-        """The LoRA inputs of rank slot ``lora_rank`` (shared by its prefill and decode)."""
-        return self.decode(lora_rank).lora_inputs
+    def slot_inputs(self, slot: LoraSlot) -> dict[str, TensorSpec]:
+        """The LoRA inputs of ``slot`` (shared by its prefill and decode signatures)."""
+        return self.decode(slot).lora_inputs
 
     @property
-    def lora_slots(self) -> dict[int, dict[str, TensorSpec]]:
-        """Every rank slot with its LoRA inputs: what adapters are fitted against."""
-        return {rank: self.lora_slot(rank) for rank in self.lora_ranks}
+    def lora_slots(self) -> dict[LoraSlot, dict[str, TensorSpec]]:
+        """Every LoRA slot with its inputs, cheapest first: what adapters are fitted against."""
+        return {slot: self.slot_inputs(slot) for slot in self.slots}
 
-    def smallest_slot(self, rank: int) -> int | None:
-        """The smallest rank slot that holds ``rank``, or ``None`` if none does."""
-        return smallest_rank_slot(self.lora_ranks, rank)
+    def slot_for(self, need: LoraSlot) -> LoraSlot | None:
+        """The cheapest slot that holds ``need`` (a rank and the projections it touches),
+        or ``None`` if none does."""
+        return cheapest_slot(self.slots, need)
 
-    def _find(self, kind: str, seq_len: int, lora_rank: int | None, rows: int = 1,
+    def _find(self, kind: str, seq_len: int, lora_slot: LoraSlot | None, rows: int = 1,
               window: int | None = None) -> SignatureSpec:
-        spec = self._by_shape.get((kind, seq_len, lora_rank, rows, window))
+        spec = self._by_shape.get((kind, seq_len, lora_slot, rows, window))
         if spec is not None:
             return spec
-        slot = f" with LoRA rank slot {lora_rank}" if lora_rank else ""
+        slot = f" with LoRA slot {lora_slot}" if lora_slot else ""
         batch = f" for {rows} rows" if rows > 1 else ""
         attend = f" attending over {window} positions" if window else ""
         raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{batch}{attend}{slot}")
@@ -187,7 +189,7 @@ class ModelSpec:
         """Builds and checks a spec from ``{signature_key: (input_details, output_details)}``."""
         signatures = {key: _signature(key, ins, outs, source) for key, (ins, outs) in details.items()}
         decodes = [s for s in signatures.values()
-                   if s.kind == "decode" and s.lora_rank is None and s.rows == 1 and s.window is None]
+                   if s.kind == "decode" and s.lora_slot is None and s.rows == 1 and s.window is None]
         if not decodes:
             raise InvalidArgumentError(
                 f"{source}: no plain 'decode' signature among {sorted(signatures)}; "
@@ -209,9 +211,9 @@ class ModelSpec:
         for spec in signatures.values():
             _check_window(spec, signatures, kv_length, source)
         for spec in signatures.values():
-            if spec.kind == "decode" and spec.lora_rank:
+            if spec.kind == "decode" and spec.lora_slot:
                 for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
-                    prefill = signatures.get(str(SignatureName("prefill", length, lora_rank=spec.lora_rank)))
+                    prefill = signatures.get(str(SignatureName("prefill", length, lora_slot=spec.lora_slot)))
                     if prefill is not None and prefill.lora_inputs != spec.lora_inputs:
                         raise InvalidArgumentError(
                             f"{source}: LoRA inputs of {prefill.key!r} differ from {spec.key!r}"
@@ -256,12 +258,12 @@ def _signature(
             f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected [1, seq] int32"
         )
     seq_len = tokens.shape[1]
-    lora_rank = _lora_rank(key, ins, source)
-    if named.lora_rank is not None and named.lora_rank != lora_rank:
+    lora_slot = _lora_slot(key, ins, source)
+    if named.lora_slot is not None and named.lora_slot != lora_slot:
         raise InvalidArgumentError(
-            f"{source}: signature {key!r} is named for rank {named.lora_rank} but its LoRA inputs have rank {lora_rank}"
-        )
-    return SignatureSpec(key, named.kind, seq_len, lora_rank, ins, outs, window=named.window)
+            f"{source}: signature {key!r} is named for LoRA slot {named.lora_slot} but its LoRA inputs are "
+            f"{lora_slot or 'none'}")
+    return SignatureSpec(key, named.kind, seq_len, lora_slot, ins, outs, window=named.window)
 
 
 def _batch_signature(key: str, named: SignatureName, ins: Mapping[str, TensorSpec], outs: Mapping[str, TensorSpec],
@@ -279,11 +281,12 @@ def _batch_signature(key: str, named: SignatureName, ins: Mapping[str, TensorSpe
         got = logits.describe() if logits else "nothing"
         raise InvalidArgumentError(f"{source}: signature {key!r} output 'logits' is {got}, expected [{rows}, 1, vocab]")
     per_row = _rows(key, ins, rows)
-    lora_rank = _lora_rank(key, per_row[0], source)
-    if named.lora_rank != lora_rank:
+    lora_slot = _lora_slot(key, per_row[0], source)
+    if named.lora_slot != lora_slot:
         raise InvalidArgumentError(
-            f"{source}: signature {key!r} is named for rank {named.lora_rank} but its LoRA inputs have rank {lora_rank}")
-    return SignatureSpec(key, "decode", 1, lora_rank, ins, outs, rows, named.window)
+            f"{source}: signature {key!r} is named for LoRA slot {named.lora_slot or 'none'} but its LoRA inputs "
+            f"are {lora_slot or 'none'}")
+    return SignatureSpec(key, "decode", 1, lora_slot, ins, outs, rows, named.window)
 
 
 def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int) -> list[dict[str, TensorSpec]]:
@@ -305,12 +308,12 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
                  source: str) -> None:
     """Every row of a batched signature takes and returns exactly what ``decode`` (or
     ``decode_lora_r{R}``) does: the same KV caches and LoRA inputs, the same shapes."""
-    single = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_rank, s.rows, s.window)
-                   == ("decode", 1, spec.lora_rank, 1, None)), None)
+    single = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_slot, s.rows, s.window)
+                   == ("decode", 1, spec.lora_slot, 1, None)), None)
     if single is None:
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} has no single-session counterpart "
-            f"{SignatureName('decode', lora_rank=spec.lora_rank)}")
+            f"{SignatureName('decode', lora_slot=spec.lora_slot)}")
     expected = {**kv, **single.lora_inputs}
     try:
         inputs, outputs = _rows(spec.key, spec.inputs, spec.rows), _rows(spec.key, spec.outputs, spec.rows)
@@ -341,7 +344,7 @@ def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
     if not 1 <= spec.window < kv_length:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} attends over {spec.window} positions, "
                                    f"expected 1 ... {kv_length - 1} (the KV cache holds {kv_length})")
-    if not any((s.kind, s.lora_rank, s.rows, s.window) == ("decode", spec.lora_rank, spec.rows, None)
+    if not any((s.kind, s.lora_slot, s.rows, s.window) == ("decode", spec.lora_slot, spec.rows, None)
                for s in signatures.values()):
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no whole-cache counterpart "
                                    f"of {spec.rows} row(s) for the same LoRA slot")
@@ -351,17 +354,20 @@ def _shape(spec: TensorSpec) -> str:
     return f"{list(spec.shape)} {spec.dtype}"
 
 
-def _lora_rank(key: str, inputs: Mapping[str, TensorSpec], source: str) -> int | None:
-    ranks = set()
+def _lora_slot(key: str, inputs: Mapping[str, TensorSpec], source: str) -> LoraSlot | None:
+    """The slot a signature's LoRA inputs make: their rank, and all-linear when the MLP's
+    projections have inputs too."""
+    ranks, mlp = set(), False
     for name, spec in inputs.items():
         if is_lora_input_name(name):
             parsed = parse_lora_input_name(name)
             if len(spec.shape) != 2:
                 raise InvalidArgumentError(f"{source}: signature {key!r} LoRA input {spec.describe()} is not 2-D")
             ranks.add(spec.shape[rank_axis(parsed.convention, parsed.side)])
+            mlp = mlp or parsed.projection in MLP_PROJECTIONS
     if len(ranks) > 1:
         raise InvalidArgumentError(f"{source}: signature {key!r} mixes LoRA ranks {sorted(ranks)}")
-    return ranks.pop() if ranks else None
+    return LoraSlot(ranks.pop(), ALL_LINEAR if mlp else ATTENTION) if ranks else None
 
 
 def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], source: str) -> None:

@@ -18,7 +18,7 @@ from runtime.export.batch_decode import BatchDecode
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.settings import ExportSettings
-from runtime.util.signature_names import SignatureName
+from runtime.util.signature_names import LoraSlot, SignatureName
 
 _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
 
@@ -52,13 +52,13 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
     for rank, lora in slots:
         extra = {} if lora is None else {"lora": lora}
         for length in sorted(settings.prefill_lengths):
-            signatures.append(Signature(str(SignatureName("prefill", length, lora_rank=rank)), module, {
+            signatures.append(Signature(str(SignatureName("prefill", length, lora_slot=_slot(rank))), module, {
                 "tokens": torch.zeros((1, length), dtype=torch.int32),
                 "input_pos": torch.arange(length, dtype=torch.int32),
                 "kv_cache": kv_cache,
                 **extra,
             }))
-        signatures.append(Signature(str(SignatureName("decode", lora_rank=rank)), module, {
+        signatures.append(Signature(str(SignatureName("decode", lora_slot=_slot(rank))), module, {
             "tokens": torch.zeros((1, 1), dtype=torch.int32),
             "input_pos": torch.zeros((1,), dtype=torch.int32),
             "kv_cache": kv_cache,
@@ -77,15 +77,19 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
     for window in sorted(settings.attention_windows):
         for rank in (None, *sorted(settings.lora_ranks)):
             module = BatchDecode(model, 1, rank, layout, window).eval()
-            signatures.append(Signature(str(SignatureName("decode", window=window, lora_rank=rank)), module,
+            signatures.append(Signature(str(SignatureName("decode", window=window, lora_slot=_slot(rank))), module,
                                         module.sample_kwargs(settings.kv_length)))
     for batch in sorted(settings.batch_sizes):
         for window in (None, *sorted(settings.attention_windows)):
             for rank in settings.batch_ranks or (None,):
                 module = BatchDecode(model, batch, rank, layout, window).eval()
-                name = SignatureName("decode", rows=batch, window=window, lora_rank=rank)
+                name = SignatureName("decode", rows=batch, window=window, lora_slot=_slot(rank))
                 signatures.append(Signature(str(name), module, module.sample_kwargs(settings.kv_length)))
     return signatures
+
+
+def _slot(rank: int | None) -> LoraSlot | None:
+    return LoraSlot(rank) if rank else None
 
 
 SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures)

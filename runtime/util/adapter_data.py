@@ -33,8 +33,8 @@ def refuse_unappliable(source: str, refused: Sequence[str], separator: str = ", 
     if len(refused) > MAX_LISTED:
         listed += f"{separator}and {len(refused) - MAX_LISTED} more"
     raise InvalidArgumentError(
-        f"{source}: cannot apply {len(refused)} tensor(s) (the model takes LoRA only on attention "
-        f"q/k/v/o): {listed}"
+        f"{source}: cannot apply {len(refused)} tensor(s) (LoRA applies to the attention's q/k/v/o and the "
+        f"MLP's gate/up/down only): {listed}"
     )
 
 

@@ -1,7 +1,7 @@
 """llama.cpp GGUF LoRA adapters as AdapterData, read with the ``gguf`` package (memory-mapped).
 
 A GGUF LoRA has ``general.type = "adapter"``, ``adapter.type = "lora"``,
-``adapter.lora.alpha`` and tensors ``blk.<N>.attn_{q,k,v,output}.weight.lora_{a,b}``;
+``adapter.lora.alpha`` and tensors ``blk.<N>.{attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down}.weight.lora_{a,b}``;
 as numpy arrays ``lora_a`` is ``[r, in]`` and ``lora_b`` ``[out, r]``, like PEFT's A and
 B. llama.cpp scales by ``alpha / r`` (by 1 when alpha is 0).
 
@@ -28,8 +28,12 @@ from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.scoped_file import FileWatch
 
 GGUF_MAGIC = b"GGUF"
-_NAME = re.compile(r"blk\.(?P<layer>0|[1-9][0-9]*)\.attn_(?P<proj>q|k|v|output)\.weight\.lora_(?P<side>a|b)")
-_PROJECTIONS = {"q": "q", "k": "k", "v": "v", "output": "o"}
+_NAME = re.compile(r"blk\.(?P<layer>0|[1-9][0-9]*)\.(?P<proj>attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
+                   r"\.weight\.lora_(?P<side>a|b)")
+# llama.cpp's tensor names -> ours; its names are what the error messages show.
+_PROJECTIONS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+                "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+_GGUF_NAMES = {ours: theirs for theirs, ours in _PROJECTIONS.items()}
 # Architectures whose converter permutes q/k rows for llama.cpp's RoPE ("LlamaModel.permute").
 _ROPE_PERMUTED = {"llama"}
 
@@ -71,7 +75,7 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
     permuted = architecture in _ROPE_PERMUTED
     tensors: dict[str, DerivedTensor] = {}
     for (layer, projection), sides in sorted(pairs.items()):
-        name = f"blk.{layer}.attn_{projection}.weight"
+        name = f"blk.{layer}.{_GGUF_NAMES[projection]}.weight"
         if set(sides) != {"a", "b"}:
             missing = "lora_b" if "a" in sides else "lora_a"
             raise InvalidArgumentError(f"{path}: {name} has no {missing} (half of a LoRA pair is missing)")

@@ -6,10 +6,16 @@ Three spellings of the same thing are in use (the README's "Adapter formats" tab
 convention      name                                                a / b layout
 ==============  ==================================================  ===============
 litert-torch    ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{L}``     [in, r] / [r, out]
+                ``lora_ff_{gate,up,down}_{a,b}_prime_weight_{L}``
 litert-lm       ``{query,key,value,post}_w_prime_{left,right}_{L}``  [r, in] / [r, out]
+                ``{gate,up,down}_w_prime_{left,right}_{L}``
 mediapipe       ``transformer.layer_{L}.attn.{q,k,v,attn_vec_einsum}.w_prime_{left,right}``
                                                                     [r, in] / [r, out]
 ==============  ==================================================  ===============
+
+The attention projections q/k/v/o are in every convention; the MLP's gate/up/down
+(written by ``export --lora-targets all-linear``) in litert-torch's, named in the same
+style, and LiteRT-LM's; MediaPipe's names stop at attention.
 
 Internally every adapter is handled in the *graph layout* of litert-torch exports:
 ``a`` is ``[in, r]`` and ``b`` is ``[r, out]``, so the delta added to a projection's
@@ -20,14 +26,15 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
 
-PROJECTIONS = ("q", "k", "v", "o")
+ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
+MLP_PROJECTIONS = ("gate", "up", "down")
+PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 SIDES = ("a", "b")
 
 
@@ -42,10 +49,10 @@ class Convention(enum.Enum):
 _LAYER = r"(?P<layer>0|[1-9][0-9]*)"
 _PATTERNS: dict[Convention, re.Pattern[str]] = {
     Convention.LITERT_TORCH: re.compile(
-        rf"lora_atten_(?P<proj>[qkvo])_(?P<side>[ab])_prime_weight_{_LAYER}"
+        rf"lora_(?:atten_(?P<proj>[qkvo])|ff_(?P<mlp>gate|up|down))_(?P<side>[ab])_prime_weight_{_LAYER}"
     ),
     Convention.LITERT_LM: re.compile(
-        rf"(?P<proj>query|key|value|post)_w_prime_(?P<side>left|right)_{_LAYER}"
+        rf"(?P<proj>query|key|value|post|gate|up|down)_w_prime_(?P<side>left|right)_{_LAYER}"
     ),
     Convention.MEDIAPIPE: re.compile(
         rf"transformer\.layer_{_LAYER}\.attn\.(?P<proj>q|k|v|attn_vec_einsum)"
@@ -54,8 +61,9 @@ _PATTERNS: dict[Convention, re.Pattern[str]] = {
 }
 
 _PROJECTION_SPELLING: dict[Convention, dict[str, str]] = {
-    Convention.LITERT_TORCH: {"q": "q", "k": "k", "v": "v", "o": "o"},
-    Convention.LITERT_LM: {"q": "query", "k": "key", "v": "value", "o": "post"},
+    Convention.LITERT_TORCH: {"q": "q", "k": "k", "v": "v", "o": "o", "gate": "gate", "up": "up", "down": "down"},
+    Convention.LITERT_LM: {"q": "query", "k": "key", "v": "value", "o": "post", "gate": "gate", "up": "up",
+                           "down": "down"},
     Convention.MEDIAPIPE: {"q": "q", "k": "k", "v": "v", "o": "attn_vec_einsum"},
 }
 _SIDE_SPELLING: dict[Convention, dict[str, str]] = {
@@ -90,7 +98,8 @@ def parse_lora_input_name(name: str) -> LoraInputName:
     for convention, pattern in _PATTERNS.items():
         match = pattern.fullmatch(name)
         if match:
-            projection = _invert(_PROJECTION_SPELLING[convention])[match["proj"]]
+            spelled = match["proj"] or match.groupdict().get("mlp")
+            projection = _invert(_PROJECTION_SPELLING[convention])[spelled]
             side = _invert(_SIDE_SPELLING[convention])[match["side"]]
             return LoraInputName(int(match["layer"]), projection, side, convention)
     raise InvalidArgumentError(f"{name!r} is not a LoRA input name in any known convention")
@@ -98,14 +107,16 @@ def parse_lora_input_name(name: str) -> LoraInputName:
 
 def lora_input_name(convention: Convention, layer: int, projection: str, side: str) -> str:
     """Spells the LoRA input for ``(layer, projection, side)`` in ``convention``."""
-    if projection not in PROJECTIONS or side not in SIDES or layer < 0:
+    if projection not in _PROJECTION_SPELLING[convention] or side not in SIDES or layer < 0:
         raise InvalidArgumentError(
-            f"no LoRA input for layer={layer}, projection={projection!r}, side={side!r}"
+            f"no LoRA input for layer={layer}, projection={projection!r}, side={side!r} in the "
+            f"{convention.value} convention"
         )
     proj = _PROJECTION_SPELLING[convention][projection]
     sd = _SIDE_SPELLING[convention][side]
     if convention is Convention.LITERT_TORCH:
-        return f"lora_atten_{proj}_{sd}_prime_weight_{layer}"
+        block = "ff" if projection in MLP_PROJECTIONS else "atten"
+        return f"lora_{block}_{proj}_{sd}_prime_weight_{layer}"
     if convention is Convention.LITERT_LM:
         return f"{proj}_w_prime_{sd}_{layer}"
     return f"transformer.layer_{layer}.attn.{proj}.w_prime_{sd}"
@@ -129,11 +140,6 @@ def to_graph_layout(convention: Convention, side: str, array: np.ndarray) -> np.
 def from_graph_layout(convention: Convention, side: str, array: np.ndarray) -> np.ndarray:
     """Inverse of :func:`to_graph_layout`: graph layout to how ``convention`` stores it."""
     return to_graph_layout(convention, side, array)
-
-
-def smallest_rank_slot(slots: Iterable[int], rank: int) -> int | None:
-    """The smallest of the rank ``slots`` that holds ``rank`` (zero-padded), or ``None``."""
-    return min((slot for slot in slots if slot >= rank), default=None)
 
 
 def _invert(mapping: dict[str, str]) -> dict[str, str]:

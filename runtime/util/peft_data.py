@@ -5,17 +5,18 @@ keys ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``.lora_B.weigh
 ``[out, r]``. PEFT applies ``scale * B @ A`` with ``scale = lora_alpha / r`` (or
 ``lora_alpha / sqrt(r)`` with ``use_rslora``), ``r`` and ``lora_alpha`` taken from
 ``rank_pattern`` / ``alpha_pattern`` where a pattern matches the module. The exported
-graph adds ``(x @ a) @ b``, so each attention projection becomes ``a = (scale * A).T``,
+graph adds ``(x @ a) @ b``, so each projection becomes ``a = (scale * A).T``,
 ``b = B.T``, named like litert-torch's inputs.
 
-What maps: ``...layers.<N>.{self_attn,attn,attention}.{q,k,v,o}_proj`` (Llama, SmolLM,
-Qwen, Gemma, Mistral). LoRA-XS checkpoints (an extra ``r x r`` ``lora_R`` or
-``lora_latent_mapping`` between A and B) fold it into A. ``fan_in_fan_out`` only
-changes how PEFT merges into a transposed base weight, not the activation path, so it
-needs nothing here; ``layers_to_transform`` is checked against the keys.
+What maps: ``...layers.<N>.{self_attn,attn,attention}.{q,k,v,o}_proj`` and
+``...layers.<N>.mlp.{gate,up,down}_proj`` (Llama, SmolLM, Qwen, Gemma, Mistral: what
+``target_modules="all-linear"`` trains). LoRA-XS checkpoints (``peft_type`` "LORA_XS", or
+an extra ``r x r`` ``lora_R`` or ``lora_latent_mapping`` between A and B) fold it into A.
+``fan_in_fan_out`` only changes how PEFT merges into a transposed base weight, not the
+activation path, so it needs nothing here; ``layers_to_transform`` is checked against the keys.
 
-Refused, with every offending module listed: targets outside attention q/k/v/o (MLP,
-embeddings, lm_head), DoRA, ``modules_to_save``, LoRA biases, unknown ``peft_type``.
+Refused, with every offending module listed: embeddings, lm_head, DoRA,
+``modules_to_save``, LoRA biases, unknown ``peft_type``.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from runtime.util.scoped_file import FileWatch
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-_PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"}
+_PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+                "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _KEY = re.compile(
     r"(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>0|[1-9][0-9]*)\."
-    r"(?:self_attn|attn|attention)\.(?P<proj>[qkvo]_proj))"
+    r"(?:(?:self_attn|attn|attention)\.(?P<proj>[qkvo]_proj)|mlp\.(?P<mlp>gate_proj|up_proj|down_proj)))"
     r"\.(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping)(?:\.default)?\.weight"
 )
+_PEFT_TYPES = ("LORA", "LORA_XS")  # LoRA-XS: lora_A, lora_R, lora_B, applied as B R A
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,10 @@ class PeftLoraConfig:
         if not isinstance(config, Mapping):
             raise InvalidArgumentError(f"{source}: {CONFIG_FILE} must hold a JSON object")
         peft_type = str(config.get("peft_type", "LORA")).upper()
-        if peft_type != "LORA":
+        if peft_type not in _PEFT_TYPES:
             raise InvalidArgumentError(
-                f"{source}: peft_type {config.get('peft_type')!r} is not supported, expected 'LORA'"
+                f"{source}: peft_type {config.get('peft_type')!r} is not supported, expected one of "
+                f"{', '.join(_PEFT_TYPES)}"
             )
         if config.get("use_dora"):
             raise UnimplementedError(f"{source}: DoRA adapters (use_dora=true) cannot be applied")
@@ -175,7 +179,7 @@ def _derive(
             refused.append(_why_refused(key))
             continue
         module = modules.setdefault(
-            match["module"], _Module(int(match["layer"]), _PROJECTIONS[match["proj"]])
+            match["module"], _Module(int(match["layer"]), _PROJECTIONS[match["proj"] or match["mlp"]])
         )
         module.parts[match["part"]] = key
     refuse_unappliable(source, refused, separator="; ")
@@ -200,6 +204,10 @@ def _module_tensors(
     config: PeftLoraConfig,
     source: str,
 ) -> dict[str, DerivedTensor]:
+    if "lora_A" not in module.parts and "lora_B" not in module.parts and module.parts:
+        raise UnimplementedError(
+            f"{source}: {path} holds only {', '.join(sorted(module.parts))}: an R-only LoRA-XS adapter, whose A and "
+            "B are rebuilt from the base model's weights, which this runtime does not do yet")
     for part in ("lora_A", "lora_B"):
         if part not in module.parts:
             raise InvalidArgumentError(f"{source}: {path} has no {part}.weight (half of a LoRA pair is missing)")

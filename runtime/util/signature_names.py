@@ -8,7 +8,9 @@ parses them with it):
   prefill of L tokens, one session's decode step;
 * ``decode_batch{B}``: B sessions' decode steps in one run;
 * ``_attend{W}`` on a decode: the step attends over the cache's first W positions only;
-* ``_lora_r{R}``: the signature takes LoRA inputs of rank slot R.
+* ``_lora_r{R}``: the signature takes LoRA inputs of rank R for the attention projections
+  q/k/v/o; ``_lora_all_r{R}``: for every linear projection, the MLP's gate/up/down too
+  (a :class:`LoraSlot` each).
 
 In that order: ``decode_batch8_attend128_lora_r16``. A batched signature's KV cache and
 LoRA tensors are the single-session names with ``_{row}`` appended.
@@ -17,12 +19,51 @@ LoRA tensors are the single-session names with ``_{row}`` appended.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 _SIGNATURE = re.compile(
     r"(?P<kind>prefill|decode)(?:_(?P<len>[1-9][0-9]*))?(?:_batch(?P<rows>[1-9][0-9]*))?"
-    r"(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora_r(?P<rank>[1-9][0-9]*))?"
+    r"(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora(?P<all>_all)?_r(?P<rank>[1-9][0-9]*))?"
 )
+ATTENTION = "attention"  # LoRA on q/k/v/o
+ALL_LINEAR = "all-linear"  # LoRA on q/k/v/o and the MLP's gate/up/down
+LORA_TARGETS = (ATTENTION, ALL_LINEAR)  # the cheaper first
+
+
+@dataclass(frozen=True)
+class LoraSlot:
+    """One set of LoRA inputs a signature takes: ``rank`` columns for every projection of
+    ``targets`` (``"attention"``: q/k/v/o; ``"all-linear"``: those and gate/up/down).
+
+    An adapter runs in any slot that :meth:`holds` its rank and projections (zero-padded:
+    exact); the cheapest such slot is the first in :attr:`cost_order`.
+    """
+
+    rank: int
+    targets: str = ATTENTION
+
+    def holds(self, other: LoraSlot) -> bool:
+        """Whether ``other``'s inputs fit into this slot's (zero-padded)."""
+        return self.rank >= other.rank and (self.targets == ALL_LINEAR or other.targets == ATTENTION)
+
+    @property
+    def cost_order(self) -> tuple[int, int]:
+        """Sorts slots cheapest first: attention-only before all-linear, then by rank."""
+        return LORA_TARGETS.index(self.targets), self.rank
+
+    @property
+    def suffix(self) -> str:
+        """The slot's part of a signature name."""
+        return f"_lora_all_r{self.rank}" if self.targets == ALL_LINEAR else f"_lora_r{self.rank}"
+
+    def __str__(self) -> str:
+        return f"all-linear r{self.rank}" if self.targets == ALL_LINEAR else f"r{self.rank}"
+
+
+def cheapest_slot(slots: Iterable[LoraSlot], need: LoraSlot) -> LoraSlot | None:
+    """The cheapest of ``slots`` that holds ``need``, or ``None`` if none does."""
+    return min((slot for slot in slots if slot.holds(need)), key=lambda slot: slot.cost_order, default=None)
 _ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 
 
@@ -33,21 +74,21 @@ class SignatureName:
     ``kind``: ``"prefill"`` or ``"decode"``. ``seq_len``: a prefill's length (``None`` for
     a decode, or a bare ``prefill`` whose length only its inputs tell). ``rows``: sessions
     per run (B of ``decode_batch{B}``; 1 otherwise). ``window``: attends over the cache's
-    first ``window`` positions (``None``: all of them). ``lora_rank``: the LoRA rank slot
-    whose inputs it takes (``None``: no LoRA inputs).
+    first ``window`` positions (``None``: all of them). ``lora_slot``: the LoRA inputs it
+    takes (``None``: none).
     """
 
     kind: str
     seq_len: int | None = None
     rows: int = 1
     window: int | None = None
-    lora_rank: int | None = None
+    lora_slot: LoraSlot | None = None
 
     def __str__(self) -> str:
         length = f"_{self.seq_len}" if self.seq_len is not None else ""
         batch = f"_batch{self.rows}" if self.rows > 1 else ""
         attend = f"_attend{self.window}" if self.window is not None else ""
-        slot = f"_lora_r{self.lora_rank}" if self.lora_rank is not None else ""
+        slot = self.lora_slot.suffix if self.lora_slot is not None else ""
         return f"{self.kind}{length}{batch}{attend}{slot}"
 
     @classmethod
@@ -63,7 +104,8 @@ class SignatureName:
             seq_len=_int(match["len"]),
             rows=_int(match["rows"]) or 1,
             window=_int(match["window"]),
-            lora_rank=_int(match["rank"]),
+            lora_slot=LoraSlot(int(match["rank"]), ALL_LINEAR if match["all"] else ATTENTION)
+            if match["rank"] else None,
         )
 
 

@@ -29,6 +29,7 @@ from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
 from runtime.util.adapter_formats import AdapterKey
 from runtime.util.latency import LatencyRecorder
+from runtime.util.signature_names import LoraSlot
 from runtime.util.tensor_spec import TensorSpec
 
 
@@ -37,14 +38,14 @@ class AdapterRegistry:
 
     def __init__(
         self,
-        lora_slots: Mapping[int, Mapping[str, TensorSpec]],
-        allocate: Callable[[int, str], object],
+        lora_slots: Mapping[LoraSlot, Mapping[str, TensorSpec]],
+        allocate: Callable[[LoraSlot, str], object],
         *,
         head_dim: int,
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
     ) -> None:
-        """``lora_slots``: the model's LoRA inputs per rank slot; ``allocate(rank, name)``
+        """``lora_slots``: the model's LoRA inputs per slot; ``allocate(slot, name)``
         makes one input buffer; ``head_dim`` is what GGUF adapters need to undo
         llama.cpp's row order."""
         self._manager = LoraManager(lora_slots, allocate, residency=residency, allow_non_finite=allow_non_finite)
@@ -118,8 +119,8 @@ class AdapterRegistry:
         for lora_id, _ in blend:
             self._manager.unpin(lora_id)
 
-    def slot_or_none(self, blend: Blend) -> int | None:
-        """The rank slot ``blend`` runs in; ``None`` for the base model, or when an adapter
+    def slot_or_none(self, blend: Blend) -> LoraSlot | None:
+        """The LoRA slot ``blend`` runs in; ``None`` for the base model, or when an adapter
         of it is gone (the row's own acquire then reports why)."""
         if not blend:
             return None
@@ -128,12 +129,12 @@ class AdapterRegistry:
         except StatusError:
             return None
 
-    def acquire(self, blend: Blend, slot: int | None = None) -> LoRA:
-        """Makes ``blend`` resident in rank slot ``slot`` (default: its own) and active
+    def acquire(self, blend: Blend, slot: LoraSlot | None = None) -> LoRA:
+        """Makes ``blend`` resident in LoRA slot ``slot`` (default: its own) and active
         until :meth:`release` with the same arguments."""
         return self._manager.acquire(blend, slot)
 
-    def release(self, blend: Blend, slot: int | None = None) -> None:
+    def release(self, blend: Blend, slot: LoraSlot | None = None) -> None:
         """Ends one :meth:`acquire`: the blend may be evicted again."""
         self._manager.release(blend, slot)
 
@@ -150,7 +151,8 @@ class AdapterRegistry:
         the residency counters."""
         manager = self._manager
         resident = tuple(
-            ResidentStats(blend, lora.slot_rank, lora.nbytes) for (blend, _), lora in manager.resident().items()
+            ResidentStats(blend, lora.slot.rank, lora.nbytes, lora.slot.targets)
+            for (blend, _), lora in manager.resident().items()
         )
         adapters = []
         for lora_id in manager.loaded_ids():

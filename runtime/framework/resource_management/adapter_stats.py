@@ -24,11 +24,13 @@ class AdapterStats:
 
 @dataclass(frozen=True)
 class ResidentStats:
-    """One materialized blend: the adapters and scales, the rank slot, the buffer bytes."""
+    """One resident blend: the adapters and scales, its LoRA slot's rank and targets
+    (``"attention"`` or ``"all-linear"``), the buffer bytes."""
 
     blend: tuple[tuple[int, float], ...]
     slot_rank: int
     nbytes: int
+    slot_targets: str = "attention"
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from runtime.framework.resource_management.adapter_registry import AdapterRegist
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
 from runtime.util.latency import LatencyRecorder
+from runtime.util.signature_names import LoraSlot
 
 
 class ResourceManager:
@@ -125,7 +126,8 @@ class ResourceManager:
 
     # -- runs ----------------------------------------------------------------------
 
-    def run(self, context: ContextHandler, executor: LlmExecutor | None = None, slot: int | None = None) -> Run:
+    def run(self, context: ContextHandler, executor: LlmExecutor | None = None, slot: LoraSlot | None = None
+            ) -> Run:
         """``with resources.run(context) as binding:`` one run of ``context``: its blend is
         active (and, with a pool, an executor is taken) until the block ends. The binding
         is the executor's prebuilt arguments for the context's KV cache and adapter
@@ -175,7 +177,7 @@ class ResourceManager:
         return context.use_binding(
             executor,
             lora,
-            lambda: executor.bind(context.kv, lora.buffers, lora.slot_rank)
+            lambda: executor.bind(context.kv, lora.buffers, lora.slot)
             if lora is not None
             else executor.bind(context.kv),
         )
@@ -214,7 +216,7 @@ class Run:
     __slots__ = ("_resources", "_context", "_blend", "_executor", "_pooled", "_slot")
 
     def __init__(self, resources: ResourceManager, context: ContextHandler, executor: LlmExecutor | None = None,
-                 slot: int | None = None) -> None:
+                 slot: LoraSlot | None = None) -> None:
         """``executor``: the one a batch runs on (its rows record no switches); ``None``
         takes one (from the pool, if any) for this run. ``slot``: the rank slot to bind
         the blend in (a larger one than its own holds it zero-padded; ``None``: its own)."""
