@@ -56,14 +56,17 @@ def runtime_logits(model: Path, adapter: Path | None = None) -> np.ndarray:
     return np.stack(rows)
 
 
-def write_peft_adapter(model_dir: Path, out: Path) -> Path:
-    """A random rank-4 PEFT adapter on q/k/v/o, saved by peft."""
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+
+
+def write_peft_adapter(model_dir: Path, out: Path, targets: list[str] = ATTENTION) -> Path:
+    """A random rank-4 PEFT adapter on ``targets`` (q/k/v/o by default), saved by peft."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                      "o_proj"]))
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
@@ -101,16 +104,20 @@ def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) ->
     assert f"wrote {exported.model}" in exported.run.stdout
     assert "LoRA slots [4], KV length 64" in exported.run.stdout
     assert exported.run.stderr == ""  # the libraries' warnings stay off the terminal
+    all_linear = LoraSlot(4, "all-linear")  # by default beside the attention-only slot, for Llama
     with Engine(exported.model) as engine:
-        assert engine.spec.slots == (LoraSlot(4),) and engine.spec.kv_length == 64
-        assert engine.spec.prefill_lengths == (8,)
-        assert engine.spec.batch_sizes(LoraSlot(4)) == (3,) and engine.spec.batch_sizes(None) == ()
-        assert engine.spec.windows(None) == engine.spec.windows(LoraSlot(4)) == engine.spec.windows(LoraSlot(4), rows=3) == (16,)
+        spec = engine.spec
+        assert spec.slots == (LoraSlot(4), all_linear) and spec.kv_length == 64
+        assert spec.prefill_lengths == (8,)
+        assert spec.batch_sizes(LoraSlot(4)) == spec.batch_sizes(all_linear) == (3,) and spec.batch_sizes(None) == ()
+        assert spec.windows(None) == spec.windows(LoraSlot(4)) == spec.windows(all_linear, rows=3) == (16,)
 
 
 def test_a_batched_step_equals_each_session_alone_with_peft_adapters(exported: Exported, tmp_path: Path) -> None:
     adapter = write_peft_adapter(exported.source, tmp_path / "adapter")
-    configs = [SessionConfig(lora_path=adapter), SessionConfig(), SessionConfig(lora_path=adapter, lora_scale=0.5)]
+    everywhere = write_peft_adapter(exported.source, tmp_path / "all_linear", ALL_LINEAR)
+    # an all-linear row hosts the attention-only and plain rows (zero MLP inputs: exact)
+    configs = [SessionConfig(lora_path=adapter), SessionConfig(), SessionConfig(lora_path=everywhere, lora_scale=0.5)]
     with Engine(exported.model) as engine:
         sessions = [engine.create_session(config) for config in configs]
         for row, session in enumerate(sessions):
@@ -131,6 +138,10 @@ def test_logits_match_float64_transformers_plain_and_with_peft(exported: Exporte
     assert np.max(np.abs(with_adapter - transformers_logits(exported.source, adapter))) <= 1e-4
     assert np.max(np.abs(with_adapter - plain)) > 0.1
     np.testing.assert_array_equal(runtime_logits(exported.bundle), plain)
+    everywhere = write_peft_adapter(exported.source, tmp_path / "all_linear", ALL_LINEAR)
+    all_linear = runtime_logits(exported.model, everywhere)
+    assert np.max(np.abs(all_linear - transformers_logits(exported.source, everywhere))) <= 1e-4
+    assert np.max(np.abs(all_linear - with_adapter)) > 0.1  # the MLP's LoRA counts
 
 
 def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: Exported) -> None:

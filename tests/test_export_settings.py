@@ -35,6 +35,7 @@ def test_defaults_and_recipe_names() -> None:
     ({"attention_windows": (128, 1024), "kv_length": 1024},
      r"attention_windows \[1024\] are not shorter than kv_length=1024"),
     ({"attention_windows": (0,)}, r"attention_windows=\(0,\): every value must be >= 1"),
+    ({"lora_targets": "mlp"}, "lora_targets='mlp': expected one of attention, all-linear"),
 ])
 def test_bad_fields_are_refused_by_name(fields: dict, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):

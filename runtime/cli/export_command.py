@@ -13,7 +13,7 @@ from pathlib import Path
 from runtime.cli.progress import progress_bar
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
 from runtime.export.outputs import check_targets
-from runtime.export.settings import KV_LAYOUTS, QUANTIZATIONS, ExportSettings
+from runtime.export.settings import KV_LAYOUTS, LORA_TARGETS, QUANTIZATIONS, ExportSettings
 from runtime.export.source import inspect_source, supported_architectures
 from runtime.util.native_logs import muted_native_logs
 
@@ -34,6 +34,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="also (or only) write a .litertlm bundle: model, tokenizer, stop tokens, chat template")
     parser.add_argument("--lora-ranks", default="", metavar="R,R,...",
                         help="LoRA rank slots, e.g. 8,16 (default: none)")
+    parser.add_argument("--lora-targets", choices=LORA_TARGETS, default=None,
+                        help="attention: LoRA on q/k/v/o; all-linear: also slots with the MLP's gate/up/down (an "
+                        "attention-only adapter still runs the cheaper slots). Default: all-linear for Llama, Qwen2 "
+                        "and Qwen3, attention for Gemma 3")
     parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
     parser.add_argument("--prefill-lengths", default=",".join(map(str, defaults.prefill_lengths)), metavar="L,L,...",
                         help="prefill signature lengths")
@@ -67,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("give --out MODEL.tflite, --bundle MODEL.litertlm or both")
     settings = ExportSettings(
         lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
+        lora_targets=args.lora_targets,
         kv_length=args.kv_length,
         prefill_lengths=parse_integers("--prefill-lengths", args.prefill_lengths),
         quantize=args.quantize,

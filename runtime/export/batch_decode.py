@@ -16,8 +16,10 @@ and with one row they are the single-session names):
 
 - ``tokens`` int32 ``[B, 1]``, ``input_pos`` int32 ``[B]``;
 - ``kv_cache_{k,v}_{layer}_{row}``: one session's whole cache, in the layout of ``decode``;
-- ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{layer}_{row}`` (with a LoRA rank): that
-  row's adapter, in the layout of ``decode_lora_r{R}``. Zeros make a row plain.
+- ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{layer}_{row}`` (with a LoRA rank), and in an
+  all-linear slot ``lora_ff_{gate,up,down}_{a,b}_prime_weight_{layer}_{row}``: that row's
+  adapter, in the layout of ``decode_lora_r{R}`` / ``decode_lora_all_r{R}``. Zeros make a
+  row plain.
 
 Outputs: ``logits`` ``[B, 1, vocab]`` and ``kv_cache_{k,v}_{layer}_{row}``. With a window
 W, a row's position must be below W (the runtime picks the signature).
@@ -31,11 +33,9 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
-from runtime.export.litert import attention, kv_utils, lora_utils, model_builder, rotary_position_embedding
+from runtime.export.litert import attention, kv_utils, model_builder, rotary_position_embedding
+from runtime.export.mlp_lora import check_mlp_lora, feed_forward, lora_key, lora_shapes
 from runtime.util.signature_names import row_tensor_name
-
-_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "output"}
-
 
 def check_batchable(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder with its
@@ -59,7 +59,7 @@ class BatchDecode(nn.Module):
     row it is a single session's ``decode_attend{window}``, under the single-session names."""
 
     def __init__(self, model: nn.Module, batch: int, lora_rank: int | None, kv_layout: tuple,
-                 window: int | None = None) -> None:
+                 window: int | None = None, mlp: bool = False) -> None:
         super().__init__()
         check_batchable(model)
         self.model = model
@@ -67,6 +67,9 @@ class BatchDecode(nn.Module):
         self.lora_rank = lora_rank
         self.kv_layout = kv_layout
         self.window = window
+        self.mlp = mlp  # LoRA on the feed-forward's gate/up/down too (an all-linear slot)
+        if mlp:
+            check_mlp_lora(model)
 
     def _row(self, name: str, row: int) -> str:
         """The input name of ``row``'s ``name`` (one row: the single-session name)."""
@@ -85,12 +88,9 @@ class BatchDecode(nn.Module):
                               for layer in range(config.num_layers) for row in range(self.batch)
                               for kind, cache in (("k", entry.k_cache), ("v", entry.v_cache))}
         if self.lora_rank:
-            zeros = lora_utils.LoRA.zeros(self.lora_rank, config)
-            kwargs["lora"] = {
-                self._row(_lora_key(layer, short, side), row):
-                    torch.zeros_like(getattr(getattr(entry.attention, long), side))
-                for layer, entry in enumerate(zeros.adapters) for short, long in _PROJECTIONS.items()
-                for side in ("a_prime", "b_prime") for row in range(self.batch)}
+            kwargs["lora"] = {self._row(key, row): torch.zeros(shape)
+                              for key, shape in lora_shapes(self.model, self.lora_rank, self.mlp).items()
+                              for row in range(self.batch)}
         return kwargs
 
     @torch.inference_mode()
@@ -115,10 +115,10 @@ class BatchDecode(nn.Module):
             attended = self._attention(block.atten_func, layer, normed, rope, masks, input_pos, kv_cache, lora,
                                         updated)
             if block.config.parallel_residual:
-                x = x + attended + block.ff(normed)
+                x = x + attended + self._feed_forward(block.ff, normed, lora, layer)
             else:
                 x = x + attended
-                x = x + block.ff(block.post_atten_norm(x))
+                x = x + self._feed_forward(block.ff, block.post_atten_norm(x), lora, layer)
         logits = model.lm_head(model.final_norm(x))  # [B, 1, vocab]
         return {"logits": logits, "kv_cache": updated}
 
@@ -175,14 +175,15 @@ class BatchDecode(nn.Module):
             y = y + self._lora_delta(attended, lora, layer, "o")
         return y
 
+    def _feed_forward(self, ff: nn.Module, x: torch.Tensor, lora: dict[str, torch.Tensor] | None,
+                      layer: int) -> torch.Tensor:
+        """The block's feed-forward, with each row's LoRA on gate/up/down in an all-linear slot."""
+        if not self.mlp or lora is None:
+            return ff(x)
+        return feed_forward(ff, x, lambda projection, inputs: self._lora_delta(inputs, lora, layer, projection))
+
     def _lora_delta(self, x: torch.Tensor, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
         """``x_i A_i B_i`` for every row i of ``x`` ``[B, 1, in]``: ``[B, 1, out]``."""
-        a = torch.stack([lora[self._row(_lora_key(layer, projection, "a_prime"), row)] for row in range(self.batch)])
-        b = torch.stack([lora[self._row(_lora_key(layer, projection, "b_prime"), row)] for row in range(self.batch)])
+        a = torch.stack([lora[self._row(lora_key(layer, projection, "a_prime"), row)] for row in range(self.batch)])
+        b = torch.stack([lora[self._row(lora_key(layer, projection, "b_prime"), row)] for row in range(self.batch)])
         return torch.matmul(torch.matmul(x, a), b)
-
-
-def _lora_key(layer: int, projection: str, side: str) -> str:
-    """The ``lora`` dict key whose flattened input name is the single-session name
-    (``lora_atten_q_a_prime_weight_{layer}``); rows append ``_{row}``."""
-    return f"atten_{projection}_{side}_weight_{layer}"

@@ -17,6 +17,7 @@ QUANTIZATIONS = {
     "int4-block128": "dynamic_int4_block128",
 }
 KV_LAYOUTS = ("default", "transposed")
+LORA_TARGETS = ("attention", "all-linear")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class ExportSettings:
     """The shape of the exported graph.
 
     Signatures: ``prefill_{L}`` for each prefill length and ``decode``, plus
-    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` for each LoRA rank slot R; with
+    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` for each LoRA rank slot R (and
+    ``..._lora_all_r{R}`` beside them for all-linear LoRA targets); with
     batch sizes, ``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank R
     (``decode_batch{B}`` when the model has no LoRA slots). Each attention window W adds
     ``decode_attend{W}[_lora_r{R}]`` and ``decode_batch{B}_attend{W}[_lora_r{R}]``: the same
@@ -34,6 +36,11 @@ class ExportSettings:
 
     # LoRA rank slots; an adapter of rank r runs in the smallest slot >= r. Empty: no LoRA.
     lora_ranks: tuple[int, ...] = ()
+    # Which projections the slots take LoRA on: "attention" (q/k/v/o), or "all-linear",
+    # which adds slots with the MLP's gate/up/down beside the attention-only ones (an
+    # adapter touching attention only still runs the cheaper ones). None: all-linear where
+    # the family supports it (Llama, Qwen2, Qwen3), else attention (Gemma 3).
+    lora_targets: str | None = None
     # KV-cache positions: the longest context a session can hold.
     kv_length: int = 1024
     # Token counts of the prefill signatures (a prompt is cut into chunks of these).
@@ -88,6 +95,9 @@ class ExportSettings:
             raise InvalidArgumentError(f"batch_lora_ranks {stray} are not LoRA rank slots {sorted(self.lora_ranks)}")
         if self.quantize not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantize={self.quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
+        if self.lora_targets is not None and self.lora_targets not in LORA_TARGETS:
+            raise InvalidArgumentError(
+                f"lora_targets={self.lora_targets!r}: expected one of {', '.join(LORA_TARGETS)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise InvalidArgumentError(f"kv_layout={self.kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
 

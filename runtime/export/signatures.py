@@ -7,18 +7,20 @@ signature is one more function of the :data:`SignatureSet` shape added to
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from runtime.errors import UnimplementedError
 from runtime.export.batch_decode import BatchDecode
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
+from runtime.export.mlp_lora import AllLinearStep, check_mlp_lora
 from runtime.export.settings import ExportSettings
-from runtime.util.signature_names import LoraSlot, SignatureName
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, SignatureName
 
 _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
 
@@ -36,29 +38,52 @@ class Signature:
 SignatureSet = Callable[[nn.Module, ExportSettings], list[Signature]]
 
 
+def lora_slots(model: nn.Module, settings: ExportSettings, ranks: Sequence[int]) -> list[LoraSlot]:
+    """The LoRA slots of ``ranks``: attention-only for each, and all-linear beside it when
+    ``settings.lora_targets`` asks for it (by default: when the model's family supports it,
+    see :func:`runtime.export.mlp_lora.check_mlp_lora`)."""
+    targets = settings.lora_targets
+    if targets is None:
+        try:
+            check_mlp_lora(model)
+            targets = ALL_LINEAR
+        except UnimplementedError:
+            targets = ATTENTION
+    elif targets == ALL_LINEAR:
+        check_mlp_lora(model)
+    slots = [LoraSlot(rank) for rank in sorted(ranks)]
+    if targets == ALL_LINEAR:
+        slots += [LoraSlot(rank, ALL_LINEAR) for rank in sorted(ranks)]
+    return slots
+
+
 def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
-    """``prefill_{L}`` per prefill length and ``decode``; with each LoRA rank slot R also
-    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` (named by
-    :mod:`runtime.util.signature_names`)."""
+    """``prefill_{L}`` per prefill length and ``decode``; with each LoRA slot also
+    ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` (and ``..._lora_all_r{R}`` for the
+    all-linear slots; names by :mod:`runtime.util.signature_names`)."""
     layout = _KV_LAYOUTS[settings.kv_layout]
     export_config = litert_converter.ExportConfig(
         output_logits_on_prefill=settings.prefill_logits, kvcache_layout=layout
     )
-    module = litert_converter.ExportableModule(model, export_config=export_config).eval()
+    plain = litert_converter.ExportableModule(model, export_config=export_config).eval()
     kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
-    slots: list[tuple[int | None, lora_utils.LoRA | None]] = [(None, None)]
-    slots += [(rank, lora_utils.LoRA.zeros(rank, model.config)) for rank in sorted(settings.lora_ranks)]
     signatures = []
-    for rank, lora in slots:
-        extra = {} if lora is None else {"lora": lora}
+    for slot in (None, *lora_slots(model, settings, settings.lora_ranks)):
+        module: nn.Module = plain
+        extra: dict[str, object] = {}
+        if slot is not None and slot.targets == ALL_LINEAR:
+            module = AllLinearStep(model, slot.rank, export_config).eval()
+            extra = {"lora": module.sample_lora()}
+        elif slot is not None:
+            extra = {"lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
         for length in sorted(settings.prefill_lengths):
-            signatures.append(Signature(str(SignatureName("prefill", length, lora_slot=_slot(rank))), module, {
+            signatures.append(Signature(str(SignatureName("prefill", length, lora_slot=slot)), module, {
                 "tokens": torch.zeros((1, length), dtype=torch.int32),
                 "input_pos": torch.arange(length, dtype=torch.int32),
                 "kv_cache": kv_cache,
                 **extra,
             }))
-        signatures.append(Signature(str(SignatureName("decode", lora_slot=_slot(rank))), module, {
+        signatures.append(Signature(str(SignatureName("decode", lora_slot=slot)), module, {
             "tokens": torch.zeros((1, 1), dtype=torch.int32),
             "input_pos": torch.zeros((1,), dtype=torch.int32),
             "kv_cache": kv_cache,
@@ -70,26 +95,26 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
 def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
     """``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank slot R
     (``decode_batch{B}`` without LoRA slots), and for each attention window W
-    ``decode_attend{W}[_lora_r{R}]`` for every slot and ``decode_batch{B}_attend{W}...``:
-    see :mod:`runtime.export.batch_decode`."""
+    ``decode_attend{W}[_lora_r{R}]`` for every slot and ``decode_batch{B}_attend{W}...``;
+    all-linear slots likewise: see :mod:`runtime.export.batch_decode`."""
     layout = _KV_LAYOUTS[settings.kv_layout]
     signatures = []
+
+    def add(rows: int, window: int | None, slot: LoraSlot | None) -> None:
+        module = BatchDecode(model, rows, slot.rank if slot else None, layout, window,
+                             mlp=slot is not None and slot.targets == ALL_LINEAR).eval()
+        name = SignatureName("decode", rows=rows, window=window, lora_slot=slot)
+        signatures.append(Signature(str(name), module, module.sample_kwargs(settings.kv_length)))
+
     for window in sorted(settings.attention_windows):
-        for rank in (None, *sorted(settings.lora_ranks)):
-            module = BatchDecode(model, 1, rank, layout, window).eval()
-            signatures.append(Signature(str(SignatureName("decode", window=window, lora_slot=_slot(rank))), module,
-                                        module.sample_kwargs(settings.kv_length)))
+        for slot in (None, *lora_slots(model, settings, settings.lora_ranks)):
+            add(1, window, slot)
+    batch_slots = lora_slots(model, settings, settings.batch_ranks) if settings.batch_ranks else [None]
     for batch in sorted(settings.batch_sizes):
         for window in (None, *sorted(settings.attention_windows)):
-            for rank in settings.batch_ranks or (None,):
-                module = BatchDecode(model, batch, rank, layout, window).eval()
-                name = SignatureName("decode", rows=batch, window=window, lora_slot=_slot(rank))
-                signatures.append(Signature(str(name), module, module.sample_kwargs(settings.kv_length)))
+            for slot in batch_slots:
+                add(batch, window, slot)
     return signatures
-
-
-def _slot(rank: int | None) -> LoraSlot | None:
-    return LoraSlot(rank) if rank else None
 
 
 SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures)

@@ -1,0 +1,150 @@
+"""LoRA on every linear projection: the MLP's gate/up/down beside attention's q/k/v/o.
+
+litert-torch 0.10.0 applies LoRA to attention only (its ``LoRA`` pytree has no MLP
+part), so an all-linear slot's signatures are traced from :class:`AllLinearStep`: the
+decoder's own loop over its blocks, where each block's attention is litert-torch's own
+(given its q/k/v/o LoRA as a ``LoRAEntry``) and its gated feed-forward is computed here
+with each projection's ``x A B`` added. A plain dict of tensors is the ``lora`` input:
+``atten_{q,k,v,o}_{a,b}_prime_weight_{L}`` (the names litert-torch's pytree gives) and
+``ff_{gate,up,down}_{a,b}_prime_weight_{L}``, flattened by the converter to the
+runtime's ``lora_atten_*`` and ``lora_ff_*`` inputs.
+
+Zero inputs make every delta zero: an all-linear signature with zeros equals the plain one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from runtime.errors import UnimplementedError
+from runtime.export.litert import attention, export_config as export_cfg, kv_utils, lora_utils, model_builder
+
+ATTENTION_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "output"}  # ours -> litert-torch's
+MLP_PROJECTIONS = ("gate", "up", "down")
+
+# Computes a projection's LoRA delta for its input ``x``, or None when it has none.
+Delta = Callable[[str, torch.Tensor], torch.Tensor | None]
+
+
+def lora_key(layer: int, projection: str, side: str) -> str:
+    """The ``lora`` dict key of one projection's ``a_prime`` / ``b_prime`` in one layer,
+    whose flattened input name is the runtime's (``lora_atten_q_a_prime_weight_0``,
+    ``lora_ff_gate_b_prime_weight_3``)."""
+    block = "ff" if projection in MLP_PROJECTIONS else "atten"
+    return f"{block}_{projection}_{side}_weight_{layer}"
+
+
+def check_mlp_lora(model: nn.Module) -> None:
+    """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder whose blocks
+    are standard and whose feed-forward is gated with separate gate and up projections
+    (Llama, Qwen2, Qwen3): the structure :func:`feed_forward` computes."""
+    blocks = getattr(model, "transformer_blocks", ())
+    standard = isinstance(model, model_builder.DecoderOnlyModel) and all(
+        type(block) is attention.TransformerBlock and type(block.atten_func) is attention.CausalSelfAttention
+        for block in blocks)
+    if not standard:
+        raise UnimplementedError(
+            f"--lora-targets all-linear is not available for {type(model).__name__} (Gemma 3's own decoder); "
+            "Llama, Qwen2 and Qwen3 exports have it (use --lora-targets attention)")
+    for layer, block in enumerate(blocks):
+        ff = block.ff
+        if not (ff.config.use_separate_gating and not ff.use_glu and hasattr(ff, "w3")):
+            raise UnimplementedError(
+                f"layer {layer}'s feed-forward is not a gated one with separate gate and up projections: "
+                "--lora-targets all-linear cannot apply LoRA to it")
+
+
+def lora_shapes(model: nn.Module, rank: int, mlp: bool) -> dict[str, tuple[int, ...]]:
+    """The ``lora`` dict's keys and shapes for a slot of ``rank`` (attention projections,
+    and with ``mlp`` the feed-forward's): ``a_prime`` ``[in, r]``, ``b_prime`` ``[r, out]``."""
+    config = model.config
+    shapes = {}
+    for layer in range(config.num_layers):
+        attn = config.block_config(layer).attn_config
+        q_out, kv_out, dim = attn.num_heads * attn.head_dim, attn.num_query_groups * attn.head_dim, config.embedding_dim
+        fans = {"q": (dim, q_out), "k": (dim, kv_out), "v": (dim, kv_out), "o": (q_out, dim)}
+        if mlp:
+            hidden = config.block_config(layer).ff_config.intermediate_size
+            fans.update(gate=(dim, hidden), up=(dim, hidden), down=(hidden, dim))
+        for projection, (fan_in, fan_out) in fans.items():
+            shapes[lora_key(layer, projection, "a_prime")] = (fan_in, rank)
+            shapes[lora_key(layer, projection, "b_prime")] = (rank, fan_out)
+    return shapes
+
+
+def feed_forward(ff: nn.Module, x: torch.Tensor, delta: Delta) -> torch.Tensor:
+    """litert-torch's ``GatedFeedForward.forward`` with each projection's LoRA delta added:
+    ``down(act(gate(x) + dg) * (up(x) + du)) + dd`` between its pre and post norms."""
+    x_norm = ff.pre_ff_norm(x)
+    gate, up = ff.w1(x_norm), ff.w3(x_norm)
+    gate_delta, up_delta = delta("gate", x_norm), delta("up", x_norm)
+    if gate_delta is not None:
+        gate = gate + gate_delta
+    if up_delta is not None:
+        up = up + up_delta
+    hidden = ff.act(gate) * up
+    out = ff.w2(hidden)
+    down_delta = delta("down", hidden)
+    if down_delta is not None:
+        out = out + down_delta
+    return ff.post_ff_norm(out)
+
+
+class AllLinearStep(nn.Module):
+    """A prefill or decode step of one session of ``model`` (litert-torch's
+    ``DecoderOnlyModel``) with LoRA of rank ``lora_rank`` on every linear projection."""
+
+    def __init__(self, model: nn.Module, lora_rank: int, export_config: export_cfg.ExportConfig) -> None:
+        super().__init__()
+        check_mlp_lora(model)
+        self.model = model
+        self.lora_rank = lora_rank
+        self.export_config = export_config
+
+    def sample_lora(self) -> dict[str, torch.Tensor]:
+        """Zero ``lora`` inputs of the right shapes; they also fix the inputs' names."""
+        return {key: torch.zeros(shape) for key, shape in lora_shapes(self.model, self.lora_rank, True).items()}
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_cache: kv_utils.KVCache,
+                lora: dict[str, torch.Tensor]) -> dict[str, object]:
+        model = self.model
+        config = model.config
+        attn_config = config.block_config(0).attn_config
+        x = model.tok_embedding(tokens)
+        if config.embedding_scale is not None:
+            x = x * config.embedding_scale
+        rope = config.build_rope(input_pos, int(attn_config.rotary_percentage * attn_config.head_dim),
+                                 attn_config.rotary_base)
+        mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :kv_cache.get_max_seq_len()]
+        entries = []
+        for layer, block in enumerate(model.transformer_blocks):
+            delta = _deltas(lora, layer)
+            entry = lora_utils.LoRAEntry(attention=lora_utils.AttentionLoRA(**{
+                long: lora_utils.LoRAWeight(a_prime=lora[lora_key(layer, short, "a_prime")],
+                                            b_prime=lora[lora_key(layer, short, "b_prime")])
+                for short, long in ATTENTION_PROJECTIONS.items()}))
+            x_norm = block.pre_atten_norm(x)
+            attended, kv_entry = block.atten_func(x_norm, rope, mask, input_pos, kv_cache.caches[layer], entry)
+            if block.config.parallel_residual:
+                x = x + attended + feed_forward(block.ff, x_norm, delta)
+            else:
+                x = x + attended
+                x = x + feed_forward(block.ff, block.post_atten_norm(x), delta)
+            entries.append(kv_entry)
+        updated = kv_utils.KVCache(tuple(entries))
+        if torch.numel(input_pos) > 1 and not self.export_config.output_logits_on_prefill:
+            return {"kv_cache": updated}
+        return {"logits": model.lm_head(model.final_norm(x)), "kv_cache": updated}
+
+
+def _deltas(lora: dict[str, torch.Tensor], layer: int) -> Delta:
+    """The MLP deltas of one layer: ``(x @ a) @ b``."""
+
+    def delta(projection: str, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(torch.matmul(x, lora[lora_key(layer, projection, "a_prime")]),
+                            lora[lora_key(layer, projection, "b_prime")])
+    return delta
