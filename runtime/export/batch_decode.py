@@ -33,22 +33,18 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
-from runtime.export.litert import attention, kv_utils, model_builder, rotary_position_embedding
-from runtime.export.mlp_lora import check_mlp_lora, feed_forward, lora_key, lora_shapes
+from runtime.export.litert import kv_utils, rotary_position_embedding
+from runtime.export.mlp_lora import check_mlp_lora, feed_forward, is_standard_decoder, lora_key, lora_shapes
 from runtime.util.signature_names import row_tensor_name
 
 def check_batchable(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder with its
     standard blocks (the families whose batched step this module knows how to write)."""
-    blocks = getattr(model, "transformer_blocks", ())
-    plain = isinstance(model, model_builder.DecoderOnlyModel) and all(
-        type(block) is attention.TransformerBlock and type(block.atten_func) is attention.CausalSelfAttention
-        for block in blocks)
-    if not plain:
+    if not is_standard_decoder(model):
         raise UnimplementedError(
             f"batched and attention-window decode signatures are not available for {type(model).__name__} "
             "(Gemma 3's own decoder); Llama, Qwen2 and Qwen3 exports have them")
-    if any(block.atten_func.config.use_alibi for block in blocks):
+    if any(block.atten_func.config.use_alibi for block in model.transformer_blocks):
         raise UnimplementedError("batched and attention-window decode signatures do not support ALiBi attention")
 
 

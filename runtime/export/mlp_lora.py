@@ -37,19 +37,23 @@ def lora_key(layer: int, projection: str, side: str) -> str:
     return f"{block}_{projection}_{side}_weight_{layer}"
 
 
+def is_standard_decoder(model: nn.Module) -> bool:
+    """Whether ``model`` is litert-torch's ``DecoderOnlyModel`` of standard blocks (whose
+    forward this package's own steps write out), not a decoder of its own like Gemma 3's."""
+    return isinstance(model, model_builder.DecoderOnlyModel) and all(
+        type(block) is attention.TransformerBlock and type(block.atten_func) is attention.CausalSelfAttention
+        for block in model.transformer_blocks)
+
+
 def check_mlp_lora(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder whose blocks
     are standard and whose feed-forward is gated with separate gate and up projections
     (Llama, Qwen2, Qwen3): the structure :func:`feed_forward` computes."""
-    blocks = getattr(model, "transformer_blocks", ())
-    standard = isinstance(model, model_builder.DecoderOnlyModel) and all(
-        type(block) is attention.TransformerBlock and type(block.atten_func) is attention.CausalSelfAttention
-        for block in blocks)
-    if not standard:
+    if not is_standard_decoder(model):
         raise UnimplementedError(
             f"--lora-targets all-linear is not available for {type(model).__name__} (Gemma 3's own decoder); "
             "Llama, Qwen2 and Qwen3 exports have it (use --lora-targets attention)")
-    for layer, block in enumerate(blocks):
+    for layer, block in enumerate(model.transformer_blocks):
         ff = block.ff
         if not (ff.config.use_separate_gating and not ff.use_glu and hasattr(ff, "w3")):
             raise UnimplementedError(
