@@ -11,6 +11,13 @@ runs on its own :class:`~runtime.Session` in a worker thread, never on the event
 * :mod:`runtime.serve.generation`: one request's generation on its session, as text deltas.
 * :mod:`runtime.serve.protocol`: the OpenAI request bodies and response shapes.
 * :mod:`runtime.serve.metrics`: the Prometheus ``/metrics`` page.
-* :mod:`runtime.serve.errors`: errors as OpenAI-shaped JSON with a status code.
+* :mod:`runtime.serve.errors`: errors as OpenAI-shaped JSON with a status code;
+  :mod:`runtime.serve.error_handlers`: every exception mapped to one.
+* :mod:`runtime.serve.settings`: what the server answers to, and its limits.
+* :mod:`runtime.serve.admission`: how many requests run at once (429 past it).
+* :mod:`runtime.serve.middleware`: what every request passes first (key, body cap).
+* :mod:`runtime.serve.server`: the state every route shares.
+* :mod:`runtime.serve.routes`: one module per endpoint family (generation, models,
+  adapters, operations).
 * :mod:`runtime.serve.app`: the ASGI application tying them together.
 """
