@@ -39,6 +39,7 @@ from runtime.cli.main import build_parser  # noqa: E402
 from runtime.errors import StatusError  # noqa: E402
 from runtime.serve.app import ServeSettings, create_app  # noqa: E402
 from runtime.serve.catalog import AdapterCatalog  # noqa: E402
+from runtime.serve.download import DownloadPolicy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(str(resources.files("runtime") / "demo_assets"))
@@ -132,7 +133,7 @@ def served(tmp_path_factory):
         shutil.copy(DEMO / "adapters" / f"{name}.tflite", adapters)
     engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]), chat_template=TEMPLATE)
     server, thread, url = start_server(engine, adapters, ServeSettings("demo", api_key=KEY, max_concurrent=8),
-                                       max_download_bytes=200_000)
+                                       downloads=DownloadPolicy.of(["127.0.0.1"], max_bytes=200_000))
     yield Served(url, engine, adapters)
     stop_server(server, thread)
     engine.close()
@@ -353,7 +354,9 @@ def test_a_download_that_fails_a_check_leaves_nothing_behind(served, files_on_lo
     (folder / "text.bin").write_bytes(b"not an adapter at all")
     before = sorted(os.listdir(served.adapters))
     cases = [
-        ({"url": f"{base_url}/json.bin", "sha256": "0" * 64}, 400, "SHA-256"),
+        ({"url": f"{base_url}/json.bin", "sha256": "0" * 64}, 400, "is not the sha256 given"),
+        ({"url": base_url.replace("127.0.0.1", "localhost") + "/json.bin", "sha256": "0" * 64}, 403,
+         "are not allowed"),
         ({"url": f"{base_url}/big.bin", "sha256": hashlib.sha256(blob + bytes(100_000)).hexdigest()}, 400, "cap"),
         ({"url": f"{base_url}/missing.bin", "sha256": "0" * 64}, 400, "HTTP 404"),
         ({"url": f"{base_url}/text.bin", "sha256": hashlib.sha256(b"not an adapter at all").hexdigest()}, 400,
@@ -365,8 +368,27 @@ def test_a_download_that_fails_a_check_leaves_nothing_behind(served, files_on_lo
     for fields, status, words in cases:
         got, body = served.call("/v1/load_lora_adapter", {"lora_name": "broken", **fields})
         assert got == status and words in body["error"]["message"], (fields, body)
+        assert hashlib.sha256(blob).hexdigest() not in body["error"]["message"]  # nothing about the body
     assert sorted(os.listdir(served.adapters)) == before  # no temporary file, no half-registered adapter
     assert "broken" not in {m.id for m in served.client().models.list().data}
+
+
+def test_a_request_runs_the_adapter_checked_at_load_never_a_file_changed_since(served, offline):
+    shutil.copy(DEMO / "adapters" / "json.tflite", served.adapters / "swapped.tflite")
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "swapped", "lora_path": "swapped.tflite"})[0] == 200
+    ids = served.engine.adapter_ids()
+    request = {"model": "swapped", "prompt": "green tea\n", "max_tokens": 20, "temperature": 0}
+    assert served.call("/v1/completions", request)[1]["choices"][0]["text"] == offline("green tea\n", [("json", 1.0)], 20).text
+    shutil.copy(DEMO / "adapters" / "uppercase.tflite", served.adapters / "swapped.tflite")
+    status, body = served.call("/v1/completions", request)
+    assert (status, body["error"]["type"]) == (409, "conflict_error") and "load it again" in body["error"]["message"]
+    assert served.engine.adapter_ids() == ids  # nothing registered from the changed file
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "swapped"})[0] == 200
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "swapped", "lora_path": "swapped.tflite"})[0] == 200
+    expected = offline("green tea\n", [("uppercase", 1.0)], 20).text
+    assert served.call("/v1/completions", request)[1]["choices"][0]["text"] == expected
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "swapped"})[0] == 200
+    (served.adapters / "swapped.tflite").unlink()
 
 
 # -- safe by default ----------------------------------------------------------------
@@ -521,7 +543,7 @@ def test_a_body_past_the_cap_gets_413_before_it_is_read(served):
 def test_the_catalogue_answers_with_the_numbers(served):
     status, body = served.call("/v1/completions", {"model": "demo", "prompt": "hi\n", "max_tokens": 10**30})
     message = body["error"]["message"]
-    assert status == 400 and "3 tokens" in message and str(10**30) in message and "256" in message
+    assert status == 400 and "3 prompt" in message and str(10**30) in message and "256" in message
     status, body = served.call("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": -1})
     assert (status, body["error"]["param"]) == (400, "max_tokens")
     status, body = served.call("/v1/completions", {"model": "gpt-4", "prompt": "hi"})

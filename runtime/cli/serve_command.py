@@ -43,8 +43,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         f"(default: ${API_KEY_VARIABLE})")
     parser.add_argument("--max-concurrent", type=int, default=16, help="running requests beyond it get 429")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    parser.add_argument("--strict-adapters", action="store_true",
+                        help="stop at start if an adapter in --adapters DIR cannot be registered "
+                        "(default: skip it, with a warning line, and list it in /v1/models)")
+    parser.add_argument("--allow-download-from", nargs="+", default=[], metavar="HOST[:PORT]",
+                        help="hosts /v1/load_lora_adapter may download a url from (default: none); a loopback "
+                        "or private address is reached only if that address itself is listed")
     parser.add_argument("--max-download-bytes", type=int, default=256 << 20,
-                        help="cap on an adapter downloaded by /v1/load_lora_adapter with a url")
+                        help="cap on an adapter downloaded by /v1/load_lora_adapter with a url (default: 256 MiB)")
+    parser.add_argument("--download-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="time limit of one whole download (default: 60)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
     parser.add_argument("--executors", type=int, default=1,
                         help="copies of the model running sessions in parallel (each costs the model's memory)")
@@ -59,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
         from runtime.serve.app import ServeSettings, create_app
         from runtime.serve.catalog import AdapterCatalog
+        from runtime.serve.download import DownloadPolicy
     except ImportError as exc:
         raise FailedPreconditionError(
             f"serve needs the serve extra ({exc.name} is missing): pip install 'runtime[serve]'"
@@ -73,15 +82,15 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent,
         max_body_bytes=args.max_body_bytes,
     )
-    if args.max_download_bytes < 1:
-        raise InvalidArgumentError(f"--max-download-bytes {args.max_download_bytes}: expected >= 1")
+    downloads = DownloadPolicy.of(args.allow_download_from, args.max_download_bytes, args.download_timeout)
     tokenizer = ByteTokenizer(stop_token_ids=args.stop_token or ()) if args.byte_tokens else args.tokenizer
     chat_template = _read_template(args.chat_template) if args.chat_template is not None else None
     with Engine(args.model, EngineSettings(num_threads=args.threads, executors=args.executors),
                 tokenizer=tokenizer, chat_template=chat_template) as engine:
-        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name],
-                                 max_download_bytes=args.max_download_bytes)
-        entries = catalog.scan()
+        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads)
+        entries = catalog.scan(strict=args.strict_adapters)
+        for skipped in catalog.skipped:
+            print(f"warning: skipped adapter {skipped.file}: {skipped.reason}", file=sys.stderr, flush=True)
         app = create_app(engine, catalog, settings)
         listener = _bind(args.host, args.port)
         host, port = listener.getsockname()[:2]

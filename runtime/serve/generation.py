@@ -1,9 +1,10 @@
 """One request's generation on its own Session, in a worker thread, as text deltas.
 
 :class:`GenerationJob` is built on the event loop from a validated request and then runs
-in a worker thread: :meth:`~GenerationJob.prepare` (tokenize, check the context, create
-the session) and :meth:`~GenerationJob.run` (``Session.generate``, with each token turned
-into text as it comes). :meth:`~GenerationJob.cancel` may be called from any thread: the
+in a worker thread: :meth:`~GenerationJob.prepare` (tokenize, create the session with
+the adapters registered at load, by id) and :meth:`~GenerationJob.run`
+(``Session.generate``, which checks that the prompt and ``max_tokens`` fit the context,
+with each token turned into text as it comes). :meth:`~GenerationJob.cancel` may be called from any thread: the
 generation stops before its next decode step and the session is closed at once.
 """
 
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime import Engine, LoraSource, SamplerConfig, Session, SessionConfig
-from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime import Engine, SamplerConfig, Session, SessionConfig
+from runtime.errors import FailedPreconditionError, InvalidArgumentError
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
 
@@ -85,7 +86,7 @@ class GenerationRequest:
     max_tokens: int | None  # None: as many as the context has room for
     sampler: SamplerConfig
     stop: tuple[str, ...]
-    loras: tuple[LoraSource, ...]
+    adapters: Mapping[int, float]  # registered adapter id -> scale
 
 
 @dataclass(frozen=True)
@@ -139,28 +140,18 @@ class GenerationJob:
         self._stop_tokens = frozenset(engine.tokenizer.stop_token_ids)
 
     def prepare(self) -> None:
-        """Tokenizes the prompt, checks that it and ``max_tokens`` fit the context, and
-        creates the session (registering nothing new: the adapters are the catalog's)."""
+        """Tokenizes the prompt and creates the session (registering nothing new: the
+        adapters are the catalog's, by id)."""
         self._queue_wait = time.perf_counter() - self._admitted
         prompt = self.request.prompt
         self._prompt = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not self._prompt:
             raise InvalidArgumentError("the prompt is empty: it needs at least one token")
-        context = self._engine.spec.kv_length
-        room = context - len(self._prompt)
-        if room < 1:
-            raise ResourceExhaustedError(
-                f"the prompt has {len(self._prompt)} tokens: the model's context of {context} tokens "
-                "leaves no room to generate"
-            )
-        max_tokens = self.request.max_tokens if self.request.max_tokens is not None else room
-        if max_tokens > room:
-            raise ResourceExhaustedError(
-                f"the prompt has {len(self._prompt)} tokens and max_tokens is {max_tokens}: "
-                f"{len(self._prompt) + max_tokens} exceeds the model's context of {context} tokens"
-            )
-        self._max_tokens = max_tokens
-        session = self._engine.create_session(SessionConfig(loras=self.request.loras))
+        max_tokens = self.request.max_tokens
+        # None: the rest of the context (at least 1, so that a prompt filling it is refused
+        # by Session.generate's own check, like any prompt too long for max_tokens).
+        self._max_tokens = max(1, self._engine.spec.kv_length - len(self._prompt)) if max_tokens is None else max_tokens
+        session = self._engine.create_session(SessionConfig(adapters=self.request.adapters))
         with self._state:
             if not self._closed:
                 self._session = session

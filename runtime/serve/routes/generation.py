@@ -66,8 +66,7 @@ async def generate(server: Server, body: CompletionBody | ChatBody, request: Req
     try:
         job = GenerationJob(
             server.engine,
-            GenerationRequest(prompt, max_tokens, sampler, body.stop_strings(),
-                              tuple(lease.source(name, scale) for name, scale in weights)),
+            GenerationRequest(prompt, max_tokens, sampler, body.stop_strings(), lease.adapters(weights)),
             on_text=put if body.stream else None,
             on_close=release,
         )
