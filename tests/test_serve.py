@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -40,6 +41,8 @@ from runtime.errors import StatusError  # noqa: E402
 from runtime.serve.app import ServeSettings, create_app  # noqa: E402
 from runtime.serve.catalog import AdapterCatalog  # noqa: E402
 from runtime.serve.download import DownloadPolicy  # noqa: E402
+from runtime.util.lora_data import LoraData  # noqa: E402
+from runtime.util.lora_writer import serialize_lora_tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(str(resources.files("runtime") / "demo_assets"))
@@ -389,6 +392,125 @@ def test_a_request_runs_the_adapter_checked_at_load_never_a_file_changed_since(s
     assert served.call("/v1/completions", request)[1]["choices"][0]["text"] == expected
     assert served.call("/v1/unload_lora_adapter", {"lora_name": "swapped"})[0] == 200
     (served.adapters / "swapped.tflite").unlink()
+
+
+def stream_status(served, path: str, body: dict) -> tuple[int, str]:
+    """Status and raw text of a streaming request."""
+    request = urllib.request.Request(served.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_streaming_or_not(served):
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi \ud800"}]}
+    cases = [("/v1/completions", {"model": "demo", "prompt": "hi \ud800"}, "prompt"),
+             ("/v1/completions", {"model": "demo", "prompt": ["\udfff"]}, "prompt.0"),
+             ("/v1/chat/completions", chat, "messages.0.content"),
+             ("/v1/chat/completions", {"model": "demo", "messages": [
+                 {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
+             ("/v1/completions", {"model": "demo", "prompt": "hi", "stop": ["\ud800"]}, "stop.0")]
+    for path, body, param in cases:
+        raw = json.dumps(body).encode()  # json.dumps writes the surrogate as the escape \ud800
+        status, answer = served.call(path, raw=raw)
+        assert (status, answer["error"]["param"]) == (400, param), answer
+        assert "surrogate" in answer["error"]["message"]
+        status, text = stream_status(served, path, body)
+        assert status == 400 and "surrogate" in text
+
+
+def test_completions_default_to_16_tokens(slow):
+    client = slow.client()
+    assert client.completions.create(model="slow", prompt="x", temperature=0).usage.completion_tokens == 16
+    prompt = "x" * (slow.engine.spec.kv_length - 15)  # room for 15
+    status, body = slow.call("/v1/completions", {"model": "slow", "prompt": prompt})
+    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "prompt", "limit_exceeded")
+    assert "+ 16 new tokens" in body["error"]["message"]
+
+
+def test_vllm_sampling_extras_are_applied(served, offline):
+    client = served.client()
+    request = {"model": "uppercase", "prompt": "green tea\n", "max_tokens": 24, "temperature": 0}
+    session_config = SessionConfig(loras=[LoraSource(path=DEMO / "adapters" / "uppercase.tflite")])
+    with offline.engine.create_session(session_config) as session:
+        no_eos = session.generate("green tea\n", 24, stop_tokens=()).text
+    with offline.engine.create_session(session_config) as session:
+        at_space = session.generate("green tea\n", 24, stop_tokens=[NEWLINE, ord(" ")]).text
+    assert "\n" in no_eos.rstrip("\n")  # it went on past the stop token
+    answer = client.completions.create(**request, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == no_eos and answer.usage.completion_tokens == 24
+    answer = client.completions.create(**request, extra_body={"stop_token_ids": [ord(" ")]})
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (at_space, "stop")
+    greedy = offline("green tea\n", [("uppercase", 1.0)], 24).text
+    sampled = client.completions.create(**{**request, "temperature": 1.0}, seed=3, extra_body={"top_k": 1})
+    assert sampled.choices[0].text == greedy  # top_k 1 is greedy at any temperature
+    short = offline("hi\n", [], 24)
+    assert len(short.tokens) < 8 and short.stop_reason == "stop_token"
+    answer = client.completions.create(model="demo", prompt="hi\n", max_tokens=24, temperature=0,
+                                       extra_body={"min_tokens": 8})
+    assert answer.usage.completion_tokens >= 8 and "\n" not in answer.choices[0].text[:7]
+    penalized = client.completions.create(**request, extra_body={"repetition_penalty": 50.0}).choices[0].text
+    assert penalized != greedy
+
+
+def test_fields_not_implemented_are_refused_never_ignored(served):
+    good = {"model": "demo", "prompt": "hi\n", "max_tokens": 4}
+    for extra, param in [({"min_p": 0.1}, "min_p"), ({"max_completion_tokens": 4}, "max_completion_tokens"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"min_tokens": 5}, "min_tokens"), ({"top_k": -2}, "top_k"),
+                         ({"repetition_penalty": 0}, "repetition_penalty")]:
+        status, body = served.call("/v1/completions", {**good, **extra})
+        assert (status, body["error"]["param"]) == (400, param), body
+
+
+def test_errors_name_the_field_and_always_have_a_code(served):
+    status, body = served.call("/v1/completions", raw=b"\xff\xfe{")
+    assert status == 400 and body["error"]["code"] == "invalid_body"
+    status, body = served.call("/v1/chat/completions", {"model": "demo", "messages": [
+        {"role": "user", "content": "x" * 300}]})
+    assert (status, body["error"]["param"]) == (400, "messages")
+    status, body = served.call("/v1/completions", {"model": "uppercase", "prompt": "hi", "max_tokens": 2,
+                                                   "lora": [{"name": "json"}]})
+    message = body["error"]["message"]
+    assert (status, body["error"]["param"]) == (400, "lora")
+    assert "'uppercase' (rank 8), 'json' (rank 8) need rank 16" in message and "[" not in message
+
+
+def huge_adapter(source: Path, target: Path, factor: float = 1e18) -> None:
+    """A copy of ``source`` with every weight times ``factor``: finite, and loadable, but
+    the model's activations overflow."""
+    with LoraData.create_from_file_path(source) as data:
+        tensors = {name: data.read_tensor(name).astype(np.float32) * np.float32(factor)
+                   for name in data.get_all_tensor_names()}
+        rank = data.get_lora_rank()
+    target.write_bytes(serialize_lora_tensors(tensors, external_data=False, lora_rank=rank))
+
+
+def test_an_adapter_that_makes_non_finite_logits_is_a_4xx_logged_and_marked_unhealthy(served, caplog):
+    huge_adapter(DEMO / "adapters" / "json.tflite", served.adapters / "huge.tflite")
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "huge", "lora_path": "huge.tflite"})[0] == 200
+    try:
+        request = {"model": "huge", "prompt": "hi\n", "max_tokens": 4}
+        with caplog.at_level("WARNING", logger="runtime.serve"):
+            status, body = served.call("/v1/completions", request)
+        assert (status, body["error"]["code"], body["error"]["param"]) == (400, "non_finite_logits", "model")
+        assert "'huge'" in body["error"]["message"]
+        assert any("huge" in record.getMessage() for record in caplog.records)
+        status, text = stream_status(served, "/v1/completions", request)
+        assert status == 400 and "non_finite_logits" in text  # an error status, not 200 with an error event
+        card = served.call("/v1/models/huge")[1]
+        assert card["healthy"] is False and "non-finite" in card["problem"]
+        assert served.call("/v1/models/json")[1]["healthy"] is True
+        metrics = served.call("/metrics")[1]["text"]
+        assert metric(metrics, "runtime_adapter_healthy", adapter="huge") == 0
+        assert metric(metrics, "runtime_adapter_healthy", adapter="json") == 1
+        served.wait_until_idle()
+    finally:
+        assert served.call("/v1/unload_lora_adapter", {"lora_name": "huge"})[0] == 200
+        (served.adapters / "huge.tflite").unlink()
 
 
 # -- safe by default ----------------------------------------------------------------

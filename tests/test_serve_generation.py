@@ -62,7 +62,7 @@ def engine():
 
 
 def job(engine, prompt="hi", max_tokens=4, **kwargs) -> GenerationJob:
-    return GenerationJob(engine, GenerationRequest(prompt, max_tokens, SamplerConfig(), (), {}), **kwargs)
+    return GenerationJob(engine, GenerationRequest(prompt, max_tokens, SamplerConfig(), (), {}, frozenset()), **kwargs)
 
 
 def test_a_job_streams_what_generate_gives_and_closes_its_session(engine):

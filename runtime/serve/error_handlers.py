@@ -63,4 +63,6 @@ def _http_error(status: int, detail: str) -> ApiError:
     if status == 413:
         return ApiError(413, f"the request body exceeds the server's limit ({detail})", "invalid_request_error",
                         "request_too_large")
-    return ApiError(status, detail, "invalid_request_error" if status < 500 else "server_error")
+    if status == 400:  # FastAPI's answer to a body it cannot decode (not UTF-8...)
+        return ApiError(400, f"the request body cannot be read: {detail}", "invalid_request_error", "invalid_body")
+    return ApiError(status, detail, "invalid_request_error" if status < 500 else "server_error", f"http_{status}")

@@ -1,10 +1,13 @@
-"""``GET /v1/models``: the base model and every adapter, with its ``parent``."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the base model and every adapter, with
+its ``parent``, the context length, and whether the adapter is healthy; the list also
+names what the start-up scan skipped, and why."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
 from runtime.serve.catalog import CatalogEntry
+from runtime.serve.errors import ApiError
 from runtime.serve.server import Server
 
 
@@ -14,14 +17,33 @@ def routes(server: Server) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict:
-        base = {"id": server.settings.model_name, "object": "model", "created": server.started,
-                "owned_by": "runtime", "root": str(server.engine.model_path), "parent": None}
-        return {"object": "list", "data": [base, *(card(server, entry) for entry in server.catalog.entries())]}
+        skipped = [{"file": s.file, "reason": s.reason} for s in server.catalog.skipped]
+        return {"object": "list", "data": [base_card(server), *(card(server, e) for e in server.catalog.entries())],
+                "skipped": skipped}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id == server.settings.model_name:
+            return base_card(server)
+        for entry in server.catalog.entries():
+            if entry.name == model_id:
+                return card(server, entry)
+        raise ApiError(404, f"model {model_id!r:.140} is not served here; GET /v1/models lists what is",
+                       "not_found_error", "model_not_found", "model")
 
     return router
 
 
+def base_card(server: Server) -> dict:
+    """The base model as a ``model`` object."""
+    return {"id": server.settings.model_name, "object": "model", "created": server.started, "owned_by": "runtime",
+            "root": str(server.engine.model_path), "parent": None, "max_model_len": server.engine.spec.kv_length}
+
+
 def card(server: Server, entry: CatalogEntry) -> dict:
-    """One adapter as a ``model`` object."""
+    """One adapter as a ``model`` object: ``healthy`` is false (with the ``problem``) once
+    it failed at run time, until it is unloaded."""
+    problem = server.catalog.problem(entry.name)
     return {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "runtime",
-            "root": str(entry.path), "parent": server.settings.model_name}
+            "root": str(entry.path), "parent": server.settings.model_name,
+            "max_model_len": server.engine.spec.kv_length, "healthy": problem is None, "problem": problem}
