@@ -40,6 +40,7 @@ from runtime.cli.main import build_parser  # noqa: E402
 from runtime.errors import StatusError  # noqa: E402
 from runtime.serve.app import ServeSettings, create_app  # noqa: E402
 from runtime.serve.catalog import AdapterCatalog  # noqa: E402
+from runtime.serve.connection import uvicorn_config  # noqa: E402
 from runtime.serve.download import DownloadPolicy  # noqa: E402
 from runtime.util.lora_data import LoraData  # noqa: E402
 from runtime.util.lora_writer import serialize_lora_tensors  # noqa: E402
@@ -102,7 +103,7 @@ class Served:
 def start_server(engine: Engine, adapters: Path | None, settings: ServeSettings, **catalog_options):
     catalog = AdapterCatalog(engine, adapters, reserved_names=[settings.model_name], **catalog_options)
     catalog.scan()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, catalog, settings), log_level="critical"))
+    server = uvicorn.Server(uvicorn_config(create_app(engine, catalog, settings), settings, log_level="critical"))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
@@ -653,7 +654,7 @@ def test_malformed_requests_get_a_clear_4xx_and_do_not_disturb_others(served, of
 def test_a_body_past_the_cap_gets_413_before_it_is_read(served):
     port = int(served.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n"
                            b"Content-Length: 2000000\r\n\r\n{")
         answer = connection.makefile("rb").read()
@@ -688,7 +689,7 @@ def test_a_client_that_goes_away_frees_its_session_at_once(slow):
     # the same for a request that does not stream
     with socket.create_connection(("127.0.0.1", int(slow.url.rsplit(":", 1)[1]))) as connection:
         body = json.dumps({"model": "slow", "prompt": "hello\n", "max_tokens": 50}).encode()
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 5
         while not slow.live_sessions():
@@ -706,8 +707,9 @@ def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
                for _ in range(2)]
     for stream in streams:
         next(iter(stream))
-    with pytest.raises(openai.RateLimitError, match="max-concurrent"):
+    with pytest.raises(openai.RateLimitError, match="max-concurrent") as refused:
         client.completions.create(model="slow", prompt="hi\n", max_tokens=2)
+    assert refused.value.response.headers["Retry-After"] == "1"
     status, body = slow.call("/v1/unload_lora_adapter", {"lora_name": "torch_r4"})
     assert (status, body["error"]["type"]) == (409, "conflict_error") and "2 running" in body["error"]["message"]
     for stream in streams:
@@ -737,6 +739,88 @@ def test_metrics_report_adapters_and_requests(served):
     # batched decode: the demo model has no batched signatures, so no batches (but the series exist)
     assert "# TYPE runtime_decode_batches_total counter" in text
     assert metric(text, "runtime_decode_batch_wait_seconds", quantile="0.99") == 0
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server on the tiny model with short time limits (0.5 s), loopback names only, an
+    adapters directory holding one adapter and one file that is not an adapter."""
+    adapters = tmp_path_factory.mktemp("guarded_adapters")
+    shutil.copy(TINY_ADAPTER_DIR / "torch_r4.tflite", adapters)
+    (adapters / "garbage.gguf").write_bytes(b"not a gguf file")
+    engine = Engine(TINY_MODEL, tokenizer=ByteTokenizer())
+    settings = ServeSettings("tiny", max_concurrent=1, header_timeout_s=0.5, idle_timeout_s=0.5)
+    server, thread, url = start_server(engine, adapters, settings)
+    yield Served(url, engine, adapters)
+    stop_server(server, thread)
+    engine.close()
+
+
+def raw_exchange(served: Served, request: bytes, wait: float = 5.0) -> bytes:
+    """Sends ``request`` as it is and returns all the server answers until it closes."""
+    with socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])), timeout=wait) as connection:
+        connection.sendall(request)
+        chunks = []
+        while chunk := connection.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_only_loopback_host_names_are_answered_by_default_against_dns_rebinding(guarded):
+    head = b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n"
+    for host in (b"127.0.0.1", b"localhost:8000", b"[::1]:1"):
+        assert raw_exchange(guarded, head + b"Host: " + host + b"\r\n\r\n").startswith(b"HTTP/1.1 200")
+    answer = raw_exchange(guarded, head + b"Host: attacker.example\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 403") and b"host_not_allowed" in answer
+    body = b'{"lora_name": "x", "lora_path": "torch_r4.tflite"}'
+    post = (b"POST /v1/load_lora_adapter HTTP/1.1\r\nHost: attacker.example:" + guarded.url.rsplit(":", 1)[1].encode()
+            + b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert raw_exchange(guarded, post).startswith(b"HTTP/1.1 403")
+    assert "x" not in {card["id"] for card in guarded.call("/v1/models")[1]["data"]}
+
+
+def test_a_page_of_another_site_cannot_call_but_the_servers_own_page_can(guarded):
+    port = guarded.url.rsplit(":", 1)[1].encode()
+    head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:" + port + b"\r\nConnection: close\r\n"
+    own = raw_exchange(guarded, head + b"Origin: http://127.0.0.1:" + port + b"\r\n\r\n")
+    assert own.startswith(b"HTTP/1.1 200")
+    for origin in (b"http://attacker.example", b"null", b"http://127.0.0.1.attacker.example:" + port):
+        answer = raw_exchange(guarded, head + b"Origin: " + origin + b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 403") and b"origin_not_allowed" in answer, origin
+
+
+def test_half_sent_requests_and_idle_connections_are_closed(guarded):
+    started = time.monotonic()
+    assert raw_exchange(guarded, b"") == b""  # idle from the start
+    assert raw_exchange(guarded, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ") == b""  # half a head
+    assert time.monotonic() - started < 3
+    answer = raw_exchange(guarded, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer  # half a body
+    kept = raw_exchange(guarded, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # kept alive, then idle
+    assert kept.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 5
+
+
+def test_vllm_and_llama_server_endpoints(guarded):
+    client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="none", max_retries=0)
+    card = client.models.retrieve("torch_r4")
+    assert (card.id, card.parent, card.max_model_len) == ("torch_r4", "tiny", guarded.engine.spec.kv_length)
+    assert client.models.retrieve("tiny").max_model_len == guarded.engine.spec.kv_length
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    listing = guarded.call("/v1/models")[1]
+    assert listing["skipped"] == [{"file": "garbage.gguf", "reason": listing["skipped"][0]["reason"]}]
+    assert "garbage.gguf" in listing["skipped"][0]["reason"]
+    request = urllib.request.Request(guarded.url + "/health", method="HEAD")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200 and response.read() == b""
+    status, tokens = guarded.call("/tokenize", {"model": "torch_r4", "prompt": "héllo"})
+    assert status == 200 and tokens == {"count": 6, "max_model_len": guarded.engine.spec.kv_length,
+                                        "tokens": list("héllo".encode()), "token_strs": None}
+    assert guarded.call("/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": "héllo"})
+    status, body = guarded.call("/detokenize", {"tokens": [1, 256]})
+    assert (status, body["error"]["param"]) == (400, "tokens.1")
+    assert guarded.call("/tokenize", {"model": "nope", "prompt": "x"})[0] == 404
 
 
 # -- the command -------------------------------------------------------------------

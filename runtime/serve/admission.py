@@ -7,6 +7,8 @@ import threading
 from runtime.serve.errors import ApiError
 from runtime.serve.generation import GenerationJob
 
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
 
 class Admission:
     """The running jobs; past the limit, a new one is refused with 429. Thread-safe."""
@@ -26,7 +28,8 @@ class Admission:
         with self._lock:
             if len(self._jobs) >= self._limit:
                 raise ApiError(429, f"{self._limit} requests are running, the server's --max-concurrent; "
-                               "retry later", "rate_limit_error", "too_many_requests")
+                               "retry later", "rate_limit_error", "too_many_requests",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
             self._jobs.add(job)
             return len(self._jobs)
 

@@ -20,7 +20,7 @@ from runtime import Engine
 from runtime.serve.catalog import AdapterCatalog
 from runtime.serve.error_handlers import install_error_handlers
 from runtime.serve.middleware import Gate
-from runtime.serve.routes import adapters, generation, models, operations
+from runtime.serve.routes import adapters, generation, models, operations, tokenize
 from runtime.serve.server import Server
 from runtime.serve.settings import ServeSettings
 
@@ -37,9 +37,8 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings)
         await run_in_threadpool(server.shutdown)
 
     app = FastAPI(title="runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    for family in (operations, models, generation, adapters):
+    for family in (operations, models, generation, adapters, tokenize):
         app.include_router(family.routes(server))
     install_error_handlers(app)
-    app.add_middleware(Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       metrics=server.metrics)
+    app.add_middleware(Gate, settings=settings, metrics=server.metrics)
     return app

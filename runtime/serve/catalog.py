@@ -125,6 +125,11 @@ class AdapterCatalog:
         with self._lock:
             return sorted(self._entries.values(), key=lambda entry: entry.name)
 
+    def find(self, name: str) -> CatalogEntry | None:
+        """The adapter registered as ``name``, or ``None``."""
+        with self._lock:
+            return self._entries.get(name)
+
     def problem(self, name: str) -> str | None:
         """Why adapter ``name`` is unhealthy, or ``None`` while it is healthy."""
         with self._lock:

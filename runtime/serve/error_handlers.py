@@ -41,9 +41,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(as_api_error(exc))
 
 
-def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """``error`` as a JSON response with its status code."""
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+def error_response(error: ApiError) -> JSONResponse:
+    """``error`` as a JSON response with its status code and headers."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers or None)
 
 
 def as_api_error(exc: BaseException) -> ApiError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.errors import (
     AlreadyExistsError,
@@ -38,6 +38,7 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # sent with the answer (Retry-After...)
 
     def __str__(self) -> str:
         return self.message

@@ -213,10 +213,10 @@ class LoadAdapterBody(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=300)
-    lora_path: str | None = Field(None, min_length=1, max_length=4096)
-    url: str | None = Field(None, min_length=1, max_length=8192)
-    sha256: str | None = None
+    lora_name: Text = Field(min_length=1, max_length=300)
+    lora_path: Text | None = Field(None, min_length=1, max_length=4096)
+    url: Text | None = Field(None, min_length=1, max_length=8192)
+    sha256: Text | None = None
 
     def check(self) -> None:
         """Exactly one of ``lora_path`` and ``url``; ``url`` needs ``sha256``."""
@@ -231,7 +231,31 @@ class UnloadAdapterBody(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=300)
+    lora_name: Text = Field(min_length=1, max_length=300)
+
+
+class TokenizeBody(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or ``messages`` put through the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: Text | None = Field(None, min_length=1, max_length=300)
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    def check(self) -> None:
+        """Exactly one of ``prompt`` and ``messages``."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeBody(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: Text | None = Field(None, min_length=1, max_length=300)
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:

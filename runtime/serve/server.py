@@ -4,13 +4,18 @@ worker pool, metrics)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+from starlette.concurrency import run_in_threadpool
 
 from runtime import Engine
 from runtime.errors import FailedPreconditionError
 from runtime.serve.admission import Admission
 from runtime.serve.catalog import AdapterCatalog
+from runtime.serve.errors import bad_request
 from runtime.serve.metrics import ServerMetrics
+from runtime.serve.protocol import ChatMessage
 from runtime.serve.settings import ServeSettings
 
 
@@ -36,3 +41,14 @@ class Server:
         """Cancels running generations and waits for the workers to finish."""
         self.admission.cancel_all()
         self.pool.shutdown(wait=True)
+
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """A conversation as prompt text, by the model's chat template (off the event loop)."""
+        template = self.engine.chat_template
+        if template is None:
+            raise bad_request(
+                f"model {self.settings.model_name!r} has no chat template: start the server with "
+                "--chat-template FILE (a Jinja2 template), or use /v1/completions", code="no_chat_template",
+                param="messages")
+        rendered = [message.as_template_input(i) for i, message in enumerate(messages)]
+        return await run_in_threadpool(template.render, rendered)

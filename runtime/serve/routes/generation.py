@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from runtime.errors import NotFoundError, ResourceExhaustedError
@@ -46,7 +45,7 @@ async def generate(server: Server, body: CompletionBody | ChatBody, request: Req
     before the first generated token is answered with its status, streaming or not."""
     body.check()
     chat = isinstance(body, ChatBody)
-    prompt = await _chat_prompt(server, body) if chat else body.prompt_value()
+    prompt = await server.chat_prompt(body.messages) if chat else body.prompt_value()
     weights = _blend(server, body.model, body.lora or [])
     try:
         lease = server.catalog.lease(name for name, _ in weights)
@@ -192,17 +191,6 @@ async def _first_event(events: asyncio.Queue, request: Request, job: GenerationJ
         job.cancel()
         return ApiError(499, "the client closed the request", "invalid_request_error", "client_closed_request")
     return waiting.result()
-
-
-async def _chat_prompt(server: Server, body: ChatBody) -> str:
-    template = server.engine.chat_template
-    if template is None:
-        raise bad_request(
-            f"model {server.settings.model_name!r} has no chat template: start the server with "
-            "--chat-template FILE (a Jinja2 template), or use /v1/completions", code="no_chat_template",
-            param="messages")
-    messages = [message.as_template_input(i) for i, message in enumerate(body.messages)]
-    return await run_in_threadpool(template.render, messages)
 
 
 def _blend(server: Server, model: str, lora: Sequence[LoraWeight]) -> list[tuple[str, float]]:

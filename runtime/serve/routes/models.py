@@ -25,9 +25,9 @@ def routes(server: Server) -> APIRouter:
     async def model(model_id: str) -> dict:
         if model_id == server.settings.model_name:
             return base_card(server)
-        for entry in server.catalog.entries():
-            if entry.name == model_id:
-                return card(server, entry)
+        entry = server.catalog.find(model_id)
+        if entry is not None:
+            return card(server, entry)
         raise ApiError(404, f"model {model_id!r:.140} is not served here; GET /v1/models lists what is",
                        "not_found_error", "model_not_found", "model")
 

@@ -1,4 +1,4 @@
-"""``GET /health`` (liveness) and ``GET /metrics`` (Prometheus text)."""
+"""``GET /health`` and ``HEAD /health`` (liveness) and ``GET /metrics`` (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def routes(server: Server) -> APIRouter:
     """Health and metrics over ``server``."""
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         return {"status": "ok"}
 
