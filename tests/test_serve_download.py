@@ -22,14 +22,18 @@ def loopback_server(answer):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
+    listener.settimeout(0.05)  # so that the loop sees stop soon
     stop = threading.Event()
 
     def serve() -> None:
         while not stop.is_set():
             try:
                 connection, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            connection.settimeout(5)
             with connection:
                 connection.recv(65536)
                 try:
@@ -43,8 +47,8 @@ def loopback_server(answer):
         yield listener.getsockname()[1]
     finally:
         stop.set()
-        listener.close()
         thread.join(5)
+        listener.close()
 
 
 def ok(connection) -> None:
