@@ -20,7 +20,7 @@ from runtime import Engine
 from runtime.serve.catalog import AdapterCatalog
 from runtime.serve.error_handlers import install_error_handlers
 from runtime.serve.middleware import Gate
-from runtime.serve.routes import adapters, generation, models, operations, tokenize
+from runtime.serve.routes import adapters, generation, models, operations, page, tokenize
 from runtime.serve.server import Server
 from runtime.serve.settings import ServeSettings
 
@@ -39,6 +39,8 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings)
     app = FastAPI(title="runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     for family in (operations, models, generation, adapters, tokenize):
         app.include_router(family.routes(server))
+    app.include_router(page.routes())
+    app.mount("/ui", page.files(), name="ui")
     install_error_handlers(app)
     app.add_middleware(Gate, settings=settings, metrics=server.metrics)
     return app

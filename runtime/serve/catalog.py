@@ -70,6 +70,16 @@ class Skipped:
     reason: str
 
 
+@dataclass(frozen=True)
+class AdapterFile:
+    """An adapter in the adapters directory: its file, the name it would be loaded as,
+    and the name it is loaded as (``None``: not loaded)."""
+
+    file: str
+    name: str
+    loaded: str | None
+
+
 class Lease:
     """The adapters one request runs with; none of them can be unloaded until :meth:`release`."""
 
@@ -124,6 +134,23 @@ class AdapterCatalog:
         """Every registered adapter, by name."""
         with self._lock:
             return sorted(self._entries.values(), key=lambda entry: entry.name)
+
+    def files(self) -> list[AdapterFile]:
+        """The adapters in the adapters directory (what :meth:`scan` would register), and
+        the name each is loaded as, if it is."""
+        if self.directory is None:
+            return []
+        loaded = {entry.path: entry.name for entry in self.entries()}
+        found = []
+        for path in sorted(self.directory.iterdir()):
+            try:
+                name = _adapter_name(path)
+                resolved = path.resolve(strict=True)
+            except (StatusError, OSError):
+                continue
+            if name is not None:
+                found.append(AdapterFile(path.name, name, loaded.get(resolved)))
+        return found
 
     def find(self, name: str) -> CatalogEntry | None:
         """The adapter registered as ``name``, or ``None``."""

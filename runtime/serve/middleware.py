@@ -18,7 +18,7 @@ from runtime.serve.hosts import HostPort
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.settings import ServeSettings
 
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+OPEN_PATHS = frozenset({"/health", "/"})  # answered without the API key (and the page's files under /ui/)
 _ENDPOINTS = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
                         "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/adapter_files", "/tokenize",
                         "/detokenize"})
@@ -63,10 +63,7 @@ class Gate:
             status = status or 500  # answered by the outermost error handler
             raise
         finally:
-            endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
-            if endpoint == "other" and scope["path"].startswith("/v1/models/"):
-                endpoint = "/v1/models/{id}"
-            self._metrics.requests.labels(endpoint, str(status)).inc()
+            self._metrics.requests.labels(_endpoint(scope["path"]), str(status)).inc()
 
     def _refusal(self, scope: Scope) -> ApiError | None:
         """Why the request is refused before its body is read, or ``None``."""
@@ -80,7 +77,8 @@ class Gate:
             return ApiError(403, f"requests from the web page at {origin!r:.100} are not allowed (a page of "
                             "another site); --allowed-hosts lists the hosts whose pages may call",
                             "permission_error", "origin_not_allowed")
-        if scope["path"] not in OPEN_PATHS and not self._authorized(headers.get("authorization", "")):
+        open_path = scope["path"] in OPEN_PATHS or scope["path"].startswith("/ui/")
+        if not open_path and not self._authorized(headers.get("authorization", "")):
             return ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                             "authentication_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return None
@@ -130,6 +128,16 @@ class Gate:
             if not message.get("more_body", False):
                 break
         return b"".join(chunks)
+
+
+def _endpoint(path: str) -> str:
+    """The ``endpoint`` label of a path: one of a fixed few, whatever clients send."""
+    if path in _ENDPOINTS:
+        return path
+    for prefix in ("/v1/models/", "/ui/"):
+        if path.startswith(prefix):
+            return prefix + "*"
+    return "other"
 
 
 def _host_port(text: str) -> HostPort | None:

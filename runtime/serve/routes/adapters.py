@@ -1,4 +1,5 @@
-"""``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``."""
+"""``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``, and
+``GET /v1/adapter_files`` (what the adapters directory holds, for the web page)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def routes(server: Server) -> APIRouter:
             entry = await run_in_threadpool(catalog.load_path, body.lora_name, body.lora_path, body.sha256)
         log.info("loaded adapter %s from %s", entry.name, entry.path)
         return card(server, entry)
+
+    @router.get("/v1/adapter_files")
+    async def adapter_files() -> dict:
+        files = await run_in_threadpool(server.catalog.files)
+        return {"object": "list", "data": [{"file": f.file, "name": f.name, "loaded": f.loaded} for f in files]}
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadAdapterBody) -> dict:

@@ -35,9 +35,10 @@ def routes(server: Server) -> APIRouter:
 
 
 def base_card(server: Server) -> dict:
-    """The base model as a ``model`` object."""
+    """The base model as a ``model`` object (``chat_template``: whether chat works)."""
     return {"id": server.settings.model_name, "object": "model", "created": server.started, "owned_by": "runtime",
-            "root": str(server.engine.model_path), "parent": None, "max_model_len": server.engine.spec.kv_length}
+            "root": str(server.engine.model_path), "parent": None, "max_model_len": server.engine.spec.kv_length,
+            "chat_template": server.engine.chat_template is not None}
 
 
 def card(server: Server, entry: CatalogEntry) -> dict:
