@@ -720,22 +720,35 @@ def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
 
 
 def test_metrics_report_adapters_and_requests(served):
-    client = served.client()
-    client.completions.create(model="uppercase", prompt="hi\n", max_tokens=5, temperature=0)
+    before = served.call("/metrics")[1]["text"]
+    answer = served.client().completions.create(model="uppercase", prompt="the cat sat\n", max_tokens=5,
+                                                temperature=0)
     status, body = served.call("/metrics")
     text = body["text"]
+    stats = served.engine.stats()
     assert status == 200
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(text, name, **labels) - (metric(before, name, **labels) or 0)
+
+    adapters = {Path(adapter.source).stem: adapter for adapter in stats.adapters}
+    uppercase = adapters["uppercase"]
     assert metric(text, "runtime_adapter_resident", adapter="uppercase") == 1
+    assert metric(text, "runtime_adapter_resident_bytes", adapter="uppercase") == uppercase.resident_bytes > 0
+    assert metric(text, "runtime_adapter_tensor_bytes", adapter="uppercase") == uppercase.tensor_bytes > 0
     assert metric(text, "runtime_adapter_sessions", adapter="json") == 0
     assert metric(text, "runtime_adapter_load_seconds", adapter="no_vowels") > 0
-    assert metric(text, "runtime_adapter_switch_seconds", quantile="0.5") >= 0
-    assert metric(text, "runtime_generated_tokens_total", model="uppercase") >= 5
-    assert metric(text, "runtime_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert metric(text, "runtime_adapter_switch_total") == stats.switch.count
+    assert metric(text, "runtime_adapter_switch_seconds", quantile="0.5") == pytest.approx(stats.switch.p50_ms / 1e3)
+    assert metric(text, "runtime_residency_hits_total") == stats.residency_hits
+    assert grew("runtime_generated_tokens_total", model="uppercase") == answer.usage.completion_tokens == 5
+    assert grew("runtime_prompt_tokens_total", model="uppercase") == answer.usage.prompt_tokens == 12
+    assert grew("runtime_generations_total", model="uppercase", finish_reason="length") == 1
+    assert grew("runtime_requests_total", endpoint="/v1/completions", status="200") == 1
     assert metric(text, "runtime_running_requests") == 0
     for name in ("runtime_queue_wait_seconds_count", "runtime_time_to_first_token_seconds_count",
-                 "runtime_residency_hits_total", "runtime_running_requests_at_admission_count",
-                 "runtime_decode_tokens_per_second_count"):
-        assert metric(text, name) >= 1, name
+                 "runtime_running_requests_at_admission_count", "runtime_decode_tokens_per_second_count"):
+        assert grew(name) == 1, name
     # batched decode: the demo model has no batched signatures, so no batches (but the series exist)
     assert "# TYPE runtime_decode_batches_total counter" in text
     assert metric(text, "runtime_decode_batch_wait_seconds", quantile="0.99") == 0
