@@ -19,8 +19,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API, with per-request adapters",
-        description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
-        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health and /metrics. A request's model "
+        description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models[/ID], "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/adapter_files, /tokenize, /detokenize, /health, "
+        "/metrics, and a chat page at /. A request's model "
         "is the base model's name, an adapter's name, or BASE::ADAPTER; its 'lora' field "
         "([{\"name\", \"scale\"}]) blends adapters. Needs: pip install 'runtime[serve]'.",
     )
