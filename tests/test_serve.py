@@ -857,11 +857,31 @@ def test_the_serve_command_refuses_bad_input_with_one_line():
     (["--byte-tokens", "--chat-template", "/no/such.jinja"], "/no/such.jinja"),
     (["--byte-tokens", "--max-concurrent", "0"], "max_concurrent"),
     (["--byte-tokens", "--port", "70000"], "--port"),
+    (["--byte-tokens", "--allowed-hosts", "a/b"], "--allowed-hosts"),
+    (["--byte-tokens", "--allow-download-from", "host:99999"], "--allow-download-from"),
+    (["--byte-tokens", "--download-timeout", "0"], "download_timeout_s"),
+    (["--byte-tokens", "--header-timeout", "0"], "header_timeout_s"),
 ])
 def test_the_serve_command_checks_its_arguments(args, words):
     parsed = build_parser().parse_args(["serve", "--model", str(MODEL), *args])
     with pytest.raises(StatusError, match=re.escape(words)):
         parsed.run(parsed)
+
+
+def test_the_serve_command_skips_unreadable_adapters_with_a_warning_unless_strict(tmp_path):
+    shutil.copy(DEMO / "adapters" / "json.tflite", tmp_path)
+    (tmp_path / "garbage.gguf").write_bytes(b"not an adapter")
+    args = ["--model", str(MODEL), "--byte-tokens", "--adapters", str(tmp_path), "--port", "0"]
+    process = serve_command(*args)
+    try:
+        assert "1 adapters: json" in process.stdout.readline()
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=20)
+    assert process.returncode == 0 and "warning: skipped adapter garbage.gguf: " in err, err
+    process = serve_command(*args, "--strict-adapters")
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and err.startswith("error:") and "garbage.gguf" in err, err
 
 
 def test_the_api_key_may_come_from_the_environment(monkeypatch):
