@@ -874,7 +874,17 @@ def test_the_serve_command_skips_unreadable_adapters_with_a_warning_unless_stric
     args = ["--model", str(MODEL), "--byte-tokens", "--adapters", str(tmp_path), "--port", "0"]
     process = serve_command(*args)
     try:
-        assert "1 adapters: json" in process.stdout.readline()
+        line = process.stdout.readline()
+        assert "1 adapters: json" in line
+        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        deadline = time.monotonic() + 20
+        while True:  # serving: uvicorn handles SIGINT from here on
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
     finally:
         process.send_signal(signal.SIGINT)
         _, err = process.communicate(timeout=20)

@@ -60,3 +60,8 @@ class ApiError(Exception):
 def bad_request(message: str, *, code: str = "invalid_value", param: str | None = None) -> ApiError:
     """A 400 answer."""
     return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def model_not_found(message: str) -> ApiError:
+    """A 404 for a ``model`` that is not served here."""
+    return ApiError(404, message, "not_found_error", "model_not_found", "model")

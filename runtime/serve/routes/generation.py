@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from runtime.errors import NotFoundError, ResourceExhaustedError
 from runtime.serve.catalog import Lease
 from runtime.serve.error_handlers import as_api_error
-from runtime.serve.errors import ApiError, bad_request
+from runtime.serve.errors import ApiError, bad_request, model_not_found
 from runtime.serve.generation import GenerationJob, GenerationRequest, Outcome
 from runtime.serve.protocol import ChatBody, CompletionBody, LoraWeight, Reply, sse
 from runtime.serve.sampling import NonFiniteLogits
@@ -203,8 +203,7 @@ def _blend(server: Server, model: str, lora: Sequence[LoraWeight]) -> list[tuple
     elif ADAPTER_SEPARATOR in model:
         prefix, _, adapter = model.partition(ADAPTER_SEPARATOR)
         if prefix != base:
-            raise ApiError(404, f"model {prefix!r:.100} is not served here; the base model is {base!r}",
-                           "not_found_error", "model_not_found", "model")
+            raise model_not_found(f"model {prefix!r:.100} is not served here; the base model is {base!r}")
         if not adapter:
             raise bad_request(f"model {model!r:.100}: name an adapter after '::'", param="model")
     weights = [(adapter, 1.0)] if adapter is not None else []

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from runtime.serve.catalog import CatalogEntry
-from runtime.serve.errors import ApiError
+from runtime.serve.errors import model_not_found
 from runtime.serve.server import Server
 
 
@@ -28,8 +28,7 @@ def routes(server: Server) -> APIRouter:
         entry = server.catalog.find(model_id)
         if entry is not None:
             return card(server, entry)
-        raise ApiError(404, f"model {model_id!r:.140} is not served here; GET /v1/models lists what is",
-                       "not_found_error", "model_not_found", "model")
+        raise model_not_found(f"model {model_id!r:.140} is not served here; GET /v1/models lists what is")
 
     return router
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from runtime.serve.errors import ApiError, bad_request
+from runtime.serve.errors import bad_request, model_not_found
 from runtime.serve.protocol import DetokenizeBody, TokenizeBody
 from runtime.serve.server import Server
 
@@ -41,5 +41,4 @@ def _check_model(server: Server, model: str | None) -> None:
     if model is None or model == server.settings.model_name:
         return
     if server.catalog.find(model) is None:
-        raise ApiError(404, f"model {model!r:.140} is not served here; GET /v1/models lists what is",
-                       "not_found_error", "model_not_found", "model")
+        raise model_not_found(f"model {model!r:.140} is not served here; GET /v1/models lists what is")
