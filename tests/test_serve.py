@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -39,6 +40,10 @@ from runtime.cli.main import build_parser  # noqa: E402
 from runtime.errors import StatusError  # noqa: E402
 from runtime.serve.app import ServeSettings, create_app  # noqa: E402
 from runtime.serve.catalog import AdapterCatalog  # noqa: E402
+from runtime.serve.connection import uvicorn_config  # noqa: E402
+from runtime.serve.download import DownloadPolicy  # noqa: E402
+from runtime.util.lora_data import LoraData  # noqa: E402
+from runtime.util.lora_writer import serialize_lora_tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(str(resources.files("runtime") / "demo_assets"))
@@ -98,7 +103,7 @@ class Served:
 def start_server(engine: Engine, adapters: Path | None, settings: ServeSettings, **catalog_options):
     catalog = AdapterCatalog(engine, adapters, reserved_names=[settings.model_name], **catalog_options)
     catalog.scan()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, catalog, settings), log_level="critical"))
+    server = uvicorn.Server(uvicorn_config(create_app(engine, catalog, settings), settings, log_level="critical"))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
@@ -132,7 +137,7 @@ def served(tmp_path_factory):
         shutil.copy(DEMO / "adapters" / f"{name}.tflite", adapters)
     engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]), chat_template=TEMPLATE)
     server, thread, url = start_server(engine, adapters, ServeSettings("demo", api_key=KEY, max_concurrent=8),
-                                       max_download_bytes=200_000)
+                                       downloads=DownloadPolicy.of(["127.0.0.1"], max_bytes=200_000))
     yield Served(url, engine, adapters)
     stop_server(server, thread)
     engine.close()
@@ -353,7 +358,9 @@ def test_a_download_that_fails_a_check_leaves_nothing_behind(served, files_on_lo
     (folder / "text.bin").write_bytes(b"not an adapter at all")
     before = sorted(os.listdir(served.adapters))
     cases = [
-        ({"url": f"{base_url}/json.bin", "sha256": "0" * 64}, 400, "SHA-256"),
+        ({"url": f"{base_url}/json.bin", "sha256": "0" * 64}, 400, "is not the sha256 given"),
+        ({"url": base_url.replace("127.0.0.1", "localhost") + "/json.bin", "sha256": "0" * 64}, 403,
+         "are not allowed"),
         ({"url": f"{base_url}/big.bin", "sha256": hashlib.sha256(blob + bytes(100_000)).hexdigest()}, 400, "cap"),
         ({"url": f"{base_url}/missing.bin", "sha256": "0" * 64}, 400, "HTTP 404"),
         ({"url": f"{base_url}/text.bin", "sha256": hashlib.sha256(b"not an adapter at all").hexdigest()}, 400,
@@ -365,8 +372,146 @@ def test_a_download_that_fails_a_check_leaves_nothing_behind(served, files_on_lo
     for fields, status, words in cases:
         got, body = served.call("/v1/load_lora_adapter", {"lora_name": "broken", **fields})
         assert got == status and words in body["error"]["message"], (fields, body)
+        assert hashlib.sha256(blob).hexdigest() not in body["error"]["message"]  # nothing about the body
     assert sorted(os.listdir(served.adapters)) == before  # no temporary file, no half-registered adapter
     assert "broken" not in {m.id for m in served.client().models.list().data}
+
+
+def test_a_request_runs_the_adapter_checked_at_load_never_a_file_changed_since(served, offline):
+    shutil.copy(DEMO / "adapters" / "json.tflite", served.adapters / "swapped.tflite")
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "swapped", "lora_path": "swapped.tflite"})[0] == 200
+    ids = served.engine.adapter_ids()
+    request = {"model": "swapped", "prompt": "green tea\n", "max_tokens": 20, "temperature": 0}
+    assert served.call("/v1/completions", request)[1]["choices"][0]["text"] == offline("green tea\n", [("json", 1.0)], 20).text
+    shutil.copy(DEMO / "adapters" / "uppercase.tflite", served.adapters / "swapped.tflite")
+    status, body = served.call("/v1/completions", request)
+    assert (status, body["error"]["type"]) == (409, "conflict_error") and "load it again" in body["error"]["message"]
+    assert served.engine.adapter_ids() == ids  # nothing registered from the changed file
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "swapped"})[0] == 200
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "swapped", "lora_path": "swapped.tflite"})[0] == 200
+    expected = offline("green tea\n", [("uppercase", 1.0)], 20).text
+    assert served.call("/v1/completions", request)[1]["choices"][0]["text"] == expected
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "swapped"})[0] == 200
+    (served.adapters / "swapped.tflite").unlink()
+
+
+def stream_status(served, path: str, body: dict) -> tuple[int, str]:
+    """Status and raw text of a streaming request."""
+    request = urllib.request.Request(served.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_streaming_or_not(served):
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi \ud800"}]}
+    cases = [("/v1/completions", {"model": "demo", "prompt": "hi \ud800"}, "prompt"),
+             ("/v1/completions", {"model": "demo", "prompt": ["\udfff"]}, "prompt.0"),
+             ("/v1/chat/completions", chat, "messages.0.content"),
+             ("/v1/chat/completions", {"model": "demo", "messages": [
+                 {"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text"),
+             ("/v1/completions", {"model": "demo", "prompt": "hi", "stop": ["\ud800"]}, "stop.0")]
+    for path, body, param in cases:
+        raw = json.dumps(body).encode()  # json.dumps writes the surrogate as the escape \ud800
+        status, answer = served.call(path, raw=raw)
+        assert (status, answer["error"]["param"]) == (400, param), answer
+        assert "surrogate" in answer["error"]["message"]
+        status, text = stream_status(served, path, body)
+        assert status == 400 and "surrogate" in text
+
+
+def test_completions_default_to_16_tokens(slow):
+    client = slow.client()
+    assert client.completions.create(model="slow", prompt="x", temperature=0).usage.completion_tokens == 16
+    prompt = "x" * (slow.engine.spec.kv_length - 15)  # room for 15
+    status, body = slow.call("/v1/completions", {"model": "slow", "prompt": prompt})
+    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "prompt", "limit_exceeded")
+    assert "+ 16 new tokens" in body["error"]["message"]
+
+
+def test_vllm_sampling_extras_are_applied(served, offline):
+    client = served.client()
+    request = {"model": "uppercase", "prompt": "green tea\n", "max_tokens": 24, "temperature": 0}
+    session_config = SessionConfig(loras=[LoraSource(path=DEMO / "adapters" / "uppercase.tflite")])
+    with offline.engine.create_session(session_config) as session:
+        no_eos = session.generate("green tea\n", 24, stop_tokens=()).text
+    with offline.engine.create_session(session_config) as session:
+        at_space = session.generate("green tea\n", 24, stop_tokens=[NEWLINE, ord(" ")]).text
+    assert "\n" in no_eos.rstrip("\n")  # it went on past the stop token
+    answer = client.completions.create(**request, extra_body={"ignore_eos": True})
+    assert answer.choices[0].text == no_eos and answer.usage.completion_tokens == 24
+    answer = client.completions.create(**request, extra_body={"stop_token_ids": [ord(" ")]})
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (at_space, "stop")
+    greedy = offline("green tea\n", [("uppercase", 1.0)], 24).text
+    sampled = client.completions.create(**{**request, "temperature": 1.0}, seed=3, extra_body={"top_k": 1})
+    assert sampled.choices[0].text == greedy  # top_k 1 is greedy at any temperature
+    short = offline("hi\n", [], 24)
+    assert len(short.tokens) < 8 and short.stop_reason == "stop_token"
+    answer = client.completions.create(model="demo", prompt="hi\n", max_tokens=24, temperature=0,
+                                       extra_body={"min_tokens": 8})
+    assert answer.usage.completion_tokens >= 8 and "\n" not in answer.choices[0].text[:7]
+    penalized = client.completions.create(**request, extra_body={"repetition_penalty": 50.0}).choices[0].text
+    assert penalized != greedy
+
+
+def test_fields_not_implemented_are_refused_never_ignored(served):
+    good = {"model": "demo", "prompt": "hi\n", "max_tokens": 4}
+    for extra, param in [({"min_p": 0.1}, "min_p"), ({"max_completion_tokens": 4}, "max_completion_tokens"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"min_tokens": 5}, "min_tokens"), ({"top_k": -2}, "top_k"),
+                         ({"repetition_penalty": 0}, "repetition_penalty")]:
+        status, body = served.call("/v1/completions", {**good, **extra})
+        assert (status, body["error"]["param"]) == (400, param), body
+
+
+def test_errors_name_the_field_and_always_have_a_code(served):
+    status, body = served.call("/v1/completions", raw=b"\xff\xfe{")
+    assert status == 400 and body["error"]["code"] == "invalid_body"
+    status, body = served.call("/v1/chat/completions", {"model": "demo", "messages": [
+        {"role": "user", "content": "x" * 300}]})
+    assert (status, body["error"]["param"]) == (400, "messages")
+    status, body = served.call("/v1/completions", {"model": "uppercase", "prompt": "hi", "max_tokens": 2,
+                                                   "lora": [{"name": "json"}]})
+    message = body["error"]["message"]
+    assert (status, body["error"]["param"]) == (400, "lora")
+    assert "'uppercase' (rank 8), 'json' (rank 8) need rank 16" in message and "[" not in message
+
+
+def huge_adapter(source: Path, target: Path, factor: float = 1e18) -> None:
+    """A copy of ``source`` with every weight times ``factor``: finite, and loadable, but
+    the model's activations overflow."""
+    with LoraData.create_from_file_path(source) as data:
+        tensors = {name: data.read_tensor(name).astype(np.float32) * np.float32(factor)
+                   for name in data.get_all_tensor_names()}
+        rank = data.get_lora_rank()
+    target.write_bytes(serialize_lora_tensors(tensors, external_data=False, lora_rank=rank))
+
+
+def test_an_adapter_that_makes_non_finite_logits_is_a_4xx_logged_and_marked_unhealthy(served, caplog):
+    huge_adapter(DEMO / "adapters" / "json.tflite", served.adapters / "huge.tflite")
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "huge", "lora_path": "huge.tflite"})[0] == 200
+    try:
+        request = {"model": "huge", "prompt": "hi\n", "max_tokens": 4}
+        with caplog.at_level("WARNING", logger="runtime.serve"):
+            status, body = served.call("/v1/completions", request)
+        assert (status, body["error"]["code"], body["error"]["param"]) == (400, "non_finite_logits", "model")
+        assert "'huge'" in body["error"]["message"]
+        assert any("huge" in record.getMessage() for record in caplog.records)
+        status, text = stream_status(served, "/v1/completions", request)
+        assert status == 400 and "non_finite_logits" in text  # an error status, not 200 with an error event
+        card = served.call("/v1/models/huge")[1]
+        assert card["healthy"] is False and "non-finite" in card["problem"]
+        assert served.call("/v1/models/json")[1]["healthy"] is True
+        metrics = served.call("/metrics")[1]["text"]
+        assert metric(metrics, "runtime_adapter_healthy", adapter="huge") == 0
+        assert metric(metrics, "runtime_adapter_healthy", adapter="json") == 1
+        served.wait_until_idle()
+    finally:
+        assert served.call("/v1/unload_lora_adapter", {"lora_name": "huge"})[0] == 200
+        (served.adapters / "huge.tflite").unlink()
 
 
 # -- safe by default ----------------------------------------------------------------
@@ -509,7 +654,7 @@ def test_malformed_requests_get_a_clear_4xx_and_do_not_disturb_others(served, of
 def test_a_body_past_the_cap_gets_413_before_it_is_read(served):
     port = int(served.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n"
                            b"Content-Length: 2000000\r\n\r\n{")
         answer = connection.makefile("rb").read()
@@ -521,7 +666,7 @@ def test_a_body_past_the_cap_gets_413_before_it_is_read(served):
 def test_the_catalogue_answers_with_the_numbers(served):
     status, body = served.call("/v1/completions", {"model": "demo", "prompt": "hi\n", "max_tokens": 10**30})
     message = body["error"]["message"]
-    assert status == 400 and "3 tokens" in message and str(10**30) in message and "256" in message
+    assert status == 400 and "3 prompt" in message and str(10**30) in message and "256" in message
     status, body = served.call("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": -1})
     assert (status, body["error"]["param"]) == (400, "max_tokens")
     status, body = served.call("/v1/completions", {"model": "gpt-4", "prompt": "hi"})
@@ -544,7 +689,7 @@ def test_a_client_that_goes_away_frees_its_session_at_once(slow):
     # the same for a request that does not stream
     with socket.create_connection(("127.0.0.1", int(slow.url.rsplit(":", 1)[1]))) as connection:
         body = json.dumps({"model": "slow", "prompt": "hello\n", "max_tokens": 50}).encode()
-        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 5
         while not slow.live_sessions():
@@ -562,8 +707,9 @@ def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
                for _ in range(2)]
     for stream in streams:
         next(iter(stream))
-    with pytest.raises(openai.RateLimitError, match="max-concurrent"):
+    with pytest.raises(openai.RateLimitError, match="max-concurrent") as refused:
         client.completions.create(model="slow", prompt="hi\n", max_tokens=2)
+    assert refused.value.response.headers["Retry-After"] == "1"
     status, body = slow.call("/v1/unload_lora_adapter", {"lora_name": "torch_r4"})
     assert (status, body["error"]["type"]) == (409, "conflict_error") and "2 running" in body["error"]["message"]
     for stream in streams:
@@ -574,25 +720,120 @@ def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
 
 
 def test_metrics_report_adapters_and_requests(served):
-    client = served.client()
-    client.completions.create(model="uppercase", prompt="hi\n", max_tokens=5, temperature=0)
+    before = served.call("/metrics")[1]["text"]
+    answer = served.client().completions.create(model="uppercase", prompt="the cat sat\n", max_tokens=5,
+                                                temperature=0)
     status, body = served.call("/metrics")
     text = body["text"]
+    stats = served.engine.stats()
     assert status == 200
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(text, name, **labels) - (metric(before, name, **labels) or 0)
+
+    adapters = {Path(adapter.source).stem: adapter for adapter in stats.adapters}
+    uppercase = adapters["uppercase"]
     assert metric(text, "runtime_adapter_resident", adapter="uppercase") == 1
+    assert metric(text, "runtime_adapter_resident_bytes", adapter="uppercase") == uppercase.resident_bytes > 0
+    assert metric(text, "runtime_adapter_tensor_bytes", adapter="uppercase") == uppercase.tensor_bytes > 0
     assert metric(text, "runtime_adapter_sessions", adapter="json") == 0
     assert metric(text, "runtime_adapter_load_seconds", adapter="no_vowels") > 0
-    assert metric(text, "runtime_adapter_switch_seconds", quantile="0.5") >= 0
-    assert metric(text, "runtime_generated_tokens_total", model="uppercase") >= 5
-    assert metric(text, "runtime_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert metric(text, "runtime_adapter_switch_total") == stats.switch.count
+    assert metric(text, "runtime_adapter_switch_seconds", quantile="0.5") == pytest.approx(stats.switch.p50_ms / 1e3)
+    assert metric(text, "runtime_residency_hits_total") == stats.residency_hits
+    assert grew("runtime_generated_tokens_total", model="uppercase") == answer.usage.completion_tokens == 5
+    assert grew("runtime_prompt_tokens_total", model="uppercase") == answer.usage.prompt_tokens == 12
+    assert grew("runtime_generations_total", model="uppercase", finish_reason="length") == 1
+    assert grew("runtime_requests_total", endpoint="/v1/completions", status="200") == 1
     assert metric(text, "runtime_running_requests") == 0
     for name in ("runtime_queue_wait_seconds_count", "runtime_time_to_first_token_seconds_count",
-                 "runtime_residency_hits_total", "runtime_running_requests_at_admission_count",
-                 "runtime_decode_tokens_per_second_count"):
-        assert metric(text, name) >= 1, name
+                 "runtime_running_requests_at_admission_count", "runtime_decode_tokens_per_second_count"):
+        assert grew(name) == 1, name
     # batched decode: the demo model has no batched signatures, so no batches (but the series exist)
     assert "# TYPE runtime_decode_batches_total counter" in text
     assert metric(text, "runtime_decode_batch_wait_seconds", quantile="0.99") == 0
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server on the tiny model with short time limits (0.5 s), loopback names only, an
+    adapters directory holding one adapter and one file that is not an adapter."""
+    adapters = tmp_path_factory.mktemp("guarded_adapters")
+    shutil.copy(TINY_ADAPTER_DIR / "torch_r4.tflite", adapters)
+    (adapters / "garbage.gguf").write_bytes(b"not a gguf file")
+    engine = Engine(TINY_MODEL, tokenizer=ByteTokenizer())
+    settings = ServeSettings("tiny", max_concurrent=1, header_timeout_s=0.5, idle_timeout_s=0.5)
+    server, thread, url = start_server(engine, adapters, settings)
+    yield Served(url, engine, adapters)
+    stop_server(server, thread)
+    engine.close()
+
+
+def raw_exchange(served: Served, request: bytes, wait: float = 5.0) -> bytes:
+    """Sends ``request`` as it is and returns all the server answers until it closes."""
+    with socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])), timeout=wait) as connection:
+        connection.sendall(request)
+        chunks = []
+        while chunk := connection.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_only_loopback_host_names_are_answered_by_default_against_dns_rebinding(guarded):
+    head = b"GET /v1/models HTTP/1.1\r\nConnection: close\r\n"
+    for host in (b"127.0.0.1", b"localhost:8000", b"[::1]:1"):
+        assert raw_exchange(guarded, head + b"Host: " + host + b"\r\n\r\n").startswith(b"HTTP/1.1 200")
+    answer = raw_exchange(guarded, head + b"Host: attacker.example\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 403") and b"host_not_allowed" in answer
+    body = b'{"lora_name": "x", "lora_path": "torch_r4.tflite"}'
+    post = (b"POST /v1/load_lora_adapter HTTP/1.1\r\nHost: attacker.example:" + guarded.url.rsplit(":", 1)[1].encode()
+            + b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert raw_exchange(guarded, post).startswith(b"HTTP/1.1 403")
+    assert "x" not in {card["id"] for card in guarded.call("/v1/models")[1]["data"]}
+
+
+def test_a_page_of_another_site_cannot_call_but_the_servers_own_page_can(guarded):
+    port = guarded.url.rsplit(":", 1)[1].encode()
+    head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:" + port + b"\r\nConnection: close\r\n"
+    own = raw_exchange(guarded, head + b"Origin: http://127.0.0.1:" + port + b"\r\n\r\n")
+    assert own.startswith(b"HTTP/1.1 200")
+    for origin in (b"http://attacker.example", b"null", b"http://127.0.0.1.attacker.example:" + port):
+        answer = raw_exchange(guarded, head + b"Origin: " + origin + b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 403") and b"origin_not_allowed" in answer, origin
+
+
+def test_half_sent_requests_and_idle_connections_are_closed(guarded):
+    started = time.monotonic()
+    assert raw_exchange(guarded, b"") == b""  # idle from the start
+    assert raw_exchange(guarded, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ") == b""  # half a head
+    assert time.monotonic() - started < 3
+    answer = raw_exchange(guarded, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer  # half a body
+    kept = raw_exchange(guarded, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # kept alive, then idle
+    assert kept.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 5
+
+
+def test_vllm_and_llama_server_endpoints(guarded):
+    client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="none", max_retries=0)
+    card = client.models.retrieve("torch_r4")
+    assert (card.id, card.parent, card.max_model_len) == ("torch_r4", "tiny", guarded.engine.spec.kv_length)
+    assert client.models.retrieve("tiny").max_model_len == guarded.engine.spec.kv_length
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    listing = guarded.call("/v1/models")[1]
+    assert listing["skipped"] == [{"file": "garbage.gguf", "reason": listing["skipped"][0]["reason"]}]
+    assert "garbage.gguf" in listing["skipped"][0]["reason"]
+    request = urllib.request.Request(guarded.url + "/health", method="HEAD")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200 and response.read() == b""
+    status, tokens = guarded.call("/tokenize", {"model": "torch_r4", "prompt": "héllo"})
+    assert status == 200 and tokens == {"count": 6, "max_model_len": guarded.engine.spec.kv_length,
+                                        "tokens": list("héllo".encode()), "token_strs": None}
+    assert guarded.call("/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": "héllo"})
+    status, body = guarded.call("/detokenize", {"tokens": [1, 256]})
+    assert (status, body["error"]["param"]) == (400, "tokens.1")
+    assert guarded.call("/tokenize", {"model": "nope", "prompt": "x"})[0] == 404
 
 
 # -- the command -------------------------------------------------------------------
@@ -616,11 +857,41 @@ def test_the_serve_command_refuses_bad_input_with_one_line():
     (["--byte-tokens", "--chat-template", "/no/such.jinja"], "/no/such.jinja"),
     (["--byte-tokens", "--max-concurrent", "0"], "max_concurrent"),
     (["--byte-tokens", "--port", "70000"], "--port"),
+    (["--byte-tokens", "--allowed-hosts", "a/b"], "--allowed-hosts"),
+    (["--byte-tokens", "--allow-download-from", "host:99999"], "--allow-download-from"),
+    (["--byte-tokens", "--download-timeout", "0"], "download_timeout_s"),
+    (["--byte-tokens", "--header-timeout", "0"], "header_timeout_s"),
 ])
 def test_the_serve_command_checks_its_arguments(args, words):
     parsed = build_parser().parse_args(["serve", "--model", str(MODEL), *args])
     with pytest.raises(StatusError, match=re.escape(words)):
         parsed.run(parsed)
+
+
+def test_the_serve_command_skips_unreadable_adapters_with_a_warning_unless_strict(tmp_path):
+    shutil.copy(DEMO / "adapters" / "json.tflite", tmp_path)
+    (tmp_path / "garbage.gguf").write_bytes(b"not an adapter")
+    args = ["--model", str(MODEL), "--byte-tokens", "--adapters", str(tmp_path), "--port", "0"]
+    process = serve_command(*args)
+    try:
+        line = process.stdout.readline()
+        assert "1 adapters: json" in line
+        url = re.search(r"http://127\.0\.0\.1:\d+", line).group(0)
+        deadline = time.monotonic() + 20
+        while True:  # serving: uvicorn handles SIGINT from here on
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=20)
+    assert process.returncode == 0 and "warning: skipped adapter garbage.gguf: " in err, err
+    process = serve_command(*args, "--strict-adapters")
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 2 and err.startswith("error:") and "garbage.gguf" in err, err
 
 
 def test_the_api_key_may_come_from_the_environment(monkeypatch):

@@ -50,10 +50,16 @@ def test_scan_names_files_and_peft_directories(engine, folder):
     assert engine.adapter_ids() == []
 
 
-def test_scan_refuses_two_adapters_with_one_name(engine, folder):
+def test_scan_skips_two_adapters_with_one_name_unless_strict(engine, folder):
     shutil.copy(adapter_path("litertlm_r4"), folder / "alpha.gguf")
     with pytest.raises(AlreadyExistsError, match="'alpha'"):
-        AdapterCatalog(engine, folder).scan()
+        AdapterCatalog(engine, folder).scan(strict=True)
+    assert engine.adapter_ids() == []  # strict: nothing stays registered
+    catalog = AdapterCatalog(engine, folder)
+    assert [entry.name for entry in catalog.scan()] == ["alpha", "beta", "gamma"]
+    assert [(s.file, "'alpha'" in s.reason) for s in catalog.skipped] == [("alpha.tflite", True)]
+    for entry in catalog.entries():
+        catalog.unload(entry.name)
 
 
 def test_loading_by_path_stays_inside_the_folder(engine, folder, tmp_path_factory):
@@ -116,3 +122,40 @@ def test_without_a_folder_nothing_loads_by_path(engine, tmp_path):
         catalog.load_path("a", str(adapter_path("torch_r4")))
     with pytest.raises(NotFoundError):
         AdapterCatalog(engine, tmp_path / "missing")
+
+
+def test_scan_skips_what_it_cannot_register_and_says_why(engine, folder, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    shutil.copy(adapter_path("torch_r4"), outside / "out.tflite")
+    (folder / "link.tflite").symlink_to(outside / "out.tflite")
+    os.mkfifo(folder / "fifo.tflite")
+    (folder / "garbage.gguf").write_bytes(b"GGUF but nothing after")
+    (folder / "bad name!.tflite").write_bytes(b"x")
+    catalog = AdapterCatalog(engine, folder)
+    assert [entry.name for entry in catalog.scan()] == ["alpha", "beta", "gamma"]
+    reasons = {skipped.file: skipped.reason for skipped in catalog.skipped}
+    assert sorted(reasons) == ["bad name!.tflite", "fifo.tflite", "garbage.gguf", "link.tflite"]
+    assert "outside the adapters directory" in reasons["link.tflite"]
+    assert "not a regular file" in reasons["fifo.tflite"]
+    for entry in catalog.entries():
+        catalog.unload(entry.name)
+    with pytest.raises(InvalidArgumentError, match="bad name!"):  # the first in order
+        AdapterCatalog(engine, folder).scan(strict=True)
+    assert engine.adapter_ids() == []
+
+
+def test_a_request_uses_the_registered_adapter_and_a_changed_file_is_refused(engine, folder):
+    catalog = AdapterCatalog(engine, folder)
+    entry = catalog.load_path("a", "alpha.tflite")
+    lease = catalog.lease(["a"])
+    assert lease.adapters([("a", 0.5)]) == {entry.lora_id: 0.5}
+    lease.release()
+    shutil.copy(adapter_path("litertlm_r4"), folder / "alpha.tflite")  # rewritten after it was loaded
+    with pytest.raises(FailedPreconditionError, match="changed .* since it was loaded"):
+        catalog.lease(["a"])
+    assert engine.adapter_ids() == [entry.lora_id]  # nothing registered behind the catalog's back
+    catalog.unload("a")
+    again = catalog.load_path("a", "alpha.tflite")
+    catalog.lease(["a"]).release()
+    assert again.lora_id != entry.lora_id and engine.adapter_ids() == [again.lora_id]
+    catalog.unload("a")

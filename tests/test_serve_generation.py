@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from runtime import ByteTokenizer, Engine, SamplerConfig, SessionConfig
@@ -60,7 +62,7 @@ def engine():
 
 
 def job(engine, prompt="hi", max_tokens=4, **kwargs) -> GenerationJob:
-    return GenerationJob(engine, GenerationRequest(prompt, max_tokens, SamplerConfig(), (), ()), **kwargs)
+    return GenerationJob(engine, GenerationRequest(prompt, max_tokens, SamplerConfig(), (), {}, frozenset()), **kwargs)
 
 
 def test_a_job_streams_what_generate_gives_and_closes_its_session(engine):
@@ -78,11 +80,14 @@ def test_a_job_streams_what_generate_gives_and_closes_its_session(engine):
     assert closed == [1]  # closing twice is harmless
 
 
-def test_the_context_check_names_the_numbers(engine):
-    with pytest.raises(ResourceExhaustedError, match="2 tokens and max_tokens is 63: 65 exceeds the model's context of 64"):
-        job(engine, "hi", 63).prepare()
-    with pytest.raises(ResourceExhaustedError, match="64 tokens: the model's context of 64 tokens leaves no room"):
-        job(engine, "x" * 64, None).prepare()
+def test_the_context_check_is_the_sessions_and_names_the_numbers(engine):
+    for prompt, max_tokens, words in [("hi", 63, "2 prompt + 63 new tokens = 65 exceeds the KV cache of 64"),
+                                      ("x" * 64, None, "64 prompt + 1 new tokens = 65 exceeds the KV cache of 64")]:
+        run = job(engine, prompt, max_tokens)
+        run.prepare()
+        with pytest.raises(ResourceExhaustedError, match=re.escape(words)):
+            run.run()
+        assert not engine.stats().sessions
     with pytest.raises(InvalidArgumentError, match="empty"):
         job(engine, "", 4).prepare()
     assert not engine.stats().sessions

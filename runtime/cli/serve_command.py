@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import socket
 import sys
@@ -20,8 +19,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API, with per-request adapters",
-        description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models, "
-        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /health and /metrics. A request's model "
+        description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models[/ID], "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/adapter_files, /tokenize, /detokenize, /health, "
+        "/metrics, and a chat page at /. A request's model "
         "is the base model's name, an adapter's name, or BASE::ADAPTER; its 'lora' field "
         "([{\"name\", \"scale\"}]) blends adapters. Needs: pip install 'runtime[serve]'.",
     )
@@ -41,10 +41,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
                         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
                         f"(default: ${API_KEY_VARIABLE})")
-    parser.add_argument("--max-concurrent", type=int, default=16, help="running requests beyond it get 429")
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    parser.add_argument("--allowed-hosts", nargs="+", metavar="HOST[:PORT]",
+                        help="Host headers answered (against DNS rebinding); '*': any (default: the loopback "
+                        "names localhost, 127.0.0.1, ::1 when --host is a loopback address, else any)")
+    parser.add_argument("--max-concurrent", type=int, default=16, help="running requests beyond it get 429 "
+                        "(default: 16)")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 "
+                        "(default: 1 MiB)")
+    parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="a request's head, and then its body, must arrive within it (default: 10)")
+    parser.add_argument("--idle-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="an idle keep-alive connection is closed after it (default: 5)")
+    parser.add_argument("--strict-adapters", action="store_true",
+                        help="stop at start if an adapter in --adapters DIR cannot be registered "
+                        "(default: skip it, with a warning line, and list it in /v1/models)")
+    parser.add_argument("--allow-download-from", nargs="+", default=[], metavar="HOST[:PORT]",
+                        help="hosts /v1/load_lora_adapter may download a url from (default: none); a loopback "
+                        "or private address is reached only if that address itself is listed")
     parser.add_argument("--max-download-bytes", type=int, default=256 << 20,
-                        help="cap on an adapter downloaded by /v1/load_lora_adapter with a url")
+                        help="cap on an adapter downloaded by /v1/load_lora_adapter with a url (default: 256 MiB)")
+    parser.add_argument("--download-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="time limit of one whole download (default: 60)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
     parser.add_argument("--executors", type=int, default=1,
                         help="copies of the model running sessions in parallel (each costs the model's memory)")
@@ -59,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
 
         from runtime.serve.app import ServeSettings, create_app
         from runtime.serve.catalog import AdapterCatalog
+        from runtime.serve.connection import uvicorn_config
+        from runtime.serve.download import DownloadPolicy
+        from runtime.serve.hosts import LOOPBACK_NAMES, HostPort, is_loopback
     except ImportError as exc:
         raise FailedPreconditionError(
             f"serve needs the serve extra ({exc.name} is missing): pip install 'runtime[serve]'"
@@ -67,21 +87,28 @@ def run(args: argparse.Namespace) -> int:
 
     if args.stop_token and not args.byte_tokens:
         raise InvalidArgumentError("--stop-token goes with --byte-tokens (a tokenizer brings its own stop tokens)")
+    if args.allowed_hosts is not None:
+        hosts = None if "*" in args.allowed_hosts else args.allowed_hosts
+    else:
+        hosts = LOOPBACK_NAMES if is_loopback(args.host) else None
     settings = ServeSettings(
         model_name=args.served_model_name or args.model.stem,
         api_key=args.api_key,
         max_concurrent=args.max_concurrent,
         max_body_bytes=args.max_body_bytes,
+        allowed_hosts=None if hosts is None else tuple(HostPort.parse(h, "--allowed-hosts") for h in hosts),
+        header_timeout_s=args.header_timeout,
+        idle_timeout_s=args.idle_timeout,
     )
-    if args.max_download_bytes < 1:
-        raise InvalidArgumentError(f"--max-download-bytes {args.max_download_bytes}: expected >= 1")
+    downloads = DownloadPolicy.of(args.allow_download_from, args.max_download_bytes, args.download_timeout)
     tokenizer = ByteTokenizer(stop_token_ids=args.stop_token or ()) if args.byte_tokens else args.tokenizer
     chat_template = _read_template(args.chat_template) if args.chat_template is not None else None
     with Engine(args.model, EngineSettings(num_threads=args.threads, executors=args.executors),
                 tokenizer=tokenizer, chat_template=chat_template) as engine:
-        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name],
-                                 max_download_bytes=args.max_download_bytes)
-        entries = catalog.scan()
+        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads)
+        entries = catalog.scan(strict=args.strict_adapters)
+        for skipped in catalog.skipped:
+            print(f"warning: skipped adapter {skipped.file}: {skipped.reason}", file=sys.stderr, flush=True)
         app = create_app(engine, catalog, settings)
         listener = _bind(args.host, args.port)
         host, port = listener.getsockname()[:2]
@@ -90,14 +117,14 @@ def run(args: argparse.Namespace) -> int:
               f"({len(entries)} adapters: {', '.join(e.name for e in entries) or 'none'}; "
               f"{'chat template' if engine.chat_template else 'no chat template'}; "
               f"{'API key required' if settings.api_key else 'no API key'})", flush=True)
-        if settings.api_key is None and not _is_loopback(host):
+        if settings.api_key is None and not is_loopback(host):
             print(f"warning: listening on {host} without --api-key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)
         # The event loop sends each token as soon as it gets the GIL from the threads that
         # generate; with the default 5 ms switch interval tokens would leave in bursts.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("info", "debug"),
-                                timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, settings, log_level=args.log_level,
+                                access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5)
         try:
             uvicorn.Server(config).run(sockets=[listener])
         except KeyboardInterrupt:
@@ -127,10 +154,3 @@ def _bind(host: str, port: int) -> socket.socket:
         raise FailedPreconditionError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     listener.set_inheritable(True)
     return listener
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

@@ -23,6 +23,14 @@ def check_scale(scale: object, what: str) -> float:
     return float(scale)
 
 
+def check_sha256(digest: object, what: str) -> str:
+    """``digest`` in lower case if it is a SHA-256 in hex (64 hex digits), else
+    ``InvalidArgumentError`` naming ``what``."""
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+        raise InvalidArgumentError(f"{what}={digest!r:.80}, expected 64 hex digits (the file's SHA-256)")
+    return digest.lower()
+
+
 @dataclass(frozen=True)
 class LoraSource:
     """One adapter for a session, and its ``scale``.
@@ -45,12 +53,8 @@ class LoraSource:
         if (self.path is None) == (self.buffer is None):
             raise InvalidArgumentError("LoraSource takes exactly one of path= or buffer=")
         object.__setattr__(self, "scale", check_scale(self.scale, "LoraSource scale"))
-        if self.sha256 is not None and (
-            not isinstance(self.sha256, str)
-            or len(self.sha256) != 64
-            or any(c not in "0123456789abcdefABCDEF" for c in self.sha256)
-        ):
-            raise InvalidArgumentError(f"LoraSource sha256={self.sha256!r}, expected 64 hex digits")
+        if self.sha256 is not None:
+            check_sha256(self.sha256, "LoraSource sha256")
 
     @property
     def label(self) -> str:

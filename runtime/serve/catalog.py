@@ -2,68 +2,101 @@
 
 Adapters found in ``--adapters DIR`` at start are registered under their file name
 without suffix (``uppercase.tflite`` -> ``uppercase``) or their directory name (a PEFT
-directory). Over HTTP an adapter is loaded from a path that must resolve inside that
-directory (no ``..``, no symlink leading out, nothing but regular files), or downloaded
-from a URL (size-capped, SHA-256 required) into a temporary file renamed into the
-directory once checked. A request holds a :class:`Lease` on the adapters it runs with;
-unloading a leased adapter is refused.
+directory); one that cannot be registered is skipped and listed with the reason (or, in
+strict mode, stops the start). Over HTTP an adapter is loaded from a path that must
+resolve inside that directory (no ``..``, no symlink leading out, nothing but regular
+files), or downloaded from an allowed URL (see :mod:`runtime.serve.download`) into a
+temporary file renamed into the directory once its SHA-256 matched.
+
+Each name keeps the engine's id of the adapter registered (and checked) when it was
+loaded: a request runs with that id and never goes back to the path. A file changed
+after it was loaded is refused until it is loaded again. A request holds a
+:class:`Lease` on the adapters it runs with; unloading a leased adapter is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime import Engine, LoraSource
 from runtime.errors import (
     AlreadyExistsError,
+    DataLossError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
+    StatusError,
 )
-from runtime.serve.download import adapter_suffix, check_sha256, download
+from runtime.framework.lora_source import check_sha256
+from runtime.serve.download import DownloadPolicy, download
+from runtime.util.adapter_formats import GGUF, TFLITE, AdapterKey, AdapterOrigin, detect_format
+from runtime.util.peft_data import CONFIG_FILE, WEIGHTS_FILE
+
+log = logging.getLogger("runtime.serve")
 
 ADAPTER_SUFFIXES = (".tflite", ".gguf")
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what the PEFT format reads
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """One named adapter: where it lives, its engine id, how long registering it took."""
+    """One named adapter: where it was loaded from, the engine's id and rank of what was
+    registered, the identity of its files then, how long registering it took."""
 
     name: str
     path: Path
     lora_id: int
+    rank: int
+    key: AdapterKey  # the files' identity when registered (see AdapterOrigin)
     load_seconds: float
     created: int  # when it was registered (Unix time)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An entry of the adapters directory that could not be registered at start, and why."""
+
+    file: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AdapterFile:
+    """An adapter in the adapters directory: its file, the name it would be loaded as,
+    and the name it is loaded as (``None``: not loaded)."""
+
+    file: str
+    name: str
+    loaded: str | None
 
 
 class Lease:
     """The adapters one request runs with; none of them can be unloaded until :meth:`release`."""
 
-    def __init__(self, catalog: AdapterCatalog, entries: dict[str, CatalogEntry]) -> None:
-        self._catalog = catalog
+    def __init__(self, entries: dict[str, CatalogEntry], on_release: Callable[[Iterable[str]], None]) -> None:
         self.entries = entries
+        self._on_release = on_release
         self._released = False
 
-    def source(self, name: str, scale: float) -> LoraSource:
-        """The leased adapter ``name`` at ``scale``, for a SessionConfig."""
-        return LoraSource(path=self.entries[name].path, scale=scale)
+    def adapters(self, weights: Iterable[tuple[str, float]]) -> dict[int, float]:
+        """``(name, scale)`` pairs of leased adapters as a SessionConfig's ``adapters``."""
+        return {self.entries[name].lora_id: scale for name, scale in weights}
 
     def release(self) -> None:
         """Lets the adapters go; releasing twice is harmless."""
         if not self._released:
             self._released = True
-            self._catalog._release(self.entries)
+            self._on_release(list(self.entries))
 
 
 class AdapterCatalog:
@@ -75,11 +108,11 @@ class AdapterCatalog:
         directory: str | os.PathLike[str] | None,
         *,
         reserved_names: Iterable[str] = (),
-        max_download_bytes: int = 256 << 20,
-        download_timeout_s: float = 60.0,
+        downloads: DownloadPolicy | None = None,
     ) -> None:
         """``directory``: the adapters directory (``None``: no loading by path or URL);
-        ``reserved_names``: names no adapter may take (the base model's)."""
+        ``reserved_names``: names no adapter may take (the base model's); ``downloads``:
+        where URLs may be fetched from (default: nowhere)."""
         self._engine = engine
         self.directory = None
         if directory is not None:
@@ -87,11 +120,12 @@ class AdapterCatalog:
                 raise NotFoundError(f"{directory}: no such adapters directory")
             self.directory = Path(directory).resolve(strict=True)
         self._reserved = frozenset(reserved_names)
-        self._max_download_bytes = max_download_bytes
-        self._download_timeout_s = download_timeout_s
+        self._downloads = downloads or DownloadPolicy()
         self._entries: dict[str, CatalogEntry] = {}
         self._pending: set[str] = set()  # names being loaded right now
         self._leases: Counter[str] = Counter()
+        self._problems: dict[str, str] = {}  # name -> why it is unhealthy
+        self.skipped: list[Skipped] = []  # what the start-up scan could not register
         self._lock = threading.Lock()
 
     # -- reading -------------------------------------------------------------------
@@ -101,40 +135,92 @@ class AdapterCatalog:
         with self._lock:
             return sorted(self._entries.values(), key=lambda entry: entry.name)
 
+    def files(self) -> list[AdapterFile]:
+        """The adapters in the adapters directory (what :meth:`scan` would register), and
+        the name each is loaded as, if it is."""
+        if self.directory is None:
+            return []
+        loaded = {entry.path: entry.name for entry in self.entries()}
+        found = []
+        for path in sorted(self.directory.iterdir()):
+            try:
+                name = _adapter_name(path)
+                resolved = path.resolve(strict=True)
+            except (StatusError, OSError):
+                continue
+            if name is not None:
+                found.append(AdapterFile(path.name, name, loaded.get(resolved)))
+        return found
+
+    def find(self, name: str) -> CatalogEntry | None:
+        """The adapter registered as ``name``, or ``None``."""
+        with self._lock:
+            return self._entries.get(name)
+
+    def problem(self, name: str) -> str | None:
+        """Why adapter ``name`` is unhealthy, or ``None`` while it is healthy."""
+        with self._lock:
+            return self._problems.get(name)
+
+    def mark_unhealthy(self, name: str, reason: str) -> None:
+        """Records that adapter ``name`` failed at run time (shown in ``/v1/models`` and
+        ``/metrics`` until it is unloaded)."""
+        with self._lock:
+            if name in self._entries:
+                self._problems[name] = reason
+
     def lease(self, names: Iterable[str]) -> Lease:
-        """Holds the adapters ``names`` for one request; ``NotFoundError`` names an unknown one."""
+        """Holds the adapters ``names`` for one request. ``NotFoundError`` names an unknown
+        one; ``FailedPreconditionError`` one whose file changed since it was loaded."""
         with self._lock:
             entries = {}
             for name in names:
                 if name not in self._entries:
                     raise NotFoundError(f"adapter {name!r:.140} is not loaded; GET /v1/models lists what is")
                 entries[name] = self._entries[name]
-            self._leases.update(list(entries))
-        return Lease(self, entries)
-
-    def _release(self, entries: dict[str, CatalogEntry]) -> None:
+        for entry in entries.values():
+            _check_unchanged(entry)
         with self._lock:
-            self._leases.subtract(list(entries))
-            for name in entries:
+            missing = [name for name in entries if self._entries.get(name) is not entries[name]]
+            if missing:
+                raise NotFoundError(f"adapter {missing[0]!r:.140} was unloaded meanwhile")
+            self._leases.update(list(entries))
+        return Lease(entries, self._release)
+
+    def _release(self, names: Iterable[str]) -> None:
+        with self._lock:
+            self._leases.subtract(names)
+            for name in list(self._leases):
                 if self._leases[name] <= 0:
                     del self._leases[name]
 
     # -- loading -------------------------------------------------------------------
 
-    def scan(self) -> list[CatalogEntry]:
+    def scan(self, *, strict: bool = False) -> list[CatalogEntry]:
         """Registers every adapter in the adapters directory (hidden files and files of
-        other kinds are skipped); the first one that cannot be registered raises."""
+        other kinds are left alone). One that cannot be registered is skipped and listed
+        in :attr:`skipped` with the reason; with ``strict``, it raises instead, and what it
+        registered before is unregistered again."""
         if self.directory is None:
             return []
         found: dict[str, Path] = {}
+        loaded = []
         for path in sorted(self.directory.iterdir()):
-            name = _adapter_name(path)
-            if name is None:
-                continue
-            if name in found:
-                raise AlreadyExistsError(f"{found[name]} and {path} would both be named {name!r}")
-            found[name] = path
-        return [self.load_path(name, path.name) for name, path in found.items()]
+            try:
+                name = _adapter_name(path)
+                if name is None:
+                    continue
+                if name in found:
+                    raise AlreadyExistsError(f"{found[name].name} and {path.name} would both be named {name!r}")
+                found[name] = path
+                loaded.append(self.load_path(name, path.name))
+            except (StatusError, OSError) as exc:
+                if strict:
+                    for entry in loaded:
+                        self.unload(entry.name)
+                    raise
+                self.skipped.append(Skipped(path.name, " ".join(str(exc.args[0] if exc.args else exc).split())))
+        return loaded
 
     def load_path(self, name: str, lora_path: str, sha256: str | None = None) -> CatalogEntry:
         """Registers the adapter at ``lora_path`` (relative to the adapters directory, or
@@ -142,23 +228,23 @@ class AdapterCatalog:
         self._reserve(name)
         try:
             path = self._resolve_inside(lora_path)
-            return self._register(name, path, None if sha256 is None else check_sha256(sha256))
+            return self._register(name, path, None if sha256 is None else check_sha256(sha256, "sha256"))
         finally:
             self._unreserve(name)
 
     def load_url(self, name: str, url: str, sha256: str) -> CatalogEntry:
         """Downloads a ``.tflite`` or GGUF adapter and registers it as ``name``; it is
         renamed to ``name`` + suffix in the adapters directory only once its SHA-256 matched."""
-        sha256 = check_sha256(sha256)
+        sha256 = check_sha256(sha256, "sha256")
         if not isinstance(url, str) or not url:
             raise InvalidArgumentError("url must be a non-empty string")
         self._reserve(name)
         try:
             directory = self._require_directory("url")
-            temporary = download(url, directory, prefix=name, sha256=sha256,
-                                 max_bytes=self._max_download_bytes, timeout_s=self._download_timeout_s)
+            temporary = download(url, directory, prefix=name, policy=self._downloads)
             try:
-                final = directory / f"{name}{adapter_suffix(temporary)}"
+                suffix = _checked_download(temporary, url, sha256)
+                final = directory / f"{name}{suffix}"
                 if final.exists() or final.is_symlink():
                     raise AlreadyExistsError(f"{final.name} already exists in the adapters directory")
                 os.replace(temporary, final)
@@ -186,6 +272,7 @@ class AdapterCatalog:
                 )
             self._engine.unload_adapter(entry.lora_id)
             del self._entries[name]
+            self._problems.pop(name, None)
             return entry
 
     # -- internals -----------------------------------------------------------------
@@ -207,6 +294,7 @@ class AdapterCatalog:
             self._pending.discard(name)
 
     def _register(self, name: str, path: Path, sha256: str | None = None) -> CatalogEntry:
+        key = AdapterOrigin.of_file(path).key
         started = time.perf_counter()
         lora_id = self._engine.register_adapter(LoraSource(path=path, sha256=sha256))
         elapsed = time.perf_counter() - started
@@ -214,7 +302,12 @@ class AdapterCatalog:
             for other in self._entries.values():
                 if other.lora_id == lora_id:
                     raise AlreadyExistsError(f"{path.name} is already loaded as adapter {other.name!r}")
-            entry = self._entries[name] = CatalogEntry(name, path, lora_id, elapsed, int(time.time()))
+        rank = next(adapter.rank for adapter in self._engine.stats().adapters if adapter.lora_id == lora_id)
+        if AdapterOrigin.of_file(path).key != key:  # rewritten while it was registered
+            self._engine.unload_adapter(lora_id)
+            raise DataLossError(f"{path.name} changed while it was being loaded; load it again")
+        with self._lock:
+            entry = self._entries[name] = CatalogEntry(name, path, lora_id, rank, key, elapsed, int(time.time()))
         return entry
 
     def _require_directory(self, what: str) -> Path:
@@ -234,12 +327,41 @@ class AdapterCatalog:
         path = _inside(directory, given if given.is_absolute() else directory / given, lora_path)
         mode = path.stat().st_mode
         if stat.S_ISDIR(mode):
-            for file in PEFT_FILES:
+            for file in (CONFIG_FILE, WEIGHTS_FILE):
                 if not (path / file).exists():
                     raise InvalidArgumentError(f"lora_path {lora_path!r:.200} is a directory without {file}")
                 _regular(_inside(directory, path / file, f"{lora_path}/{file}"), f"{lora_path}/{file}")
             return path
         return _regular(path, lora_path)
+
+
+def _check_unchanged(entry: CatalogEntry) -> None:
+    """``FailedPreconditionError`` if the adapter's files are not those it was registered from."""
+    try:
+        key = AdapterOrigin.of_file(entry.path).key
+    except StatusError:
+        key = None
+    if key != entry.key:
+        raise FailedPreconditionError(
+            f"adapter {entry.name!r}: its file changed (or went away) since it was loaded; "
+            "unload it and load it again to use the new file")
+
+
+def _checked_download(path: Path, url: str, sha256: str) -> str:
+    """The suffix of a downloaded adapter (``.tflite`` or ``.gguf``), once the core checked
+    its SHA-256 and its format; the errors tell nothing about the bytes."""
+    try:
+        AdapterOrigin.of_file(path).check_sha256(sha256)
+    except DataLossError:
+        raise DataLossError(f"url {url!r:.200}: the file's SHA-256 is not the sha256 given; "
+                            "the download was discarded") from None
+    try:
+        kind = detect_format(path)
+    except InvalidArgumentError:
+        kind = None
+    if kind not in (TFLITE, GGUF):
+        raise InvalidArgumentError(f"url {url!r:.200}: the file is neither a .tflite LoRA file nor a GGUF LoRA")
+    return f".{kind}"
 
 
 def _inside(directory: Path, path: Path, label: str) -> Path:
@@ -261,11 +383,14 @@ def _regular(path: Path, label: str) -> Path:
 
 
 def _adapter_name(path: Path) -> str | None:
-    """The catalog name of a directory entry, or None if it is not an adapter to load."""
+    """The catalog name of a directory entry, or None if it is not an adapter to load;
+    ``InvalidArgumentError`` for an adapter whose name is not usable."""
     if path.name.startswith("."):
         return None
     if path.is_dir():
-        name = path.name if (path / PEFT_FILES[0]).exists() else None
+        name = path.name if (path / CONFIG_FILE).exists() else None
     else:
         name = path.stem if path.suffix in ADAPTER_SUFFIXES else None
-    return name if name is not None and NAME_PATTERN.fullmatch(name) else None
+    if name is not None and not NAME_PATTERN.fullmatch(name):
+        raise InvalidArgumentError(f"{path.name}: not a usable adapter name (letters, digits, '.', '_', '-')")
+    return name

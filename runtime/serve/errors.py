@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.errors import (
     AlreadyExistsError,
@@ -38,6 +38,7 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)  # sent with the answer (Retry-After...)
 
     def __str__(self) -> str:
         return self.message
@@ -59,3 +60,8 @@ class ApiError(Exception):
 def bad_request(message: str, *, code: str = "invalid_value", param: str | None = None) -> ApiError:
     """A 400 answer."""
     return ApiError(400, message, "invalid_request_error", code, param)
+
+
+def model_not_found(message: str) -> ApiError:
+    """A 404 for a ``model`` that is not served here."""
+    return ApiError(404, message, "not_found_error", "model_not_found", "model")

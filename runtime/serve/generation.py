@@ -1,9 +1,10 @@
 """One request's generation on its own Session, in a worker thread, as text deltas.
 
 :class:`GenerationJob` is built on the event loop from a validated request and then runs
-in a worker thread: :meth:`~GenerationJob.prepare` (tokenize, check the context, create
-the session) and :meth:`~GenerationJob.run` (``Session.generate``, with each token turned
-into text as it comes). :meth:`~GenerationJob.cancel` may be called from any thread: the
+in a worker thread: :meth:`~GenerationJob.prepare` (tokenize, create the session with
+the adapters registered at load, by id) and :meth:`~GenerationJob.run`
+(``Session.generate``, which checks that the prompt and ``max_tokens`` fit the context,
+with each token turned into text as it comes). :meth:`~GenerationJob.cancel` may be called from any thread: the
 generation stops before its next decode step and the session is closed at once.
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime import Engine, LoraSource, SamplerConfig, Session, SessionConfig
-from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime import Engine, SamplerConfig, Session, SessionConfig
+from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.serve.sampling import RequestSampler
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
 
@@ -85,7 +87,10 @@ class GenerationRequest:
     max_tokens: int | None  # None: as many as the context has room for
     sampler: SamplerConfig
     stop: tuple[str, ...]
-    loras: tuple[LoraSource, ...]
+    adapters: Mapping[int, float]  # registered adapter id -> scale
+    stop_tokens: frozenset[int]  # tokens that end the generation (not part of the text)
+    min_tokens: int = 0  # stop tokens cannot come before this many tokens
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,13 +123,16 @@ class GenerationJob:
         request: GenerationRequest,
         *,
         on_text: Callable[[str], None] | None = None,
+        on_start: Callable[[], None] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
-        """``on_text`` gets each text delta as it is produced (from the worker thread);
-        ``on_close`` runs once when the job is closed (releasing what it held)."""
+        """``on_text`` gets each text delta as it is produced and ``on_start`` is called at
+        the first generated token (both from the worker thread); ``on_close`` runs once
+        when the job is closed (releasing what it held)."""
         self._engine = engine
         self.request = request
         self._on_text = on_text
+        self._on_start = on_start
         self._on_close = on_close
         self._admitted = time.perf_counter()
         self._cancelled = threading.Event()
@@ -136,31 +144,24 @@ class GenerationJob:
         self._queue_wait = 0.0
         self._token_times: list[float] = []
         self._assembler = TextAssembler(self._decode, request.stop)
-        self._stop_tokens = frozenset(engine.tokenizer.stop_token_ids)
+        self._sampler: RequestSampler | None = None
 
     def prepare(self) -> None:
-        """Tokenizes the prompt, checks that it and ``max_tokens`` fit the context, and
-        creates the session (registering nothing new: the adapters are the catalog's)."""
+        """Tokenizes the prompt and creates the session (registering nothing new: the
+        adapters are the catalog's, by id)."""
         self._queue_wait = time.perf_counter() - self._admitted
         prompt = self.request.prompt
         self._prompt = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not self._prompt:
             raise InvalidArgumentError("the prompt is empty: it needs at least one token")
-        context = self._engine.spec.kv_length
-        room = context - len(self._prompt)
-        if room < 1:
-            raise ResourceExhaustedError(
-                f"the prompt has {len(self._prompt)} tokens: the model's context of {context} tokens "
-                "leaves no room to generate"
-            )
-        max_tokens = self.request.max_tokens if self.request.max_tokens is not None else room
-        if max_tokens > room:
-            raise ResourceExhaustedError(
-                f"the prompt has {len(self._prompt)} tokens and max_tokens is {max_tokens}: "
-                f"{len(self._prompt) + max_tokens} exceeds the model's context of {context} tokens"
-            )
-        self._max_tokens = max_tokens
-        session = self._engine.create_session(SessionConfig(loras=self.request.loras))
+        max_tokens = self.request.max_tokens
+        # None: the rest of the context (at least 1, so that a prompt filling it is refused
+        # by Session.generate's own check, like any prompt too long for max_tokens).
+        self._max_tokens = max(1, self._engine.spec.kv_length - len(self._prompt)) if max_tokens is None else max_tokens
+        request = self.request
+        self._sampler = RequestSampler(request.sampler, prompt=self._prompt, stop_tokens=request.stop_tokens,
+                                       min_tokens=request.min_tokens, repetition_penalty=request.repetition_penalty)
+        session = self._engine.create_session(SessionConfig(adapters=self.request.adapters))
         with self._state:
             if not self._closed:
                 self._session = session
@@ -174,9 +175,8 @@ class GenerationJob:
             if self._session is None:
                 raise FailedPreconditionError("run() before prepare()")
             try:
-                result = self._session.generate(
-                    self._prompt, self._max_tokens, sampler=self.request.sampler, on_token=self._on_token
-                )
+                result = self._session.generate(self._prompt, self._max_tokens, sampler=self._sampler,
+                                                stop_tokens=sorted(self.request.stop_tokens), on_token=self._on_token)
                 finish_reason = "stop" if result.stop_reason == "stop_token" else "length"
             except _StopString:
                 finish_reason = "stop"
@@ -216,9 +216,11 @@ class GenerationJob:
 
     def _on_token(self, token: int) -> None:
         self._token_times.append(time.perf_counter())
+        if len(self._token_times) == 1 and self._on_start is not None:
+            self._on_start()
         if self._cancelled.is_set():
             raise _Cancelled
-        if token in self._stop_tokens:
+        if token in self.request.stop_tokens:
             return  # generate() ends after it; it is not part of the text
         self._send(self._assembler.add(token))
         if self._assembler.stopped:

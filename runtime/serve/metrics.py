@@ -4,7 +4,7 @@ Per request: counts by endpoint and status, queue wait, time to first token, dec
 speed, tokens per model (a blend counts for each of its adapters; ``rate()`` of the
 token counters is tokens/s), how generations ended. Per adapter, read from
 :meth:`Engine.stats` at scrape time: residency, resident and tensor bytes, sessions, and
-how long registering it took; engine-wide: switch, materialize and register latency
+how long registering it took, whether it is healthy; engine-wide: switch, materialize and register latency
 percentiles, residency hits, misses and evictions, and batched decode: batches by rows
 (sessions' steps run as one pass over the weights) and the steps' wait for their batch.
 """
@@ -112,6 +112,8 @@ class _EngineCollector:
                                           labels=["adapter"]),
             "load": GaugeMetricFamily("runtime_adapter_load_seconds", "How long registering the adapter took",
                                       labels=["adapter"]),
+            "healthy": GaugeMetricFamily("runtime_adapter_healthy", "0 once the adapter failed at run time "
+                                         "(non-finite logits), until it is unloaded", labels=["adapter"]),
         }
         for adapter in stats.adapters:
             entry = names.get(adapter.lora_id)
@@ -122,6 +124,7 @@ class _EngineCollector:
             per_adapter["tensor_bytes"].add_metric([entry.name], adapter.tensor_bytes)
             per_adapter["sessions"].add_metric([entry.name], adapter.sessions)
             per_adapter["load"].add_metric([entry.name], entry.load_seconds)
+            per_adapter["healthy"].add_metric([entry.name], 0.0 if self._catalog.problem(entry.name) else 1.0)
         yield from per_adapter.values()
         yield GaugeMetricFamily("runtime_resident_bytes", "Bytes of all materialized adapter buffers",
                                 value=stats.resident_bytes)

@@ -6,17 +6,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from runtime import SamplerConfig
 from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.generation import Outcome
 
 MAX_SCALE = 100.0  # |scale| of one adapter in a blend; beyond it float32 weights lose all meaning
 MAX_BLEND = 8  # adapters in one request's lora list
 MAX_STOP = 4  # stop strings, as OpenAI allows
+DEFAULT_COMPLETION_TOKENS = 16  # max_tokens of /v1/completions when not given, as OpenAI and vLLM
 
 # Fields OpenAI defines that this server does not implement: accepted only at their
 # neutral value (or null), so that no request is silently answered differently.
@@ -37,9 +40,22 @@ UNSUPPORTED = {
 }
 
 
+def _text(value: str) -> str:
+    """``value`` if it is text: a lone UTF-16 surrogate (JSON's ``"\\ud800"``) is not."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("holds a lone UTF-16 surrogate (such as \\ud800), which is not text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_text)]
+
+
 class _Body(BaseModel):
     # strict: no "5" for 5, no 5.0 for an integer, no 1 for true; unknown fields are kept
-    # in model_extra so that UNSUPPORTED can be checked, and otherwise ignored.
+    # in model_extra so that check() refuses them (or accepts UNSUPPORTED ones at their
+    # neutral value): no field is ever silently ignored.
     model_config = ConfigDict(strict=True, extra="allow")
 
 
@@ -48,7 +64,7 @@ class LoraWeight(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    name: str = Field(min_length=1, max_length=300)
+    name: Text = Field(min_length=1, max_length=300)
     scale: float = Field(1.0, ge=-MAX_SCALE, le=MAX_SCALE, allow_inf_nan=False)
 
 
@@ -61,26 +77,55 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationBody(_Body):
-    model: str = Field(min_length=1, max_length=300)
+    model: Text = Field(min_length=1, max_length=300)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     lora: list[LoraWeight] | None = Field(None, max_length=MAX_BLEND)
-    user: str | None = None
+    user: Text | None = None
+    # vLLM's sampling extras
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_SCALE, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
 
-    def check_supported(self) -> None:
-        """Refuses fields this server does not implement, unless they have their neutral value."""
+    def check(self) -> None:
+        """Refuses unknown fields, fields this server does not implement (unless they have
+        their neutral value), and fields that contradict each other."""
         for key, value in (self.model_extra or {}).items():
             allowed = UNSUPPORTED.get(key)
-            if allowed is None or value is None:
-                continue
-            if not any(type(value) is type(neutral) and value == neutral for neutral in allowed):
+            if allowed is None:
+                raise bad_request(f"{key!r:.80} is not a field of this endpoint", param=key[:80],
+                                  code="unknown_parameter")
+            if value is not None and not any(type(value) is type(neutral) and value == neutral for neutral in allowed):
                 raise bad_request(f"{key}={json.dumps(value)[:80]} is not supported by this server", param=key,
                                   code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
+        limit = self.token_limit
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            raise bad_request(f"min_tokens={self.min_tokens} exceeds the {limit} tokens asked for", param="min_tokens")
+
+    @property
+    def token_limit(self) -> int | None:
+        """How many tokens to generate at most (``None``: the rest of the context)."""
+        return self.max_tokens
+
+    def sampler_config(self) -> SamplerConfig:
+        """Temperature (default 1), ``top_p``, ``top_k`` and ``seed`` for the core's sampler."""
+        return SamplerConfig(temperature=1.0 if self.temperature is None else self.temperature,
+                             top_k=max(0, self.top_k or 0), top_p=1.0 if self.top_p is None else self.top_p,
+                             seed=self.seed)
+
+    def stop_tokens(self, eos: Iterable[int]) -> frozenset[int]:
+        """The tokens that end the generation: the tokenizer's ``eos`` (unless
+        ``ignore_eos``) and ``stop_token_ids``."""
+        return frozenset(() if self.ignore_eos else eos) | frozenset(self.stop_token_ids or ())
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of non-empty strings (at most four)."""
@@ -100,7 +145,12 @@ class _GenerationBody(_Body):
 class CompletionBody(_GenerationBody):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
+
+    @property
+    def token_limit(self) -> int:
+        """``max_tokens``, 16 when not given (as OpenAI and vLLM)."""
+        return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
 
     def prompt_value(self) -> str | tuple[int, ...]:
         """The one prompt: text, or token ids."""
@@ -119,8 +169,8 @@ class ContentPart(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
@@ -128,8 +178,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: str = Field(max_length=32)
-    content: str | list[ContentPart] | None = None
+    role: Text = Field(max_length=32)
+    content: Text | list[ContentPart] | None = None
 
     def as_template_input(self, index: int) -> dict[str, str]:
         """``{"role", "content"}`` with the content as one string (``developer`` is ``system``)."""
@@ -163,10 +213,10 @@ class LoadAdapterBody(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=300)
-    lora_path: str | None = Field(None, min_length=1, max_length=4096)
-    url: str | None = Field(None, min_length=1, max_length=8192)
-    sha256: str | None = None
+    lora_name: Text = Field(min_length=1, max_length=300)
+    lora_path: Text | None = Field(None, min_length=1, max_length=4096)
+    url: Text | None = Field(None, min_length=1, max_length=8192)
+    sha256: Text | None = None
 
     def check(self) -> None:
         """Exactly one of ``lora_path`` and ``url``; ``url`` needs ``sha256``."""
@@ -181,25 +231,60 @@ class UnloadAdapterBody(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    lora_name: str = Field(min_length=1, max_length=300)
+    lora_name: Text = Field(min_length=1, max_length=300)
+
+
+class TokenizeBody(BaseModel):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or ``messages`` put through the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: Text | None = Field(None, min_length=1, max_length=300)
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    def check(self) -> None:
+        """Exactly one of ``prompt`` and ``messages``."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeBody(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: Text | None = Field(None, min_length=1, max_length=300)
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     """The first of pydantic's complaints about a body as a 400 that names the field."""
     if not errors:
         return bad_request("invalid request body")
-    first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # A value a union refuses gets one complaint per member; the checks of this module
+    # (value errors) say more than "not an integer".
+    first = next((error for error in errors if error.get("type") == "value_error"), errors[0])
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         context = first.get("ctx", {}).get("error", "")
         return bad_request(f"the request body is not valid JSON: {context}".rstrip(": "), code="invalid_json")
-    message = str(first.get("msg", "invalid value"))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
         return bad_request(f"the request body must be a JSON object: {message}")
     if first.get("type") == "missing":
         return bad_request(f"{param} is required", param=param, code="missing_field")
     return bad_request(f"{param}: {message}", param=param)
+
+
+def _is_type_tag(part: object) -> bool:
+    """Whether a part of pydantic's error location names a union member's type (such as
+    ``str`` or ``function-after[_text(), str]``) rather than a field or an index."""
+    return isinstance(part, str) and ("[" in part or part in _TYPE_NAMES)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def sse(data: dict | str) -> bytes:

@@ -1,0 +1,54 @@
+"""Server: the state every route shares (engine, adapter catalog, settings, admission,
+worker pool, metrics)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.concurrency import run_in_threadpool
+
+from runtime import Engine
+from runtime.errors import FailedPreconditionError
+from runtime.serve.admission import Admission
+from runtime.serve.catalog import AdapterCatalog
+from runtime.serve.errors import bad_request
+from runtime.serve.metrics import ServerMetrics
+from runtime.serve.protocol import ChatMessage
+from runtime.serve.settings import ServeSettings
+
+
+class Server:
+    """The state behind the routes: engine, catalog, settings, worker pool, metrics."""
+
+    def __init__(self, engine: Engine, catalog: AdapterCatalog, settings: ServeSettings) -> None:
+        if engine.tokenizer is None:
+            raise FailedPreconditionError(
+                "serving needs a tokenizer: a .litertlm bundle's, --tokenizer FILE, or --byte-tokens"
+            )
+        self.engine = engine
+        self.catalog = catalog
+        self.settings = settings
+        self.started = int(time.time())
+        self.admission = Admission(settings.max_concurrent)
+        # One thread per admitted request (prepare, then run) and one for closing jobs
+        # whose request went away before they ran.
+        self.pool = ThreadPoolExecutor(settings.max_concurrent + 1, thread_name_prefix="serve-request")
+        self.metrics = ServerMetrics(engine, catalog, lambda: self.admission.running)
+
+    def shutdown(self) -> None:
+        """Cancels running generations and waits for the workers to finish."""
+        self.admission.cancel_all()
+        self.pool.shutdown(wait=True)
+
+    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        """A conversation as prompt text, by the model's chat template (off the event loop)."""
+        template = self.engine.chat_template
+        if template is None:
+            raise bad_request(
+                f"model {self.settings.model_name!r} has no chat template: start the server with "
+                "--chat-template FILE (a Jinja2 template), or use /v1/completions", code="no_chat_template",
+                param="messages")
+        rendered = [message.as_template_input(i) for i, message in enumerate(messages)]
+        return await run_in_threadpool(template.render, rendered)
