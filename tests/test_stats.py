@@ -60,7 +60,7 @@ def test_a_registered_adapter_is_listed_but_not_resident(engine):
     stats = engine.stats()
     assert stats.adapters == (
         AdapterStats(
-            lora_id=lora_id, source=str(adapter_path("torch_r4")), format="tflite", rank=4,
+            lora_id=lora_id, source=str(adapter_path("torch_r4")), format="tflite", rank=4, targets="attention",
             tensor_bytes=R4_BYTES, resident_bytes=0, sessions=0,
         ),
     )

@@ -50,13 +50,15 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """One named adapter: where it was loaded from, the engine's id and rank of what was
-    registered, the identity of its files then, how long registering it took."""
+    """One named adapter: where it was loaded from, the engine's id, rank and targets
+    (attention or all-linear) of what was registered, the identity of its files then, how
+    long registering it took."""
 
     name: str
     path: Path
     lora_id: int
     rank: int
+    targets: str
     key: AdapterKey  # the files' identity when registered (see AdapterOrigin)
     load_seconds: float
     created: int  # when it was registered (Unix time)
@@ -302,12 +304,13 @@ class AdapterCatalog:
             for other in self._entries.values():
                 if other.lora_id == lora_id:
                     raise AlreadyExistsError(f"{path.name} is already loaded as adapter {other.name!r}")
-        rank = next(adapter.rank for adapter in self._engine.stats().adapters if adapter.lora_id == lora_id)
+        stats = next(adapter for adapter in self._engine.stats().adapters if adapter.lora_id == lora_id)
         if AdapterOrigin.of_file(path).key != key:  # rewritten while it was registered
             self._engine.unload_adapter(lora_id)
             raise DataLossError(f"{path.name} changed while it was being loaded; load it again")
         with self._lock:
-            entry = self._entries[name] = CatalogEntry(name, path, lora_id, rank, key, elapsed, int(time.time()))
+            entry = self._entries[name] = CatalogEntry(name, path, lora_id, stats.rank, stats.targets, key, elapsed,
+                                                       int(time.time()))
         return entry
 
     def _require_directory(self, what: str) -> Path:

@@ -165,6 +165,7 @@ class AdapterRegistry:
                 source=plan.source_name,
                 format=plan.data.format_name,
                 rank=plan.rank,
+                targets=plan.targets,
                 tensor_bytes=plan.data.nbytes,
                 resident_bytes=sum(r.nbytes for r in resident if any(i == lora_id for i, _ in r.blend)),
                 sessions=manager.pin_count(lora_id),

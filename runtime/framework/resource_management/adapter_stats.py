@@ -15,6 +15,7 @@ class AdapterStats:
     source: str
     format: str
     rank: int
+    targets: str  # "attention" (q/k/v/o only) or "all-linear" (the MLP too): the slots that hold it
     tensor_bytes: int  # its weights as stored (memory-mapped or the caller's buffer)
     # Buffers of the resident blends that include it (0 when none): a blend's buffers
     # count for each of its adapters, so sum EngineStats.resident, not this, for a total.

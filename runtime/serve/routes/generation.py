@@ -21,6 +21,7 @@ from runtime.serve.protocol import ChatBody, CompletionBody, LoraWeight, Reply, 
 from runtime.serve.sampling import NonFiniteLogits
 from runtime.serve.server import Server
 from runtime.serve.settings import ADAPTER_SEPARATOR
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot
 
 log = logging.getLogger("runtime.serve")
 
@@ -165,12 +166,13 @@ class _Run:
 
 
 def _check_rank(server: Server, lease: Lease, weights: list[tuple[str, float]], body: CompletionBody | ChatBody) -> None:
-    """A blend must fit one of the model's rank slots; the error names the adapters."""
+    """A blend must fit one of the model's LoRA slots; the error names the adapters."""
     if not weights:
         return
     ranks = {name: lease.entries[name].rank for name, _ in weights}
-    if server.engine.spec.smallest_slot(sum(ranks.values())) is None:
-        slots = ", ".join(map(str, server.engine.spec.lora_ranks)) or "none"
+    targets = ALL_LINEAR if any(lease.entries[name].targets == ALL_LINEAR for name, _ in weights) else ATTENTION
+    if server.engine.spec.slot_for(LoraSlot(sum(ranks.values()), targets)) is None:
+        slots = ", ".join(map(str, server.engine.spec.slots)) or "none"
         named = ", ".join(f"{name!r} (rank {rank})" for name, rank in ranks.items())
         raise bad_request(f"adapters {named} need rank {sum(ranks.values())} together, more than any LoRA slot of "
                           f"the model (slots: {slots})", code="rank_exceeded",
