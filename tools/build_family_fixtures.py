@@ -14,16 +14,19 @@ under ``tests/models/families/<family>/`` by default:
 
 ``model.tflite``
     The transformers model (random weights drawn with numpy from a fixed seed, spread so
-    that logits differ by units) exported float32 with one LoRA slot of rank 8, prefill
+    that logits differ by units) exported float32 with LoRA slots of rank 8 (attention
+    only, and all-linear beside it where the family has it: all but Gemma 3), prefill
     length 16, KV length 64.
 ``adapter/``
     A rank-4 PEFT LoRA on q/k/v/o of every layer (``lora_alpha`` 8), random A and B,
     saved by ``peft``.
+``adapter_all_linear/`` (all but Gemma 3)
+    The same on every linear projection: q/k/v/o and the MLP's gate/up/down.
 ``reference.npz``
     transformers in float64 (eager attention): ``tokens`` (a prompt of ``prompt_len``
-    tokens and the tokens fed after it), ``logits`` and ``logits_adapter`` at every
-    position from the prompt's last on (the adapter through ``peft``), and
-    ``greedy`` / ``greedy_adapter``: the greedy continuation of the prompt.
+    tokens and the tokens fed after it), ``logits`` and ``logits_<adapter>`` at every
+    position from the prompt's last on (each adapter through ``peft``), and
+    ``greedy`` / ``greedy_<adapter>``: the greedy continuation of the prompt.
 
 and ``tests/models/families/MANIFEST.json`` (configs, versions, sizes, sha256, and each
 fixture's distance from the reference through this runtime, measured here).
@@ -97,7 +100,10 @@ LORA_SLOT = 8
 ADAPTER_RANK = 4
 ADAPTER_ALPHA = 8
 TARGETS = ["k_proj", "o_proj", "q_proj", "v_proj"]
-
+ALL_LINEAR_TARGETS = [*TARGETS, "down_proj", "gate_proj", "up_proj"]
+# The adapters of each fixture, by directory name: their target modules.
+ADAPTERS = {"adapter": TARGETS, "adapter_all_linear": ALL_LINEAR_TARGETS}
+NO_ALL_LINEAR = {"gemma3"}  # our Gemma 3 decoder takes LoRA on attention only
 
 def build_hf_model(spec: FamilySpec) -> Any:
     """The transformers model with weights drawn from ``spec.seed`` (float32)."""
@@ -127,12 +133,12 @@ def build_hf_model(spec: FamilySpec) -> Any:
     return model.eval()
 
 
-def add_adapter(model: Any, seed: int) -> Any:
-    """A PeftModel over a copy of ``model`` with random, non-zero A and B."""
+def add_adapter(model: Any, seed: int, targets: list[str]) -> Any:
+    """A PeftModel on ``targets`` over a copy of ``model`` with random, non-zero A and B."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=TARGETS, lora_dropout=0.0,
+    config = LoraConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=targets, lora_dropout=0.0,
                         bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(copy.deepcopy(model), config)
     rng = np.random.default_rng(seed + 1000)
@@ -167,7 +173,7 @@ def runtime_distance(model_file: Path, adapter: Path | None, reference: dict[str
     """Max |logit diff| through the runtime and whether its greedy tokens match."""
     from runtime import Engine, SessionConfig
 
-    suffix = "" if adapter is None else "_adapter"
+    suffix = "" if adapter is None else "_" + adapter.name
     tokens = reference["tokens"]
     with Engine(model_file) as engine:
         config = SessionConfig(lora_path=adapter)
@@ -191,7 +197,10 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
 
     torch.manual_seed(spec.seed)
     model = build_hf_model(spec)
-    peft_model = add_adapter(model, spec.seed)
+    adapters = {name: targets for name, targets in ADAPTERS.items()
+                if name != "adapter_all_linear" or spec.name not in NO_ALL_LINEAR}
+    peft_models = {name: add_adapter(model, spec.seed + index, targets)
+                   for index, (name, targets) in enumerate(adapters.items())}
     settings = ExportSettings(lora_ranks=(LORA_SLOT,), kv_length=64, prefill_lengths=(16,))
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -199,34 +208,31 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as work:
         model.save_pretrained(work)
         report = export(inspect_source(work), settings, model_out=out_dir / "model.tflite")
-    peft_model.peft_config["default"].base_model_name_or_path = spec.name
-    peft_model.save_pretrained(out_dir / "adapter")
-    (out_dir / "adapter" / "README.md").unlink()  # peft's model-card template
-    config_file = out_dir / "adapter" / "adapter_config.json"
-    config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
+    for name, peft_model in peft_models.items():
+        peft_model.peft_config["default"].base_model_name_or_path = spec.name
+        peft_model.save_pretrained(out_dir / name)
+        (out_dir / name / "README.md").unlink()  # peft's model-card template
+        config_file = out_dir / name / "adapter_config.json"
+        config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
 
     rng = np.random.default_rng(spec.seed + 1)
-    model64, peft64 = model.double(), peft_model.double()
+    models64 = {"": model.double(), **{"_" + name: peft.double() for name, peft in peft_models.items()}}
     for _ in range(20):  # a prompt whose greedy paths have no near-ties
         tokens = rng.integers(3, spec.config["vocab_size"], PROMPT_LEN + FED_TOKENS).astype(np.int32)
-        greedy, margin = greedy64(model64, tokens[:PROMPT_LEN], GREEDY_TOKENS)
-        greedy_adapter, margin_adapter = greedy64(peft64, tokens[:PROMPT_LEN], GREEDY_TOKENS)
-        if min(margin, margin_adapter) > MIN_GREEDY_MARGIN:
+        greedy = {suffix: greedy64(m, tokens[:PROMPT_LEN], GREEDY_TOKENS) for suffix, m in models64.items()}
+        margin = min(found_margin for _, found_margin in greedy.values())
+        if margin > MIN_GREEDY_MARGIN:
             break
     else:
         raise SystemExit(f"{spec.name}: no prompt without near-ties in its greedy paths")
-    reference = {
-        "tokens": tokens,
-        "prompt_len": np.array(PROMPT_LEN),
-        "logits": logits64(model64, tokens)[PROMPT_LEN - 1:],
-        "logits_adapter": logits64(peft64, tokens)[PROMPT_LEN - 1:],
-        "greedy": greedy,
-        "greedy_adapter": greedy_adapter,
-    }
+    reference = {"tokens": tokens, "prompt_len": np.array(PROMPT_LEN)}
+    for suffix, m in models64.items():
+        reference["logits" + suffix] = logits64(m, tokens)[PROMPT_LEN - 1:]
+        reference["greedy" + suffix] = greedy[suffix][0]
     np.savez(out_dir / "reference.npz", **reference)
-    effect = float(np.max(np.abs(reference["logits_adapter"] - reference["logits"])))
+    effect = {name: float(np.max(np.abs(reference["logits_" + name] - reference["logits"]))) for name in adapters}
     measured = {}
-    for label, adapter in (("plain", None), ("adapter", out_dir / "adapter")):
+    for label, adapter in (("plain", None), *((name, out_dir / name) for name in adapters)):
         diff, same = runtime_distance(out_dir / "model.tflite", adapter, reference)
         measured[label] = {"max_abs_logit_diff": diff, "greedy_tokens_identical": same}
         if diff > TOLERANCE or not same:
@@ -238,9 +244,10 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
         "export": {"lora_ranks": list(settings.lora_ranks), "kv_length": settings.kv_length,
                    "prefill_lengths": list(settings.prefill_lengths), "quantize": settings.quantize,
                    "seconds": round(sum(report.stage_seconds.values()), 1)},
-        "adapter": {"r": ADAPTER_RANK, "lora_alpha": ADAPTER_ALPHA, "target_modules": TARGETS},
+        "adapters": {name: {"r": ADAPTER_RANK, "lora_alpha": ADAPTER_ALPHA, "target_modules": targets}
+                     for name, targets in adapters.items()},
         "reference": {"prompt_len": PROMPT_LEN, "fed_tokens": FED_TOKENS, "greedy_tokens": GREEDY_TOKENS,
-                      "logit_std": float(reference["logits"].std()), "greedy_margin": round(min(margin, margin_adapter), 4),
+                      "logit_std": float(reference["logits"].std()), "greedy_margin": round(margin, 4),
                       "adapter_max_abs_effect": effect},
         "runtime_vs_reference": measured,
         "files": {str(p.relative_to(out_dir)): {"size_bytes": p.stat().st_size,
