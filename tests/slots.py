@@ -9,13 +9,17 @@ from runtime.util.signature_names import LoraSlot
 from runtime.util.tensor_spec import TensorSpec
 
 FAN = {"q": (64, 64), "k": (64, 32), "v": (64, 32), "o": (64, 64)}
+MLP_FAN = {"gate": (64, 128), "up": (64, 128), "down": (128, 64)}
 
 
-def slot_inputs(rank: int, convention: Convention = Convention.LITERT_TORCH, layers: int = 2) -> dict[str, TensorSpec]:
-    """The LoRA inputs a model of the test shapes has for one rank slot."""
+def slot_inputs(rank: int, convention: Convention = Convention.LITERT_TORCH, layers: int = 2,
+                mlp: bool = False) -> dict[str, TensorSpec]:
+    """The LoRA inputs a model of the test shapes has for one rank slot (with ``mlp``: an
+    all-linear slot, the feed-forward's gate/up/down too)."""
     specs = {}
+    fans = {**FAN, **MLP_FAN} if mlp else FAN
     for layer in range(layers):
-        for proj, (fan_in, fan_out) in FAN.items():
+        for proj, (fan_in, fan_out) in fans.items():
             a_shape = (fan_in, rank) if convention is Convention.LITERT_TORCH else (rank, fan_in)
             for side, shape in (("a", a_shape), ("b", (rank, fan_out))):
                 name = lora_input_name(convention, layer, proj, side)

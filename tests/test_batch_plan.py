@@ -11,8 +11,8 @@ import pytest
 from conftest import MODEL_FILES
 from runtime.executor.batch_plan import DecodeRow, plan_decode
 from runtime.executor.litert_executor import LlmExecutor
-from runtime.executor.model_spec import ModelSpec
-from runtime.util.signature_names import LoraSlot
+from runtime.executor.model_spec import ModelSpec, SignatureSpec
+from runtime.util.signature_names import ALL_LINEAR, LoraSlot, SignatureName
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,32 @@ def test_the_window_is_the_furthest_rows(spec):
     assert runs(plan_decode(spec, rows)) == [("decode_batch2_attend32_lora_r16", (0, 1))]
     rows = [DecodeRow(LoraSlot(16), 0), DecodeRow(LoraSlot(16), 32)]
     assert runs(plan_decode(spec, rows)) == [("decode_batch2_lora_r16", (0, 1))]
+
+
+class AllLinearSpec:
+    """What the planner asks of a model, for one with attention-only and all-linear r8
+    slots, batches of 2 and 4 rows in both, and no windows (KV 64)."""
+
+    kv_length = 64
+    slots = (LoraSlot(8), LoraSlot(8, ALL_LINEAR))
+
+    def batch_sizes(self, slot):
+        return (2, 4) if slot is not None else ()
+
+    def window_for(self, position, slot, rows=1):
+        return None
+
+    def decode(self, slot=None, window=None):
+        return SignatureSpec(str(SignatureName("decode", lora_slot=slot)), "decode", 1, slot, {}, {})
+
+    def decode_batch(self, rows, slot, window=None):
+        return SignatureSpec(str(SignatureName("decode", rows=rows, lora_slot=slot)), "decode", 1, slot, {}, {}, rows)
+
+
+def test_attention_rows_are_padded_into_an_all_linear_host():
+    attention, everything = LoraSlot(8), LoraSlot(8, ALL_LINEAR)
+    plan = plan_decode(AllLinearSpec(), [DecodeRow(attention, 1), DecodeRow(everything, 2), DecodeRow(None, 3)])
+    assert runs(plan) == [("decode_batch4_lora_all_r8", (0, 1, 2))]
+    assert plan.slots == (everything, everything, None)  # zero MLP inputs for the attention row: exact
+    alone = plan_decode(AllLinearSpec(), [DecodeRow(attention, 1), DecodeRow(attention, 2)])
+    assert runs(alone) == [("decode_batch2_lora_r8", (0, 1))]  # without an MLP row, the cheaper slot

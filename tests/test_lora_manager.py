@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
 from conftest import adapter_path
@@ -15,7 +16,9 @@ from runtime.errors import (
     NotFoundError,
 )
 from runtime.util.lora_data import LoraData
-from runtime.util.signature_names import LoraSlot
+from runtime.util.lora_util import Convention, lora_input_name
+from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot
 from slots import allocator, slot_inputs
 
 R4, R16 = LoraSlot(4), LoraSlot(16)
@@ -113,6 +116,48 @@ def test_blend_and_scales(manager):
     manager.load_lora(3, data("torch_r16"))
     with pytest.raises(InvalidArgumentError, match="need rank 20 together"):
         manager.acquire(normalize_blend([(1, 1.0), (3, 1.0)]))
+
+
+ALL_LINEAR_SLOTS = {R4: slot_inputs(4), LoraSlot(4, ALL_LINEAR): slot_inputs(4, mlp=True),
+                    LoraSlot(16, ALL_LINEAR): slot_inputs(16, mlp=True)}
+
+
+def mlp_adapter(rank: int = 4):
+    """An adapter with LoRA on layer 0's q and gate (graph layout, litert-torch names)."""
+    rng = np.random.default_rng(rank)
+    tensors = {}
+    for projection, (fan_in, fan_out) in (("q", (64, 64)), ("gate", (64, 128))):
+        tensors[lora_input_name(Convention.LITERT_TORCH, 0, projection, "a")] = rng.standard_normal((fan_in, rank))
+        tensors[lora_input_name(Convention.LITERT_TORCH, 0, projection, "b")] = rng.standard_normal((rank, fan_out))
+    return LoraData.create_from_buffer(serialize_lora_tensors(
+        {name: array.astype(np.float32) for name, array in tensors.items()}, external_data=False))
+
+
+def test_adapters_run_in_the_cheapest_slot_of_their_projections():
+    manager = LoraManager(ALL_LINEAR_SLOTS, allocator(ALL_LINEAR_SLOTS))
+    manager.load_lora(1, data("torch_r4"))  # attention only
+    manager.load_lora(2, mlp_adapter())
+    assert manager.plan(1).targets == ATTENTION and manager.plan(2).targets == ALL_LINEAR
+    assert manager.slot_for(((1, 1.0),)) == R4  # no MLP inputs to pay for
+    assert manager.slot_for(((2, 1.0),)) == LoraSlot(4, ALL_LINEAR)
+    assert manager.slot_for(((1, 1.0), (2, 1.0))) == LoraSlot(16, ALL_LINEAR)  # a blend: summed rank 8
+    everywhere = manager.acquire(((2, 1.0),))
+    gate_a = everywhere.buffers["lora_ff_gate_a_prime_weight_0"].array
+    np.testing.assert_array_equal(gate_a, mlp_adapter().read_tensor("lora_ff_gate_a_prime_weight_0"))
+    assert not everywhere.buffers["lora_ff_down_b_prime_weight_1"].array.any()  # uncovered: zero
+    padded = manager.acquire(((1, 1.0),), LoraSlot(4, ALL_LINEAR))  # an attention row in an all-linear batch
+    assert not padded.buffers["lora_ff_up_a_prime_weight_0"].array.any()
+    with pytest.raises(InvalidArgumentError, match=r"adapters \[2\] cannot run in LoRA slot r4"):
+        manager.acquire(((2, 1.0),), R4)  # its MLP tensors would be dropped
+
+
+def test_an_mlp_adapter_on_an_attention_only_model_names_every_mlp_tensor_and_the_flag(manager):
+    with pytest.raises(InvalidArgumentError) as info:
+        manager.load_lora(1, mlp_adapter())
+    message = str(info.value)
+    assert "2 tensor(s) are on MLP projections" in message and "--lora-targets all-linear" in message
+    assert "lora_ff_gate_a_prime_weight_0, lora_ff_gate_b_prime_weight_0" in message
+    assert manager.loaded_ids() == []
 
 
 def test_normalize_blend():
