@@ -4,6 +4,7 @@ this runtime, bundled with tokenizer, stop tokens and chat template; failures le
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("litert_torch")
 
 import checkpoints  # noqa: E402
-from runtime import Engine, InvalidArgumentError, SessionConfig  # noqa: E402
+from runtime import Engine, InvalidArgumentError, SamplerConfig, SessionConfig  # noqa: E402
 from runtime.export import convert as convert_module  # noqa: E402
 from runtime.export.bundle import write_bundle  # noqa: E402
 from runtime.export.exporter import export  # noqa: E402
@@ -224,3 +225,36 @@ def test_every_offered_quantization_runs_in_this_runtime(exported: Exported, tmp
     reference = runtime_logits(exported.model)[:8]
     assert np.all(np.isfinite(quantized))
     assert np.corrcoef(quantized.ravel(), reference.ravel())[0, 1] > 0.9
+
+
+LITERT_LM_GREEDY = """
+import sys
+import litert_lm
+
+engine = litert_lm.Engine(sys.argv[1], max_num_tokens=64)
+session = engine.create_session(apply_prompt_template=False, max_output_tokens=int(sys.argv[3]),
+                                sampler_config=litert_lm.SamplerConfig(top_k=1, temperature=0.0))
+session.run_prefill([sys.argv[2]])
+print(session.run_decode().texts[0])
+"""
+
+
+def test_a_default_bundle_runs_in_googles_litert_lm_engine(tmp_path: Path) -> None:
+    """--bundle writes the KV layout LiteRT-LM reads; without LoRA slots (its engine garbles
+    them) its greedy answer equals this runtime's (LiteRT-LM puts BOS first)."""
+    pytest.importorskip("litert_lm")
+    source = checkpoints.write_llama_directory(tmp_path / "llama")
+    bundle = tmp_path / "tiny.litertlm"
+    done = cli("export", source, "--bundle", bundle, "--kv-length", "64", "--prefill-lengths", "8")
+    assert done.returncode == 0, done.stderr
+    prompt, steps = "what is the capital of france ?", 8
+    with Engine(bundle) as engine, engine.create_session() as session:
+        assert engine.spec.kv_layout == "transposed"
+        ours = session.generate([checkpoints.BOS, *engine.tokenizer.encode(prompt)], max_new_tokens=steps,
+                                sampler=SamplerConfig(temperature=0.0), stop_tokens=[]).text
+    # LiteRT-LM does not zero its KV buffers: fresh pages from the allocator keep NaN bits out.
+    theirs = subprocess.run([sys.executable, "-c", LITERT_LM_GREEDY, str(bundle), prompt, str(steps)],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "100000"})
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    assert theirs.stdout.strip() == ours.strip() and len(ours.split()) == steps

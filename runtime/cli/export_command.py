@@ -44,8 +44,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--quantize", choices=list(QUANTIZATIONS), default=defaults.quantize,
                         help="weights: none (float32), int8 (dynamic-range int8), int8-weights, fp16, "
                         "int4-block32, int4-block128")
-    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=defaults.kv_layout,
-                        help="transposed is what LiteRT-LM's engine reads")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=None,
+                        help="transposed is what Google's LiteRT-LM engine reads (default with --bundle; "
+                        "else default); this runtime runs both")
     parser.add_argument("--batch-sizes", default="", metavar="B,B,...",
                         help="batched decode signatures: B sessions step in one pass over the weights (e.g. 2,4,8)")
     parser.add_argument("--batch-lora-ranks", default=None, metavar="R,R,...",
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         kv_length=args.kv_length,
         prefill_lengths=parse_integers("--prefill-lengths", args.prefill_lengths),
         quantize=args.quantize,
-        kv_layout=args.kv_layout,
+        kv_layout=args.kv_layout or ("transposed" if args.bundle is not None else "default"),
         prefill_logits=args.prefill_logits,
         batch_sizes=parse_integers("--batch-sizes", args.batch_sizes),
         batch_lora_ranks=None if args.batch_lora_ranks is None
