@@ -55,7 +55,7 @@ class WritableBuffer(Protocol):
 BufferFactory = Callable[[str], WritableBuffer]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per projection of every registered adapter
 class ProjectionPair:
     """Where one adapter keeps the ``a`` and ``b`` tensors of one (layer, projection)."""
 
@@ -135,7 +135,7 @@ def plan_adapter(data: AdapterData, slots: Mapping[LoraSlot, SlotInputs]) -> Ada
                 f"named like {example!r}"
             )
         parsed = parse_lora_input_name(name)
-        key = (parsed.layer, parsed.projection)
+        key = parsed.pair
         if parsed.projection in MLP_PROJECTIONS and parsed.projection not in covered:
             uncovered_mlp.append(name)
             continue

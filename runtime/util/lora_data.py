@@ -57,7 +57,7 @@ _ACCESS_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: hundreds per registered adapter
 class TensorInfo:
     """Where one adapter tensor lives and what it holds."""
 
@@ -289,7 +289,7 @@ class _FlatbufferReader:
                 raise InvalidArgumentError(
                     f"{self.source}: {where}: {n_dims} dimensions, at most {MAX_TENSOR_DIMS} allowed"
                 )
-            shape = struct.unpack_from(f"<{n_dims}i", self.buf, shape_start) if n_dims else ()
+            shape = _shared(struct.unpack_from(f"<{n_dims}i", self.buf, shape_start) if n_dims else ())
             type_code = tensor.Type()
             buffer_index = tensor.Buffer()
         for dim in shape:
@@ -318,7 +318,7 @@ class _FlatbufferReader:
                 f"{self.source}: {where}: holds {nbytes} bytes of data, expected {expected} "
                 f"for shape {list(shape)} of {dtype.name}"
             )
-        return TensorInfo(name, shape, dtype, offset, nbytes, placement)
+        return TensorInfo(name, shape, dtype, _shared(offset), _shared(nbytes), placement)
 
     def _data_range(self, buffer: Any, where: str) -> tuple[int, int, str]:
         with self._guard(f"{where} buffer"):
@@ -410,7 +410,20 @@ class _FlatbufferReader:
         length = struct.unpack_from("<I", self.buf, start)[0]
         if start + _UOFFSET + length > self.size:
             raise DataLossError(f"{self.source}: {where}: name runs past the end of the input")
-        return bytes(self.buf[start + _UOFFSET : start + _UOFFSET + length]).decode("utf-8")
+        return _shared(bytes(self.buf[start + _UOFFSET : start + _UOFFSET + length]).decode("utf-8"))
+
+
+_SHARED: dict[Any, Any] = {}
+_MAX_SHARED = 1 << 16
+
+
+def _shared(value: Any) -> Any:
+    """One object for equal names, shapes and sizes across every adapter read: each
+    registered adapter keeps hundreds of them, mostly the same as the previous adapter's
+    (bounded, so that random files cannot grow it forever)."""
+    if len(_SHARED) < _MAX_SHARED:
+        return _SHARED.setdefault(value, value)
+    return _SHARED.get(value, value)
 
 
 def _type_name(code: int) -> str:

@@ -25,6 +25,7 @@ output is ``(x @ a) @ b``.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ _SIDE_SPELLING: dict[Convention, dict[str, str]] = {
 }
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class LoraInputName:
     """The meaning of one LoRA tensor name: which layer, projection and side."""
 
@@ -84,8 +85,19 @@ class LoraInputName:
 
     @property
     def key(self) -> tuple[int, str, str]:
-        """The convention-independent identity ``(layer, projection, side)``."""
-        return (self.layer, self.projection, self.side)
+        """The convention-independent identity ``(layer, projection, side)`` (one tuple per
+        name: parsed names are shared)."""
+        return _key(self.layer, self.projection, self.side)
+
+    @property
+    def pair(self) -> tuple[int, str]:
+        """``(layer, projection)``: what the ``a`` and ``b`` halves share (one tuple per pair)."""
+        return _key(self.layer, self.projection)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _key(*parts: int | str) -> tuple[int | str, ...]:
+    return parts
 
 
 def is_lora_input_name(name: str) -> bool:
@@ -93,6 +105,7 @@ def is_lora_input_name(name: str) -> bool:
     return any(p.fullmatch(name) for p in _PATTERNS.values())
 
 
+@functools.lru_cache(maxsize=1 << 14)  # one shared object per name: registered adapters hold hundreds
 def parse_lora_input_name(name: str) -> LoraInputName:
     """Parses a LoRA input name; ``InvalidArgumentError`` when it is none."""
     for convention, pattern in _PATTERNS.items():
