@@ -11,6 +11,7 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.families import gemma3, llama, qwen2, qwen3
+from runtime.export.litert import model_builder
 from runtime.export.source import FAMILIES, supported_architectures
 
 # Hugging Face model_type -> its builder: (transformers model in float32, KV length) -> decoder.
@@ -29,3 +30,15 @@ def build_decoder(hf_model: Any, kv_length: int) -> nn.Module:
     if model_type not in BUILDERS:
         raise UnimplementedError(f"model_type {model_type!r} is not supported; supported: {supported_architectures()}")
     return BUILDERS[model_type](hf_model, kv_length)
+
+
+def blueprint(decoder: nn.Module) -> tuple[Callable[..., nn.Module], tuple[Any, ...], dict[str, Any]]:
+    """``(factory, args, kwargs)`` that construct a decoder shaped like ``decoder`` (a
+    builder's result), all picklable: another process rebuilds it from them and loads
+    ``decoder.state_dict()`` into it (litert-torch's layers hold lambdas, which do not
+    pickle, so the module itself cannot be sent)."""
+    if isinstance(decoder, gemma3.Gemma3Decoder):
+        return gemma3.Gemma3Decoder, (decoder.config, decoder.layer_types, decoder.rope_tables), {}
+    if type(decoder) is model_builder.DecoderOnlyModel:
+        return model_builder.DecoderOnlyModel, (decoder.config,), {"mask_cache_size": decoder.config.max_seq_len}
+    raise UnimplementedError(f"{type(decoder).__name__}: no blueprint to rebuild it in a worker process")
