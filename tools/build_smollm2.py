@@ -64,13 +64,13 @@ QUESTIONS = ("What is the capital of France?", "What is 12 + 30?", "Name three p
              "Who wrote Romeo and Juliet?")
 
 
-def cache_dir(given: Path | None) -> Path:
+def cache_dir(given: Path | None, name: str = NAME) -> Path:
     """``--cache``, else ``$RUNTIME_CACHE/<name>``, else ``~/.cache/runtime/models/<name>``."""
     if given is not None:
         return given
     root = Path(os.environ["RUNTIME_CACHE"]) if os.environ.get("RUNTIME_CACHE") else (
         Path.home() / ".cache" / "runtime" / "models")
-    return root / NAME
+    return root / name
 
 
 def find_gguf() -> Path:

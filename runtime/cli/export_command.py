@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runtime.cli.progress import progress_bar
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
-from runtime.export.budget import GB
+from runtime.export.budget import GB, plan
 from runtime.export.outputs import check_targets
 from runtime.export.settings import KV_LAYOUTS, QUANTIZATIONS, ExportSettings
 from runtime.export.source import inspect_source, supported_architectures
@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--report {args.report}: the directory {args.report.parent} does not exist")
     source = inspect_source(args.source)
     max_memory = None if args.max_memory is None else int(args.max_memory * GB)
+    plan(source.parameters, args.jobs, max_memory)  # a model that cannot fit is refused before torch is imported
     # torch and the converter log natively (fd 2) and through Python (import-time warnings,
     # their own progress bars): only our progress bar reaches the terminal.
     with muted_native_logs(keep_python_stderr=True):

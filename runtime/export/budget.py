@@ -60,7 +60,7 @@ def plan(parameters: int, jobs: int | None = None, max_memory: int | None = None
     idle = PROCESS_BASE_BYTES + math.ceil(EXPORTER_IDLE_PER_WEIGHT_BYTE * weight_bytes)
     if exporter_peak > budget or idle + worker_peak > budget:
         raise ResourceExhaustedError(
-            f"a model of {parameters / 1e9:.2f}B parameters needs about {max(exporter_peak, idle + worker_peak) / GB:.1f} "
+            f"a model of {parameters:,} parameters needs about {max(exporter_peak, idle + worker_peak) / GB:.1f} "
             f"GB to export, more than the {budget / GB:.1f} GB "
             + ("of --max-memory" if max_memory is not None else "available now (free memory or give --max-memory)"))
     wanted = jobs if jobs is not None else os.cpu_count() or 1
