@@ -105,8 +105,9 @@ def test_the_report_times_every_stage_and_signature_and_the_peak_memory(exported
     assert report["jobs"] == 2 and sorted({s["worker"] for s in report["signatures"]}) == [0, 1]
     stages = [stage["name"] for stage in report["stages"]]
     assert stages == ["read the tokenizer", "load the weights", "build the litert-torch model",
-                      "save the model for the workers", "trace and lower in 2 workers", "merge the workers' modules",
-                      "convert to TFLite ops", "serialize", "write the bundle"]
+                      "save the model for the workers", "trace, lower, convert in 2 workers",
+                      "merge the workers' modules", "serialize", "write the bundle"]
+    assert len(report["worker_convert_seconds"]) == len(report["worker_peak_rss_bytes"]) == 2
     # the whole tree's peak covers each worker's own peak plus the exporter's
     assert report["peak_rss_bytes"] > max(report["worker_peak_rss_bytes"])
     assert report["seconds"] >= sum(stage["seconds"] for stage in report["stages"]) - 0.5
@@ -172,6 +173,7 @@ def test_a_gguf_source_gives_the_same_model_in_one_process(exported: Exported, t
     settings = ExportSettings(kv_length=64, prefill_lengths=(8,))
     report = export(inspect_source(gguf), settings, model_out=tmp_path / "from_gguf.tflite", jobs=1)
     assert report.measurements.jobs == 1 and "save the model for the workers" not in report.stage_seconds
+    assert "convert to TFLite ops" in report.stage_seconds
     np.testing.assert_allclose(runtime_logits(tmp_path / "from_gguf.tflite"), runtime_logits(exported.model),
                                atol=1e-5, rtol=0)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from runtime.errors import InvalidArgumentError
 from runtime.export import budget, bundle, checkpoint, convert, families, lowering
-from runtime.export.measure import Measurements, MemoryWatch
+from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_bytes, release_freed_memory
 from runtime.export.outputs import PendingOutputs
 from runtime.export.settings import ExportSettings
 from runtime.export.source import Source
@@ -63,6 +63,7 @@ def export(
         outputs.commit()
     measurements.seconds = time.perf_counter() - start
     measurements.peak_rss_bytes = max(watch.peak_bytes, *(stage.peak_rss_bytes for stage in measurements.stages))
+    measurements.exporter_peak_rss_bytes = process_peak_rss_bytes()
     return ExportReport(model_out, bundle_out, plan, measurements)
 
 
@@ -96,6 +97,7 @@ class _Job:
             decoder = families.build_decoder(hf_model, self.settings.kv_length)
             del hf_model
             gc.collect()
+            release_freed_memory()
         yield "build the litert-torch model"
         model_config = decoder.config
         signatures = lowering.signatures_of(decoder, self.settings)
@@ -109,13 +111,14 @@ class _Job:
                     yield record.name
                 del decoder, signatures
                 gc.collect()
+                release_freed_memory()
                 module = lowering.merged(modules)
                 del modules
-        else:
+            with self.stage("convert to TFLite ops"):
+                convert.to_tflite_ops(module, context)
+            yield "convert to TFLite ops"
+        else:  # the workers convert their modules too
             module = yield from self._lower_in_workers(decoder, signatures, context)
-        with self.stage("convert to TFLite ops"):
-            convert.to_tflite_ops(module, context)
-        yield "convert to TFLite ops"
         if self.settings.quantize == "none":
             with self.stage("serialize"):
                 convert.serialize(module, self.model_file)
@@ -139,9 +142,9 @@ class _Job:
             yield "write the bundle"
 
     def _lower_in_workers(self, decoder: Any, signatures: list, context: Any) -> Iterator[str]:
-        """Saves the decoder for the workers, lowers the signatures in ``self.jobs`` worker
-        processes and merges their modules into ``context``; yields each signature's name
-        when done and returns the merged module."""
+        """Saves the decoder for the workers, lowers and converts the signatures in
+        ``self.jobs`` worker processes and merges their modules into ``context``; yields
+        each signature's name when done and returns the merged module."""
         names = lowering.shares(signatures, self.jobs)
         self.measurements.jobs = len(names)
         anchor = self.outputs.targets[0]
@@ -150,13 +153,16 @@ class _Job:
             lowering.save_decoder(decoder, decoder_file)
             del decoder, signatures
             gc.collect()
+            release_freed_memory()
         yield "save the model for the workers"
         files = [self.outputs.scratch(anchor, f".worker{i}.mlirbc") for i in range(len(names))]
-        with self.stage(f"trace and lower in {len(names)} workers"):
+        with self.stage(f"trace, lower, convert in {len(names)} workers"):
             for kind, payload in lowering.lower_in_workers(decoder_file, self.settings, names, files):
                 if kind == "signature":
                     self.measurements.signatures.append(payload)
                     yield payload.name
+                elif kind == "converted":
+                    self.measurements.worker_convert_seconds.append(payload[1])
                 else:
                     self.measurements.worker_peak_rss_bytes.append(payload[1])
             decoder_file.unlink()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from runtime.errors import ResourceExhaustedError, StatusError
-from runtime.export import families
+from runtime.export import convert, families
 from runtime.export.litert import (
     backend_export, convert_core, converter_api_ext, export_utils, fx_infra, inline_consts, ir, litert_converter,
     litert_signature, litert_torch,
@@ -118,19 +118,24 @@ class _Task:
 
 
 def _work(task: _Task, messages: Any) -> None:
-    """A worker's body: loads the decoder (memory-mapped), lowers its signatures, writes
-    the module as bytecode; tells ``messages`` each signature, then its peak RSS, or the
-    error."""
+    """A worker's body: loads the decoder (memory-mapped), lowers its signatures, converts
+    them to TFLite ops, writes the module as bytecode; tells ``messages`` each signature,
+    the conversion's seconds, then its peak RSS, or the error."""
     try:
         model = load_decoder(task.decoder_file)
         wanted = set(task.names)
         signatures = [s for s in signatures_of(model, task.settings) if s.name in wanted]
-        modules = []
-        for record, module in lower_each(signatures, new_context(), task.worker):
+        modules, context = [], new_context()
+        for record, module in lower_each(signatures, context, task.worker):
             modules.append(module)
             messages.put(("signature", record))
+        module = merged(modules)
+        del modules, signatures, model
+        start = time.perf_counter()
+        convert.to_tflite_ops(module, context)
+        messages.put(("converted", (task.worker, time.perf_counter() - start)))
         with open(task.out_file, "wb") as stream:
-            merged(modules).operation.write_bytecode(stream)
+            module.operation.write_bytecode(stream)
         messages.put(("done", (task.worker, process_peak_rss_bytes())))
     except BaseException as exc:  # noqa: BLE001  (everything goes back to the exporter, which raises it)
         messages.put(("error", exc if isinstance(exc, StatusError) else RuntimeError(
@@ -140,8 +145,9 @@ def _work(task: _Task, messages: Any) -> None:
 def lower_in_workers(decoder_file: Path, settings: ExportSettings, names: Sequence[Sequence[str]],
                      out_files: Sequence[Path]) -> Iterator[tuple[str, Any]]:
     """Lowers each share of ``names`` in a worker process of its own (all at once), from
-    the decoder saved at ``decoder_file``, worker i writing its module to ``out_files[i]``
-    as MLIR bytecode; yields ``("signature", SignatureRecord)`` as signatures are done and
+    the decoder saved at ``decoder_file``, and converts it to TFLite ops, worker i writing
+    its module to ``out_files[i]`` as MLIR bytecode; yields ``("signature",
+    SignatureRecord)`` as signatures are done, ``("converted", (worker, seconds))`` and
     ``("done", (worker, peak RSS))`` per worker. A worker's error is raised here; a worker
     that dies (the kernel's out-of-memory killer) raises ``ResourceExhaustedError``."""
     context = multiprocessing.get_context("spawn")

@@ -1,9 +1,11 @@
 """Where an export's time and memory go: seconds per stage and per signature, and the peak
-resident memory of the export's whole process tree (the exporter and its workers together).
+resident memory of the export's whole process tree (the exporter and its workers together,
+sampled) and of each process alone (the kernel's high-water mark).
 """
 
 from __future__ import annotations
 
+import ctypes
 import resource
 import threading
 import time
@@ -25,6 +27,15 @@ def tree_rss_bytes(process: psutil.Process) -> int:
         except psutil.Error:  # a worker that exited between listing and reading
             continue
     return total
+
+
+def release_freed_memory() -> None:
+    """Hands memory that Python and torch have freed back to the system (glibc keeps freed
+    small blocks in its arenas, so a process that dropped a model still looks its size)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def process_peak_rss_bytes() -> int:
@@ -90,8 +101,11 @@ class Measurements:
 
     stages: list[StageRecord] = field(default_factory=list)
     signatures: list[SignatureRecord] = field(default_factory=list)
-    # Per worker: its own peak resident memory.
+    # Per worker: its own peak resident memory; and the exporter's own.
     worker_peak_rss_bytes: list[int] = field(default_factory=list)
+    exporter_peak_rss_bytes: int = 0
+    # Per worker: seconds converting its module to TFLite ops (litert-torch's passes).
+    worker_convert_seconds: list[float] = field(default_factory=list)
     jobs: int = 1
     peak_rss_bytes: int = 0
     seconds: float = 0.0
@@ -111,7 +125,9 @@ class Measurements:
             "seconds": round(self.seconds, 1),
             "peak_rss_bytes": self.peak_rss_bytes,
             "jobs": self.jobs,
+            "exporter_peak_rss_bytes": self.exporter_peak_rss_bytes,
             "worker_peak_rss_bytes": self.worker_peak_rss_bytes,
+            "worker_convert_seconds": [round(value, 1) for value in self.worker_convert_seconds],
             "stages": [{"name": s.name, "seconds": round(s.seconds, 1), "peak_rss_bytes": s.peak_rss_bytes}
                        for s in self.stages],
             "signatures": [{"name": s.name, "trace_seconds": round(s.trace_seconds, 1),
@@ -128,9 +144,12 @@ class Measurements:
             lines.append(f"{'signature (worker)':<34} {'trace s':>8} {'lower s':>10}")
             lines += [f"{s.name + f' ({s.worker})':<34} {s.trace_seconds:8.1f} {s.lower_seconds:10.1f}"
                       for s in self.signatures]
-        if self.worker_peak_rss_bytes:
-            lines.append(f"{self.jobs} worker(s), peak RSS each: "
-                         + ", ".join(_gb(value) for value in self.worker_peak_rss_bytes))
+        if self.worker_convert_seconds:
+            lines.append("seconds converting to TFLite ops in each worker: "
+                         + ", ".join(f"{value:.1f}" for value in self.worker_convert_seconds))
+        lines.append(f"peak RSS of the exporter process alone: {_gb(self.exporter_peak_rss_bytes)}"
+                     + ("; of each worker: " + ", ".join(_gb(value) for value in self.worker_peak_rss_bytes)
+                        if self.worker_peak_rss_bytes else ""))
         return "\n".join(lines)
 
 
