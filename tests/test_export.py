@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +210,17 @@ def test_a_failing_worker_is_raised_and_leaves_nothing(exported: Exported, tmp_p
         export(inspect_source(exported.source), ExportSettings(kv_length=64, prefill_lengths=(8,)), model_out=out / "m.tflite", jobs=2,
                progress=lose_the_weights)
     assert list(out.iterdir()) == []
+
+
+def test_a_terminated_export_leaves_nothing(exported: Exported, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "runtime", "export", exported.source, "--out", tmp_path / "m.tflite", "--jobs", "2"]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".m.worker1.*.partial")) and time.monotonic() < deadline:  # workers at work
+        time.sleep(0.1)
+    child.terminate()
+    assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failing_bundle_leaves_no_model_either(exported: Exported, tmp_path: Path,

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -109,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
         with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
             exporter = _import_exporter()
+            # A terminated export (SIGTERM) unwinds like a failed one: its partial files are removed.
+            # (Installed after the import: a library imported there may install its own.)
+            signal.signal(signal.SIGTERM, _exit_on_termination)
             report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle, jobs=args.jobs,
                                      max_memory=max_memory, progress=progress)
     for path in targets:
@@ -127,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
             "plan": dataclasses.asdict(report.plan), **measured.as_dict(),
             "outputs": {str(path): path.stat().st_size for path in targets}}, indent=2) + "\n")
     return 0
+
+
+def _exit_on_termination(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _import_exporter():  # noqa: ANN202  (the module, imported late: it pulls in torch)
