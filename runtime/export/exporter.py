@@ -77,6 +77,8 @@ class _Job:
         self.measurements, self.watch = measurements, watch
         self.model_file = outputs.temporary(model_out) if model_out else outputs.scratch(bundle_out, ".tflite")
         self.tokenizer: checkpoint.TokenizerAssets | None = None
+        # The litert-torch decoder from its build until lowering takes it.
+        self.decoder: Any = None
 
     def stage(self, name: str) -> Any:
         """A context that records stage ``name``."""
@@ -94,31 +96,20 @@ class _Job:
                 self.tokenizer = checkpoint.with_generation_stops(self.tokenizer, hf_model)
         yield "load the weights"
         with self.stage("build the litert-torch model"):
-            decoder = families.build_decoder(hf_model, self.settings.kv_length)
+            self.decoder = families.build_decoder(hf_model, self.settings.kv_length)
             del hf_model
             gc.collect()
             release_freed_memory()
         yield "build the litert-torch model"
-        model_config = decoder.config
-        signatures = lowering.signatures_of(decoder, self.settings)
+        model_config = self.decoder.config
         context = lowering.new_context()
         if self.jobs == 1:
-            with self.stage(f"trace and lower {len(signatures)} signatures"):
-                modules = []
-                for record, lowered in lowering.lower_each(signatures, context):
-                    modules.append(lowered)
-                    self.measurements.signatures.append(record)
-                    yield record.name
-                del decoder, signatures
-                gc.collect()
-                release_freed_memory()
-                module = lowering.merged(modules)
-                del modules
+            module = yield from self._lower_here(context)
             with self.stage("convert to TFLite ops"):
                 convert.to_tflite_ops(module, context)
             yield "convert to TFLite ops"
         else:  # the workers convert their modules too
-            module = yield from self._lower_in_workers(decoder, signatures, context)
+            module = yield from self._lower_in_workers(context)
         if self.settings.quantize == "none":
             with self.stage("serialize"):
                 convert.serialize(module, self.model_file)
@@ -141,10 +132,29 @@ class _Job:
                                     self.outputs.temporary(self.bundle_out))
             yield "write the bundle"
 
-    def _lower_in_workers(self, decoder: Any, signatures: list, context: Any) -> Iterator[str]:
-        """Saves the decoder for the workers, lowers and converts the signatures in
-        ``self.jobs`` worker processes and merges their modules into ``context``; yields
-        each signature's name when done and returns the merged module."""
+    def _lower_here(self, context: Any) -> Iterator[str]:
+        """Lowers every signature of the decoder (dropped when done) in this process into
+        ``context``; yields each signature's name when done and returns the merged module."""
+        decoder, self.decoder = self.decoder, None
+        signatures = lowering.signatures_of(decoder, self.settings)
+        with self.stage(f"trace and lower {len(signatures)} signatures"):
+            modules = []
+            for record, lowered in lowering.lower_each(signatures, context):
+                modules.append(lowered)
+                self.measurements.signatures.append(record)
+                yield record.name
+            del decoder, signatures
+            gc.collect()
+            release_freed_memory()
+            module = lowering.merged(modules)
+        return module
+
+    def _lower_in_workers(self, context: Any) -> Iterator[str]:
+        """Saves the decoder (dropping it here) for the workers, lowers and converts the
+        signatures in ``self.jobs`` worker processes and merges their modules into
+        ``context``; yields each signature's name when done and returns the merged module."""
+        decoder, self.decoder = self.decoder, None
+        signatures = lowering.signatures_of(decoder, self.settings)
         names = lowering.shares(signatures, self.jobs)
         self.measurements.jobs = len(names)
         anchor = self.outputs.targets[0]
