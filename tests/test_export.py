@@ -4,10 +4,14 @@ this runtime, bundled with tokenizer, stop tokens and chat template; failures le
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,9 +99,27 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     (work / "out").mkdir()
     model, bundle = work / "out" / "tiny.tflite", work / "out" / "tiny.litertlm"
     done = cli("export", source, "--out", model, "--bundle", bundle, "--lora-ranks", "4", "--kv-length", "64",
-               "--prefill-lengths", "8", "--batch-sizes", "3", "--attention-windows", "16")
+               "--prefill-lengths", "8", "--batch-sizes", "3", "--attention-windows", "16", "--jobs", "2",
+               "--verbose", "--report", work / "report.json")
     assert done.returncode == 0, done.stderr
     return Exported(source, model, bundle, done)
+
+
+def test_the_report_times_every_stage_and_signature_and_the_peak_memory(exported: Exported) -> None:
+    report = json.loads((exported.model.parent.parent / "report.json").read_text())
+    with Engine(exported.model) as engine:
+        assert sorted(s["name"] for s in report["signatures"]) == sorted(engine.spec.signatures)
+    assert report["jobs"] == 2 and sorted({s["worker"] for s in report["signatures"]}) == [0, 1]
+    stages = [stage["name"] for stage in report["stages"]]
+    assert stages == ["read the tokenizer", "load the weights", "build the litert-torch model",
+                      "save the model for the workers", "trace, lower, convert in 2 workers",
+                      "merge the workers' modules", "serialize", "write the bundle"]
+    assert len(report["worker_convert_seconds"]) == len(report["worker_peak_rss_bytes"]) == 2
+    # the whole tree's peak covers each worker's own peak plus the exporter's
+    assert report["peak_rss_bytes"] > max(report["worker_peak_rss_bytes"])
+    assert report["seconds"] >= sum(stage["seconds"] for stage in report["stages"]) - 0.5
+    for stage in stages:  # --verbose prints the same breakdown
+        assert re.search(rf"^{re.escape(stage)} +[0-9.]+ +[0-9.]+ GB$", exported.run.stdout, re.MULTILINE), stage
 
 
 def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) -> None:
@@ -161,27 +183,57 @@ def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: Ex
     assert "prefill 7 tokens" in raw.stdout
 
 
-def test_a_gguf_source_gives_the_same_model(exported: Exported, tmp_path: Path) -> None:
+def test_a_gguf_source_gives_the_same_model_in_one_process(exported: Exported, tmp_path: Path) -> None:
     gguf = checkpoints.write_llama_gguf(tmp_path / "tiny.gguf")
     settings = ExportSettings(kv_length=64, prefill_lengths=(8,))
-    export(inspect_source(gguf), settings, model_out=tmp_path / "from_gguf.tflite")
+    report = export(inspect_source(gguf), settings, model_out=tmp_path / "from_gguf.tflite", jobs=1)
+    assert report.measurements.jobs == 1 and "save the model for the workers" not in report.stage_seconds
+    assert "convert to TFLite ops" in report.stage_seconds
     np.testing.assert_allclose(runtime_logits(tmp_path / "from_gguf.tflite"), runtime_logits(exported.model),
                                atol=1e-5, rtol=0)
 
 
 def test_a_failing_conversion_leaves_nothing(exported: Exported, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(model: object, settings: object, out_path: Path, *args: object) -> None:
+    def fail(module: object, out_path: Path | None = None) -> None:
         Path(out_path).write_bytes(b"half a flatbuffer")
-        raise RuntimeError("lowering failed")
+        raise RuntimeError("serializing failed")
 
-    monkeypatch.setattr(convert_module, "convert", fail)
+    monkeypatch.setattr(convert_module, "serialize", fail)
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(RuntimeError, match="lowering failed"):
+    with pytest.raises(RuntimeError, match="serializing failed"):  # the workers' scratch files go too
         export(inspect_source(exported.source), ExportSettings(kv_length=64, prefill_lengths=(8,)),
-               model_out=out / "m.tflite", bundle_out=out / "m.litertlm")
+               model_out=out / "m.tflite", bundle_out=out / "m.litertlm", jobs=2)
     assert list(out.iterdir()) == []
+
+
+def test_a_failing_worker_is_raised_and_leaves_nothing(exported: Exported, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def lose_the_weights(steps: Iterable[str]) -> Iterator[str]:  # gone once the exporter has read them
+        for step in steps:
+            if step == "save the model for the workers":
+                for file in out.glob(".m.pt.*.partial"):
+                    file.write_bytes(b"not a torch file")
+            yield step
+
+    with pytest.raises(RuntimeError, match="export worker [01] .* failed: RuntimeError: .*torch.save"):
+        export(inspect_source(exported.source), ExportSettings(kv_length=64, prefill_lengths=(8,)), model_out=out / "m.tflite", jobs=2,
+               progress=lose_the_weights)
+    assert list(out.iterdir()) == []
+
+
+def test_a_terminated_export_leaves_nothing(exported: Exported, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "runtime", "export", exported.source, "--out", tmp_path / "m.tflite", "--jobs", "2"]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".m.worker1.*.partial")) and time.monotonic() < deadline:  # workers at work
+        time.sleep(0.1)
+    child.terminate()
+    assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failing_bundle_leaves_no_model_either(exported: Exported, tmp_path: Path,
@@ -191,13 +243,11 @@ def test_a_failing_bundle_leaves_no_model_either(exported: Exported, tmp_path: P
         raise OSError("disk full")
 
     monkeypatch.setattr("runtime.export.bundle.write_bundle", fail)
-    monkeypatch.setattr(convert_module, "convert", lambda model, settings, out, *a: Path(out).write_bytes(
-        exported.model.read_bytes()))
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(OSError, match="disk full"):
         export(inspect_source(exported.source), ExportSettings(kv_length=64, prefill_lengths=(8,)),
-               model_out=out / "m.tflite", bundle_out=out / "m.litertlm")
+               model_out=out / "m.tflite", bundle_out=out / "m.litertlm", jobs=1)
     assert list(out.iterdir()) == []
 
 
@@ -216,10 +266,11 @@ def test_every_offered_quantization_runs_in_this_runtime(exported: Exported, tmp
     settings = ExportSettings(kv_length=32, prefill_lengths=(8,), quantize=quantize)
     if quantize == "int4-block128":  # the tiny model's 32-wide weights do not split into blocks of 128
         with pytest.raises(InvalidArgumentError, match="int4-block128.*not divisible by block size 128"):
-            export(inspect_source(exported.source), settings, model_out=tmp_path / "q.tflite")
+            export(inspect_source(exported.source), settings, model_out=tmp_path / "q.tflite", jobs=1)
         assert list(tmp_path.iterdir()) == []
         return
-    export(inspect_source(exported.source), settings, model_out=tmp_path / "q.tflite")
+    report = export(inspect_source(exported.source), settings, model_out=tmp_path / "q.tflite", jobs=1)
+    assert f"quantize ({quantize})" in report.stage_seconds
     assert (tmp_path / "q.tflite").stat().st_size < exported.model.stat().st_size
     quantized = runtime_logits(tmp_path / "q.tflite")[:8]
     reference = runtime_logits(exported.model)[:8]

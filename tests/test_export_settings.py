@@ -18,6 +18,15 @@ def test_defaults_and_recipe_names() -> None:
     assert ExportSettings(lora_ranks=(16, 8), batch_sizes=(2,), batch_lora_ranks=(8,)).batch_ranks == (8,)
 
 
+@pytest.mark.parametrize("kv_length, lengths", [
+    (1024, (32, 128, 512)), (4096, (32, 128, 512)), (512, (32, 128)), (256, (32, 128)), (64, (32,)), (16, (8,)),
+    (2, (1,)),
+])
+def test_default_prefill_lengths_scale_with_the_kv_length(kv_length: int, lengths: tuple[int, ...]) -> None:
+    assert ExportSettings(kv_length=kv_length).prefill_lengths == lengths  # a small cache alone is not refused
+    assert ExportSettings(kv_length=kv_length, prefill_lengths=(2,)).prefill_lengths == (2,)
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"lora_ranks": (8, 0)}, r"lora_ranks=\(8, 0\): every value must be >= 1"),
     ({"lora_ranks": (-4,)}, "lora_ranks"),

@@ -22,7 +22,8 @@ Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
 ``peft_random_r8/``
     A random rank-8 PEFT adapter on q/k/v/o (for the adapter fidelity check).
 ``report.json``
-    Export time, peak RSS and size per file; per precision and prompt, max |logit diff|
+    Export time (wall and CPU), peak RSS (of the largest process, and of the exporter and its
+    workers together), the per-stage and per-signature breakdown and size per file; per precision and prompt, max |logit diff|
     against float64 transformers over 32 teacher-forced steps (plain, and with the adapter
     against transformers + peft), how many of 32 greedy tokens agree, and the answers to a
     few questions through ``python -m runtime generate``.
@@ -64,13 +65,13 @@ QUESTIONS = ("What is the capital of France?", "What is 12 + 30?", "Name three p
              "Who wrote Romeo and Juliet?")
 
 
-def cache_dir(given: Path | None) -> Path:
+def cache_dir(given: Path | None, name: str = NAME) -> Path:
     """``--cache``, else ``$RUNTIME_CACHE/<name>``, else ``~/.cache/runtime/models/<name>``."""
     if given is not None:
         return given
     root = Path(os.environ["RUNTIME_CACHE"]) if os.environ.get("RUNTIME_CACHE") else (
         Path.home() / ".cache" / "runtime" / "models")
-    return root / NAME
+    return root / name
 
 
 def find_gguf() -> Path:
@@ -112,7 +113,8 @@ def _run_export(arguments: list[str], outputs: list[Path], label: str, force: bo
     if all(path.exists() for path in outputs) and not force:
         print(", ".join(path.name for path in outputs) + ": already built (--force rebuilds)", flush=True)
         return {}
-    command = [sys.executable, "-m", "runtime", "export", *arguments]
+    breakdown = outputs[0].with_suffix(".export.json")
+    command = [sys.executable, "-m", "runtime", "export", *arguments, "--verbose", "--report", str(breakdown)]
     print("$ " + " ".join(command[1:]), flush=True)
     start = time.perf_counter()
     child = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
@@ -120,8 +122,14 @@ def _run_export(arguments: list[str], outputs: list[Path], label: str, force: bo
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
         raise SystemExit(f"export {label} failed with exit code {child.returncode}")
+    measured = json.loads(breakdown.read_text())
     return {"command": " ".join(["python", *command[1:]]), "seconds": round(time.perf_counter() - start, 1),
+            "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
+            # the largest single process (wait4 reports the child's and its waited-for workers' maximum)
             "peak_rss_bytes": usage.ru_maxrss * 1024,
+            # the exporter and its workers together, sampled every 0.2 s
+            "tree_peak_rss_bytes": measured["peak_rss_bytes"], "jobs": measured["jobs"],
+            "stages": measured["stages"], "signatures": measured["signatures"],
             **{f"{path.suffix[1:]}_bytes": path.stat().st_size for path in outputs}}
 
 

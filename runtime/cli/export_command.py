@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
+import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from runtime.cli.progress import progress_bar
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.export.budget import GB, plan
 from runtime.export.outputs import check_targets
 from runtime.export.settings import KV_LAYOUTS, LORA_TARGETS, QUANTIZATIONS, ExportSettings
 from runtime.export.source import inspect_source, supported_architectures
@@ -39,8 +43,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "attention-only adapter still runs the cheaper slots). Default: all-linear for Llama, Qwen2 "
                         "and Qwen3, attention for Gemma 3")
     parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
-    parser.add_argument("--prefill-lengths", default=",".join(map(str, defaults.prefill_lengths)), metavar="L,L,...",
-                        help="prefill signature lengths")
+    parser.add_argument("--prefill-lengths", default=None, metavar="L,L,...",
+                        help="prefill signature lengths (default: 32, 128 and 512, those up to half --kv-length)")
     parser.add_argument("--quantize", choices=list(QUANTIZATIONS), default=defaults.quantize,
                         help="weights: none (float32), int8 (dynamic-range int8), int8-weights, fp16, "
                         "int4-block32, int4-block128")
@@ -55,6 +59,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="extra decode signatures (single and batched) attending over the cache's first W "
                         "positions only: faster while a session is short (e.g. 128,512)")
     parser.add_argument("--prefill-logits", action="store_true", help="prefill signatures also return logits")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="worker processes lowering signatures side by side (default: one per core, as many as "
+                        "--max-memory holds)")
+    parser.add_argument("--max-memory", type=float, default=None, metavar="GB",
+                        help="memory the export may use, all processes together (default: what is available now); "
+                        "fewer jobs run when it is tight")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print where the time and memory went: per stage and per signature")
+    parser.add_argument("--report", type=Path, metavar="FILE.json",
+                        help="write the plan and the measurements (per stage and per signature) as JSON")
     parser.set_defaults(run=run)
 
 
@@ -74,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
         lora_targets=args.lora_targets,
         kv_length=args.kv_length,
-        prefill_lengths=parse_integers("--prefill-lengths", args.prefill_lengths),
+        prefill_lengths=None if args.prefill_lengths is None
+        else parse_integers("--prefill-lengths", args.prefill_lengths),
         quantize=args.quantize,
         kv_layout=args.kv_layout or ("transposed" if args.bundle is not None else "default"),
         prefill_logits=args.prefill_logits,
@@ -85,7 +100,11 @@ def run(args: argparse.Namespace) -> int:
     )
     targets = [path for path in (args.out, args.bundle) if path is not None]
     check_targets(targets)
+    if args.report is not None and not args.report.parent.is_dir():
+        raise InvalidArgumentError(f"--report {args.report}: the directory {args.report.parent} does not exist")
     source = inspect_source(args.source)
+    max_memory = None if args.max_memory is None else int(args.max_memory * GB)
+    plan(source.parameters, args.jobs, max_memory)  # a model that cannot fit is refused before torch is imported
     # torch and the converter log natively (fd 2) and through Python (import-time warnings,
     # their own progress bars): only our progress bar reaches the terminal.
     with muted_native_logs(keep_python_stderr=True):
@@ -93,18 +112,35 @@ def run(args: argparse.Namespace) -> int:
 
         def progress(stages: Iterable) -> Iterable:
             with contextlib.redirect_stderr(terminal):
-                return progress_bar("export", unit="stage")(stages)
+                return progress_bar("export", unit="step")(stages)
 
         with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
             exporter = _import_exporter()
-            report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle,
-                                     progress=progress)
+            # A terminated export (SIGTERM) unwinds like a failed one: its partial files are removed.
+            # (Installed after the import: a library imported there may install its own.)
+            signal.signal(signal.SIGTERM, _exit_on_termination)
+            report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle, jobs=args.jobs,
+                                     max_memory=max_memory, progress=progress)
     for path in targets:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
-    stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in report.stage_seconds.items())
+    measured = report.measurements
     print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}, KV length "
-          f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {settings.quantize}; {stages}")
+          f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {settings.quantize}; "
+          f"{len(measured.signatures)} signatures in {measured.seconds:.1f} s, {measured.jobs} job(s), "
+          f"peak RSS {measured.peak_rss_bytes / GB:.2f} GB")
+    if args.verbose:
+        print(report.plan.describe())
+        print(measured.table())
+    if args.report is not None:
+        args.report.write_text(json.dumps({
+            "source": str(args.source), "parameters": source.parameters, "settings": dataclasses.asdict(settings),
+            "plan": dataclasses.asdict(report.plan), **measured.as_dict(),
+            "outputs": {str(path): path.stat().st_size for path in targets}}, indent=2) + "\n")
     return 0
+
+
+def _exit_on_termination(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _import_exporter():  # noqa: ANN202  (the module, imported late: it pulls in torch)

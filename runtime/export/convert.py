@@ -1,42 +1,52 @@
-"""A litert-torch decoder -> a ``.tflite`` file with every signature of the export."""
+"""One lowered MLIR module (every signature, :mod:`runtime.export.lowering`) -> a ``.tflite``:
+litert-torch's converter passes, the flatbuffer, and the quantizer run once over it."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-
-import torch
-from torch import nn
+from typing import Any
 
 from runtime.errors import InvalidArgumentError
 from runtime.export.litert import converter as litert_converter
-from runtime.export.litert import litert_torch
+from runtime.export.litert import converter_api_ext, ir, passmanager, quant_config, translate_recipe
 from runtime.export.settings import ExportSettings
-from runtime.export.signatures import SIGNATURE_SETS, SignatureSet
 
 
-def convert(
-    model: nn.Module,
-    settings: ExportSettings,
-    out_path: str | os.PathLike[str],
-    signature_sets: Sequence[SignatureSet] = SIGNATURE_SETS,
-) -> None:
-    """Traces ``model`` once per signature of ``signature_sets``, lowers, quantizes as
-    ``settings.quantize`` says and writes the flatbuffer to ``out_path``."""
-    litert_torch.config.show_progress = False  # the export command shows its own
-    torch._dynamo.config.cache_size_limit = 64  # one graph per signature; as litert-torch sets it
-    converter = litert_torch.Converter()
-    for signature_set in signature_sets:
-        for signature in signature_set(model, settings):
-            converter.add_signature(signature.name, signature.module, sample_kwargs=dict(signature.sample_kwargs))
-    recipe = litert_converter.get_quant_recipe_from_flag(settings.litert_quantize, model.config)
+def to_tflite_ops(module: ir.Module, context: ir.Context) -> None:
+    """Runs litert-torch's conversion passes over ``module`` in place, configured as its
+    ``Converter`` configures them for a PyTorch model without PT2E quantization."""
+    config = converter_api_ext.ConvertToTFLConfig()
+    config.model_origin_framework = "PYTORCH"
+    config.unsafe_fuse_dynamic_shaped_broadcast = True
+    config.canonicalizing_inf_as_min_max_float = False  # litert-torch clamps infinities before lowering
+    if hasattr(config, "enable_x64"):
+        config.enable_x64 = False
+    with context:
+        converter_api_ext.run_convert_to_tfl_passes(module, passmanager.PassManager(), config)
+
+
+def serialize(module: ir.Module, out_path: str | os.PathLike[str] | None = None) -> bytes | None:
+    """Writes ``module``'s flatbuffer to ``out_path``, or returns it when none is given."""
+    if out_path is None:
+        return converter_api_ext.export_flatbuffer_to_bytes(module.operation)
+    converter_api_ext.export_flatbuffer_to_file(module.operation, str(out_path))
+    return None
+
+
+def quantize(flatbuffer: bytes, settings: ExportSettings, model_config: Any) -> bytes:
+    """``flatbuffer`` quantized as ``settings.quantize`` says (with ai-edge-quantizer, by
+    litert-torch's recipe for ``model_config``, the decoder's ``ModelConfig``)."""
+    recipe = litert_converter.get_quant_recipe_from_flag(settings.litert_quantize, model_config)
+    if recipe is None:
+        return flatbuffer
+    if recipe._quantizer_mode != quant_config.QuantConfig._QuantizerMode.AI_EDGE_QUANTIZER:
+        raise InvalidArgumentError(f"quantize={settings.quantize!r}: litert-torch's recipe is not a generative "
+                                   "(ai-edge-quantizer) recipe, which is all this exporter runs")
     try:
-        converted = converter.convert(quant_config=recipe)
+        return translate_recipe.quantize_model(flatbuffer,
+                                               translate_recipe.translate_to_ai_edge_recipe(recipe.generative_recipe))
     except ValueError as exc:  # the quantizer's word when a weight does not split into its blocks
         if "block size" not in str(exc):
             raise
         reason = " ".join(str(exc).split()).rsplit("Error: ", 1)[-1]
-    else:
-        converted.export(str(out_path))
-        return
     raise InvalidArgumentError(f"quantize={settings.quantize!r} does not fit this model: {reason}")

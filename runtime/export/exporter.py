@@ -1,36 +1,36 @@
-"""One export, stage by stage: source -> ``.tflite`` and/or ``.litertlm``, all or nothing."""
+"""One export, stage by stage: source -> ``.tflite`` and/or ``.litertlm``, all or nothing,
+measured (seconds and peak memory per stage, seconds per signature)."""
 
 from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import InvalidArgumentError
-from runtime.export import bundle, checkpoint, convert, families
+from runtime.export import budget, bundle, checkpoint, convert, families, lowering
+from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_bytes, release_freed_memory
 from runtime.export.outputs import PendingOutputs
 from runtime.export.settings import ExportSettings
 from runtime.export.source import Source
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One step of an export."""
-
-    name: str
-    run: Callable[[], None]
-
-
 @dataclass
 class ExportReport:
-    """What an export wrote and how long each stage took."""
+    """What an export wrote, the plan it ran, and where its time and memory went."""
 
     model_path: Path | None
     bundle_path: Path | None
-    stage_seconds: dict[str, float] = field(default_factory=dict)
+    plan: budget.Plan
+    measurements: Measurements
+
+    @property
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds per stage, in order."""
+        return {stage.name: stage.seconds for stage in self.measurements.stages}
 
 
 def export(
@@ -39,70 +39,146 @@ def export(
     *,
     model_out: Path | None = None,
     bundle_out: Path | None = None,
-    progress: Callable[[Iterable[Stage]], Iterable[Stage]] = lambda stages: stages,
+    jobs: int | None = None,
+    max_memory: int | None = None,
+    progress: Callable[[Iterable[str]], Iterable[str]] = lambda steps: steps,
 ) -> ExportReport:
     """Exports ``source`` to ``model_out`` (a ``.tflite``) and/or ``bundle_out`` (a
-    ``.litertlm`` with the tokenizer, stop tokens and chat template). Each output is
-    written under a temporary name in its directory and renamed at the end; on any
-    failure nothing is left behind. ``progress`` wraps the iteration over the stages."""
+    ``.litertlm`` with the tokenizer, stop tokens and chat template), lowering the
+    signatures in up to ``jobs`` worker processes within ``max_memory`` bytes
+    (:func:`runtime.export.budget.plan`; one job lowers in this process). Each output is
+    written under a temporary name in its directory and renamed at the end; on any failure
+    nothing is left behind. ``progress`` wraps the iteration over the steps (a stage or a
+    signature each), which yields each step's name when it is done."""
     targets = [path for path in (model_out, bundle_out) if path is not None]
     if not targets:
         raise InvalidArgumentError("export needs model_out, bundle_out or both")
-    with PendingOutputs(targets) as outputs:
-        job = _Job(source, settings, outputs, model_out, bundle_out)
-        report = ExportReport(model_out, bundle_out)
-        for stage in progress(job.stages()):
-            start = time.perf_counter()
-            stage.run()
-            report.stage_seconds[stage.name] = time.perf_counter() - start
+    plan = budget.plan(source.parameters, jobs, max_memory)
+    measurements = Measurements(jobs=plan.jobs)
+    start = time.perf_counter()
+    with PendingOutputs(targets) as outputs, MemoryWatch() as watch:
+        job = _Job(source, settings, outputs, model_out, bundle_out, plan.jobs, measurements, watch)
+        for _ in progress(job.steps()):
+            pass
         outputs.commit()
-    return report
+    measurements.seconds = time.perf_counter() - start
+    measurements.peak_rss_bytes = max(watch.peak_bytes, *(stage.peak_rss_bytes for stage in measurements.stages))
+    measurements.exporter_peak_rss_bytes = process_peak_rss_bytes()
+    return ExportReport(model_out, bundle_out, plan, measurements)
 
 
 class _Job:
     """The state handed from stage to stage."""
 
-    def __init__(self, source: Source, settings: ExportSettings, outputs: PendingOutputs,
-                 model_out: Path | None, bundle_out: Path | None) -> None:
+    def __init__(self, source: Source, settings: ExportSettings, outputs: PendingOutputs, model_out: Path | None,
+                 bundle_out: Path | None, jobs: int, measurements: Measurements, watch: MemoryWatch) -> None:
         self.source, self.settings, self.outputs = source, settings, outputs
-        self.bundle_out = bundle_out
+        self.bundle_out, self.jobs = bundle_out, jobs
+        self.measurements, self.watch = measurements, watch
         self.model_file = outputs.temporary(model_out) if model_out else outputs.scratch(bundle_out, ".tflite")
         self.tokenizer: checkpoint.TokenizerAssets | None = None
-        self.hf_model: Any = None
+        # The litert-torch decoder from its build until lowering takes it.
         self.decoder: Any = None
 
-    def stages(self) -> list[Stage]:
-        stages = []
+    def stage(self, name: str) -> Any:
+        """A context that records stage ``name``."""
+        return self.measurements.stage(name, self.watch)
+
+    def steps(self) -> Iterator[str]:
+        """Runs the export; yields the name of each stage and each signature when done."""
         if self.bundle_out is not None:
-            stages.append(Stage("reading the tokenizer", self.read_tokenizer))
-        stages += [
-            Stage("loading the weights", self.load_weights),
-            Stage("building the litert-torch model", self.build),
-            Stage(f"converting ({self.settings.quantize})", self.convert),
-        ]
+            with self.stage("read the tokenizer"):
+                self.tokenizer = checkpoint.load_tokenizer(self.source)
+            yield "read the tokenizer"
+        with self.stage("load the weights"):
+            hf_model = checkpoint.load_model(self.source)
+            if self.tokenizer is not None:
+                self.tokenizer = checkpoint.with_generation_stops(self.tokenizer, hf_model)
+        yield "load the weights"
+        with self.stage("build the litert-torch model"):
+            self.decoder = families.build_decoder(hf_model, self.settings.kv_length)
+            del hf_model
+            gc.collect()
+            release_freed_memory()
+        yield "build the litert-torch model"
+        model_config = self.decoder.config
+        context = lowering.new_context()
+        if self.jobs == 1:
+            module = yield from self._lower_here(context)
+            with self.stage("convert to TFLite ops"):
+                convert.to_tflite_ops(module, context)
+            yield "convert to TFLite ops"
+        else:  # the workers convert their modules too
+            module = yield from self._lower_in_workers(context)
+        if self.settings.quantize == "none":
+            with self.stage("serialize"):
+                convert.serialize(module, self.model_file)
+                del module
+            yield "serialize"
+        else:
+            with self.stage("serialize"):
+                flatbuffer = convert.serialize(module)
+                del module
+            yield "serialize"
+            with self.stage(f"quantize ({self.settings.quantize})"):
+                flatbuffer = convert.quantize(flatbuffer, self.settings, model_config)
+                self.model_file.write_bytes(flatbuffer)
+                del flatbuffer
+            yield f"quantize ({self.settings.quantize})"
         if self.bundle_out is not None:
-            stages.append(Stage("writing the bundle", self.write_bundle))
-        return stages
+            with self.stage("write the bundle"):
+                assert self.tokenizer is not None
+                bundle.write_bundle(self.model_file, self.tokenizer, self.settings.kv_length,
+                                    self.outputs.temporary(self.bundle_out))
+            yield "write the bundle"
 
-    def read_tokenizer(self) -> None:
-        self.tokenizer = checkpoint.load_tokenizer(self.source)
+    def _lower_here(self, context: Any) -> Iterator[str]:
+        """Lowers every signature of the decoder (dropped when done) in this process into
+        ``context``; yields each signature's name when done and returns the merged module."""
+        decoder, self.decoder = self.decoder, None
+        signatures = lowering.signatures_of(decoder, self.settings)
+        with self.stage(f"trace and lower {len(signatures)} signatures"):
+            modules = []
+            for record, lowered in lowering.lower_each(signatures, context):
+                modules.append(lowered)
+                self.measurements.signatures.append(record)
+                yield record.name
+            del decoder, signatures
+            gc.collect()
+            release_freed_memory()
+            module = lowering.merged(modules)
+        return module
 
-    def load_weights(self) -> None:
-        self.hf_model = checkpoint.load_model(self.source)
-        if self.tokenizer is not None:
-            self.tokenizer = checkpoint.with_generation_stops(self.tokenizer, self.hf_model)
-
-    def build(self) -> None:
-        self.decoder = families.build_decoder(self.hf_model, self.settings.kv_length)
-        self.hf_model = None
-        gc.collect()
-
-    def convert(self) -> None:
-        convert.convert(self.decoder, self.settings, self.model_file)
-        self.decoder = None
-        gc.collect()
-
-    def write_bundle(self) -> None:
-        assert self.tokenizer is not None and self.bundle_out is not None
-        bundle.write_bundle(self.model_file, self.tokenizer, self.settings.kv_length,
-                            self.outputs.temporary(self.bundle_out))
+    def _lower_in_workers(self, context: Any) -> Iterator[str]:
+        """Saves the decoder (dropping it here) for the workers, lowers and converts the
+        signatures in ``self.jobs`` worker processes and merges their modules into
+        ``context``; yields each signature's name when done and returns the merged module."""
+        decoder, self.decoder = self.decoder, None
+        signatures = lowering.signatures_of(decoder, self.settings)
+        names = lowering.shares(signatures, self.jobs)
+        self.measurements.jobs = len(names)
+        anchor = self.outputs.targets[0]
+        with self.stage("save the model for the workers"):
+            decoder_file = self.outputs.scratch(anchor, ".pt")
+            lowering.save_decoder(decoder, decoder_file)
+            del decoder, signatures
+            gc.collect()
+            release_freed_memory()
+        yield "save the model for the workers"
+        files = [self.outputs.scratch(anchor, f".worker{i}.mlirbc") for i in range(len(names))]
+        with self.stage(f"trace, lower, convert in {len(names)} workers"):
+            for kind, payload in lowering.lower_in_workers(decoder_file, self.settings, names, files):
+                if kind == "signature":
+                    self.measurements.signatures.append(payload)
+                    yield payload.name
+                elif kind == "converted":
+                    self.measurements.worker_convert_seconds.append(payload[1])
+                else:
+                    self.measurements.worker_peak_rss_bytes.append(payload[1])
+            decoder_file.unlink()
+        with self.stage("merge the workers' modules"):
+            module = lowering.read_modules(files, context)
+            for file in files:
+                file.unlink()
+        yield "merge the workers' modules"
+        return module

@@ -18,6 +18,15 @@ QUANTIZATIONS = {
 }
 KV_LAYOUTS = ("default", "transposed")
 LORA_TARGETS = ("attention", "all-linear")
+# The prefill lengths an export has unless told otherwise: those up to half the KV length.
+STANDARD_PREFILL_LENGTHS = (32, 128, 512)
+
+
+def default_prefill_lengths(kv_length: int) -> tuple[int, ...]:
+    """The prefill lengths for ``kv_length`` KV positions: the standard ones (32, 128, 512)
+    up to half of it, so a prompt's last chunk leaves room to answer; a cache shorter than
+    64 gets one prefill of half its length."""
+    return tuple(length for length in STANDARD_PREFILL_LENGTHS if 2 * length <= kv_length) or (max(1, kv_length // 2),)
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,9 @@ class ExportSettings:
     lora_targets: str | None = None
     # KV-cache positions: the longest context a session can hold.
     kv_length: int = 1024
-    # Token counts of the prefill signatures (a prompt is cut into chunks of these).
-    prefill_lengths: tuple[int, ...] = (32, 128, 512)
+    # Token counts of the prefill signatures (a prompt is cut into chunks of these); None:
+    # default_prefill_lengths(kv_length), (32, 128, 512) for the default KV length.
+    prefill_lengths: tuple[int, ...] | None = None
     # A key of QUANTIZATIONS: "none" keeps float32 weights, "int8" is dynamic-range int8.
     quantize: str = "none"
     # "default": K and V [1, kv_length, kv_heads, head_dim]; "transposed": K [1, kv_heads,
@@ -62,6 +72,10 @@ class ExportSettings:
     attention_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_length, int) or self.kv_length < 2:
+            raise InvalidArgumentError(f"kv_length={self.kv_length!r}: expected an integer >= 2")
+        if self.prefill_lengths is None:  # frozen: set once, here
+            object.__setattr__(self, "prefill_lengths", default_prefill_lengths(self.kv_length))
         for name in ("lora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks", "attention_windows"):
             values = getattr(self, name)
             if values is None and name == "batch_lora_ranks":
@@ -73,8 +87,6 @@ class ExportSettings:
                 raise InvalidArgumentError(f"{name}={values}: every value must be >= 1")
             if len(set(values)) != len(values):
                 raise InvalidArgumentError(f"{name}={values}: values repeat")
-        if not isinstance(self.kv_length, int) or self.kv_length < 2:
-            raise InvalidArgumentError(f"kv_length={self.kv_length!r}: expected an integer >= 2")
         if not self.prefill_lengths:
             raise InvalidArgumentError("prefill_lengths is empty: a model needs at least one prefill length")
         too_long = [length for length in self.prefill_lengths if length > self.kv_length]

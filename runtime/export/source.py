@@ -9,6 +9,7 @@ architecture or a truncated weights file is refused in a second, without torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ class Source:
     model_type: str
     # The GGUF file's name inside ``directory`` when the source is a GGUF file, else None.
     gguf_file: str | None
+    # The number of weights (from the files' headers): what the export's memory scales with.
+    parameters: int
 
     @property
     def directory(self) -> Path:
@@ -85,17 +88,17 @@ def _inspect_directory(path: Path) -> Source:
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise NotFoundError(f"{path}: no *.safetensors weights (other weight formats are not read)")
-    for file in weights:
-        _check_safetensors(file)
-    return Source(path=path, model_type=model_type, gguf_file=None)
+    parameters = sum(_safetensors_parameters(file) for file in weights)
+    return Source(path=path, model_type=model_type, gguf_file=None, parameters=parameters)
 
 
-def _check_safetensors(file: Path) -> None:
+def _safetensors_parameters(file: Path) -> int:
+    """The number of weights in ``file``, from its header; refuses a corrupt or truncated file."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(file, framework="numpy") as opened:
-            opened.keys()
+            return sum(math.prod(opened.get_slice(name).get_shape()) for name in opened.keys())
     except SafetensorError as exc:
         raise DataLossError(f"{file}: corrupt or truncated safetensors file: {exc}") from None
     except OSError as exc:
@@ -119,7 +122,8 @@ def _inspect_gguf(path: Path) -> Source:
         raise UnimplementedError(
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: {supported_architectures()}"
         )
-    return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name)
+    parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
+    return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters)
 
 
 def _contents(field: object) -> object:

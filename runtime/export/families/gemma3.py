@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export.families.common import (
+    attention_config, decoder_config, gated_feed_forward, head_dim_of, load_weights, rms_norm, rope_from_table,
+    rope_table,
+)
 from runtime.export.litert import attention, builder, cfg, kv_utils, lora_utils
 from runtime.export.litert import export_config as export_cfg
 from runtime.export.litert import loader as loading
-from runtime.export.families import (
-    attention_config, gated_feed_forward, head_dim_of, load_weights, rms_norm, rope_from_table, rope_table,
-)
 
 TENSOR_NAMES = loading.ModelLoader.TensorNames(
     ff_up_proj="model.layers.{}.mlp.up_proj",
@@ -153,16 +154,8 @@ def build_decoder(hf_model: Any, kv_length: int) -> Gemma3Decoder:
             pre_attention_norm_config=norm,
             post_attention_norm_config=norm,
         ))
-    model_config = cfg.ModelConfig(
-        vocab_size=config.vocab_size,
-        num_layers=config.num_hidden_layers,
-        max_seq_len=kv_length,
-        embedding_dim=config.hidden_size,
-        embedding_scale=config.hidden_size**0.5,
-        block_configs=blocks,
-        final_norm_config=norm,
-        lm_head_share_weight_with_embedding=True,
-    )
+    model_config = decoder_config(config, kv_length, blocks, norm, embedding_scale=config.hidden_size**0.5,
+                                  lm_head_share_weight_with_embedding=True)
     model = Gemma3Decoder(model_config, list(config.layer_types), tables)
     load_weights(model, hf_model, TENSOR_NAMES)
     _fold_query_scale(model, head_dim, config.query_pre_attn_scalar)

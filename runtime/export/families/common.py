@@ -1,4 +1,5 @@
-"""A loaded Hugging Face model -> the litert-torch decoder with the same weights, per family.
+"""What the families share: litert-torch configs built from a checkpoint's own config, RoPE
+tables, and the weight mapping, plus the standard decoder-only model (Llama, Qwen2, Qwen3).
 
 Each family's litert-torch ``ModelConfig`` is built from the checkpoint's own config, not
 from litert-torch's fixed example configs. The pitfalls (none of them raises; the
@@ -27,7 +28,6 @@ from torch import nn
 from runtime.errors import UnimplementedError
 from runtime.export.litert import cfg, model_builder
 from runtime.export.litert import loader as loading
-from runtime.export.source import FAMILIES, supported_architectures
 
 _ACTIVATIONS = {
     "silu": cfg.ActivationType.SILU,
@@ -37,58 +37,48 @@ _ACTIVATIONS = {
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def build_decoder(hf_model: Any, kv_length: int) -> nn.Module:
-    """The litert-torch decoder of ``hf_model`` (a transformers causal LM in float32) with
-    its weights copied in, attending over ``kv_length`` positions."""
+def build_decoder_only(hf_model: Any, kv_length: int, *, qk_norm: bool, qkv_bias: bool,
+                       output_bias: bool) -> nn.Module:
+    """litert-torch's standard decoder (``DecoderOnlyModel``) for a Llama-shaped
+    ``hf_model`` (float32) with its weights copied in, attending over ``kv_length``
+    positions: ``qk_norm`` normalizes q and k per head (Qwen3), the biases are those of
+    the q/k/v and output projections."""
     config = hf_model.config
-    if config.model_type not in FAMILIES:
-        raise UnimplementedError(
-            f"model_type {config.model_type!r} is not supported; supported: {supported_architectures()}"
-        )
-    if config.model_type == "gemma3_text":
-        from runtime.export import gemma3
-
-        return gemma3.build_decoder(hf_model, kv_length)
-    return _build_llama_like(hf_model, kv_length)
-
-
-def _build_llama_like(hf_model: Any, kv_length: int) -> nn.Module:
-    config = hf_model.config
-    _refuse_sliding_window(config)
-    qwen3 = config.model_type == "qwen3"
+    refuse_sliding_window(config)
     inv_freq, scaling = rope_table(hf_model.model.rotary_emb)
     norm = rms_norm(config.rms_norm_eps)
-    bias = bool(getattr(config, "attention_bias", False))
     block = cfg.TransformerBlockConfig(
-        attn_config=attention_config(
-            config, inv_freq, qk_norm=norm if qwen3 else None,
-            qkv_bias=True if config.model_type == "qwen2" else bias,
-            output_bias=bias and config.model_type == "llama",
-        ),
+        attn_config=attention_config(config, inv_freq, qk_norm=norm if qk_norm else None, qkv_bias=qkv_bias,
+                                     output_bias=output_bias),
         ff_config=gated_feed_forward(config, activation=config.hidden_act,
                                      bias=bool(getattr(config, "mlp_bias", False))),
         pre_attention_norm_config=norm,
         post_attention_norm_config=norm,
     )
-    model_config = cfg.ModelConfig(
-        vocab_size=config.vocab_size,
-        num_layers=config.num_hidden_layers,
-        max_seq_len=kv_length,
-        embedding_dim=config.hidden_size,
-        block_configs=block,
-        final_norm_config=norm,
+    model_config = decoder_config(
+        config, kv_length, block, norm,
         lm_head_share_weight_with_embedding=bool(config.tie_word_embeddings),
         build_rope=functools.partial(rope_from_table, inv_freq=inv_freq, scaling=scaling),
     )
     names = dataclasses.replace(
         model_builder.TENSOR_NAMES,
         lm_head=None if config.tie_word_embeddings else "lm_head",
-        attn_query_norm="model.layers.{}.self_attn.q_norm" if qwen3 else None,
-        attn_key_norm="model.layers.{}.self_attn.k_norm" if qwen3 else None,
+        attn_query_norm="model.layers.{}.self_attn.q_norm" if qk_norm else None,
+        attn_key_norm="model.layers.{}.self_attn.k_norm" if qk_norm else None,
     )
     model = model_builder.DecoderOnlyModel(model_config, mask_cache_size=kv_length)
     load_weights(model, hf_model, names)
     return model.eval()
+
+
+def decoder_config(config: Any, kv_length: int,
+                   blocks: cfg.TransformerBlockConfig | list[cfg.TransformerBlockConfig],
+                   final_norm: cfg.NormalizationConfig, **extra: Any) -> cfg.ModelConfig:
+    """The ``ModelConfig`` of the checkpoint's ``config`` over ``kv_length`` positions: one
+    block config for every layer or one per layer; ``extra``: more ModelConfig fields."""
+    return cfg.ModelConfig(vocab_size=config.vocab_size, num_layers=config.num_hidden_layers, max_seq_len=kv_length,
+                           embedding_dim=config.hidden_size, block_configs=blocks, final_norm_config=final_norm,
+                           **extra)
 
 
 def attention_config(config: Any, inv_freq: torch.Tensor, *, qk_norm: cfg.NormalizationConfig | None,
@@ -186,7 +176,8 @@ def load_weights(model: nn.Module, hf_model: Any, names: loading.ModelLoader.Ten
         )
 
 
-def _refuse_sliding_window(config: Any) -> None:
+def refuse_sliding_window(config: Any) -> None:
+    """Raises ``UnimplementedError`` when ``config`` has sliding-window layers."""
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if getattr(config, "use_sliding_window", False) or layer_types != {"full_attention"}:
         raise UnimplementedError(

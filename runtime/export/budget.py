@@ -1,0 +1,69 @@
+"""How many worker processes an export runs: as many as asked (default: one per core), but
+no more than the memory budget holds, by an estimate of each process's peak memory that
+scales with the model's float32 weight bytes (measured on SmolLM2-135M and a 0.5B Qwen2.5
+shape; ``benchmarks/results/export_report.json``)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from runtime.errors import InvalidArgumentError, ResourceExhaustedError
+
+GB = 1_000_000_000
+# Resident memory of a process with torch, transformers and litert-torch imported.
+PROCESS_BASE_BYTES = int(0.9 * GB)
+# Peak per float32 weight byte: the exporter (loading with transformers, the litert-torch
+# copy, then the merged module, its flatbuffer and the quantizer's copies) and a worker
+# (the memory-mapped decoder, its module's weights, tracing).
+EXPORTER_PER_WEIGHT_BYTE = 4.0
+WORKER_PER_WEIGHT_BYTE = 2.5
+# What the exporter holds while its workers run (it has dropped the model by then).
+EXPORTER_IDLE_PER_WEIGHT_BYTE = 0.5
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen number of workers and the estimates behind it (bytes)."""
+
+    jobs: int
+    max_memory: int
+    exporter_peak: int
+    worker_peak: int
+
+    def describe(self) -> str:
+        """One line for ``--verbose``."""
+        return (f"{self.jobs} job(s) within {self.max_memory / GB:.1f} GB (estimated peaks: exporter "
+                f"{self.exporter_peak / GB:.1f} GB, each worker {self.worker_peak / GB:.1f} GB)")
+
+
+def available_memory() -> int:
+    """The memory available now (what the default budget is)."""
+    import psutil  # the export extra's; this module is also imported by the command line without it
+
+    return int(psutil.virtual_memory().available)
+
+
+def plan(parameters: int, jobs: int | None = None, max_memory: int | None = None) -> Plan:
+    """The workers for a model of ``parameters`` weights: ``jobs`` (default: the cores) but
+    no more than fit in ``max_memory`` bytes (default: the memory available now). Raises
+    ``ResourceExhaustedError`` naming both numbers when even one cannot fit."""
+    if jobs is not None and jobs < 1:
+        raise InvalidArgumentError(f"--jobs {jobs}: expected at least 1")
+    if max_memory is not None and max_memory <= 0:
+        raise InvalidArgumentError(f"--max-memory {max_memory / GB:g} GB: expected a positive size")
+    budget = available_memory() if max_memory is None else max_memory
+    weight_bytes = 4 * parameters
+    exporter_peak = PROCESS_BASE_BYTES + math.ceil(EXPORTER_PER_WEIGHT_BYTE * weight_bytes)
+    worker_peak = PROCESS_BASE_BYTES + math.ceil(WORKER_PER_WEIGHT_BYTE * weight_bytes)
+    idle = PROCESS_BASE_BYTES + math.ceil(EXPORTER_IDLE_PER_WEIGHT_BYTE * weight_bytes)
+    if exporter_peak > budget or idle + worker_peak > budget:
+        raise ResourceExhaustedError(
+            f"a model of {parameters:,} parameters needs about {max(exporter_peak, idle + worker_peak) / GB:.1f} "
+            f"GB to export, more than the {budget / GB:.1f} GB "
+            + ("of --max-memory" if max_memory is not None else "available now (free memory or give --max-memory)"))
+    wanted = jobs if jobs is not None else os.cpu_count() or 1
+    fitting = (budget - idle) // worker_peak
+    return Plan(jobs=max(1, min(wanted, fitting)), max_memory=budget, exporter_peak=exporter_peak,
+                worker_peak=worker_peak)

@@ -1,0 +1,194 @@
+"""Signatures -> one MLIR module, in this process or in a worker process of its own.
+
+litert-torch's ``Converter.convert`` traces every signature, runs its decompositions twice
+(once after ``torch.export``, once before lowering: each a full AOTAutograd re-trace,
+~13 s per signature at SmolLM2-135M's size), then lowers them all into one MLIR module in
+one process. Here each signature is traced once with ``torch.export``, goes through the
+same litert-torch graph passes, and is decomposed once, by the lowering (as litert-torch's
+own V2 converter does: ``run_decompositions=False``); the exports come out with the same
+logits to the bit. Signature sets that do not depend on each other are lowered in worker
+processes (``jobs``), each into its own module written as MLIR bytecode; the exporter
+parses them into one context, where identical weights become one attribute again.
+
+Workers rebuild the decoder from its blueprint (:func:`runtime.export.families.blueprint`)
+and the weights the exporter saved with ``torch.save``, memory-mapped: the weights' pages
+are the page cache's, shared by every worker.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.errors import ResourceExhaustedError, StatusError
+from runtime.export import convert, families
+from runtime.export.litert import (
+    backend_export, convert_core, converter_api_ext, export_utils, fx_infra, inline_consts, ir, litert_converter,
+    litert_signature, litert_torch,
+)
+from runtime.export.measure import SignatureRecord, process_peak_rss_bytes
+from runtime.export.settings import ExportSettings
+from runtime.export.signatures import SIGNATURE_SETS, Signature, SignatureSet
+
+
+def signatures_of(model: nn.Module, settings: ExportSettings,
+                  signature_sets: Sequence[SignatureSet] = SIGNATURE_SETS) -> list[Signature]:
+    """Every signature of the export, in the order the sets give them."""
+    return [signature for signature_set in signature_sets for signature in signature_set(model, settings)]
+
+
+def shares(signatures: Sequence[Signature], jobs: int) -> list[list[str]]:
+    """The signature names split into at most ``jobs`` shares of about equal cost (a
+    signature costs about its rows: a batch of B traces B rows), largest first."""
+    costs = {signature.name: signature.sample_kwargs["tokens"].shape[0] for signature in signatures}
+    out: list[list[str]] = [[] for _ in range(min(jobs, len(signatures)))]
+    loads = [0] * len(out)
+    for name in sorted(costs, key=lambda n: -costs[n]):
+        lightest = loads.index(min(loads))
+        out[lightest].append(name)
+        loads[lightest] += costs[name]
+    return out
+
+
+def lower_each(signatures: Sequence[Signature], context: ir.Context, worker: int = 0
+               ) -> Iterator[tuple[SignatureRecord, ir.Module]]:
+    """Traces and lowers each of ``signatures`` into a module of ``context`` (weights are
+    shared between them: one attribute per weight); yields each one's timings and module
+    as it is done."""
+    fx_infra.silence_torch_logs()
+    litert_torch.config.show_progress = False  # the export command shows its own
+    torch._dynamo.config.cache_size_limit = 64  # one graph per signature; as litert-torch sets it
+    constants = inline_consts.InlineConstsContext()
+    for signature in signatures:
+        start = time.perf_counter()
+        spec = litert_signature.Signature(signature.name, signature.module, sample_args=(),
+                                          sample_kwargs=dict(signature.sample_kwargs))
+        program = convert_core.export_torch_signature(spec, run_decompositions=False)
+        program = convert_core._run_convert_passes(program)  # litert-torch's graph passes, as its converter runs them
+        traced = time.perf_counter()
+        lowered = backend_export.exported_program_to_mlir(program, ir_context=context,
+                                                          lowering_context_plugins=[constants])
+        converter_api_ext.set_signature(
+            lowered.module.operation, signature_name=signature.name, input_names=spec.flat_arg_names,
+            output_names=litert_converter._get_output_names(program, lowered))
+        yield SignatureRecord(signature.name, traced - start, time.perf_counter() - traced, worker), lowered.module
+
+
+def merged(modules: Sequence[ir.Module]) -> ir.Module:
+    """One module holding every function of ``modules``."""
+    return modules[0] if len(modules) == 1 else converter_api_ext.merge_modules(list(modules))
+
+
+def save_decoder(decoder: nn.Module, path: Path) -> None:
+    """Writes what :func:`load_decoder` rebuilds ``decoder`` from."""
+    torch.save({"blueprint": families.blueprint(decoder), "weights": decoder.state_dict()}, path)
+
+
+def load_decoder(path: Path) -> nn.Module:
+    """The decoder :func:`save_decoder` wrote, its weights memory-mapped from ``path``."""
+    saved = torch.load(path, mmap=True, weights_only=False)
+    factory, args, kwargs = saved["blueprint"]
+    model = factory(*args, **kwargs)
+    model.load_state_dict(saved["weights"], assign=True)
+    return model.eval()
+
+
+def new_context() -> ir.Context:
+    """An MLIR context with the dialects the conversion needs."""
+    return export_utils.create_ir_context()
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What one worker lowers: the names of its signatures from the saved decoder."""
+
+    worker: int
+    decoder_file: Path
+    settings: ExportSettings
+    names: tuple[str, ...]
+    out_file: Path
+
+
+def _work(task: _Task, messages: Any) -> None:
+    """A worker's body: loads the decoder (memory-mapped), lowers its signatures, converts
+    them to TFLite ops, writes the module as bytecode; tells ``messages`` each signature,
+    the conversion's seconds, then its peak RSS, or the error."""
+    try:
+        model = load_decoder(task.decoder_file)
+        wanted = set(task.names)
+        signatures = [s for s in signatures_of(model, task.settings) if s.name in wanted]
+        modules, context = [], new_context()
+        for record, module in lower_each(signatures, context, task.worker):
+            modules.append(module)
+            messages.put(("signature", record))
+        module = merged(modules)
+        del modules, signatures, model
+        start = time.perf_counter()
+        convert.to_tflite_ops(module, context)
+        messages.put(("converted", (task.worker, time.perf_counter() - start)))
+        with open(task.out_file, "wb") as stream:
+            module.operation.write_bytecode(stream)
+        messages.put(("done", (task.worker, process_peak_rss_bytes())))
+    except BaseException as exc:  # noqa: BLE001  (everything goes back to the exporter, which raises it)
+        messages.put(("error", exc if isinstance(exc, StatusError) else RuntimeError(
+            f"export worker {task.worker} (lowering {', '.join(task.names)}) failed: {type(exc).__name__}: {exc}")))
+
+
+def lower_in_workers(decoder_file: Path, settings: ExportSettings, names: Sequence[Sequence[str]],
+                     out_files: Sequence[Path]) -> Iterator[tuple[str, Any]]:
+    """Lowers each share of ``names`` in a worker process of its own (all at once), from
+    the decoder saved at ``decoder_file``, and converts it to TFLite ops, worker i writing
+    its module to ``out_files[i]`` as MLIR bytecode; yields ``("signature",
+    SignatureRecord)`` as signatures are done, ``("converted", (worker, seconds))`` and
+    ``("done", (worker, peak RSS))`` per worker. A worker's error is raised here; a worker
+    that dies (the kernel's out-of-memory killer) raises ``ResourceExhaustedError``."""
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    tasks = [_Task(i, decoder_file, settings, tuple(share), out_file)
+             for i, (share, out_file) in enumerate(zip(names, out_files))]
+    workers = [context.Process(target=_work, args=(task, messages), name=f"export-worker-{task.worker}", daemon=True)
+               for task in tasks]
+    for worker in workers:
+        worker.start()
+    try:
+        running = len(workers)
+        while running:
+            try:
+                kind, payload = messages.get(timeout=1.0)
+            except Exception:  # queue.Empty: check nobody died silently
+                _check_alive(workers, tasks)
+                continue
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                running -= 1
+            yield kind, payload
+        for worker in workers:
+            worker.join()
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+
+
+def _check_alive(workers: list[Any], tasks: list[_Task]) -> None:
+    for worker, task in zip(workers, tasks):
+        if worker.exitcode not in (None, 0):
+            raise ResourceExhaustedError(
+                f"the export worker lowering {', '.join(task.names)} died with exit code {worker.exitcode} "
+                f"(killed for memory?): give a smaller --jobs or a larger --max-memory")
+
+
+def read_modules(files: Sequence[os.PathLike[str]], context: ir.Context) -> ir.Module:
+    """The workers' bytecode files parsed into ``context`` and merged into one module."""
+    with context:
+        return merged([ir.Module.parseFile(str(path)) for path in files])

@@ -1,0 +1,48 @@
+"""budget.plan: as many export workers as asked, no more than the memory holds, and a
+clear refusal naming both numbers when even one cannot fit (no torch needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.errors import InvalidArgumentError, ResourceExhaustedError
+from runtime.export import budget
+from runtime.export.budget import GB
+
+SMOLLM2 = 134_515_008  # parameters
+QWEN25_05B = 494_032_768
+
+
+def test_the_jobs_asked_for_run_when_they_fit() -> None:
+    assert budget.plan(SMOLLM2, jobs=2, max_memory=24 * GB).jobs == 2
+    assert budget.plan(SMOLLM2, jobs=1, max_memory=24 * GB).jobs == 1
+
+
+def test_fewer_jobs_run_when_the_memory_is_tight() -> None:
+    roomy = budget.plan(QWEN25_05B, jobs=8, max_memory=64 * GB)
+    tight = budget.plan(QWEN25_05B, jobs=8, max_memory=roomy.exporter_peak + 1)
+    assert roomy.jobs == 8
+    assert 1 <= tight.jobs < 8
+    idle = budget.PROCESS_BASE_BYTES + budget.EXPORTER_IDLE_PER_WEIGHT_BYTE * 4 * QWEN25_05B
+    assert idle + tight.jobs * tight.worker_peak <= tight.max_memory < idle + (tight.jobs + 1) * tight.worker_peak
+
+
+def test_the_default_is_one_job_per_core_within_the_memory_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(budget, "available_memory", lambda: 24 * GB)
+    monkeypatch.setattr(budget.os, "cpu_count", lambda: 3)
+    assert budget.plan(SMOLLM2) == budget.plan(SMOLLM2, jobs=3, max_memory=24 * GB)
+
+
+def test_a_model_that_cannot_fit_is_refused_with_both_numbers() -> None:
+    with pytest.raises(ResourceExhaustedError, match=r"494,032,768 parameters needs about [0-9.]+ GB to export, more than "
+                                                     r"the 2\.0 GB of --max-memory"):
+        budget.plan(QWEN25_05B, max_memory=2 * GB)
+
+
+@pytest.mark.parametrize("jobs, max_memory, match", [
+    (0, None, "--jobs 0: expected at least 1"),
+    (None, -1, "--max-memory .*: expected a positive size"),
+])
+def test_bad_limits_are_refused(jobs: int | None, max_memory: int | None, match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        budget.plan(SMOLLM2, jobs=jobs, max_memory=max_memory)
