@@ -1,4 +1,9 @@
-"""LoraManager: the adapters of one model, loaded (parsed and checked) apart from used.
+"""LoraManager: the adapters of one model, registered (parsed and checked) apart from used.
+
+The three states of ``runtime/framework/resource_management/adapter_registry.py``: an
+adapter is *registered* by :meth:`LoraManager.load_lora` (the method names follow
+LiteRT-LM's ``LoadLoRA`` / ``UseLoRA``); a blend becomes *resident* when
+:meth:`LoraManager.acquire` materializes its slot buffers, and is *active* while acquired.
 
 * :meth:`LoraManager.load_lora` parses and checks an adapter against the model's LoRA
   inputs from metadata only; no weight is read and no buffer allocated.
@@ -6,7 +11,7 @@
   for the next, as the residency policy allows.
 * :meth:`LoraManager.unload_lora` forgets an adapter and drops its buffers, unless a
   live session still holds it (:meth:`pin`).
-* Residency: :meth:`acquire` / :meth:`release` bracket a run; a blend being run is never
+* Residency: :meth:`acquire` / :meth:`release` bracket a run; an active blend is never
   evicted, the others are kept or dropped as the :mod:`residency policy
   <runtime.components.residency>` says. A new blend is built before anything is
   evicted for it.
@@ -60,7 +65,7 @@ class ResidencyStats:
 
 
 class LoraManager:
-    """Holds the adapters of one model and their materialized slot buffers."""
+    """Holds the registered adapters of one model and their resident slot buffers."""
 
     def __init__(
         self,
@@ -80,7 +85,7 @@ class LoraManager:
         # Materialized (blend, rank slot) pairs, least recently used first: a blend lives in
         # its own slot, and in a larger one too while it runs in a batch of that slot.
         self._resident: OrderedDict[Materialized, LoRA] = OrderedDict()
-        self._running: dict[Materialized, int] = {}
+        self._active: dict[Materialized, int] = {}
         self._pins: dict[int, int] = {}
         self._evict_listeners: list[Callable[[Blend, LoRA], None]] = []
         self._hits = self._misses = self._evictions = 0
@@ -98,12 +103,12 @@ class LoraManager:
         plan = plan_adapter(data, self._slots)
         with self._lock:
             if lora_id in self._plans:
-                raise AlreadyExistsError(f"LoRA id {lora_id} is already loaded")
+                raise AlreadyExistsError(f"LoRA id {lora_id} is already registered")
             self._plans[lora_id] = plan
         return plan
 
     def has_lora(self, lora_id: int) -> bool:
-        """Whether ``lora_id`` is loaded."""
+        """Whether ``lora_id`` is registered."""
         with self._lock:
             return lora_id in self._plans
 
@@ -113,7 +118,7 @@ class LoraManager:
             return self._require(lora_id)
 
     def loaded_ids(self) -> list[int]:
-        """Every loaded id, ascending."""
+        """Every registered id, ascending."""
         with self._lock:
             return sorted(self._plans)
 
@@ -134,13 +139,13 @@ class LoraManager:
 
     def acquire(self, blend: Blend, slot: LoraSlot | None = None) -> LoRA:
         """Materializes ``blend`` in ``slot`` (default: :meth:`slot_for`; a slot that holds
-        it, zero-padded, which is exact) and marks it running (never evicted) until
+        it, zero-padded, which is exact) and marks it active (never evicted) until
         :meth:`release` with the same arguments."""
         with self._lock:
             key = self._materialized(blend, slot)
             built = key not in self._resident
             lora = self._get_or_build(key)
-            self._running[key] = self._running.get(key, 0) + 1
+            self._active[key] = self._active.get(key, 0) + 1
             if built:  # a hit adds no bytes: nothing to evict for it
                 self._enforce_residency(protect=key)
             return lora
@@ -148,7 +153,7 @@ class LoraManager:
     def release(self, blend: Blend, slot: LoraSlot | None = None) -> None:
         """Ends one :meth:`acquire`; the blend (in that slot) may now be evicted."""
         with self._lock:
-            _decrement(self._running, self._materialized(blend, slot))
+            _decrement(self._active, self._materialized(blend, slot))
             self._enforce_residency(protect=None)
 
     def _materialized(self, blend: Blend, slot: LoraSlot | None) -> Materialized:
@@ -204,11 +209,11 @@ class LoraManager:
         return lora
 
     def _enforce_residency(self, protect: Materialized | None) -> None:
-        if isinstance(self._residency, KeepAll) or len(self._resident) <= len(self._running):
+        if isinstance(self._residency, KeepAll) or len(self._resident) <= len(self._active):
             return  # nothing evictable: the common case on the decode path costs nothing
         if isinstance(self._residency, Lru) and self._within(self._residency):
             return
-        protected = set(self._running)
+        protected = set(self._active)
         if protect:
             protected.add(protect)
         sizes = {key: lora.nbytes for key, lora in self._resident.items()}
@@ -229,7 +234,7 @@ class LoraManager:
     # -- residency and unloading ---------------------------------------------------
 
     def resident(self) -> dict[Materialized, LoRA]:
-        """The materialized (blend, rank slot) pairs and their buffers."""
+        """The resident (blend, LoRA slot) pairs and their buffers."""
         with self._lock:
             return dict(self._resident)
 
@@ -270,7 +275,7 @@ class LoraManager:
     def _require(self, lora_id: int) -> AdapterPlan:
         plan = self._plans.get(lora_id)
         if plan is None:
-            raise NotFoundError(f"LoRA id {lora_id} is not loaded")
+            raise NotFoundError(f"LoRA id {lora_id} is not registered")
         return plan
 
 

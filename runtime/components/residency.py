@@ -1,4 +1,4 @@
-"""Residency policies: which materialized adapters keep their buffers.
+"""Residency policies: which resident blends of adapters keep their buffers.
 
 A registered adapter is only parsed metadata over a memory map and costs almost nothing;
 a *resident* one holds filled input buffers for its rank slot. A blend that a session is

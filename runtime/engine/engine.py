@@ -140,7 +140,7 @@ class Engine:
         return logits
 
     def set_residency(self, policy: ResidencyPolicy) -> None:
-        """Changes which materialized adapters stay resident; applied at once."""
+        """Changes which blends of adapters stay resident; applied at once."""
         self._check_open()
         self._resources.registry.set_residency(policy)
 

@@ -45,5 +45,5 @@ class EngineStats:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of all materialized adapter buffers."""
+        """Bytes of all resident adapter buffers."""
         return sum(r.nbytes for r in self.resident)
