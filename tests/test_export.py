@@ -28,7 +28,9 @@ from runtime.export.bundle import write_bundle  # noqa: E402
 from runtime.export.exporter import export  # noqa: E402
 from runtime.export.settings import QUANTIZATIONS, ExportSettings  # noqa: E402
 from runtime.export.source import inspect_source  # noqa: E402
-from runtime.util.signature_names import LoraSlot
+from runtime.errors import NotFoundError  # noqa: E402
+from runtime.util.model_weights import ModelWeights  # noqa: E402
+from runtime.util.signature_names import LoraSlot  # noqa: E402
 
 pytestmark = pytest.mark.export
 PROMPT_LEN, TOKENS = 6, 24
@@ -276,6 +278,32 @@ def test_every_offered_quantization_runs_in_this_runtime(exported: Exported, tmp
     reference = runtime_logits(exported.model)[:8]
     assert np.all(np.isfinite(quantized))
     assert np.corrcoef(quantized.ravel(), reference.ravel())[0, 1] > 0.9
+    # The base weights an R-only LoRA-XS adapter needs: the checkpoint's, within the precision.
+    weights = ModelWeights((tmp_path / "q.tflite").read_bytes(), "q.tflite")
+    if quantize.startswith("int4"):
+        with pytest.raises(NotFoundError, match="int4 ones are not"):
+            weights.weight(0, "q")
+        return
+    tolerance = {"int8": 0.01, "int8-weights": 0.01, "fp16": 1e-3}[quantize]
+    for name, expected in checkpoints.llama_weights().items():
+        found = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.weight", name)
+        if found:
+            got = weights.weight(int(found[1]), found[2])
+            assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
+
+
+def test_the_base_weights_are_found_exactly_in_a_float32_export(exported: Exported) -> None:
+    weights = ModelWeights(exported.model.read_bytes(), exported.model.name)
+    found = 0
+    for name, expected in checkpoints.llama_weights().items():
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj\.weight", name)
+        if match:
+            assert weights.shape(int(match[1]), match[2]) == expected.shape
+            np.testing.assert_array_equal(weights.weight(int(match[1]), match[2]), expected)
+            found += 1
+    assert found == checkpoints.LAYERS * 7
+    with pytest.raises(NotFoundError, match="no weight for layer 9 projection 'q'"):
+        weights.weight(9, "q")
 
 
 LITERT_LM_GREEDY = """

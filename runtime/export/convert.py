@@ -25,6 +25,14 @@ def to_tflite_ops(module: ir.Module, context: ir.Context) -> None:
         converter_api_ext.run_convert_to_tfl_passes(module, passmanager.PassManager(), config)
 
 
+def add_metadata(module: ir.Module, context: ir.Context, entries: dict[str, str]) -> None:
+    """Gives the flatbuffer ``entries`` (name -> text) as metadata: the converter writes a
+    module's ``tfl.metadata`` dictionary (which the lowering leaves unset) into the model."""
+    with context:
+        module.operation.attributes["tfl.metadata"] = ir.DictAttr.get(
+            {name: ir.StringAttr.get(text) for name, text in entries.items()})
+
+
 def serialize(module: ir.Module, out_path: str | os.PathLike[str] | None = None) -> bytes | None:
     """Writes ``module``'s flatbuffer to ``out_path``, or returns it when none is given."""
     if out_path is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import InvalidArgumentError
-from runtime.export import budget, bundle, checkpoint, convert, families, lowering
+from runtime.export import budget, bundle, checkpoint, convert, families, lowering, projection_map
 from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_bytes, release_freed_memory
 from runtime.export.outputs import PendingOutputs
 from runtime.export.settings import ExportSettings
@@ -97,6 +97,7 @@ class _Job:
         yield "load the weights"
         with self.stage("build the litert-torch model"):
             self.decoder = families.build_decoder(hf_model, self.settings.kv_length)
+            self.projections = projection_map.projection_map(hf_model, self.decoder)
             del hf_model
             gc.collect()
             release_freed_memory()
@@ -110,6 +111,8 @@ class _Job:
             yield "convert to TFLite ops"
         else:  # the workers convert their modules too
             module = yield from self._lower_in_workers(context)
+        convert.add_metadata(module, context, {projection_map.METADATA_NAME:
+                                               projection_map.metadata_json(self.projections)})
         if self.settings.quantize == "none":
             with self.stage("serialize"):
                 convert.serialize(module, self.model_file)
