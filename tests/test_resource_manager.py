@@ -16,12 +16,14 @@ from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFou
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
+from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import LoraSlot
 
 
 @pytest.fixture
 def manager():
-    resources = ResourceManager(LlmExecutor(MODEL_FILES["default"]))
+    resources = ResourceManager(LlmExecutor(MODEL_FILES["default"]),
+                                base_weights=lambda: ModelWeights.open(MODEL_FILES["default"], "default"))
     yield resources
     resources.close()
 

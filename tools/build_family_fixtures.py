@@ -22,6 +22,11 @@ under ``tests/models/families/<family>/`` by default:
     saved by ``peft``.
 ``adapter_all_linear/`` (all but Gemma 3)
     The same on every linear projection: q/k/v/o and the MLP's gate/up/down.
+``adapter_lora_xs/`` (Llama)
+    An R-only LoRA-XS adapter on q/k/v/o: a random ``r x r`` ``lora_R`` per projection
+    (``peft_type`` "LORA_XS", ``n_iter`` 10, ``random_state`` 42), its A and B being
+    scikit-learn's ``TruncatedSVD`` of the float32 base weight as LoRA-XS's reference
+    builds them; its reference is the float64 model with ``W + (alpha / r) B R A``.
 ``reference.npz``
     transformers in float64 (eager attention): ``tokens`` (a prompt of ``prompt_len``
     tokens and the tokens fed after it), ``logits`` and ``logits_<adapter>`` at every
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import hashlib
 import json
 import os
@@ -104,6 +110,45 @@ ALL_LINEAR_TARGETS = [*TARGETS, "down_proj", "gate_proj", "up_proj"]
 # The adapters of each fixture, by directory name: their target modules.
 ADAPTERS = {"adapter": TARGETS, "adapter_all_linear": ALL_LINEAR_TARGETS}
 NO_ALL_LINEAR = {"gemma3"}  # our Gemma 3 decoder takes LoRA on attention only
+LORA_XS_FAMILIES = {"llama"}
+LORA_XS = {"n_iter": 10, "random_state": 42}
+
+
+def lora_xs_adapter(model: Any, seed: int, out: Path) -> dict[str, np.ndarray]:
+    """Writes an R-only LoRA-XS adapter on ``model``'s q/k/v/o into ``out``; returns each
+    weight's delta ``(alpha / r) B R A`` (float64, by parameter name)."""
+    from safetensors.numpy import save_file
+    from sklearn.decomposition import TruncatedSVD
+
+    rng = np.random.default_rng(seed + 2000)
+    tensors, deltas = {}, {}
+    for name, parameter in model.named_parameters():
+        if not re.fullmatch(r"model\.layers\.\d+\.self_attn\.[qkvo]_proj\.weight", name):
+            continue
+        weight = parameter.detach().float().numpy()
+        svd = TruncatedSVD(n_components=ADAPTER_RANK, **LORA_XS).fit(weight)
+        a, b = svd.components_.astype(np.float64), svd.transform(weight).astype(np.float64)
+        r = (rng.standard_normal((ADAPTER_RANK, ADAPTER_RANK)) * 0.05).astype(np.float32)
+        tensors[f"base_model.model.{name.removesuffix('.weight')}.lora_R.weight"] = r
+        deltas[name] = (ADAPTER_ALPHA / ADAPTER_RANK) * b @ r.astype(np.float64) @ a
+    out.mkdir()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA_XS", "r": ADAPTER_RANK, "lora_alpha": ADAPTER_ALPHA, "target_modules": TARGETS,
+              "base_model_name_or_path": "llama", **LORA_XS}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return deltas
+
+
+def merged64(model64: Any, deltas: dict[str, np.ndarray]) -> Any:
+    """A copy of the float64 ``model64`` with ``deltas`` added to its weights."""
+    import torch
+
+    merged = copy.deepcopy(model64)
+    with torch.no_grad():
+        for name, parameter in merged.named_parameters():
+            if name in deltas:
+                parameter += torch.from_numpy(deltas[name])
+    return merged.eval()
 
 def build_hf_model(spec: FamilySpec) -> Any:
     """The transformers model with weights drawn from ``spec.seed`` (float32)."""
@@ -208,6 +253,8 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as work:
         model.save_pretrained(work)
         report = export(inspect_source(work), settings, model_out=out_dir / "model.tflite")
+    lora_xs_deltas = (lora_xs_adapter(model, spec.seed, out_dir / "adapter_lora_xs")
+                      if spec.name in LORA_XS_FAMILIES else None)
     for name, peft_model in peft_models.items():
         peft_model.peft_config["default"].base_model_name_or_path = spec.name
         peft_model.save_pretrained(out_dir / name)
@@ -217,6 +264,9 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
 
     rng = np.random.default_rng(spec.seed + 1)
     models64 = {"": model.double(), **{"_" + name: peft.double() for name, peft in peft_models.items()}}
+    if lora_xs_deltas is not None:
+        models64["_adapter_lora_xs"] = merged64(models64[""], lora_xs_deltas)
+        adapters["adapter_lora_xs"] = TARGETS
     for _ in range(20):  # a prompt whose greedy paths have no near-ties
         tokens = rng.integers(3, spec.config["vocab_size"], PROMPT_LEN + FED_TOKENS).astype(np.int32)
         greedy = {suffix: greedy64(m, tokens[:PROMPT_LEN], GREEDY_TOKENS) for suffix, m in models64.items()}

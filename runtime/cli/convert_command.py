@@ -12,6 +12,8 @@ from runtime.components.lora_converter import convert_adapter
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.util.adapter_formats import detect_format, open_adapter
 from runtime.util.lora_util import Convention
+from runtime.util.lora_xs import LoraXsFactors
+from runtime.util.model_weights import ModelWeights
 
 _DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
 _CONVENTIONS = {"litert-lm": Convention.LITERT_LM, "litert-torch": Convention.LITERT_TORCH}
@@ -39,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     executor = LlmExecutor(args.model)
     try:
         spec = executor.spec
-        with open_adapter(args.source, head_dim=spec.head_dim) as data:
+        lora_xs = LoraXsFactors(lambda: ModelWeights.open(args.model, str(args.model)))
+        with open_adapter(args.source, head_dim=spec.head_dim, lora_xs=lora_xs) as data:
             blob = convert_adapter(data, spec.lora_slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype],
                                    progress=progress_bar("converting", unit="projection"))
     finally:

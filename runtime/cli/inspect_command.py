@@ -13,6 +13,8 @@ from runtime.util.adapter_data import AdapterData
 from runtime.util.adapter_formats import open_adapter
 from runtime.util.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
 from runtime.util.signature_names import LoraSlot
+from runtime.util.lora_xs import LoraXsFactors
+from runtime.util.model_weights import ModelWeights
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -62,7 +64,8 @@ def _check_fit(adapter_path: Path, model_path: Path) -> int:
     executor = LlmExecutor(model_path)
     try:
         spec = executor.spec
-        with open_adapter(adapter_path, head_dim=spec.head_dim) as adapter:
+        lora_xs = LoraXsFactors(lambda: ModelWeights.open(model_path, str(model_path)))
+        with open_adapter(adapter_path, head_dim=spec.head_dim, lora_xs=lora_xs) as adapter:
             print(describe_adapter(adapter))
             plan = plan_adapter(adapter, spec.lora_slots)
             touched = sorted({projection for _, projection in plan.pairs}, key=PROJECTIONS.index)

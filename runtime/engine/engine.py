@@ -23,6 +23,7 @@ from runtime.executor.model_spec import ModelSpec
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
+from runtime.util.model_weights import ModelWeights
 
 
 class Engine:
@@ -69,6 +70,7 @@ class Engine:
             raise
         self._resources = ResourceManager(
             executors,
+            base_weights=lambda: ModelWeights.open(model, str(self.model_path)),
             residency=self.settings.lora_residency,
             allow_non_finite=self.settings.allow_non_finite_weights,
             batch_wait_s=self.settings.batch_wait_s,

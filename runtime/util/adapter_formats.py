@@ -32,6 +32,7 @@ from runtime.errors import DataLossError, InvalidArgumentError
 from runtime.util.adapter_data import AdapterData
 from runtime.util.gguf_data import GGUF_MAGIC, read_gguf_lora
 from runtime.util.lora_data import FILE_IDENTIFIER, LoraData
+from runtime.util.lora_xs import LoraXsFactors
 from runtime.util.peft_data import CONFIG_FILE, WEIGHTS_FILE, read_peft_directory, read_peft_state_dict
 from runtime.util.scoped_file import ScopedFile
 
@@ -84,9 +85,10 @@ def _file_format(path: Path) -> str:
     )
 
 
-def open_adapter(path: str | os.PathLike[str], *, head_dim: int | None = None) -> AdapterData:
-    """Opens the adapter at ``path`` in whichever format it is."""
-    return AdapterOrigin.of_file(path).open(head_dim=head_dim)
+def open_adapter(path: str | os.PathLike[str], *, head_dim: int | None = None,
+                 lora_xs: LoraXsFactors | None = None) -> AdapterData:
+    """Opens the adapter at ``path`` in whichever format it is (see :meth:`AdapterOrigin.open`)."""
+    return AdapterOrigin.of_file(path).open(head_dim=head_dim, lora_xs=lora_xs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,19 +175,20 @@ class AdapterOrigin:
                 f"{what}: SHA-256 is {digest.hexdigest()}, expected {expected.lower()}; nothing was registered"
             )
 
-    def open(self, *, head_dim: int | None = None) -> AdapterData:
+    def open(self, *, head_dim: int | None = None, lora_xs: LoraXsFactors | None = None) -> AdapterData:
         """Reads the adapter's metadata (no weights yet) in whichever format it is.
-        ``head_dim``: the model's, which GGUF LoRA needs to undo llama's RoPE row order."""
+        ``head_dim``: the model's, which GGUF LoRA needs to undo llama's RoPE row order;
+        ``lora_xs``: the model's LoRA-XS factors, which an R-only PEFT adapter needs."""
         if self.path is None:
             if isinstance(self.buffer, Mapping):
                 if self.peft_config is None:
                     raise InvalidArgumentError(f"{self.name}: a state dict needs its PEFT config (peft_config=)")
-                return read_peft_state_dict(self.buffer, self.peft_config, self.name)
+                return read_peft_state_dict(self.buffer, self.peft_config, self.name, lora_xs)
             if self.peft_config is not None:
                 raise InvalidArgumentError(f"{self.name}: peft_config goes with a state dict, not with bytes")
             return LoraData.create_from_buffer(self.buffer, name=self.name)
         if self.peft:
-            return read_peft_directory(self.path)
+            return read_peft_directory(self.path, lora_xs)
         if _file_format(Path(self.path)) == GGUF:
             return read_gguf_lora(self.path, head_dim=head_dim)
         return LoraData.create_from_file_path(self.path)

@@ -14,6 +14,8 @@ is the quantized model's own weight, not the checkpoint's.
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,7 +41,19 @@ class _Entry:
 class ModelWeights:
     """Reads ``W`` ``[out, in]`` float32 of any mapped projection of one model. Thread-safe."""
 
-    def __init__(self, model: bytes | memoryview, source: str) -> None:
+    @classmethod
+    def open(cls, model: str | os.PathLike[str] | bytes, source: str) -> ModelWeights:
+        """The weights of a model file (memory-mapped: only what is read is paged in) or
+        of a model's bytes."""
+        if isinstance(model, bytes):
+            return cls(model, source)
+        try:
+            with open(model, "rb") as file:
+                return cls(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), source)
+        except OSError as exc:
+            raise NotFoundError(f"{source}: cannot read the model: {exc.strerror}") from None
+
+    def __init__(self, model: bytes | memoryview | mmap.mmap, source: str) -> None:
         """``model``: the ``.tflite`` bytes (or a memory map of them), kept while in use."""
         self._buffer = model
         self._source = source

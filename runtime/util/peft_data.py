@@ -32,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
 from runtime.util.lora_util import Convention, lora_input_name
+from runtime.util.lora_xs import DEFAULT_N_ITER, DEFAULT_RANDOM_STATE, LoraXsFactors
 from runtime.util.scoped_file import FileWatch
 
 CONFIG_FILE = "adapter_config.json"
@@ -45,9 +46,10 @@ _PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
 _KEY = re.compile(
     r"(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>0|[1-9][0-9]*)\."
     r"(?:(?:self_attn|attn|attention)\.(?P<proj>[qkvo]_proj)|mlp\.(?P<mlp>gate_proj|up_proj|down_proj)))"
-    r"\.(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping)(?:\.default)?\.weight"
+    r"\.(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping|default_lora_latent_mapping)(?:\.default)?\.weight"
 )
 _PEFT_TYPES = ("LORA", "LORA_XS")  # LoRA-XS: lora_A, lora_R, lora_B, applied as B R A
+_LORA_XS_PARTS = ("lora_R", "lora_latent_mapping", "default_lora_latent_mapping")  # the r x r matrix
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class PeftLoraConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     fan_in_fan_out: bool = False
     layers_to_transform: tuple[int, ...] | None = None
+    # LoRA-XS's TruncatedSVD settings, for an R-only adapter's rebuilt A and B (config keys
+    # "n_iter" and "random_state"; LoRA-XS's reference uses 10 and 42).
+    n_iter: int = DEFAULT_N_ITER
+    random_state: int = DEFAULT_RANDOM_STATE
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source: str) -> PeftLoraConfig:
@@ -105,6 +111,8 @@ class PeftLoraConfig:
             alpha_pattern=_pattern(config.get("alpha_pattern"), "alpha_pattern", source),
             fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
             layers_to_transform=tuple(layers) if layers else None,
+            n_iter=_count(config.get("n_iter", DEFAULT_N_ITER), "n_iter", source),
+            random_state=_count(config.get("random_state", DEFAULT_RANDOM_STATE), "random_state", source),
         )
 
     def rank_and_alpha(self, module: str) -> tuple[int, float]:
@@ -120,9 +128,10 @@ class PeftLoraConfig:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
-def read_peft_directory(directory: str | os.PathLike[str]) -> DerivedLoraData:
+def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactors | None = None) -> DerivedLoraData:
     """Opens a PEFT adapter directory (which paths name one is decided by
-    :func:`runtime.util.adapter_formats.peft_directory`)."""
+    :func:`runtime.util.adapter_formats.peft_directory`). ``lora_xs``: the model's
+    factors, which an R-only LoRA-XS adapter needs."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
@@ -139,13 +148,15 @@ def read_peft_directory(directory: str | os.PathLike[str]) -> DerivedLoraData:
         shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
         raise InvalidArgumentError(f"{weights_path}: not a readable safetensors file: {exc}") from None
-    return _derive(shapes, handle.get_tensor, config, str(directory), watches=(watch,))
+    return _derive(shapes, handle.get_tensor, config, str(directory), lora_xs, watches=(watch,))
 
 
 def read_peft_state_dict(
-    state_dict: Mapping[str, Any], config: Mapping[str, Any] | PeftLoraConfig, name: str = "<PEFT state dict>"
+    state_dict: Mapping[str, Any], config: Mapping[str, Any] | PeftLoraConfig, name: str = "<PEFT state dict>",
+    lora_xs: LoraXsFactors | None = None,
 ) -> DerivedLoraData:
-    """A PEFT state dict (key -> array) with its config (a dict as in ``adapter_config.json``)."""
+    """A PEFT state dict (key -> array) with its config (a dict as in ``adapter_config.json``);
+    ``lora_xs`` as for :func:`read_peft_directory`."""
     if not isinstance(config, PeftLoraConfig):
         config = PeftLoraConfig.from_dict(config, name)
     arrays: dict[str, np.ndarray] = {}
@@ -154,7 +165,7 @@ def read_peft_state_dict(
             arrays[str(key)] = np.asarray(value)
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"{name}: tensor {key!r} is not an array: {exc}") from None
-    return _derive({k: a.shape for k, a in arrays.items()}, arrays.__getitem__, config, name)
+    return _derive({k: a.shape for k, a in arrays.items()}, arrays.__getitem__, config, name, lora_xs)
 
 
 @dataclass
@@ -169,6 +180,7 @@ def _derive(
     load: Callable[[str], np.ndarray],
     config: PeftLoraConfig,
     source: str,
+    lora_xs: LoraXsFactors | None,
     watches: tuple[FileWatch, ...] = (),
 ) -> DerivedLoraData:
     modules: dict[str, _Module] = {}
@@ -192,61 +204,93 @@ def _derive(
                 f"{source}: {path} is in layer {module.layer}, outside layers_to_transform "
                 f"{list(config.layers_to_transform)}"
             )
-        tensors.update(_module_tensors(path, module, shapes, load, config, source))
+        tensors.update(_module_tensors(path, module, shapes, load, config, source, lora_xs))
     return DerivedLoraData(tensors, source_name=source, format_name="peft", watches=watches)
 
 
-def _module_tensors(
-    path: str,
-    module: _Module,
-    shapes: Mapping[str, tuple[int, ...]],
-    load: Callable[[str], np.ndarray],
-    config: PeftLoraConfig,
-    source: str,
-) -> dict[str, DerivedTensor]:
-    if "lora_A" not in module.parts and "lora_B" not in module.parts and module.parts:
-        raise UnimplementedError(
-            f"{source}: {path} holds only {', '.join(sorted(module.parts))}: an R-only LoRA-XS adapter, whose A and "
-            "B are rebuilt from the base model's weights, which this runtime does not do yet")
-    for part in ("lora_A", "lora_B"):
-        if part not in module.parts:
-            raise InvalidArgumentError(f"{source}: {path} has no {part}.weight (half of a LoRA pair is missing)")
-    a_key, b_key = module.parts["lora_A"], module.parts["lora_B"]
-    r_key = module.parts.get("lora_R") or module.parts.get("lora_latent_mapping")
-    a_shape, b_shape = shapes[a_key], shapes[b_key]
-    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] == 0:
-        raise InvalidArgumentError(
-            f"{source}: tensor {a_key!r} {list(a_shape)} and {b_key!r} {list(b_shape)} are not a "
-            "LoRA pair (expected A [r, in] and B [out, r])"
-        )
-    rank = a_shape[0]
+def _module_tensors(path: str, module: _Module, shapes: Mapping[str, tuple[int, ...]],
+                    load: Callable[[str], np.ndarray], config: PeftLoraConfig, source: str,
+                    lora_xs: LoraXsFactors | None) -> dict[str, DerivedTensor]:
+    """One module's ``a = (scale * A).T`` and ``b = B.T``; with LoRA-XS's ``r x r`` R between
+    them, ``a = (scale * R A).T``, and an R-only adapter's A and B rebuilt from the base
+    weight when first read (registering reads shapes only)."""
+    r_key = next((module.parts[part] for part in _LORA_XS_PARTS if part in module.parts), None)
+    if "lora_A" in module.parts or "lora_B" in module.parts:
+        rank, fan_in, fan_out, factors = _stored_factors(path, module, shapes, load, source)
+    else:
+        rank, fan_in, fan_out, factors = _rebuilt_factors(path, module, shapes, config, source, lora_xs)
     if r_key is not None and shapes[r_key] != (rank, rank):
         raise InvalidArgumentError(f"{source}: tensor {r_key!r} is {list(shapes[r_key])}, expected [{rank}, {rank}]")
     module_name = path.removeprefix("base_model.model.")
     expected_rank, _ = config.rank_and_alpha(module_name)
     if expected_rank != rank:
         raise InvalidArgumentError(
-            f"{source}: tensor {a_key!r} has rank {rank}, but the config says r={expected_rank} for {module_name}"
-        )
+            f"{source}: {path} has rank {rank}, but the config says r={expected_rank} for {module_name}")
     scale = config.scale(module_name)
 
     def a_prime() -> np.ndarray:
-        a = _float32(load(a_key), a_key, source)
+        a = factors()[0]
         if r_key is not None:
             a = _float32(load(r_key), r_key, source) @ a
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite values are refused later
             return (np.float32(scale) * a).T
 
     def b_prime() -> np.ndarray:
-        return _float32(load(b_key), b_key, source).T
+        return factors()[1].T
 
     f32 = np.dtype(np.float32)
     return {
         lora_input_name(Convention.LITERT_TORCH, module.layer, module.projection, "a"):
-            DerivedTensor((a_shape[1], rank), f32, a_prime),
+            DerivedTensor((fan_in, rank), f32, a_prime),
         lora_input_name(Convention.LITERT_TORCH, module.layer, module.projection, "b"):
-            DerivedTensor((rank, b_shape[0]), f32, b_prime),
+            DerivedTensor((rank, fan_out), f32, b_prime),
     }
+
+
+# A module's rank, fan-in, fan-out, and how to get its (A [r, in], B [out, r]).
+_Factors = tuple[int, int, int, Callable[[], tuple[np.ndarray, np.ndarray]]]
+
+
+def _stored_factors(path: str, module: _Module, shapes: Mapping[str, tuple[int, ...]],
+                    load: Callable[[str], np.ndarray], source: str) -> _Factors:
+    """A and B as the file holds them."""
+    for part in ("lora_A", "lora_B"):
+        if part not in module.parts:
+            raise InvalidArgumentError(f"{source}: {path} has no {part}.weight (half of a LoRA pair is missing)")
+    a_key, b_key = module.parts["lora_A"], module.parts["lora_B"]
+    a_shape, b_shape = shapes[a_key], shapes[b_key]
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1] or a_shape[0] == 0:
+        raise InvalidArgumentError(
+            f"{source}: tensor {a_key!r} {list(a_shape)} and {b_key!r} {list(b_shape)} are not a "
+            "LoRA pair (expected A [r, in] and B [out, r])"
+        )
+    return a_shape[0], a_shape[1], b_shape[0], lambda: (_float32(load(a_key), a_key, source),
+                                                        _float32(load(b_key), b_key, source))
+
+
+def _rebuilt_factors(path: str, module: _Module, shapes: Mapping[str, tuple[int, ...]], config: PeftLoraConfig,
+                     source: str, lora_xs: LoraXsFactors | None) -> _Factors:
+    """An R-only LoRA-XS module's A and B, rebuilt from the base weight as LoRA-XS does."""
+    if len(module.parts) != 1:
+        raise InvalidArgumentError(f"{source}: {path} has {sorted(module.parts)} but no lora_A and lora_B: expected "
+                                   "one r x r LoRA-XS matrix")
+    (r_key,) = module.parts.values()
+    if lora_xs is None:
+        raise FailedPreconditionError(
+            f"{source}: {path} holds only {r_key!r}: an R-only LoRA-XS adapter, whose A and B are rebuilt from the "
+            "base model's weights; open it with a model (--model, or through an Engine)")
+    rank = shapes[r_key][0] if len(shapes[r_key]) == 2 else 0
+    if rank == 0 or shapes[r_key] != (rank, rank):
+        raise InvalidArgumentError(f"{source}: tensor {r_key!r} is {list(shapes[r_key])}, expected a square [r, r]")
+    fan_out, fan_in = lora_xs.shape(module.layer, module.projection)
+    return rank, fan_in, fan_out, lambda: lora_xs.factors(module.layer, module.projection, rank, config.n_iter,
+                                                           config.random_state)
+
+
+def _count(value: Any, field_name: str, source: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgumentError(f"{source}: {field_name} is {value!r}, expected a non-negative integer")
+    return value
 
 
 def _why_refused(key: str) -> str:

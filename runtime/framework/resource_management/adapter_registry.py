@@ -29,6 +29,8 @@ from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
 from runtime.util.adapter_formats import AdapterKey
 from runtime.util.latency import LatencyRecorder
+from runtime.util.lora_xs import LoraXsFactors
+from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import LoraSlot
 from runtime.util.tensor_spec import TensorSpec
 
@@ -42,14 +44,17 @@ class AdapterRegistry:
         allocate: Callable[[LoraSlot, str], object],
         *,
         head_dim: int,
+        base_weights: Callable[[], ModelWeights],
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
     ) -> None:
         """``lora_slots``: the model's LoRA inputs per slot; ``allocate(slot, name)``
         makes one input buffer; ``head_dim`` is what GGUF adapters need to undo
-        llama.cpp's row order."""
+        llama.cpp's row order; ``base_weights`` reads the model's projection weights, which
+        R-only LoRA-XS adapters are rebuilt from (called when the first one registers)."""
         self._manager = LoraManager(lora_slots, allocate, residency=residency, allow_non_finite=allow_non_finite)
         self._head_dim = head_dim
+        self._lora_xs = LoraXsFactors(base_weights)  # shared by every adapter of the model
         self._ids: dict[AdapterKey, int] = {}
         self._next_id = 1
         self._lock = threading.RLock()
@@ -67,7 +72,7 @@ class AdapterRegistry:
             try:
                 if source.sha256 is not None:
                     origin.check_sha256(source.sha256)
-                data = origin.open(head_dim=self._head_dim)
+                data = origin.open(head_dim=self._head_dim, lora_xs=self._lora_xs)
                 try:
                     self._manager.load_lora(lora_id, data)
                 except BaseException:

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -31,6 +31,7 @@ from runtime.framework.resource_management.adapter_registry import AdapterRegist
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
 from runtime.util.latency import LatencyRecorder
+from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import LoraSlot
 
 
@@ -42,12 +43,14 @@ class ResourceManager:
         self,
         executors: LlmExecutor | Sequence[LlmExecutor],
         *,
+        base_weights: Callable[[], ModelWeights],
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
         batch_wait_s: float | None = None,
     ) -> None:
         """``executors``: one executor, or a pool of executors of the same model; KV
         caches and adapter buffers are made by the first and bound to whichever runs.
+        ``base_weights``: reads the model's projection weights (for R-only LoRA-XS).
         ``batch_wait_s``: with a model that has batched decode signatures, how long a
         batch waits for the sessions of the previous one to come back (``None``: no
         batching, sessions take turns)."""
@@ -63,6 +66,7 @@ class ResourceManager:
             self.spec.lora_slots,
             executor.create_lora_buffer,
             head_dim=self.spec.head_dim,
+            base_weights=base_weights,
             residency=residency,
             allow_non_finite=allow_non_finite,
         )
