@@ -37,8 +37,12 @@ MODELS = ROOT / "tests" / "models"
 SEEDS = {
     "tflite": [MODELS / "adapters" / f"{n}.tflite" for n in ("torch_r4_layer1_qv", "litertlm_r8_layer0", "mediapipe_r4")],
     "gguf": [MODELS / "peft" / "qkvo_r4_f16.gguf"],
-    "peft": [MODELS / "peft" / "layers_1_only", MODELS / "peft" / "rank_pattern"],
+    "peft": [MODELS / "peft" / "layers_1_only", MODELS / "peft" / "rank_pattern",
+             MODELS / "families" / "llama" / "adapter_all_linear", MODELS / "families" / "llama" / "adapter_lora_xs"],
 }
+# The model cases are checked against: the tiny Llama family export (the test model's
+# hidden size, all-linear slots, and the weights map R-only LoRA-XS adapters are rebuilt from).
+MODEL = MODELS / "families" / "llama" / "model.tflite"
 INTERESTING = [b"\x00", b"\xff", b"\x7f", b"\x80", b"\x00\x00\x00\x80", b"\xff\xff\xff\x7f", b"\xff\xff\xff\xff",
                b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b"\x00\x00\x80\x7f", b"\x00\x00\xc0\x7f"]
 
@@ -90,8 +94,9 @@ def mutate_json(text: bytes, rng: random.Random) -> bytes:
     if rng.random() < 0.2 or not isinstance(config, dict):
         return mutate(text, rng)
     for _ in range(rng.randint(1, 3)):
-        key = rng.choice(list(config) + ["r", "lora_alpha", "peft_type", "use_dora", "rank_pattern",
-                                         "alpha_pattern", "layers_to_transform", "bias", "modules_to_save"])
+        key = rng.choice(list(config) + ["r", "lora_alpha", "peft_type", "use_dora", "rank_pattern", "n_iter",
+                                         "random_state", "alpha_pattern", "layers_to_transform", "bias",
+                                         "modules_to_save"])
         config[key] = rng.choice([None, 0, -1, 2**40, 1e308, float("nan"), "x", [], {}, {"v_proj": 0},
                                   {".*": 3}, {"(": 2}, True, [1], "LORA", "lora_only"])
     return json.dumps(config, allow_nan=True).encode()
@@ -111,7 +116,7 @@ def make_case(seed: int, index: int) -> Case:
     return Case(kind, mutate(source.read_bytes(), rng))
 
 
-def load_case(case: Case, workdir: Path, slots) -> str:
+def load_case(case: Case, workdir: Path, slots, lora_xs) -> str:
     """Loads a case as the engine would; returns the outcome class name."""
     from runtime.components.lora import LoRA, plan_adapter
     from runtime.errors import StatusError
@@ -130,7 +135,7 @@ def load_case(case: Case, workdir: Path, slots) -> str:
     else:
         target.write_bytes(case.data)
     try:
-        sources = [open_adapter(target, head_dim=16)]
+        sources = [open_adapter(target, head_dim=16, lora_xs=lora_xs)]
         if case.kind == "tflite":
             sources.append(AdapterOrigin.of_buffer(case.data, name="<fuzz buffer>").open())
         for data in sources:
@@ -153,10 +158,13 @@ class _ArrayBuffer:
 
 def _worker(seed: int, tasks: mp.Queue, results: mp.Queue) -> None:
     from runtime.executor.litert_executor import LlmExecutor
+    from runtime.util.lora_xs import LoraXsFactors
+    from runtime.util.model_weights import ModelWeights
 
-    executor = LlmExecutor(MODELS / "gqa_default.tflite")
+    executor = LlmExecutor(MODEL)
     slots = executor.spec.lora_slots
     executor.close()
+    lora_xs = LoraXsFactors(lambda: ModelWeights.open(MODEL, MODEL.name))
     with tempfile.TemporaryDirectory() as tmp:
         while True:
             index = tasks.get()
@@ -164,7 +172,7 @@ def _worker(seed: int, tasks: mp.Queue, results: mp.Queue) -> None:
                 return
             results.put(("start", index, ""))
             try:
-                outcome = load_case(make_case(seed, index), Path(tmp), slots)
+                outcome = load_case(make_case(seed, index), Path(tmp), slots, lora_xs)
                 results.put(("done", index, outcome))
             except BaseException as exc:  # an escape: anything that is not a StatusError
                 results.put(("escape", index, "".join(traceback.format_exception_only(exc)).strip()))

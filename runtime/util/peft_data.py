@@ -49,6 +49,7 @@ _KEY = re.compile(
     r"\.(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping|default_lora_latent_mapping)(?:\.default)?\.weight"
 )
 _PEFT_TYPES = ("LORA", "LORA_XS")  # LoRA-XS: lora_A, lora_R, lora_B, applied as B R A
+MAX_N_ITER = 1000  # LoRA-XS's TruncatedSVD power iterations: its reference takes 10
 _LORA_XS_PARTS = ("lora_R", "lora_latent_mapping", "default_lora_latent_mapping")  # the r x r matrix
 
 
@@ -111,8 +112,8 @@ class PeftLoraConfig:
             alpha_pattern=_pattern(config.get("alpha_pattern"), "alpha_pattern", source),
             fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
             layers_to_transform=tuple(layers) if layers else None,
-            n_iter=_count(config.get("n_iter", DEFAULT_N_ITER), "n_iter", source),
-            random_state=_count(config.get("random_state", DEFAULT_RANDOM_STATE), "random_state", source),
+            n_iter=_count(config.get("n_iter", DEFAULT_N_ITER), "n_iter", MAX_N_ITER, source),
+            random_state=_count(config.get("random_state", DEFAULT_RANDOM_STATE), "random_state", 2**32 - 1, source),
         )
 
     def rank_and_alpha(self, module: str) -> tuple[int, float]:
@@ -287,9 +288,9 @@ def _rebuilt_factors(path: str, module: _Module, shapes: Mapping[str, tuple[int,
                                                            config.random_state)
 
 
-def _count(value: Any, field_name: str, source: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidArgumentError(f"{source}: {field_name} is {value!r}, expected a non-negative integer")
+def _count(value: Any, field_name: str, most: int, source: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise InvalidArgumentError(f"{source}: {field_name} is {value!r}, expected an integer in [0, {most}]")
     return value
 
 
