@@ -78,6 +78,8 @@ def test_lora_xs_folds_r_into_a(rng):
     "config,error,match",
     [
         ({"r": 4, "use_dora": True}, UnimplementedError, "DoRA"),
+        ({"r": 4, "n_iter": 10**9}, InvalidArgumentError, r"n_iter is 1000000000, expected an integer in \[0, 1000\]"),
+        ({"r": 4, "random_state": -1}, InvalidArgumentError, "random_state is -1"),
         ({"r": 4, "modules_to_save": ["lm_head"]}, InvalidArgumentError, "modules_to_save"),
         ({"r": 4, "bias": "lora_only"}, InvalidArgumentError, "biases"),
         ({"r": 4, "peft_type": "IA3"}, InvalidArgumentError, "peft_type 'IA3'"),
