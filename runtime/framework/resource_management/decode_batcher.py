@@ -13,26 +13,43 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from runtime.executor.batch_plan import DecodeRow, plan_decode
-from runtime.executor.litert_executor import DecodeStep
+from runtime.executor.litert_executor import Binding, DecodeStep, LlmExecutor
+from runtime.executor.model_spec import ModelSpec
+from runtime.framework.resource_management.adapter_registry import AdapterRegistry
 from runtime.framework.resource_management.batch_scheduler import BatchPolicy, BatchScheduler
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.util.latency import LatencyRecorder, LatencySummary
-
-if TYPE_CHECKING:
-    from runtime.framework.resource_management.resource_manager import ResourceManager
+from runtime.util.signature_names import LoraSlot
 
 Step = tuple[ContextHandler, int]  # a context and the token it appends
+
+
+class BatchResources(Protocol):
+    """What the batcher uses of the resource manager that owns it."""
+
+    spec: ModelSpec
+    registry: AdapterRegistry
+
+    def decode_alone(self, context: ContextHandler, token: int) -> np.ndarray:
+        """One step of a context by itself."""
+
+    def run(self, context: ContextHandler, executor: LlmExecutor | None = None, slot: LoraSlot | None = None
+            ) -> AbstractContextManager[Binding]:
+        """The context's binding on ``executor`` in ``slot``, for the block."""
+
+    def executor_for_batch(self) -> AbstractContextManager[LlmExecutor]:
+        """One executor for the block."""
 
 
 class DecodeBatcher:
     """Batches the decode steps of one resource manager's contexts. Thread-safe."""
 
-    def __init__(self, resources: ResourceManager, wait_s: float | None) -> None:
+    def __init__(self, resources: BatchResources, wait_s: float | None) -> None:
         """``wait_s``: how long a batch waits for the sessions of the previous one to come
         back (``None``, or a model without batched signatures: every step runs alone)."""
         self._resources = resources
