@@ -85,6 +85,7 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
         f"  prefill lengths {list(spec.prefill_lengths)}"
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
         f"  LoRA slots {', '.join(map(str, spec.slots)) or 'none'}",
+        f"  base weights map {_weights_map(path)}",
     ]
     slots = [None, *spec.slots]
     batched = {slot: spec.batch_sizes(slot) for slot in slots if spec.batch_sizes(slot)}
@@ -103,6 +104,15 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
             marker = "  [LoRA]" if name in lora else ""
             lines.append(f"    {name:<36} {str(list(tensor.shape)):<16} {tensor.dtype.name}{marker}")
     return "\n".join(lines)
+
+
+def _weights_map(path: Path) -> str:
+    """Whether the export says where its base weights lie (what R-only LoRA-XS adapters need)."""
+    try:
+        ModelWeights.open(path, str(path))
+    except StatusError:
+        return "none (exported before runtime.projections metadata): R-only LoRA-XS adapters cannot run"
+    return "present: R-only LoRA-XS adapters can run"
 
 
 def describe_adapter(data: AdapterData) -> str:
