@@ -23,10 +23,11 @@ pytest.importorskip("litert_torch")
 import checkpoints  # noqa: E402
 from runtime import Engine, InvalidArgumentError, SessionConfig  # noqa: E402
 from runtime.export import convert as convert_module  # noqa: E402
+from runtime.export import families  # noqa: E402
 from runtime.export.bundle import write_bundle  # noqa: E402
 from runtime.export.exporter import export  # noqa: E402
 from runtime.export.settings import QUANTIZATIONS, ExportSettings  # noqa: E402
-from runtime.export.source import inspect_source  # noqa: E402
+from runtime.export.source import FAMILIES, inspect_source  # noqa: E402
 
 pytestmark = pytest.mark.export
 PROMPT_LEN, TOKENS = 6, 24
@@ -168,6 +169,10 @@ def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: Ex
     assert chat.returncode == 0 and raw.returncode == 0, chat.stderr + raw.stderr
     assert f"prefill {len(prompt_ids)} tokens" in chat.stdout
     assert "prefill 7 tokens" in raw.stdout
+
+
+def test_every_family_the_source_check_accepts_has_a_builder() -> None:
+    assert set(families.BUILDERS) == set(FAMILIES)
 
 
 def test_a_gguf_source_gives_the_same_model_in_one_process(exported: Exported, tmp_path: Path) -> None:
