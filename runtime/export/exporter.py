@@ -70,6 +70,16 @@ def export(
     return ExportReport(model_out, bundle_out, plan, measurements)
 
 
+def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None:
+    """Writes a litert-torch decoder built elsewhere (the test models' tools build their
+    own) to ``out_path`` as a ``.tflite`` with ``settings``' signatures, in this process."""
+    context = lowering.new_context()
+    module = lowering.merged([lowered for _, lowered in lowering.lower_each(lowering.signatures_of(model, settings),
+                                                                           context)])
+    convert.to_tflite_ops(module, context)
+    Path(out_path).write_bytes(convert.quantize(convert.serialize(module), settings, model.config))
+
+
 class _Job:
     """The state handed from stage to stage."""
 
