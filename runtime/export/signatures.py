@@ -1,8 +1,8 @@
 """The signatures of an exported model, as data: a name, the module traced, sample inputs.
 
-The converter traces whatever list of :class:`Signature` it is given, so a new kind of
-signature is one more function of the :data:`SignatureSet` shape added to
-:data:`SIGNATURE_SETS` (or passed to :func:`runtime.export.convert.convert`).
+The exporter traces every :class:`Signature` of :data:`SIGNATURE_SETS`
+(:func:`runtime.export.lowering.signatures_of`), so a new kind of signature is one more
+function of the :data:`SignatureSet` shape added there.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from torch import nn
 from runtime.errors import UnimplementedError
 from runtime.export.families import gemma3, llama, qwen2, qwen3
 from runtime.export.litert import model_builder
-from runtime.export.source import FAMILIES, supported_architectures
+from runtime.export.source import supported_architectures
 
 # Hugging Face model_type -> its builder: (transformers model in float32, KV length) -> decoder.
 BUILDERS: dict[str, Callable[[Any, int], nn.Module]] = {
