@@ -168,8 +168,7 @@ class ModelWeights:
     def _bytes(self, buffer: Any) -> memoryview:
         """A buffer's bytes, inline or after the flatbuffer (``offset``/``size``)."""
         if buffer.DataLength():
-            start = buffer._tab.Vector(buffer._tab.Offset(4))
-            return memoryview(self._buffer)[start:start + buffer.DataLength()]
+            return memoryview(buffer.DataAsNumpy())  # a view of the model's bytes
         if buffer.Offset() > 1:
             return memoryview(self._buffer)[buffer.Offset():buffer.Offset() + buffer.Size()]
         return memoryview(b"")
