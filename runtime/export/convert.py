@@ -8,7 +8,7 @@ from typing import Any
 
 from runtime.errors import InvalidArgumentError
 from runtime.export.litert import converter as litert_converter
-from runtime.export.litert import converter_api_ext, ir, passmanager, quant_config, translate_recipe
+from runtime.export.litert import converter_api_ext, ir, is_generative_recipe, passmanager, translate_recipe
 from runtime.export.settings import ExportSettings
 
 
@@ -47,7 +47,7 @@ def quantize(flatbuffer: bytes, settings: ExportSettings, model_config: Any) -> 
     recipe = litert_converter.get_quant_recipe_from_flag(settings.litert_quantize, model_config)
     if recipe is None:
         return flatbuffer
-    if recipe._quantizer_mode != quant_config.QuantConfig._QuantizerMode.AI_EDGE_QUANTIZER:
+    if not is_generative_recipe(recipe):
         raise InvalidArgumentError(f"quantize={settings.quantize!r}: litert-torch's recipe is not a generative "
                                    "(ai-edge-quantizer) recipe, which is all this exporter runs")
     try:

@@ -32,8 +32,8 @@ from torch import nn
 from runtime.errors import ResourceExhaustedError, StatusError
 from runtime.export import convert, families
 from runtime.export.litert import (
-    backend_export, convert_core, converter_api_ext, export_utils, fx_infra, inline_consts, ir, litert_converter,
-    litert_signature, litert_torch,
+    backend_export, convert_core, converter_api_ext, export_utils, fx_infra, inline_consts, ir, litert_signature,
+    litert_torch, output_names, run_graph_passes,
 )
 from runtime.export.measure import SignatureRecord, process_peak_rss_bytes
 from runtime.export.settings import ExportSettings
@@ -73,13 +73,13 @@ def lower_each(signatures: Sequence[Signature], context: ir.Context, worker: int
         spec = litert_signature.Signature(signature.name, signature.module, sample_args=(),
                                           sample_kwargs=dict(signature.sample_kwargs))
         program = convert_core.export_torch_signature(spec, run_decompositions=False)
-        program = convert_core._run_convert_passes(program)  # litert-torch's graph passes, as its converter runs them
+        program = run_graph_passes(program)
         traced = time.perf_counter()
         lowered = backend_export.exported_program_to_mlir(program, ir_context=context,
                                                           lowering_context_plugins=[constants])
         converter_api_ext.set_signature(
             lowered.module.operation, signature_name=signature.name, input_names=spec.flat_arg_names,
-            output_names=litert_converter._get_output_names(program, lowered))
+            output_names=output_names(program, lowered))
         yield SignatureRecord(signature.name, traced - start, time.perf_counter() - traced, worker), lowered.module
 
 
