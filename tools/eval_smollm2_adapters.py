@@ -3,7 +3,10 @@
 
 Run after ``tools/train_smollm2_adapters.py train``, from the repository root::
 
-    nice -n 10 python3 tools/eval_smollm2_adapters.py [--model SMOLLM2.tflite]
+    nice -n 10 python3 tools/eval_smollm2_adapters.py [--model SMOLLM2.tflite] [--adapter NAME ...]
+
+``--adapter`` picks the adapters (default: every task's attention adapter; ``intent-all-linear``
+is the all-linear one of ``tools/train_smollm2_adapters.py train --targets all-linear``).
 
 Every held-out test item of every task (``tools/smollm2_tasks.py``, 100 per task) is put
 through the model's chat template (transformers' tokenizer) and answered greedily, float32,
@@ -228,12 +231,24 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def adapter_names() -> list[str]:
+    """The adapters this script can evaluate: each task's attention adapter (named as the
+    task) and its all-linear one (``<task>-all-linear``)."""
+    return [*tasks.TASKS, *(f"{task}-all-linear" for task in tasks.TASKS)]
+
+
+def adapter_path(name: str) -> Path:
+    """The PEFT directory of adapter ``name`` (one of :func:`adapter_names`)."""
+    task, _, targets = name.partition("-")
+    return tasks.adapter_dir(task, targets or "attention")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluates everything and returns the results record."""
     from transformers import AutoTokenizer
 
     model_dir = tasks.hf_model_dir()
-    adapters = {name: tasks.adapter_dir(name) for name in tasks.TASKS}
+    adapters = {name: adapter_path(name) for name in args.adapter or tasks.TASKS}
     missing = [str(p) for p in [model_dir, *adapters.values()] if not p.exists()]
     if missing:
         raise SystemExit(f"error: missing {', '.join(missing)}: run tools/train_smollm2_adapters.py train first")
@@ -406,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "smollm2_adapters.json")
+    parser.add_argument("--adapter", action="append", choices=adapter_names(),
+                        help="an adapter to evaluate (repeatable; default: every task's attention adapter)")
     args = parser.parse_args(argv)
     if args.model is not None and not args.model.is_file():
         raise SystemExit(f"error: {args.model}: no such model file")

@@ -45,9 +45,10 @@ def hf_model_dir() -> Path:
     return cache_root() / "models" / HF_MODEL_NAME
 
 
-def adapter_dir(task: str) -> Path:
-    """The PEFT directory of the adapter trained on ``task``."""
-    return cache_root() / "adapters" / "smollm2" / task
+def adapter_dir(task: str, targets: str = "attention") -> Path:
+    """The PEFT directory of the adapter trained on ``task`` with LoRA on ``targets``
+    ("attention" or "all-linear")."""
+    return cache_root() / "adapters" / "smollm2" / (task if targets == "attention" else f"{task}-{targets}")
 
 
 @dataclass(frozen=True)

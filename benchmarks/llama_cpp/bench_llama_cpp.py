@@ -560,8 +560,9 @@ class Server:
     def model(self, kind: str) -> Model:
         if kind not in self.models:
             self.models[kind] = Model(self.set.theirs[kind])
-            self.loaded[kind] = {name: self.models[kind].adapter(self.set.adapters[name].gguf)
-                                 for name in ("r8_a", "r8_b", "r64")}
+            used = {name for adapters in SETTING_ADAPTERS.values() for name, _ in adapters}
+            self.loaded[kind] = {name: self.models[kind].adapter(adapter.gguf)
+                                 for name, adapter in self.set.adapters.items() if name in used}
         return self.models[kind]
 
     def context(self, kind: str, threads: int, slot: str = "main") -> Context:

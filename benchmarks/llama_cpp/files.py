@@ -45,6 +45,10 @@ def smollm2_q4_1_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR_MODULES = (*ATTENTION_MODULES, "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class Adapter:
     """One random PEFT adapter, and its llama.cpp conversion."""
@@ -53,6 +57,7 @@ class Adapter:
     seed: int
     peft: Path  # PEFT directory (adapter_config.json + adapter_model.safetensors)
     gguf: Path  # convert_lora_to_gguf.py --outtype f32 of it
+    target_modules: tuple[str, ...] = ATTENTION_MODULES  # what it was trained (made) on
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,8 @@ class ModelSet:
 PRECISION_PAIRS = (("f32", "f32", "f32"), ("int8", "int8", "q8_0"), ("q4", None, "q4_1"))
 DECODE_SETTINGS = ("base", "r8", "blend", "r64")  # adapter settings timed on both sides
 BLEND = (("r8_a", 0.7), ("r8_b", 0.3))  # the blend of two rank-8 adapters, with their scales
-SETTING_ADAPTERS = {"base": (), "r8": (("r8_a", 1.0),), "blend": BLEND, "r64": (("r64", 1.0),)}
+SETTING_ADAPTERS = {"base": (), "r8": (("r8_a", 1.0),), "blend": BLEND, "r64": (("r64", 1.0),),
+                    "r8_all": (("r8_all", 1.0),)}  # an all-linear rank-8 adapter (smollm2 only)
 
 BENCH = ModelSet(
     key="bench",
@@ -112,13 +118,16 @@ SMOLLM2 = ModelSet(
     ours={p: CACHE / "models" / "smollm2-135m-instruct" / f"smollm2-135m-instruct-{p}.tflite" for p in ("f32", "int8")},
     theirs={"f32": SMOLLM2_BENCH / "gguf" / "smollm2-f32.gguf", "q8_0": SMOLLM2_BENCH / "gguf" / "smollm2-q8_0.gguf",
             "q4_1": SMOLLM2_BENCH / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"},  # a link to the original
-    adapters={name: Adapter(rank, seed, SMOLLM2_BENCH / f"peft_{name}", SMOLLM2_BENCH / "gguf" / f"lora-{name}-f32.gguf")
-              for name, rank, seed in (("r8_a", 8, 101), ("r8_b", 8, 202), ("r64", 64, 303), ("r256", 256, 404))},
+    adapters={name: Adapter(rank, seed, SMOLLM2_BENCH / f"peft_{name}", SMOLLM2_BENCH / "gguf" / f"lora-{name}-f32.gguf",
+                            modules)
+              for name, rank, seed, modules in (("r8_a", 8, 101, ATTENTION_MODULES), ("r8_b", 8, 202, ATTENTION_MODULES),
+                                                ("r64", 64, 303, ATTENTION_MODULES), ("r256", 256, 404, ATTENTION_MODULES),
+                                                ("r8_all", 8, 505, ALL_LINEAR_MODULES))},
     prefill_lengths=(128, 512),
     n_ctx=1024,
     decode_steps=24,
     threads=tuple(sorted({1, os.cpu_count() or 1})),
-    generated_adapters=("r8_a", "r8_b", "r64", "r256"),
+    generated_adapters=("r8_a", "r8_b", "r64", "r256", "r8_all"),
     batched={p: CACHE / "models" / "smollm2-135m-instruct-batch" / f"smollm2-135m-instruct-{p}-batch.tflite"
              for p in ("f32", "int8")},
 )

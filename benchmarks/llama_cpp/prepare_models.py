@@ -23,7 +23,6 @@ from pathlib import Path
 
 from files import MODEL_SETS, Adapter, ModelSet, smollm2_q4_1_gguf
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 WEIGHT_STD = 0.02  # of every entry of the random A and B matrices
 
 
@@ -32,13 +31,13 @@ def log(message: str) -> None:
 
 
 def random_peft_adapter(base: object, adapter: Adapter) -> None:
-    """A PEFT LoRA adapter on q/k/v/o of ``base`` (alpha = 2 x rank) with random A and B
-    (a fixed seed), written with ``peft`` itself. Random weights cost what trained ones do."""
+    """A PEFT LoRA adapter on ``adapter.target_modules`` of ``base`` (alpha = 2 x rank) with
+    random A and B (a fixed seed), written with ``peft`` itself. Random weights cost what trained ones do."""
     import numpy as np
     import torch
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=adapter.rank, lora_alpha=2 * adapter.rank, target_modules=list(TARGET_MODULES),
+    config = LoraConfig(r=adapter.rank, lora_alpha=2 * adapter.rank, target_modules=list(adapter.target_modules),
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(copy.deepcopy(base), config)
     rng = np.random.default_rng(adapter.seed)
