@@ -114,6 +114,11 @@ def prepare(out_dir: Path) -> Path:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").exists():
+            raise
+        return out_dir  # another process prepared it meanwhile: the same bytes
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
