@@ -254,6 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"error: missing {', '.join(missing)}: run tools/train_smollm2_adapters.py train first")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     items = test_items(tokenizer, args.num_test)
+    if args.task:
+        items = {name: items[name] for name in args.task}
     model_names = [BASE, *adapters]
     reference = Reference(model_dir, adapters, args.threads)
     eos = reference.eos
@@ -272,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "example": {"instruction": items[name][0].example.instruction, "answer": items[name][0].example.answer},
                 "prompt_tokens_mean": round(sum(len(i.prompt) for i in items[name]) / len(items[name]), 1),
             }
-            for name, task in tasks.TASKS.items()
+            for name, task in tasks.TASKS.items() if name in items
         },
         "adapters": {},
         "transformers_peft": {"accuracy": {}, "seconds": 0.0},
@@ -423,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "smollm2_adapters.json")
     parser.add_argument("--adapter", action="append", choices=adapter_names(),
                         help="an adapter to evaluate (repeatable; default: every task's attention adapter)")
+    parser.add_argument("--task", action="append", choices=sorted(tasks.TASKS),
+                        help="a task to evaluate on (repeatable; default: every task)")
     args = parser.parse_args(argv)
     if args.model is not None and not args.model.is_file():
         raise SystemExit(f"error: {args.model}: no such model file")
