@@ -13,11 +13,16 @@ the same weights saved as a Hugging Face checkpoint. Set-up (cache directory ``D
     python3 benchmarks/gemma3.py --prepare $D        # the HF checkpoint and the lm_head-only models
     for t in f32 q8_0; do python3 CONVERTERS/convert_hf_to_gguf.py $D/hf --outtype $t \
         --outfile $D/gguf/gemma3-270m-$t.gguf; done
-    for q in none:f32 int8:int8; do nice -n 5 python3 -m runtime export $D/gemma-3-270m-q4_k_m.gguf \
-        --out $D/gemma3-270m-${q#*:}.tflite --lora-ranks 8 --lora-targets attention --kv-length 1024 \
-        --prefill-lengths 32,128 --batch-sizes 8 --batch-lora-ranks 8 --attention-windows 128,512 \
-        --quantize ${q%:*}; done
+    nice -n 5 python3 -m runtime export $D/gemma-3-270m-q4_k_m.gguf --out $D/gemma3-270m-f32.tflite \
+        --lora-ranks 8 --lora-targets attention --kv-length 1024 --prefill-lengths 32,128 --batch-sizes 8 \
+        --batch-lora-ranks 8 --attention-windows 128,512
+    python3 benchmarks/gemma3.py --prepare $D        # again: int8 and int4-block32 from the f32 export
     python3 benchmarks/gemma3.py $D [--rounds 5] [--steps 16]
+
+(``CONVERTERS``: llama.cpp's, as ``benchmarks/llama_cpp/setup.sh`` unpacks them.) The int8
+and int4 models are the exporter's own last stage (``convert.quantize``) run over the f32
+export's flatbuffer: ``export --quantize int8`` runs the same call on the same flatbuffer,
+so this saves a second lowering of the whole model.
 
 1 thread on both sides. Every figure is the median over alternating rounds (each round
 times our side and llama.cpp's, the order flipping every round; the first round only warms
@@ -46,7 +51,13 @@ MAIN_LLAMA_PYTHON = HERE.parents[1] / "main" / "benchmarks" / "llama_cpp" / ".ve
 RESULTS = HERE / "results"
 N_CTX = 1024
 ROWS = 8  # sessions stepping together
-PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # ours -> llama.cpp's
+# Our precision -> llama.cpp's file beside it (under the cache directory): f32 and q8_0 are
+# conversions of the same weights; the 4-bit row runs the original Q4_K_M file itself.
+PAIRS = (("f32", "f32", "gguf/gemma3-270m-f32.gguf"), ("int8", "q8_0", "gguf/gemma3-270m-q8_0.gguf"),
+         ("int4", "Q4_K_M", "gemma-3-270m-q4_k_m.gguf"))
+# Our quantized models: the exporter's own last stage (convert.quantize) over the f32
+# export's flatbuffer, which is what `export --quantize` runs on the same flatbuffer.
+QUANTIZED = {"int8": "int8", "int4": "int4-block32"}
 HEAD_ROWS = (1, ROWS)
 
 
@@ -105,40 +116,59 @@ class LlamaChild:
 
 def prepare(directory: Path) -> None:
     """Writes ``directory/hf`` (the GGUF's weights, dequantized, as a transformers
-    checkpoint with its tokenizer) and ``directory/head-{f32,int8}.tflite``: Gemma 3's final
+    checkpoint with its tokenizer), ``directory/head-{f32,int8,int4}.tflite``: Gemma 3's final
     norm and lm_head alone, ``head_rows{1,8}`` signatures from a hidden state ``[B, 1, 640]``
-    to logits, exported and quantized as the decoder's own are."""
+    to logits, lowered and quantized as the exporter does the decoder's; and, once the f32
+    export is there, ``gemma3-270m-{int8,int4}.tflite`` quantized from it (:data:`QUANTIZED`)."""
     import torch
-    import transformers
+    from safetensors.torch import load_file
 
-    from runtime.export import convert, families, lowering
+    from runtime.export import convert, lowering
     from runtime.export.settings import ExportSettings
     from runtime.export.signatures import Signature
 
-    gguf = next(directory.glob("*.gguf"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf.name, dtype=torch.float32)
     if not (directory / "hf" / "config.json").exists():
+        import transformers
+
+        gguf = next(directory.glob("*.gguf"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf.name, dtype=torch.float32)
         config = model.config.to_dict()
-        config.pop("quantization_config", None)
+        config.pop("quantization_config", None)  # save_pretrained refuses a GGUF-quantized model
         plain = type(model)(type(model.config).from_dict(config))
         plain.load_state_dict(model.state_dict())
         plain.save_pretrained(directory / "hf")
         transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf.name).save_pretrained(directory / "hf")
-    decoder = families.build_decoder(model, 8)
+        del model, plain
+    weights = load_file(directory / "hf" / "model.safetensors")
+    epsilon = json.loads((directory / "hf" / "config.json").read_text())["rms_norm_eps"]
 
     class Head(torch.nn.Module):
-        def forward(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {"logits": decoder.lm_head(decoder.final_norm(hidden))}
+        """Gemma's final RMSNorm (weight stored as w - 1) and the tied lm_head."""
 
-    signatures = [Signature(f"head_rows{rows}", Head().eval(), {"hidden": torch.zeros((rows, 1, 640))})
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+            self.norm = torch.nn.Parameter(1.0 + weights["model.norm.weight"], requires_grad=False)
+
+        def forward(self, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+            normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + epsilon) * self.norm
+            return {"logits": torch.nn.functional.linear(normed, self.embedding)}
+
+    head = Head().eval()
+    signatures = [Signature(f"head_rows{rows}", head, {"hidden": torch.zeros((rows, 1, head.norm.numel()))})
                   for rows in HEAD_ROWS]
-    for quantize, name in (("none", "f32"), ("int8", "int8")):
+    if not (directory / "head-f32.tflite").exists():
         context = lowering.new_context()
         module = lowering.merged([m for _, m in lowering.lower_each(signatures, context)])
         convert.to_tflite_ops(module, context)
-        flatbuffer = convert.quantize(convert.serialize(module), ExportSettings(quantize=quantize), decoder.config)
-        (directory / f"head-{name}.tflite").write_bytes(flatbuffer)
-        print(f"{directory / f'head-{name}.tflite'}: {len(flatbuffer):,} bytes", flush=True)
+        convert.serialize(module, directory / "head-f32.tflite")
+    for stem in ("head", "gemma3-270m"):
+        f32 = directory / f"{stem}-f32.tflite"
+        for name, quantize in QUANTIZED.items():
+            out = directory / f"{stem}-{name}.tflite"
+            if f32.exists() and not out.exists():
+                out.write_bytes(convert.quantize(f32.read_bytes(), ExportSettings(quantize=quantize), None))
+                print(f"{out}: {out.stat().st_size:,} bytes", flush=True)
 
 
 # -- our side -------------------------------------------------------------------------------
@@ -201,8 +231,11 @@ def measure(directory: Path, rounds: int, steps: int) -> dict[str, Any]:
     llama = LlamaChild()
     folder = Path(tempfile.mkdtemp())
     try:
-        for ours, theirs in PAIRS:
-            gguf = directory / "gguf" / f"gemma3-270m-{theirs}.gguf"
+        for ours, theirs, theirs_file in PAIRS:
+            gguf = directory / theirs_file
+            if not (directory / f"gemma3-270m-{ours}.tflite").exists():
+                print(f"{ours}: no gemma3-270m-{ours}.tflite, skipped", flush=True)
+                continue
             with Engine(directory / f"gemma3-270m-{ours}.tflite", EngineSettings(num_threads=1)) as engine:
                 (folder / ours).mkdir()
                 paths = random_adapter_files(engine, folder / ours, ROWS, 8, seed=1)
@@ -226,7 +259,7 @@ def measure(directory: Path, rounds: int, steps: int) -> dict[str, Any]:
                     if r == 0:
                         continue  # warm-up
                     record(f"{ours}.decode_ms", mine)
-                    record(f"{theirs}.llama_cpp_decode_ms", other)
+                    record(f"{ours}.llama_cpp_{theirs}_decode_ms", other)
                     record(f"{ours}.speed_vs_llama_cpp", other / mine)
                     record(f"{ours}.one_session_r8_ms", alone)
                     record(f"{ours}.batch{ROWS}_r8_ms", together)
@@ -248,53 +281,47 @@ def measure(directory: Path, rounds: int, steps: int) -> dict[str, Any]:
 
 
 def report(figures: dict[str, Any], command: str, steps: int) -> str:
-    """The markdown table of ``figures``."""
-    def m(key: str) -> float:
-        return figures[key]["median"]
+    """The markdown tables of ``figures``."""
+    pairs = [(ours, theirs) for ours, theirs, _ in PAIRS if f"{ours}.decode_ms" in figures]
 
     def span(key: str, digits: int = 2) -> str:
         f = figures[key]
         return f"{f['median']:.{digits}f} ({f['min']:.{digits}f}-{f['max']:.{digits}f})"
 
-    lines = [
+    def row(title: str, key: str, digits: int = 2) -> str:
+        return f"| {title} | " + " | ".join(span(f"{ours}.{key}", digits) for ours, _ in pairs) + " |"
+
+    rounds = len(figures[f"{pairs[0][0]}.decode_ms"]["rounds"])
+    header = "| | " + " | ".join(f"ours {ours} (llama.cpp {theirs})" for ours, theirs in pairs) + " |"
+    rule = "|---|" + "---:|" * len(pairs)
+    without_head = " | ".join(
+        f"{figures[f'{ours}.decode_ms']['median'] - figures[f'{ours}.lm_head_rows1_ms']['median']:.1f}"
+        for ours, _ in pairs)
+    return "\n".join([
         "# Gemma 3 270M beside llama.cpp (same weights: the Q4_K_M GGUF dequantized)",
         "",
-        f"`{command}`; 1 thread, median (min-max) over {len(figures['f32.decode_ms']['rounds'])} alternating "
-        f"rounds of {steps} decode steps from an empty context. Targets (issue 23): decode >= 1.0x llama.cpp; "
-        f"{ROWS} sessions >= 3x one.",
+        f"`{command}`; 1 thread, median (min-max) over {rounds} alternating rounds of {steps} decode steps "
+        "from an empty context. Targets (issue 23): decode f32 / int8 >= 1.0x llama.cpp f32 / q8_0; "
+        f"{ROWS} sessions >= 3x one. The 4-bit column is for reference: ours is int4-block32 of the "
+        "dequantized weights, llama.cpp's the original Q4_K_M file.",
         "",
-        "| | ours f32 | llama.cpp f32 | ours int8 | llama.cpp q8_0 |",
-        "|---|---:|---:|---:|---:|",
-        f"| decode, ms/token | {span('f32.decode_ms', 1)} | {span('f32.llama_cpp_decode_ms', 1)} | "
-        f"{span('int8.decode_ms', 1)} | {span('q8_0.llama_cpp_decode_ms', 1)} |",
-        f"| speed vs llama.cpp (their ms / ours) | {span('f32.speed_vs_llama_cpp')} | | "
-        f"{span('int8.speed_vs_llama_cpp')} | |",
+        header, rule,
+        row("decode, ours, ms/token", "decode_ms", 1),
+        "| decode, llama.cpp, ms/token | " + " | ".join(
+            span(f"{ours}.llama_cpp_{theirs}_decode_ms", 1) for ours, theirs in pairs) + " |",
+        row("speed vs llama.cpp (their ms / ours; target >= 1.0)", "speed_vs_llama_cpp"),
+        row("one session with a rank-8 adapter, ms/step", "one_session_r8_ms", 1),
+        row(f"{ROWS} sessions, {ROWS} distinct rank-8 adapters, one decode_batch{ROWS} step, ms",
+            f"batch{ROWS}_r8_ms", 1),
+        row(f"{ROWS} sessions: aggregate tokens/s vs one (target >= 3x)", f"batch{ROWS}_aggregate_x"),
+        row(f"{ROWS} sessions: per-token latency vs alone", f"batch{ROWS}_latency_x"),
+        row("final norm + lm_head alone (640 x 262,144), 1 row, ms", "lm_head_rows1_ms", 1),
+        row(f"the same, {ROWS} rows, ms", f"lm_head_rows{ROWS}_ms", 1),
+        row("lm_head share of a decode step", "lm_head_share_of_step"),
+        row(f"lm_head share of a batch-{ROWS} step", f"lm_head_share_of_batch{ROWS}_step"),
+        f"| the step without the lm_head (decode - lm_head), ms | {without_head} |",
         "",
-        f"| {ROWS} sessions, {ROWS} distinct rank-8 adapters | f32 | int8 |",
-        "|---|---:|---:|",
-        f"| one session alone, ms/step | {span('f32.one_session_r8_ms', 1)} | {span('int8.one_session_r8_ms', 1)} |",
-        f"| {ROWS} together (decode_batch{ROWS}), ms/step | {span(f'f32.batch{ROWS}_r8_ms', 1)} | "
-        f"{span(f'int8.batch{ROWS}_r8_ms', 1)} |",
-        f"| aggregate tokens/s vs one (target >= 3x) | {span(f'f32.batch{ROWS}_aggregate_x')} | "
-        f"{span(f'int8.batch{ROWS}_aggregate_x')} |",
-        f"| per-token latency vs alone | {span(f'f32.batch{ROWS}_latency_x')} | "
-        f"{span(f'int8.batch{ROWS}_latency_x')} |",
-        "",
-        "| where the time goes | f32 | int8 |",
-        "|---|---:|---:|",
-        f"| final norm + lm_head alone (640 x 262,144), 1 row, ms | {span('f32.lm_head_rows1_ms', 1)} | "
-        f"{span('int8.lm_head_rows1_ms', 1)} |",
-        f"| the same, {ROWS} rows, ms | {span(f'f32.lm_head_rows{ROWS}_ms', 1)} | "
-        f"{span(f'int8.lm_head_rows{ROWS}_ms', 1)} |",
-        f"| lm_head share of a decode step | {span('f32.lm_head_share_of_step')} | "
-        f"{span('int8.lm_head_share_of_step')} |",
-        f"| lm_head share of a batch-{ROWS} step | {span(f'f32.lm_head_share_of_batch{ROWS}_step')} | "
-        f"{span(f'int8.lm_head_share_of_batch{ROWS}_step')} |",
-        f"| the step without the lm_head (decode - lm_head), ms | {m('f32.decode_ms') - m('f32.lm_head_rows1_ms'):.1f} | "
-        f"{m('int8.decode_ms') - m('int8.lm_head_rows1_ms'):.1f} |",
-        "",
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def main() -> int:
