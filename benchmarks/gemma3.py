@@ -280,6 +280,62 @@ def measure(directory: Path, rounds: int, steps: int) -> dict[str, Any]:
             for key, v in samples.items()}
 
 
+def check(directory: Path) -> dict[str, Any]:
+    """Fidelity at real size: our f32 export's logits against float64 transformers over a
+    prompt and teacher-forced steps, with and without a rank-8 PEFT adapter (random, made
+    here), whether every argmax agrees, and every row of a batch of 8 against its session alone."""
+    import numpy as np
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from runtime import Engine, EngineSettings, SessionConfig
+
+    tokens = [2, *[(i * 7919 + 11) % 262_000 + 3 for i in range(23)]]
+    prompt = 8
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory / "hf", dtype=torch.float64).eval()
+    folder = Path(tempfile.mkdtemp())
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"]))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64) * 0.02)
+    peft_model.save_pretrained(folder / "adapter")
+    out: dict[str, Any] = {}
+    for label, adapter in (("plain", None), ("peft_r8", folder / "adapter")):
+        with torch.no_grad():
+            if adapter is None:
+                with peft_model.disable_adapter():
+                    expected = peft_model(torch.tensor([tokens])).logits[0, prompt - 1:].numpy()
+            else:
+                expected = peft_model(torch.tensor([tokens])).logits[0, prompt - 1:].numpy()
+        with Engine(directory / "gemma3-270m-f32.tflite", EngineSettings(num_threads=1)) as engine, \
+                engine.create_session(SessionConfig(lora_path=adapter)) as session:
+            rows = [session.run_prefill(tokens[:prompt])] + [session.run_decode(t) for t in tokens[prompt:]]
+        got = np.stack(rows)
+        out[label] = {"max_abs_logit_diff": float(np.max(np.abs(got - expected))),
+                      "argmax_identical": bool((got.argmax(-1) == expected.argmax(-1)).all()),
+                      "logit_std": float(expected.std())}
+    with Engine(directory / "gemma3-270m-f32.tflite", EngineSettings(num_threads=1, batch_wait_s=None)) as engine:
+        from measure import random_adapter_files  # benchmarks/measure.py, beside this script
+
+        (folder / "rows").mkdir()
+        configs = [SessionConfig(lora_path=p) for p in random_adapter_files(engine, folder / "rows", ROWS, 8, seed=1)]
+        sessions = [engine.create_session(c) for c in configs]
+        for row, session in enumerate(sessions):
+            session.run_prefill(tokens[:prompt + row])
+        together = engine.decode_together([(s, tokens[-1]) for s in sessions])
+        worst = 0.0
+        for row, session in enumerate(sessions):
+            session.reset()
+            session.run_prefill(tokens[:prompt + row])
+            worst = max(worst, float(np.max(np.abs(session.run_decode(tokens[-1]) - together[row]))))
+        out[f"batch{ROWS}_row_vs_alone_max_abs_diff"] = worst
+    return out
+
+
 def report(figures: dict[str, Any], command: str, steps: int) -> str:
     """The markdown tables of ``figures``."""
     pairs = [(ours, theirs) for ours, theirs, _ in PAIRS if f"{ours}.decode_ms" in figures]
@@ -330,6 +386,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prepare", action="store_true", help="write the HF checkpoint and lm_head-only models")
+    parser.add_argument("--check", action="store_true", help="fidelity at real size (needs the export extra)")
     parser.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llama_child:
@@ -337,6 +394,12 @@ def main() -> int:
     directory = args.directory.expanduser()
     if args.prepare:
         prepare(directory)
+        return 0
+    if args.check:
+        RESULTS.mkdir(exist_ok=True)
+        result = check(directory)
+        (RESULTS / "gemma3_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
         return 0
     import os
 
