@@ -30,7 +30,7 @@ up). Decode runs ``--steps`` steps from an empty context (our window-128 signatu
 attends over the filled positions). llama.cpp runs in a child process of its own virtualenv
 (``benchmarks/llama_cpp/.venv``, exact context: f32 KV cache, flash attention off), driven
 through ``benchmarks/llama_cpp/bench_llama_cpp.py``'s ``Model`` / ``Context``. Writes
-``benchmarks/results/gemma3.md`` and ``gemma3.json``.
+``benchmarks/results/gemma3.md`` and ``gemma3.json`` (``--check``: ``gemma3.check.json``).
 """
 
 from __future__ import annotations
@@ -398,7 +398,7 @@ def main() -> int:
     if args.check:
         RESULTS.mkdir(exist_ok=True)
         result = check(directory)
-        (RESULTS / "gemma3_check.json").write_text(json.dumps(result, indent=2) + "\n")
+        (RESULTS / "gemma3.check.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return 0
     import os
