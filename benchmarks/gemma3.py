@@ -336,8 +336,9 @@ def check(directory: Path) -> dict[str, Any]:
     return out
 
 
-def report(figures: dict[str, Any], command: str, steps: int) -> str:
-    """The markdown tables of ``figures``."""
+def report(figures: dict[str, Any], command: str, steps: int, directory: Path) -> str:
+    """The markdown tables of ``figures``, with the f32 export's report and the ``--check``
+    result when they are there."""
     pairs = [(ours, theirs) for ours, theirs, _ in PAIRS if f"{ours}.decode_ms" in figures]
 
     def span(key: str, digits: int = 2) -> str:
@@ -377,7 +378,33 @@ def report(figures: dict[str, Any], command: str, steps: int) -> str:
         row(f"lm_head share of a batch-{ROWS} step", f"lm_head_share_of_batch{ROWS}_step"),
         f"| the step without the lm_head (decode - lm_head), ms | {without_head} |",
         "",
+        *notes(directory),
     ])
+
+
+def notes(directory: Path) -> list[str]:
+    """Lines on the f32 export (its report) and on fidelity (``--check``), where measured."""
+    lines = []
+    export_report = directory / "gemma3-270m-f32.export.json"
+    if export_report.exists():
+        export = json.loads(export_report.read_text())
+        stages = ", ".join(f"{s['name']} {s['seconds']:.0f} s" for s in export["stages"])
+        sizes = ", ".join(f"{name} {(directory / f'gemma3-270m-{name}.tflite').stat().st_size / 1e6:.0f} MB"
+                          for name in ("f32", *QUANTIZED) if (directory / f"gemma3-270m-{name}.tflite").exists())
+        lines += [f"Export of the f32 model (`{export_report.name}`): {export['jobs']} job(s), "
+                  f"{export['seconds']:.0f} s ({stages}), peak RSS {export['peak_rss_bytes'] / 1e9:.1f} GB; "
+                  f"settings {json.dumps(export['settings'])}. Sizes: {sizes}.", ""]
+    check_file = RESULTS / "gemma3.check.json"
+    if check_file.exists():
+        check = json.loads(check_file.read_text())
+        lines += ["Fidelity at real size (`--check`, `gemma3.check.json`): the f32 export vs float64 "
+                  "transformers over an 8-token prompt and 16 teacher-forced steps, max |logit diff| "
+                  f"{check['plain']['max_abs_logit_diff']:.1e} plain, {check['peft_r8']['max_abs_logit_diff']:.1e} "
+                  f"with a random rank-8 PEFT adapter (logit std {check['plain']['logit_std']:.1f}), argmax "
+                  f"identical: {check['plain']['argmax_identical'] and check['peft_r8']['argmax_identical']}; "
+                  f"each row of a batch of {ROWS} sessions ({ROWS} distinct rank-8 adapters) vs its session alone: "
+                  f"max |diff| {check[f'batch{ROWS}_row_vs_alone_max_abs_diff']:.1e}.", ""]
+    return lines
 
 
 def main() -> int:
@@ -409,7 +436,7 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gemma3.json").write_text(json.dumps({"command": command, "load_average": os.getloadavg(),
                                                      "figures": figures}, indent=2) + "\n")
-    text = report(figures, command, args.steps)
+    text = report(figures, command, args.steps, directory)
     (RESULTS / "gemma3.md").write_text(text)
     print(text)
     return 0
