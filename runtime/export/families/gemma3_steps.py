@@ -23,13 +23,13 @@ single-session step computes for it: its own token, position, KV cache and LoRA 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.export.batch_decode import BatchDecode
 from runtime.export.families.gemma3 import Gemma3Decoder
-from runtime.export.litert import export_config as export_cfg
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.mlp_lora import ATTENTION_PROJECTIONS, AllLinearStep, feed_forward, lora_key
 
@@ -93,16 +93,15 @@ class Gemma3AllLinearStep(AllLinearStep):
         return model.run(tokens, input_pos, kv_cache, attention_lora, mlp, logits=logits)
 
 
-def batch_decode_step(model: nn.Module, batch: int, lora_rank: int | None, kv_layout: tuple,
-                      window: int | None = None, mlp: bool = False) -> BatchDecode:
+def batch_decode_step(model: nn.Module, *args: Any, **kwargs: Any) -> BatchDecode:
     """The batched (or windowed) decode step of ``model``: Gemma 3's for its decoder, else
-    :class:`BatchDecode` (the standard decoder's)."""
+    :class:`BatchDecode` (the standard decoder's); the arguments are :class:`BatchDecode`'s."""
     step = Gemma3BatchDecode if is_gemma3(model) else BatchDecode
-    return step(model, batch, lora_rank, kv_layout, window, mlp=mlp)
+    return step(model, *args, **kwargs)
 
 
-def all_linear_step(model: nn.Module, lora_rank: int, export_config: export_cfg.ExportConfig) -> AllLinearStep:
+def all_linear_step(model: nn.Module, *args: Any, **kwargs: Any) -> AllLinearStep:
     """The all-linear prefill/decode step of ``model``: Gemma 3's for its decoder, else
-    :class:`AllLinearStep` (the standard decoder's)."""
+    :class:`AllLinearStep` (the standard decoder's); the arguments are :class:`AllLinearStep`'s."""
     step = Gemma3AllLinearStep if is_gemma3(model) else AllLinearStep
-    return step(model, lora_rank, export_config)
+    return step(model, *args, **kwargs)
