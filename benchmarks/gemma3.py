@@ -280,59 +280,95 @@ def measure(directory: Path, rounds: int, steps: int) -> dict[str, Any]:
             for key, v in samples.items()}
 
 
-def check(directory: Path) -> dict[str, Any]:
-    """Fidelity at real size: our f32 export's logits against float64 transformers over a
-    prompt and teacher-forced steps, with and without a rank-8 PEFT adapter (random, made
-    here), whether every argmax agrees, and every row of a batch of 8 against its session alone."""
-    import numpy as np
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL_LINEAR_TARGETS = [*ATTENTION_TARGETS, "gate_proj", "up_proj", "down_proj"]
+CHECK_TOKENS = [2, *[(i * 7919 + 11) % 262_000 + 3 for i in range(23)]]
+CHECK_PROMPT = 8
+
+
+def random_peft(model: Any, targets: list[str], seed: int, out: Path) -> Any:
+    """A PEFT rank-8 adapter (alpha 16) on ``targets`` of ``model`` with random A and B
+    (std 0.02), saved to ``out``; returns the PeftModel (it wraps ``model`` in place)."""
     import torch
-    import transformers
     from peft import LoraConfig, get_peft_model
 
-    from runtime import Engine, EngineSettings, SessionConfig
-
-    tokens = [2, *[(i * 7919 + 11) % 262_000 + 3 for i in range(23)]]
-    prompt = 8
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory / "hf", dtype=torch.float64).eval()
-    folder = Path(tempfile.mkdtemp())
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                      "o_proj"]))
-    generator = torch.Generator().manual_seed(3)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
             if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64) * 0.02)
-    peft_model.save_pretrained(folder / "adapter")
-    out: dict[str, Any] = {}
-    for label, adapter in (("plain", None), ("peft_r8", folder / "adapter")):
-        with torch.no_grad():
-            if adapter is None:
-                with peft_model.disable_adapter():
-                    expected = peft_model(torch.tensor([tokens])).logits[0, prompt - 1:].numpy()
-            else:
-                expected = peft_model(torch.tensor([tokens])).logits[0, prompt - 1:].numpy()
-        with Engine(directory / "gemma3-270m-f32.tflite", EngineSettings(num_threads=1)) as engine, \
-                engine.create_session(SessionConfig(lora_path=adapter)) as session:
-            rows = [session.run_prefill(tokens[:prompt])] + [session.run_decode(t) for t in tokens[prompt:]]
-        got = np.stack(rows)
-        out[label] = {"max_abs_logit_diff": float(np.max(np.abs(got - expected))),
-                      "argmax_identical": bool((got.argmax(-1) == expected.argmax(-1)).all()),
-                      "logit_std": float(expected.std())}
-    with Engine(directory / "gemma3-270m-f32.tflite", EngineSettings(num_threads=1, batch_wait_s=None)) as engine:
-        from measure import random_adapter_files  # benchmarks/measure.py, beside this script
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * 0.02)
+    peft_model.save_pretrained(out)
+    return peft_model
 
+
+def fidelity(model_file: Path, reference: Any, adapter: Path | None) -> dict[str, Any]:
+    """Our logits over CHECK_TOKENS (a prompt, then teacher-forced steps) against
+    ``reference``'s (a float64 transformers model, with ``adapter``'s PEFT weights or not)."""
+    import numpy as np
+    import torch
+
+    from runtime import Engine, EngineSettings, SessionConfig
+
+    with torch.no_grad():
+        expected = reference(torch.tensor([CHECK_TOKENS])).logits[0, CHECK_PROMPT - 1:].numpy()
+    with Engine(model_file, EngineSettings(num_threads=1)) as engine, \
+            engine.create_session(SessionConfig(lora_path=adapter)) as session:
+        rows = [session.run_prefill(CHECK_TOKENS[:CHECK_PROMPT])]
+        rows += [session.run_decode(t) for t in CHECK_TOKENS[CHECK_PROMPT:]]
+    got = np.stack(rows)
+    return {"max_abs_logit_diff": float(np.max(np.abs(got - expected))),
+            "argmax_identical": bool((got.argmax(-1) == expected.argmax(-1)).all()),
+            "logit_std": float(expected.std())}
+
+
+def check(directory: Path) -> dict[str, Any]:
+    """Fidelity at real size: our f32 export's logits against float64 transformers, with
+    and without a random rank-8 PEFT adapter; every row of a batch of 8 against its session
+    alone; and, on the all-linear export where it is there, an all-linear adapter's fidelity
+    and what attention-only and all-linear adapters cost a decode step there."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from runtime import Engine, EngineSettings, SessionConfig
+    from measure import random_adapter_files  # benchmarks/measure.py, beside this script
+
+    folder = Path(tempfile.mkdtemp())
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory / "hf", dtype=torch.float64).eval()
+    attention = random_peft(model, ATTENTION_TARGETS, 3, folder / "attention")
+    out: dict[str, Any] = {"peft_r8": fidelity(directory / "gemma3-270m-f32.tflite", attention, folder / "attention")}
+    with attention.disable_adapter():
+        out["plain"] = fidelity(directory / "gemma3-270m-f32.tflite", attention, None)
+    with Engine(directory / "gemma3-270m-f32.tflite", EngineSettings(num_threads=1, batch_wait_s=None)) as engine:
         (folder / "rows").mkdir()
         configs = [SessionConfig(lora_path=p) for p in random_adapter_files(engine, folder / "rows", ROWS, 8, seed=1)]
         sessions = [engine.create_session(c) for c in configs]
         for row, session in enumerate(sessions):
-            session.run_prefill(tokens[:prompt + row])
-        together = engine.decode_together([(s, tokens[-1]) for s in sessions])
+            session.run_prefill(CHECK_TOKENS[:CHECK_PROMPT + row])
+        together = engine.decode_together([(s, CHECK_TOKENS[-1]) for s in sessions])
         worst = 0.0
         for row, session in enumerate(sessions):
             session.reset()
-            session.run_prefill(tokens[:prompt + row])
-            worst = max(worst, float(np.max(np.abs(session.run_decode(tokens[-1]) - together[row]))))
+            session.run_prefill(CHECK_TOKENS[:CHECK_PROMPT + row])
+            worst = max(worst, float(np.max(np.abs(session.run_decode(CHECK_TOKENS[-1]) - together[row]))))
         out[f"batch{ROWS}_row_vs_alone_max_abs_diff"] = worst
+    all_linear_file = directory / "gemma3-270m-f32-all-linear.tflite"
+    if all_linear_file.exists():
+        base = attention.unload()  # the plain float64 model again
+        everywhere = random_peft(base, ALL_LINEAR_TARGETS, 4, folder / "all_linear")
+        out["all_linear_export"] = {"peft_all_linear_r8": fidelity(all_linear_file, everywhere, folder / "all_linear")}
+        with Engine(all_linear_file, EngineSettings(num_threads=1)) as engine:
+            sessions = {name: engine.create_session(SessionConfig(lora_path=path))
+                        for name, path in (("base", None), ("attention_r8", folder / "attention"),
+                                           ("all_linear_r8", folder / "all_linear"))}
+            times: dict[str, list[float]] = {name: [] for name in sessions}
+            for r in range(6):
+                for name, session in sessions.items():
+                    ms = decode_ms(session, 16)
+                    if r:
+                        times[name].append(ms)
+            out["all_linear_export"]["decode_ms"] = {name: statistics.median(v) for name, v in times.items()}
     return out
 
 
@@ -404,6 +440,17 @@ def notes(directory: Path) -> list[str]:
                   f"identical: {check['plain']['argmax_identical'] and check['peft_r8']['argmax_identical']}; "
                   f"each row of a batch of {ROWS} sessions ({ROWS} distinct rank-8 adapters) vs its session alone: "
                   f"max |diff| {check[f'batch{ROWS}_row_vs_alone_max_abs_diff']:.1e}.", ""]
+        if "all_linear_export" in check:
+            linear = check["all_linear_export"]
+            ms = linear["decode_ms"]
+            lines += ["The all-linear f32 export (`gemma3-270m-f32-all-linear.tflite`: `--lora-targets all-linear "
+                      "--lora-ranks 8 --prefill-lengths 32 --attention-windows 128`): an all-linear rank-8 PEFT "
+                      "adapter within "
+                      f"{linear['peft_all_linear_r8']['max_abs_logit_diff']:.1e} of float64 transformers + peft "
+                      f"(argmax identical: {linear['peft_all_linear_r8']['argmax_identical']}); decode there, ms/token "
+                      f"(median of 5 rounds of 16 steps): base {ms['base']:.1f}, attention-only r8 "
+                      f"{ms['attention_r8']:.1f} ({ms['attention_r8'] / ms['base']:.2f}x), all-linear r8 "
+                      f"{ms['all_linear_r8']:.1f} ({ms['all_linear_r8'] / ms['base']:.2f}x).", ""]
     return lines
 
 
