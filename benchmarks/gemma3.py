@@ -28,15 +28,17 @@ so this saves a second lowering of the whole model.
 times our side and llama.cpp's, the order flipping every round; the first round only warms
 up). Decode runs ``--steps`` steps from an empty context (our window-128 signature; llama.cpp
 attends over the filled positions). llama.cpp runs in a child process of its own virtualenv
-(``benchmarks/llama_cpp/.venv``, exact context: f32 KV cache, flash attention off), driven
-through ``benchmarks/llama_cpp/bench_llama_cpp.py``'s ``Model`` / ``Context``. Writes
-``benchmarks/results/gemma3.md`` and ``gemma3.json`` (``--check``: ``gemma3.check.json``).
+(``benchmarks/llama_cpp/.venv``, or ``$LLAMA_CPP_PYTHON``; exact context: f32 KV cache,
+flash attention off), driven through ``benchmarks/llama_cpp/bench_llama_cpp.py``'s
+``Model`` / ``Context``. Writes ``benchmarks/results/gemma3.md`` and ``gemma3.json``
+(``--check``: ``gemma3.check.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -46,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-LLAMA_PYTHON = HERE / "llama_cpp" / ".venv" / "bin" / "python"
-MAIN_LLAMA_PYTHON = HERE.parents[1] / "main" / "benchmarks" / "llama_cpp" / ".venv" / "bin" / "python"
+# The llama.cpp virtualenv's python (setup.sh makes it; $LLAMA_CPP_PYTHON names another one).
+LLAMA_PYTHON = Path(os.environ.get("LLAMA_CPP_PYTHON") or HERE / "llama_cpp" / ".venv" / "bin" / "python")
 RESULTS = HERE / "results"
 N_CTX = 1024
 ROWS = 8  # sessions stepping together
@@ -90,8 +92,7 @@ class LlamaChild:
     """The llama.cpp child process; ``decode_ms(gguf, steps)`` asks it for one figure."""
 
     def __init__(self) -> None:
-        python = LLAMA_PYTHON if LLAMA_PYTHON.exists() else MAIN_LLAMA_PYTHON
-        self.child = subprocess.Popen([str(python), __file__, "--llama-child"], stdin=subprocess.PIPE,
+        self.child = subprocess.Popen([str(LLAMA_PYTHON), __file__, "--llama-child"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._reply()
 
@@ -475,8 +476,6 @@ def main() -> int:
         (RESULTS / "gemma3.check.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return 0
-    import os
-
     command = " ".join(["python3", "benchmarks/gemma3.py", str(args.directory), "--rounds", str(args.rounds),
                         "--steps", str(args.steps)])
     figures = measure(directory, args.rounds, args.steps)
