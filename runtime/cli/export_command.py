@@ -40,8 +40,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="LoRA rank slots, e.g. 8,16 (default: none)")
     parser.add_argument("--lora-targets", choices=LORA_TARGETS, default=None,
                         help="attention: LoRA on q/k/v/o; all-linear: also slots with the MLP's gate/up/down (an "
-                        "attention-only adapter still runs the cheaper slots). Default: all-linear for Llama, Qwen2 "
-                        "and Qwen3, attention for Gemma 3")
+                        "attention-only adapter still runs the cheaper slots). Default: all-linear (every family: "
+                        "Llama, Qwen2, Qwen3, Gemma 3)")
     parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
     parser.add_argument("--prefill-lengths", default=None, metavar="L,L,...",
                         help="prefill signature lengths (default: 32, 128 and 512, those up to half --kv-length)")

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
 from runtime.export.litert import kv_utils, rotary_position_embedding
 from runtime.export.mlp_lora import check_mlp_lora, feed_forward, is_standard_decoder, lora_key, lora_shapes
 from runtime.util.signature_names import row_tensor_name
@@ -40,7 +41,7 @@ from runtime.util.signature_names import row_tensor_name
 def check_batchable(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder with its
     standard blocks (the families whose batched step this module knows how to write)."""
-    if not is_standard_decoder(model):
+    if not is_standard_decoder(model) and not isinstance(model, Gemma3Decoder):
         raise UnimplementedError(
             f"batched and attention-window decode signatures are not available for {type(model).__name__} "
             "(Gemma 3's own decoder); Llama, Qwen2 and Qwen3 exports have them")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
 from runtime.export.litert import attention, export_config as export_cfg, kv_utils, lora_utils, model_builder
 
 ATTENTION_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "output"}  # ours -> litert-torch's
@@ -49,7 +50,7 @@ def check_mlp_lora(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder whose blocks
     are standard and whose feed-forward is gated with separate gate and up projections
     (Llama, Qwen2, Qwen3): the structure :func:`feed_forward` computes."""
-    if not is_standard_decoder(model):
+    if not is_standard_decoder(model) and not isinstance(model, Gemma3Decoder):
         raise UnimplementedError(
             f"--lora-targets all-linear is not available for {type(model).__name__} (Gemma 3's own decoder); "
             "Llama, Qwen2 and Qwen3 exports have it (use --lora-targets attention)")

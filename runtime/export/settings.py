@@ -48,7 +48,7 @@ class ExportSettings:
     # Which projections the slots take LoRA on: "attention" (q/k/v/o), or "all-linear",
     # which adds slots with the MLP's gate/up/down beside the attention-only ones (an
     # adapter touching attention only still runs the cheaper ones). None: all-linear where
-    # the family supports it (Llama, Qwen2, Qwen3), else attention (Gemma 3).
+    # the family supports it (Llama, Qwen2, Qwen3, Gemma 3), else attention.
     lora_targets: str | None = None
     # KV-cache positions: the longest context a session can hold.
     kv_length: int = 1024

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
-from runtime.export.batch_decode import BatchDecode
+from runtime.export.families.gemma3_steps import all_linear_step, batch_decode_step
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
-from runtime.export.mlp_lora import AllLinearStep, check_mlp_lora
+from runtime.export.mlp_lora import check_mlp_lora
 from runtime.export.settings import ExportSettings
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, SignatureName
 
@@ -72,7 +72,7 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
         module: nn.Module = plain
         extra: dict[str, object] = {}
         if slot is not None and slot.targets == ALL_LINEAR:
-            module = AllLinearStep(model, slot.rank, export_config).eval()
+            module = all_linear_step(model, slot.rank, export_config).eval()
             extra = {"lora": module.sample_lora()}
         elif slot is not None:
             extra = {"lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
@@ -101,8 +101,8 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
     signatures = []
 
     def add(rows: int, window: int | None, slot: LoraSlot | None) -> None:
-        module = BatchDecode(model, rows, slot.rank if slot else None, layout, window,
-                             mlp=slot is not None and slot.targets == ALL_LINEAR).eval()
+        module = batch_decode_step(model, rows, slot.rank if slot else None, layout, window,
+                                   mlp=slot is not None and slot.targets == ALL_LINEAR).eval()
         name = SignatureName("decode", rows=rows, window=window, lora_slot=slot)
         signatures.append(Signature(str(name), module, module.sample_kwargs(settings.kv_length)))
 

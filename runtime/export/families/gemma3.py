@@ -18,6 +18,7 @@ to q/k/v/o) and does what Gemma 3 does around them:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,11 +65,13 @@ class Gemma3Block(attention.TransformerBlock):
         input_pos: torch.Tensor,
         kv_cache: kv_utils.KVCacheEntry,
         lora: lora_utils.LoRAEntry | None = None,
+        feed_forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, kv_utils.KVCacheEntry]:
-        """``x`` -> (block output, updated KV entry); ``lora`` adds to q/k/v/o."""
+        """``x`` -> (block output, updated KV entry); ``lora`` adds to q/k/v/o;
+        ``feed_forward`` replaces the block's own (e.g. one with LoRA on gate/up/down)."""
         attended, kv_cache = self.atten_func(self.pre_atten_norm(x), rope, mask, input_pos, kv_cache, lora)
         x = x + self.post_atten_norm(attended)
-        return x + self.ff(x), kv_cache
+        return x + (feed_forward or self.ff)(x), kv_cache
 
 
 class Gemma3Decoder(nn.Module):
@@ -106,27 +109,54 @@ class Gemma3Decoder(nn.Module):
     ) -> dict[str, Any]:
         """Runs ``tokens`` at positions ``input_pos``; returns ``logits`` (unless a prefill
         exported without them) and the updated ``kv_cache``."""
+        logits = export_config is None or input_pos.numel() == 1 or export_config.output_logits_on_prefill
+        return self.run(tokens, input_pos, kv_cache, lambda layer: lora.adapters[layer] if lora is not None else None,
+                        lambda layer: None, logits=logits)
+
+    def run(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor,
+        kv_cache: kv_utils.KVCache,
+        attention_lora: Callable[[int], lora_utils.LoRAEntry | None],
+        feed_forward: Callable[[int], Callable[[torch.Tensor], torch.Tensor] | None],
+        logits: bool,
+    ) -> dict[str, Any]:
+        """One session's step: ``attention_lora(layer)`` is that layer's q/k/v/o LoRA (or
+        None), ``feed_forward(layer)`` replaces its feed-forward (or None); ``logits``:
+        whether to compute them."""
         x = self.tok_embedding(tokens) * self.config.embedding_scale
-        causal = self.causal_mask.index_select(0, input_pos)[None, None]  # [1, 1, T, kv_length]
-        masks, ropes = {}, {}
-        for kind, (inv_freq, scaling) in self.rope_tables.items():
-            window = self.config.block_config(self.layer_types.index(kind)).attn_config.sliding_window_size
-            masks[kind] = causal if window is None else self._sliding(causal, input_pos, window)
-            ropes[kind] = rope_from_table(input_pos, inv_freq=inv_freq, scaling=scaling)
+        masks = {kind: mask[None, None] for kind, mask in self.masks(input_pos, self.config.max_seq_len).items()}
+        ropes = self.ropes(input_pos)
         updated = []
         for i, (kind, block) in enumerate(zip(self.layer_types, self.transformer_blocks)):
-            x, entry = block(x, ropes[kind], masks[kind], input_pos, kv_cache.caches[i],
-                             lora.adapters[i] if lora is not None else None)
+            x, entry = block(x, ropes[kind], masks[kind], input_pos, kv_cache.caches[i], attention_lora(i),
+                             feed_forward(i))
             updated.append(entry)
         kv_cache = kv_utils.KVCache(tuple(updated))
-        if export_config is not None and input_pos.numel() > 1 and not export_config.output_logits_on_prefill:
+        if not logits:
             return {"kv_cache": kv_cache}
         return {"logits": self.lm_head(self.final_norm(x)), "kv_cache": kv_cache}
 
-    def _sliding(self, causal: torch.Tensor, input_pos: torch.Tensor, window: int) -> torch.Tensor:
-        """The causal mask with positions ``window`` or more behind each query masked too."""
-        too_old = self.kv_positions[None, :] <= input_pos[:, None] - window  # [T, kv_length]
-        return causal.masked_fill(too_old[None, None], -math.inf)
+    def masks(self, input_pos: torch.Tensor, span: int) -> dict[str, torch.Tensor]:
+        """Per attention type, the additive mask ``[T, span]`` of queries at ``input_pos``
+        over the cache's first ``span`` positions: causal, and on sliding-window layers
+        positions ``sliding_window`` or more behind the query masked too."""
+        causal = self.causal_mask.index_select(0, input_pos)[:, :span]
+        masks = {}
+        for kind in self.rope_tables:
+            window = self.config.block_config(self.layer_types.index(kind)).attn_config.sliding_window_size
+            if window is None:
+                masks[kind] = causal
+            else:
+                too_old = self.kv_positions[None, :span] <= input_pos[:, None] - window  # [T, span]
+                masks[kind] = causal.masked_fill(too_old, -math.inf)
+        return masks
+
+    def ropes(self, input_pos: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per attention type, RoPE's (cos, sin) ``[1, T, head_dim / 2]`` at ``input_pos``."""
+        return {kind: rope_from_table(input_pos, inv_freq=inv_freq, scaling=scaling)
+                for kind, (inv_freq, scaling) in self.rope_tables.items()}
 
 
 def build_decoder(hf_model: Any, kv_length: int) -> Gemma3Decoder:
