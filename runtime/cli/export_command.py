@@ -42,6 +42,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="attention: LoRA on q/k/v/o; all-linear: also slots with the MLP's gate/up/down (an "
                         "attention-only adapter still runs the cheaper slots). Default: all-linear for Llama, Qwen2 "
                         "and Qwen3, attention for Gemma 3")
+    parser.add_argument("--dora-ranks", default="", metavar="R,R,...",
+                        help="DoRA slots for PEFT use_dora adapters, e.g. 8: all-linear slots whose projections also "
+                        "take an output scale, in prefill, decode and attention-window signatures (Llama, Qwen2, "
+                        "Qwen3; default: none)")
     parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
     parser.add_argument("--prefill-lengths", default=None, metavar="L,L,...",
                         help="prefill signature lengths (default: 32, 128 and 512, those up to half --kv-length)")
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ExportSettings(
         lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
         lora_targets=args.lora_targets,
+        dora_ranks=parse_integers("--dora-ranks", args.dora_ranks),
         kv_length=args.kv_length,
         prefill_lengths=None if args.prefill_lengths is None
         else parse_integers("--prefill-lengths", args.prefill_lengths),
