@@ -228,6 +228,17 @@ def _check_pair(
     return ProjectionPair(a, a_name, b, b_name, a_rank)
 
 
+def dora_output_scales(plan: AdapterPlan, scale: float = 1.0) -> dict[tuple[int, str], np.ndarray]:
+    """A DoRA adapter's output scale ``g`` per projection at ``scale`` (reads its tensors
+    and the base weights: what materializing it computes); empty for other adapters."""
+    if plan.dora is None:
+        return {}
+    return {key: plan.dora.output_scale(key, to_graph_layout(pair.a.convention, "a", plan.data.read_tensor(pair.a_name)),
+                                        to_graph_layout(pair.b.convention, "b", plan.data.read_tensor(pair.b_name)),
+                                        scale)
+            for key, pair in plan.pairs.items() if key in plan.dora}
+
+
 def blend_needs(blend: Sequence[tuple[AdapterPlan, float]]) -> LoraSlot:
     """What a blend needs of a slot: the summed rank (adapters side by side along the
     rank), all-linear if any adapter touches the MLP, DoRA for a DoRA adapter (which

@@ -65,7 +65,7 @@ class DoraMagnitudes:
         or not finite (``g`` would be too)."""
         projection = self._projections[key]
         weight_sq, cross, delta_sq = self._norm_terms(key, a, b)
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # refused below
             norm = np.sqrt(np.maximum(weight_sq + 2.0 * scale * cross + scale * scale * delta_sq, 0.0))
             g = projection.magnitude / norm
         if not np.isfinite(g).all():
