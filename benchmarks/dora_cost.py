@@ -21,12 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's runtime, installed or not
 
 from adapter_kinds import FANS, LAYERS, MODULES, decode_ms  # SmolLM2-135M's shapes; beside this file
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig

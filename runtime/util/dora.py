@@ -81,10 +81,10 @@ class DoraMagnitudes:
             terms = self._terms.get(key)
         if terms is not None:
             return terms
-        weight = self._projections[key].weight()
+        weight = self._projections[key].weight().astype(np.float64)
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        weight_a = weight.astype(np.float64) @ a64  # [out, r]
-        terms = (np.einsum("ij,ij->i", weight, weight, dtype=np.float64),
+        weight_a = weight @ a64  # [out, r]
+        terms = (np.einsum("ij,ij->i", weight, weight),
                  np.einsum("ir,ri->i", weight_a, b64),
                  np.einsum("ir,ir->i", b64.T @ (a64.T @ a64), b64.T))
         with self._lock:
