@@ -66,7 +66,8 @@ def main() -> int:
     hf = load_model(source).double()
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     tok = AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **extra)
-    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    prompt = [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
     failed = False
     with Engine(args.model) as engine:
         for scale in (1.0, 0.5):

@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     for path in targets:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     measured = report.measurements
-    print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}, KV length "
+    dora = f", DoRA slots {list(settings.dora_ranks)}" if settings.dora_ranks else ""
+    print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}{dora}, KV length "
           f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {settings.quantize}; "
           f"{len(measured.signatures)} signatures in {measured.seconds:.1f} s, {measured.jobs} job(s), "
           f"peak RSS {measured.peak_rss_bytes / GB:.2f} GB")
