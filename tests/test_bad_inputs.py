@@ -77,6 +77,22 @@ def _peft_dir(tmp_path, config=None, weights=None):
     return target
 
 
+def _dora_dir(tmp_path, length=None, value=1.0):
+    """The q/k/v/o r4 PEFT adapter made a DoRA one: ``use_dora`` and a magnitude per module
+    (``length`` entries instead of the module's output size, all ``value``)."""
+    from safetensors.numpy import load_file, save_file
+
+    target = _peft_dir(tmp_path)
+    tensors = load_file(str(target / "adapter_model.safetensors"))
+    for key in [k for k in tensors if k.endswith(".lora_B.weight")]:
+        size = tensors[key].shape[0] if length is None else length
+        tensors[key.replace(".lora_B.weight", ".lora_magnitude_vector")] = np.full(size, value, np.float32)
+    save_file(tensors, str(target / "adapter_model.safetensors"))
+    config = json.loads((target / "adapter_config.json").read_text())
+    (target / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    return target
+
+
 CATALOGUE = [
     # (case, builder(tmp_path) -> path, error class, message fragment)
     ("empty file", lambda t: _write(t, b""), InvalidArgumentError, "empty"),
@@ -123,8 +139,15 @@ CATALOGUE = [
      "'r' is None, expected a positive integer"),
     ("PEFT: unknown peft_type", lambda t: _peft_dir(t, config=json.dumps({"r": 4, "peft_type": "PROMPT_TUNING"})),
      InvalidArgumentError, "peft_type 'PROMPT_TUNING' is not supported"),
-    ("PEFT: DoRA", lambda t: _peft_dir(t, config=json.dumps({"r": 4, "use_dora": True})), UnimplementedError,
-     "DoRA"),
+    ("PEFT: DoRA without magnitudes", lambda t: _peft_dir(t, config=json.dumps({"r": 4, "use_dora": True})),
+     InvalidArgumentError, "has no lora_magnitude_vector though the config says use_dora: true"),
+    ("PEFT: DoRA magnitude of the wrong length", lambda t: _dora_dir(t, length=63), InvalidArgumentError,
+     "k_proj.lora_magnitude_vector' is [63], expected [32] (one DoRA magnitude per output channel of its lora_B)"),
+    ("PEFT: DoRA magnitude with NaN", lambda t: _dora_dir(t, value=np.nan), InvalidArgumentError,
+     "lora_magnitude_vector' holds NaN or Inf values"),
+    ("PEFT: DoRA on a model without DoRA slots", lambda t: _dora_dir(t), InvalidArgumentError,
+     "a DoRA adapter (use_dora) needs a model with DoRA slots, which this one has not (slots: r4, r16); "
+     "re-export it with --dora-ranks 4"),
     ("PEFT: corrupt safetensors header", lambda t: _peft_dir(t, weights=b"\x08\0\0\0\0\0\0\0{bad json"),
      InvalidArgumentError, "not a readable safetensors file"),
     ("PEFT: MLP-only adapter", lambda t: PEFT / "mlp_only", InvalidArgumentError,

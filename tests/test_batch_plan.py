@@ -12,7 +12,7 @@ from conftest import MODEL_FILES
 from runtime.executor.batch_plan import DecodeRow, plan_decode
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec, SignatureSpec
-from runtime.util.signature_names import ALL_LINEAR, LoraSlot, SignatureName
+from runtime.util.signature_names import ALL_LINEAR, DORA, LoraSlot, SignatureName
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +95,19 @@ def test_attention_rows_are_padded_into_an_all_linear_host():
     assert plan.slots == (everything, everything, None)  # zero MLP inputs for the attention row: exact
     alone = plan_decode(AllLinearSpec(), [DecodeRow(attention, 1), DecodeRow(attention, 2)])
     assert runs(alone) == [("decode_batch2_lora_r8", (0, 1))]  # without an MLP row, the cheaper slot
+
+
+class DoraSpec(AllLinearSpec):
+    """:class:`AllLinearSpec` with a DoRA r8 slot beside, whose signatures are single-session only."""
+
+    slots = (*AllLinearSpec.slots, LoraSlot(8, DORA))
+
+    def batch_sizes(self, slot):
+        return () if slot is None or slot.targets == DORA else (2, 4)
+
+
+def test_a_dora_row_steps_alone_and_the_others_batch_without_it():
+    everything, dora = LoraSlot(8, ALL_LINEAR), LoraSlot(8, DORA)
+    plan = plan_decode(DoraSpec(), [DecodeRow(everything, 1), DecodeRow(dora, 2), DecodeRow(everything, 3)])
+    assert runs(plan) == [("decode_batch2_lora_all_r8", (0, 2)), ("decode_lora_dora_r8", (1,))]
+    assert plan.slots == (everything, dora, everything)

@@ -1,7 +1,7 @@
 """Each supported family, exported by ``runtime.export`` (tools/build_family_fixtures.py), gives
 float64 transformers' logits and greedy tokens through this runtime: plain, and with PEFT
 adapters against transformers + peft (on q/k/v/o, and on every linear projection where the
-family's export has all-linear slots). The tiny exports and the references are committed,
+family's export has all-linear slots, and a DoRA one where it has DoRA slots). The tiny exports and the references are committed,
 so this runs without torch."""
 
 from __future__ import annotations
@@ -59,5 +59,7 @@ def test_every_family_has_a_small_fixture() -> None:
     assert set(MANIFEST["families"]) == {"llama", "llama3", "qwen2", "qwen3", "gemma3"}
     assert {family for family, entry in MANIFEST["families"].items() if "adapter_all_linear" in entry["adapters"]} \
         == {"llama", "llama3", "qwen2", "qwen3"}
+    assert {family for family, entry in MANIFEST["families"].items() if "adapter_dora" in entry["adapters"]} \
+        == {"llama", "qwen2", "qwen3"}  # DoRA slots: interleaved q/k/v, q/k/v biases, q/k/v split per head
     for family, entry in MANIFEST["families"].items():
         assert entry["files"]["model.tflite"]["size_bytes"] < 2_000_000, family

@@ -110,3 +110,16 @@ def test_refuses_exports_it_cannot_drive(details):
     kv["prefill_8"][0]["kv_cache_k_1"]["shape"] = [1, 32, 2, 16]
     with pytest.raises(InvalidArgumentError, match="'prefill_8' input 'kv_cache_k_1'"):
         ModelSpec.from_details(kv, "m")
+
+
+def test_dora_scale_inputs_are_checked_against_their_projection(details):
+    fan_out = details["decode_lora_r4"][0]["lora_atten_q_b_prime_weight_0"]["shape"][1]
+    wrong = copy.deepcopy(details)
+    wrong["decode_lora_r4"][0]["lora_atten_q_m_prime_weight_0"] = {"shape": [fan_out + 1], "dtype": "float32"}
+    with pytest.raises(InvalidArgumentError, match=rf"DoRA scale input .*lora_atten_q_m_prime_weight_0.*"
+                                                   rf"expected \[{fan_out}\] float32"):
+        ModelSpec.from_details(wrong, "m")
+    partial = copy.deepcopy(details)
+    partial["decode_lora_r4"][0]["lora_atten_q_m_prime_weight_0"] = {"shape": [fan_out], "dtype": "float32"}
+    with pytest.raises(InvalidArgumentError, match="a DoRA slot is an all-linear slot with a scale per projection"):
+        ModelSpec.from_details(partial, "m")

@@ -77,7 +77,10 @@ def test_lora_xs_folds_r_into_a(rng):
 @pytest.mark.parametrize(
     "config,error,match",
     [
-        ({"r": 4, "use_dora": True}, UnimplementedError, "DoRA"),
+        ({"r": 4, "use_dora": True}, InvalidArgumentError, "has no lora_magnitude_vector though the config says "
+         "use_dora: true"),
+        ({"r": 4, "use_dora": True, "peft_type": "LORA_XS"}, UnimplementedError, "DoRA over LoRA-XS"),
+        ({"r": 4, "use_dora": "yes"}, InvalidArgumentError, "'use_dora' is 'yes', expected true or false"),
         ({"r": 4, "n_iter": 10**9}, InvalidArgumentError, r"n_iter is 1000000000, expected an integer in \[0, 1000\]"),
         ({"r": 4, "random_state": -1}, InvalidArgumentError, "random_state is -1"),
         ({"r": 4, "modules_to_save": ["lm_head"]}, InvalidArgumentError, "modules_to_save"),
@@ -99,14 +102,20 @@ def test_unappliable_tensors_are_all_listed(rng):
     sd = pair(rng, 0, "q", 4)
     sd["base_model.model.lm_head.lora_A.weight"] = np.zeros((4, 64), np.float32)
     sd["base_model.model.model.embed_tokens.lora_embedding_A"] = np.zeros((4, 256), np.float32)
-    sd["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = np.zeros(64, np.float32)
     sd["base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"] = np.zeros(64, np.float32)
     with pytest.raises(InvalidArgumentError) as info:
         read_peft_state_dict(sd, {"r": 4})
     message = str(info.value)
-    assert "cannot apply 4 tensor(s)" in message
-    for fragment in ("lm_head.lora_A", "(embedding LoRA)", "(DoRA magnitude)", "(LoRA bias)"):
+    assert "cannot apply 3 tensor(s)" in message
+    for fragment in ("lm_head.lora_A", "(embedding LoRA)", "(LoRA bias)"):
         assert fragment in message
+
+
+def test_a_dora_magnitude_without_use_dora_is_refused(rng):
+    sd = pair(rng, 0, "q", 4)
+    sd[f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector"] = np.ones(64, np.float32)
+    with pytest.raises(InvalidArgumentError, match="has a DoRA magnitude .* but the config has no use_dora: true"):
+        read_peft_state_dict(sd, {"r": 4})
 
 
 def test_mlp_projections_read_like_the_attention_ones(rng):

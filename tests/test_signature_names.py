@@ -6,6 +6,7 @@ import pytest
 
 from runtime.util.signature_names import (
     ALL_LINEAR,
+    DORA,
     LoraSlot,
     SignatureName,
     cheapest_slot,
@@ -57,3 +58,14 @@ def test_the_cheapest_slot_that_holds_an_adapter():
     assert cheapest_slot(slots, LoraSlot(128)) is None
     assert cheapest_slot(slots[:2], LoraSlot(4, ALL_LINEAR)) is None  # MLP tensors need MLP inputs
     assert str(LoraSlot(8, ALL_LINEAR)) == "all-linear r8" and str(LoraSlot(8)) == "r8"
+
+
+def test_dora_slots_hold_every_adapter_and_only_they_hold_dora_ones():
+    slots = [LoraSlot(8), LoraSlot(8, ALL_LINEAR), LoraSlot(8, DORA)]
+    assert cheapest_slot(slots, LoraSlot(4, DORA)) == LoraSlot(8, DORA)
+    assert cheapest_slot(slots, LoraSlot(4, ALL_LINEAR)) == LoraSlot(8, ALL_LINEAR)  # not the costlier DoRA slot
+    assert cheapest_slot(slots[:2], LoraSlot(4, DORA)) is None  # a DoRA adapter needs the scale inputs
+    assert cheapest_slot(slots[2:], LoraSlot(4)) == LoraSlot(8, DORA)  # zero scales and MLP inputs: exact
+    name = SignatureName.parse("decode_attend128_lora_dora_r8")
+    assert name == SignatureName("decode", window=128, lora_slot=LoraSlot(8, DORA))
+    assert str(name) == "decode_attend128_lora_dora_r8" and str(LoraSlot(8, DORA)) == "dora r8"

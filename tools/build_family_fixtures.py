@@ -15,13 +15,17 @@ under ``tests/models/families/<family>/`` by default:
 ``model.tflite``
     The transformers model (random weights drawn with numpy from a fixed seed, spread so
     that logits differ by units) exported float32 with LoRA slots of rank 8 (attention
-    only, and all-linear beside it where the family has it: all but Gemma 3), prefill
-    length 16, KV length 64.
+    only, and all-linear beside it where the family has it: all but Gemma 3; a DoRA slot
+    of rank 8 for Llama, Qwen2 and Qwen3), prefill length 16, KV length 64.
 ``adapter/``
     A rank-4 PEFT LoRA on q/k/v/o of every layer (``lora_alpha`` 8), random A and B,
     saved by ``peft``.
 ``adapter_all_linear/`` (all but Gemma 3)
     The same on every linear projection: q/k/v/o and the MLP's gate/up/down.
+``adapter_dora/`` (Llama, Qwen2, Qwen3)
+    A rank-4 DoRA adapter (``use_dora``) on every linear projection: random A and B, and
+    magnitudes ``||W||_row * (1 + 0.3 n)`` (``n`` standard normal), so that each output
+    channel is rescaled by its own factor; saved by ``peft``.
 ``adapter_lora_xs/`` (Llama)
     An R-only LoRA-XS adapter on q/k/v/o: a random ``r x r`` ``lora_R`` per projection
     (``peft_type`` "LORA_XS", ``n_iter`` 10, ``random_state`` 42), its A and B being
@@ -109,8 +113,11 @@ TARGETS = ["k_proj", "o_proj", "q_proj", "v_proj"]
 ALL_LINEAR_TARGETS = [*TARGETS, "down_proj", "gate_proj", "up_proj"]
 # The adapters of each fixture, by directory name: their target modules.
 ADAPTERS = {"adapter": TARGETS, "adapter_all_linear": ALL_LINEAR_TARGETS}
-NO_ALL_LINEAR = {"gemma3"}  # our Gemma 3 decoder takes LoRA on attention only
+# Exported with attention-only slots: Gemma 3's all-linear, batched and windowed steps have
+# their own fixture (tools/build_gemma3_fixtures.py -> tests/models/gemma3/).
+NO_ALL_LINEAR = {"gemma3"}
 LORA_XS_FAMILIES = {"llama"}
+DORA_FAMILIES = {"llama", "qwen2", "qwen3"}  # DoRA slots (--dora-ranks) and a DoRA adapter
 LORA_XS = {"n_iter": 10, "random_state": 42}
 
 
@@ -178,18 +185,23 @@ def build_hf_model(spec: FamilySpec) -> Any:
     return model.eval()
 
 
-def add_adapter(model: Any, seed: int, targets: list[str]) -> Any:
-    """A PeftModel on ``targets`` over a copy of ``model`` with random, non-zero A and B."""
+def add_adapter(model: Any, seed: int, targets: list[str], dora: bool = False) -> Any:
+    """A PeftModel on ``targets`` over a copy of ``model`` with random, non-zero A and B;
+    with ``dora``, a DoRA adapter whose magnitudes are the base rows' norms times
+    ``1 + 0.3 n``."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=targets, lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
+                        bias="none", task_type="CAUSAL_LM", use_dora=dora)
     peft_model = get_peft_model(copy.deepcopy(model), config)
     rng = np.random.default_rng(seed + 1000)
     with torch.no_grad():
         for name, parameter in sorted(peft_model.named_parameters()):
-            if "lora_" in name:
+            if "lora_magnitude_vector" in name:  # initialized to ||W||_row by peft
+                spread = 1.0 + 0.3 * rng.standard_normal(tuple(parameter.shape))
+                parameter.copy_(parameter * torch.from_numpy(spread.astype(np.float32)))
+            elif "lora_" in name:
                 parameter.copy_(torch.from_numpy((rng.standard_normal(tuple(parameter.shape)) * 0.15).astype(np.float32)))
     return peft_model.eval()
 
@@ -246,7 +258,12 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
                 if name != "adapter_all_linear" or spec.name not in NO_ALL_LINEAR}
     peft_models = {name: add_adapter(model, spec.seed + index, targets)
                    for index, (name, targets) in enumerate(adapters.items())}
-    settings = ExportSettings(lora_ranks=(LORA_SLOT,), kv_length=64, prefill_lengths=(16,))
+    dora = spec.name in DORA_FAMILIES
+    if dora:
+        adapters["adapter_dora"] = ALL_LINEAR_TARGETS
+        peft_models["adapter_dora"] = add_adapter(model, spec.seed + 3000, ALL_LINEAR_TARGETS, dora=True)
+    settings = ExportSettings(lora_ranks=(LORA_SLOT,), dora_ranks=(LORA_SLOT,) if dora else (), kv_length=64,
+                              prefill_lengths=(16,), lora_targets="attention" if spec.name in NO_ALL_LINEAR else None)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
@@ -291,10 +308,12 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
     return {
         "transformers_config": {"class": spec.config_class, **spec.config},
         "seed": spec.seed,
-        "export": {"lora_ranks": list(settings.lora_ranks), "kv_length": settings.kv_length,
+        "export": {"lora_ranks": list(settings.lora_ranks), "dora_ranks": list(settings.dora_ranks),
+                   "kv_length": settings.kv_length,
                    "prefill_lengths": list(settings.prefill_lengths), "quantize": settings.quantize,
                    "seconds": round(sum(report.stage_seconds.values()), 1)},
-        "adapters": {name: {"r": ADAPTER_RANK, "lora_alpha": ADAPTER_ALPHA, "target_modules": targets}
+        "adapters": {name: {"r": ADAPTER_RANK, "lora_alpha": ADAPTER_ALPHA, "target_modules": targets,
+                            **({"use_dora": True} if name == "adapter_dora" else {})}
                      for name, targets in adapters.items()},
         "reference": {"prompt_len": PROMPT_LEN, "fed_tokens": FED_TOKENS, "greedy_tokens": GREEDY_TOKENS,
                       "logit_std": float(reference["logits"].std()), "greedy_margin": round(margin, 4),

@@ -38,10 +38,12 @@ SEEDS = {
     "tflite": [MODELS / "adapters" / f"{n}.tflite" for n in ("torch_r4_layer1_qv", "litertlm_r8_layer0", "mediapipe_r4")],
     "gguf": [MODELS / "peft" / "qkvo_r4_f16.gguf"],
     "peft": [MODELS / "peft" / "layers_1_only", MODELS / "peft" / "rank_pattern",
-             MODELS / "families" / "llama" / "adapter_all_linear", MODELS / "families" / "llama" / "adapter_lora_xs"],
+             MODELS / "families" / "llama" / "adapter_all_linear", MODELS / "families" / "llama" / "adapter_lora_xs",
+             MODELS / "families" / "llama" / "adapter_dora"],
 }
 # The model cases are checked against: the tiny Llama family export (the test model's
-# hidden size, all-linear slots, and the weights map R-only LoRA-XS adapters are rebuilt from).
+# hidden size, all-linear and DoRA slots, and the weights map R-only LoRA-XS adapters are
+# rebuilt from and DoRA adapters' norms are taken from).
 MODEL = MODELS / "families" / "llama" / "model.tflite"
 INTERESTING = [b"\x00", b"\xff", b"\x7f", b"\x80", b"\x00\x00\x00\x80", b"\xff\xff\xff\x7f", b"\xff\xff\xff\xff",
                b"\x00\x00\x00\x00", b"\x01\x00\x00\x00", b"\x00\x00\x80\x7f", b"\x00\x00\xc0\x7f"]
@@ -102,6 +104,36 @@ def mutate_json(text: bytes, rng: random.Random) -> bytes:
     return json.dumps(config, allow_nan=True).encode()
 
 
+def mutate_dora(weights: bytes, rng: random.Random) -> bytes:
+    """A DoRA adapter's safetensors with one magnitude vector (or a lora_B) changed: a
+    length off by one or empty, NaN, Inf, zeros, huge values, or the vector dropped."""
+    import numpy as np
+    from safetensors.numpy import load, save
+
+    tensors = load(weights)
+    key = rng.choice([k for k in tensors if k.endswith("lora_magnitude_vector")])
+    vector = tensors[key]
+    change = rng.randrange(7)
+    if change == 0:
+        tensors[key] = vector[: rng.choice([0, len(vector) - 1])]
+    elif change == 1:
+        tensors[key] = np.concatenate([vector, vector[:1]])
+    elif change == 2:
+        vector = vector.copy()
+        vector[rng.randrange(len(vector))] = rng.choice([np.nan, np.inf, -np.inf])
+        tensors[key] = vector
+    elif change == 3:
+        tensors[key] = np.zeros_like(vector)
+    elif change == 4:
+        tensors[key] = np.full_like(vector, 3e38)
+    elif change == 5:
+        del tensors[key]
+    else:  # a lora_B of zeros: the norm is the base weight's alone
+        b_key = key.replace("lora_magnitude_vector", "lora_B.weight")
+        tensors[b_key] = np.zeros_like(tensors[b_key])
+    return save(tensors)
+
+
 def make_case(seed: int, index: int) -> Case:
     """The deterministic case ``index`` of run ``seed``."""
     rng = random.Random(seed * 1_000_003 + index)
@@ -110,6 +142,8 @@ def make_case(seed: int, index: int) -> Case:
     if kind == "peft":
         weights = (source / "adapter_model.safetensors").read_bytes()
         config = (source / "adapter_config.json").read_bytes()
+        if source.name == "adapter_dora" and rng.random() < 0.3:
+            return Case(kind, mutate_dora(weights, rng), config)
         if rng.random() < 0.5:
             return Case(kind, mutate(weights, rng), config)
         return Case(kind, weights, mutate_json(config, rng))

@@ -42,6 +42,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="attention: LoRA on q/k/v/o; all-linear: also slots with the MLP's gate/up/down (an "
                         "attention-only adapter still runs the cheaper slots). Default: all-linear (every family: "
                         "Llama, Qwen2, Qwen3, Gemma 3)")
+    parser.add_argument("--dora-ranks", default="", metavar="R,R,...",
+                        help="DoRA slots for PEFT use_dora adapters, e.g. 8: all-linear slots whose projections also "
+                        "take an output scale, in prefill, decode and attention-window signatures (Llama, Qwen2, "
+                        "Qwen3; default: none)")
     parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
     parser.add_argument("--prefill-lengths", default=None, metavar="L,L,...",
                         help="prefill signature lengths (default: 32, 128 and 512, those up to half --kv-length)")
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ExportSettings(
         lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
         lora_targets=args.lora_targets,
+        dora_ranks=parse_integers("--dora-ranks", args.dora_ranks),
         kv_length=args.kv_length,
         prefill_lengths=None if args.prefill_lengths is None
         else parse_integers("--prefill-lengths", args.prefill_lengths),
@@ -124,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     for path in targets:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     measured = report.measurements
-    print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}, KV length "
+    dora = f", DoRA slots {list(settings.dora_ranks)}" if settings.dora_ranks else ""
+    print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}{dora}, KV length "
           f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {settings.quantize}; "
           f"{len(measured.signatures)} signatures in {measured.seconds:.1f} s, {measured.jobs} job(s), "
           f"peak RSS {measured.peak_rss_bytes / GB:.2f} GB")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime.components.lora import plan_adapter
+import numpy as np
+
+from runtime.components.lora import dora_output_scales, plan_adapter
 from runtime.errors import InvalidArgumentError, StatusError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec
@@ -71,6 +73,10 @@ def _check_fit(adapter_path: Path, model_path: Path) -> int:
             touched = sorted({projection for _, projection in plan.pairs}, key=PROJECTIONS.index)
             print(f"fits {model_path}: touches {'/'.join(touched)}; rank {plan.rank} goes in slot "
                   f"{spec.slot_for(LoraSlot(plan.rank, plan.targets))}")
+            if plan.dora is not None:
+                scales = np.concatenate(list(dora_output_scales(plan).values()))
+                print(f"DoRA: magnitudes on {len(plan.pairs)} projections; output scales m / ||W + s B A|| from the "
+                      f"model's weights in [{scales.min():.4f}, {scales.max():.4f}] at scale 1")
     finally:
         executor.close()
     return 0
@@ -112,7 +118,7 @@ def _weights_map(path: Path) -> str:
         ModelWeights.open(path, str(path))
     except StatusError:
         return "none (exported before runtime.projections metadata): R-only LoRA-XS adapters cannot run"
-    return "present: R-only LoRA-XS adapters can run"
+    return "present: R-only LoRA-XS and DoRA adapters can run"
 
 
 def describe_adapter(data: AdapterData) -> str:

@@ -10,7 +10,11 @@ buffer per such input from the adapters' tensors:
   ``[in, r]``) and dtypes cast to the input's dtype;
 * each adapter's scale is folded into its ``a``; adapters of a blend are concatenated
   along the rank, which is exact: ``sum_i s_i * x A_i B_i = x [s_1 A_1 .. s_n A_n] [B_1; ..; B_n]``;
-* rank left over in the slot, and inputs no adapter covers, are zero (also exact).
+* rank left over in the slot, and inputs no adapter covers, are zero (also exact);
+* a DoRA adapter (:mod:`runtime.util.dora`) runs alone in a DoRA slot: its output scale
+  ``g`` (for the session's scale) is folded into ``b``, and ``g - 1`` written into the
+  slot's scale input of each projection it covers (zeros elsewhere: plain projections).
+  A blend of it with other adapters is refused: DoRA's norm is of one adapted weight.
 
 :func:`plan_adapter` checks an adapter against the model's slots from tensor metadata
 alone, before a single weight byte is read.
@@ -26,7 +30,9 @@ import numpy as np
 
 from runtime.errors import InvalidArgumentError
 from runtime.util.adapter_data import MAX_LISTED, AdapterData
+from runtime.util.dora import DoraLoraData, DoraMagnitudes
 from runtime.util.lora_util import (
+    DORA_SIDE,
     MLP_PROJECTIONS,
     PROJECTIONS,
     LoraInputName,
@@ -37,7 +43,7 @@ from runtime.util.lora_util import (
     rank_axis,
     to_graph_layout,
 )
-from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, cheapest_slot
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, LORA_TARGETS, LoraSlot, cheapest_slot
 from runtime.util.tensor_spec import TensorSpec
 
 # A LoRA slot's inputs, by input name.
@@ -68,16 +74,21 @@ class ProjectionPair:
 
 @dataclass(frozen=True)
 class AdapterPlan:
-    """An adapter checked against a model: its pairs, the rank they need, and whether they
-    touch the MLP (then only an all-linear slot holds them)."""
+    """An adapter checked against a model: its pairs, the rank they need, whether they
+    touch the MLP (then only an all-linear slot holds them), and a DoRA adapter's
+    magnitudes (then only a DoRA slot does)."""
 
     data: AdapterData
     pairs: Mapping[tuple[int, str], ProjectionPair]
     rank: int
+    dora: DoraMagnitudes | None = None
 
     @property
     def targets(self) -> str:
-        """``"all-linear"`` when a pair is on an MLP projection, else ``"attention"``."""
+        """``"dora"`` for a DoRA adapter, ``"all-linear"`` when a pair is on an MLP projection,
+        else ``"attention"``."""
+        if self.dora is not None:
+            return DORA
         return ALL_LINEAR if any(projection in MLP_PROJECTIONS for _, projection in self.pairs) else ATTENTION
 
     @property
@@ -99,6 +110,8 @@ def model_geometry(slot: SlotInputs) -> dict[tuple[int, str], _Geometry]:
     dims: dict[tuple[int, str], dict[str, int]] = {}
     for name, spec in slot.items():
         parsed = parse_lora_input_name(name)
+        if parsed.side == DORA_SIDE:
+            continue
         graph_shape = to_graph_layout(parsed.convention, parsed.side, np.empty(spec.shape, np.int8)).shape
         entry = dims.setdefault((parsed.layer, parsed.projection), {})
         if parsed.side == "a":
@@ -136,6 +149,10 @@ def plan_adapter(data: AdapterData, slots: Mapping[LoraSlot, SlotInputs]) -> Ada
             )
         parsed = parse_lora_input_name(name)
         key = parsed.pair
+        if parsed.side == DORA_SIDE:
+            raise InvalidArgumentError(
+                f"{source}: tensor {name!r} is a DoRA slot's output scale, which depends on the base weights and the "
+                "session's scale: an adapter file cannot carry it (load the PEFT DoRA adapter itself)")
         if parsed.projection in MLP_PROJECTIONS and parsed.projection not in covered:
             uncovered_mlp.append(name)
             continue
@@ -164,9 +181,14 @@ def plan_adapter(data: AdapterData, slots: Mapping[LoraSlot, SlotInputs]) -> Ada
             )
         (a, a_name), (b, b_name) = sides["a"], sides["b"]
         pairs[key] = _check_pair(data, a, a_name, b, b_name, geometry[key])
-    plan = AdapterPlan(data, pairs, max(pair.rank for pair in pairs.values()))
+    dora = data.dora if isinstance(data, DoraLoraData) else None
+    plan = AdapterPlan(data, pairs, max(pair.rank for pair in pairs.values()), dora)
+    if dora is not None and not any(slot.targets == DORA for slot in slots):
+        raise InvalidArgumentError(
+            f"{source}: a DoRA adapter (use_dora) needs a model with DoRA slots, which this one has not (slots: "
+            f"{', '.join(map(str, slots))}); re-export it with --dora-ranks {plan.rank}")
     if cheapest_slot(slots, LoraSlot(plan.rank, plan.targets)) is None:
-        kind = " all-linear" if plan.targets == ALL_LINEAR else ""
+        kind = {ALL_LINEAR: " all-linear", DORA: " DoRA"}.get(plan.targets, "")
         raise InvalidArgumentError(
             f"{source}: rank {plan.rank} exceeds every{kind} LoRA slot of the model (slots: "
             f"{', '.join(map(str, slots))})"
@@ -206,10 +228,27 @@ def _check_pair(
     return ProjectionPair(a, a_name, b, b_name, a_rank)
 
 
+def dora_output_scales(plan: AdapterPlan, scale: float = 1.0) -> dict[tuple[int, str], np.ndarray]:
+    """A DoRA adapter's output scale ``g`` per projection at ``scale`` (reads its tensors
+    and the base weights: what materializing it computes); empty for other adapters."""
+    if plan.dora is None:
+        return {}
+    return {key: plan.dora.output_scale(key, to_graph_layout(pair.a.convention, "a", plan.data.read_tensor(pair.a_name)),
+                                        to_graph_layout(pair.b.convention, "b", plan.data.read_tensor(pair.b_name)),
+                                        scale)
+            for key, pair in plan.pairs.items() if key in plan.dora}
+
+
 def blend_needs(blend: Sequence[tuple[AdapterPlan, float]]) -> LoraSlot:
     """What a blend needs of a slot: the summed rank (adapters side by side along the
-    rank), all-linear if any adapter touches the MLP."""
-    targets = ALL_LINEAR if any(plan.targets == ALL_LINEAR for plan, _ in blend) else ATTENTION
+    rank), all-linear if any adapter touches the MLP, DoRA for a DoRA adapter (which
+    cannot be blended: ``InvalidArgumentError`` naming it)."""
+    dora = [plan for plan, _ in blend if plan.dora is not None]
+    if dora and len(blend) > 1:
+        raise InvalidArgumentError(
+            f"{dora[0].source_name}: a DoRA adapter cannot be blended with other adapters (its output scale divides "
+            "by the norm of one adapted weight); run it alone, with a scale of its own")
+    targets = max((plan.targets for plan, _ in blend), key=LORA_TARGETS.index, default=ATTENTION)
     return LoraSlot(sum(plan.rank for plan, _ in blend), targets)
 
 
@@ -245,8 +284,10 @@ class LoRA:
         # allocator does not leave the temporaries' holes between resident buffers.
         buffers = {name: allocate(name) for name in inputs}
         for (layer, projection), dims in sorted(model_geometry(inputs).items()):
-            a, b = self._fill(blend, (layer, projection), dims, slot.rank, allow_non_finite)
-            for side, graph_array in (("a", a), ("b", b)):
+            a, b, scale = self._fill(blend, (layer, projection), dims, slot.rank, allow_non_finite)
+            arrays = (("a", a), ("b", b), (DORA_SIDE, scale)) if (layer, projection, DORA_SIDE) in by_key \
+                else (("a", a), ("b", b))
+            for side, graph_array in arrays:
                 parsed, spec = by_key[(layer, projection, side)]
                 stored = from_graph_layout(parsed.convention, side, graph_array)
                 if stored.shape != spec.shape:
@@ -263,9 +304,12 @@ class LoRA:
         dims: _Geometry,
         slot_rank: int,
         allow_non_finite: bool,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``a``, ``b`` and the DoRA scale input (``g - 1``; zeros unless a DoRA adapter covers
+        ``key``) of one projection, in graph layout."""
         a = np.zeros((dims.fan_in, slot_rank), np.float32)
         b = np.zeros((slot_rank, dims.fan_out), np.float32)
+        dora_scale = np.zeros(dims.fan_out, np.float32)
         offset = 0
         for plan, scale in blend:
             pair = plan.pairs.get(key)
@@ -278,8 +322,12 @@ class LoRA:
                 b[block, :] = b_part
                 if not allow_non_finite:
                     _check_finite(plan, pair, a[:, block], b[block, :])
+                if plan.dora is not None and key in plan.dora:
+                    g = plan.dora.output_scale(key, a_part, b_part, scale)
+                    b[block, :] = b_part * g[None, :]
+                    dora_scale = (g - 1.0).astype(np.float32)
             offset += plan.rank
-        return a, b
+        return a, b, dora_scale
 
 
 def _check_finite(plan: AdapterPlan, pair: ProjectionPair, a: np.ndarray, b: np.ndarray) -> None:

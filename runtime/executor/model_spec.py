@@ -25,8 +25,10 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name
-from runtime.util.lora_util import MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.util.signature_names import (
+    ALL_LINEAR, ATTENTION, DORA, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name,
+)
+from runtime.util.lora_util import DORA_SIDE, MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
 from runtime.util.tensor_spec import TensorSpec
 
 TOKENS = "tokens"
@@ -355,19 +357,41 @@ def _shape(spec: TensorSpec) -> str:
 
 
 def _lora_slot(key: str, inputs: Mapping[str, TensorSpec], source: str) -> LoraSlot | None:
-    """The slot a signature's LoRA inputs make: their rank, and all-linear when the MLP's
-    projections have inputs too."""
-    ranks, mlp = set(), False
+    """The slot a signature's LoRA inputs make: their rank, all-linear when the MLP's
+    projections have inputs too, DoRA when they have output scales as well."""
+    ranks, mlp, scales, fan_outs = set(), False, {}, {}
     for name, spec in inputs.items():
         if is_lora_input_name(name):
             parsed = parse_lora_input_name(name)
+            if parsed.side == DORA_SIDE:
+                scales[parsed.pair] = spec
+                continue
             if len(spec.shape) != 2:
                 raise InvalidArgumentError(f"{source}: signature {key!r} LoRA input {spec.describe()} is not 2-D")
             ranks.add(spec.shape[rank_axis(parsed.convention, parsed.side)])
             mlp = mlp or parsed.projection in MLP_PROJECTIONS
+            if parsed.side == "b":
+                fan_outs[parsed.pair] = spec.shape[1 - rank_axis(parsed.convention, "b")]
     if len(ranks) > 1:
         raise InvalidArgumentError(f"{source}: signature {key!r} mixes LoRA ranks {sorted(ranks)}")
-    return LoraSlot(ranks.pop(), ALL_LINEAR if mlp else ATTENTION) if ranks else None
+    if scales:
+        _check_dora_scales(key, scales, fan_outs, mlp, source)
+    return LoraSlot(ranks.pop(), DORA if scales else ALL_LINEAR if mlp else ATTENTION) if ranks else None
+
+
+def _check_dora_scales(key: str, scales: Mapping[tuple[int, str], TensorSpec], fan_outs: Mapping[tuple[int, str], int],
+                       mlp: bool, source: str) -> None:
+    """A DoRA slot's output scales: one ``[out]`` float32 per projection of an all-linear slot."""
+    for pair, spec in scales.items():
+        if pair not in fan_outs or spec.shape != (fan_outs[pair],) or spec.dtype != np.float32:
+            expected = f"[{fan_outs[pair]}] float32" if pair in fan_outs else "no such input (no LoRA pair for it)"
+            raise InvalidArgumentError(
+                f"{source}: signature {key!r} DoRA scale input {spec.describe()}: expected {expected}")
+    if not mlp or set(scales) != set(fan_outs):
+        missing = sorted(set(fan_outs) - set(scales))[:3]
+        raise InvalidArgumentError(
+            f"{source}: signature {key!r} has DoRA scale inputs but not on every linear projection "
+            f"(missing for {missing or 'the MLP'}): a DoRA slot is an all-linear slot with a scale per projection")
 
 
 def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], source: str) -> None:

@@ -18,8 +18,9 @@ and with one row they are the single-session names):
 - ``kv_cache_{k,v}_{layer}_{row}``: one session's whole cache, in the layout of ``decode``;
 - ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{layer}_{row}`` (with a LoRA rank), and in an
   all-linear slot ``lora_ff_{gate,up,down}_{a,b}_prime_weight_{layer}_{row}``: that row's
-  adapter, in the layout of ``decode_lora_r{R}`` / ``decode_lora_all_r{R}``. Zeros make a
-  row plain.
+  adapter, in the layout of ``decode_lora_r{R}`` / ``decode_lora_all_r{R}``; in a DoRA slot
+  also ``..._m_prime_weight_{layer}_{row}``, each projection's output scale less one
+  (:mod:`runtime.export.dora`). Zeros make a row plain.
 
 Outputs: ``logits`` ``[B, 1, vocab]`` and ``kv_cache_{k,v}_{layer}_{row}``. With a window
 W, a row's position must be below W (the runtime picks the signature).
@@ -34,17 +35,19 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
+from runtime.export.dora import check_dora, fused_qkv_scale, scaled_linear
 from runtime.export.litert import kv_utils, rotary_position_embedding
 from runtime.export.mlp_lora import check_mlp_lora, feed_forward, is_standard_decoder, lora_key, lora_shapes
 from runtime.util.signature_names import row_tensor_name
 
 def check_batchable(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder with its
-    standard blocks (the families whose batched step this module knows how to write)."""
+    standard blocks or Gemma 3's own decoder (the families whose batched step this module
+    and :mod:`runtime.export.families.gemma3_steps` write)."""
     if not is_standard_decoder(model) and not isinstance(model, Gemma3Decoder):
         raise UnimplementedError(
-            f"batched and attention-window decode signatures are not available for {type(model).__name__} "
-            "(Gemma 3's own decoder); Llama, Qwen2 and Qwen3 exports have them")
+            f"batched and attention-window decode signatures are not available for {type(model).__name__}: "
+            "Llama, Qwen2, Qwen3 and Gemma 3 exports have them")
     if any(block.atten_func.config.use_alibi for block in model.transformer_blocks):
         raise UnimplementedError("batched and attention-window decode signatures do not support ALiBi attention")
 
@@ -56,7 +59,7 @@ class BatchDecode(nn.Module):
     row it is a single session's ``decode_attend{window}``, under the single-session names."""
 
     def __init__(self, model: nn.Module, batch: int, lora_rank: int | None, kv_layout: tuple,
-                 window: int | None = None, mlp: bool = False) -> None:
+                 window: int | None = None, mlp: bool = False, dora: bool = False) -> None:
         super().__init__()
         check_batchable(model)
         self.model = model
@@ -65,8 +68,12 @@ class BatchDecode(nn.Module):
         self.kv_layout = kv_layout
         self.window = window
         self.mlp = mlp  # LoRA on the feed-forward's gate/up/down too (an all-linear slot)
+        self.dora = dora  # and each projection's DoRA output scale (a DoRA slot: all-linear too)
         if mlp:
             check_mlp_lora(model)
+        if dora:
+            check_dora(model)
+            self.mlp = True
 
     def _row(self, name: str, row: int) -> str:
         """The input name of ``row``'s ``name`` (one row: the single-session name)."""
@@ -86,7 +93,7 @@ class BatchDecode(nn.Module):
                               for kind, cache in (("k", entry.k_cache), ("v", entry.v_cache))}
         if self.lora_rank:
             kwargs["lora"] = {self._row(key, row): torch.zeros(shape)
-                              for key, shape in lora_shapes(self.model, self.lora_rank, self.mlp).items()
+                              for key, shape in lora_shapes(self.model, self.lora_rank, self.mlp, self.dora).items()
                               for row in range(self.batch)}
         return kwargs
 
@@ -127,7 +134,11 @@ class BatchDecode(nn.Module):
         and attention over that cache's first ``window`` positions."""
         config, batch = attn.config, self.batch
         groups, head_dim = config.num_query_groups, config.head_dim
-        qkv = attn.qkv_projection(x)
+        if self.dora and lora is not None:
+            scales = [self._scale(lora, layer, projection) for projection in ("q", "k", "v")]
+            qkv = scaled_linear(attn.qkv_projection, x, fused_qkv_scale(attn, *scales))
+        else:
+            qkv = attn.qkv_projection(x)
         q_per_kv = config.num_heads // groups
         if config.qkv_transpose_before_split:
             qkv = qkv.view(batch, 1, -1, head_dim)
@@ -167,7 +178,10 @@ class BatchDecode(nn.Module):
             probs = torch.softmax(scores + masks[row], dim=-1)
             rows.append(torch.matmul(probs, values).reshape(1, 1, -1))  # [1, 1, heads * hd]
         attended = torch.cat(rows, dim=0) if batch > 1 else rows[0]
-        y = attn.output_projection(attended)
+        if self.dora and lora is not None:
+            y = scaled_linear(attn.output_projection, attended, self._scale(lora, layer, "o"))
+        else:
+            y = attn.output_projection(attended)
         if lora is not None:
             y = y + self._lora_delta(attended, lora, layer, "o")
         return y
@@ -177,7 +191,17 @@ class BatchDecode(nn.Module):
         """The block's feed-forward, with each row's LoRA on gate/up/down in an all-linear slot."""
         if not self.mlp or lora is None:
             return ff(x)
-        return feed_forward(ff, x, lambda projection, inputs: self._lora_delta(inputs, lora, layer, projection))
+        project = None
+        if self.dora:
+            project = (lambda projection, linear, inputs:
+                       scaled_linear(linear, inputs, self._scale(lora, layer, projection)))
+        return feed_forward(ff, x, lambda projection, inputs: self._lora_delta(inputs, lora, layer, projection),
+                            project)
+
+    def _scale(self, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
+        """Each row's DoRA output scale less one of a projection: ``[B, 1, out]``."""
+        return torch.stack([lora[self._row(lora_key(layer, projection, "m_prime"), row)]
+                            for row in range(self.batch)]).unsqueeze(1)
 
     def _lora_delta(self, x: torch.Tensor, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
         """``x_i A_i B_i`` for every row i of ``x`` ``[B, 1, in]``: ``[B, 1, out]``."""

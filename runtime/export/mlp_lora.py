@@ -28,6 +28,8 @@ MLP_PROJECTIONS = ("gate", "up", "down")
 
 # Computes a projection's LoRA delta for its input ``x``, or None when it has none.
 Delta = Callable[[str, torch.Tensor], torch.Tensor | None]
+# Computes a projection's base output: (its name, its linear layer, its input).
+Project = Callable[[str, nn.Module, torch.Tensor], torch.Tensor]
 
 
 def lora_key(layer: int, projection: str, side: str) -> str:
@@ -48,12 +50,13 @@ def is_standard_decoder(model: nn.Module) -> bool:
 
 def check_mlp_lora(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder whose blocks
-    are standard and whose feed-forward is gated with separate gate and up projections
-    (Llama, Qwen2, Qwen3): the structure :func:`feed_forward` computes."""
+    are standard, or Gemma 3's own decoder, and whose feed-forward is gated with separate
+    gate and up projections (Llama, Qwen2, Qwen3, Gemma 3): the structure
+    :func:`feed_forward` computes."""
     if not is_standard_decoder(model) and not isinstance(model, Gemma3Decoder):
         raise UnimplementedError(
-            f"--lora-targets all-linear is not available for {type(model).__name__} (Gemma 3's own decoder); "
-            "Llama, Qwen2 and Qwen3 exports have it (use --lora-targets attention)")
+            f"--lora-targets all-linear is not available for {type(model).__name__}: Llama, Qwen2, Qwen3 and "
+            "Gemma 3 exports have it (use --lora-targets attention)")
     for layer, block in enumerate(model.transformer_blocks):
         ff = block.ff
         if not (ff.config.use_separate_gating and not ff.use_glu and hasattr(ff, "w3")):
@@ -62,9 +65,11 @@ def check_mlp_lora(model: nn.Module) -> None:
                 "--lora-targets all-linear cannot apply LoRA to it")
 
 
-def lora_shapes(model: nn.Module, rank: int, mlp: bool) -> dict[str, tuple[int, ...]]:
+def lora_shapes(model: nn.Module, rank: int, mlp: bool, dora: bool = False) -> dict[str, tuple[int, ...]]:
     """The ``lora`` dict's keys and shapes for a slot of ``rank`` (attention projections,
-    and with ``mlp`` the feed-forward's): ``a_prime`` ``[in, r]``, ``b_prime`` ``[r, out]``."""
+    and with ``mlp`` the feed-forward's): ``a_prime`` ``[in, r]``, ``b_prime`` ``[r, out]``,
+    and with ``dora`` each projection's output scale ``m_prime`` ``[out]``
+    (:mod:`runtime.export.dora`)."""
     config = model.config
     shapes = {}
     for layer in range(config.num_layers):
@@ -77,21 +82,25 @@ def lora_shapes(model: nn.Module, rank: int, mlp: bool) -> dict[str, tuple[int, 
         for projection, (fan_in, fan_out) in fans.items():
             shapes[lora_key(layer, projection, "a_prime")] = (fan_in, rank)
             shapes[lora_key(layer, projection, "b_prime")] = (rank, fan_out)
+            if dora:
+                shapes[lora_key(layer, projection, "m_prime")] = (fan_out,)
     return shapes
 
 
-def feed_forward(ff: nn.Module, x: torch.Tensor, delta: Delta) -> torch.Tensor:
+def feed_forward(ff: nn.Module, x: torch.Tensor, delta: Delta, project: Project | None = None) -> torch.Tensor:
     """litert-torch's ``GatedFeedForward.forward`` with each projection's LoRA delta added:
-    ``down(act(gate(x) + dg) * (up(x) + du)) + dd`` between its pre and post norms."""
+    ``down(act(gate(x) + dg) * (up(x) + du)) + dd`` between its pre and post norms;
+    ``project`` computes the base projections (default: the linear layers themselves)."""
+    project = project or (lambda _, linear, inputs: linear(inputs))
     x_norm = ff.pre_ff_norm(x)
-    gate, up = ff.w1(x_norm), ff.w3(x_norm)
+    gate, up = project("gate", ff.w1, x_norm), project("up", ff.w3, x_norm)
     gate_delta, up_delta = delta("gate", x_norm), delta("up", x_norm)
     if gate_delta is not None:
         gate = gate + gate_delta
     if up_delta is not None:
         up = up + up_delta
     hidden = ff.act(gate) * up
-    out = ff.w2(hidden)
+    out = project("down", ff.w2, hidden)
     down_delta = delta("down", hidden)
     if down_delta is not None:
         out = out + down_delta
@@ -127,27 +136,38 @@ class AllLinearStep(nn.Module):
         mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :kv_cache.get_max_seq_len()]
         entries = []
         for layer, block in enumerate(model.transformer_blocks):
-            delta = _deltas(lora, layer)
-            entry = lora_utils.LoRAEntry(attention=lora_utils.AttentionLoRA(**{
-                long: lora_utils.LoRAWeight(a_prime=lora[lora_key(layer, short, "a_prime")],
-                                            b_prime=lora[lora_key(layer, short, "b_prime")])
-                for short, long in ATTENTION_PROJECTIONS.items()}))
+            delta, project = deltas(lora, layer), self.projector(lora, layer)
             x_norm = block.pre_atten_norm(x)
-            attended, kv_entry = block.atten_func(x_norm, rope, mask, input_pos, kv_cache.caches[layer], entry)
+            attended, kv_entry = self.attention(block.atten_func, layer, x_norm, rope, mask, input_pos,
+                                                kv_cache.caches[layer], lora)
             if block.config.parallel_residual:
-                x = x + attended + feed_forward(block.ff, x_norm, delta)
+                x = x + attended + feed_forward(block.ff, x_norm, delta, project)
             else:
                 x = x + attended
-                x = x + feed_forward(block.ff, block.post_atten_norm(x), delta)
+                x = x + feed_forward(block.ff, block.post_atten_norm(x), delta, project)
             entries.append(kv_entry)
         updated = kv_utils.KVCache(tuple(entries))
         if torch.numel(input_pos) > 1 and not self.export_config.output_logits_on_prefill:
             return {"kv_cache": updated}
         return {"logits": model.lm_head(model.final_norm(x)), "kv_cache": updated}
 
+    def attention(self, attn: nn.Module, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  mask: torch.Tensor, input_pos: torch.Tensor, kv_entry: kv_utils.KVCacheEntry,
+                  lora: dict[str, torch.Tensor]) -> tuple[torch.Tensor, kv_utils.KVCacheEntry]:
+        """One block's attention with its q/k/v/o LoRA: litert-torch's own, given a ``LoRAEntry``."""
+        entry = lora_utils.LoRAEntry(attention=lora_utils.AttentionLoRA(**{
+            long: lora_utils.LoRAWeight(a_prime=lora[lora_key(layer, short, "a_prime")],
+                                        b_prime=lora[lora_key(layer, short, "b_prime")])
+            for short, long in ATTENTION_PROJECTIONS.items()}))
+        return attn(x, rope, mask, input_pos, kv_entry, entry)
 
-def _deltas(lora: dict[str, torch.Tensor], layer: int) -> Delta:
-    """The MLP deltas of one layer: ``(x @ a) @ b``."""
+    def projector(self, lora: dict[str, torch.Tensor], layer: int) -> Project | None:
+        """How one layer's feed-forward computes its base projections (None: as they are)."""
+        return None
+
+
+def deltas(lora: dict[str, torch.Tensor], layer: int) -> Delta:
+    """The LoRA deltas of one layer's projections: ``(x @ a) @ b``."""
 
     def delta(projection: str, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(torch.matmul(x, lora[lora_key(layer, projection, "a_prime")]),

@@ -35,7 +35,8 @@ class ExportSettings:
 
     Signatures: ``prefill_{L}`` for each prefill length and ``decode``, plus
     ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` for each LoRA rank slot R (and
-    ``..._lora_all_r{R}`` beside them for all-linear LoRA targets); with
+    ``..._lora_all_r{R}`` beside them for all-linear LoRA targets, ``..._lora_dora_r{R}``
+    for each DoRA rank); with
     batch sizes, ``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank R
     (``decode_batch{B}`` when the model has no LoRA slots). Each attention window W adds
     ``decode_attend{W}[_lora_r{R}]`` and ``decode_batch{B}_attend{W}[_lora_r{R}]``: the same
@@ -50,6 +51,11 @@ class ExportSettings:
     # adapter touching attention only still runs the cheaper ones). None: all-linear where
     # the family supports it (Llama, Qwen2, Qwen3, Gemma 3), else attention.
     lora_targets: str | None = None
+    # DoRA slots (PEFT use_dora adapters): all-linear slots of these ranks whose projections
+    # also take a per-output-channel scale, with their own prefill, decode and attention-window
+    # signatures ("..._lora_dora_r{R}"; Llama, Qwen2, Qwen3). Empty: none. A DoRA session runs
+    # alone, never in a batched signature.
+    dora_ranks: tuple[int, ...] = ()
     # KV-cache positions: the longest context a session can hold.
     kv_length: int = 1024
     # Token counts of the prefill signatures (a prompt is cut into chunks of these); None:
@@ -76,7 +82,8 @@ class ExportSettings:
             raise InvalidArgumentError(f"kv_length={self.kv_length!r}: expected an integer >= 2")
         if self.prefill_lengths is None:  # frozen: set once, here
             object.__setattr__(self, "prefill_lengths", default_prefill_lengths(self.kv_length))
-        for name in ("lora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks", "attention_windows"):
+        for name in ("lora_ranks", "dora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks",
+                     "attention_windows"):
             values = getattr(self, name)
             if values is None and name == "batch_lora_ranks":
                 continue

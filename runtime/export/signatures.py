@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export.dora import DoraStep, check_dora
 from runtime.export.families.gemma3_steps import all_linear_step, batch_decode_step
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.mlp_lora import check_mlp_lora
 from runtime.export.settings import ExportSettings
-from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, SignatureName
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, LoraSlot, SignatureName
 
 _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
 
@@ -57,10 +58,20 @@ def lora_slots(model: nn.Module, settings: ExportSettings, ranks: Sequence[int])
     return slots
 
 
+def single_session_slots(model: nn.Module, settings: ExportSettings) -> list[LoraSlot]:
+    """The slots of one session's signatures: :func:`lora_slots` of ``settings.lora_ranks``
+    and the DoRA slots of ``settings.dora_ranks`` (refused by name for Gemma 3's decoder)."""
+    if settings.dora_ranks:
+        check_dora(model)
+    return lora_slots(model, settings, settings.lora_ranks) + [LoraSlot(rank, DORA)
+                                                               for rank in sorted(settings.dora_ranks)]
+
+
 def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
     """``prefill_{L}`` per prefill length and ``decode``; with each LoRA slot also
     ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` (and ``..._lora_all_r{R}`` for the
-    all-linear slots; names by :mod:`runtime.util.signature_names`)."""
+    all-linear slots, ``..._lora_dora_r{R}`` for the DoRA ones; names by
+    :mod:`runtime.util.signature_names`)."""
     layout = _KV_LAYOUTS[settings.kv_layout]
     export_config = litert_converter.ExportConfig(
         output_logits_on_prefill=settings.prefill_logits, kvcache_layout=layout
@@ -68,10 +79,13 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
     plain = litert_converter.ExportableModule(model, export_config=export_config).eval()
     kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
     signatures = []
-    for slot in (None, *lora_slots(model, settings, settings.lora_ranks)):
+    for slot in (None, *single_session_slots(model, settings)):
         module: nn.Module = plain
         extra: dict[str, object] = {}
-        if slot is not None and slot.targets == ALL_LINEAR:
+        if slot is not None and slot.targets == DORA:
+            module = DoraStep(model, slot.rank, export_config).eval()
+            extra = {"lora": module.sample_lora()}
+        elif slot is not None and slot.targets == ALL_LINEAR:
             module = all_linear_step(model, slot.rank, export_config).eval()
             extra = {"lora": module.sample_lora()}
         elif slot is not None:
@@ -102,12 +116,13 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
 
     def add(rows: int, window: int | None, slot: LoraSlot | None) -> None:
         module = batch_decode_step(model, rows, slot.rank if slot else None, layout, window,
-                                   mlp=slot is not None and slot.targets == ALL_LINEAR).eval()
+                                   mlp=slot is not None and slot.targets == ALL_LINEAR,
+                                   dora=slot is not None and slot.targets == DORA).eval()
         name = SignatureName("decode", rows=rows, window=window, lora_slot=slot)
         signatures.append(Signature(str(name), module, module.sample_kwargs(settings.kv_length)))
 
     for window in sorted(settings.attention_windows):
-        for slot in (None, *lora_slots(model, settings, settings.lora_ranks)):
+        for slot in (None, *single_session_slots(model, settings)):
             add(1, window, slot)
     batch_slots = lora_slots(model, settings, settings.batch_ranks) if settings.batch_ranks else [None]
     for batch in sorted(settings.batch_sizes):

@@ -17,6 +17,11 @@ The attention projections q/k/v/o are in every convention; the MLP's gate/up/dow
 (written by ``export --lora-targets all-linear``) in litert-torch's, named in the same
 style, and LiteRT-LM's; MediaPipe's names stop at attention.
 
+A DoRA slot (``export --dora-ranks``) also takes, per projection, its output scale
+``lora_{atten_q,...,ff_down}_m_prime_weight_{L}`` ``[out]`` (side ``"m"``, litert-torch's
+convention only): ``m' = m / ||W + s B A||_row - 1``, the DoRA magnitude over the row norm
+of the adapted weight, less one, so that zeros leave the base projection as it is.
+
 Internally every adapter is handled in the *graph layout* of litert-torch exports:
 ``a`` is ``[in, r]`` and ``b`` is ``[r, out]``, so the delta added to a projection's
 output is ``(x @ a) @ b``.
@@ -37,6 +42,7 @@ ATTENTION_PROJECTIONS = ("q", "k", "v", "o")
 MLP_PROJECTIONS = ("gate", "up", "down")
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 SIDES = ("a", "b")
+DORA_SIDE = "m"  # a DoRA slot's per-output-channel scale input, [out]
 
 
 class Convention(enum.Enum):
@@ -50,7 +56,7 @@ class Convention(enum.Enum):
 _LAYER = r"(?P<layer>0|[1-9][0-9]*)"
 _PATTERNS: dict[Convention, re.Pattern[str]] = {
     Convention.LITERT_TORCH: re.compile(
-        rf"lora_(?:atten_(?P<proj>[qkvo])|ff_(?P<mlp>gate|up|down))_(?P<side>[ab])_prime_weight_{_LAYER}"
+        rf"lora_(?:atten_(?P<proj>[qkvo])|ff_(?P<mlp>gate|up|down))_(?P<side>[abm])_prime_weight_{_LAYER}"
     ),
     Convention.LITERT_LM: re.compile(
         rf"(?P<proj>query|key|value|post|gate|up|down)_w_prime_(?P<side>left|right)_{_LAYER}"
@@ -68,7 +74,7 @@ _PROJECTION_SPELLING: dict[Convention, dict[str, str]] = {
     Convention.MEDIAPIPE: {"q": "q", "k": "k", "v": "v", "o": "attn_vec_einsum"},
 }
 _SIDE_SPELLING: dict[Convention, dict[str, str]] = {
-    Convention.LITERT_TORCH: {"a": "a", "b": "b"},
+    Convention.LITERT_TORCH: {"a": "a", "b": "b", "m": "m"},
     Convention.LITERT_LM: {"a": "left", "b": "right"},
     Convention.MEDIAPIPE: {"a": "left", "b": "right"},
 }
@@ -80,7 +86,7 @@ class LoraInputName:
 
     layer: int
     projection: str  # one of PROJECTIONS
-    side: str  # one of SIDES
+    side: str  # one of SIDES, or DORA_SIDE
     convention: Convention
 
     @property
@@ -120,7 +126,7 @@ def parse_lora_input_name(name: str) -> LoraInputName:
 
 def lora_input_name(convention: Convention, layer: int, projection: str, side: str) -> str:
     """Spells the LoRA input for ``(layer, projection, side)`` in ``convention``."""
-    if projection not in _PROJECTION_SPELLING[convention] or side not in SIDES or layer < 0:
+    if projection not in _PROJECTION_SPELLING[convention] or side not in _SIDE_SPELLING[convention] or layer < 0:
         raise InvalidArgumentError(
             f"no LoRA input for layer={layer}, projection={projection!r}, side={side!r} in the "
             f"{convention.value} convention"

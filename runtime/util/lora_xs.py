@@ -37,7 +37,7 @@ class LoraXsFactors:
 
     def shape(self, layer: int, projection: str) -> tuple[int, int]:
         """``(out, in)`` of the projection's base weight (metadata only)."""
-        return self._model_weights().shape(layer, projection)
+        return self.model_weights().shape(layer, projection)
 
     def factors(self, layer: int, projection: str, rank: int, n_iter: int = DEFAULT_N_ITER,
                 random_state: int = DEFAULT_RANDOM_STATE) -> tuple[np.ndarray, np.ndarray]:
@@ -45,11 +45,12 @@ class LoraXsFactors:
         key = (layer, projection, rank, n_iter, random_state)
         with self._lock:  # one rebuild at a time: each is seconds of two cores at real size
             if key not in self._cache:
-                weight = self._model_weights().weight(layer, projection)
+                weight = self.model_weights().weight(layer, projection)
                 self._cache[key] = _truncated_svd(weight, rank, n_iter, random_state)
             return self._cache[key]
 
-    def _model_weights(self) -> ModelWeights:
+    def model_weights(self) -> ModelWeights:
+        """The model's weights map (opened on first use), which DoRA adapters read too."""
         with self._lock:
             if self._weights is None:
                 self._weights = self._open_weights()

@@ -60,6 +60,7 @@ class ModelWeights:
         self._model = schema.Model.GetRootAs(model, 0)
         self._entries = self._read_map()
         self._tensors: dict[tuple[int, int], Any] = {}  # entry shape + first probe -> tensor
+        self._by_shape: dict[tuple[int, ...], list[Any]] | None = None  # the decode subgraph's constants
         self._lock = threading.Lock()
 
     def shape(self, layer: int, projection: str) -> tuple[int, int]:
@@ -113,12 +114,7 @@ class ModelWeights:
         expected = np.array([value for _, value in entry.probe], np.float32)
         rows, columns = np.divmod(positions, entry.shape[1])
         best, best_error = None, np.inf
-        subgraph = self._model.Subgraphs(self._decode_subgraph())
-        for index in range(subgraph.TensorsLength()):
-            tensor = subgraph.Tensors(index)
-            if tuple(tensor.ShapeAsNumpy()) != entry.shape or tensor.Type() not in _DTYPES \
-                    or not self._bytes(self._model.Buffers(tensor.Buffer())).nbytes:
-                continue
+        for tensor in self._constants().get(entry.shape, ()):
             got = self._dequantized(tensor, rows)[np.arange(len(rows)), columns]
             error = float(np.max(np.abs(got - expected) / self._tolerance(tensor, rows, expected)))
             if error < best_error:
@@ -129,6 +125,20 @@ class ModelWeights:
         with self._lock:
             self._tensors[key] = best
         return best
+
+    def _constants(self) -> dict[tuple[int, ...], list[Any]]:
+        """The decode subgraph's constant float32, float16 and int8 tensors by shape (read
+        once: walking the subgraph's thousands of tensors per lookup took seconds at real size)."""
+        with self._lock:
+            if self._by_shape is None:
+                by_shape: dict[tuple[int, ...], list[Any]] = {}
+                subgraph = self._model.Subgraphs(self._decode_subgraph())
+                for index in range(subgraph.TensorsLength()):
+                    tensor = subgraph.Tensors(index)
+                    if tensor.Type() in _DTYPES and self._bytes(self._model.Buffers(tensor.Buffer())).nbytes:
+                        by_shape.setdefault(tuple(tensor.ShapeAsNumpy()), []).append(tensor)
+                self._by_shape = by_shape
+            return self._by_shape
 
     def _decode_subgraph(self) -> int:
         """The subgraph of ``decode``: every weight is used there (a prefill without logits

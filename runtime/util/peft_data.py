@@ -14,9 +14,13 @@ What maps: ``...layers.<N>.{self_attn,attn,attention}.{q,k,v,o}_proj`` and
 an extra ``r x r`` ``lora_R`` or ``lora_latent_mapping`` between A and B) fold it into A.
 ``fan_in_fan_out`` only changes how PEFT merges into a transposed base weight, not the
 activation path, so it needs nothing here; ``layers_to_transform`` is checked against the keys.
+DoRA (``use_dora: true``): every module also has ``.lora_magnitude_vector`` ``[out]``; the
+adapter is a :class:`runtime.util.dora.DoraLoraData`, whose magnitudes are read (and checked
+finite) when it is opened, and divided by the row norms of ``W + s B A`` (``W`` from the
+model file) when it is materialized.
 
-Refused, with every offending module listed: embeddings, lm_head, DoRA,
-``modules_to_save``, LoRA biases, unknown ``peft_type``.
+Refused, with every offending module listed: embeddings, lm_head, ``modules_to_save``,
+LoRA biases, unknown ``peft_type``; DoRA with LoRA-XS.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
+from runtime.util.dora import DoraLoraData, DoraMagnitudes, DoraProjection
 from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.lora_xs import DEFAULT_N_ITER, DEFAULT_RANDOM_STATE, LoraXsFactors
 from runtime.util.scoped_file import FileWatch
@@ -46,11 +51,13 @@ _PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
 _KEY = re.compile(
     r"(?:base_model\.model\.)?(?P<module>(?:.*\.)?layers\.(?P<layer>0|[1-9][0-9]*)\."
     r"(?:(?:self_attn|attn|attention)\.(?P<proj>[qkvo]_proj)|mlp\.(?P<mlp>gate_proj|up_proj|down_proj)))"
-    r"\.(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping|default_lora_latent_mapping)(?:\.default)?\.weight"
+    r"\.(?:(?P<part>lora_A|lora_B|lora_R|lora_latent_mapping|default_lora_latent_mapping)(?:\.default)?\.weight"
+    r"|(?P<magnitude>lora_magnitude_vector)(?:\.default)?(?:\.weight)?)"
 )
 _PEFT_TYPES = ("LORA", "LORA_XS")  # LoRA-XS: lora_A, lora_R, lora_B, applied as B R A
 MAX_N_ITER = 1000  # LoRA-XS's TruncatedSVD power iterations: its reference takes 10
 _LORA_XS_PARTS = ("lora_R", "lora_latent_mapping", "default_lora_latent_mapping")  # the r x r matrix
+_MAGNITUDE = "lora_magnitude_vector"  # DoRA's [out]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,8 @@ class PeftLoraConfig:
     # "n_iter" and "random_state"; LoRA-XS's reference uses 10 and 42).
     n_iter: int = DEFAULT_N_ITER
     random_state: int = DEFAULT_RANDOM_STATE
+    # DoRA: every module has a magnitude vector that rescales its output (runtime.util.dora).
+    use_dora: bool = False
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source: str) -> PeftLoraConfig:
@@ -80,8 +89,11 @@ class PeftLoraConfig:
                 f"{source}: peft_type {config.get('peft_type')!r} is not supported, expected one of "
                 f"{', '.join(_PEFT_TYPES)}"
             )
-        if config.get("use_dora"):
-            raise UnimplementedError(f"{source}: DoRA adapters (use_dora=true) cannot be applied")
+        use_dora = config.get("use_dora", False)
+        if not isinstance(use_dora, bool) and use_dora is not None:
+            raise InvalidArgumentError(f"{source}: 'use_dora' is {use_dora!r}, expected true or false")
+        if use_dora and peft_type == "LORA_XS":
+            raise UnimplementedError(f"{source}: use_dora with peft_type LORA_XS (DoRA over LoRA-XS) cannot be applied")
         if config.get("modules_to_save"):
             raise InvalidArgumentError(
                 f"{source}: modules_to_save {config['modules_to_save']!r} replaces whole "
@@ -114,6 +126,7 @@ class PeftLoraConfig:
             layers_to_transform=tuple(layers) if layers else None,
             n_iter=_count(config.get("n_iter", DEFAULT_N_ITER), "n_iter", MAX_N_ITER, source),
             random_state=_count(config.get("random_state", DEFAULT_RANDOM_STATE), "random_state", 2**32 - 1, source),
+            use_dora=bool(use_dora),
         )
 
     def rank_and_alpha(self, module: str) -> tuple[int, float]:
@@ -194,19 +207,54 @@ def _derive(
         module = modules.setdefault(
             match["module"], _Module(int(match["layer"]), _PROJECTIONS[match["proj"] or match["mlp"]])
         )
-        module.parts[match["part"]] = key
+        module.parts[match["part"] or match["magnitude"]] = key
     refuse_unappliable(source, refused, separator="; ")
     if not modules:
         raise InvalidArgumentError(f"{source}: no LoRA tensors found")
     tensors: dict[str, DerivedTensor] = {}
+    magnitudes: dict[tuple[int, str], DoraProjection] = {}
     for path, module in sorted(modules.items(), key=lambda item: (item[1].layer, item[1].projection)):
         if config.layers_to_transform is not None and module.layer not in config.layers_to_transform:
             raise InvalidArgumentError(
                 f"{source}: {path} is in layer {module.layer}, outside layers_to_transform "
                 f"{list(config.layers_to_transform)}"
             )
-        tensors.update(_module_tensors(path, module, shapes, load, config, source, lora_xs))
+        magnitude_key = module.parts.pop(_MAGNITUDE, None)
+        if (magnitude_key is not None) != config.use_dora:
+            raise InvalidArgumentError(
+                f"{source}: {path} has a DoRA magnitude ({magnitude_key!r}) but the config has no use_dora: true"
+                if magnitude_key else f"{source}: {path} has no {_MAGNITUDE} though the config says use_dora: true")
+        module_tensors = _module_tensors(path, module, shapes, load, config, source, lora_xs)
+        tensors.update(module_tensors)
+        if magnitude_key is not None:
+            fan_out = module_tensors[lora_input_name(Convention.LITERT_TORCH, module.layer, module.projection,
+                                                     "b")].shape[1]
+            magnitudes[(module.layer, module.projection)] = _magnitude(
+                module, magnitude_key, shapes[magnitude_key], fan_out, load, source, lora_xs)
+    if config.use_dora:
+        return DoraLoraData(tensors, DoraMagnitudes(magnitudes, source), source_name=source, format_name="peft (DoRA)",
+                            watches=watches)
     return DerivedLoraData(tensors, source_name=source, format_name="peft", watches=watches)
+
+
+def _magnitude(module: _Module, key: str, shape: tuple[int, ...], fan_out: int, load: Callable[[str], np.ndarray],
+               source: str, lora_xs: LoraXsFactors | None) -> DoraProjection:
+    """A module's DoRA magnitude ``[out]``, read now (it is small) and checked finite."""
+    if shape != (fan_out,):
+        raise InvalidArgumentError(
+            f"{source}: tensor {key!r} is {list(shape)}, expected [{fan_out}] (one DoRA magnitude per output "
+            "channel of its lora_B)")
+    magnitude = _float32(load(key), key, source).astype(np.float64)
+    if not np.isfinite(magnitude).all():
+        raise InvalidArgumentError(f"{source}: tensor {key!r} holds NaN or Inf values")
+
+    def weight() -> np.ndarray:
+        if lora_xs is None:
+            raise FailedPreconditionError(
+                f"{source}: a DoRA adapter's output scales need the base model's weights; open it with a model "
+                "(--model, or through an Engine)")
+        return lora_xs.model_weights().weight(module.layer, module.projection)
+    return DoraProjection(key, magnitude, weight)
 
 
 def _module_tensors(path: str, module: _Module, shapes: Mapping[str, tuple[int, ...]],
@@ -295,8 +343,6 @@ def _count(value: Any, field_name: str, most: int, source: str) -> int:
 
 
 def _why_refused(key: str) -> str:
-    if "lora_magnitude_vector" in key:
-        return f"{key} (DoRA magnitude)"
     if "modules_to_save" in key:
         return f"{key} (modules_to_save)"
     if key.endswith(".bias"):

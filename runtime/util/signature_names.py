@@ -9,8 +9,8 @@ parses them with it):
 * ``decode_batch{B}``: B sessions' decode steps in one run;
 * ``_attend{W}`` on a decode: the step attends over the cache's first W positions only;
 * ``_lora_r{R}``: the signature takes LoRA inputs of rank R for the attention projections
-  q/k/v/o; ``_lora_all_r{R}``: for every linear projection, the MLP's gate/up/down too
-  (a :class:`LoraSlot` each).
+  q/k/v/o; ``_lora_all_r{R}``: for every linear projection, the MLP's gate/up/down too;
+  ``_lora_dora_r{R}``: those and a DoRA output scale per projection (a :class:`LoraSlot` each).
 
 In that order: ``decode_batch8_attend128_lora_r16``. A batched signature's KV cache and
 LoRA tensors are the single-session names with ``_{row}`` appended.
@@ -24,17 +24,20 @@ from dataclasses import dataclass
 
 _SIGNATURE = re.compile(
     r"(?P<kind>prefill|decode)(?:_(?P<len>[1-9][0-9]*))?(?:_batch(?P<rows>[1-9][0-9]*))?"
-    r"(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora(?P<all>_all)?_r(?P<rank>[1-9][0-9]*))?"
+    r"(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora(?:(?P<all>_all)|(?P<dora>_dora))?_r(?P<rank>[1-9][0-9]*))?"
 )
 ATTENTION = "attention"  # LoRA on q/k/v/o
 ALL_LINEAR = "all-linear"  # LoRA on q/k/v/o and the MLP's gate/up/down
-LORA_TARGETS = (ATTENTION, ALL_LINEAR)  # the cheaper first
+DORA = "dora"  # all-linear, and each projection's DoRA output scale (m / ||W + s B A|| - 1)
+LORA_TARGETS = (ATTENTION, ALL_LINEAR, DORA)  # the cheaper first
+_SUFFIXES = {ATTENTION: "_lora_r", ALL_LINEAR: "_lora_all_r", DORA: "_lora_dora_r"}
 
 
 @dataclass(frozen=True)
 class LoraSlot:
     """One set of LoRA inputs a signature takes: ``rank`` columns for every projection of
-    ``targets`` (``"attention"``: q/k/v/o; ``"all-linear"``: those and gate/up/down).
+    ``targets`` (``"attention"``: q/k/v/o; ``"all-linear"``: those and gate/up/down;
+    ``"dora"``: all-linear plus a DoRA output scale per projection, zeros making it plain).
 
     An adapter runs in any slot that :meth:`holds` its rank and projections (zero-padded:
     exact); the cheapest such slot is the first in :attr:`cost_order`.
@@ -45,20 +48,20 @@ class LoraSlot:
 
     def holds(self, other: LoraSlot) -> bool:
         """Whether ``other``'s inputs fit into this slot's (zero-padded)."""
-        return self.rank >= other.rank and (self.targets == ALL_LINEAR or other.targets == ATTENTION)
+        return self.rank >= other.rank and LORA_TARGETS.index(self.targets) >= LORA_TARGETS.index(other.targets)
 
     @property
     def cost_order(self) -> tuple[int, int]:
-        """Sorts slots cheapest first: attention-only before all-linear, then by rank."""
+        """Sorts slots cheapest first: attention-only, all-linear, DoRA, then by rank."""
         return LORA_TARGETS.index(self.targets), self.rank
 
     @property
     def suffix(self) -> str:
         """The slot's part of a signature name."""
-        return f"_lora_all_r{self.rank}" if self.targets == ALL_LINEAR else f"_lora_r{self.rank}"
+        return f"{_SUFFIXES[self.targets]}{self.rank}"
 
     def __str__(self) -> str:
-        return f"all-linear r{self.rank}" if self.targets == ALL_LINEAR else f"r{self.rank}"
+        return f"r{self.rank}" if self.targets == ATTENTION else f"{self.targets} r{self.rank}"
 
 
 def cheapest_slot(slots: Iterable[LoraSlot], need: LoraSlot) -> LoraSlot | None:
@@ -104,7 +107,7 @@ class SignatureName:
             seq_len=_int(match["len"]),
             rows=_int(match["rows"]) or 1,
             window=_int(match["window"]),
-            lora_slot=LoraSlot(int(match["rank"]), ALL_LINEAR if match["all"] else ATTENTION)
+            lora_slot=LoraSlot(int(match["rank"]), ALL_LINEAR if match["all"] else DORA if match["dora"] else ATTENTION)
             if match["rank"] else None,
         )
 
