@@ -20,6 +20,7 @@ from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.mlp_lora import AllLinearStep, check_mlp_lora
 from runtime.export.settings import ExportSettings
+from runtime.export.verify import VerifyStep
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot, SignatureName
 
 _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
@@ -117,4 +118,36 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
     return signatures
 
 
-SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures)
+def verify_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
+    """``verify{L}`` and ``verify{L}_lora_r{R}`` (``..._lora_all_r{R}``) for each verify
+    length L and LoRA slot: L tokens at L positions, logits and final hidden states at all
+    L (see :mod:`runtime.export.verify`)."""
+    if not settings.verify_lengths:
+        return []
+    if not hasattr(model, "final_norm"):
+        raise UnimplementedError(f"--verify-lengths is not available for {type(model).__name__}: it has no "
+                                 "final_norm whose output the draft heads take")
+    layout = _KV_LAYOUTS[settings.kv_layout]
+    export_config = litert_converter.ExportConfig(output_logits_on_prefill=True, kvcache_layout=layout)
+    kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
+    signatures = []
+    for slot in (None, *lora_slots(model, settings, settings.lora_ranks)):
+        step: nn.Module = litert_converter.ExportableModule(model, export_config=export_config)
+        extra: dict[str, object] = {}
+        if slot is not None and slot.targets == ALL_LINEAR:
+            step = AllLinearStep(model, slot.rank, export_config)
+            extra = {"lora": step.sample_lora()}
+        elif slot is not None:
+            extra = {"lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
+        module = VerifyStep(step, model.final_norm).eval()
+        for length in sorted(settings.verify_lengths):
+            signatures.append(Signature(str(SignatureName("verify", length, lora_slot=slot)), module, {
+                "tokens": torch.zeros((1, length), dtype=torch.int32),
+                "input_pos": torch.arange(length, dtype=torch.int32),
+                "kv_cache": kv_cache,
+                **extra,
+            }))
+    return signatures
+
+
+SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures, verify_signatures)
