@@ -7,7 +7,7 @@ Two steps, each rerunnable::
     python3 tools/build_turbo_fixtures.py adapters   # numpy and the runtime only
 
 ``export`` writes, under ``tests/models/turbo/``, the tiny GQA model of
-``tools/build_test_models.py`` (same seed, same weights) with LoRA rank slot 4, one
+``tools/build_test_models.py`` (same seed, same weights) with LoRA rank slots 4 and 8 (a blend of two rank-4 adapters), one
 prefill length (8), KV length 64 and ``verify4`` signatures (plain and ``_lora_r4``), in
 both KV layouts: ``default.tflite`` (no prefill logits) and ``transposed.tflite``
 (prefill logits).
@@ -19,9 +19,9 @@ both KV layouts: ``default.tflite`` (no prefill logits) and ``transposed.tflite`
     3 heads ``medusa_head.{k}.linear.{weight,bias}`` drawn at random: drafts are mostly
     wrong, which exercises rejection and rewinding.
 ``trained_heads/``
-    3 heads fitted (least squares on the SiLU's input, then a few gradient steps) to
-    predict the tiny model's own greedy continuations with that LoRA, from hidden states
-    the runtime's ``verify4_lora_r4`` returns: drafts are mostly right.
+    3 heads trained (``tools/train_turbo_lora.py``'s trainer) to predict the tiny model's
+    own greedy continuations of ``TRAINED_PROMPTS`` with that LoRA (hidden states from
+    the runtime): on those prompts their drafts are mostly right.
 ``lorax_heads/``
     LoRAX's multi-layer layout: ``medusa_head.{k}.{j}.linear`` (2 blocks per head,
     ``medusa_num_layers`` in ``config.json``) and a per-head output projection
@@ -51,6 +51,8 @@ MODELS = {"default.tflite": ("default", False), "transposed.tflite": ("transpose
 VERIFY_LENGTH = 4
 NUM_HEADS = 3
 SEED = 21
+# The prompts the trained heads learn the tiny model's continuations of (with the LoRA).
+TRAINED_PROMPTS = [[5, 17, 99], [42, 7, 7, 130], [200, 3, 64, 81, 9], [1, 2, 3, 4, 5, 6]]
 
 
 def export(out_dir: Path) -> None:
@@ -67,12 +69,99 @@ def export(out_dir: Path) -> None:
         tiny.write_hf_checkpoint(cfg, tiny.make_weights(cfg), Path(checkpoint))
         source = inspect_source(checkpoint)
         for name, (layout, prefill_logits) in MODELS.items():
-            settings = ExportSettings(lora_ranks=(4,), lora_targets="attention", kv_length=cfg.kv_cache_max_len,
+            settings = ExportSettings(lora_ranks=(4, 8), lora_targets="attention", kv_length=cfg.kv_cache_max_len,
                                       prefill_lengths=(8,), kv_layout=layout, prefill_logits=prefill_logits,
                                       verify_lengths=(VERIFY_LENGTH,))
             start = time.perf_counter()
             run_export(source, settings, model_out=out_dir / name)
             print(f"exported {name} in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _state(directory: Path) -> tuple[dict[str, np.ndarray], dict]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors")), json.loads(
+        (directory / "adapter_config.json").read_text())
+
+
+def _write(out: Path, tensors: dict[str, np.ndarray], config: dict, extra_config: dict | None = None) -> None:
+    from safetensors.numpy import save_file
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in sorted(tensors.items())},
+              str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if extra_config is not None:
+        (out / "config.json").write_text(json.dumps(extra_config, indent=2, sort_keys=True) + "\n")
+
+
+def greedy_states(model: Path, prompts: list[list[int]], steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tiny model's greedy continuations with the LoRA of ``LORA_DIR`` (through the
+    runtime), and the final hidden state at every generated position: the lm_head is
+    ``[256, 64]``, so each hidden state is recovered exactly from its logits (least
+    squares). Returns (hidden ``[N, 64]``, future targets ``[N, NUM_HEADS]``, lm_head)."""
+    from train_turbo_lora import future_targets
+
+    from runtime import Engine, LoraSource, SessionConfig
+    from runtime.util.output_projection import read_output_projection
+
+    lm_head = read_output_projection(model, "verify4", str(model)).astype(np.float64)
+    hidden_rows, target_rows = [], []
+    with Engine(model) as engine:
+        for prompt in prompts:
+            with engine.create_session(SessionConfig(loras=[LoraSource(path=LORA_DIR)])) as session:
+                logits = [session.run_prefill(prompt)]
+                tokens = list(prompt)
+                for _ in range(steps):
+                    tokens.append(int(np.argmax(logits[-1])))
+                    logits.append(session.run_decode(tokens[-1]))
+            states = np.linalg.lstsq(lm_head, np.asarray(logits[:-1], np.float64).T, rcond=None)[0].T
+            positions = np.arange(len(prompt) - 1, len(tokens) - 1)
+            hidden_rows.append(states.astype(np.float32))
+            target_rows.append(future_targets(np.asarray(tokens), positions, NUM_HEADS))
+    return np.concatenate(hidden_rows), np.concatenate(target_rows), lm_head.astype(np.float32)
+
+
+def build_adapters(out_dir: Path) -> None:
+    """Writes the PEFT directories with draft heads (see the module notes)."""
+    from train_turbo_lora import head_top1, train_heads
+
+    rng = np.random.default_rng(SEED)
+    lora, config = _state(LORA_DIR)
+    hidden = 64
+    heads_config = {**config, "medusa_num_heads": NUM_HEADS, "medusa_num_layers": 1}
+
+    def random_heads(width: int) -> dict[str, np.ndarray]:
+        return {name: array for k in range(NUM_HEADS) for name, array in (
+            (f"medusa_head.{k}.linear.weight", rng.standard_normal((width, width)) * 0.3),
+            (f"medusa_head.{k}.linear.bias", rng.standard_normal(width) * 0.1))}
+
+    _write(out_dir / "random_heads", {**lora, **random_heads(hidden)}, heads_config)
+    _write(out_dir / "wrong_width_heads", {**lora, **random_heads(32)}, heads_config)
+    lorax = {}
+    for k in range(NUM_HEADS):
+        for j in range(2):
+            lorax[f"medusa_head.{k}.{j}.linear.weight"] = rng.standard_normal((hidden, hidden)) * 0.1
+            lorax[f"medusa_head.{k}.{j}.linear.bias"] = rng.standard_normal(hidden) * 0.1
+        lorax[f"medusa_head.{k}.2.weight"] = rng.standard_normal((256, hidden)) * 0.2
+    _write(out_dir / "lorax_heads", {**lora, **lorax}, config,
+           extra_config={"medusa_num_heads": NUM_HEADS, "medusa_num_layers": 2})
+
+    # A random model's greedy text is chaotic (heads trained on 120 prompts reach 2% top-1 on
+    # others), so the heads learn the continuations of TRAINED_PROMPTS, which the tests
+    # generate from: their drafts are mostly right there, and mostly wrong elsewhere.
+    model = out_dir / "default.tflite"
+    train_hidden, train_targets, lm_head = greedy_states(model, TRAINED_PROMPTS, 40)
+    heads = train_heads(train_hidden, train_targets, lm_head, steps=1500, batch=512, learning_rate=1e-2)
+    top1 = head_top1(heads, train_hidden, train_targets, lm_head)
+    trained = {name: array for k, (weight, bias) in enumerate(heads)
+               for name, array in ((f"medusa_head.{k}.linear.weight", weight), (f"medusa_head.{k}.linear.bias", bias))}
+    _write(out_dir / "trained_heads", {**lora, **trained}, heads_config)
+    (out_dir / "trained_heads" / "training.json").write_text(json.dumps(
+        {"prompts": TRAINED_PROMPTS, "top1_per_head_on_those_prompts": [round(x, 4) for x in top1],
+         "positions": int(len(train_hidden))}, indent=2) + "\n")
+    print(f"trained heads: top-1 per head on their prompts {[round(x, 3) for x in top1]}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,13 @@ k+2 positions ahead (head 0 drafts the token after the trunk's own next one). La
 
 Keys may carry a prefix (``base_model.model.``): everything from ``medusa_head.`` on is
 read. Every head must have the same blocks; the first malformed tensor is named.
+
+This runtime's extension: an optional ``medusa_head.vocab`` ``[V]`` of token ids (the
+tokens the heads were trained to draft, as ``tools/train_turbo_lora.py`` writes it). The
+heads that use the base lm_head then draft among those ids only: their projection is
+``[K, hidden] x [hidden, V]`` instead of the whole vocabulary (SmolLM2: 49,152 rows, a
+pass over 113 MB of f32 weights per step). Drafts are only proposals, so the output stays
+the trunk's own either way.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
 
+VOCAB_KEY = "medusa_head.vocab"
 _KEY = re.compile(
     r"(?:.*\.)?medusa_head\.(?P<head>0|[1-9][0-9]*)\."
     r"(?:(?P<block>0|[1-9][0-9]*)\.)?(?:linear\.(?P<part>weight|bias)|(?P<out>weight))"
@@ -57,6 +65,7 @@ class DraftHeads:
 
     heads: tuple[DraftHead, ...]
     width: int
+    vocab: np.ndarray | None = None  # token ids the shared-lm_head heads draft among (None: all)
 
     @property
     def count(self) -> int:
@@ -67,7 +76,8 @@ class DraftHeads:
     def nbytes(self) -> int:
         """Bytes of every head's weights (they count in the adapter's bytes)."""
         return sum(w.nbytes + b.nbytes for head in self.heads for w, b in head.blocks) + sum(
-            head.out.nbytes for head in self.heads if head.out is not None)
+            head.out.nbytes for head in self.heads if head.out is not None) + (
+            self.vocab.nbytes if self.vocab is not None else 0)
 
     def hidden_states(self, hidden: np.ndarray) -> np.ndarray:
         """Each head's blocks applied to one final hidden state ``[width]``: ``[K, width]``."""
@@ -82,14 +92,16 @@ class DraftHeads:
 
     def draft(self, hidden: np.ndarray, lm_head: Callable[[np.ndarray], np.ndarray]) -> list[int]:
         """The K draft tokens from one final hidden state: each head's argmax, through its
-        own output projection or ``lm_head`` (``[K, width]`` -> ``[K, vocab]``, all heads
-        without one in a single product)."""
+        own output projection or ``lm_head`` (``[K, width]`` -> ``[K, V]``, all heads
+        without one in a single product; V: the ids of :attr:`vocab` in that order, or the
+        whole vocabulary)."""
         rows = self.hidden_states(np.asarray(hidden, np.float32))
         own = [k for k, head in enumerate(self.heads) if head.out is not None]
         shared = [k for k, head in enumerate(self.heads) if head.out is None]
         drafts = [0] * self.count
         if shared:
-            for k, token in zip(shared, np.argmax(lm_head(rows[shared]), axis=-1)):
+            best = np.argmax(lm_head(rows[shared]), axis=-1)
+            for k, token in zip(shared, best if self.vocab is None else self.vocab[best]):
                 drafts[k] = int(token)
         for k in own:
             drafts[k] = int(np.argmax(self.heads[k].out @ rows[k]))
@@ -100,9 +112,16 @@ def read_draft_heads(shapes: Mapping[str, tuple[int, ...]], load: Callable[[str]
                      config: Mapping[str, Any], source: str) -> DraftHeads | None:
     """The draft heads among the tensors ``shapes`` (``load`` reads one), or ``None`` when
     there are none. ``config``: the adapter's config (``medusa_num_layers`` if given)."""
-    keys = [key for key in shapes if is_draft_head_key(key)]
+    keys = [key for key in shapes if is_draft_head_key(key) and key != VOCAB_KEY]
     if not keys:
         return None
+    vocab = None
+    if VOCAB_KEY in shapes:
+        vocab = np.asarray(load(VOCAB_KEY))
+        if vocab.ndim != 1 or vocab.dtype.kind not in "iu" or not vocab.size or vocab.min() < 0:
+            raise InvalidArgumentError(f"{source}: {VOCAB_KEY!r} is {list(vocab.shape)} {vocab.dtype}, expected "
+                                       "[V] non-negative integer token ids")
+        vocab = vocab.astype(np.int64)
     parts: dict[int, dict[tuple[int, str], str]] = {}
     for key in keys:
         match = _KEY.fullmatch(key)
@@ -124,7 +143,7 @@ def read_draft_heads(shapes: Mapping[str, tuple[int, ...]], load: Callable[[str]
     declared = config.get("medusa_num_heads")
     if declared is not None and declared != count:
         raise InvalidArgumentError(f"{source}: medusa_num_heads is {declared!r} but the file holds {count} heads")
-    return DraftHeads(tuple(heads), width)
+    return DraftHeads(tuple(heads), width, vocab)
 
 
 def read_heads_config(directory: Path) -> dict[str, Any]:
@@ -197,17 +216,45 @@ def check_heads(heads: DraftHeads, width: int | None, vocab: int, source: str) -
     """Refuses heads a model cannot run, with one error type (``FailedPreconditionError``)
     naming the way out: no verify signatures (``width`` ``None``), a width other than the
     model's hidden size, or an output projection of another vocabulary."""
-    fix = ("re-export the model with `--verify-lengths 4` after training the heads on it, or load the LoRA alone "
-           "with heads=False (`--no-draft-heads`)")
+    alone = "or load the LoRA alone with heads=False (`--no-draft-heads`)"
     if width is None:
         raise FailedPreconditionError(
             f"{source}: the adapter carries {heads.count} draft heads but the model has no verify signatures; "
-            f"re-export it with `python -m runtime export ... --verify-lengths 4`, or {fix}")
+            f"re-export the model with `python -m runtime export ... --verify-lengths 4`, {alone}")
     if heads.width != width:
         raise FailedPreconditionError(
-            f"{source}: the draft heads are {heads.width} wide but the model's hidden size is {width}; {fix}")
+            f"{source}: the draft heads are {heads.width} wide but the model's hidden size is {width} (heads of "
+            f"another model; a model exported with --verify-lengths takes heads of its own width), {alone}")
+    if heads.vocab is not None and int(heads.vocab.max()) >= vocab:
+        raise FailedPreconditionError(
+            f"{source}: {VOCAB_KEY} holds token id {int(heads.vocab.max())}, outside the model's vocabulary of "
+            f"{vocab}, {alone}")
     for k, head in enumerate(heads.heads):
         if head.out is not None and head.out.shape[0] != vocab:
             raise FailedPreconditionError(
                 f"{source}: draft head {k}'s output projection has {head.out.shape[0]} rows, the model's vocabulary "
-                f"{vocab}; {fix}")
+                f"{vocab}, {alone}")
+
+
+def read_adapter_heads(name: str, *, peft_directory: str | None = None, state_dict: Mapping[str, Any] | None = None,
+                       peft_config: Mapping[str, Any] | None = None) -> DraftHeads | None:
+    """The draft heads of a PEFT adapter: a directory (its ``adapter_model.safetensors``,
+    settings from :func:`read_heads_config`) or an in-memory state dict with its config;
+    ``None`` when it carries none. Other adapter formats carry no heads."""
+    if peft_directory is not None:
+        from safetensors import SafetensorError, safe_open
+
+        directory = Path(peft_directory)
+        weights = directory / "adapter_model.safetensors"
+        try:
+            handle = safe_open(str(weights), framework="np")
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()
+                      if is_draft_head_key(key)}
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise InvalidArgumentError(f"{weights}: not a readable safetensors file: {exc}") from None
+        return read_draft_heads(shapes, handle.get_tensor, read_heads_config(directory), name)
+    if state_dict is not None:
+        arrays = {str(key): np.asarray(value) for key, value in state_dict.items() if is_draft_head_key(str(key))}
+        config = {key: peft_config[key] for key in CONFIG_KEYS if peft_config and key in peft_config}
+        return read_draft_heads({k: a.shape for k, a in arrays.items()}, arrays.__getitem__, config, name)
+    return None
