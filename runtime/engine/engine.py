@@ -75,12 +75,15 @@ class Engine:
             residency=self.settings.lora_residency,
             allow_non_finite=self.settings.allow_non_finite_weights,
             batch_wait_s=self.settings.batch_wait_s,
-            output_projection=lambda: read_output_projection(
-                model, self.spec.verify(self.spec.verify_lengths(None)[0]).key, str(self.model_path)),
+            output_projection=lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
         )
         self._sessions = SessionRegistry(self.settings.speculation)
         self._closed = False
         self._lock = threading.Lock()
+
+    def _verify_key(self) -> str:
+        """A verify signature's name: its logits come from the lm_head the draft heads share."""
+        return next(key for key, signature in self.spec.signatures.items() if signature.kind == "verify")
 
     @property
     def spec(self) -> ModelSpec:
