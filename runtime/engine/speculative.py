@@ -125,6 +125,11 @@ class SpeculativeDecoder:
         self.counters = SpeculationCounters(accepted=[0] * heads.count)
 
     def _project(self, rows: np.ndarray) -> np.ndarray:
+        """The heads' rows through the lm_head (or its draft-vocabulary rows): einsum for a
+        draft vocabulary (small; a multi-threaded BLAS waits for its threads on a busy
+        machine), BLAS for the whole vocabulary."""
+        if self._heads.vocab is not None:
+            return np.einsum("kj,vj->kv", rows, self._lm_head)
         return rows @ self._lm_head.T
 
     def run(self, first: int, sampler: Sampler, max_new_tokens: int, stops: set[int],

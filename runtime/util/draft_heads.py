@@ -85,7 +85,9 @@ class DraftHeads:
         for k, head in enumerate(self.heads):
             h = hidden
             for weight, bias in head.blocks:
-                z = weight @ h + bias
+                # einsum, not BLAS: these products are small, and a multi-threaded BLAS waits for
+                # its threads on a busy machine (measured: 66 ms for what takes 1 ms on one).
+                z = np.einsum("ij,j->i", weight, h) + bias
                 h = h + z / (1.0 + np.exp(-z))  # h + SiLU(W h + b)
             rows[k] = h
         return rows
@@ -104,7 +106,7 @@ class DraftHeads:
             for k, token in zip(shared, best if self.vocab is None else self.vocab[best]):
                 drafts[k] = int(token)
         for k in own:
-            drafts[k] = int(np.argmax(self.heads[k].out @ rows[k]))
+            drafts[k] = int(np.argmax(np.einsum("vj,j->v", self.heads[k].out, rows[k])))
         return drafts
 
 
