@@ -106,13 +106,18 @@ def test_a_blend_uses_no_heads_and_stats_say_so(engine):
     assert engine.stats().speculation.blends_without_heads == before + 1
 
 
-def test_heads_switch_themselves_off_when_rarely_right():
-    policy = SpeculationPolicy(probe_verifies=4, min_accepted_per_verify=0.5, pause_tokens=16)
+def test_heads_switch_themselves_off_when_rarely_right_across_generations():
+    policy = SpeculationPolicy(probe_verifies=4, min_accepted_per_verify=0.5, pause_tokens=100)
     with Engine(LAYOUTS["default"], EngineSettings(speculation=policy)) as engine:
-        with engine.create_session(SessionConfig(loras=[LoraSource(path=TURBO / "random_heads")])) as session:
-            session.generate(OTHER_PROMPTS[1], max_new_tokens=40)
-            stats = session.stats().speculation
-    assert stats.plain_steps >= 16 and stats.verifies < 20
+        source = LoraSource(path=TURBO / "random_heads")
+        _, _, first = _generate(engine, source, OTHER_PROMPTS[1], max_new_tokens=40)
+        assert first.plain_steps >= 30 and first.verifies <= 6
+        paused = [_generate(engine, source, prompt, max_new_tokens=3)[2] for prompt in ([1, 2], [3, 4])]
+        assert all(stats.verifies == 0 for stats in paused)  # still in the pause another generation began
+        # Another adapter's heads keep their own count.
+        _, _, trained = _generate(engine, LoraSource(path=TURBO / "trained_heads"), TRAINED_PROMPTS[0],
+                                  max_new_tokens=40)
+        assert trained.verifies > 0 and trained.plain_steps == 0
 
 
 def test_heads_count_in_the_adapters_bytes_and_go_with_unload(engine):

@@ -13,7 +13,7 @@ import numpy as np
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.components.tokenizer import Tokenizer
 from runtime.engine.config import check_adapters, check_sources
-from runtime.engine.speculative import SpeculationCounters, SpeculationPolicy, SpeculativeDecoder
+from runtime.engine.speculative import AcceptanceGate, SpeculationCounters, SpeculationPolicy, SpeculativeDecoder
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.framework.lora_source import LoraSource
@@ -27,11 +27,19 @@ class SessionRegistry:
 
     def __init__(self, policy: SpeculationPolicy | None = None) -> None:
         """``policy``: when the sessions' draft heads switch themselves off."""
-        self.policy = policy or SpeculationPolicy()
+        self._policy = policy or SpeculationPolicy()
+        self._gates: dict[int, AcceptanceGate] = {}  # per adapter id (ids are never reused)
         self._sessions: set[Session] = set()
         self._next_id = 1
         self._lock = threading.Lock()
         self.speculation = SpeculationCounters()  # every session's draft-head work, closed ones too
+
+    def gate(self, lora_id: int) -> AcceptanceGate:
+        """The switch of adapter ``lora_id``'s draft heads, shared by its sessions."""
+        with self._lock:
+            if lora_id not in self._gates:
+                self._gates[lora_id] = AcceptanceGate(self._policy)
+            return self._gates[lora_id]
 
     def add(self, session: Session) -> int:
         """Records a new session; returns its id."""
@@ -205,7 +213,8 @@ class Session:
             first_token = time.perf_counter()
             heads = self._draft_heads(context, sampler)
             if heads is not None:
-                decoder = SpeculativeDecoder(self._resources, context, heads, self._decode, self._registry.policy)
+                gate = self._registry.gate(context.blend[0][0])
+                decoder = SpeculativeDecoder(self._resources, context, heads, self._decode, gate)
                 before = self._counters.decode_seconds
                 try:
                     generated, stop_reason = decoder.run(generated[0], sampler, max_new_tokens, stops, on_token)

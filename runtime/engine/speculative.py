@@ -36,12 +36,14 @@ from runtime.util.draft_heads import DraftHeads
 
 @dataclass(frozen=True)
 class SpeculationPolicy:
-    """When draft heads switch themselves off within one generation.
+    """When an adapter's draft heads switch themselves off.
 
-    After ``probe_verifies`` verify runs, if fewer than ``min_accepted_per_verify`` drafts
-    were kept per run on average, the session decodes plainly for ``pause_tokens`` tokens,
-    then probes again: a verify run that keeps nothing costs more than a decode step, so
-    heads that do not predict this text would only slow it down.
+    After ``probe_verifies`` verify runs with drafts, if fewer than
+    ``min_accepted_per_verify`` drafts were kept per run on average, the adapter's sessions
+    decode plainly for ``pause_tokens`` tokens, then probe again: a verify run that keeps
+    nothing costs more than a decode step, so heads that do not predict this text would
+    only slow it down. The count is per adapter, across generations and sessions (short
+    answers would otherwise spend their whole length probing).
     """
 
     probe_verifies: int = 8
@@ -107,18 +109,51 @@ class SpeculationCounters:
                                     self.plain_steps, self.blends_without_heads)
 
 
+class AcceptanceGate:
+    """Whether one adapter's heads are on, from its recent verify runs (see
+    :class:`SpeculationPolicy`); shared by every session of the adapter, thread-safe."""
+
+    def __init__(self, policy: SpeculationPolicy) -> None:
+        self._policy = policy
+        self._plain_left = 0  # plain steps before the next probe
+        self._runs = 0  # verify runs with drafts in the current probe, and the drafts they kept
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def heads_on(self) -> bool:
+        """Whether the next step may speculate."""
+        return self._plain_left == 0
+
+    def plain_step(self) -> None:
+        """Counts one step decoded plainly while the heads were off."""
+        with self._lock:
+            self._plain_left = max(0, self._plain_left - 1)
+
+    def verified(self, kept: int) -> None:
+        """Counts one verify run with drafts that kept ``kept`` of them."""
+        policy = self._policy
+        with self._lock:
+            self._runs += 1
+            self._kept += kept
+            if self._runs >= policy.probe_verifies:
+                if self._kept < policy.min_accepted_per_verify * self._runs:
+                    self._plain_left = policy.pause_tokens
+                self._runs = self._kept = 0
+
+
 class SpeculativeDecoder:
     """Runs one greedy generation's decode loop with draft heads (see the module notes)."""
 
     def __init__(self, resources: ResourceManager, context: ContextHandler, heads: DraftHeads,
-                 decode: Callable[[ContextHandler, int], np.ndarray], policy: SpeculationPolicy) -> None:
+                 decode: Callable[[ContextHandler, int], np.ndarray], gate: AcceptanceGate) -> None:
         """``decode(context, token)``: a plain decode step that advances the position (for
-        when the heads are off, or the cache has no room for a verify run)."""
+        when the heads are off, or the cache has no room for a verify run); ``gate``: the
+        adapter's switch."""
         self._resources = resources
         self._context = context
         self._heads = heads
         self._decode = decode
-        self._policy = policy
+        self._gate = gate
         lm_head = resources.lm_head()
         self._lm_head = lm_head if heads.vocab is None else np.ascontiguousarray(lm_head[heads.vocab])
         self._length = max(resources.spec.verify_lengths(resources.registry.slot_or_none(context.blend)), default=0)
@@ -136,21 +171,21 @@ class SpeculativeDecoder:
             on_token: Callable[[int], None] | None) -> tuple[list[int], str]:
         """Generates from ``first`` (the token prefill's logits gave, not yet in the cache)
         until a stop token or ``max_new_tokens``; returns the tokens and why it stopped."""
-        context, counters, policy = self._context, self.counters, self._policy
+        context, counters, gate = self._context, self.counters, self._gate
         kv_length = self._resources.spec.kv_length
         generated = [first]
         drafts: list[int] = []
-        probe_start = (0, 0)  # (verifies, accepted) when the current probe began
-        plain_left = 0  # plain steps to take before probing again
         while True:
             last = generated[-1]
             if on_token is not None:
                 on_token(last)
             done = last in stops or len(generated) == max_new_tokens
-            if done or plain_left > 0 or self._length == 0 or context.position + self._length > kv_length:
+            heads_on = gate.heads_on()
+            if done or not heads_on or self._length == 0 or context.position + self._length > kv_length:
                 logits = self._decode(context, last)
                 counters.plain_steps += 1
-                plain_left = max(0, plain_left - 1)
+                if not heads_on:
+                    gate.plain_step()
                 if done:
                     return generated, "stop_token" if last in stops else "max_new_tokens"
                 generated.append(sampler.sample(logits))
@@ -175,12 +210,9 @@ class SpeculativeDecoder:
                     break
             context.position += 1 + kept  # the trunk's token and the kept drafts
             counters.tokens += 1 + kept
+            if drafts:
+                gate.verified(kept)
             if stopped is not None:
                 return generated, stopped
             generated.append(sampler.sample(logits[kept]))
             drafts = self._heads.draft(hidden[kept], self._project)
-            runs, accepted = counters.verifies - probe_start[0], sum(counters.accepted) - probe_start[1]
-            if runs >= policy.probe_verifies:
-                if accepted < policy.min_accepted_per_verify * runs:
-                    plain_left = policy.pause_tokens
-                probe_start = (counters.verifies, sum(counters.accepted))
