@@ -209,6 +209,7 @@ def trunk_answers(model: Any, tokenizer: Any, instructions: list[str], max_new_t
             width = max(map(len, group))
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            print(f"generating answers {start + 1}-{start + len(group)} of {len(prompts)}", flush=True)
             generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                        do_sample=False, pad_token_id=pad)
             for prompt, row in zip(group, generated[:, width:].tolist()):
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-items", type=int, default=160)
     parser.add_argument("--test-items", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--untrained-lora", action="store_true",
                         help="use PEFT's initialization (B = 0) as the LoRA when the task has no trained one")
     args = parser.parse_args(argv)
@@ -268,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     task = tasks.TASKS[args.task]
     lora_dir = tasks.adapter_dir(args.task)
     if not (lora_dir / HEADS_FILE).is_file():
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     # The draft vocabulary: every token of the trunk's training answers.
     vocab = np.unique(np.concatenate([np.asarray(answer, np.int64) for _, answer in train_seqs]))
     heads = train_heads(train_hidden, train_targets, lm_head, steps=args.steps, batch=args.batch,
-                        future=train_future, vocab=vocab)
+                        future=train_future, vocab=vocab, threads=args.threads)
     trained = time.perf_counter()
     top1 = head_top1(heads, test_hidden, test_targets, lm_head, vocab)
     top1_full = head_top1(heads, test_hidden, test_targets, lm_head)
