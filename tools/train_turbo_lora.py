@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-items", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--out", type=Path, help="the Turbo adapter's directory (default: <task>-turbo beside the LoRA)")
     parser.add_argument("--untrained-lora", action="store_true",
                         help="use PEFT's initialization (B = 0) as the LoRA when the task has no trained one")
     args = parser.parse_args(argv)
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": "self-distillation: heads trained on the trunk's own greedy answers, hidden states cached, "
                   "LoRA frozen",
     }
-    out_dir = lora_dir.parent / f"{args.task}-turbo"
+    out_dir = args.out or lora_dir.parent / f"{args.task}-turbo"
     save_turbo_adapter(lora_dir, out_dir, heads, record, vocab)
     print(json.dumps(record, indent=2))
     print(f"wrote {out_dir}")

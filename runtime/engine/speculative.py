@@ -40,7 +40,9 @@ class SpeculationPolicy:
 
     After ``probe_verifies`` verify runs with drafts, if fewer than
     ``min_accepted_per_verify`` drafts were kept per run on average, the adapter's sessions
-    decode plainly for ``pause_tokens`` tokens, then probe again: a verify run that keeps
+    decode plainly for ``pause_tokens`` tokens, then probe again; each probe that fails
+    again doubles the pause, up to ``max_pause_tokens`` (one that passes resets it), so
+    that heads which never help cost a few percent at most: a verify run that keeps
     nothing costs more than a decode step, so heads that do not predict this text would
     only slow it down. The count is per adapter, across generations and sessions (short
     answers would otherwise spend their whole length probing).
@@ -49,6 +51,7 @@ class SpeculationPolicy:
     probe_verifies: int = 8
     min_accepted_per_verify: float = 0.5
     pause_tokens: int = 64
+    max_pause_tokens: int = 1024
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class AcceptanceGate:
     def __init__(self, policy: SpeculationPolicy) -> None:
         self._policy = policy
         self._plain_left = 0  # plain steps before the next probe
+        self._pause = policy.pause_tokens  # the next failed probe's pause
         self._runs = 0  # verify runs with drafts in the current probe, and the drafts they kept
         self._kept = 0
         self._lock = threading.Lock()
@@ -137,7 +141,10 @@ class AcceptanceGate:
             self._kept += kept
             if self._runs >= policy.probe_verifies:
                 if self._kept < policy.min_accepted_per_verify * self._runs:
-                    self._plain_left = policy.pause_tokens
+                    self._plain_left = self._pause
+                    self._pause = min(2 * self._pause, max(policy.max_pause_tokens, policy.pause_tokens))
+                else:
+                    self._pause = policy.pause_tokens
                 self._runs = self._kept = 0
 
 
