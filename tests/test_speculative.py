@@ -17,7 +17,7 @@ import pytest
 from conftest import MODEL_FILES, MODELS
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
 from runtime.components.sampler import SamplerConfig
-from runtime.engine.speculative import SpeculationPolicy
+from runtime.engine.speculative import AcceptanceGate, SpeculationPolicy
 from runtime.errors import FailedPreconditionError
 
 TURBO = MODELS / "turbo"
@@ -179,3 +179,21 @@ def test_verify_near_the_end_of_the_cache_falls_back_to_plain_steps(engine):
     plain, _, _ = _generate(engine, LoraSource(path=TURBO / "trained_heads", heads=False), prompt, max_new_tokens=5)
     turbo, position, stats = _generate(engine, LoraSource(path=TURBO / "trained_heads"), prompt, max_new_tokens=5)
     assert turbo.tokens == plain.tokens and position == 64 and stats.plain_steps > 0
+
+
+def test_each_failed_probe_doubles_the_pause_and_a_passing_one_resets_it():
+    gate = AcceptanceGate(SpeculationPolicy(probe_verifies=2, min_accepted_per_verify=1.0, pause_tokens=3,
+                                            max_pause_tokens=6))
+
+    def pause_after_probe(kept: int) -> int:
+        for _ in range(2):
+            gate.verified(kept)
+        steps = 0
+        while not gate.heads_on():
+            gate.plain_step()
+            steps += 1
+        return steps
+
+    assert [pause_after_probe(0) for _ in range(4)] == [3, 6, 6, 6]
+    assert pause_after_probe(2) == 0
+    assert pause_after_probe(0) == 3
