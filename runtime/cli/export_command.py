@@ -62,6 +62,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-windows", default="", metavar="W,W,...",
                         help="extra decode signatures (single and batched) attending over the cache's first W "
                         "positions only: faster while a session is short (e.g. 128,512)")
+    parser.add_argument("--verify-lengths", default="", metavar="L,L,...",
+                        help="verify{L} signatures (per LoRA slot and plain): L tokens at once with logits and final "
+                        "hidden states at all L, which speculative decoding with an adapter's draft heads (Turbo "
+                        "LoRA) needs (e.g. 4; default: none)")
     parser.add_argument("--prefill-logits", action="store_true", help="prefill signatures also return logits")
     parser.add_argument("--jobs", type=int, default=None,
                         help="worker processes lowering signatures side by side (default: one per core, as many as "
@@ -102,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         batch_lora_ranks=None if args.batch_lora_ranks is None
         else parse_integers("--batch-lora-ranks", args.batch_lora_ranks),
         attention_windows=parse_integers("--attention-windows", args.attention_windows),
+        verify_lengths=parse_integers("--verify-lengths", args.verify_lengths),
     )
     targets = [path for path in (args.out, args.bundle) if path is not None]
     check_targets(targets)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-draft-heads", action="store_true",
+                        help="load Turbo LoRA adapters without their draft heads (plain decoding; also what a model "
+                        "exported without --verify-lengths needs)")
     parser.set_defaults(run=run)
 
 
@@ -84,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     """Loads the model, generates (printing tokens as they come) and prints the timings."""
     sampler = SamplerConfig(args.temperature, args.top_k, args.top_p, args.seed)
     loras = [parse_lora_argument(text) for text in args.lora]
+    if args.no_draft_heads:
+        loras = [dataclasses.replace(source, heads=False) for source in loras]
     if args.lora_buffer:
         blob = sys.stdin.buffer.read()
         if not blob:
@@ -130,4 +136,8 @@ def run(args: argparse.Namespace) -> int:
             f"decode {1e3 * result.decode_seconds / steps:.3f} ms/token "
             f"({result.decode_tokens_per_second:,.0f} tokens/s) | stop: {result.stop_reason}"
         )
+        speculation = session.stats().speculation
+        if speculation.verifies:
+            print(f"draft heads: {speculation.drafted} drafted, accepted per head {list(speculation.accepted)}, "
+                  f"{speculation.tokens_per_verify:.2f} tokens per verify forward")
     return 0

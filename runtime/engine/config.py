@@ -9,6 +9,7 @@ from typing import Any
 
 from runtime.components.residency import KeepAll, ResidencyPolicy, check_policy
 from runtime.components.sampler import SamplerConfig
+from runtime.engine.speculative import SpeculationPolicy
 from runtime.errors import InvalidArgumentError
 from runtime.framework.lora_source import LoraSource, check_scale
 from runtime.util.adapter_formats import AdapterBuffer
@@ -56,6 +57,8 @@ class EngineSettings:
     --batch-sizes``), decode steps that sessions request at the same time run as one pass
     over the weights; a batch waits at most this long for the sessions of the previous
     batch to come back (a session alone never waits). ``None``: sessions take turns.
+    ``speculation``: when a Turbo adapter's draft heads switch themselves off in a
+    generation where they are rarely right (see :class:`SpeculationPolicy`).
     """
 
     num_threads: int = 1
@@ -63,6 +66,7 @@ class EngineSettings:
     allow_non_finite_weights: bool = False
     executors: int = 1
     batch_wait_s: float | None = 0.002
+    speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
 
     def __post_init__(self) -> None:
         if self.batch_wait_s is not None and (

@@ -24,6 +24,7 @@ from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
 from runtime.util.model_weights import ModelWeights
+from runtime.util.output_projection import read_output_projection
 
 
 class Engine:
@@ -74,10 +75,15 @@ class Engine:
             residency=self.settings.lora_residency,
             allow_non_finite=self.settings.allow_non_finite_weights,
             batch_wait_s=self.settings.batch_wait_s,
+            output_projection=lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
         )
-        self._sessions = SessionRegistry()
+        self._sessions = SessionRegistry(self.settings.speculation)
         self._closed = False
         self._lock = threading.Lock()
+
+    def _verify_key(self) -> str:
+        """A verify signature's name: its logits come from the lm_head the draft heads share."""
+        return next(key for key, signature in self.spec.signatures.items() if signature.kind == "verify")
 
     @property
     def spec(self) -> ModelSpec:
@@ -172,6 +178,7 @@ class Engine:
             invoke_seconds=invoke_seconds,
             decode_batches=batch_sizes,
             queue_wait=queue_wait,
+            speculation=self._sessions.speculation.snapshot(),
         )
 
     def close(self) -> None:

@@ -13,20 +13,33 @@ import numpy as np
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.components.tokenizer import Tokenizer
 from runtime.engine.config import check_adapters, check_sources
+from runtime.engine.speculative import AcceptanceGate, SpeculationCounters, SpeculationPolicy, SpeculativeDecoder
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.resource_manager import ResourceManager
+from runtime.util.draft_heads import DraftHeads
 
 
 class SessionRegistry:
     """The live sessions of one engine, so that closing the engine closes them."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: SpeculationPolicy | None = None) -> None:
+        """``policy``: when the sessions' draft heads switch themselves off."""
+        self._policy = policy or SpeculationPolicy()
+        self._gates: dict[int, AcceptanceGate] = {}  # per adapter id (ids are never reused)
         self._sessions: set[Session] = set()
         self._next_id = 1
         self._lock = threading.Lock()
+        self.speculation = SpeculationCounters()  # every session's draft-head work, closed ones too
+
+    def gate(self, lora_id: int) -> AcceptanceGate:
+        """The switch of adapter ``lora_id``'s draft heads, shared by its sessions."""
+        with self._lock:
+            if lora_id not in self._gates:
+                self._gates[lora_id] = AcceptanceGate(self._policy)
+            return self._gates[lora_id]
 
     def add(self, session: Session) -> int:
         """Records a new session; returns its id."""
@@ -102,6 +115,7 @@ class Session:
         self._lock = threading.Lock()
         self._vocab = resources.executor.spec.vocab_size
         self._counters = _Counters()
+        self._speculation = SpeculationCounters()
         self.session_id = registry.add(self)
 
     # -- state ---------------------------------------------------------------------
@@ -197,18 +211,20 @@ class Session:
             prefill_done = time.perf_counter()
             generated = [sampler.sample(logits)]
             first_token = time.perf_counter()
-            stop_reason = "max_new_tokens"
-            with self._resources.batcher.streaming():  # decode batches being formed wait for this session's steps
-                while True:
-                    if on_token is not None:
-                        on_token(generated[-1])
-                    logits = self._decode(context, generated[-1])
-                    if generated[-1] in stops:
-                        stop_reason = "stop_token"
-                        break
-                    if len(generated) == max_new_tokens:
-                        break
-                    generated.append(sampler.sample(logits))
+            heads = self._draft_heads(context, sampler)
+            if heads is not None:
+                gate = self._registry.gate(context.blend[0][0])
+                decoder = SpeculativeDecoder(self._resources, context, heads, self._decode, gate)
+                before = self._counters.decode_seconds
+                try:
+                    generated, stop_reason = decoder.run(generated[0], sampler, max_new_tokens, stops, on_token)
+                finally:
+                    self._counters.decode_tokens += decoder.counters.tokens
+                    self._counters.decode_seconds = before + time.perf_counter() - first_token
+                    self._speculation.add(decoder.counters)
+                    self._registry.speculation.add(decoder.counters)
+            else:
+                stop_reason = self._plain_loop(context, generated, sampler, max_new_tokens, stops, on_token)
             end = time.perf_counter()
             self._counters.time_to_first_token_s = first_token - start
         text = None
@@ -223,6 +239,35 @@ class Session:
             decode_seconds=end - first_token,
             text=text,
         )
+
+    def _draft_heads(self, context: ContextHandler, sampler: Sampler) -> DraftHeads | None:
+        """The heads a greedy generation of ``context`` speculates with (``None``: plain
+        decoding); counts a blend whose adapters carry heads it cannot use."""
+        config = sampler.config
+        if config.temperature != 0.0 and config.top_k != 1:
+            return None  # speculative sampling is not implemented: plain decoding keeps the distribution
+        heads = self._resources.draft_heads(context)
+        if heads is None and len(context.blend) > 1 and any(
+                self._resources.registry.draft_heads(lora_id) for lora_id, _ in context.blend):
+            blended = SpeculationCounters(blends_without_heads=1)
+            self._speculation.add(blended)
+            self._registry.speculation.add(blended)
+        return heads
+
+    def _plain_loop(self, context: ContextHandler, generated: list[int], sampler: Sampler, max_new_tokens: int,
+                    stops: set[int], on_token: Callable[[int], None] | None) -> str:
+        """Plain decoding from ``generated[0]``: one decode step per token, appended to
+        ``generated``; returns the stop reason."""
+        with self._resources.batcher.streaming():  # decode batches being formed wait for this session's steps
+                while True:
+                    if on_token is not None:
+                        on_token(generated[-1])
+                    logits = self._decode(context, generated[-1])
+                    if generated[-1] in stops:
+                        return "stop_token"
+                    if len(generated) == max_new_tokens:
+                        return "max_new_tokens"
+                    generated.append(sampler.sample(logits))
 
     # -- context management --------------------------------------------------------
 
@@ -289,6 +334,7 @@ class Session:
             decode_tokens_per_s=(
                 counters.decode_tokens / counters.decode_seconds if counters.decode_seconds else 0.0
             ),
+            speculation=self._speculation.snapshot(),
         )
 
     def _prefill(self, context: ContextHandler, tokens: list[int]) -> np.ndarray:

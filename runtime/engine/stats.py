@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.framework.resource_management.adapter_stats import AdapterStats, ResidentStats
+from runtime.engine.speculative import SpeculationStats
 from runtime.util.latency import LatencySummary
 
-__all__ = ["AdapterStats", "EngineStats", "ResidentStats", "SessionStats"]
+__all__ = ["AdapterStats", "EngineStats", "ResidentStats", "SessionStats", "SpeculationStats"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class SessionStats:
     decode_tokens: int
     time_to_first_token_s: float | None  # of its last generate()
     decode_tokens_per_s: float
+    # Draft heads (Turbo LoRA): drafted, accepted per head, tokens per verify forward.
+    speculation: SpeculationStats = SpeculationStats()
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class EngineStats:
     # sessions' steps) by rows, and how long steps waited in the queue for their batch.
     decode_batches: tuple[tuple[int, int], ...] = ()
     queue_wait: LatencySummary = LatencySummary(0, 0.0, 0.0)
+    # Every session's speculative decoding so far (closed sessions included).
+    speculation: SpeculationStats = SpeculationStats()
 
     @property
     def resident_bytes(self) -> int:

@@ -37,7 +37,7 @@ from runtime.executor.batch_plan import DecodePlan
 from runtime.executor.fast_path import FastPath
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import LoraSlot
-from runtime.executor.model_spec import INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
+from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
 
 
 _IN_MEMORY_WEIGHT_CACHE = ":memory:"  # XNNPACK's name for a weight cache without a file
@@ -93,6 +93,10 @@ class _SignatureIO:
     write_tokens: Callable[[], None] = field(init=False)
     write_positions: Callable[[], None] = field(init=False)
     read_logits: Callable[[np.ndarray], None] | None = field(init=False, default=None)
+    # A verify signature's final hidden states [L, width], and the call that reads them.
+    hidden: TensorBuffer | None = None
+    hidden_shape: tuple[int, int] = (0, 0)
+    read_hidden: Callable[[np.ndarray], None] | None = field(init=False, default=None)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class Binding:
     decode: _Run  # attending over the whole cache
     prefill: dict[int, _Run] = field(default_factory=dict)
     decode_windows: dict[int, _Run] = field(default_factory=dict)  # by attention window
+    verify: dict[int, _Run] = field(default_factory=dict)  # by verify length
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,10 @@ class LlmExecutor:
         io.write_positions = self._fast.writer(io.positions, io.position_array)
         if io.logits is not None:
             io.read_logits = self._fast.reader(io.logits)
+        if HIDDEN in signature.outputs:
+            io.hidden = self._model.create_output_buffer_by_name(key, HIDDEN)
+            io.hidden_shape = (signature.seq_len, signature.outputs[HIDDEN].shape[-1])
+            io.read_hidden = self._fast.reader(io.hidden)
         return io
 
     def _load(self) -> CompiledModel:
@@ -256,6 +265,8 @@ class LlmExecutor:
             binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_slot), kv, lora_buffers)
         for window in self.spec.windows(lora_slot):
             binding.decode_windows[window] = self._run_args(self.spec.decode(lora_slot, window), kv, lora_buffers)
+        for length in self.spec.verify_lengths(lora_slot):
+            binding.verify[length] = self._run_args(self.spec.verify(length, lora_slot), kv, lora_buffers)
         return binding
 
     def _run_args(
@@ -274,6 +285,8 @@ class LlmExecutor:
         outputs = dict(kv.buffers)
         if io.logits is not None:
             outputs[LOGITS] = io.logits
+        if io.hidden is not None:
+            outputs[HIDDEN] = io.hidden
         ordered_inputs = [inputs[name] for name in io.input_order]
         ordered_outputs = [outputs[name] for name in io.output_order]
         return _Run(
@@ -328,6 +341,26 @@ class LlmExecutor:
         if logits is None:
             raise InternalError("prefill produced no logits")
         return logits
+
+    def verify(self, binding: Binding, tokens: Sequence[int], start: int) -> tuple[np.ndarray, np.ndarray]:
+        """Runs ``tokens`` (the trunk's token and the drafts after it) at positions
+        ``start...`` in one ``verify{L}`` run, L the shortest verify length that holds them;
+        padding fills the rest (its KV rows lie past what the caller keeps and are
+        overwritten before anything attends to them, so all L positions must fit the
+        cache). Returns the logits ``(n, vocab)`` and final hidden states ``(n, width)``
+        of the n tokens given."""
+        lengths = [length for length in sorted(binding.verify) if length >= len(tokens)]
+        if not tokens or not lengths:
+            raise InvalidArgumentError(f"verify takes 1 ... {max(binding.verify, default=0)} tokens, got {len(tokens)}"
+                                       + ("" if binding.verify else " (the model has no verify signatures)"))
+        run = binding.verify[lengths[0]]
+        self._check_position(start, run.signature.seq_len)
+        hidden = np.empty(run.io.hidden_shape, np.float32)
+        with self._lock:
+            self._check_open()
+            logits = self._invoke(run, tokens, start)
+            run.io.read_hidden(hidden)  # type: ignore[misc]
+        return logits[: len(tokens)], hidden[: len(tokens)]  # type: ignore[index]
 
     def _decode_run(self, binding: Binding, position: int) -> _Run:
         """The decode run for a step at ``position``: the shortest attention window that

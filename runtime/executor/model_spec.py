@@ -26,7 +26,7 @@ import numpy as np
 
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.util.signature_names import (
-    ALL_LINEAR, ATTENTION, DORA, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name,
+    ALL_LINEAR, ATTENTION, DORA, VERIFY, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name,
 )
 from runtime.util.lora_util import DORA_SIDE, MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
 from runtime.util.tensor_spec import TensorSpec
@@ -34,6 +34,7 @@ from runtime.util.tensor_spec import TensorSpec
 TOKENS = "tokens"
 INPUT_POS = "input_pos"
 LOGITS = "logits"
+HIDDEN = "hidden"  # a verify signature's final hidden states [1, L, hidden] (the lm_head's input)
 _KV_NAME = re.compile(r"kv_cache_(?P<kind>[kv])_(?P<layer>0|[1-9][0-9]*)")
 
 KV_LAYOUT_DEFAULT = "default"  # k and v: [1, kv_len, groups, head_dim]
@@ -49,7 +50,7 @@ class SignatureSpec:
     a batched decode runs ``rows`` sessions at once."""
 
     key: str
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "verify"
     seq_len: int
     lora_slot: LoraSlot | None
     inputs: Mapping[str, TensorSpec]
@@ -162,6 +163,22 @@ class ModelSpec:
         """The prefill signature of length ``seq_len`` for a rank slot."""
         return self._find("prefill", seq_len, lora_slot)
 
+    def verify_lengths(self, lora_slot: LoraSlot | None) -> tuple[int, ...]:
+        """The lengths of the ``verify{L}`` signatures for a rank slot (``None``: without
+        LoRA inputs), ascending; empty when the model was exported without them."""
+        return tuple(sorted(s.seq_len for s in self.signatures.values()
+                            if s.kind == VERIFY and s.lora_slot == lora_slot))
+
+    def verify(self, length: int, lora_slot: LoraSlot | None = None) -> SignatureSpec:
+        """The ``verify{length}`` signature for a rank slot."""
+        return self._find(VERIFY, length, lora_slot)
+
+    @property
+    def hidden_size(self) -> int | None:
+        """The width of the final hidden state the verify signatures return (what draft
+        heads take); ``None`` when the model has no verify signatures."""
+        return next((s.outputs[HIDDEN].shape[-1] for s in self.signatures.values() if s.kind == VERIFY), None)
+
     def slot_inputs(self, slot: LoraSlot) -> dict[str, TensorSpec]:
         """The LoRA inputs of ``slot`` (shared by its prefill and decode signatures)."""
         return self.decode(slot).lora_inputs
@@ -213,6 +230,9 @@ class ModelSpec:
         for spec in signatures.values():
             _check_window(spec, signatures, kv_length, source)
         for spec in signatures.values():
+            if spec.kind == VERIFY:
+                _check_verify(spec, signatures, decode.outputs[LOGITS].shape[-1], source)
+        for spec in signatures.values():
             if spec.kind == "decode" and spec.lora_slot:
                 for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
                     prefill = signatures.get(str(SignatureName("prefill", length, lora_slot=spec.lora_slot)))
@@ -260,6 +280,9 @@ def _signature(
             f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected [1, seq] int32"
         )
     seq_len = tokens.shape[1]
+    if named.kind == VERIFY and named.seq_len != seq_len:
+        raise InvalidArgumentError(f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected "
+                                   f"[1, {named.seq_len}] int32")
     lora_slot = _lora_slot(key, ins, source)
     if named.lora_slot is not None and named.lora_slot != lora_slot:
         raise InvalidArgumentError(
@@ -333,6 +356,24 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
             if extra:
                 raise InvalidArgumentError(f"{source}: signature {spec.key!r} {side}s of row {row} include "
                                            f"{extra[:3]}, which {single.key!r} does not have")
+
+
+def _check_verify(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], vocab: int, source: str) -> None:
+    """A ``verify{L}`` signature returns ``logits`` ``[1, L, vocab]`` and ``hidden``
+    ``[1, L, width]`` float32, and takes the LoRA inputs of its slot's decode signature."""
+    length = spec.seq_len
+    logits, hidden = spec.outputs.get(LOGITS), spec.outputs.get(HIDDEN)
+    if logits is None or logits.shape != (1, length, vocab) or logits.dtype != np.float32:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} output 'logits' is "
+                                   f"{_shape(logits) if logits else 'missing'}, expected [1, {length}, {vocab}] float32")
+    if hidden is None or len(hidden.shape) != 3 or hidden.shape[:2] != (1, length) or hidden.dtype != np.float32:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {HIDDEN!r} is "
+                                   f"{_shape(hidden) if hidden else 'missing'}, expected [1, {length}, width] float32")
+    decode = next((s for s in signatures.values() if (s.kind, s.lora_slot, s.rows, s.window)
+                   == ("decode", spec.lora_slot, 1, None)), None)
+    if decode is None or decode.lora_inputs != spec.lora_inputs:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature with the same "
+                                   "LoRA inputs beside it")
 
 
 def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], kv_length: int, source: str) -> None:

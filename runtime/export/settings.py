@@ -76,6 +76,11 @@ class ExportSettings:
     # Shorter spans of the cache that extra decode signatures attend over (each < kv_length):
     # a decode step's attention reads every position it spans, filled or not.
     attention_windows: tuple[int, ...] = ()
+    # Token counts of the verify signatures (``verify{L}[_lora_r{R}]``, one per LoRA slot
+    # and one plain): L tokens at L consecutive positions returning logits and final hidden
+    # states at all L, what speculative decoding with an adapter's draft heads (Turbo LoRA)
+    # checks drafts with. Empty: none (such adapters then load with heads=False only).
+    verify_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_length, int) or self.kv_length < 2:
@@ -83,7 +88,7 @@ class ExportSettings:
         if self.prefill_lengths is None:  # frozen: set once, here
             object.__setattr__(self, "prefill_lengths", default_prefill_lengths(self.kv_length))
         for name in ("lora_ranks", "dora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks",
-                     "attention_windows"):
+                     "attention_windows", "verify_lengths"):
             values = getattr(self, name)
             if values is None and name == "batch_lora_ranks":
                 continue
@@ -107,6 +112,9 @@ class ExportSettings:
             raise InvalidArgumentError(
                 f"attention_windows {too_long} are not shorter than kv_length={self.kv_length}: decode already "
                 "attends over the whole cache")
+        if any(length < 2 or length > self.kv_length for length in self.verify_lengths):
+            raise InvalidArgumentError(f"verify_lengths={self.verify_lengths}: each must be in [2, kv_length="
+                                       f"{self.kv_length}] (a verify checks the trunk's token and at least one draft)")
         if any(size < 2 for size in self.batch_sizes):
             raise InvalidArgumentError(f"batch_sizes={self.batch_sizes}: a batch has at least 2 rows")
         stray = sorted(set(self.batch_lora_ranks or ()) - set(self.lora_ranks))

@@ -21,6 +21,7 @@ from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.mlp_lora import check_mlp_lora
 from runtime.export.settings import ExportSettings
+from runtime.export.verify import VerifyStep
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, LoraSlot, SignatureName
 
 _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
@@ -67,6 +68,22 @@ def single_session_slots(model: nn.Module, settings: ExportSettings) -> list[Lor
                                                                for rank in sorted(settings.dora_ranks)]
 
 
+def session_step(model: nn.Module, slot: LoraSlot | None,
+                 export_config: litert_converter.ExportConfig) -> tuple[nn.Module, dict[str, object]]:
+    """The module one session's prefill/decode/verify steps of ``slot`` trace (``None``: no
+    LoRA inputs) and the sample ``lora`` input that fixes its LoRA inputs' names and shapes."""
+    if slot is None:
+        return litert_converter.ExportableModule(model, export_config=export_config).eval(), {}
+    if slot.targets == DORA:
+        module = DoraStep(model, slot.rank, export_config).eval()
+        return module, {"lora": module.sample_lora()}
+    if slot.targets == ALL_LINEAR:
+        module = all_linear_step(model, slot.rank, export_config).eval()
+        return module, {"lora": module.sample_lora()}
+    return litert_converter.ExportableModule(model, export_config=export_config).eval(), {
+        "lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
+
+
 def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
     """``prefill_{L}`` per prefill length and ``decode``; with each LoRA slot also
     ``prefill_{L}_lora_r{R}`` and ``decode_lora_r{R}`` (and ``..._lora_all_r{R}`` for the
@@ -76,20 +93,10 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
     export_config = litert_converter.ExportConfig(
         output_logits_on_prefill=settings.prefill_logits, kvcache_layout=layout
     )
-    plain = litert_converter.ExportableModule(model, export_config=export_config).eval()
     kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
     signatures = []
     for slot in (None, *single_session_slots(model, settings)):
-        module: nn.Module = plain
-        extra: dict[str, object] = {}
-        if slot is not None and slot.targets == DORA:
-            module = DoraStep(model, slot.rank, export_config).eval()
-            extra = {"lora": module.sample_lora()}
-        elif slot is not None and slot.targets == ALL_LINEAR:
-            module = all_linear_step(model, slot.rank, export_config).eval()
-            extra = {"lora": module.sample_lora()}
-        elif slot is not None:
-            extra = {"lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
+        module, extra = session_step(model, slot, export_config)
         for length in sorted(settings.prefill_lengths):
             signatures.append(Signature(str(SignatureName("prefill", length, lora_slot=slot)), module, {
                 "tokens": torch.zeros((1, length), dtype=torch.int32),
@@ -132,4 +139,30 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
     return signatures
 
 
-SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures)
+def verify_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
+    """``verify{L}`` and ``verify{L}_lora_r{R}`` (``..._lora_all_r{R}``) for each verify
+    length L and LoRA slot: L tokens at L positions, logits and final hidden states at all
+    L (see :mod:`runtime.export.verify`)."""
+    if not settings.verify_lengths:
+        return []
+    if not hasattr(model, "final_norm"):
+        raise UnimplementedError(f"--verify-lengths is not available for {type(model).__name__}: it has no "
+                                 "final_norm whose output the draft heads take")
+    layout = _KV_LAYOUTS[settings.kv_layout]
+    export_config = litert_converter.ExportConfig(output_logits_on_prefill=True, kvcache_layout=layout)
+    kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
+    signatures = []
+    for slot in (None, *lora_slots(model, settings, settings.lora_ranks)):
+        step, extra = session_step(model, slot, export_config)
+        module = VerifyStep(step, model.final_norm).eval()
+        for length in sorted(settings.verify_lengths):
+            signatures.append(Signature(str(SignatureName("verify", length, lora_slot=slot)), module, {
+                "tokens": torch.zeros((1, length), dtype=torch.int32),
+                "input_pos": torch.arange(length, dtype=torch.int32),
+                "kv_cache": kv_cache,
+                **extra,
+            }))
+    return signatures
+
+
+SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures, verify_signatures)

@@ -41,6 +41,9 @@ class LoraSource:
     ``scale`` multiplies the adapter's delta (``W + scale * delta``); 0 turns it off.
     ``sha256``: if given, the hex digest the file (for PEFT: its safetensors file) or
     the buffer must have; checked before anything is registered.
+    ``heads``: use the draft heads a Turbo LoRA carries (``medusa_head.*`` tensors) for
+    speculative decoding; ``False`` loads the LoRA alone (registered apart from the same
+    adapter with heads). A model without verify signatures refuses heads unless ``False``.
     """
 
     path: str | os.PathLike[str] | None = None
@@ -48,6 +51,7 @@ class LoraSource:
     scale: float = 1.0
     peft_config: Mapping[str, Any] | None = None
     sha256: str | None = None
+    heads: bool = True
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.buffer is None):

@@ -6,7 +6,9 @@ token counters is tokens/s), how generations ended. Per adapter, read from
 :meth:`Engine.stats` at scrape time: residency, resident and tensor bytes, sessions, and
 how long registering it took, whether it is healthy; engine-wide: switch, materialize and register latency
 percentiles, residency hits, misses and evictions, and batched decode: batches by rows
-(sessions' steps run as one pass over the weights) and the steps' wait for their batch.
+(sessions' steps run as one pass over the weights) and the steps' wait for their batch;
+speculative decoding with Turbo adapters' draft heads: drafted, accepted per head, verify
+forwards, tokens per forward.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from runtime import Engine
+from runtime.engine.stats import SpeculationStats
 from runtime.serve.catalog import AdapterCatalog
 from runtime.serve.generation import Outcome
 
@@ -156,3 +159,25 @@ class _EngineCollector:
         wait.add_metric(["0.5"], stats.queue_wait.p50_ms / 1e3)
         wait.add_metric(["0.99"], stats.queue_wait.p99_ms / 1e3)
         yield wait
+        yield from _speculation(stats.speculation)
+
+
+def _speculation(spec: SpeculationStats) -> Iterator[Metric]:
+    """Turbo LoRA's draft heads: drafted, accepted per head, verify forwards and the tokens they gave."""
+    yield CounterMetricFamily("runtime_speculative_drafted", "Draft tokens the adapters' heads proposed",
+                              value=spec.drafted)
+    accepted = CounterMetricFamily("runtime_speculative_accepted", "Drafts kept (equal to the trunk's own greedy "
+                                   "token), by head (0: the token after the trunk's next one)", labels=["head"])
+    for head, count in enumerate(spec.accepted):
+        accepted.add_metric([str(head)], count)
+    yield accepted
+    yield CounterMetricFamily("runtime_speculative_verifies", "Verify forwards (the trunk's token and its drafts "
+                              "in one run)", value=spec.verifies)
+    yield CounterMetricFamily("runtime_speculative_tokens", "Tokens the verify forwards produced",
+                              value=spec.tokens)
+    yield GaugeMetricFamily("runtime_speculative_tokens_per_forward", "Tokens per verify forward so far (1: no "
+                            "draft kept)", value=spec.tokens_per_verify)
+    yield CounterMetricFamily("runtime_speculative_plain_steps", "Decode steps of speculating sessions taken with "
+                              "the heads off (rarely right, or the end of the cache)", value=spec.plain_steps)
+    yield CounterMetricFamily("runtime_speculative_blends_without_heads", "Generations whose blend of several "
+                              "adapters, some with draft heads, used none", value=spec.blends_without_heads)

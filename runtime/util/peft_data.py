@@ -39,6 +39,7 @@ import numpy as np
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
 from runtime.util.dora import DoraLoraData, DoraMagnitudes, DoraProjection
+from runtime.util.draft_heads import is_draft_head_key
 from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.lora_xs import DEFAULT_N_ITER, DEFAULT_RANDOM_STATE, LoraXsFactors
 from runtime.util.scoped_file import FileWatch
@@ -200,6 +201,8 @@ def _derive(
     modules: dict[str, _Module] = {}
     refused: list[str] = []
     for key in shapes:
+        if is_draft_head_key(key):
+            continue  # Turbo LoRA's draft heads: read by runtime.util.draft_heads
         match = _KEY.fullmatch(key)
         if match is None:
             refused.append(_why_refused(key))

@@ -7,6 +7,9 @@ parses them with it):
 * ``prefill_{L}`` (or litert-torch's bare ``prefill``) and ``decode``: one session's
   prefill of L tokens, one session's decode step;
 * ``decode_batch{B}``: B sessions' decode steps in one run;
+* ``verify{L}``: L tokens of one session at L consecutive positions, returning the logits
+  and the final hidden states (the lm_head's input) at all L: the step of speculative
+  decoding that checks a draft (Turbo LoRA);
 * ``_attend{W}`` on a decode: the step attends over the cache's first W positions only;
 * ``_lora_r{R}``: the signature takes LoRA inputs of rank R for the attention projections
   q/k/v/o; ``_lora_all_r{R}``: for every linear projection, the MLP's gate/up/down too;
@@ -67,6 +70,10 @@ class LoraSlot:
 def cheapest_slot(slots: Iterable[LoraSlot], need: LoraSlot) -> LoraSlot | None:
     """The cheapest of ``slots`` that holds ``need``, or ``None`` if none does."""
     return min((slot for slot in slots if slot.holds(need)), key=lambda slot: slot.cost_order, default=None)
+_VERIFY = re.compile(
+    r"verify(?P<len>[1-9][0-9]*)(?:_lora(?P<all>_all)?_r(?P<rank>[1-9][0-9]*))?"
+)
+VERIFY = "verify"  # the kind of a verify{L} signature
 _ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 
 
@@ -74,7 +81,8 @@ _ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 class SignatureName:
     """What a signature's name says about it.
 
-    ``kind``: ``"prefill"`` or ``"decode"``. ``seq_len``: a prefill's length (``None`` for
+    ``kind``: ``"prefill"``, ``"decode"`` or ``"verify"``. ``seq_len``: a prefill's or a
+    verify's length (``None`` for
     a decode, or a bare ``prefill`` whose length only its inputs tell). ``rows``: sessions
     per run (B of ``decode_batch{B}``; 1 otherwise). ``window``: attends over the cache's
     first ``window`` positions (``None``: all of them). ``lora_slot``: the LoRA inputs it
@@ -92,6 +100,8 @@ class SignatureName:
         batch = f"_batch{self.rows}" if self.rows > 1 else ""
         attend = f"_attend{self.window}" if self.window is not None else ""
         slot = self.lora_slot.suffix if self.lora_slot is not None else ""
+        if self.kind == VERIFY:
+            return f"{VERIFY}{self.seq_len}{slot}"
         return f"{self.kind}{length}{batch}{attend}{slot}"
 
     @classmethod
@@ -99,6 +109,9 @@ class SignatureName:
         """The parts of ``name``, or ``None`` if it is not spelled by this contract.
         Whether the parts make sense together (a window on a prefill) is for the
         model's checks to say, naming the signature."""
+        match = _VERIFY.fullmatch(name)
+        if match is not None:
+            return cls(kind=VERIFY, seq_len=int(match["len"]), lora_slot=_slot(match))
         match = _SIGNATURE.fullmatch(name)
         if match is None:
             return None
@@ -122,6 +135,10 @@ def parse_row_tensor_name(name: str) -> tuple[str, int] | None:
     name has no row suffix."""
     match = _ROW_SUFFIX.fullmatch(name)
     return (match["name"], int(match["row"])) if match else None
+
+
+def _slot(match: re.Match[str]) -> LoraSlot | None:
+    return LoraSlot(int(match["rank"]), ALL_LINEAR if match["all"] else ATTENTION) if match["rank"] else None
 
 
 def _int(text: str | None) -> int | None:

@@ -27,7 +27,8 @@ from runtime.components.residency import ResidencyPolicy
 from runtime.errors import NotFoundError, StatusError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
-from runtime.util.adapter_formats import AdapterKey
+from runtime.util.adapter_formats import AdapterKey, AdapterOrigin
+from runtime.util.draft_heads import DraftHeads, check_heads, read_adapter_heads
 from runtime.util.latency import LatencyRecorder
 from runtime.util.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
@@ -47,15 +48,23 @@ class AdapterRegistry:
         base_weights: Callable[[], ModelWeights],
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
+        draft_width: int | None = None,
+        vocab_size: int = 0,
     ) -> None:
         """``lora_slots``: the model's LoRA inputs per slot; ``allocate(slot, name)``
         makes one input buffer; ``head_dim`` is what GGUF adapters need to undo
         llama.cpp's row order; ``base_weights`` reads the model's projection weights, which
-        R-only LoRA-XS adapters are rebuilt from (called when the first one registers)."""
+        R-only LoRA-XS adapters are rebuilt from (called when the first one registers).
+        ``draft_width``: the hidden size the model's verify signatures return (``None``:
+        it has none, so adapters carrying draft heads are refused unless loaded with
+        ``heads=False``); ``vocab_size``: the model's, for heads with their own projection."""
         self._manager = LoraManager(lora_slots, allocate, residency=residency, allow_non_finite=allow_non_finite)
         self._head_dim = head_dim
         self._lora_xs = LoraXsFactors(base_weights)  # shared by every adapter of the model
-        self._ids: dict[AdapterKey, int] = {}
+        self._ids: dict[tuple[AdapterKey, bool], int] = {}  # (origin, with heads) -> id
+        self._heads: dict[int, DraftHeads] = {}  # the draft heads of Turbo adapters, read at register
+        self._draft_width = draft_width
+        self._vocab_size = vocab_size
         self._next_id = 1
         self._lock = threading.RLock()
         self.load_latency = LatencyRecorder()
@@ -63,15 +72,17 @@ class AdapterRegistry:
     def register(self, source: LoraSource) -> int:
         """Registers ``source`` once and returns its id; a failure registers nothing."""
         origin = source.origin()
+        key = (origin.key, source.heads)
         with self._lock:
-            known = origin.key in self._ids
-            lora_id = self._id_for(origin.key)
+            known = key in self._ids
+            lora_id = self._id_for(key)
             if self._manager.has_lora(lora_id):
                 return lora_id
             started = time.perf_counter()
             try:
                 if source.sha256 is not None:
                     origin.check_sha256(source.sha256)
+                heads = self._read_heads(origin) if source.heads else None
                 data = origin.open(head_dim=self._head_dim, lora_xs=self._lora_xs)
                 try:
                     self._manager.load_lora(lora_id, data)
@@ -80,15 +91,31 @@ class AdapterRegistry:
                     raise
             except BaseException:
                 if not known:
-                    del self._ids[origin.key]
+                    del self._ids[key]
                 raise
+            if heads is not None:
+                self._heads[lora_id] = heads
             self.load_latency.record(time.perf_counter() - started)
             return lora_id
+
+    def _read_heads(self, origin: AdapterOrigin) -> DraftHeads | None:
+        """The adapter's draft heads, checked against the model (refused with the way out)."""
+        heads = read_adapter_heads(origin.name, peft_directory=origin.path if origin.peft else None,
+                                   state_dict=origin.buffer if isinstance(origin.buffer, Mapping) else None,
+                                   peft_config=origin.peft_config)
+        if heads is not None:
+            check_heads(heads, self._draft_width, self._vocab_size, origin.name)
+        return heads
+
+    def draft_heads(self, lora_id: int) -> DraftHeads | None:
+        """The draft heads registered with adapter ``lora_id`` (``None``: it has none)."""
+        return self._heads.get(lora_id)
 
     def unload(self, lora_id: int) -> None:
         """Unregisters an adapter no live session uses, drops its buffers and forgets its id."""
         with self._lock:
             self._manager.unload_lora(lora_id)
+            self._heads.pop(lora_id, None)
             for key in [k for k, v in self._ids.items() if v == lora_id]:
                 del self._ids[key]
 
@@ -165,19 +192,22 @@ class AdapterRegistry:
                 plan = manager.plan(lora_id)
             except NotFoundError:
                 continue  # unloaded meanwhile
+            heads = self._heads.get(lora_id)
             adapters.append(AdapterStats(
                 lora_id=lora_id,
                 source=plan.source_name,
                 format=plan.data.format_name,
                 rank=plan.rank,
                 targets=plan.targets,
-                tensor_bytes=plan.data.nbytes,
+                tensor_bytes=plan.data.nbytes + (heads.nbytes if heads else 0),
                 resident_bytes=sum(r.nbytes for r in resident if any(i == lora_id for i, _ in r.blend)),
                 sessions=manager.pin_count(lora_id),
+                draft_heads=heads.count if heads else 0,
+                draft_head_bytes=heads.nbytes if heads else 0,
             ))
         return AdapterReport(tuple(adapters), resident, manager.residency_stats())
 
-    def _id_for(self, key: AdapterKey) -> int:
+    def _id_for(self, key: tuple[AdapterKey, bool]) -> int:
         if key not in self._ids:
             self._ids[key] = self._next_id
             self._next_id += 1

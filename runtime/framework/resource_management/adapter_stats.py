@@ -16,11 +16,15 @@ class AdapterStats:
     format: str
     rank: int
     targets: str  # "attention" (q/k/v/o only) or "all-linear" (the MLP too): the slots that hold it
-    tensor_bytes: int  # its weights as stored (memory-mapped or the caller's buffer)
+    tensor_bytes: int  # its weights as stored (memory-mapped or the caller's buffer), draft heads included
     # Buffers of the resident blends that include it (0 when none): a blend's buffers
     # count for each of its adapters, so sum EngineStats.resident, not this, for a total.
     resident_bytes: int
     sessions: int  # live sessions using it
+    # Turbo LoRA: draft heads it carries (0: none, or loaded with heads=False) and their
+    # bytes (held in memory from registration to unload, part of tensor_bytes).
+    draft_heads: int = 0
+    draft_head_bytes: int = 0
 
 
 @dataclass(frozen=True)

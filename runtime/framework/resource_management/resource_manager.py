@@ -30,6 +30,8 @@ from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_registry import AdapterRegistry
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
+from runtime.errors import FailedPreconditionError
+from runtime.util.draft_heads import DraftHeads
 from runtime.util.latency import LatencyRecorder
 from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import LoraSlot
@@ -47,6 +49,7 @@ class ResourceManager:
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
         batch_wait_s: float | None = None,
+        output_projection: Callable[[], np.ndarray] | None = None,
     ) -> None:
         """``executors``: one executor, or a pool of executors of the same model; KV
         caches and adapter buffers are made by the first and bound to whichever runs.
@@ -69,7 +72,12 @@ class ResourceManager:
             base_weights=base_weights,
             residency=residency,
             allow_non_finite=allow_non_finite,
+            draft_width=self.spec.hidden_size,
+            vocab_size=self.spec.vocab_size,
         )
+        self._output_projection = output_projection
+        self._lm_head: np.ndarray | None = None
+        self._lm_head_lock = threading.Lock()
         self.registry.on_evict(self._unbind_evicted)
         self._contexts: weakref.WeakSet[ContextHandler] = weakref.WeakSet()
         self._contexts_lock = threading.Lock()  # WeakSet iteration is not thread-safe
@@ -150,6 +158,28 @@ class ResourceManager:
         steps where the model allows (see :class:`DecodeBatcher`); the logits for the next
         token. (The caller advances the position.)"""
         return self.batcher.decode(context, token)
+
+    def draft_heads(self, context: ContextHandler) -> DraftHeads | None:
+        """The draft heads ``context`` speculates with: those of its adapter when it runs
+        exactly one adapter that carries heads (a blend of several uses none)."""
+        blend = context.blend
+        return self.registry.draft_heads(blend[0][0]) if len(blend) == 1 else None
+
+    def lm_head(self) -> np.ndarray:
+        """The model's output projection ``[vocab, hidden]`` float32 (read once)."""
+        with self._lm_head_lock:
+            if self._lm_head is None:
+                if self._output_projection is None:
+                    raise FailedPreconditionError("no reader of the model's output projection was given")
+                self._lm_head = self._output_projection()
+            return self._lm_head
+
+    def verify(self, context: ContextHandler, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One verify run of ``context``: ``tokens`` at its position and after, by itself
+        (not in a decode batch); the logits and final hidden states of each. (The caller
+        advances the position by what it keeps.)"""
+        with Run(self, context) as binding:
+            return binding.executor.verify(binding, tokens, context.position)
 
     def decode_alone(self, context: ContextHandler, token: int) -> np.ndarray:
         """One decode step of ``context`` by itself: the single-session path."""

