@@ -21,6 +21,12 @@ the engine's default :class:`SpeculationPolicy` (heads switch themselves off) an
 heads forced on. Also measured: one verify4 forward against one decode step, and one
 draft (K heads' blocks plus the shared lm_head product in numpy) on their own.
 
+With ``--llama-cpp f32`` (or ``q8_0`` for an int8 model; ``bash benchmarks/llama_cpp/setup.sh``
+once), llama.cpp decodes after each ``order_json`` item as many tokens after a prompt of the
+same length on the same checkpoint's GGUF, in the same rounds: its plain decode rate beside
+ours (llama.cpp has no draft heads; with the untrained LoRA of the command above, base and
+adapter compute the same).
+
 Writes benchmarks/results/turbo_smollm2.json and .md.
 """
 
@@ -39,8 +45,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "benchmarks" / "llama_cpp"))
 
 import smollm2_tasks as tasks  # noqa: E402
+from client import LlamaCpp  # noqa: E402  (benchmarks/llama_cpp/client.py)
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
 from runtime.components.chat_template import ChatTemplate  # noqa: E402
 from runtime.engine.speculative import SpeculationPolicy  # noqa: E402
@@ -68,11 +76,13 @@ def prompts(engine: Engine, task: str, count: int) -> list[tuple[str, list[int]]
     return out
 
 
-def side_by_side(engine: Engine, adapter: Path, items: list[tuple[str, list[int]]], max_new_tokens: int
-                 ) -> dict[str, object]:
-    """Plain and Turbo generation of every item, alternating which goes first."""
-    seconds = {"plain": 0.0, "turbo": 0.0}
-    tokens = {"plain": 0, "turbo": 0}
+def side_by_side(engine: Engine, adapter: Path, items: list[tuple[str, list[int]]], max_new_tokens: int,
+                 llama: tuple[LlamaCpp, str] | None = None) -> dict[str, object]:
+    """Plain and Turbo generation of every item, alternating which goes first; with
+    ``llama`` (a llama.cpp child and its GGUF kind), llama.cpp's plain decode of as many
+    tokens after a prompt as long, after each item."""
+    seconds = {"plain": 0.0, "turbo": 0.0, "llama.cpp": 0.0}
+    tokens = {"plain": 0, "turbo": 0, "llama.cpp": 0}
     identical = 0
     before = engine.stats().speculation
     for index, (_, prompt) in enumerate(items):
@@ -86,12 +96,20 @@ def side_by_side(engine: Engine, adapter: Path, items: list[tuple[str, list[int]
             seconds[mode] += result.decode_seconds
             tokens[mode] += len(result.tokens) - 1
         identical += results["plain"] == results["turbo"]
+        if llama is not None:
+            steps = len(results["turbo"]) - 1
+            reply = llama[0].request("decode", kind=llama[1], setting="base", threads=1, steps=steps,
+                                     prompt=len(prompt))
+            seconds["llama.cpp"] += reply["ms"] * steps / 1e3
+            tokens["llama.cpp"] += steps
     after = engine.stats().speculation
     verifies = after.verifies - before.verifies
     produced = after.tokens - before.tokens
     accepted = [a - (before.accepted[k] if k < len(before.accepted) else 0) for k, a in enumerate(after.accepted)]
-    rate = {mode: tokens[mode] / seconds[mode] for mode in seconds}
-    return {
+    rate = {mode: tokens[mode] / seconds[mode] for mode in seconds if seconds[mode]}
+    theirs = {"llama_cpp_tokens_per_s": round(rate["llama.cpp"], 2),
+              "turbo_vs_llama_cpp": round(rate["turbo"] / rate["llama.cpp"], 3)} if llama else {}
+    return {**theirs,
         "items": len(items), "identical": identical,
         "plain_tokens_per_s": round(rate["plain"], 2), "turbo_tokens_per_s": round(rate["turbo"], 2),
         "speedup": round(rate["turbo"] / rate["plain"], 3),
@@ -147,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-items", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--name", default="turbo_smollm2")
+    parser.add_argument("--llama-cpp", choices=("f32", "q8_0"), help="time llama.cpp's plain decode of this GGUF "
+                        "kind of the smollm2 set beside the order_json items")
     args = parser.parse_args(argv)
     report: dict[str, object] = {"model": str(args.model), "adapter": str(args.adapter), "threads": 1,
                                  "max_new_tokens": args.max_new_tokens}
@@ -156,8 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     with open_engine(args.model) as engine:
         report["step_costs"] = step_costs(engine, args.adapter)
         print(report["step_costs"], flush=True)
-        report["order_json"] = side_by_side(engine, args.adapter, prompts(engine, "order_json", args.items),
-                                            args.max_new_tokens)
+        if args.llama_cpp:
+            with LlamaCpp("smollm2") as llama:
+                report["order_json"] = side_by_side(engine, args.adapter, prompts(engine, "order_json", args.items),
+                                                    args.max_new_tokens, (llama, args.llama_cpp))
+        else:
+            report["order_json"] = side_by_side(engine, args.adapter, prompts(engine, "order_json", args.items),
+                                                args.max_new_tokens)
         print("order_json", report["order_json"], flush=True)
         free = prompts(engine, "reverse_words", args.free_items)
         report["free_text_default_policy"] = side_by_side(engine, args.adapter, free, args.max_new_tokens)
@@ -175,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['turbo_tokens_per_s']} | {r['speedup']}x | {r['tokens_per_verify']} | "
                     f"{r['accepted_per_head']} |")
     costs = report["step_costs"]
+    if "llama_cpp_tokens_per_s" in report["order_json"]:
+        r = report["order_json"]
+        rows += ["", f"llama.cpp ({args.llama_cpp}, plain decode, the same tokens after prompts of the same "
+                 f"lengths, in the same rounds): {r['llama_cpp_tokens_per_s']} tok/s; Turbo "
+                 f"{r['turbo_vs_llama_cpp']}x llama.cpp, plain {round(r['plain_tokens_per_s'] / r['llama_cpp_tokens_per_s'], 3)}x."]
     rows.append("")
     rows.append(f"One decode step {costs['decode_ms']} ms, one verify4 forward {costs['verify4_ms']} ms, one draft "
                 f"({costs['heads']} heads, numpy) {costs['draft_ms']} ms over the adapter's "
