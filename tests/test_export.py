@@ -120,9 +120,12 @@ def test_the_report_times_every_stage_and_signature_and_the_peak_memory(exported
     assert len(report["worker_convert_seconds"]) == len(report["worker_peak_rss_bytes"]) == 2
     # the whole tree's peak covers each worker's own peak plus the exporter's
     assert report["peak_rss_bytes"] > max(report["worker_peak_rss_bytes"])
+    # PSS counts the pages the processes share (libraries, the memory-mapped weights) once
+    assert 0 < report["peak_pss_bytes"] <= report["peak_rss_bytes"]
     assert report["seconds"] >= sum(stage["seconds"] for stage in report["stages"]) - 0.5
     for stage in stages:  # --verbose prints the same breakdown
-        assert re.search(rf"^{re.escape(stage)} +[0-9.]+ +[0-9.]+ GB$", exported.run.stdout, re.MULTILINE), stage
+        assert re.search(rf"^{re.escape(stage)} +[0-9.]+ +[0-9.]+ GB +[0-9.]+ GB$", exported.run.stdout,
+                         re.MULTILINE), stage
 
 
 def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) -> None:
@@ -198,6 +201,37 @@ def test_a_gguf_source_gives_the_same_model_in_one_process(exported: Exported, t
     assert "convert to TFLite ops" in report.stage_seconds
     np.testing.assert_allclose(runtime_logits(tmp_path / "from_gguf.tflite"), runtime_logits(exported.model),
                                atol=1e-5, rtol=0)
+
+
+def buffer_digests(model: Path) -> list[str]:
+    """The sorted digests of a .tflite's buffers' bytes."""
+    import hashlib
+
+    from ai_edge_litert import schema_py_generated as schema
+
+    data = model.read_bytes()
+    flatbuffer = schema.Model.GetRootAsModel(data, 0)
+    digests = []
+    for index in range(flatbuffer.BuffersLength()):
+        buffer = flatbuffer.Buffers(index)
+        raw = (data[buffer.Offset():buffer.Offset() + buffer.Size()] if buffer.Offset() > 1
+               else buffer.DataAsNumpy().tobytes() if buffer.DataLength() else b"")
+        digests.append(hashlib.sha1(raw).hexdigest())
+    return sorted(digests)
+
+
+def test_weights_lowered_as_resources_come_out_as_inline_ones_stored_once(
+        exported: Exported, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = ExportSettings(lora_ranks=(4,), kv_length=64, prefill_lengths=(8,))
+    export(inspect_source(exported.source), settings, model_out=tmp_path / "inline.tflite", jobs=2)
+    # The tiny model's weights are below litert-torch's size for resource constants (1 MB);
+    # at 4 KB its projections, embedding and mask are resources referring to the torch
+    # tensors in both workers, as a real model's are, and its norms stay inline.
+    monkeypatch.setenv("RESOURCE_CONSTANT_NUMEL_THRESHOLD", "4096")
+    export(inspect_source(exported.source), settings, model_out=tmp_path / "resources.tflite", jobs=2)
+    assert buffer_digests(tmp_path / "resources.tflite") == buffer_digests(tmp_path / "inline.tflite")
+    np.testing.assert_array_equal(runtime_logits(tmp_path / "resources.tflite"),
+                                  runtime_logits(tmp_path / "inline.tflite"))
 
 
 def test_a_failing_conversion_leaves_nothing(exported: Exported, tmp_path: Path,

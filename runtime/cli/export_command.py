@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}{dora}, KV length "
           f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {settings.quantize}; "
           f"{len(measured.signatures)} signatures in {measured.seconds:.1f} s, {measured.jobs} job(s), "
-          f"peak RSS {measured.peak_rss_bytes / GB:.2f} GB")
+          f"peak RSS {measured.peak_rss_bytes / GB:.2f} GB, PSS {measured.peak_pss_bytes / GB:.2f} GB")
     if args.verbose:
         print(report.plan.describe())
         print(measured.table())

@@ -65,8 +65,9 @@ def export(
     measurements.exporter_peak_rss_bytes = process_peak_rss_bytes()
     # Sampling misses short spikes (serializing copies the flatbuffer for a moment); the
     # kernel's high-water mark of the exporter alone does not.
-    measurements.peak_rss_bytes = max(watch.peak_bytes, measurements.exporter_peak_rss_bytes,
+    measurements.peak_rss_bytes = max(measurements.exporter_peak_rss_bytes,
                                       *(stage.peak_rss_bytes for stage in measurements.stages))
+    measurements.peak_pss_bytes = max(stage.peak_pss_bytes for stage in measurements.stages)
     return ExportReport(model_out, bundle_out, plan, measurements)
 
 

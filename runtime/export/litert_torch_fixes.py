@@ -1,4 +1,4 @@
-"""The two defects of litert-torch 0.10.0 an export has to work around, in one place.
+"""The defects of litert-torch 0.10.0 an export has to work around, in one place.
 
 1. ``litert_torch/generative/layers/lora.py`` imports
    ``tensorflow.lite.python.schema_py_generated`` although conversion needs no TensorFlow.
@@ -9,8 +9,12 @@
    one KV group; with grouped-query or multi-head attention the traced reshape fails.
    The replacement sizes q out = heads*head_dim, k/v out = kv_heads*head_dim, o in =
    heads*head_dim, per layer.
+3. Lowering a weight clamps it to the finite range in place (``clamp_``), which writes every
+   page even when nothing changes: a memory-mapped weight's pages become private copies in
+   every process that lowers it. The replacement clamps only a tensor that holds an
+   infinity.
 
-:func:`apply` installs both, once per process.
+:func:`apply` installs all three, once per process.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def apply() -> None:
         return
     _install_tensorflow_schema_stand_in()
     _size_lora_slots_per_kv_group()
+    _clamp_only_infinite_weights()
     _applied = True
 
 
@@ -88,3 +93,17 @@ def _size_lora_slots_per_kv_group() -> None:
         return cls(adapters=tuple(entries))
 
     lora_utils.LoRA._from_tensor_generator = classmethod(from_tensor_generator)
+
+
+def _clamp_only_infinite_weights() -> None:
+    import torch
+    from litert_torch.backend import inline_consts
+
+    clamp = inline_consts._clamp_inf_values
+
+    def clamp_if_infinite(tensor: torch.Tensor) -> torch.Tensor:
+        if torch.is_floating_point(tensor) and bool(torch.isinf(tensor).any()):
+            return clamp(tensor)
+        return tensor
+
+    inline_consts._clamp_inf_values = clamp_if_infinite

@@ -8,16 +8,22 @@ same litert-torch graph passes, and is decomposed once, by the lowering (as lite
 own V2 converter does: ``run_decompositions=False``); the exports come out with the same
 logits to the bit. Signature sets that do not depend on each other are lowered and
 converted to TFLite ops in worker processes (``jobs``), each into its own module written as
-MLIR bytecode; the exporter parses them into one context, where identical weights become
-one attribute again, stored once in the flatbuffer.
+MLIR bytecode; the exporter parses them into one context and points every constant at
+one copy of its weight (:func:`read_modules`), so each weight is stored once in the
+flatbuffer.
 
-Workers rebuild the decoder from its blueprint (:func:`runtime.export.families.blueprint`)
-and the weights the exporter saved with ``torch.save``, memory-mapped: the weights' pages
-are the page cache's, shared by every worker.
+Weights are never copied on the way: the lowering makes each large weight an MLIR resource
+that refers to the torch tensor's own memory (litert-torch's "resource constants", which
+its converter folds and serializes as it does inline ones: the same ops and buffers), and
+workers rebuild the decoder from its blueprint (:func:`runtime.export.families.blueprint`)
+without initializing it, over the weights the exporter saved with ``torch.save``,
+memory-mapped: their pages are the page cache's, shared by every worker.
 """
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import multiprocessing
 import os
 import time
@@ -35,7 +41,7 @@ from runtime.export.litert import (
     backend_export, convert_core, converter_api_ext, export_utils, fx_infra, inline_consts, ir, litert_signature,
     litert_torch, output_names, run_graph_passes,
 )
-from runtime.export.measure import SignatureRecord, process_peak_rss_bytes
+from runtime.export.measure import SignatureRecord, process_peak_rss_bytes, release_freed_memory
 from runtime.export.settings import ExportSettings
 from runtime.export.signatures import SIGNATURE_SETS, Signature
 
@@ -67,7 +73,8 @@ def lower_each(signatures: Sequence[Signature], context: ir.Context, worker: int
     fx_infra.silence_torch_logs()
     litert_torch.config.show_progress = False  # the export command shows its own
     torch._dynamo.config.cache_size_limit = 64  # one graph per signature; as litert-torch sets it
-    constants = inline_consts.InlineConstsContext()
+    # Weights become resources over the tensors' memory (no copy); small constants stay inline.
+    constants = inline_consts.InlineConstsContext(enable_resource_constants=True)
     for signature in signatures:
         start = time.perf_counter()
         spec = litert_signature.Signature(signature.name, signature.module, sample_args=(),
@@ -94,12 +101,24 @@ def save_decoder(decoder: nn.Module, path: Path) -> None:
 
 
 def load_decoder(path: Path) -> nn.Module:
-    """The decoder :func:`save_decoder` wrote, its weights memory-mapped from ``path``."""
+    """The decoder :func:`save_decoder` wrote, its weights memory-mapped from ``path``. It is
+    built on the meta device (no weights allocated and randomly initialized, only to be
+    replaced), unless a tensor of it is not among the saved ones."""
     saved = torch.load(path, mmap=True, weights_only=False)
     factory, args, kwargs = saved["blueprint"]
-    model = factory(*args, **kwargs)
+    with torch.device("meta"):
+        model = factory(*args, **kwargs)
     model.load_state_dict(saved["weights"], assign=True)
+    if _has_meta_tensors(model):  # a tensor built in __init__ and not saved: build it for real
+        model = factory(*args, **kwargs)
+        model.load_state_dict(saved["weights"], assign=True)
     return model.eval()
+
+
+def _has_meta_tensors(model: nn.Module) -> bool:
+    return any(tensor.is_meta for module in model.modules()
+               for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *vars(module).values()]
+               if isinstance(tensor, torch.Tensor))
 
 
 def new_context() -> ir.Context:
@@ -126,12 +145,16 @@ def _work(task: _Task, messages: Any) -> None:
         model = load_decoder(task.decoder_file)
         wanted = set(task.names)
         signatures = [s for s in signatures_of(model, task.settings) if s.name in wanted]
+        gc.collect()  # the other workers' signatures' sample inputs (KV caches, LoRA zeros)
+        release_freed_memory()
         modules, context = [], new_context()
         for record, module in lower_each(signatures, context, task.worker):
             modules.append(module)
             messages.put(("signature", record))
         module = merged(modules)
         del modules, signatures, model
+        gc.collect()
+        release_freed_memory()
         start = time.perf_counter()
         convert.to_tflite_ops(module, context)
         messages.put(("converted", (task.worker, time.perf_counter() - start)))
@@ -190,6 +213,44 @@ def _check_alive(workers: list[Any], tasks: list[_Task]) -> None:
 
 
 def read_modules(files: Sequence[os.PathLike[str]], context: ir.Context) -> ir.Module:
-    """The workers' bytecode files parsed into ``context`` and merged into one module."""
+    """The workers' bytecode files parsed into ``context`` and merged into one module, each
+    weight's constants pointing at one copy of it (every worker brings its own)."""
     with context:
-        return merged([ir.Module.parseFile(str(path)) for path in files])
+        module = merged([ir.Module.parseFile(str(path)) for path in files])
+    share_equal_resources(module)
+    return module
+
+
+def _as_resource(attribute: ir.Attribute) -> ir.DenseResourceElementsAttr | None:
+    """``attribute`` as a resource, or None when it is another kind."""
+    try:
+        return ir.DenseResourceElementsAttr(attribute)
+    except ValueError:
+        return None
+
+
+def share_equal_resources(module: ir.Module) -> int:
+    """Points every attribute of ``module`` that is a resource (a weight) at the first
+    resource of the same type and bytes, so the flatbuffer stores it once; returns how many
+    attributes were repointed."""
+    first: dict[tuple[str, bytes], ir.Attribute] = {}
+    kept: dict[ir.Attribute, ir.Attribute] = {}  # each resource hashed once, however many use it
+    repointed = 0
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        nonlocal repointed
+        for name in list(op.attributes):
+            value = _as_resource(op.attributes[name])
+            if value is None:
+                continue
+            if value not in kept:
+                data = converter_api_ext.dense_resource_elements_attr_to_numpy(value)
+                key = (str(value.type), hashlib.blake2b(memoryview(data), digest_size=32).digest())
+                kept[value] = first.setdefault(key, value)
+            if kept[value] != value:
+                op.attributes[name] = kept[value]
+                repointed += 1
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return repointed
