@@ -339,7 +339,7 @@ def run_runtime(args: argparse.Namespace, model_dir: Path, adapters: dict[str, P
     }
     start = time.perf_counter()
     with Engine(model_path, EngineSettings(num_threads=args.threads), tokenizer=model_dir / "tokenizer.json") as engine:
-        out["model"]["lora_ranks"] = list(engine.spec.lora_ranks)
+        out["model"]["lora_slots"] = [str(slot) for slot in engine.spec.slots]
         out["model"]["kv_length"] = engine.spec.kv_length
         for model_name in [BASE, *adapters]:
             adapter = adapters.get(model_name)
@@ -394,7 +394,7 @@ def markdown(record: dict[str, Any]) -> str:
     runtime = record.get("runtime")
     if runtime:
         lines += table(f"Accuracy, this runtime (`{Path(runtime['model']['path']).name}`, "
-                       f"LoRA slots {runtime['model']['lora_ranks']})", runtime["accuracy"])
+                       f"LoRA slots {runtime['model']['lora_slots']})", runtime["accuracy"])
         lines += ["", "**Greedy outputs identical, runtime vs transformers + peft**", "",
                   "| model | " + " | ".join(task_names) + " |", "|---|" + "---:|" * len(task_names)]
         for model_name, per_task in runtime["identical_outputs"].items():
