@@ -272,31 +272,14 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
         report = export(inspect_source(work), settings, model_out=out_dir / "model.tflite")
     lora_xs_deltas = (lora_xs_adapter(model, spec.seed, out_dir / "adapter_lora_xs")
                       if spec.name in LORA_XS_FAMILIES else None)
-    for name, peft_model in peft_models.items():
-        peft_model.peft_config["default"].base_model_name_or_path = spec.name
-        peft_model.save_pretrained(out_dir / name)
-        (out_dir / name / "README.md").unlink()  # peft's model-card template
-        config_file = out_dir / name / "adapter_config.json"
-        config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
+    save_adapters(peft_models, out_dir, spec.name)
 
     rng = np.random.default_rng(spec.seed + 1)
     models64 = {"": model.double(), **{"_" + name: peft.double() for name, peft in peft_models.items()}}
     if lora_xs_deltas is not None:
         models64["_adapter_lora_xs"] = merged64(models64[""], lora_xs_deltas)
         adapters["adapter_lora_xs"] = TARGETS
-    for _ in range(20):  # a prompt whose greedy paths have no near-ties
-        tokens = rng.integers(3, spec.config["vocab_size"], PROMPT_LEN + FED_TOKENS).astype(np.int32)
-        greedy = {suffix: greedy64(m, tokens[:PROMPT_LEN], GREEDY_TOKENS) for suffix, m in models64.items()}
-        margin = min(found_margin for _, found_margin in greedy.values())
-        if margin > MIN_GREEDY_MARGIN:
-            break
-    else:
-        raise SystemExit(f"{spec.name}: no prompt without near-ties in its greedy paths")
-    reference = {"tokens": tokens, "prompt_len": np.array(PROMPT_LEN)}
-    for suffix, m in models64.items():
-        reference["logits" + suffix] = logits64(m, tokens)[PROMPT_LEN - 1:]
-        reference["greedy" + suffix] = greedy[suffix][0]
-    np.savez(out_dir / "reference.npz", **reference)
+    reference, margin = write_reference(models64, rng, spec, PROMPT_LEN, FED_TOKENS, out_dir)
     effect = {name: float(np.max(np.abs(reference["logits_" + name] - reference["logits"]))) for name in adapters}
     measured = {}
     for label, adapter in (("plain", None), *((name, out_dir / name) for name in adapters)):
@@ -319,10 +302,47 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
                       "logit_std": float(reference["logits"].std()), "greedy_margin": round(margin, 4),
                       "adapter_max_abs_effect": effect},
         "runtime_vs_reference": measured,
-        "files": {str(p.relative_to(out_dir)): {"size_bytes": p.stat().st_size,
-                                                 "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                  for p in files},
+        "files": file_entries(out_dir, files),
     }
+
+
+def save_adapters(peft_models: dict[str, Any], out_dir: Path, base_name: str) -> None:
+    """Saves each PEFT model as ``out_dir/<name>/`` (no model card; the config's keys sorted,
+    so a rebuild gives the same bytes)."""
+    for name, peft_model in peft_models.items():
+        peft_model.peft_config["default"].base_model_name_or_path = base_name
+        peft_model.save_pretrained(out_dir / name)
+        (out_dir / name / "README.md").unlink()  # peft's model-card template
+        config_file = out_dir / name / "adapter_config.json"
+        config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
+
+
+def write_reference(models64: dict[str, Any], rng: np.random.Generator, spec: Any, prompt_len: int,
+                    fed_tokens: int, out_dir: Path) -> tuple[dict[str, np.ndarray], float]:
+    """Picks a prompt whose greedy paths under every float64 model of ``models64`` (by file
+    suffix) have no near-ties, and writes their logits and greedy tokens to
+    ``out_dir/reference.npz``; returns the reference and the smallest greedy margin."""
+    for _ in range(20):
+        tokens = rng.integers(3, spec.config["vocab_size"], prompt_len + fed_tokens).astype(np.int32)
+        greedy = {suffix: greedy64(m, tokens[:prompt_len], GREEDY_TOKENS) for suffix, m in models64.items()}
+        margin = min(found_margin for _, found_margin in greedy.values())
+        if margin > MIN_GREEDY_MARGIN:
+            break
+    else:
+        raise SystemExit(f"{spec.name}: no prompt without near-ties in its greedy paths")
+    reference = {"tokens": tokens, "prompt_len": np.array(prompt_len)}
+    for suffix, m in models64.items():
+        reference["logits" + suffix] = logits64(m, tokens)[prompt_len - 1:]
+        reference["greedy" + suffix] = greedy[suffix][0]
+    np.savez(out_dir / "reference.npz", **reference)
+    return reference, margin
+
+
+def file_entries(out_dir: Path, files: list[Path]) -> dict[str, dict[str, object]]:
+    """The manifest's entry of each of ``files``: size and SHA-256, by path under ``out_dir``."""
+    return {str(p.relative_to(out_dir)): {"size_bytes": p.stat().st_size,
+                                          "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+            for p in files}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,6 @@ every row of a batch against the same session run alone.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -52,8 +51,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from tools.build_family_fixtures import (  # noqa: E402  (after the path is set)
-    ADAPTER_ALPHA, ADAPTER_RANK, ALL_LINEAR_TARGETS, FAMILIES, GREEDY_TOKENS, MIN_GREEDY_MARGIN, TARGETS, add_adapter,
-    build_hf_model, greedy64, logits64, runtime_distance,
+    ADAPTER_ALPHA, ADAPTER_RANK, ALL_LINEAR_TARGETS, FAMILIES, GREEDY_TOKENS, TARGETS, add_adapter, build_hf_model,
+    file_entries, runtime_distance, save_adapters, write_reference,
 )
 
 DEFAULT_OUT_DIR = REPO_ROOT / "tests" / "models" / "gemma3"
@@ -88,28 +87,11 @@ def build(out_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as work:
         model.save_pretrained(work)
         report = export(inspect_source(work), settings, model_out=out_dir / "model.tflite")
-    for name, peft_model in peft_models.items():
-        peft_model.peft_config["default"].base_model_name_or_path = "gemma3"
-        peft_model.save_pretrained(out_dir / name)
-        (out_dir / name / "README.md").unlink()  # peft's model-card template
-        config_file = out_dir / name / "adapter_config.json"
-        config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
+    save_adapters(peft_models, out_dir, "gemma3")
 
     rng = np.random.default_rng(SPEC.seed + 7)
     models64 = {"": model.double(), **{"_" + name: peft.double() for name, peft in peft_models.items()}}
-    for _ in range(20):  # a prompt whose greedy paths have no near-ties
-        tokens = rng.integers(3, SPEC.config["vocab_size"], PROMPT_LEN + FED_TOKENS).astype(np.int32)
-        greedy = {suffix: greedy64(m, tokens[:PROMPT_LEN], GREEDY_TOKENS) for suffix, m in models64.items()}
-        margin = min(found for _, found in greedy.values())
-        if margin > MIN_GREEDY_MARGIN:
-            break
-    else:
-        raise SystemExit("gemma3: no prompt without near-ties in its greedy paths")
-    reference = {"tokens": tokens, "prompt_len": np.array(PROMPT_LEN)}
-    for suffix, m in models64.items():
-        reference["logits" + suffix] = logits64(m, tokens)[PROMPT_LEN - 1:]
-        reference["greedy" + suffix] = greedy[suffix][0]
-    np.savez(out_dir / "reference.npz", **reference)
+    reference, margin = write_reference(models64, rng, SPEC, PROMPT_LEN, FED_TOKENS, out_dir)
     measured = {}
     for label, adapter in (("plain", None), *((name, out_dir / name) for name in ADAPTERS)):
         diff, same = runtime_distance(out_dir / "model.tflite", adapter, reference)
@@ -131,9 +113,7 @@ def build(out_dir: Path) -> dict[str, Any]:
         "reference": {"prompt_len": PROMPT_LEN, "fed_tokens": FED_TOKENS, "greedy_tokens": GREEDY_TOKENS,
                       "greedy_margin": round(margin, 4)},
         "runtime_vs_reference": measured,
-        "files": {str(p.relative_to(out_dir)): {"size_bytes": p.stat().st_size,
-                                                 "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                  for p in files},
+        "files": file_entries(out_dir, files),
     }
 
 
