@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from batching import greedy_alone
 from conftest import MODEL_FILES, adapter_path
 from runtime import (
     Engine,
@@ -49,18 +50,7 @@ def prompt(row: int) -> list[int]:
 
 def alone(model, configs, steps: int) -> list[tuple[list[int], list[np.ndarray]]]:
     """Greedy tokens and logits per session, each stepping by itself (no batching)."""
-    out = []
-    with Engine(model, EngineSettings(batch_wait_s=None)) as engine:
-        for row, config in enumerate(configs):
-            with engine.create_session(config) as session:
-                logits = session.run_prefill(prompt(row))
-                tokens, seen = [], []
-                for _ in range(steps):
-                    tokens.append(int(np.argmax(logits)))
-                    logits = session.run_decode(tokens[-1])
-                    seen.append(logits)
-                out.append((tokens, seen))
-    return out
+    return greedy_alone(model, configs, prompt, steps)
 
 
 def prefilled(engine: Engine, configs) -> tuple[list, list[int]]:

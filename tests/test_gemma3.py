@@ -10,8 +10,9 @@ import json
 import numpy as np
 import pytest
 
+from batching import greedy_alone
 from conftest import MODELS
-from runtime import Engine, EngineSettings, LoraSource, SessionConfig
+from runtime import Engine, LoraSource, SessionConfig
 
 GEMMA3 = MODELS / "gemma3"
 MODEL = GEMMA3 / "model.tflite"
@@ -78,18 +79,7 @@ def prompt(row: int) -> list[int]:
 
 def alone(steps: int) -> list[tuple[list[int], list[np.ndarray]]]:
     """Greedy tokens and logits per session of MIXED, each stepping by itself."""
-    out = []
-    with Engine(MODEL, EngineSettings(batch_wait_s=None)) as engine:
-        for row, config in enumerate(MIXED):
-            with engine.create_session(config) as session:
-                logits = session.run_prefill(prompt(row))
-                tokens, seen = [], []
-                for _ in range(steps):
-                    tokens.append(int(np.argmax(logits)))
-                    logits = session.run_decode(tokens[-1])
-                    seen.append(logits)
-                out.append((tokens, seen))
-    return out
+    return greedy_alone(MODEL, MIXED, prompt, steps)
 
 
 def test_every_row_of_a_batch_equals_its_session_alone() -> None:
