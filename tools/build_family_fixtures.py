@@ -307,14 +307,17 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
 
 
 def save_adapters(peft_models: dict[str, Any], out_dir: Path, base_name: str) -> None:
-    """Saves each PEFT model as ``out_dir/<name>/`` (no model card; the config's keys sorted,
-    so a rebuild gives the same bytes)."""
+    """Saves each PEFT model as ``out_dir/<name>/`` (no model card; the config's keys and its
+    ``target_modules``, which peft writes in a set's order, sorted: a rebuild gives the same bytes)."""
     for name, peft_model in peft_models.items():
         peft_model.peft_config["default"].base_model_name_or_path = base_name
         peft_model.save_pretrained(out_dir / name)
         (out_dir / name / "README.md").unlink()  # peft's model-card template
         config_file = out_dir / name / "adapter_config.json"
-        config_file.write_text(json.dumps(json.loads(config_file.read_text()), indent=2, sort_keys=True) + "\n")
+        config = json.loads(config_file.read_text())
+        if isinstance(config.get("target_modules"), list):
+            config["target_modules"] = sorted(config["target_modules"])
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def write_reference(models64: dict[str, Any], rng: np.random.Generator, spec: Any, prompt_len: int,
