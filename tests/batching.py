@@ -26,3 +26,17 @@ def greedy_alone(model: Path, configs: Sequence[SessionConfig], prompt: Callable
                     seen.append(logits)
                 out.append((tokens, seen))
     return out
+
+
+def greedy_together(engine: Engine, sessions: Sequence, logits: list[np.ndarray],
+                    steps: int) -> tuple[list[list[int]], list[list[np.ndarray]]]:
+    """Steps ``sessions`` greedily ``steps`` times through ``engine.decode_together``, each
+    row starting from its ``logits``; returns every row's tokens and each step's logits."""
+    tokens: list[list[int]] = [[] for _ in sessions]
+    seen: list[list[np.ndarray]] = []
+    for _ in range(steps):
+        for row in range(len(sessions)):
+            tokens[row].append(int(np.argmax(logits[row])))
+        logits = engine.decode_together([(s, tokens[row][-1]) for row, s in enumerate(sessions)])
+        seen.append(logits)
+    return tokens, seen

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from batching import greedy_alone
+from batching import greedy_alone, greedy_together
 from conftest import MODEL_FILES, adapter_path
 from runtime import (
     Engine,
@@ -66,12 +66,9 @@ def test_every_row_of_a_batch_equals_its_session_alone(layout):
     with Engine(model) as engine:
         sessions = [engine.create_session(config) for config in MIXED]
         logits = [s.run_prefill(prompt(row)) for row, s in enumerate(sessions)]
-        tokens: list[list[int]] = [[] for _ in sessions]
         invokes = engine.stats().invokes
-        for step in range(steps):
-            for row in range(len(sessions)):
-                tokens[row].append(int(np.argmax(logits[row])))
-            logits = engine.decode_together([(s, tokens[row][-1]) for row, s in enumerate(sessions)])
+        tokens, batched = greedy_together(engine, sessions, logits, steps)
+        for step, logits in enumerate(batched):
             for row, (_, seen) in enumerate(expected):
                 assert np.abs(logits[row] - seen[step]).max() <= TOLERANCE, (layout, row, step)
         # the rank-4 rows are padded into the rank-16 slot of the rank-16 row and the blend (zeros:

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from batching import greedy_alone
+from batching import greedy_alone, greedy_together
 from conftest import MODELS
 from runtime import Engine, LoraSource, SessionConfig
 
@@ -89,12 +89,9 @@ def test_every_row_of_a_batch_equals_its_session_alone() -> None:
         sessions = [engine.create_session(config) for config in MIXED]
         logits = [s.run_prefill(prompt(row)) for row, s in enumerate(sessions)]
         assert min(s.position for s in sessions) < SLIDING and max(s.position for s in sessions) > WINDOW
-        tokens: list[list[int]] = [[] for _ in sessions]
         invokes = engine.stats().invokes
-        for step in range(steps):
-            for row in range(len(sessions)):
-                tokens[row].append(int(np.argmax(logits[row])))
-            logits = engine.decode_together([(s, tokens[row][-1]) for row, s in enumerate(sessions)])
+        tokens, batched = greedy_together(engine, sessions, logits, steps)
+        for step, logits in enumerate(batched):
             for row, (_, seen) in enumerate(expected):
                 assert np.abs(logits[row] - seen[step]).max() <= TOLERANCE, (row, step)
         assert tokens == [t for t, _ in expected]

@@ -55,6 +55,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -281,12 +282,7 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
         adapters["adapter_lora_xs"] = TARGETS
     reference, margin = write_reference(models64, rng, spec, PROMPT_LEN, FED_TOKENS, out_dir)
     effect = {name: float(np.max(np.abs(reference["logits_" + name] - reference["logits"]))) for name in adapters}
-    measured = {}
-    for label, adapter in (("plain", None), *((name, out_dir / name) for name in adapters)):
-        diff, same = runtime_distance(out_dir / "model.tflite", adapter, reference)
-        measured[label] = {"max_abs_logit_diff": diff, "greedy_tokens_identical": same}
-        if diff > TOLERANCE or not same:
-            raise SystemExit(f"{spec.name} {label}: max |diff| {diff:.2e}, greedy identical: {same}")
+    measured = check_runtime(out_dir, adapters, reference, spec.name, TOLERANCE)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {
         "transformers_config": {"class": spec.config_class, **spec.config},
@@ -339,6 +335,20 @@ def write_reference(models64: dict[str, Any], rng: np.random.Generator, spec: An
         reference["greedy" + suffix] = greedy[suffix][0]
     np.savez(out_dir / "reference.npz", **reference)
     return reference, margin
+
+
+def check_runtime(out_dir: Path, adapters: Iterable[str], reference: dict[str, np.ndarray], label: str,
+                  tolerance: float) -> dict[str, dict[str, object]]:
+    """The runtime on ``out_dir/model.tflite``, plain and with each adapter directory, against
+    the float64 ``reference``: max |logit diff| and greedy agreement per adapter; exits naming
+    the fixture ``label`` and the adapter when one is off by more than ``tolerance``."""
+    measured = {}
+    for name, adapter in (("plain", None), *((name, out_dir / name) for name in adapters)):
+        diff, same = runtime_distance(out_dir / "model.tflite", adapter, reference)
+        measured[name] = {"max_abs_logit_diff": diff, "greedy_tokens_identical": same}
+        if diff > tolerance or not same:
+            raise SystemExit(f"{label} {name}: max |diff| {diff:.2e}, greedy identical: {same}")
+    return measured
 
 
 def file_entries(out_dir: Path, files: list[Path]) -> dict[str, dict[str, object]]:

@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tools.build_family_fixtures import (  # noqa: E402  (after the path is set)
     ADAPTER_ALPHA, ADAPTER_RANK, ALL_LINEAR_TARGETS, FAMILIES, GREEDY_TOKENS, TARGETS, add_adapter, build_hf_model,
-    file_entries, runtime_distance, save_adapters, write_reference,
+    check_runtime, file_entries, save_adapters, write_reference,
 )
 
 DEFAULT_OUT_DIR = REPO_ROOT / "tests" / "models" / "gemma3"
@@ -92,12 +92,7 @@ def build(out_dir: Path) -> dict[str, Any]:
     rng = np.random.default_rng(SPEC.seed + 7)
     models64 = {"": model.double(), **{"_" + name: peft.double() for name, peft in peft_models.items()}}
     reference, margin = write_reference(models64, rng, SPEC, PROMPT_LEN, FED_TOKENS, out_dir)
-    measured = {}
-    for label, adapter in (("plain", None), *((name, out_dir / name) for name in ADAPTERS)):
-        diff, same = runtime_distance(out_dir / "model.tflite", adapter, reference)
-        measured[label] = {"max_abs_logit_diff": diff, "greedy_tokens_identical": same}
-        if diff > TOLERANCE or not same:
-            raise SystemExit(f"gemma3 {label}: max |diff| {diff:.2e}, greedy identical: {same}")
+    measured = check_runtime(out_dir, ADAPTERS, reference, "gemma3", TOLERANCE)
     files = sorted(p for p in out_dir.rglob("*") if p.is_file())
     return {
         "generator": "tools/build_gemma3_fixtures.py",
