@@ -385,6 +385,12 @@ def report(figures: dict[str, Any], command: str, steps: int, directory: Path) -
     def row(title: str, key: str, digits: int = 2) -> str:
         return f"| {title} | " + " | ".join(span(f"{ours}.{key}", digits) for ours, _ in pairs) + " |"
 
+    def met(title: str, key: str, target: float, columns: tuple[str, ...]) -> str:
+        """yes / NO per column whose median reaches ``target`` (others: not a target)."""
+        cells = [("yes" if figures[f"{ours}.{key}"]["median"] >= target else "**NO**") if ours in columns
+                 else "(reference)" for ours, _ in pairs]
+        return f"| {title} | " + " | ".join(cells) + " |"
+
     rounds = len(figures[f"{pairs[0][0]}.decode_ms"]["rounds"])
     header = "| | " + " | ".join(f"ours {ours} (llama.cpp {theirs})" for ours, theirs in pairs) + " |"
     rule = "|---|" + "---:|" * len(pairs)
@@ -404,10 +410,12 @@ def report(figures: dict[str, Any], command: str, steps: int, directory: Path) -
         "| decode, llama.cpp, ms/token | " + " | ".join(
             span(f"{ours}.llama_cpp_{theirs}_decode_ms", 1) for ours, theirs in pairs) + " |",
         row("speed vs llama.cpp (their ms / ours; target >= 1.0)", "speed_vs_llama_cpp"),
+        met("decode target met (>= 1.0x)", "speed_vs_llama_cpp", 1.0, ("f32", "int8")),
         row("one session with a rank-8 adapter, ms/step", "one_session_r8_ms", 1),
         row(f"{ROWS} sessions, {ROWS} distinct rank-8 adapters, one decode_batch{ROWS} step, ms",
             f"batch{ROWS}_r8_ms", 1),
         row(f"{ROWS} sessions: aggregate tokens/s vs one (target >= 3x)", f"batch{ROWS}_aggregate_x"),
+        met(f"{ROWS} sessions target met (>= 3x)", f"batch{ROWS}_aggregate_x", 3.0, ("f32", "int8")),
         row(f"{ROWS} sessions: per-token latency vs alone", f"batch{ROWS}_latency_x"),
         row("final norm + lm_head alone (640 x 262,144), 1 row, ms", "lm_head_rows1_ms", 1),
         row(f"the same, {ROWS} rows, ms", f"lm_head_rows{ROWS}_ms", 1),
