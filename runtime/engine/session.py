@@ -259,15 +259,15 @@ class Session:
         """Plain decoding from ``generated[0]``: one decode step per token, appended to
         ``generated``; returns the stop reason."""
         with self._resources.batcher.streaming():  # decode batches being formed wait for this session's steps
-                while True:
-                    if on_token is not None:
-                        on_token(generated[-1])
-                    logits = self._decode(context, generated[-1])
-                    if generated[-1] in stops:
-                        return "stop_token"
-                    if len(generated) == max_new_tokens:
-                        return "max_new_tokens"
-                    generated.append(sampler.sample(logits))
+            while True:
+                if on_token is not None:
+                    on_token(generated[-1])
+                logits = self._decode(context, generated[-1])
+                if generated[-1] in stops:
+                    return "stop_token"
+                if len(generated) == max_new_tokens:
+                    return "max_new_tokens"
+                generated.append(sampler.sample(logits))
 
     # -- context management --------------------------------------------------------
 
