@@ -26,14 +26,16 @@ distributed as ``p_i`` without ``d_i``, renormalised. So every generated token i
 sample of the trunk's distribution at its context: the output distribution is plain
 sampling's. It is also the cheapest variant: no softmax over the heads' logits, no draw to
 make a draft, one draw per generated token as in plain decoding. Drafts sampled from the
-heads' softmax (the general rule) would keep about ``1 - TV(p_i, q_i)`` of them instead of
-``p_i(d_i)``, more only where the heads' distribution is as sharp as the trunk's, and cost
-a softmax and a draw per draft. Because the sampler draws once per generated token in the
-same order, a seeded generation gives the same tokens whether the heads run or pause (up
-to the verify logits' float rounding against a decode step's); with greedy decoding
-(temperature 0 or top_k 1) the pick is the argmax and the output is plain greedy
-decoding's, token for token. The session's position ends where plain decoding's would
-(every generated token in the context).
+heads' softmax ``q_i`` (the general rule) would be kept with probability
+``1 - TV(p_i, q_i)`` instead of ``p_i(d_i)``: more where ``q_i`` is close to ``p_i``
+as a whole, not just in its top token (what Medusa heads are trained for), at the cost of
+a softmax and a draw per draft. Because the sampler is called once per generated token in
+the same order, a seeded generation gives the same tokens whether the heads run or pause
+(up to the verify logits' float rounding against a decode step's), and a sampler that
+keeps state (the server's repetition penalty and ``min_tokens``) sees what plain decoding
+shows it. With greedy decoding (temperature 0 or top_k 1) the pick is the argmax and the
+output is plain greedy decoding's, token for token. The session's position ends where
+plain decoding's would (every generated token in the context).
 
 A session whose drafts are rarely accepted (free text, or a high temperature) switches
 the heads off for a while (:class:`SpeculationPolicy`). A speculating session runs its
