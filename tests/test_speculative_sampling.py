@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MODELS
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
-from runtime.components.sampler import SamplerConfig
+from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.engine.speculative import SpeculationPolicy
 
 TURBO = MODELS / "turbo"
@@ -83,3 +83,26 @@ def test_a_seed_gives_the_same_tokens_with_heads_on_or_off(engine):
     again, _ = _generations(engine, True, seeds, PROMPT, sampling, max_new_tokens=16)
     assert stats.accepted[0] > 0
     assert turbo == plain == again
+
+
+class CountingSampler(Sampler):
+    """A sampler that counts its calls, like a sampler that keeps state per token (the
+    server's repetition penalty and min_tokens)."""
+
+    def __init__(self, config: SamplerConfig) -> None:
+        super().__init__(config)
+        self.calls = 0
+
+    def sample(self, logits) -> int:
+        self.calls += 1
+        return super().sample(logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_sampler_is_called_once_per_generated_token(engine, temperature):
+    with engine.create_session(SessionConfig(loras=[LoraSource(path=TURBO / "random_heads")])) as session:
+        sampler = CountingSampler(SamplerConfig(temperature=temperature, seed=5))
+        tokens = session.generate(PROMPT, max_new_tokens=24, sampler=sampler).tokens
+        stats = session.stats().speculation
+    assert stats.drafted > sum(stats.accepted)  # drafts were rejected
+    assert sampler.calls == len(tokens)
