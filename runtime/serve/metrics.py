@@ -167,7 +167,8 @@ def _speculation(spec: SpeculationStats) -> Iterator[Metric]:
     yield CounterMetricFamily("runtime_speculative_drafted", "Draft tokens the adapters' heads proposed",
                               value=spec.drafted)
     accepted = CounterMetricFamily("runtime_speculative_accepted", "Drafts kept (equal to the token the trunk picked: "
-                                   "its greedy token, or its sample), by head (0: the token after the trunk's next one)", labels=["head"])
+                                   "its greedy token, or its sample), by head (0: the token after the trunk's next "
+                                   "one)", labels=["head"])
     for head, count in enumerate(spec.accepted):
         accepted.add_metric([str(head)], count)
     yield accepted
