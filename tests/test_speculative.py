@@ -16,7 +16,6 @@ import pytest
 
 from conftest import MODEL_FILES, MODELS
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
-from runtime.components.sampler import SamplerConfig
 from runtime.engine.speculative import AcceptanceGate, SpeculationPolicy
 from runtime.errors import FailedPreconditionError
 
@@ -87,13 +86,6 @@ def test_a_session_goes_on_after_a_speculative_generation_as_after_a_plain_one(e
             first = s.generate(TRAINED_PROMPTS[1], max_new_tokens=20).tokens
             outputs.append((first, s.generate([3, 4], max_new_tokens=20).tokens, s.position))
     assert outputs[0] == outputs[1]
-
-
-def test_sampling_decodes_plainly_and_says_so(engine):
-    sampler = SamplerConfig(temperature=0.8, seed=3)
-    with engine.create_session(SessionConfig(loras=[LoraSource(path=TURBO / "trained_heads")])) as session:
-        session.generate(TRAINED_PROMPTS[0], max_new_tokens=10, sampler=sampler)
-        assert session.stats().speculation.verifies == 0
 
 
 def test_a_blend_uses_no_heads_and_stats_say_so(engine):

@@ -55,6 +55,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--strict-adapters", action="store_true",
                         help="stop at start if an adapter in --adapters DIR cannot be registered "
                         "(default: skip it, with a warning line, and list it in /v1/models)")
+    parser.add_argument("--no-draft-heads", action="store_true",
+                        help="register Turbo LoRA adapters without their draft heads (plain decoding; also what a "
+                        "model exported without --verify-lengths needs)")
     parser.add_argument("--allow-download-from", nargs="+", default=[], metavar="HOST[:PORT]",
                         help="hosts /v1/load_lora_adapter may download a url from (default: none); a loopback "
                         "or private address is reached only if that address itself is listed")
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     chat_template = _read_template(args.chat_template) if args.chat_template is not None else None
     with Engine(args.model, EngineSettings(num_threads=args.threads, executors=args.executors),
                 tokenizer=tokenizer, chat_template=chat_template) as engine:
-        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads)
+        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,
+                                 draft_heads=not args.no_draft_heads)
         entries = catalog.scan(strict=args.strict_adapters)
         for skipped in catalog.skipped:
             print(f"warning: skipped adapter {skipped.file}: {skipped.reason}", file=sys.stderr, flush=True)

@@ -211,7 +211,7 @@ class Session:
             prefill_done = time.perf_counter()
             generated = [sampler.sample(logits)]
             first_token = time.perf_counter()
-            heads = self._draft_heads(context, sampler)
+            heads = self._draft_heads(context)
             if heads is not None:
                 gate = self._registry.gate(context.blend[0][0])
                 decoder = SpeculativeDecoder(self._resources, context, heads, self._decode, gate)
@@ -240,12 +240,9 @@ class Session:
             text=text,
         )
 
-    def _draft_heads(self, context: ContextHandler, sampler: Sampler) -> DraftHeads | None:
-        """The heads a greedy generation of ``context`` speculates with (``None``: plain
-        decoding); counts a blend whose adapters carry heads it cannot use."""
-        config = sampler.config
-        if config.temperature != 0.0 and config.top_k != 1:
-            return None  # speculative sampling is not implemented: plain decoding keeps the distribution
+    def _draft_heads(self, context: ContextHandler) -> DraftHeads | None:
+        """The heads a generation of ``context`` speculates with, greedy or sampled (``None``:
+        plain decoding); counts a blend whose adapters carry heads it cannot use."""
         heads = self._resources.draft_heads(context)
         if heads is None and len(context.blend) > 1 and any(
                 self._resources.registry.draft_heads(lora_id) for lora_id, _ in context.blend):

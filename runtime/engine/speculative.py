@@ -1,23 +1,46 @@
-"""Speculative decoding with an adapter's draft heads (Turbo LoRA), greedy and lossless.
+"""Speculative decoding with an adapter's draft heads (Turbo LoRA), lossless for greedy
+decoding and for sampling alike.
 
 One step, as data: the trunk's last token ``t`` (not yet in the KV cache) and the K drafts
 the heads made from the previous step's hidden state go through one ``verify{L}`` run at
 the session's position. The logits at index i are the trunk's own prediction after
-``t, d_0 .. d_{i-1}``; draft ``d_i`` is kept while it equals that prediction (the argmax),
-and the trunk's prediction after the last kept draft is the next token. The KV rows of the
-rejected drafts stay in the cache past the new position: the cache is a static array
-indexed by position and the mask hides what lies past it, so they are overwritten later.
-The heads then draft from the hidden state at the last kept index.
+``t, d_0 .. d_{i-1}``; the session's sampler picks the trunk's token from them, index by
+index, exactly as a plain decode step would; draft ``d_i`` is kept while it equals that
+pick, and the first pick that differs (or the pick after the last draft) is the next
+token. The KV rows of the rejected drafts stay in the cache past the new position: the
+cache is a static array indexed by position and the mask hides what lies past it, so
+they are overwritten later. The heads then draft from the hidden state at the last kept
+index.
 
-Every token is the trunk's own greedy choice, so the output is the same as plain greedy
-decoding with the same adapter; only how many forwards it takes changes. The session's
-position ends where plain decoding's would (every generated token in the context).
+Why this is speculative sampling (Leviathan et al. 2023, Chen et al. 2023) and which
+variant: the heads draft deterministically (each head's argmax), so the draft
+distribution ``q_i`` is a point mass on ``d_i`` and the rejection rule ``accept with
+probability min(1, p_i(d_i) / q_i(d_i))``, else sample from ``norm(max(0, p_i - q_i))``,
+becomes: accept ``d_i`` with probability ``p_i(d_i)``, else sample from ``p_i`` without
+``d_i``, renormalised; after K kept drafts the bonus token comes from ``p_K``. Here
+``p_i`` is the sampler's own distribution (temperature, top-k, top-p: one place decides
+the transform, :class:`~runtime.components.sampler.Sampler`) over the verify logits at
+index i. Drawing ``x ~ p_i`` and keeping ``d_i`` exactly when ``x == d_i`` realises both
+branches with one draw: ``P(x == d_i) = p_i(d_i)``, and given ``x != d_i``, ``x`` is
+distributed as ``p_i`` without ``d_i``, renormalised. So every generated token is one
+sample of the trunk's distribution at its context: the output distribution is plain
+sampling's. It is also the cheapest variant: no softmax over the heads' logits, no draw to
+make a draft, one draw per generated token as in plain decoding. Drafts sampled from the
+heads' softmax ``q_i`` (the general rule) would be kept with probability
+``1 - TV(p_i, q_i)`` instead of ``p_i(d_i)``: more where ``q_i`` is close to ``p_i``
+as a whole, not just in its top token (what Medusa heads are trained for), at the cost of
+a softmax and a draw per draft. Because the sampler is called once per generated token in
+the same order, a seeded generation gives the same tokens whether the heads run or pause
+(up to the verify logits' float rounding against a decode step's), and a sampler that
+keeps state (the server's repetition penalty and ``min_tokens``) sees what plain decoding
+shows it. With greedy decoding (temperature 0 or top_k 1) the pick is the argmax and the
+output is plain greedy decoding's, token for token. The session's position ends where
+plain decoding's would (every generated token in the context).
 
-With sampling (temperature > 0, top_k != 1) a session decodes plainly (speculative
-sampling is not implemented); a session whose drafts are rarely accepted (free text)
-switches the heads off for a while (:class:`SpeculationPolicy`). A speculating session
-runs its verify steps by itself, outside decode batches (a verify is already several
-tokens in one pass over the weights).
+A session whose drafts are rarely accepted (free text, or a high temperature) switches
+the heads off for a while (:class:`SpeculationPolicy`). A speculating session runs its
+verify steps by itself, outside decode batches (a verify is already several tokens in one
+pass over the weights).
 """
 
 from __future__ import annotations
@@ -59,7 +82,7 @@ class SpeculationStats:
     """Draft heads at work: ``drafted`` tokens proposed, ``accepted`` per head (head k's
     draft kept), ``verifies`` runs, ``tokens`` produced by them (accepted drafts plus the
     trunk's own token per run), ``plain_steps`` decode steps taken while the heads were off
-    (sampling, rare acceptance, the end of the cache), and ``blends_without_heads``:
+    (rare acceptance, the end of the cache), and ``blends_without_heads``:
     generations whose blend of several adapters, some with heads, used none."""
 
     drafted: int = 0
@@ -149,7 +172,8 @@ class AcceptanceGate:
 
 
 class SpeculativeDecoder:
-    """Runs one greedy generation's decode loop with draft heads (see the module notes)."""
+    """Runs one generation's decode loop with draft heads, greedy or sampled (see the module
+    notes)."""
 
     def __init__(self, resources: ResourceManager, context: ContextHandler, heads: DraftHeads,
                  decode: Callable[[ContextHandler, int], np.ndarray], gate: AcceptanceGate) -> None:
@@ -204,16 +228,17 @@ class SpeculativeDecoder:
             counters.drafted += len(drafts)
             kept = 0
             stopped = None
-            for index, draft in enumerate(drafts):
-                if sampler.sample(logits[index]) != draft:
+            while True:
+                choice = sampler.sample(logits[kept])  # the trunk's token after t, d_0 .. d_{kept-1}
+                if kept == len(drafts) or choice != drafts[kept]:
                     break
+                counters.accepted[kept] += 1
                 kept += 1
-                counters.accepted[index] += 1
-                generated.append(draft)
+                generated.append(choice)
                 if on_token is not None:
-                    on_token(draft)
-                if draft in stops or len(generated) == max_new_tokens:
-                    stopped = "stop_token" if draft in stops else "max_new_tokens"
+                    on_token(choice)
+                if choice in stops or len(generated) == max_new_tokens:
+                    stopped = "stop_token" if choice in stops else "max_new_tokens"
                     break
             context.position += 1 + kept  # the trunk's token and the kept drafts
             counters.tokens += 1 + kept
@@ -221,5 +246,5 @@ class SpeculativeDecoder:
                 gate.verified(kept)
             if stopped is not None:
                 return generated, stopped
-            generated.append(sampler.sample(logits[kept]))
+            generated.append(choice)  # the first choice unlike its draft, or the one after every draft
             drafts = self._heads.draft(hidden[kept], self._project)

@@ -111,10 +111,13 @@ class AdapterCatalog:
         *,
         reserved_names: Iterable[str] = (),
         downloads: DownloadPolicy | None = None,
+        draft_heads: bool = True,
     ) -> None:
         """``directory``: the adapters directory (``None``: no loading by path or URL);
         ``reserved_names``: names no adapter may take (the base model's); ``downloads``:
-        where URLs may be fetched from (default: nowhere)."""
+        where URLs may be fetched from (default: nowhere); ``draft_heads``: whether a Turbo
+        LoRA is registered with its draft heads (``False``: the LoRA alone, decoded plainly,
+        as ``serve --no-draft-heads`` says; what a model without verify signatures needs)."""
         self._engine = engine
         self.directory = None
         if directory is not None:
@@ -123,6 +126,7 @@ class AdapterCatalog:
             self.directory = Path(directory).resolve(strict=True)
         self._reserved = frozenset(reserved_names)
         self._downloads = downloads or DownloadPolicy()
+        self._draft_heads = draft_heads
         self._entries: dict[str, CatalogEntry] = {}
         self._pending: set[str] = set()  # names being loaded right now
         self._leases: Counter[str] = Counter()
@@ -298,7 +302,7 @@ class AdapterCatalog:
     def _register(self, name: str, path: Path, sha256: str | None = None) -> CatalogEntry:
         key = AdapterOrigin.of_file(path).key
         started = time.perf_counter()
-        lora_id = self._engine.register_adapter(LoraSource(path=path, sha256=sha256))
+        lora_id = self._engine.register_adapter(LoraSource(path=path, sha256=sha256, heads=self._draft_heads))
         elapsed = time.perf_counter() - started
         with self._lock:
             for other in self._entries.values():

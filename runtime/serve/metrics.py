@@ -166,8 +166,9 @@ def _speculation(spec: SpeculationStats) -> Iterator[Metric]:
     """Turbo LoRA's draft heads: drafted, accepted per head, verify forwards and the tokens they gave."""
     yield CounterMetricFamily("runtime_speculative_drafted", "Draft tokens the adapters' heads proposed",
                               value=spec.drafted)
-    accepted = CounterMetricFamily("runtime_speculative_accepted", "Drafts kept (equal to the trunk's own greedy "
-                                   "token), by head (0: the token after the trunk's next one)", labels=["head"])
+    accepted = CounterMetricFamily("runtime_speculative_accepted", "Drafts kept (equal to the token the trunk picked: "
+                                   "its greedy token, or its sample), by head (0: the token after the trunk's next "
+                                   "one)", labels=["head"])
     for head, count in enumerate(spec.accepted):
         accepted.add_metric([str(head)], count)
     yield accepted
