@@ -25,11 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.errors import UnimplementedError
-from runtime.export.litert import export_config as export_cfg, kv_utils, rotary_position_embedding
-from runtime.export.litert import sdpa_with_kv_update
+from runtime.export.litert import export_config as export_cfg, kv_utils
 from runtime.util.lora_util import PROJECTIONS
 from runtime.export.mlp_lora import (
-    AllLinearStep, Delta, Project, check_mlp_lora, deltas, is_standard_decoder, lora_key, lora_shapes,
+    AllLinearStep, Project, check_mlp_lora, deltas, is_standard_decoder, lora_attention, lora_key, lora_shapes,
 )
 
 # A projection's output scale less one (``m'``), by our projection name.
@@ -72,32 +71,11 @@ def layer_scales(lora: dict[str, torch.Tensor], layer: int) -> Scales:
     return {projection: lora[lora_key(layer, projection, "m_prime")] for projection in PROJECTIONS}
 
 
-def dora_attention(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                   input_pos: torch.Tensor, kv_entry: kv_utils.KVCacheEntry, delta: Delta,
-                   scales: Scales) -> tuple[torch.Tensor, kv_utils.KVCacheEntry]:
-    """litert-torch's ``CausalSelfAttention.forward`` with DoRA: the fused q/k/v and the output
-    projection rescaled per channel, each projection's LoRA delta added."""
-    config = attn.config
-    batch, length, _ = x.size()
-    qkv = scaled_linear(attn.qkv_projection, x, fused_qkv_scale(attn, scales["q"], scales["k"], scales["v"]))
-    q_per_kv = config.num_heads // config.num_query_groups
-    if config.qkv_transpose_before_split:
-        qkv = qkv.view(batch, length, -1, config.head_dim)
-        q, k, v = qkv.split((q_per_kv * config.num_query_groups, config.num_query_groups, config.num_query_groups),
-                            dim=-2)
-    else:
-        qkv = qkv.view(batch, length, config.num_query_groups, -1)
-        q, k, v = qkv.split((q_per_kv * config.head_dim, config.head_dim, config.head_dim), dim=-1)
-    q = q + delta("q", x).reshape(q.shape)
-    k = k + delta("k", x).reshape(k.shape)
-    v = v + delta("v", x).reshape(v.shape)
-    q = attn.query_norm(q).reshape(batch, length, -1, config.head_dim)
-    k = attn.key_norm(k).reshape(batch, length, -1, config.head_dim)
-    v = attn.value_norm(v).reshape(batch, length, -1, config.head_dim)
-    q, k = rotary_position_embedding.apply_rope_inline(q, k, *rope)
-    out, kv_entry = sdpa_with_kv_update.sdpa_with_kv_update(q, k, v, kv_entry, input_pos, mask, config,
-                                                            attn.enable_hlfb)
-    return scaled_linear(attn.output_projection, out, scales["o"]) + delta("o", out), kv_entry
+def dora_projector(attn: nn.Module, scales: Scales) -> Project:
+    """An attention's base projections rescaled by their ``m'`` inputs (the fused q/k/v by
+    the three scales in the fused layout), for :func:`lora_attention`."""
+    qkv_scale = fused_qkv_scale(attn, scales["q"], scales["k"], scales["v"])
+    return lambda name, linear, inputs: scaled_linear(linear, inputs, qkv_scale if name == "qkv" else scales[name])
 
 
 class DoraStep(AllLinearStep):
@@ -116,8 +94,9 @@ class DoraStep(AllLinearStep):
     def attention(self, attn: nn.Module, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                   mask: torch.Tensor, input_pos: torch.Tensor, kv_entry: kv_utils.KVCacheEntry,
                   lora: dict[str, torch.Tensor]) -> tuple[torch.Tensor, kv_utils.KVCacheEntry]:
-        """The block's attention with its projections rescaled (:func:`dora_attention`)."""
-        return dora_attention(attn, x, rope, mask, input_pos, kv_entry, deltas(lora, layer), layer_scales(lora, layer))
+        """The block's attention with its projections rescaled (:func:`dora_projector`)."""
+        return lora_attention(attn, x, rope, mask, input_pos, kv_entry, deltas(lora, layer),
+                              dora_projector(attn, layer_scales(lora, layer)))
 
     def projector(self, lora: dict[str, torch.Tensor], layer: int) -> Project:
         """The feed-forward's projections rescaled by their ``m'`` inputs."""

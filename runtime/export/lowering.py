@@ -55,7 +55,7 @@ def signatures_of(model: nn.Module, settings: ExportSettings) -> list[Signature]
 def shares(signatures: Sequence[Signature], jobs: int) -> list[list[str]]:
     """The signature names split into at most ``jobs`` shares of about equal cost (a
     signature costs about its rows: a batch of B traces B rows), largest first."""
-    costs = {signature.name: signature.sample_kwargs["tokens"].shape[0] for signature in signatures}
+    costs = {signature.name: signature.rows for signature in signatures}
     out: list[list[str]] = [[] for _ in range(min(jobs, len(signatures)))]
     loads = [0] * len(out)
     for name in sorted(costs, key=lambda n: -costs[n]):
@@ -78,7 +78,7 @@ def lower_each(signatures: Sequence[Signature], context: ir.Context, worker: int
     for signature in signatures:
         start = time.perf_counter()
         spec = litert_signature.Signature(signature.name, signature.module, sample_args=(),
-                                          sample_kwargs=dict(signature.sample_kwargs))
+                                          sample_kwargs=dict(signature.sample_kwargs()))
         program = convert_core.export_torch_signature(spec, run_decompositions=False)
         program = run_graph_passes(program)
         traced = time.perf_counter()
@@ -145,8 +145,6 @@ def _work(task: _Task, messages: Any) -> None:
         model = load_decoder(task.decoder_file)
         wanted = set(task.names)
         signatures = [s for s in signatures_of(model, task.settings) if s.name in wanted]
-        gc.collect()  # the other workers' signatures' sample inputs (KV caches, LoRA zeros)
-        release_freed_memory()
         modules, context = [], new_context()
         for record, module in lower_each(signatures, context, task.worker):
             modules.append(module)

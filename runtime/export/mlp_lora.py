@@ -21,7 +21,8 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
-from runtime.export.litert import attention, export_config as export_cfg, kv_utils, lora_utils, model_builder
+from runtime.export.litert import attention, export_config as export_cfg, kv_utils, model_builder
+from runtime.export.litert import rotary_position_embedding, sdpa_with_kv_update
 
 ATTENTION_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "output"}  # ours -> litert-torch's
 MLP_PROJECTIONS = ("gate", "up", "down")
@@ -57,6 +58,9 @@ def check_mlp_lora(model: nn.Module) -> None:
         raise UnimplementedError(
             f"--lora-targets all-linear is not available for {type(model).__name__}: Llama, Qwen2, Qwen3 and "
             "Gemma 3 exports have it (use --lora-targets attention)")
+    if any(block.atten_func.config.use_alibi for block in model.transformer_blocks):
+        raise UnimplementedError("--lora-targets all-linear does not support ALiBi attention (use --lora-targets "
+                                 "attention)")
     for layer, block in enumerate(model.transformer_blocks):
         ff = block.ff
         if not (ff.config.use_separate_gating and not ff.use_glu and hasattr(ff, "w3")):
@@ -107,20 +111,58 @@ def feed_forward(ff: nn.Module, x: torch.Tensor, delta: Delta, project: Project 
     return ff.post_ff_norm(out)
 
 
+def lora_attention(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   input_pos: torch.Tensor, kv_entry: kv_utils.KVCacheEntry, delta: Delta,
+                   project: Project | None = None) -> tuple[torch.Tensor, kv_utils.KVCacheEntry]:
+    """litert-torch's ``CausalSelfAttention.forward`` with each projection's LoRA delta added
+    to its own output: ``q = q + dq`` after the fused q/k/v projection's split, where
+    litert-torch writes ``q += dq`` into the split's view, which the converter lowers to a
+    PAD and a SELECT over the whole fused output per projection (6 ops more per layer, and
+    SELECT is not one of XNNPACK's). ``project`` computes the base projections by their
+    names, ``"qkv"`` (the fused one) and ``"o"`` (default: the linear layers themselves)."""
+    config = attn.config
+    project = project or (lambda _, linear, inputs: linear(inputs))
+    batch, length, _ = x.size()
+    qkv = project("qkv", attn.qkv_projection, x)
+    q_per_kv = config.num_heads // config.num_query_groups
+    if config.qkv_transpose_before_split:
+        qkv = qkv.view(batch, length, -1, config.head_dim)
+        q, k, v = qkv.split((q_per_kv * config.num_query_groups, config.num_query_groups, config.num_query_groups),
+                            dim=-2)
+    else:
+        qkv = qkv.view(batch, length, config.num_query_groups, -1)
+        q, k, v = qkv.split((q_per_kv * config.head_dim, config.head_dim, config.head_dim), dim=-1)
+    q = q + delta("q", x).reshape(q.shape)
+    k = k + delta("k", x).reshape(k.shape)
+    v = v + delta("v", x).reshape(v.shape)
+    q = attn.query_norm(q).reshape(batch, length, -1, config.head_dim)
+    k = attn.key_norm(k).reshape(batch, length, -1, config.head_dim)
+    v = attn.value_norm(v).reshape(batch, length, -1, config.head_dim)
+    q, k = rotary_position_embedding.apply_rope_inline(q, k, *rope)
+    out, kv_entry = sdpa_with_kv_update.sdpa_with_kv_update(q, k, v, kv_entry, input_pos, mask, config,
+                                                            attn.enable_hlfb)
+    return project("o", attn.output_projection, out) + delta("o", out), kv_entry
+
+
 class AllLinearStep(nn.Module):
     """A prefill or decode step of one session of ``model`` (litert-torch's
-    ``DecoderOnlyModel``) with LoRA of rank ``lora_rank`` on every linear projection."""
+    ``DecoderOnlyModel``) with LoRA of rank ``lora_rank`` on every linear projection, or with
+    ``mlp=False`` on attention's q/k/v/o only (the same graph as litert-torch's own LoRA
+    step, less the ops :func:`lora_attention` saves; the same inputs)."""
 
-    def __init__(self, model: nn.Module, lora_rank: int, export_config: export_cfg.ExportConfig) -> None:
+    def __init__(self, model: nn.Module, lora_rank: int, export_config: export_cfg.ExportConfig,
+                 mlp: bool = True) -> None:
         super().__init__()
-        check_mlp_lora(model)
+        if mlp:
+            check_mlp_lora(model)
         self.model = model
         self.lora_rank = lora_rank
         self.export_config = export_config
+        self.mlp = mlp
 
     def sample_lora(self) -> dict[str, torch.Tensor]:
         """Zero ``lora`` inputs of the right shapes; they also fix the inputs' names."""
-        return {key: torch.zeros(shape) for key, shape in lora_shapes(self.model, self.lora_rank, True).items()}
+        return {key: torch.zeros(shape) for key, shape in lora_shapes(self.model, self.lora_rank, self.mlp).items()}
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_cache: kv_utils.KVCache,
@@ -136,15 +178,14 @@ class AllLinearStep(nn.Module):
         mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :kv_cache.get_max_seq_len()]
         entries = []
         for layer, block in enumerate(model.transformer_blocks):
-            delta, project = deltas(lora, layer), self.projector(lora, layer)
             x_norm = block.pre_atten_norm(x)
             attended, kv_entry = self.attention(block.atten_func, layer, x_norm, rope, mask, input_pos,
                                                 kv_cache.caches[layer], lora)
             if block.config.parallel_residual:
-                x = x + attended + feed_forward(block.ff, x_norm, delta, project)
+                x = x + attended + self.feed_forward(block.ff, layer, x_norm, lora)
             else:
                 x = x + attended
-                x = x + feed_forward(block.ff, block.post_atten_norm(x), delta, project)
+                x = x + self.feed_forward(block.ff, layer, block.post_atten_norm(x), lora)
             entries.append(kv_entry)
         updated = kv_utils.KVCache(tuple(entries))
         if torch.numel(input_pos) > 1 and not self.export_config.output_logits_on_prefill:
@@ -154,12 +195,14 @@ class AllLinearStep(nn.Module):
     def attention(self, attn: nn.Module, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                   mask: torch.Tensor, input_pos: torch.Tensor, kv_entry: kv_utils.KVCacheEntry,
                   lora: dict[str, torch.Tensor]) -> tuple[torch.Tensor, kv_utils.KVCacheEntry]:
-        """One block's attention with its q/k/v/o LoRA: litert-torch's own, given a ``LoRAEntry``."""
-        entry = lora_utils.LoRAEntry(attention=lora_utils.AttentionLoRA(**{
-            long: lora_utils.LoRAWeight(a_prime=lora[lora_key(layer, short, "a_prime")],
-                                        b_prime=lora[lora_key(layer, short, "b_prime")])
-            for short, long in ATTENTION_PROJECTIONS.items()}))
-        return attn(x, rope, mask, input_pos, kv_entry, entry)
+        """One block's attention with its q/k/v/o LoRA (:func:`lora_attention`)."""
+        return lora_attention(attn, x, rope, mask, input_pos, kv_entry, deltas(lora, layer))
+
+    def feed_forward(self, ff: nn.Module, layer: int, x: torch.Tensor, lora: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One block's feed-forward, with its gate/up/down LoRA in an all-linear slot."""
+        if not self.mlp:
+            return ff(x)
+        return feed_forward(ff, x, deltas(lora, layer), self.projector(lora, layer))
 
     def projector(self, lora: dict[str, torch.Tensor], layer: int) -> Project | None:
         """How one layer's feed-forward computes its base projections (None: as they are)."""

@@ -7,6 +7,7 @@ function of the :data:`SignatureSet` shape added there.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from runtime.export.dora import DoraStep, check_dora
 from runtime.export.families.gemma3_steps import all_linear_step, batch_decode_step
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
-from runtime.export.mlp_lora import check_mlp_lora
+from runtime.export.mlp_lora import AllLinearStep, check_mlp_lora, is_standard_decoder
 from runtime.export.settings import ExportSettings
 from runtime.export.verify import VerifyStep
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, LoraSlot, SignatureName
@@ -29,11 +30,14 @@ _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_
 
 @dataclass(frozen=True)
 class Signature:
-    """One signature: ``module`` is traced with ``sample_kwargs`` under ``name``."""
+    """One signature: ``module`` is traced under ``name`` with the sample inputs that
+    ``sample_kwargs()`` builds (KV caches and LoRA zeros: built when the signature is
+    traced, by the worker that traces it, and dropped after); ``rows`` is its batch size."""
 
     name: str
     module: nn.Module
-    sample_kwargs: Mapping[str, Any]
+    rows: int
+    sample_kwargs: Callable[[], Mapping[str, Any]]
 
 
 # A decoder and the settings -> the signatures it contributes.
@@ -68,20 +72,24 @@ def single_session_slots(model: nn.Module, settings: ExportSettings) -> list[Lor
                                                                for rank in sorted(settings.dora_ranks)]
 
 
-def session_step(model: nn.Module, slot: LoraSlot | None,
-                 export_config: litert_converter.ExportConfig) -> tuple[nn.Module, dict[str, object]]:
+def session_step(model: nn.Module, slot: LoraSlot | None, export_config: litert_converter.ExportConfig
+                 ) -> tuple[nn.Module, Callable[[], dict[str, object]]]:
     """The module one session's prefill/decode/verify steps of ``slot`` trace (``None``: no
-    LoRA inputs) and the sample ``lora`` input that fixes its LoRA inputs' names and shapes."""
+    LoRA inputs) and what builds the sample ``lora`` input that fixes its LoRA inputs'
+    names and shapes (``{}`` without a slot)."""
     if slot is None:
-        return litert_converter.ExportableModule(model, export_config=export_config).eval(), {}
+        return litert_converter.ExportableModule(model, export_config=export_config).eval(), dict
     if slot.targets == DORA:
         module = DoraStep(model, slot.rank, export_config).eval()
-        return module, {"lora": module.sample_lora()}
-    if slot.targets == ALL_LINEAR:
+    elif slot.targets == ALL_LINEAR:
         module = all_linear_step(model, slot.rank, export_config).eval()
-        return module, {"lora": module.sample_lora()}
-    return litert_converter.ExportableModule(model, export_config=export_config).eval(), {
-        "lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
+    elif is_standard_decoder(model) and not any(block.atten_func.config.use_alibi for block in model.transformer_blocks):
+        # litert-torch's own LoRA step costs 6 ops more per layer (mlp_lora.lora_attention)
+        module = AllLinearStep(model, slot.rank, export_config, mlp=False).eval()
+    else:
+        return litert_converter.ExportableModule(model, export_config=export_config).eval(), lambda: {
+            "lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
+    return module, lambda: {"lora": module.sample_lora()}
 
 
 def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
@@ -93,24 +101,31 @@ def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signa
     export_config = litert_converter.ExportConfig(
         output_logits_on_prefill=settings.prefill_logits, kvcache_layout=layout
     )
-    kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
     signatures = []
     for slot in (None, *single_session_slots(model, settings)):
-        module, extra = session_step(model, slot, export_config)
+        module, lora = session_step(model, slot, export_config)
         for length in sorted(settings.prefill_lengths):
-            signatures.append(Signature(str(SignatureName("prefill", length, lora_slot=slot)), module, {
-                "tokens": torch.zeros((1, length), dtype=torch.int32),
-                "input_pos": torch.arange(length, dtype=torch.int32),
-                "kv_cache": kv_cache,
-                **extra,
-            }))
-        signatures.append(Signature(str(SignatureName("decode", lora_slot=slot)), module, {
-            "tokens": torch.zeros((1, 1), dtype=torch.int32),
-            "input_pos": torch.zeros((1,), dtype=torch.int32),
-            "kv_cache": kv_cache,
-            **extra,
-        }))
+            signatures.append(Signature(str(SignatureName("prefill", length, lora_slot=slot)), module, 1,
+                                        session_inputs(model, settings, length, lora)))
+        signatures.append(Signature(str(SignatureName("decode", lora_slot=slot)), module, 1,
+                                    session_inputs(model, settings, 1, lora)))
     return signatures
+
+
+def session_inputs(model: nn.Module, settings: ExportSettings, length: int,
+                   lora: Callable[[], dict[str, object]]) -> Callable[[], dict[str, Any]]:
+    """What builds one session's sample inputs: ``length`` tokens at positions
+    ``0..length-1``, the KV cache and ``lora()``."""
+    layout = _KV_LAYOUTS[settings.kv_layout]
+
+    def build() -> dict[str, Any]:
+        return {
+            "tokens": torch.zeros((1, length), dtype=torch.int32),
+            "input_pos": torch.arange(length, dtype=torch.int32),
+            "kv_cache": kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout),
+            **lora(),
+        }
+    return build
 
 
 def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
@@ -126,7 +141,8 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
                                    mlp=slot is not None and slot.targets == ALL_LINEAR,
                                    dora=slot is not None and slot.targets == DORA).eval()
         name = SignatureName("decode", rows=rows, window=window, lora_slot=slot)
-        signatures.append(Signature(str(name), module, module.sample_kwargs(settings.kv_length)))
+        signatures.append(Signature(str(name), module, rows,
+                                    functools.partial(module.sample_kwargs, settings.kv_length)))
 
     for window in sorted(settings.attention_windows):
         for slot in (None, *single_session_slots(model, settings)):
@@ -150,18 +166,13 @@ def verify_signatures(model: nn.Module, settings: ExportSettings) -> list[Signat
                                  "final_norm whose output the draft heads take")
     layout = _KV_LAYOUTS[settings.kv_layout]
     export_config = litert_converter.ExportConfig(output_logits_on_prefill=True, kvcache_layout=layout)
-    kv_cache = kv_utils.KVCache.from_model_config(settings.kv_length, model.config, kv_layout=layout)
     signatures = []
     for slot in (None, *lora_slots(model, settings, settings.lora_ranks)):
-        step, extra = session_step(model, slot, export_config)
+        step, lora = session_step(model, slot, export_config)
         module = VerifyStep(step, model.final_norm).eval()
         for length in sorted(settings.verify_lengths):
-            signatures.append(Signature(str(SignatureName("verify", length, lora_slot=slot)), module, {
-                "tokens": torch.zeros((1, length), dtype=torch.int32),
-                "input_pos": torch.arange(length, dtype=torch.int32),
-                "kv_cache": kv_cache,
-                **extra,
-            }))
+            signatures.append(Signature(str(SignatureName("verify", length, lora_slot=slot)), module, 1,
+                                        session_inputs(model, settings, length, lora)))
     return signatures
 
 
