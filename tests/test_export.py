@@ -376,3 +376,25 @@ def test_a_default_bundle_runs_in_googles_litert_lm_engine(tmp_path: Path) -> No
                             env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "100000"})
     assert theirs.returncode == 0, theirs.stderr[-2000:]
     assert theirs.stdout.strip() == ours.strip() and len(ours.split()) == steps
+
+
+def test_several_quantizations_come_from_one_lowering_as_each_alone(exported: Exported, tmp_path: Path) -> None:
+    settings = ("--lora-ranks", "4", "--kv-length", "64", "--prefill-lengths", "8", "--kv-layout", "transposed",
+                "--jobs", "1")
+    both = cli("export", exported.source, "--out", tmp_path / "m-{precision}.tflite", "--bundle",
+               tmp_path / "m-{precision}.litertlm", "--quantize", "none,int8", *settings, "--report",
+               tmp_path / "both.json")
+    assert both.returncode == 0, both.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["both.json", "m-f32.litertlm", "m-f32.tflite",
+                                                          "m-int8.litertlm", "m-int8.tflite"]
+    report = json.loads((tmp_path / "both.json").read_text())
+    assert report["quantizations"] == ["none", "int8"]
+    stages = [stage["name"] for stage in report["stages"]]
+    assert stages.count("serialize") == 1 and "quantize (int8)" in stages and "write float32" in stages
+    (tmp_path / "alone").mkdir()
+    for quantize, name in (("none", "f32"), ("int8", "int8")):
+        alone = cli("export", exported.source, "--out", tmp_path / "alone" / f"{name}.tflite", "--quantize", quantize,
+                    *settings)
+        assert alone.returncode == 0, alone.stderr
+        assert (tmp_path / f"m-{name}.tflite").read_bytes() == (tmp_path / "alone" / f"{name}.tflite").read_bytes()
+    assert (tmp_path / "m-int8.tflite").stat().st_size < (tmp_path / "m-f32.tflite").stat().st_size

@@ -96,3 +96,15 @@ def test_a_memory_budget_the_model_cannot_fit_and_bad_jobs(tmp_path: Path, sourc
             "needs about 0.9 GB to export, more than the 0.5 GB of --max-memory")
     refused(export(source, "--out", tmp_path / "m.tflite", "--jobs", "0"), "--jobs 0: expected at least 1")
     assert files(tmp_path) == files(source.parent)
+
+
+@pytest.mark.parametrize("quantize, out, match", [
+    ("int9", "m.tflite", "--quantize 'int9': expected one or more of none, int8"),
+    ("none,int8,none", "m-{precision}.tflite", "--quantize 'none,int8,none': a quantization given twice"),
+    ("none,int8", "m.tflite", "--out {tmp}/m.tflite: with several --quantize values (none, int8) the file name needs "
+                              "{precision}, e.g. model-{precision}.tflite"),
+])
+def test_bad_quantizations(tmp_path: Path, source: Path, quantize: str, out: str, match: str) -> None:
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / out, "--quantize", quantize), match.replace("{tmp}", str(tmp_path)))
+    assert files(tmp_path) == before

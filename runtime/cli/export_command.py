@@ -10,16 +10,18 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from runtime.cli.progress import progress_bar
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
 from runtime.export.budget import GB, plan
 from runtime.export.outputs import check_targets
-from runtime.export.settings import KV_LAYOUTS, LORA_TARGETS, QUANTIZATIONS, ExportSettings
+from runtime.export.settings import KV_LAYOUTS, LORA_TARGETS, QUANTIZATIONS, ExportSettings, precision_name
 from runtime.export.source import inspect_source, supported_architectures
 from runtime.util.native_logs import muted_native_logs
+
+PRECISION_FIELD = "{precision}"  # where --out / --bundle name each precision's file
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -49,9 +51,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
     parser.add_argument("--prefill-lengths", default=None, metavar="L,L,...",
                         help="prefill signature lengths (default: 32, 128 and 512, those up to half --kv-length)")
-    parser.add_argument("--quantize", choices=list(QUANTIZATIONS), default=defaults.quantize,
+    parser.add_argument("--quantize", default=defaults.quantize, metavar="Q[,Q,...]",
                         help="weights: none (float32), int8 (dynamic-range int8), int8-weights, fp16, "
-                        "int4-block32, int4-block128")
+                        "int4-block32, int4-block128; several (e.g. none,int8) write one model each from one "
+                        "tracing and lowering, --out and --bundle then naming them with {precision} "
+                        "(f32 for none, else the value), e.g. --out model-{precision}.tflite")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=None,
                         help="transposed is what Google's LiteRT-LM engine reads (default with --bundle; "
                         "else default); this runtime runs both")
@@ -88,10 +92,36 @@ def parse_integers(option: str, text: str) -> tuple[int, ...]:
         raise InvalidArgumentError(f"{option} {text!r}: expected comma-separated integers") from None
 
 
+def parse_quantizations(text: str) -> tuple[str, ...]:
+    """``"none,int8"`` -> ``("none", "int8")``, each a key of ``QUANTIZATIONS``, each once."""
+    names = tuple(part for part in text.replace(" ", "").split(",") if part)
+    unknown = [name for name in names if name not in QUANTIZATIONS]
+    if not names or unknown:
+        raise InvalidArgumentError(f"--quantize {text!r}: expected one or more of {', '.join(QUANTIZATIONS)}, "
+                                   "comma-separated")
+    if len(set(names)) < len(names):
+        raise InvalidArgumentError(f"--quantize {text!r}: a quantization given twice")
+    return names
+
+
+def output_path(option: str, template: Path | None, quantize: str, quantizations: Sequence[str]) -> Path | None:
+    """``template`` with ``{precision}`` replaced by ``quantize``'s name (f32 for none); with
+    several quantizations it must contain ``{precision}``, naming the option otherwise."""
+    if template is None:
+        return None
+    if len(quantizations) > 1 and PRECISION_FIELD not in template.name:
+        raise InvalidArgumentError(f"{option} {template}: with several --quantize values ({', '.join(quantizations)}) "
+                                   f"the file name needs {PRECISION_FIELD}, e.g. model-{PRECISION_FIELD}{template.suffix}")
+    return template.with_name(template.name.replace(PRECISION_FIELD, precision_name(quantize)))
+
+
 def run(args: argparse.Namespace) -> int:
     """Checks everything that can be checked without torch, then exports stage by stage."""
     if args.out is None and args.bundle is None:
         raise InvalidArgumentError("give --out MODEL.tflite, --bundle MODEL.litertlm or both")
+    quantizations = parse_quantizations(args.quantize)
+    outputs = [(quantize, output_path("--out", args.out, quantize, quantizations),
+                output_path("--bundle", args.bundle, quantize, quantizations)) for quantize in quantizations]
     settings = ExportSettings(
         lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
         lora_targets=args.lora_targets,
@@ -99,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         kv_length=args.kv_length,
         prefill_lengths=None if args.prefill_lengths is None
         else parse_integers("--prefill-lengths", args.prefill_lengths),
-        quantize=args.quantize,
+        quantize=quantizations[0],
         kv_layout=args.kv_layout or ("transposed" if args.bundle is not None else "default"),
         prefill_logits=args.prefill_logits,
         batch_sizes=parse_integers("--batch-sizes", args.batch_sizes),
@@ -108,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         attention_windows=parse_integers("--attention-windows", args.attention_windows),
         verify_lengths=parse_integers("--verify-lengths", args.verify_lengths),
     )
-    targets = [path for path in (args.out, args.bundle) if path is not None]
+    targets = [path for _, *paths in outputs for path in paths if path is not None]
     check_targets(targets)
     if args.report is not None and not args.report.parent.is_dir():
         raise InvalidArgumentError(f"--report {args.report}: the directory {args.report.parent} does not exist")
@@ -129,14 +159,16 @@ def run(args: argparse.Namespace) -> int:
             # A terminated export (SIGTERM) unwinds like a failed one: its partial files are removed.
             # (Installed after the import: a library imported there may install its own.)
             signal.signal(signal.SIGTERM, _exit_on_termination)
-            report = exporter.export(source, settings, model_out=args.out, bundle_out=args.bundle, jobs=args.jobs,
-                                     max_memory=max_memory, progress=progress)
+            (_, model_out, bundle_out), *others = outputs
+            report = exporter.export(source, settings, model_out=model_out, bundle_out=bundle_out, jobs=args.jobs,
+                                     max_memory=max_memory, also=[exporter.AlsoAt(*other) for other in others],
+                                     progress=progress)
     for path in targets:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")
     measured = report.measurements
     dora = f", DoRA slots {list(settings.dora_ranks)}" if settings.dora_ranks else ""
     print(f"{source.model_type} from {args.source}: LoRA slots {list(settings.lora_ranks) or 'none'}{dora}, KV length "
-          f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {settings.quantize}; "
+          f"{settings.kv_length}, prefill {list(settings.prefill_lengths)}, {', '.join(quantizations)}; "
           f"{len(measured.signatures)} signatures in {measured.seconds:.1f} s, {measured.jobs} job(s), "
           f"peak RSS {measured.peak_rss_bytes / GB:.2f} GB, PSS {measured.peak_pss_bytes / GB:.2f} GB")
     if args.verbose:
@@ -145,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         args.report.write_text(json.dumps({
             "source": str(args.source), "parameters": source.parameters, "settings": dataclasses.asdict(settings),
+            "quantizations": list(quantizations),
             "plan": dataclasses.asdict(report.plan), **measured.as_dict(),
             "outputs": {str(path): path.stat().st_size for path in targets}}, indent=2) + "\n")
     return 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,19 @@ from runtime.errors import InvalidArgumentError
 from runtime.export import budget, bundle, checkpoint, convert, families, lowering, projection_map
 from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_bytes, release_freed_memory
 from runtime.export.outputs import PendingOutputs
-from runtime.export.settings import ExportSettings
+from runtime.export.settings import QUANTIZATIONS, ExportSettings
 from runtime.export.source import Source
+
+
+@dataclass(frozen=True)
+class AlsoAt:
+    """The same export at another precision, from the same lowered graph (tracing,
+    lowering and converting are done once for all precisions): ``quantize`` (a key of
+    :data:`~runtime.export.settings.QUANTIZATIONS`) and the files it writes."""
+
+    quantize: str
+    model_out: Path | None = None
+    bundle_out: Path | None = None
 
 
 @dataclass
@@ -41,23 +52,32 @@ def export(
     bundle_out: Path | None = None,
     jobs: int | None = None,
     max_memory: int | None = None,
+    also: Sequence[AlsoAt] = (),
     progress: Callable[[Iterable[str]], Iterable[str]] = lambda steps: steps,
 ) -> ExportReport:
     """Exports ``source`` to ``model_out`` (a ``.tflite``) and/or ``bundle_out`` (a
     ``.litertlm`` with the tokenizer, stop tokens and chat template), lowering the
     signatures in up to ``jobs`` worker processes within ``max_memory`` bytes
-    (:func:`runtime.export.budget.plan`; one job lowers in this process). Each output is
-    written under a temporary name in its directory and renamed at the end; on any failure
-    nothing is left behind. ``progress`` wraps the iteration over the steps (a stage or a
-    signature each), which yields each step's name when it is done."""
-    targets = [path for path in (model_out, bundle_out) if path is not None]
-    if not targets:
-        raise InvalidArgumentError("export needs model_out, bundle_out or both")
+    (:func:`runtime.export.budget.plan`; one job lowers in this process), and the same
+    model at each precision of ``also``. Each output is written under a temporary name in
+    its directory and renamed at the end; on any failure nothing is left behind.
+    ``progress`` wraps the iteration over the steps (a stage or a signature each), which
+    yields each step's name when it is done."""
+    precisions = [AlsoAt(settings.quantize, model_out, bundle_out), *also]
+    for precision in precisions:
+        if precision.model_out is None and precision.bundle_out is None:
+            raise InvalidArgumentError(f"the {precision.quantize} export needs a model file, a bundle or both")
+        if precision.quantize not in QUANTIZATIONS:
+            raise InvalidArgumentError(f"quantize={precision.quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    if len({precision.quantize for precision in precisions}) < len(precisions):
+        raise InvalidArgumentError(f"quantizations {', '.join(p.quantize for p in precisions)}: each at most once")
+    targets = [path for precision in precisions for path in (precision.model_out, precision.bundle_out)
+               if path is not None]
     plan = budget.plan(source.parameters, jobs, max_memory)
     measurements = Measurements(jobs=plan.jobs)
     start = time.perf_counter()
     with PendingOutputs(targets) as outputs, MemoryWatch() as watch:
-        job = _Job(source, settings, outputs, model_out, bundle_out, plan.jobs, measurements, watch)
+        job = _Job(source, settings, outputs, precisions, plan.jobs, measurements, watch)
         for _ in progress(job.steps()):
             pass
         outputs.commit()
@@ -84,12 +104,14 @@ def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None
 class _Job:
     """The state handed from stage to stage."""
 
-    def __init__(self, source: Source, settings: ExportSettings, outputs: PendingOutputs, model_out: Path | None,
-                 bundle_out: Path | None, jobs: int, measurements: Measurements, watch: MemoryWatch) -> None:
+    def __init__(self, source: Source, settings: ExportSettings, outputs: PendingOutputs, precisions: list[AlsoAt],
+                 jobs: int, measurements: Measurements, watch: MemoryWatch) -> None:
         self.source, self.settings, self.outputs = source, settings, outputs
-        self.bundle_out, self.jobs = bundle_out, jobs
+        self.precisions, self.jobs = precisions, jobs
         self.measurements, self.watch = measurements, watch
-        self.model_file = outputs.temporary(model_out) if model_out else outputs.scratch(bundle_out, ".tflite")
+        # Each precision's .tflite: its model output, or a scratch file its bundle is made from.
+        self.model_files = [outputs.temporary(p.model_out) if p.model_out else outputs.scratch(p.bundle_out, ".tflite")
+                            for p in precisions]
         self.tokenizer: checkpoint.TokenizerAssets | None = None
         # The litert-torch decoder from its build until lowering takes it.
         self.decoder: Any = None
@@ -100,7 +122,7 @@ class _Job:
 
     def steps(self) -> Iterator[str]:
         """Runs the export; yields the name of each stage and each signature when done."""
-        if self.bundle_out is not None:
+        if any(precision.bundle_out is not None for precision in self.precisions):
             with self.stage("read the tokenizer"):
                 self.tokenizer = checkpoint.load_tokenizer(self.source)
             yield "read the tokenizer"
@@ -127,9 +149,9 @@ class _Job:
             module = yield from self._lower_in_workers(context)
         convert.add_metadata(module, context, {projection_map.METADATA_NAME:
                                                projection_map.metadata_json(self.projections)})
-        if self.settings.quantize == "none":
-            with self.stage("serialize"):
-                convert.serialize(module, self.model_file)
+        if [precision.quantize for precision in self.precisions] == ["none"]:
+            with self.stage("serialize"):  # straight to the file, never whole in memory
+                convert.serialize(module, self.model_files[0])
                 del module
             yield "serialize"
         else:
@@ -137,17 +159,22 @@ class _Job:
                 flatbuffer = convert.serialize(module)
                 del module
             yield "serialize"
-            with self.stage(f"quantize ({self.settings.quantize})"):
-                flatbuffer = convert.quantize(flatbuffer, self.settings, model_config)
-                self.model_file.write_bytes(flatbuffer)
-                del flatbuffer
-            yield f"quantize ({self.settings.quantize})"
-        if self.bundle_out is not None:
-            with self.stage("write the bundle"):
-                assert self.tokenizer is not None
-                bundle.write_bundle(self.model_file, self.tokenizer, self.settings.kv_length,
-                                    self.outputs.temporary(self.bundle_out))
-            yield "write the bundle"
+            for precision, model_file in zip(self.precisions, self.model_files):
+                name = "write float32" if precision.quantize == "none" else f"quantize ({precision.quantize})"
+                with self.stage(name):
+                    model_file.write_bytes(convert.quantize(flatbuffer, replace(self.settings,
+                                                                                quantize=precision.quantize),
+                                                            model_config))
+                yield name
+            del flatbuffer
+        for precision, model_file in zip(self.precisions, self.model_files):
+            if precision.bundle_out is not None:
+                name = "write the bundle" + ("" if len(self.precisions) == 1 else f" ({precision.quantize})")
+                with self.stage(name):
+                    assert self.tokenizer is not None
+                    bundle.write_bundle(model_file, self.tokenizer, self.settings.kv_length,
+                                        self.outputs.temporary(precision.bundle_out))
+                yield name
 
     def _lower_here(self, context: Any) -> Iterator[str]:
         """Lowers every signature of the decoder (dropped when done) in this process into

@@ -17,6 +17,13 @@ QUANTIZATIONS = {
     "int4-block128": "dynamic_int4_block128",
 }
 KV_LAYOUTS = ("default", "transposed")
+
+
+def precision_name(quantize: str) -> str:
+    """What a file name calls a quantization's model: ``f32`` for none, else its key."""
+    return "f32" if quantize == "none" else quantize
+
+
 LORA_TARGETS = ("attention", "all-linear")
 # The prefill lengths an export has unless told otherwise: those up to half the KV length.
 STANDARD_PREFILL_LENGTHS = (32, 128, 512)
