@@ -13,6 +13,7 @@ which needs the model's head size.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
+from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
 from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.scoped_file import FileWatch
 
@@ -38,11 +39,19 @@ _GGUF_NAMES = {ours: theirs for theirs, ours in _PROJECTIONS.items()}
 _ROPE_PERMUTED = {"llama"}
 
 
-def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) -> DerivedLoraData:
-    """Opens a GGUF LoRA adapter. ``head_dim`` is needed to undo llama's q/k row permutation."""
+def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) -> LazyLoraData:
+    """Opens a GGUF LoRA adapter. ``head_dim`` is needed to undo llama's q/k row permutation.
+
+    The file is read and checked in full; the adapter keeps its pairs' shapes and reads
+    the file again at first use (the reader's objects take ~6 KiB per tensor)."""
+    path = Path(path)
+    return LazyLoraData.of(functools.partial(_read, path, head_dim), (FileWatch(path),))
+
+
+def _read(path: Path, head_dim: int | None) -> DerivedLoraData:
+    """The adapter's tensors, each computed from the mapped file when read."""
     from gguf import GGUFReader
 
-    path = Path(path)
     watch = FileWatch(path)
     check_gguf_header(path)
     try:
