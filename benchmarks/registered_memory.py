@@ -16,7 +16,8 @@ the model itself, in every format the runtime reads from a file:
 | GGUF LoRA | q/k/v/o/gate/up/down | all-linear |
 
 and prints, per format, the growth per adapter of the Python objects kept (tracemalloc)
-and of the process's RSS (which adds the allocator's slack and the mapped files' pages)::
+and of the process's RSS (which adds the allocator's slack and the mapped files' pages),
+each format in a fresh process (memory freed by another format's run would hide growth)::
 
     python3 benchmarks/registered_memory.py [--adapters 200] [--rank 8] [--formats peft,gguf]
 
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import json
 import struct
 import sys
 import tempfile
 import tracemalloc
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,27 +185,27 @@ class _Unallocated:
         raise AssertionError(f"registering allocated {name} of slot {slot}")
 
 
-def measure(fmt: Format, adapters: int, rank: int, folder: Path) -> tuple[float, float]:
-    """``(Python bytes, RSS bytes)`` kept per registered adapter of format ``fmt``."""
-    paths = []
-    for index in range(adapters + 1):
-        path = folder / f"{fmt.name.split()[0]}_{fmt.targets}_{index}{fmt.suffix}"
-        fmt.write(path, rank)
-        paths.append(path)
-    slot = LoraSlot(rank, fmt.targets)
-    manager = LoraManager({slot: slot_inputs(rank, fmt.targets)}, _Unallocated())
-    manager.load_lora(0, AdapterOrigin.of_file(paths[0]).open())  # first use of the code paths
-    gc.collect()
-    tracemalloc.start()
-    python_before, rss_before = tracemalloc.get_traced_memory()[0], rss_bytes()
-    for lora_id, path in enumerate(paths[1:], start=1):
-        manager.load_lora(lora_id, AdapterOrigin.of_file(path).open())
-    gc.collect()
-    python = (tracemalloc.get_traced_memory()[0] - python_before) / adapters
-    rss = (rss_bytes() - rss_before) / adapters
-    tracemalloc.stop()
-    for lora_id in manager.loaded_ids():
-        manager.unload_lora(lora_id)
+def measure(name: str, adapters: int, rank: int) -> tuple[float, float]:
+    """``(Python bytes, RSS bytes)`` kept per registered adapter of format ``FORMATS[name]``."""
+    fmt = FORMATS[name]
+    with tempfile.TemporaryDirectory() as folder:
+        paths = []
+        for index in range(adapters + 1):
+            path = Path(folder) / f"adapter{index}{fmt.suffix}"
+            fmt.write(path, rank)
+            paths.append(path)
+        slot = LoraSlot(rank, fmt.targets)
+        manager = LoraManager({slot: slot_inputs(rank, fmt.targets)}, _Unallocated())
+        manager.load_lora(0, AdapterOrigin.of_file(paths[0]).open())  # first use of the code paths
+        gc.collect()
+        tracemalloc.start()
+        python_before, rss_before = tracemalloc.get_traced_memory()[0], rss_bytes()
+        for lora_id, path in enumerate(paths[1:], start=1):
+            manager.load_lora(lora_id, AdapterOrigin.of_file(path).open())
+        gc.collect()
+        python = (tracemalloc.get_traced_memory()[0] - python_before) / adapters
+        rss = (rss_bytes() - rss_before) / adapters
+        tracemalloc.stop()
     return python, rss
 
 
@@ -213,13 +216,14 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"some of {', '.join(FORMATS)}")
     args = parser.parse_args()
-    chosen = [FORMATS[name] for name in args.formats.split(",")]
+    chosen = args.formats.split(",")
     print(f"{args.adapters} registered rank-{args.rank} adapters of SmolLM2-135M's shapes ({LAYERS} layers), "
           "per adapter:\n")
     print("| format | tensors | Python objects kept (tracemalloc), KiB | RSS growth, KiB |\n|---|---:|---:|---:|")
-    for fmt in chosen:
-        with tempfile.TemporaryDirectory() as folder:
-            python, rss = measure(fmt, args.adapters, args.rank, Path(folder))
+    for name in chosen:
+        fmt = FORMATS[name]
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+            python, rss = fresh.submit(measure, name, args.adapters, args.rank).result()
         tensors = LAYERS * len(projections(fmt.targets)) * (3 if fmt.targets == DORA else 2)
         print(f"| {fmt.name} | {tensors} | {python / 1024:.1f} | {rss / 1024:.1f} |", flush=True)
     return 0
