@@ -246,3 +246,9 @@ def test_weights_rewritten_after_registration_are_refused_at_first_use(tmp_path,
     save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "a" / "adapter_model.safetensors"))
     with pytest.raises(DataLossError, match="adapter_model.safetensors: tensor 'lora_atten_q_a_prime_weight_0': file"):
         data.read_tensor("lora_atten_q_a_prime_weight_0")
+
+
+def test_a_layer_beyond_any_model_is_refused_when_read(rng):
+    sd = {key.replace(".0.", ".99999999999."): value for key, value in pair(rng, 0, "q", 4).items()}
+    with pytest.raises(InvalidArgumentError, match="targets layer 99999999999, beyond the 16777216 layers of any model"):
+        read_peft_state_dict(sd, {"r": 4})

@@ -179,6 +179,7 @@ class DerivedLoraData:
             raise NotFoundError(f"{self.source_name}: no tensor named {name!r}") from None
 
 
+MAX_LAYERS = 1 << 24  # what a PairTable holds: its int32 keys are layer * len(PROJECTIONS) + projection
 # The columns of a PairTable row.
 _LAYER, _PROJECTION, _FAN_IN, _RANK, _FAN_OUT = range(5)
 _F32 = np.dtype(np.float32)
@@ -197,10 +198,14 @@ class PairTable:
     ``rows`` (int32, read-only) holds one row per (layer, projection) pair, in the
     adapter's tensor order: layer, projection (an index into ``PROJECTIONS``), fan-in,
     rank and fan-out. Its tensors are the pair's ``a`` ``[in, r]`` and ``b`` ``[r, out]``,
-    float32, named in the litert-torch convention.
+    float32, named in the litert-torch convention. ``keys`` (sorted) and ``order`` find a
+    pair's row: ``rows[order[i]]`` is the pair whose ``layer * len(PROJECTIONS) + projection``
+    is ``keys[i]``.
     """
 
     rows: np.ndarray
+    keys: np.ndarray
+    order: np.ndarray
 
     @classmethod
     def of(cls, data: DerivedLoraData) -> PairTable:
@@ -212,14 +217,21 @@ class PairTable:
         rows = []
         for a_name, b_name in zip(names[0::2], names[1::2], strict=True):
             a = parse_lora_input_name(a_name)
+            if a.layer >= MAX_LAYERS:
+                raise InvalidArgumentError(f"{data.source_name}: tensor {a_name!r} targets layer {a.layer}, beyond the "
+                                           f"{MAX_LAYERS} layers of any model")
             (fan_in, rank), (b_rank, fan_out) = data.tensor_info(a_name).shape, data.tensor_info(b_name).shape
             if (a_name, b_name, b_rank) != (_pair_name(a.layer, a.projection, "a"),
                                             _pair_name(a.layer, a.projection, "b"), rank):
                 raise InternalError(f"{data.source_name}: tensors {a_name!r} and {b_name!r} are not a derived pair")
             rows.append((a.layer, PROJECTIONS.index(a.projection), fan_in, rank, fan_out))
         table = np.array(rows, dtype=np.int32).reshape(-1, 5)
-        table.flags.writeable = False
-        return cls(table)
+        keys = table[:, _LAYER] * len(PROJECTIONS) + table[:, _PROJECTION]
+        order = np.argsort(keys, kind="stable").astype(np.int32)
+        keys = keys[order]
+        for array in (table, keys, order):
+            array.flags.writeable = False
+        return cls(table, keys, order)
 
     def names(self) -> list[str]:
         """Every tensor name, ``a`` then ``b`` of each pair."""
@@ -228,24 +240,27 @@ class PairTable:
 
     def shape(self, name: str) -> tuple[int, int] | None:
         """The shape of tensor ``name``, ``None`` when the table has no such tensor."""
-        if not is_lora_input_name(name):
+        try:
+            parsed = parse_lora_input_name(name)
+        except InvalidArgumentError:
             return None
-        parsed = parse_lora_input_name(name)
-        if parsed.convention is not Convention.LITERT_TORCH or parsed.side not in SIDES:
+        row = self._row(parsed.layer, parsed.projection)
+        if parsed.convention is not Convention.LITERT_TORCH or parsed.side not in SIDES or row is None:
             return None
-        found = np.flatnonzero((self.rows[:, _LAYER] == parsed.layer)
-                               & (self.rows[:, _PROJECTION] == PROJECTIONS.index(parsed.projection)))
-        if not found.size:
-            return None
-        _, _, fan_in, rank, fan_out = self.rows[found[0]].tolist()
+        _, _, fan_in, rank, fan_out = self.rows[row].tolist()
         return (fan_in, rank) if parsed.side == "a" else (rank, fan_out)
 
     def __contains__(self, pair: object) -> bool:
         """Whether ``(layer, projection)`` is one of the pairs."""
-        if not isinstance(pair, tuple) or len(pair) != 2 or pair[1] not in PROJECTIONS:
-            return False
-        return bool(((self.rows[:, _LAYER] == pair[0]) & (self.rows[:, _PROJECTION] == PROJECTIONS.index(pair[1])))
-                    .any())
+        return (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
+                and self._row(pair[0], pair[1]) is not None)
+
+    def _row(self, layer: int, projection: object) -> int | None:
+        if projection not in PROJECTIONS:
+            return None
+        key = layer * len(PROJECTIONS) + PROJECTIONS.index(projection)
+        found = int(np.searchsorted(self.keys, key))
+        return int(self.order[found]) if found < len(self.keys) and self.keys[found] == key else None
 
     @property
     def rank(self) -> int:
