@@ -17,7 +17,9 @@ the model itself, in every format the runtime reads from a file:
 
 and prints, per format, the growth per adapter of the Python objects kept (tracemalloc)
 and of the process's RSS (which adds the allocator's slack and the mapped files' pages),
-each format in a fresh process (memory freed by another format's run would hide growth)::
+each format in a fresh process (memory freed by another format's run would hide growth),
+and what first use then costs: the median time to materialize one registered adapter into
+numpy buffers of its slot (not DoRA's: its output scales need the model's weights)::
 
     python3 benchmarks/registered_memory.py [--adapters 200] [--rank 8] [--formats peft,gguf]
 
@@ -32,8 +34,10 @@ import gc
 import multiprocessing
 import json
 import struct
+import statistics
 import sys
 import tempfile
+import time
 import tracemalloc
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -55,7 +59,9 @@ FANS = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV_OUT), "v": (HIDDEN, KV_OUT), "o"
         "gate": (HIDDEN, MLP), "up": (HIDDEN, MLP), "down": (MLP, HIDDEN)}
 GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
               "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+HEAD_DIM = 64  # undoes llama.cpp's q/k row order in GGUF adapters
 BLOCK = 1 << 16  # sparse writing: blocks of zeros are skipped
+FIRST_USES = 5  # adapters materialized for the first-use median
 
 
 @dataclass(frozen=True)
@@ -185,8 +191,33 @@ class _Unallocated:
         raise AssertionError(f"registering allocated {name} of slot {slot}")
 
 
-def measure(name: str, adapters: int, rank: int) -> tuple[float, float]:
-    """``(Python bytes, RSS bytes)`` kept per registered adapter of format ``FORMATS[name]``."""
+class _Buffer:
+    """One LoRA input's buffer in numpy memory, standing in for the executor's."""
+
+    def __init__(self, spec: TensorSpec) -> None:
+        self.array = np.empty(spec.shape, spec.dtype)
+
+    def write(self, data_array: np.ndarray) -> None:
+        """Copies ``data_array`` in."""
+        self.array[...] = data_array
+
+
+def first_use_seconds(paths: list[Path], slot: LoraSlot, inputs: dict[str, TensorSpec]) -> float:
+    """Median seconds to materialize each of ``paths`` (registered first) alone in ``slot``."""
+    manager = LoraManager({slot: inputs}, lambda _, name: _Buffer(inputs[name]))
+    times = []
+    for lora_id, path in enumerate(paths):
+        manager.load_lora(lora_id, AdapterOrigin.of_file(path).open(head_dim=HEAD_DIM))
+        start = time.perf_counter()
+        manager.acquire(((lora_id, 1.0),))
+        times.append(time.perf_counter() - start)
+        manager.release(((lora_id, 1.0),))
+    return statistics.median(times[1:])  # the first one also warms the code paths
+
+
+def measure(name: str, adapters: int, rank: int) -> tuple[float, float, float | None]:
+    """``(Python bytes, RSS bytes)`` kept per registered adapter of format ``FORMATS[name]``,
+    and the seconds its first use takes (``None`` for DoRA)."""
     fmt = FORMATS[name]
     with tempfile.TemporaryDirectory() as folder:
         paths = []
@@ -196,17 +227,19 @@ def measure(name: str, adapters: int, rank: int) -> tuple[float, float]:
             paths.append(path)
         slot = LoraSlot(rank, fmt.targets)
         manager = LoraManager({slot: slot_inputs(rank, fmt.targets)}, _Unallocated())
-        manager.load_lora(0, AdapterOrigin.of_file(paths[0]).open())  # first use of the code paths
+        manager.load_lora(0, AdapterOrigin.of_file(paths[0]).open(head_dim=HEAD_DIM))  # warms the code paths
         gc.collect()
         tracemalloc.start()
         python_before, rss_before = tracemalloc.get_traced_memory()[0], rss_bytes()
         for lora_id, path in enumerate(paths[1:], start=1):
-            manager.load_lora(lora_id, AdapterOrigin.of_file(path).open())
+            manager.load_lora(lora_id, AdapterOrigin.of_file(path).open(head_dim=HEAD_DIM))
         gc.collect()
         python = (tracemalloc.get_traced_memory()[0] - python_before) / adapters
         rss = (rss_bytes() - rss_before) / adapters
         tracemalloc.stop()
-    return python, rss
+        first_use = None if fmt.targets == DORA else first_use_seconds(paths[: FIRST_USES + 1], slot,
+                                                                        slot_inputs(rank, fmt.targets))
+    return python, rss, first_use
 
 
 def main() -> int:
@@ -219,13 +252,15 @@ def main() -> int:
     chosen = args.formats.split(",")
     print(f"{args.adapters} registered rank-{args.rank} adapters of SmolLM2-135M's shapes ({LAYERS} layers), "
           "per adapter:\n")
-    print("| format | tensors | Python objects kept (tracemalloc), KiB | RSS growth, KiB |\n|---|---:|---:|---:|")
+    print("| format | tensors | Python objects kept (tracemalloc), KiB | RSS growth, KiB | first use, ms |\n"
+          "|---|---:|---:|---:|---:|")
     for name in chosen:
         fmt = FORMATS[name]
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
-            python, rss = fresh.submit(measure, name, args.adapters, args.rank).result()
+            python, rss, first_use = fresh.submit(measure, name, args.adapters, args.rank).result()
         tensors = LAYERS * len(projections(fmt.targets)) * (3 if fmt.targets == DORA else 2)
-        print(f"| {fmt.name} | {tensors} | {python / 1024:.1f} | {rss / 1024:.1f} |", flush=True)
+        first = "n/a (needs the model)" if first_use is None else f"{first_use * 1e3:.1f}"
+        print(f"| {fmt.name} | {tensors} | {python / 1024:.1f} | {rss / 1024:.1f} | {first} |", flush=True)
     return 0
 
 
