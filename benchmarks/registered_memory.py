@@ -17,7 +17,8 @@ the model itself, in every format the runtime reads from a file:
 
 and prints, per format, the growth per adapter of the Python objects kept (tracemalloc)
 and of the process's RSS (which adds the allocator's slack and the mapped files' pages),
-each format in a fresh process (memory freed by another format's run would hide growth),
+each format in a fresh process that only registers (memory freed by writing the files or by
+another format's run would be reused and hide growth),
 and what first use then costs: the median time to materialize one registered adapter into
 numpy buffers of its slot (not DoRA's: its output scales need the model's weights)::
 
@@ -215,31 +216,27 @@ def first_use_seconds(paths: list[Path], slot: LoraSlot, inputs: dict[str, Tenso
     return statistics.median(times[1:])  # the first one also warms the code paths
 
 
-def measure(name: str, adapters: int, rank: int) -> tuple[float, float, float | None]:
-    """``(Python bytes, RSS bytes)`` kept per registered adapter of format ``FORMATS[name]``,
-    and the seconds its first use takes (``None`` for DoRA)."""
+def measure(name: str, paths: list[Path], rank: int) -> tuple[float, float, float | None]:
+    """``(Python bytes, RSS bytes)`` kept per registered adapter of format ``FORMATS[name]``
+    (``paths[1:]``; the first one warms the code paths), and the seconds its first use
+    takes (``None`` for DoRA). Run in a fresh process that wrote no file: the garbage of
+    writing them would be reused and hide growth."""
     fmt = FORMATS[name]
-    with tempfile.TemporaryDirectory() as folder:
-        paths = []
-        for index in range(adapters + 1):
-            path = Path(folder) / f"adapter{index}{fmt.suffix}"
-            fmt.write(path, rank)
-            paths.append(path)
-        slot = LoraSlot(rank, fmt.targets)
-        manager = LoraManager({slot: slot_inputs(rank, fmt.targets)}, _Unallocated())
-        manager.load_lora(0, AdapterOrigin.of_file(paths[0]).open(head_dim=HEAD_DIM))  # warms the code paths
-        gc.collect()
-        tracemalloc.start()
-        python_before, rss_before = tracemalloc.get_traced_memory()[0], rss_bytes()
-        for lora_id, path in enumerate(paths[1:], start=1):
-            manager.load_lora(lora_id, AdapterOrigin.of_file(path).open(head_dim=HEAD_DIM))
-        gc.collect()
-        python = (tracemalloc.get_traced_memory()[0] - python_before) / adapters
-        rss = (rss_bytes() - rss_before) / adapters
-        tracemalloc.stop()
-        first_use = None if fmt.targets == DORA else first_use_seconds(paths[: FIRST_USES + 1], slot,
-                                                                        slot_inputs(rank, fmt.targets))
-    return python, rss, first_use
+    slot = LoraSlot(rank, fmt.targets)
+    manager = LoraManager({slot: slot_inputs(rank, fmt.targets)}, _Unallocated())
+    manager.load_lora(0, AdapterOrigin.of_file(paths[0]).open(head_dim=HEAD_DIM))
+    gc.collect()
+    tracemalloc.start()
+    python_before, rss_before = tracemalloc.get_traced_memory()[0], rss_bytes()
+    for lora_id, path in enumerate(paths[1:], start=1):
+        manager.load_lora(lora_id, AdapterOrigin.of_file(path).open(head_dim=HEAD_DIM))
+    gc.collect()
+    python = (tracemalloc.get_traced_memory()[0] - python_before) / (len(paths) - 1)
+    rss = (rss_bytes() - rss_before) / (len(paths) - 1)
+    tracemalloc.stop()
+    if fmt.targets == DORA:
+        return python, rss, None
+    return python, rss, first_use_seconds(paths[: FIRST_USES + 1], slot, slot_inputs(rank, fmt.targets))
 
 
 def main() -> int:
@@ -256,8 +253,12 @@ def main() -> int:
           "|---|---:|---:|---:|---:|")
     for name in chosen:
         fmt = FORMATS[name]
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
-            python, rss, first_use = fresh.submit(measure, name, args.adapters, args.rank).result()
+        with tempfile.TemporaryDirectory() as folder, \
+                ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+            paths = [Path(folder) / f"adapter{index}{fmt.suffix}" for index in range(args.adapters + 1)]
+            for path in paths:
+                fmt.write(path, args.rank)
+            python, rss, first_use = fresh.submit(measure, name, paths, args.rank).result()
         tensors = LAYERS * len(projections(fmt.targets)) * (3 if fmt.targets == DORA else 2)
         first = "n/a (needs the model)" if first_use is None else f"{first_use * 1e3:.1f}"
         print(f"| {fmt.name} | {tensors} | {python / 1024:.1f} | {rss / 1024:.1f} | {first} |", flush=True)
