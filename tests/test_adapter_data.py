@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from runtime.util.adapter_data import (
     MAX_LISTED,
     DerivedLoraData,
     DerivedTensor,
+    LazyLoraData,
     refuse_unappliable,
 )
 from runtime.util.lora_data import LoraData
@@ -329,3 +332,59 @@ def test_rank_of_a_one_dimensional_a_tensor_is_refused_by_name():
     )
     with pytest.raises(InvalidArgumentError, match=r"src\.peft.*lora_atten_q_a_prime_weight_0.*\[8\].*2-D"):
         data.get_lora_rank()
+
+
+# -- LazyLoraData: what a registered PEFT or GGUF adapter is ----------------------------------
+
+
+def lazy(arrays: dict[str, np.ndarray], builds: list[dict[str, np.ndarray]]) -> LazyLoraData:
+    """A LazyLoraData over ``arrays``; each build appends the arrays it serves to ``builds``."""
+
+    def build() -> DerivedLoraData:
+        builds.append(arrays)
+        return derived(arrays)
+
+    return LazyLoraData.of(build)
+
+
+def test_lazy_data_answers_metadata_from_its_table_and_builds_once_per_release():
+    rng = np.random.default_rng(0)
+    arrays = {**torch_pair(rng, 0, "v", 2), **torch_pair(rng, 3, "q", 4)}
+    builds: list = []
+    data = lazy(arrays, builds)
+    assert len(builds) == 1  # registering checks the source once
+    assert data.get_all_tensor_names() == list(arrays)
+    assert data.tensor_info("lora_atten_q_a_prime_weight_3").shape == (8, 4)
+    assert data.get_lora_rank() == 4 and data.nbytes == sum(a.nbytes for a in arrays.values())
+    assert len(builds) == 1
+    barrier = threading.Barrier(8)
+    results = {}
+
+    def read(index: int) -> None:
+        barrier.wait()
+        results[index] = data.read_tensor("lora_atten_v_b_prime_weight_0")
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 2  # one build for eight concurrent first reads
+    for array in results.values():
+        np.testing.assert_array_equal(array, arrays["lora_atten_v_b_prime_weight_0"])
+    data.release_memory()
+    data.read_tensor("lora_atten_q_b_prime_weight_3")
+    assert len(builds) == 3
+    with pytest.raises(NotFoundError, match="src.peft: no tensor named 'lora_atten_k_a_prime_weight_0'"):
+        data.read_tensor("lora_atten_k_a_prime_weight_0")
+    with pytest.raises(NotFoundError, match="no tensor named 'lora_ff_up_m_prime_weight_3'"):
+        data.tensor_info("lora_ff_up_m_prime_weight_3")
+
+
+def test_lazy_data_refuses_a_source_that_builds_other_tensors():
+    rng = np.random.default_rng(0)
+    source = [torch_pair(rng, 0, "v", 2)]
+    data = LazyLoraData.of(lambda: derived(source[0]))
+    source[0] = torch_pair(rng, 0, "v", 3)  # the same names, another rank: what the source reads now
+    with pytest.raises(DataLossError, match="src.peft: its tensors are not the ones registered any more"):
+        data.read_tensor("lora_atten_v_a_prime_weight_0")

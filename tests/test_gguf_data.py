@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGUFWriter
+from retained import retained_per_adapter
 
-from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from runtime.util.gguf_data import read_gguf_lora, undo_rope_permutation
 
 HEAD_DIM = 16
@@ -110,3 +111,49 @@ def test_refusals(tmp_path, hf):
     (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\xff" * 60)
     with pytest.raises(InvalidArgumentError, match="not a readable GGUF"):
         read_gguf_lora(tmp_path / "junk.gguf")
+
+
+def test_a_registered_file_keeps_its_pairs_shapes_not_the_reader(tmp_path, hf):
+    # The reader's fields and tensors (with their memmap views) used to stay with the adapter:
+    # 47 KiB per adapter of 4 pairs; now a table of shapes and the data offsets (3 KiB).
+    paths = [write(tmp_path / f"a{i}.gguf", gguf_tensors(hf)) for i in range(11)]
+    assert retained_per_adapter(lambda path: read_gguf_lora(path, head_dim=HEAD_DIM), paths) < 8 * 1024
+
+
+def test_read_again_after_release_and_refused_once_rewritten(tmp_path, hf):
+    path = write(tmp_path / "a.gguf", gguf_tensors(hf))
+    data = read_gguf_lora(path, head_dim=HEAD_DIM)
+    for _ in range(2):  # registered, then read again after the mapped file was dropped
+        np.testing.assert_array_equal(data.read_tensor("lora_atten_k_b_prime_weight_0"), hf["k"][1].T)
+        data.release_memory()
+    write(path, {k: v for k, v in gguf_tensors(hf).items() if "attn_v" in k})
+    with pytest.raises(DataLossError, match="a.gguf: tensor 'lora_atten_q_a_prime_weight_0': file"):
+        data.read_tensor("lora_atten_q_a_prime_weight_0")
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "BF16"])
+def test_quantized_tensors_read_as_the_gguf_reader_dequantizes_them(tmp_path, kind):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize, quantize
+
+    kind = GGMLQuantizationType[kind]
+    rng = np.random.default_rng(2)
+    stored = {"blk.0.attn_v.weight.lora_a": rng.standard_normal((32, 64)).astype(np.float32),
+              "blk.0.attn_v.weight.lora_b": rng.standard_normal((32, 32)).astype(np.float32)}
+    path = tmp_path / "q.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", 32.0)
+    for name, array in stored.items():
+        writer.add_tensor(name, quantize(array, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = {t.name: dequantize(t.data, kind) for t in GGUFReader(path).tensors}
+    data = read_gguf_lora(path)
+    np.testing.assert_array_equal(data.read_tensor("lora_atten_v_a_prime_weight_0"),
+                                  expected["blk.0.attn_v.weight.lora_a"].T)  # alpha / r = 1
+    np.testing.assert_array_equal(data.read_tensor("lora_atten_v_b_prime_weight_0"),
+                                  expected["blk.0.attn_v.weight.lora_b"].T)

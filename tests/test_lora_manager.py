@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import adapter_path
+from retained import retained_per_adapter
 from runtime.components.lora_manager import LoraManager, normalize_blend
 from runtime.errors import (
     AlreadyExistsError,
@@ -256,3 +257,31 @@ def test_set_residency_refuses_what_is_not_a_policy_and_keeps_the_old_one(manage
     with pytest.raises(InvalidArgumentError, match="residency policy 'only-active'"):
         manager.set_residency("only-active")
     assert len(manager.resident()) == 1  # KeepAll still holds it
+
+
+def test_adapters_of_one_layout_share_their_pairs_and_keep_their_own_weights(manager):
+    first, second = manager.load_lora(1, data("torch_r4")), manager.load_lora(2, data("torch_r4"))
+    other = manager.load_lora(3, data("torch_r16"))
+    assert first.pairs is second.pairs and other.pairs is not first.pairs
+    assert manager.plan(2).pairs is first.pairs and manager.plan(2).data is not first.data
+    np.testing.assert_array_equal(use(manager, (2, 1.0)).buffers[lora_input_name(Convention.LITERT_TORCH, 0, "q", "a")].array,
+                                  use(manager, (1, 1.0)).buffers[lora_input_name(Convention.LITERT_TORCH, 0, "q", "a")].array)
+    manager.unload_lora(1)
+    assert manager.load_lora(4, data("torch_r4")).pairs is first.pairs  # still shared with adapter 2
+    for lora_id in (2, 3, 4):
+        manager.unload_lora(lora_id)
+    assert manager.load_lora(5, data("torch_r4")).pairs is not first.pairs  # nobody held it any more
+
+
+def test_a_registered_adapter_keeps_no_pair_objects_of_its_own(tmp_path):
+    # Each plan used to keep a ProjectionPair per projection and its own dict of them (1.2 KiB
+    # per adapter of 8 pairs here, 24 KiB at SmolLM2 all-linear); adapters of one layout share them
+    # and each keeps its plan (0.3 KiB).
+    rng = np.random.default_rng(0)
+    opened = []
+    for index in range(11):
+        tensors = {name: rng.standard_normal(spec.shape).astype(np.float32) for name, spec in SLOTS[R4].items()}
+        (tmp_path / f"adapter{index}.tflite").write_bytes(serialize_lora_tensors(tensors, external_data=True))
+        opened.append(LoraData.create_from_file_path(tmp_path / f"adapter{index}.tflite"))
+    manager = LoraManager(SLOTS, allocator(SLOTS))
+    assert retained_per_adapter(lambda index: manager.load_lora(index, opened[index]), range(11)) < 768

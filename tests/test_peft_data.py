@@ -8,9 +8,16 @@ import math
 
 import numpy as np
 import pytest
+from retained import retained_per_adapter
 from safetensors.numpy import save_file
 
-from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnimplementedError
+from runtime.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnimplementedError,
+)
 from runtime.util.peft_data import PeftLoraConfig, read_peft_directory, read_peft_state_dict
 
 PREFIX = "base_model.model.model.layers"
@@ -176,3 +183,72 @@ def test_directory(tmp_path, rng):
     (tmp_path / "adapter_config.json").unlink()
     with pytest.raises(NotFoundError, match="adapter_config.json"):
         read_peft_directory(tmp_path)
+
+
+ALL_LINEAR_FANS = {"q": (64, 64), "k": (64, 32), "v": (64, 32), "o": (64, 64),
+                   "gate": (64, 128), "up": (64, 128), "down": (128, 64)}
+
+
+def write_directory(path, rng, layers=4, rank=4, use_dora=False):
+    """A PEFT directory of every projection of ``layers`` layers, as peft saves one; returns its state dict."""
+    sd = {}
+    for layer in range(layers):
+        for proj, (fan_in, fan_out) in ALL_LINEAR_FANS.items():
+            module = f"{PREFIX}.{layer}.{'mlp' if proj in ('gate', 'up', 'down') else 'self_attn'}.{proj}_proj"
+            sd[f"{module}.lora_A.weight"] = rng.standard_normal((rank, fan_in)).astype(np.float32)
+            sd[f"{module}.lora_B.weight"] = rng.standard_normal((fan_out, rank)).astype(np.float32)
+            if use_dora:
+                sd[f"{module}.lora_magnitude_vector"] = rng.uniform(0.5, 1.5, fan_out).astype(np.float32)
+    path.mkdir()
+    save_file(sd, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank, "use_dora": use_dora}))
+    return sd
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_a_registered_directory_keeps_its_pairs_shapes_not_its_modules(tmp_path, rng, use_dora):
+    # 28 modules each: the reader used to keep closures and names per module (50 KiB per adapter,
+    # 100 KiB with DoRA's magnitudes); now a table of shapes and the config (3 KiB; 5 KiB with DoRA,
+    # some of which is numpy's cache of small buffers).
+    paths = [tmp_path / f"adapter{i}" for i in range(11)]
+    for path in paths:
+        write_directory(path, rng, use_dora=use_dora)
+    assert retained_per_adapter(read_peft_directory, paths) < 10 * 1024
+
+
+def test_tensors_are_read_again_after_release_and_equal(tmp_path, rng):
+    sd = write_directory(tmp_path / "a", rng, use_dora=True)
+    data = read_peft_directory(tmp_path / "a")
+    module = f"{PREFIX}.2.mlp.down_proj"
+    expected_a, expected_b = 2.0 * sd[f"{module}.lora_A.weight"].T, sd[f"{module}.lora_B.weight"].T
+    for _ in range(2):  # registered, then read again after the built tensors were dropped
+        np.testing.assert_array_equal(data.read_tensor("lora_ff_down_a_prime_weight_2"), expected_a)
+        np.testing.assert_array_equal(data.read_tensor("lora_ff_down_b_prime_weight_2"), expected_b)
+        data.release_memory()
+    assert data.get_all_tensor_names()[:4] == ["lora_ff_down_a_prime_weight_0", "lora_ff_down_b_prime_weight_0",
+                                               "lora_ff_gate_a_prime_weight_0", "lora_ff_gate_b_prime_weight_0"]
+    assert (2, "down") in data.dora and (4, "down") not in data.dora
+    assert data.nbytes == sum(a.nbytes for key, a in sd.items() if "magnitude" not in key) + sum(
+        a.nbytes for key, a in sd.items() if "magnitude" in key)
+
+
+def test_a_config_rewritten_after_registration_does_not_change_the_adapter(tmp_path, rng):
+    sd = write_directory(tmp_path / "a", rng)
+    data = read_peft_directory(tmp_path / "a")
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 100}))
+    np.testing.assert_array_equal(data.read_tensor("lora_atten_q_a_prime_weight_0"),
+                                  2.0 * sd[f"{PREFIX}.0.self_attn.q_proj.lora_A.weight"].T)  # the registered alpha 8
+
+
+def test_weights_rewritten_after_registration_are_refused_at_first_use(tmp_path, rng):
+    write_directory(tmp_path / "a", rng)
+    data = read_peft_directory(tmp_path / "a")
+    save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(DataLossError, match="adapter_model.safetensors: tensor 'lora_atten_q_a_prime_weight_0': file"):
+        data.read_tensor("lora_atten_q_a_prime_weight_0")
+
+
+def test_a_layer_beyond_any_model_is_refused_when_read(rng):
+    sd = {key.replace(".0.", ".99999999999."): value for key, value in pair(rng, 0, "q", 4).items()}
+    with pytest.raises(InvalidArgumentError, match="targets layer 99999999999, beyond the 16777216 layers of any model"):
+        read_peft_state_dict(sd, {"r": 4})

@@ -25,9 +25,11 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from runtime.components.lora import AdapterPlan, LoRA, SlotInputs, WritableBuffer, blend_needs, plan_adapter
+from runtime.components.lora import (
+    AdapterPlan, LoRA, ProjectionPair, SlotInputs, WritableBuffer, blend_needs, plan_adapter,
+)
 from runtime.components.residency import KeepAll, Lru, ResidencyPolicy, check_policy, choose_evictions
 from runtime.errors import (
     AlreadyExistsError,
@@ -39,6 +41,8 @@ from runtime.util.adapter_data import AdapterData
 from runtime.util.latency import LatencyRecorder, LatencySummary
 from runtime.util.signature_names import LoraSlot, cheapest_slot
 
+# What a plan's pairs are, as a key: ((layer, projection), pair) for every pair, in order.
+Layout = tuple[tuple[tuple[int, str], ProjectionPair], ...]
 # A weighted set of loaded adapters: ((lora_id, scale), ...), sorted by id, no zero scales.
 Blend = tuple[tuple[int, float], ...]
 Materialized = tuple[Blend, LoraSlot]  # a blend in one LoRA slot
@@ -82,6 +86,9 @@ class LoraManager:
         self._allow_non_finite = allow_non_finite
         self._residency = KeepAll() if residency is None else check_policy(residency)
         self._plans: dict[int, AdapterPlan] = {}
+        # Registered adapters of one layout share one pairs mapping, and how many use it: each
+        # would otherwise keep a ProjectionPair per projection (24 KiB at SmolLM2 all-linear).
+        self._layouts: dict[Layout, tuple[Mapping[tuple[int, str], ProjectionPair], int]] = {}
         # Materialized (blend, rank slot) pairs, least recently used first: a blend lives in
         # its own slot, and in a larger one too while it runs in a batch of that slot.
         self._resident: OrderedDict[Materialized, LoRA] = OrderedDict()
@@ -101,9 +108,13 @@ class LoraManager:
         adapter does not fit (nothing is registered then).
         """
         plan = plan_adapter(data, self._slots)
+        layout = tuple(plan.pairs.items())
         with self._lock:
             if lora_id in self._plans:
                 raise AlreadyExistsError(f"LoRA id {lora_id} is already registered")
+            pairs, users = self._layouts.get(layout, (plan.pairs, 0))
+            self._layouts[layout] = pairs, users + 1
+            plan = replace(plan, pairs=pairs)
             self._plans[lora_id] = plan
         return plan
 
@@ -268,6 +279,10 @@ class LoraManager:
                     f"{self._pins[lora_id]} live session(s); close them first"
                 )
             del self._plans[lora_id]
+            layout = tuple(plan.pairs.items())
+            pairs, users = self._layouts.pop(layout)
+            if users > 1:
+                self._layouts[layout] = pairs, users - 1
             for key in [k for k in self._resident if any(i == lora_id for i, _ in k[0])]:
                 self._drop(key)
         plan.data.close()

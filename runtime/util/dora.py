@@ -12,18 +12,22 @@ depends on it; with ``D = s B A`` the row norm is
 and the three terms, computed once per projection on first use (one read of ``W``, one
 ``W @ (s A)^T``), give ``g`` for any ``u`` in O(out). The runtime writes ``g`` folded into
 ``b`` and ``g - 1`` into the DoRA slot's scale input (:mod:`runtime.components.lora`).
+
+A registered DoRA adapter (:class:`DoraLoraData`) keeps no magnitude: they are read again,
+with its LoRA tensors, when first needed (:class:`DerivedDoraData` is what reading gives).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor
+from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, PairTable
 from runtime.util.scoped_file import FileWatch
 
 # A projection: (layer, projection name), as LoraInputName.pair spells it.
@@ -45,25 +49,42 @@ class DoraMagnitudes:
     session's scale. Thread-safe; each projection's norm terms are computed once."""
 
     def __init__(self, projections: Mapping[ProjectionKey, DoraProjection], source: str) -> None:
-        self._projections = dict(projections)
+        """The magnitudes of ``projections``, read."""
+        read = dict(projections)
+        self._setup(source, read, sum(p.magnitude.size * 4 for p in read.values()), lambda: read)
+
+    @classmethod
+    def deferred(cls, keys: Container[ProjectionKey], nbytes: int,
+                 read: Callable[[], DoraMagnitudes], source: str) -> DoraMagnitudes:
+        """Magnitudes of the projections ``keys`` (``nbytes`` as float32) that ``read``
+        gives when they are needed: what a registered adapter keeps instead of them."""
+        magnitudes = cls.__new__(cls)
+        magnitudes._setup(source, keys, nbytes, lambda: read()._read())
+        return magnitudes
+
+    def _setup(self, source: str, keys: Container[ProjectionKey], nbytes: int,
+               read: Callable[[], Mapping[ProjectionKey, DoraProjection]]) -> None:
         self._source = source
+        self._keys = keys
+        self._nbytes = nbytes
+        self._read = read
         self._terms: dict[ProjectionKey, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._projections
+        return key in self._keys
 
     @property
     def nbytes(self) -> int:
         """Bytes of the magnitude vectors (as float32, what the adapter stores)."""
-        return sum(p.magnitude.size * 4 for p in self._projections.values())
+        return self._nbytes
 
     def output_scale(self, key: ProjectionKey, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
         """``g`` ``[out]`` float64 of projection ``key`` at the session's ``scale``, where
         ``a`` ``[in, r]`` and ``b`` ``[r, out]`` are the adapter's tensors in graph layout (its
         own scale ``s`` folded into ``a``). ``InvalidArgumentError`` when a row norm is zero
         or not finite (``g`` would be too)."""
-        projection = self._projections[key]
+        projection = self._read()[key]
         weight_sq, cross, delta_sq = self._norm_terms(key, a, b)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # refused below
             norm = np.sqrt(np.maximum(weight_sq + 2.0 * scale * cross + scale * scale * delta_sq, 0.0))
@@ -81,7 +102,7 @@ class DoraMagnitudes:
             terms = self._terms.get(key)
         if terms is not None:
             return terms
-        weight = self._projections[key].weight().astype(np.float64)
+        weight = self._read()[key].weight().astype(np.float64)
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         weight_a = weight @ a64  # [out, r]
         terms = (np.einsum("ij,ij->i", weight, weight),
@@ -91,14 +112,29 @@ class DoraMagnitudes:
             return self._terms.setdefault(key, terms)
 
 
-class DoraLoraData(DerivedLoraData):
-    """A DoRA adapter: its LoRA tensors as :class:`DerivedLoraData` presents them, and
-    ``dora``, the magnitudes that rescale its projections' outputs."""
+class DerivedDoraData(DerivedLoraData):
+    """A DoRA adapter as its source reads: its LoRA tensors as :class:`DerivedLoraData`
+    presents them, and ``dora``, its magnitudes (read)."""
 
     def __init__(self, tensors: Mapping[str, DerivedTensor], dora: DoraMagnitudes, *, source_name: str,
                  format_name: str, watches: tuple[FileWatch, ...] = ()) -> None:
         super().__init__(tensors, source_name=source_name, format_name=format_name, watches=watches)
         self.dora = dora
+
+
+class DoraLoraData(LazyLoraData):
+    """A registered DoRA adapter: its LoRA tensors as :class:`LazyLoraData` presents them,
+    and ``dora``, the magnitudes that rescale its projections' outputs (every pair has
+    one), read again with the tensors when first needed."""
+
+    def __init__(self, table: PairTable, build: Callable[[], DerivedDoraData], *, source_name: str,
+                 format_name: str, watches: tuple[FileWatch, ...] = ()) -> None:
+        """``build`` reads the adapter again, as :class:`LazyLoraData` takes it."""
+        super().__init__(table, build, source_name=source_name, format_name=format_name, watches=watches)
+        self.dora = DoraMagnitudes.deferred(table, table.out_features * 4, self._read_magnitudes, source_name)
+
+    def _read_magnitudes(self) -> DoraMagnitudes:
+        return cast(DerivedDoraData, self._derived("DoRA magnitudes")).dora  # what build gives
 
     @property
     def nbytes(self) -> int:

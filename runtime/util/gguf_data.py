@@ -13,18 +13,20 @@ which needs the model's head size.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
-from runtime.util.lora_util import Convention, lora_input_name
+from runtime.util.adapter_data import MAX_LAYERS, DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
+from runtime.util.lora_util import PROJECTIONS, Convention, lora_input_name
 from runtime.util.scoped_file import FileWatch
 
 GGUF_MAGIC = b"GGUF"
@@ -38,12 +40,35 @@ _GGUF_NAMES = {ours: theirs for theirs, ours in _PROJECTIONS.items()}
 _ROPE_PERMUTED = {"llama"}
 
 
-def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) -> DerivedLoraData:
-    """Opens a GGUF LoRA adapter. ``head_dim`` is needed to undo llama's q/k row permutation."""
-    from gguf import GGUFReader
+def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) -> LazyLoraData:
+    """Opens a GGUF LoRA adapter. ``head_dim`` is needed to undo llama's q/k row permutation.
 
+    The file is read and checked in full with the ``gguf`` reader; the adapter keeps where
+    its tensors lie (:class:`_Layout`) and maps the file again at first use, without the
+    reader (whose objects took ~6 KiB per tensor, and its parsing most of a first use)."""
     path = Path(path)
     watch = FileWatch(path)
+    return LazyLoraData.of(functools.partial(_map, path, _check(path, head_dim)), (watch,))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a checked adapter's pairs lie in its file, and how to apply them."""
+
+    alpha: float  # adapter.lora.alpha: each pair is scaled by alpha / r (by 1 when alpha is 0)
+    permuted: bool  # q and k rows are in llama.cpp's RoPE order
+    head_dim: int | None
+    byte_order: str  # the gguf reader's: "I" native, "S" swapped
+    # int32 [pairs, 7]: layer, projection (index into PROJECTIONS), fan-in, rank, fan-out, and
+    # the GGML types of lora_a and lora_b; int64 [pairs, 2]: their data offsets in the file.
+    pairs: np.ndarray
+    offsets: np.ndarray
+
+
+def _check(path: Path, head_dim: int | None) -> _Layout:
+    """Reads and checks the whole file with the gguf reader."""
+    from gguf import GGUFReader
+
     check_gguf_header(path)
     try:
         reader = GGUFReader(path)
@@ -73,7 +98,7 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
     if not pairs:
         raise InvalidArgumentError(f"{path}: no LoRA tensors found")
     permuted = architecture in _ROPE_PERMUTED
-    tensors: dict[str, DerivedTensor] = {}
+    rows, offsets = [], []
     for (layer, projection), sides in sorted(pairs.items()):
         name = f"blk.{layer}.{_GGUF_NAMES[projection]}.weight"
         if set(sides) != {"a", "b"}:
@@ -86,27 +111,80 @@ def read_gguf_lora(path: str | os.PathLike[str], head_dim: int | None = None) ->
                 f"{path}: {name}.lora_a {list(a_shape)} and .lora_b {list(b_shape)} are not a LoRA "
                 "pair (expected [r, in] and [out, r])"
             )
-        rank = a_shape[0]
-        scale = float(alpha) / rank if alpha else 1.0
-        needs_head_dim = permuted and projection in ("q", "k")
-        if needs_head_dim and head_dim is not None and (b_shape[0] % head_dim or head_dim % 2):
+        if permuted and projection in ("q", "k") and head_dim is not None and (b_shape[0] % head_dim or head_dim % 2):
             raise InvalidArgumentError(
                 f"{path}: {name}.lora_b has {b_shape[0]} rows, not whole heads of the even head size {head_dim}"
             )
+        if layer >= MAX_LAYERS:
+            raise InvalidArgumentError(f"{path}: {name} is in layer {layer}, beyond the {MAX_LAYERS} layers of any model")
+        rows.append((layer, PROJECTIONS.index(projection), a_shape[1], a_shape[0], b_shape[0],
+                     int(a.tensor_type), int(b.tensor_type)))
+        offsets.append((int(a.data_offset), int(b.data_offset)))
+    return _Layout(float(alpha), permuted, head_dim, reader.byte_order,
+                   _read_only(np.array(rows, np.int32)), _read_only(np.array(offsets, np.int64)))
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor as the file holds it: its name (for messages), GGML type and data, a
+    view of the mapped file shaped as the gguf reader shapes it."""
+
+    name: str
+    tensor_type: int
+    data: np.ndarray
+
+
+def _map(path: Path, layout: _Layout) -> DerivedLoraData:
+    """The adapter's tensors, each computed from the mapped file when read."""
+    watch = FileWatch(path)
+    mapped = np.memmap(path, mode="r")
+    tensors: dict[str, DerivedTensor] = {}
+    for (layer, index, fan_in, rank, fan_out, a_type, b_type), (a_offset, b_offset) in zip(
+            layout.pairs.tolist(), layout.offsets.tolist(), strict=True):
+        projection = PROJECTIONS[index]
+        name = f"blk.{layer}.{_GGUF_NAMES[projection]}.weight"
+        a = _Stored(f"{name}.lora_a", a_type, _view(mapped, a_offset, a_type, (rank, fan_in), layout.byte_order))
+        b = _Stored(f"{name}.lora_b", b_type, _view(mapped, b_offset, b_type, (fan_out, rank), layout.byte_order))
+        scale = layout.alpha / rank if layout.alpha else 1.0
+        needs_head_dim = layout.permuted and projection in ("q", "k")
         tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "a")] = DerivedTensor(
-            (a_shape[1], rank), np.dtype(np.float32), _a_prime(a, a_shape, scale, path)
+            (fan_in, rank), np.dtype(np.float32), _a_prime(a, (rank, fan_in), scale, path)
         )
         tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "b")] = DerivedTensor(
-            (rank, b_shape[0]), np.dtype(np.float32), _b_prime(b, b_shape, needs_head_dim, head_dim, path)
+            (rank, fan_out), np.dtype(np.float32), _b_prime(b, (fan_out, rank), needs_head_dim, layout.head_dim, path)
         )
-    mapping = getattr(reader.data, "_mmap", None)  # numpy.memmap keeps its mmap here
+    mapping = mapped._mmap  # numpy.memmap keeps its mmap here
 
     def release() -> None:
         if isinstance(mapping, mmap.mmap) and not mapping.closed:
             mapping.madvise(mmap.MADV_DONTNEED)
 
-    release()
     return DerivedLoraData(tensors, source_name=str(path), format_name="gguf", watches=(watch,), release=release)
+
+
+# The GGML types the gguf reader views as numbers; it views every other one as bytes.
+_NUMBERS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+            "I32": np.int32, "I64": np.int64}
+
+
+def _view(mapped: np.ndarray, offset: int, kind: int, shape: tuple[int, int], byte_order: str) -> np.ndarray:
+    """A tensor's data in the mapped file, as the gguf reader views it (its ``_build_tensors``)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    ggml_type = GGMLQuantizationType(kind)
+    count = shape[0] * shape[1]
+    if ggml_type.name in _NUMBERS:
+        dtype = np.dtype(_NUMBERS[ggml_type.name])
+        data = mapped[offset : offset + count * dtype.itemsize].view(dtype)
+        return data.view(data.dtype.newbyteorder(byte_order)).reshape(shape)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    return mapped[offset : offset + count * type_size // block_size].reshape(quant_shape_to_byte_shape(shape, ggml_type))
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 # GGUF value types: fixed sizes; 8 = string, 9 = array.

@@ -318,7 +318,7 @@ class _FlatbufferReader:
                 f"{self.source}: {where}: holds {nbytes} bytes of data, expected {expected} "
                 f"for shape {list(shape)} of {dtype.name}"
             )
-        return TensorInfo(name, shape, dtype, _shared(offset), _shared(nbytes), placement)
+        return _shared(TensorInfo(name, shape, dtype, offset, nbytes, placement))
 
     def _data_range(self, buffer: Any, where: str) -> tuple[int, int, str]:
         with self._guard(f"{where} buffer"):
@@ -418,7 +418,7 @@ _MAX_SHARED = 1 << 16
 
 
 def _shared(value: Any) -> Any:
-    """One object for equal names, shapes and sizes across every adapter read: each
+    """One object for equal names, shapes and tensor infos across every adapter read: each
     registered adapter keeps hundreds of them, mostly the same as the previous adapter's
     (bounded, so that random files cannot grow it forever)."""
     if len(_SHARED) < _MAX_SHARED:

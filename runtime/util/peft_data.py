@@ -19,12 +19,17 @@ adapter is a :class:`runtime.util.dora.DoraLoraData`, whose magnitudes are read 
 finite) when it is opened, and divided by the row norms of ``W + s B A`` (``W`` from the
 model file) when it is materialized.
 
+An opened adapter is checked in full, then keeps only its config, its pairs' shapes
+(:class:`runtime.util.adapter_data.LazyLoraData`) and how to read it again: the per-module
+objects are built again at first use (a few KiB per registered adapter instead of hundreds).
+
 Refused, with every offending module listed: embeddings, lm_head, ``modules_to_save``,
 LoRA biases, unknown ``peft_type``; DoRA with LoRA-XS.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -37,8 +42,8 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, refuse_unappliable
-from runtime.util.dora import DoraLoraData, DoraMagnitudes, DoraProjection
+from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
+from runtime.util.dora import DerivedDoraData, DoraLoraData, DoraMagnitudes, DoraProjection
 from runtime.util.draft_heads import is_draft_head_key
 from runtime.util.lora_util import Convention, lora_input_name
 from runtime.util.lora_xs import DEFAULT_N_ITER, DEFAULT_RANDOM_STATE, LoraXsFactors
@@ -143,12 +148,10 @@ class PeftLoraConfig:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
-def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactors | None = None) -> DerivedLoraData:
+def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactors | None = None) -> LazyLoraData:
     """Opens a PEFT adapter directory (which paths name one is decided by
     :func:`runtime.util.adapter_formats.peft_directory`). ``lora_xs``: the model's
     factors, which an R-only LoRA-XS adapter needs."""
-    from safetensors import SafetensorError, safe_open
-
     directory = Path(directory)
     if not directory.is_dir():
         raise NotFoundError(f"{directory}: no such PEFT adapter directory")
@@ -158,6 +161,15 @@ def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactor
             raise NotFoundError(f"{directory}: PEFT adapter has no {required.name}")
     config = PeftLoraConfig.from_dict(_load_json(config_path), str(config_path))
     watch = FileWatch(weights_path)
+    return _registered_kind(config).of(functools.partial(_read_weights, directory, config, lora_xs), (watch,))
+
+
+def _read_weights(directory: Path, config: PeftLoraConfig, lora_xs: LoraXsFactors | None) -> DerivedLoraData:
+    """The adapter's tensors, derived from its safetensors file with ``config``."""
+    from safetensors import SafetensorError, safe_open
+
+    weights_path = directory / WEIGHTS_FILE
+    watch = FileWatch(weights_path)
     try:
         handle = safe_open(str(weights_path), framework="np")
         shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
@@ -166,10 +178,15 @@ def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactor
     return _derive(shapes, handle.get_tensor, config, str(directory), lora_xs, watches=(watch,))
 
 
+def _registered_kind(config: PeftLoraConfig) -> type[LazyLoraData]:
+    """What an adapter of ``config`` is once registered."""
+    return DoraLoraData if config.use_dora else LazyLoraData
+
+
 def read_peft_state_dict(
     state_dict: Mapping[str, Any], config: Mapping[str, Any] | PeftLoraConfig, name: str = "<PEFT state dict>",
     lora_xs: LoraXsFactors | None = None,
-) -> DerivedLoraData:
+) -> LazyLoraData:
     """A PEFT state dict (key -> array) with its config (a dict as in ``adapter_config.json``);
     ``lora_xs`` as for :func:`read_peft_directory`."""
     if not isinstance(config, PeftLoraConfig):
@@ -180,7 +197,8 @@ def read_peft_state_dict(
             arrays[str(key)] = np.asarray(value)
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"{name}: tensor {key!r} is not an array: {exc}") from None
-    return _derive({k: a.shape for k, a in arrays.items()}, arrays.__getitem__, config, name, lora_xs)
+    shapes = {k: a.shape for k, a in arrays.items()}
+    return _registered_kind(config).of(functools.partial(_derive, shapes, arrays.__getitem__, config, name, lora_xs))
 
 
 @dataclass
@@ -235,8 +253,8 @@ def _derive(
             magnitudes[(module.layer, module.projection)] = _magnitude(
                 module, magnitude_key, shapes[magnitude_key], fan_out, load, source, lora_xs)
     if config.use_dora:
-        return DoraLoraData(tensors, DoraMagnitudes(magnitudes, source), source_name=source, format_name="peft (DoRA)",
-                            watches=watches)
+        return DerivedDoraData(tensors, DoraMagnitudes(magnitudes, source), source_name=source,
+                               format_name="peft (DoRA)", watches=watches)
     return DerivedLoraData(tensors, source_name=source, format_name="peft", watches=watches)
 
 
