@@ -85,22 +85,26 @@ def find_gguf() -> Path:
     return path
 
 
-def export(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, Any]:
-    """The main export of ``precision`` (a ``.tflite`` and a bundle); its time and peak RSS."""
-    model, bundle = out_dir / f"{NAME}-{precision}.tflite", out_dir / f"{NAME}-{precision}.litertlm"
-    return _run_export([str(gguf), "--out", str(model), "--bundle", str(bundle),
+def export(gguf: Path, out_dir: Path, force: bool) -> dict[str, Any]:
+    """The main exports (a ``.tflite`` and a bundle per precision, from one run of the
+    exporter); its time and peak RSS."""
+    outputs = [out_dir / f"{NAME}-{precision}{suffix}" for precision in PRECISIONS for suffix in (".tflite", ".litertlm")]
+    return _run_export([str(gguf), "--out", str(out_dir / f"{NAME}-{{precision}}.tflite"),
+                        "--bundle", str(out_dir / f"{NAME}-{{precision}}.litertlm"),
                         "--lora-ranks", ",".join(map(str, LORA_RANKS)), "--kv-length", str(KV_LENGTH),
                         "--prefill-lengths", ",".join(map(str, PREFILL_LENGTHS)),
-                        "--attention-windows", ",".join(map(str, ATTENTION_WINDOWS)), "--quantize", PRECISIONS[precision]],
-                       [model, bundle], precision, force)
+                        "--attention-windows", ",".join(map(str, ATTENTION_WINDOWS)),
+                        "--quantize", ",".join(PRECISIONS.values())], outputs, "f32 and int8", force)
 
 
-def export_batched(gguf: Path, out_dir: Path, precision: str, force: bool) -> dict[str, Any]:
-    """The export with batched decode signatures and attention windows (:data:`BATCH_ARGS`)."""
-    model = batched_model(out_dir, precision)
-    model.parent.mkdir(parents=True, exist_ok=True)
-    return _run_export([str(gguf), "--out", str(model), *BATCH_ARGS, "--quantize", PRECISIONS[precision]], [model],
-                       f"{precision} batched", force)
+def export_batched(gguf: Path, out_dir: Path, force: bool) -> dict[str, Any]:
+    """The exports with batched decode signatures and attention windows (:data:`BATCH_ARGS`),
+    both precisions from one run."""
+    outputs = [batched_model(out_dir, precision) for precision in PRECISIONS]
+    outputs[0].parent.mkdir(parents=True, exist_ok=True)
+    template = batched_model(out_dir, "{precision}")
+    return _run_export([str(gguf), "--out", str(template), *BATCH_ARGS, "--quantize", ",".join(PRECISIONS.values())],
+                       outputs, "batched", force)
 
 
 def batched_model(out_dir: Path, precision: str) -> Path:
@@ -130,7 +134,7 @@ def _run_export(arguments: list[str], outputs: list[Path], label: str, force: bo
             # the exporter and its workers together, sampled every 0.2 s
             "tree_peak_rss_bytes": measured["peak_rss_bytes"], "jobs": measured["jobs"],
             "stages": measured["stages"], "signatures": measured["signatures"],
-            **{f"{path.suffix[1:]}_bytes": path.stat().st_size for path in outputs}}
+            "bytes": {path.name: path.stat().st_size for path in outputs}}
 
 
 def reference_model(gguf: Path) -> tuple[Any, Any]:
@@ -293,17 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     report.update(source=str(gguf), lora_ranks=list(LORA_RANKS), kv_length=KV_LENGTH,
                   prefill_lengths=list(PREFILL_LENGTHS), attention_windows=list(ATTENTION_WINDOWS))
-    for precision in PRECISIONS:
-        built = export(gguf, out_dir, precision, args.force)
+    built = export(gguf, out_dir, args.force)
+    if built:
+        report["export"] = built
+        report.pop("exports", None)  # one export per precision, before --quantize none,int8
+        print(f"f32 and int8: {json.dumps(built)}", flush=True)
+        report_file.write_text(json.dumps(report, indent=2) + "\n")
+    if args.batched:
+        built = export_batched(gguf, out_dir, args.force)
         if built:
-            report.setdefault("exports", {})[precision] = built
-            print(f"{precision}: {json.dumps(built)}", flush=True)
+            report["batched_export"] = built
+            report.pop("batched_exports", None)
             report_file.write_text(json.dumps(report, indent=2) + "\n")
-        if args.batched:
-            built = export_batched(gguf, out_dir, precision, args.force)
-            if built:
-                report.setdefault("batched_exports", {})[precision] = built
-                report_file.write_text(json.dumps(report, indent=2) + "\n")
     if not args.skip_check:
         check(out_dir, gguf, report)
     report_file.write_text(json.dumps(report, indent=2) + "\n")
