@@ -11,6 +11,7 @@ from runtime.export.budget import GB
 
 SMOLLM2 = 134_515_008  # parameters
 QWEN25_05B = 494_032_768
+LLAMA32_1B = 1_235_814_400
 
 
 def test_the_jobs_asked_for_run_when_they_fit() -> None:
@@ -46,3 +47,12 @@ def test_a_model_that_cannot_fit_is_refused_with_both_numbers() -> None:
 def test_bad_limits_are_refused(jobs: int | None, max_memory: int | None, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         budget.plan(SMOLLM2, jobs=jobs, max_memory=max_memory)
+
+
+def test_a_1b_model_fits_this_machine_in_one_job_and_the_estimates_cover_what_was_measured() -> None:
+    assert budget.plan(LLAMA32_1B, max_memory=24 * GB).jobs == 1
+    # measured, 2 jobs, f32 and int8 in one run (see budget.py): exporter and worker peaks
+    for parameters, exporter, worker in ((SMOLLM2, 3.78 * GB, 1.89 * GB), (QWEN25_05B, 8.63 * GB, 4.73 * GB)):
+        plan = budget.plan(parameters, max_memory=24 * GB)
+        assert exporter <= plan.exporter_peak <= 1.2 * exporter + 0.3 * GB
+        assert worker <= plan.worker_peak <= 1.2 * worker

@@ -1,7 +1,7 @@
 """How many worker processes an export runs: as many as asked (default: one per core), but
 no more than the memory budget holds, by an estimate of each process's peak memory that
 scales with the model's float32 weight bytes (measured on SmolLM2-135M and a 0.5B Qwen2.5
-shape; ``benchmarks/results/export_report.json``)."""
+shape, see the factors' notes)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from runtime.errors import InvalidArgumentError, ResourceExhaustedError
 GB = 1_000_000_000
 # Resident memory of a process with torch, transformers and litert-torch imported.
 PROCESS_BASE_BYTES = int(0.9 * GB)
-# Peak per float32 weight byte (SmolLM2-135M: 0.54 GB of weights; the exporter 4.1 GB doing
-# it all in one job, workers 2.9 GB each): the exporter, whether it lowers and converts itself (one job) or merges
-# and serializes what its workers made (its transformers model, the litert-torch copy, the
-# module, the flatbuffer, the quantizer's copies), and a worker (the memory-mapped
-# decoder, its module's weights and their conversion, tracing).
-EXPORTER_PER_WEIGHT_BYTE = 6.0
-WORKER_PER_WEIGHT_BYTE = 3.7
+# Peaks, measured with 2 jobs exporting f32 and int8 in one run (``--quantize none,int8``):
+# SmolLM2-135M (0.54 GB of float32 weights, 42 signatures) exporter 3.78 GB, workers 1.89 GB;
+# a Qwen2.5-0.5B shape (1.98 GB, 12 signatures) exporter 8.63 GB, workers 4.73 GB. A line
+# through both: the exporter 1.07 GB (graph bookkeeping) + 3.37 per weight byte (its
+# serialized flatbuffer and the quantizer's copies) over the process base, a worker 1.98 per
+# weight byte (its memory-mapped weights, counted in its RSS though shared, its module and
+# their conversion). The constants round those up; a 1B model (4.9 GB) comes to 19.4 GB.
+EXPORTER_FIXED_BYTES = int(1.2 * GB)
+EXPORTER_PER_WEIGHT_BYTE = 3.5
+WORKER_PER_WEIGHT_BYTE = 2.1
 # What the exporter holds while its workers run (it has dropped the model by then).
 EXPORTER_IDLE_PER_WEIGHT_BYTE = 1.0
 
@@ -57,7 +60,7 @@ def plan(parameters: int, jobs: int | None = None, max_memory: int | None = None
         raise InvalidArgumentError(f"--max-memory {max_memory / GB:g} GB: expected a positive size")
     budget = available_memory() if max_memory is None else max_memory
     weight_bytes = 4 * parameters
-    exporter_peak = PROCESS_BASE_BYTES + math.ceil(EXPORTER_PER_WEIGHT_BYTE * weight_bytes)
+    exporter_peak = PROCESS_BASE_BYTES + EXPORTER_FIXED_BYTES + math.ceil(EXPORTER_PER_WEIGHT_BYTE * weight_bytes)
     worker_peak = PROCESS_BASE_BYTES + math.ceil(WORKER_PER_WEIGHT_BYTE * weight_bytes)
     idle = PROCESS_BASE_BYTES + math.ceil(EXPORTER_IDLE_PER_WEIGHT_BYTE * weight_bytes)
     if exporter_peak > budget:  # one job: everything in the exporter
