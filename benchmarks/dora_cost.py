@@ -83,7 +83,7 @@ def int8_shift(dora_dir: Path, f32: ModelWeights, int8: ModelWeights) -> tuple[f
             a = (ALPHA / RANK * tensors[base + ".lora_A.weight"]).T
             b = tensors[base + ".lora_B.weight"].T
             magnitude = tensors[base + ".lora_magnitude_vector"].astype(np.float64)
-            scales = [DoraMagnitudes({(layer, projection): DoraProjection(
+            scales = [DoraMagnitudes.of({(layer, projection): DoraProjection(
                 "m", magnitude, lambda w=w: w.weight(layer, projection))}, "bench").output_scale(
                 (layer, projection), a, b, 1.0) for w in (f32, int8)]
             diffs.append(np.abs(scales[1] - scales[0]))

@@ -38,7 +38,7 @@ def test_the_output_scale_is_the_magnitude_over_the_adapted_rows_norm_at_any_sca
     a, b = rng.standard_normal((5, 2)).astype(np.float32), rng.standard_normal((2, 6)).astype(np.float32)
     magnitude = rng.uniform(0.5, 2.0, 6)
     reads = []
-    dora = DoraMagnitudes({(0, "q"): DoraProjection("m", magnitude, lambda: reads.append(1) or weight)}, "test")
+    dora = DoraMagnitudes.of({(0, "q"): DoraProjection("m", magnitude, lambda: reads.append(1) or weight)}, "test")
     for scale in (1.0, 0.5, -2.0):
         adapted = weight.astype(np.float64) + scale * (a.astype(np.float64) @ b).T
         expected = magnitude / np.linalg.norm(adapted, axis=1)
@@ -48,7 +48,7 @@ def test_the_output_scale_is_the_magnitude_over_the_adapted_rows_norm_at_any_sca
 
 def test_a_zero_row_norm_is_refused_by_name():
     zeros = np.zeros((3, 4), np.float32)
-    dora = DoraMagnitudes({(1, "up"): DoraProjection("layers.1.mlp.up_proj.lora_magnitude_vector", np.ones(3),
+    dora = DoraMagnitudes.of({(1, "up"): DoraProjection("layers.1.mlp.up_proj.lora_magnitude_vector", np.ones(3),
                                                      lambda: zeros)}, "adapter")
     with pytest.raises(InvalidArgumentError, match="up_proj.lora_magnitude_vector'.* zero or non-finite row norm"):
         dora.output_scale((1, "up"), np.zeros((4, 1), np.float32), np.zeros((1, 3), np.float32), 1.0)

@@ -48,28 +48,33 @@ class DoraMagnitudes:
     """The DoRA part of one adapter: the output scale ``g`` of each of its projections for a
     session's scale. Thread-safe; each projection's norm terms are computed once."""
 
-    def __init__(self, projections: Mapping[ProjectionKey, DoraProjection], source: str) -> None:
+    def __init__(self, keys: Container[ProjectionKey], nbytes: int,
+                 read: Callable[[], Mapping[ProjectionKey, DoraProjection]], source: str) -> None:
+        """The magnitudes of the projections ``keys`` (``nbytes`` as float32), which
+        ``read`` gives when they are needed; use :meth:`of` or :meth:`deferred`."""
+        self._source = source
+        self._keys = keys
+        self._nbytes = nbytes
+        self._projections = read
+        self._terms: dict[ProjectionKey, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, projections: Mapping[ProjectionKey, DoraProjection], source: str) -> DoraMagnitudes:
         """The magnitudes of ``projections``, read."""
         read = dict(projections)
-        self._setup(source, read, sum(p.magnitude.size * 4 for p in read.values()), lambda: read)
+        return cls(read, sum(p.magnitude.size * 4 for p in read.values()), lambda: read, source)
 
     @classmethod
     def deferred(cls, keys: Container[ProjectionKey], nbytes: int,
                  read: Callable[[], DoraMagnitudes], source: str) -> DoraMagnitudes:
         """Magnitudes of the projections ``keys`` (``nbytes`` as float32) that ``read``
         gives when they are needed: what a registered adapter keeps instead of them."""
-        magnitudes = cls.__new__(cls)
-        magnitudes._setup(source, keys, nbytes, lambda: read()._read())
-        return magnitudes
+        return cls(keys, nbytes, lambda: read().projections(), source)
 
-    def _setup(self, source: str, keys: Container[ProjectionKey], nbytes: int,
-               read: Callable[[], Mapping[ProjectionKey, DoraProjection]]) -> None:
-        self._source = source
-        self._keys = keys
-        self._nbytes = nbytes
-        self._read = read
-        self._terms: dict[ProjectionKey, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._lock = threading.Lock()
+    def projections(self) -> Mapping[ProjectionKey, DoraProjection]:
+        """Each projection's magnitude and base weight (read now if they were deferred)."""
+        return self._projections()
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys
@@ -84,7 +89,7 @@ class DoraMagnitudes:
         ``a`` ``[in, r]`` and ``b`` ``[r, out]`` are the adapter's tensors in graph layout (its
         own scale ``s`` folded into ``a``). ``InvalidArgumentError`` when a row norm is zero
         or not finite (``g`` would be too)."""
-        projection = self._read()[key]
+        projection = self._projections()[key]
         weight_sq, cross, delta_sq = self._norm_terms(key, a, b)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # refused below
             norm = np.sqrt(np.maximum(weight_sq + 2.0 * scale * cross + scale * scale * delta_sq, 0.0))
@@ -102,7 +107,7 @@ class DoraMagnitudes:
             terms = self._terms.get(key)
         if terms is not None:
             return terms
-        weight = self._read()[key].weight().astype(np.float64)
+        weight = self._projections()[key].weight().astype(np.float64)
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         weight_a = weight @ a64  # [out, r]
         terms = (np.einsum("ij,ij->i", weight, weight),

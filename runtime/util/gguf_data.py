@@ -137,7 +137,9 @@ class _Stored:
 def _map(path: Path, layout: _Layout) -> DerivedLoraData:
     """The adapter's tensors, each computed from the mapped file when read."""
     watch = FileWatch(path)
-    mapped = np.memmap(path, mode="r")
+    with open(path, "rb") as stream:
+        mapping = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+    mapped = np.frombuffer(mapping, dtype=np.uint8)
     tensors: dict[str, DerivedTensor] = {}
     for (layer, index, fan_in, rank, fan_out, a_type, b_type), (a_offset, b_offset) in zip(
             layout.pairs.tolist(), layout.offsets.tolist(), strict=True):
@@ -153,10 +155,9 @@ def _map(path: Path, layout: _Layout) -> DerivedLoraData:
         tensors[lora_input_name(Convention.LITERT_TORCH, layer, projection, "b")] = DerivedTensor(
             (rank, fan_out), np.dtype(np.float32), _b_prime(b, (fan_out, rank), needs_head_dim, layout.head_dim, path)
         )
-    mapping = mapped._mmap  # numpy.memmap keeps its mmap here
 
     def release() -> None:
-        if isinstance(mapping, mmap.mmap) and not mapping.closed:
+        if not mapping.closed:
             mapping.madvise(mmap.MADV_DONTNEED)
 
     return DerivedLoraData(tensors, source_name=str(path), format_name="gguf", watches=(watch,), release=release)

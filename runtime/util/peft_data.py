@@ -253,7 +253,7 @@ def _derive(
             magnitudes[(module.layer, module.projection)] = _magnitude(
                 module, magnitude_key, shapes[magnitude_key], fan_out, load, source, lora_xs)
     if config.use_dora:
-        return DerivedDoraData(tensors, DoraMagnitudes(magnitudes, source), source_name=source,
+        return DerivedDoraData(tensors, DoraMagnitudes.of(magnitudes, source), source_name=source,
                                format_name="peft (DoRA)", watches=watches)
     return DerivedLoraData(tensors, source_name=source, format_name="peft", watches=watches)
 
