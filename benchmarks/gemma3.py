@@ -124,7 +124,7 @@ def prepare(directory: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from runtime.export import convert, lowering
+    from runtime.export import convert, litert, lowering
     from runtime.export.settings import ExportSettings
     from runtime.export.signatures import Signature
 
@@ -159,8 +159,8 @@ def prepare(directory: Path) -> None:
     signatures = [Signature(f"head_rows{rows}", head, {"hidden": torch.zeros((rows, 1, head.norm.numel()))})
                   for rows in HEAD_ROWS]
     if not (directory / "head-f32.tflite").exists():
-        context = lowering.new_context()
-        module = lowering.merged([m for _, m in lowering.lower_each(signatures, context)])
+        context = convert.new_context()
+        module = convert.merged([m for _, m in lowering.lower_each(signatures, context)])
         convert.to_tflite_ops(module, context)
         convert.serialize(module, directory / "head-f32.tflite")
     for stem in ("head", "gemma3-270m"):
@@ -168,7 +168,8 @@ def prepare(directory: Path) -> None:
         for name, quantize in QUANTIZED.items():
             out = directory / f"{stem}-{name}.tflite"
             if f32.exists() and not out.exists():
-                out.write_bytes(convert.quantize(f32.read_bytes(), ExportSettings(quantize=quantize), None))
+                recipe = litert.quantizer_recipe(ExportSettings(quantize=quantize).litert_quantize, None)
+                out.write_bytes(convert.quantize(f32.read_bytes(), recipe, quantize))
                 print(f"{out}: {out.stat().st_size:,} bytes", flush=True)
 
 

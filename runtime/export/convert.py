@@ -1,15 +1,84 @@
-"""One lowered MLIR module (every signature, :mod:`runtime.export.lowering`) -> a ``.tflite``:
-litert-torch's converter passes, the flatbuffer, and the quantizer run once over it."""
+"""Lowered MLIR modules (:mod:`runtime.export.lowering`) -> a ``.tflite``: litert-torch's
+converter passes, merging modules into one, the flatbuffer, and the quantizer.
+
+Imports neither torch nor litert-torch, only litert-converter's MLIR bindings and
+ai-edge-quantizer (~0.2 GB for the process against litert-torch's ~0.55 GB), so that the
+export's last stages (:mod:`runtime.export.finish`) run in a small process of their own."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
+from ai_edge_quantizer import quantizer
+from litert_converter.mlir import ir, passmanager
+from litert_converter.mlir._mlir_libs import converter_api_ext
+
 from runtime.errors import InvalidArgumentError
-from runtime.export.litert import converter as litert_converter
-from runtime.export.litert import converter_api_ext, ir, is_generative_recipe, passmanager, translate_recipe
-from runtime.export.settings import ExportSettings
+
+
+def new_context() -> ir.Context:
+    """An MLIR context with the dialects the conversion needs."""
+    context = ir.Context()
+    converter_api_ext.prepare_mlir_context(context)
+    return context
+
+
+def merged(modules: Sequence[ir.Module]) -> ir.Module:
+    """One module holding every function of ``modules``."""
+    return modules[0] if len(modules) == 1 else converter_api_ext.merge_modules(list(modules))
+
+
+def write_module(module: ir.Module, path: str | os.PathLike[str]) -> None:
+    """Writes ``module`` to ``path`` as MLIR bytecode, which :func:`read_modules` parses."""
+    with open(path, "wb") as stream:
+        module.operation.write_bytecode(stream)
+
+
+def read_modules(files: Sequence[os.PathLike[str]], context: ir.Context) -> ir.Module:
+    """The bytecode files parsed into ``context`` and merged into one module, each weight's
+    constants pointing at one copy of it (every worker brings its own)."""
+    with context:
+        module = merged([ir.Module.parseFile(str(path)) for path in files])
+    share_equal_resources(module)
+    return module
+
+
+def _as_resource(attribute: ir.Attribute) -> ir.DenseResourceElementsAttr | None:
+    """``attribute`` as a resource, or None when it is another kind."""
+    try:
+        return ir.DenseResourceElementsAttr(attribute)
+    except ValueError:
+        return None
+
+
+def share_equal_resources(module: ir.Module) -> int:
+    """Points every attribute of ``module`` that is a resource (a weight) at the first
+    resource of the same type and bytes, so the flatbuffer stores it once; returns how many
+    attributes were repointed."""
+    first: dict[tuple[str, bytes], ir.Attribute] = {}
+    kept: dict[ir.Attribute, ir.Attribute] = {}  # each resource hashed once, however many use it
+    repointed = 0
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        nonlocal repointed
+        for name in list(op.attributes):
+            value = _as_resource(op.attributes[name])
+            if value is None:
+                continue
+            if value not in kept:
+                data = converter_api_ext.dense_resource_elements_attr_to_numpy(value)
+                key = (str(value.type), hashlib.blake2b(memoryview(data), digest_size=32).digest())
+                kept[value] = first.setdefault(key, value)
+            if kept[value] != value:
+                op.attributes[name] = kept[value]
+                repointed += 1
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    return repointed
 
 
 def to_tflite_ops(module: ir.Module, context: ir.Context) -> None:
@@ -41,20 +110,13 @@ def serialize(module: ir.Module, out_path: str | os.PathLike[str] | None = None)
     return None
 
 
-def quantize(flatbuffer: bytes, settings: ExportSettings, model_config: Any) -> bytes:
-    """``flatbuffer`` quantized as ``settings.quantize`` says (with ai-edge-quantizer, by
-    litert-torch's recipe for ``model_config``, the decoder's ``ModelConfig``)."""
-    recipe = litert_converter.get_quant_recipe_from_flag(settings.litert_quantize, model_config)
-    if recipe is None:
-        return flatbuffer
-    if not is_generative_recipe(recipe):
-        raise InvalidArgumentError(f"quantize={settings.quantize!r}: litert-torch's recipe is not a generative "
-                                   "(ai-edge-quantizer) recipe, which is all this exporter runs")
+def quantize(flatbuffer: bytes, recipe: Any, quantization: str) -> bytes:
+    """``flatbuffer`` quantized by ai-edge-quantizer with ``recipe`` (its recipe for the
+    precision named ``quantization``: :func:`runtime.export.litert.quantizer_recipe`)."""
     try:
-        return translate_recipe.quantize_model(flatbuffer,
-                                               translate_recipe.translate_to_ai_edge_recipe(recipe.generative_recipe))
+        return bytes(quantizer.Quantizer(flatbuffer, recipe).quantize().quantized_model)
     except ValueError as exc:  # the quantizer's word when a weight does not split into its blocks
         if "block size" not in str(exc):
             raise
         reason = " ".join(str(exc).split()).rsplit("Error: ", 1)[-1]
-    raise InvalidArgumentError(f"quantize={settings.quantize!r} does not fit this model: {reason}")
+    raise InvalidArgumentError(f"quantize={quantization!r} does not fit this model: {reason}")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import InvalidArgumentError
-from runtime.export import budget, bundle, checkpoint, convert, families, lowering, projection_map
+from runtime.export import budget, bundle, checkpoint, convert, families, finish, litert, lowering, projection_map
 from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_bytes, release_freed_memory
 from runtime.export.outputs import PendingOutputs
 from runtime.export.settings import QUANTIZATIONS, ExportSettings
@@ -85,7 +85,8 @@ def export(
     measurements.exporter_peak_rss_bytes = process_peak_rss_bytes()
     # Sampling misses short spikes (serializing copies the flatbuffer for a moment); the
     # kernel's high-water mark of the exporter alone does not.
-    measurements.peak_rss_bytes = max(measurements.exporter_peak_rss_bytes,
+    measurements.peak_rss_bytes = max(measurements.exporter_peak_rss_bytes, measurements.finisher_peak_rss_bytes,
+                                      *measurements.worker_peak_rss_bytes,
                                       *(stage.peak_rss_bytes for stage in measurements.stages))
     measurements.peak_pss_bytes = max(stage.peak_pss_bytes for stage in measurements.stages)
     return ExportReport(model_out, bundle_out, plan, measurements)
@@ -94,11 +95,13 @@ def export(
 def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None:
     """Writes a litert-torch decoder built elsewhere (the test models' tools build their
     own) to ``out_path`` as a ``.tflite`` with ``settings``' signatures, in this process."""
-    context = lowering.new_context()
-    module = lowering.merged([lowered for _, lowered in lowering.lower_each(lowering.signatures_of(model, settings),
-                                                                           context)])
+    context = convert.new_context()
+    module = convert.merged([lowered for _, lowered in lowering.lower_each(lowering.signatures_of(model, settings),
+                                                                          context)])
     convert.to_tflite_ops(module, context)
-    Path(out_path).write_bytes(convert.quantize(convert.serialize(module), settings, model.config))
+    flatbuffer = convert.serialize(module)
+    recipe = litert.quantizer_recipe(settings.litert_quantize, model.config)
+    Path(out_path).write_bytes(flatbuffer if recipe is None else convert.quantize(flatbuffer, recipe, settings.quantize))
 
 
 class _Job:
@@ -138,35 +141,13 @@ class _Job:
             gc.collect()
             release_freed_memory()
         yield "build the litert-torch model"
-        model_config = self.decoder.config
-        context = lowering.new_context()
+        recipes = [litert.quantizer_recipe(replace(self.settings, quantize=precision.quantize).litert_quantize,
+                                           self.decoder.config) for precision in self.precisions]
         if self.jobs == 1:
-            module = yield from self._lower_here(context)
-            with self.stage("convert to TFLite ops"):
-                convert.to_tflite_ops(module, context)
-            yield "convert to TFLite ops"
+            module_files = yield from self._lower_here()
         else:  # the workers convert their modules too
-            module = yield from self._lower_in_workers(context)
-        convert.add_metadata(module, context, {projection_map.METADATA_NAME:
-                                               projection_map.metadata_json(self.projections)})
-        if [precision.quantize for precision in self.precisions] == ["none"]:
-            with self.stage("serialize"):  # straight to the file, never whole in memory
-                convert.serialize(module, self.model_files[0])
-                del module
-            yield "serialize"
-        else:
-            with self.stage("serialize"):
-                flatbuffer = convert.serialize(module)
-                del module
-            yield "serialize"
-            for precision, model_file in zip(self.precisions, self.model_files):
-                name = "write float32" if precision.quantize == "none" else f"quantize ({precision.quantize})"
-                with self.stage(name):
-                    model_file.write_bytes(convert.quantize(flatbuffer, replace(self.settings,
-                                                                                quantize=precision.quantize),
-                                                            model_config))
-                yield name
-            del flatbuffer
+            module_files = yield from self._lower_in_workers()
+        yield from self._finish(module_files, recipes)
         for precision, model_file in zip(self.precisions, self.model_files):
             if precision.bundle_out is not None:
                 name = "write the bundle" + ("" if len(self.precisions) == 1 else f" ({precision.quantize})")
@@ -176,11 +157,13 @@ class _Job:
                                         self.outputs.temporary(precision.bundle_out))
                 yield name
 
-    def _lower_here(self, context: Any) -> Iterator[str]:
-        """Lowers every signature of the decoder (dropped when done) in this process into
-        ``context``; yields each signature's name when done and returns the merged module."""
+    def _lower_here(self) -> Iterator[str]:
+        """Lowers every signature of the decoder (dropped when done) in this process and
+        converts them to TFLite ops; yields each signature's name when done and returns the
+        file the module is written to, for the finishing process."""
         decoder, self.decoder = self.decoder, None
         signatures = lowering.signatures_of(decoder, self.settings)
+        context = convert.new_context()
         with self.stage(f"trace and lower {len(signatures)} signatures"):
             modules = []
             for record, lowered in lowering.lower_each(signatures, context):
@@ -190,13 +173,22 @@ class _Job:
             del decoder, signatures
             gc.collect()
             release_freed_memory()
-            module = lowering.merged(modules)
-        return module
+            module = convert.merged(modules)
+            del modules
+        with self.stage("convert to TFLite ops"):
+            convert.to_tflite_ops(module, context)
+            module_file = self.outputs.scratch(self.outputs.targets[0], ".mlirbc")
+            convert.write_module(module, module_file)
+            del module, context
+            gc.collect()
+            release_freed_memory()
+        yield "convert to TFLite ops"
+        return [module_file]
 
-    def _lower_in_workers(self, context: Any) -> Iterator[str]:
+    def _lower_in_workers(self) -> Iterator[str]:
         """Saves the decoder (dropping it here) for the workers, lowers and converts the
-        signatures in ``self.jobs`` worker processes and merges their modules into
-        ``context``; yields each signature's name when done and returns the merged module."""
+        signatures in ``self.jobs`` worker processes; yields each signature's name when done
+        and returns the files the workers wrote their modules to."""
         decoder, self.decoder = self.decoder, None
         signatures = lowering.signatures_of(decoder, self.settings)
         names = lowering.shares(signatures, self.jobs)
@@ -211,18 +203,37 @@ class _Job:
         yield "save the model for the workers"
         files = [self.outputs.scratch(anchor, f".worker{i}.mlirbc") for i in range(len(names))]
         with self.stage(f"trace, lower, convert in {len(names)} workers"):
-            for kind, payload in lowering.lower_in_workers(decoder_file, self.settings, names, files):
+            peaks = [0] * len(names)
+            for worker, kind, payload in lowering.lower_in_workers(decoder_file, self.settings, names, files):
                 if kind == "signature":
                     self.measurements.signatures.append(payload)
                     yield payload.name
                 elif kind == "converted":
-                    self.measurements.worker_convert_seconds.append(payload[1])
+                    self.measurements.worker_convert_seconds.append(payload)
                 else:
-                    self.measurements.worker_peak_rss_bytes.append(payload[1])
+                    peaks[worker] = payload
+            self.measurements.worker_peak_rss_bytes = peaks
             decoder_file.unlink()
-        with self.stage("merge the workers' modules"):
-            module = lowering.read_modules(files, context)
-            for file in files:
-                file.unlink()
-        yield "merge the workers' modules"
-        return module
+        return files
+
+    def _finish(self, module_files: list[Path], recipes: list[Any]) -> Iterator[str]:
+        """Merges, serializes and quantizes in the finishing process
+        (:mod:`runtime.export.finish`), recording its stages; yields each stage's name."""
+        floats = [file for precision, file in zip(self.precisions, self.model_files) if precision.quantize == "none"]
+        work = finish.Finish(
+            module_files=tuple(module_files),
+            metadata={projection_map.METADATA_NAME: projection_map.metadata_json(self.projections)},
+            float_file=floats[0] if floats else self.outputs.scratch(self.outputs.targets[0], ".f32.tflite"),
+            quantized=tuple(finish.Quantized(precision.quantize, recipe, file)
+                            for precision, file, recipe in zip(self.precisions, self.model_files, recipes)
+                            if recipe is not None))
+        self.watch.restart()
+        for kind, payload in finish.finish_in_process(work):
+            if kind == "stage":
+                name, seconds = payload
+                self.measurements.record(name, seconds, self.watch)
+                yield name
+            else:
+                self.measurements.finisher_peak_rss_bytes = payload
+        for file in module_files:
+            file.unlink()

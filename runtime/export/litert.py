@@ -3,11 +3,12 @@ around (:mod:`runtime.export.litert_torch_fixes`). Import litert-torch from here
 
 The exporter runs litert-torch's converter step by step, which needs three of its private
 functions; they are named here (:func:`run_graph_passes`, :func:`output_names`,
-:func:`is_generative_recipe`), so that this module alone depends on 0.10.0's internals (the
+:func:`quantizer_recipe`), so that this module alone depends on 0.10.0's internals (the
 ``export`` extra pins that version)."""
 
 from typing import Any
 
+from runtime.errors import InvalidArgumentError
 from runtime.export import litert_torch_fixes
 
 litert_torch_fixes.apply()
@@ -23,15 +24,13 @@ from litert_torch.generative.utilities import export_config  # noqa: E402
 from litert_torch.generative.utilities import loader  # noqa: E402
 from litert_torch.generative.utilities import model_builder  # noqa: E402
 
-# The converter's pieces, which runtime.export.lowering and convert run one by one.
-from litert_converter.mlir import ir, passmanager  # noqa: E402
-from litert_converter.mlir._mlir_libs import converter_api_ext  # noqa: E402
+# The converter's pieces, which runtime.export.lowering runs one by one.
 from litert_torch import fx_infra  # noqa: E402
 from litert_torch._convert import core as convert_core  # noqa: E402
 from litert_torch._convert import litert_converter  # noqa: E402
 from litert_torch._convert import signature as litert_signature  # noqa: E402
 from litert_torch.backend import export as backend_export  # noqa: E402
-from litert_torch.backend import export_utils, inline_consts  # noqa: E402
+from litert_torch.backend import inline_consts  # noqa: E402
 from litert_torch.quantize import quant_config, translate_recipe  # noqa: E402
 
 def run_graph_passes(program: Any) -> Any:
@@ -44,14 +43,21 @@ def output_names(program: Any, lowered: Any) -> list[str]:
     return litert_converter._get_output_names(program, lowered)
 
 
-def is_generative_recipe(recipe: Any) -> bool:
-    """Whether a litert-torch quantization recipe runs through ai-edge-quantizer (a
-    "generative" recipe), the only kind the exporter applies."""
-    return recipe._quantizer_mode == quant_config.QuantConfig._QuantizerMode.AI_EDGE_QUANTIZER
+def quantizer_recipe(flag: str, model_config: Any) -> Any | None:
+    """ai-edge-quantizer's recipe for litert-torch's quantization ``flag`` (a value of
+    :data:`~runtime.export.settings.QUANTIZATIONS`) on a decoder of ``model_config``, as
+    litert-torch's converter builds it; None for no quantization. Only a "generative" recipe
+    (run through ai-edge-quantizer) is one the exporter applies: any other is refused."""
+    recipe = converter.get_quant_recipe_from_flag(flag, model_config)
+    if recipe is None:
+        return None
+    if recipe._quantizer_mode != quant_config.QuantConfig._QuantizerMode.AI_EDGE_QUANTIZER:
+        raise InvalidArgumentError(f"quantize={flag!r}: litert-torch's recipe is not a generative "
+                                   "(ai-edge-quantizer) recipe, which is all this exporter runs")
+    return translate_recipe.translate_to_ai_edge_recipe(recipe.generative_recipe)
 
 
-__all__ = ["attention", "backend_export", "builder", "cfg", "convert_core", "converter", "converter_api_ext",
-           "export_config", "export_utils", "fx_infra", "inline_consts", "ir", "is_generative_recipe", "kv_utils",
+__all__ = ["attention", "backend_export", "builder", "cfg", "convert_core", "converter",
+           "export_config", "fx_infra", "inline_consts", "kv_utils",
            "litert_signature", "litert_torch", "loader", "lora_utils", "model_builder", "output_names",
-           "passmanager", "rotary_position_embedding", "run_graph_passes", "sdpa_with_kv_update",
-           "translate_recipe"]
+           "quantizer_recipe", "rotary_position_embedding", "run_graph_passes", "sdpa_with_kv_update"]

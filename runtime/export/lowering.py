@@ -8,8 +8,9 @@ same litert-torch graph passes, and is decomposed once, by the lowering (as lite
 own V2 converter does: ``run_decompositions=False``); the exports come out with the same
 logits to the bit. Signature sets that do not depend on each other are lowered and
 converted to TFLite ops in worker processes (``jobs``), each into its own module written as
-MLIR bytecode; the exporter parses them into one context and points every constant at
-one copy of its weight (:func:`read_modules`), so each weight is stored once in the
+MLIR bytecode; the export's finishing process (:mod:`runtime.export.finish`) parses them
+into one context and points every constant at one copy of its weight
+(:func:`runtime.export.convert.read_modules`), so each weight is stored once in the
 flatbuffer.
 
 Weights are never copied on the way: the lowering makes each large weight an MLIR resource
@@ -23,11 +24,8 @@ memory-mapped: their pages are the page cache's, shared by every worker.
 from __future__ import annotations
 
 import gc
-import hashlib
-import multiprocessing
-import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.errors import ResourceExhaustedError, StatusError
-from runtime.export import convert, families
+from runtime.export import convert, families, spawned
+from runtime.export.convert import converter_api_ext, ir
 from runtime.export.litert import (
-    backend_export, convert_core, converter_api_ext, export_utils, fx_infra, inline_consts, ir, litert_signature,
-    litert_torch, output_names, run_graph_passes,
+    backend_export, convert_core, fx_infra, inline_consts, litert_signature, litert_torch, output_names,
+    run_graph_passes,
 )
-from runtime.export.measure import SignatureRecord, process_peak_rss_bytes, release_freed_memory
+from runtime.export.measure import SignatureRecord, release_freed_memory
 from runtime.export.settings import ExportSettings
 from runtime.export.signatures import SIGNATURE_SETS, Signature
 
@@ -90,11 +88,6 @@ def lower_each(signatures: Sequence[Signature], context: ir.Context, worker: int
         yield SignatureRecord(signature.name, traced - start, time.perf_counter() - traced, worker), lowered.module
 
 
-def merged(modules: Sequence[ir.Module]) -> ir.Module:
-    """One module holding every function of ``modules``."""
-    return modules[0] if len(modules) == 1 else converter_api_ext.merge_modules(list(modules))
-
-
 def save_decoder(decoder: nn.Module, path: Path) -> None:
     """Writes what :func:`load_decoder` rebuilds ``decoder`` from."""
     torch.save({"blueprint": families.blueprint(decoder), "weights": decoder.state_dict()}, path)
@@ -121,11 +114,6 @@ def _has_meta_tensors(model: nn.Module) -> bool:
                if isinstance(tensor, torch.Tensor))
 
 
-def new_context() -> ir.Context:
-    """An MLIR context with the dialects the conversion needs."""
-    return export_utils.create_ir_context()
-
-
 @dataclass(frozen=True)
 class _Task:
     """What one worker lowers: the names of its signatures from the saved decoder."""
@@ -137,118 +125,37 @@ class _Task:
     out_file: Path
 
 
-def _work(task: _Task, messages: Any) -> None:
+def _lower(task: _Task, tell: Callable[[str, Any], None]) -> None:
     """A worker's body: loads the decoder (memory-mapped), lowers its signatures, converts
-    them to TFLite ops, writes the module as bytecode; tells ``messages`` each signature,
-    the conversion's seconds, then its peak RSS, or the error."""
-    try:
-        model = load_decoder(task.decoder_file)
-        wanted = set(task.names)
-        signatures = [s for s in signatures_of(model, task.settings) if s.name in wanted]
-        modules, context = [], new_context()
-        for record, module in lower_each(signatures, context, task.worker):
-            modules.append(module)
-            messages.put(("signature", record))
-        module = merged(modules)
-        del modules, signatures, model
-        gc.collect()
-        release_freed_memory()
-        start = time.perf_counter()
-        convert.to_tflite_ops(module, context)
-        messages.put(("converted", (task.worker, time.perf_counter() - start)))
-        with open(task.out_file, "wb") as stream:
-            module.operation.write_bytecode(stream)
-        messages.put(("done", (task.worker, process_peak_rss_bytes())))
-    except BaseException as exc:  # noqa: BLE001  (everything goes back to the exporter, which raises it)
-        messages.put(("error", exc if isinstance(exc, StatusError) else RuntimeError(
-            f"export worker {task.worker} (lowering {', '.join(task.names)}) failed: {type(exc).__name__}: {exc}")))
+    them to TFLite ops, writes the module as bytecode; tells each signature as
+    ``("signature", SignatureRecord)`` and the conversion's seconds as ``("converted",
+    seconds)``."""
+    model = load_decoder(task.decoder_file)
+    wanted = set(task.names)
+    signatures = [s for s in signatures_of(model, task.settings) if s.name in wanted]
+    modules, context = [], convert.new_context()
+    for record, module in lower_each(signatures, context, task.worker):
+        modules.append(module)
+        tell("signature", record)
+    module = convert.merged(modules)
+    del modules, signatures, model
+    gc.collect()
+    release_freed_memory()
+    start = time.perf_counter()
+    convert.to_tflite_ops(module, context)
+    tell("converted", time.perf_counter() - start)
+    convert.write_module(module, task.out_file)
 
 
 def lower_in_workers(decoder_file: Path, settings: ExportSettings, names: Sequence[Sequence[str]],
-                     out_files: Sequence[Path]) -> Iterator[tuple[str, Any]]:
+                     out_files: Sequence[Path]) -> Iterator[tuple[int, str, Any]]:
     """Lowers each share of ``names`` in a worker process of its own (all at once), from
     the decoder saved at ``decoder_file``, and converts it to TFLite ops, worker i writing
-    its module to ``out_files[i]`` as MLIR bytecode; yields ``("signature",
-    SignatureRecord)`` as signatures are done, ``("converted", (worker, seconds))`` and
-    ``("done", (worker, peak RSS))`` per worker. A worker's error is raised here; a worker
-    that dies (the kernel's out-of-memory killer) raises ``ResourceExhaustedError``."""
-    context = multiprocessing.get_context("spawn")
-    messages = context.Queue()
-    tasks = [_Task(i, decoder_file, settings, tuple(share), out_file)
+    its module to ``out_files[i]`` as MLIR bytecode; yields ``(worker, kind, payload)``:
+    ``"signature"`` with a :class:`SignatureRecord` as signatures are done, then
+    ``"converted"`` with the conversion's seconds and ``"done"`` with the worker's peak RSS
+    (errors and deaths as :func:`runtime.export.spawned.run_all` raises them)."""
+    works = [spawned.Work(f"export worker {i} (lowering {', '.join(share)})", _lower,
+                          (_Task(i, decoder_file, settings, tuple(share), out_file),))
              for i, (share, out_file) in enumerate(zip(names, out_files))]
-    workers = [context.Process(target=_work, args=(task, messages), name=f"export-worker-{task.worker}", daemon=True)
-               for task in tasks]
-    for worker in workers:
-        worker.start()
-    try:
-        running = len(workers)
-        while running:
-            try:
-                kind, payload = messages.get(timeout=1.0)
-            except Exception:  # queue.Empty: check nobody died silently
-                _check_alive(workers, tasks)
-                continue
-            if kind == "error":
-                raise payload
-            if kind == "done":
-                running -= 1
-            yield kind, payload
-        for worker in workers:
-            worker.join()
-    finally:
-        for worker in workers:
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
-
-
-def _check_alive(workers: list[Any], tasks: list[_Task]) -> None:
-    for worker, task in zip(workers, tasks):
-        if worker.exitcode not in (None, 0):
-            raise ResourceExhaustedError(
-                f"the export worker lowering {', '.join(task.names)} died with exit code {worker.exitcode} "
-                f"(killed for memory?): give a smaller --jobs or a larger --max-memory")
-
-
-def read_modules(files: Sequence[os.PathLike[str]], context: ir.Context) -> ir.Module:
-    """The workers' bytecode files parsed into ``context`` and merged into one module, each
-    weight's constants pointing at one copy of it (every worker brings its own)."""
-    with context:
-        module = merged([ir.Module.parseFile(str(path)) for path in files])
-    share_equal_resources(module)
-    return module
-
-
-def _as_resource(attribute: ir.Attribute) -> ir.DenseResourceElementsAttr | None:
-    """``attribute`` as a resource, or None when it is another kind."""
-    try:
-        return ir.DenseResourceElementsAttr(attribute)
-    except ValueError:
-        return None
-
-
-def share_equal_resources(module: ir.Module) -> int:
-    """Points every attribute of ``module`` that is a resource (a weight) at the first
-    resource of the same type and bytes, so the flatbuffer stores it once; returns how many
-    attributes were repointed."""
-    first: dict[tuple[str, bytes], ir.Attribute] = {}
-    kept: dict[ir.Attribute, ir.Attribute] = {}  # each resource hashed once, however many use it
-    repointed = 0
-
-    def visit(op: ir.Operation) -> ir.WalkResult:
-        nonlocal repointed
-        for name in list(op.attributes):
-            value = _as_resource(op.attributes[name])
-            if value is None:
-                continue
-            if value not in kept:
-                data = converter_api_ext.dense_resource_elements_attr_to_numpy(value)
-                key = (str(value.type), hashlib.blake2b(memoryview(data), digest_size=32).digest())
-                kept[value] = first.setdefault(key, value)
-            if kept[value] != value:
-                op.attributes[name] = kept[value]
-                repointed += 1
-        return ir.WalkResult.ADVANCE
-
-    module.operation.walk(visit)
-    return repointed
+    yield from spawned.run_all(works)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import resource
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -51,8 +52,20 @@ def release_freed_memory() -> None:
 
 
 def process_peak_rss_bytes() -> int:
-    """This process's own peak resident memory so far (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's own peak resident memory so far: Linux's ``VmHWM``, the high-water
+    mark of the process's current memory. (``getrusage``'s ``ru_maxrss`` would do but for
+    a process started by fork and exec, as the workers are: it keeps the parent's size at
+    the fork as a floor.) Elsewhere ``ru_maxrss``, which reports kilobytes on Linux and
+    bytes on macOS."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class MemoryWatch:
@@ -122,9 +135,11 @@ class Measurements:
 
     stages: list[StageRecord] = field(default_factory=list)
     signatures: list[SignatureRecord] = field(default_factory=list)
-    # Per worker: its own peak resident memory; and the exporter's own.
+    # Per worker: its own peak resident memory; the exporter's own, and the finishing
+    # process's (runtime.export.finish).
     worker_peak_rss_bytes: list[int] = field(default_factory=list)
     exporter_peak_rss_bytes: int = 0
+    finisher_peak_rss_bytes: int = 0
     # Per worker: seconds converting its module to TFLite ops (litert-torch's passes).
     worker_convert_seconds: list[float] = field(default_factory=list)
     jobs: int = 1
@@ -142,8 +157,14 @@ class Measurements:
         try:
             yield
         finally:
-            watch.sample()
-            self.stages.append(StageRecord(name, time.perf_counter() - start, watch.peak_bytes, watch.peak_pss_bytes))
+            self.record(name, time.perf_counter() - start, watch)
+
+    def record(self, name: str, seconds: float, watch: MemoryWatch) -> None:
+        """Records stage ``name``, done in ``seconds``, with the watch's peaks since it was
+        last restarted; restarts it for the next stage."""
+        watch.sample()
+        self.stages.append(StageRecord(name, seconds, watch.peak_bytes, watch.peak_pss_bytes))
+        watch.restart()
 
     def as_dict(self) -> dict[str, object]:
         """The measurements as JSON-ready data (seconds rounded to 0.1, memory in bytes)."""
@@ -153,6 +174,7 @@ class Measurements:
             "peak_pss_bytes": self.peak_pss_bytes,
             "jobs": self.jobs,
             "exporter_peak_rss_bytes": self.exporter_peak_rss_bytes,
+            "finisher_peak_rss_bytes": self.finisher_peak_rss_bytes,
             "worker_peak_rss_bytes": self.worker_peak_rss_bytes,
             "worker_convert_seconds": [round(value, 1) for value in self.worker_convert_seconds],
             "stages": [{"name": s.name, "seconds": round(s.seconds, 1), "peak_rss_bytes": s.peak_rss_bytes,
@@ -168,7 +190,7 @@ class Measurements:
         lines += [f"{s.name:<34} {s.seconds:8.1f} {_gb(s.peak_rss_bytes):>10} {_gb(s.peak_pss_bytes):>10}"
                   for s in self.stages]
         lines.append(f"{'total':<34} {self.seconds:8.1f} {_gb(self.peak_rss_bytes):>10} {_gb(self.peak_pss_bytes):>10}")
-        lines.append("(RSS and PSS summed over the exporter and its workers; PSS counts shared pages once)")
+        lines.append("(RSS and PSS summed over the exporter and the processes it starts; PSS counts shared pages once)")
         if self.signatures:
             lines.append(f"{'signature (worker)':<34} {'trace s':>8} {'lower s':>10}")
             lines += [f"{s.name + f' ({s.worker})':<34} {s.trace_seconds:8.1f} {s.lower_seconds:10.1f}"
@@ -178,7 +200,8 @@ class Measurements:
                          + ", ".join(f"{value:.1f}" for value in self.worker_convert_seconds))
         lines.append(f"peak RSS of the exporter process alone: {_gb(self.exporter_peak_rss_bytes)}"
                      + ("; of each worker: " + ", ".join(_gb(value) for value in self.worker_peak_rss_bytes)
-                        if self.worker_peak_rss_bytes else ""))
+                        if self.worker_peak_rss_bytes else "")
+                     + f"; of the finishing process: {_gb(self.finisher_peak_rss_bytes)}")
         return "\n".join(lines)
 
 

@@ -1,0 +1,82 @@
+"""The export's last stages, in a process of their own that imports neither torch nor
+litert-torch: the lowered modules merged (each weight stored once), the metadata added,
+the float flatbuffer serialized straight to its file, and each quantized precision made
+from that file.
+
+The exporter has imported torch, transformers and litert-torch (~1.2 GB resident before
+it holds any weight) and keeps them until it exits; the merged module and the quantizer's
+copies of the model come on top of that. Here they come on top of ~0.2 GB, and go with
+the process. At SmolLM2-135M's size this moved the export's largest process from the
+exporter quantizing (3.78 GB) to a worker (1.9 GB)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.export import convert, spawned
+from runtime.export.measure import release_freed_memory
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A quantized precision: ``quantization`` (its key, for stage names and errors),
+    ai-edge-quantizer's ``recipe`` for it, and the file it is written to."""
+
+    quantization: str
+    recipe: Any
+    out_file: Path
+
+
+@dataclass(frozen=True)
+class Finish:
+    """What the finishing process makes: the modules in ``module_files`` (MLIR bytecode,
+    converted to TFLite ops) merged, with ``metadata`` (name -> text) in the flatbuffer,
+    serialized as the float model to ``float_file``, then each of ``quantized`` made from it."""
+
+    module_files: tuple[Path, ...]
+    metadata: dict[str, str]
+    float_file: Path
+    quantized: tuple[Quantized, ...] = ()
+
+
+def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
+    """The finishing process's body; tells ``("stage", (name, seconds))`` after each stage."""
+    start = time.perf_counter()
+
+    def done(name: str) -> None:
+        nonlocal start
+        now = time.perf_counter()
+        tell("stage", (name, now - start))
+        start = now
+
+    context = convert.new_context()
+    module = convert.read_modules(finish.module_files, context)
+    convert.add_metadata(module, context, finish.metadata)
+    done("merge the workers' modules" if len(finish.module_files) > 1 else "read the module")
+    convert.serialize(module, finish.float_file)  # straight to the file, never whole in memory
+    del module, context  # the context holds every weight's bytes
+    gc.collect()
+    release_freed_memory()
+    done("serialize")
+    for quantized in finish.quantized:
+        flatbuffer = finish.float_file.read_bytes()
+        quantized.out_file.write_bytes(convert.quantize(flatbuffer, quantized.recipe, quantized.quantization))
+        del flatbuffer
+        gc.collect()
+        release_freed_memory()
+        done(f"quantize ({quantized.quantization})")
+
+
+def finish_in_process(finish: Finish) -> Iterator[tuple[str, Any]]:
+    """Runs ``finish`` in a process of its own; yields ``("stage", (name, seconds))`` after
+    each stage and ``("done", its peak RSS in bytes)`` at the end (errors and a death as
+    :func:`runtime.export.spawned.run_all` raises them)."""
+    work = spawned.Work("the export's finishing process (merging, serializing, quantizing)", _run, (finish,))
+    for _, kind, payload in spawned.run_all([work]):
+        yield kind, payload
+
