@@ -66,8 +66,9 @@ def _pair_label(precision: str) -> str:
 # -- the report ------------------------------------------------------------------------------
 
 
-def render_markdown(results: dict) -> str:
-    """The report: machine, how to read it, the targets (the only verdicts), then tables."""
+def render_markdown(results: dict, folder: Path) -> str:
+    """The report: machine, how to read it, the targets (the only verdicts), then tables;
+    last, the 0.5B section when ``folder`` holds ``benchmarks/qwen05b.py``'s results."""
     out = ["# Benchmark results", "", *machine_lines(results["machine"]), ""]
     out += ["Every comparison is measured in alternating rounds: each round times our side and "
             "llama.cpp's back to back on the same weights (who goes first flips every round); "
@@ -85,6 +86,11 @@ def render_markdown(results: dict) -> str:
             out += [f"Measured {when['date']}; load average {when['load_average_start'][0]:.1f} at the start, "
                     f"{when['load_average_end'][0]:.1f} at the end.", ""]
         out += set_tables(key, data, shared_machine(results["machine"]))
+    if (folder / "qwen05b.json").exists():
+        from qwen05b import markdown as qwen05b_markdown  # benchmarks/qwen05b.py
+
+        out += ["", "## The next size: Qwen2.5-0.5B's shapes (`benchmarks/qwen05b.py`)", "",
+                qwen05b_markdown(json.loads((folder / "qwen05b.json").read_text()))]
     return "\n".join(out)
 
 
@@ -686,6 +692,6 @@ def plot_serve(plt: Any, folder: Path) -> Any:
 if __name__ == "__main__":
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "results"
     loaded = json.loads((folder / "results.json").read_text())
-    (folder / "results.md").write_text(render_markdown(loaded) + "\n")
+    (folder / "results.md").write_text(render_markdown(loaded, folder) + "\n")
     for path in plots(loaded, folder):
         print(f"wrote {path}")

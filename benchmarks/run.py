@@ -480,7 +480,7 @@ def main() -> None:
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     from report import plots, render_markdown
 
-    report = render_markdown(results)
+    report = render_markdown(results, RESULTS)
     (RESULTS / "results.md").write_text(report + "\n")
     for path in plots(results, RESULTS):
         print(f"wrote {path}", file=sys.stderr)

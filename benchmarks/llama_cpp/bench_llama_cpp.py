@@ -66,7 +66,7 @@ from typing import Any, Callable
 import numpy as np
 
 import llama_cpp as L
-from files import BENCH, BENCH_MODELS, BLEND, MODEL_SETS, SETTING_ADAPTERS, ModelSet
+from files import BENCH, BENCH_MODELS, BLEND, EVERY_SET, SETTING_ADAPTERS, ModelSet
 
 HERE = Path(__file__).resolve().parent
 REFERENCE = BENCH_MODELS / "reference_logits.npz"
@@ -696,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write the JSON here (default: %(default)s)")
     parser.add_argument("--rss-probe", nargs=3, metavar=("MODEL", "ADAPTER", "COUNT"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--serve", choices=list(MODEL_SETS), metavar="SET",
+    parser.add_argument("--serve", choices=list(EVERY_SET), metavar="SET",
                         help="serve timing requests on stdin for a model set of files.py (see Server)")
     parser.add_argument("--load-probe", nargs=3, metavar=("MODEL", "N_CTX", "THREADS"),
                         help="print load_probe's JSON for one model and exit")
@@ -705,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     L.llama_log_set(_log_callback, ctypes.c_void_p(0))
     L.llama_backend_init()
     if args.serve:
-        return Server(MODEL_SETS[args.serve]).serve()
+        return Server(EVERY_SET[args.serve]).serve()
     if args.load_probe:
         model_path, n_ctx, threads = args.load_probe
         print(json.dumps(load_probe(Path(model_path), int(n_ctx), int(threads))))

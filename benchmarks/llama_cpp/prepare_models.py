@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from files import MODEL_SETS, Adapter, ModelSet, smollm2_q4_1_gguf
+from files import EVERY_SET, Adapter, ModelSet, smollm2_q4_1_gguf
 
 WEIGHT_STD = 0.02  # of every entry of the random A and B matrices
 
@@ -101,7 +101,7 @@ def prepare(models: ModelSet, converters: Path, force: bool) -> None:
 
 
 def write_manifest(models: ModelSet) -> None:
-    folder = models.adapters["r8_a"].gguf.parent
+    folder = next(iter(models.theirs.values())).parent
     made_from = {out.name: f"{models.hf} --outtype {precision}" if precision != "q4_1" else f"link to {out.resolve()}"
                  for precision, out in models.theirs.items()}
     made_from.update({a.gguf.name: f"{a.peft} --base {models.hf} --outtype f32" for a in models.adapters.values()})
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--converters", type=Path, required=True, help="folder of llama.cpp's convert_*.py")
     parser.add_argument("--force", action="store_true", help="rebuild files that exist")
     args = parser.parse_args()
-    for models in MODEL_SETS.values():
+    for models in EVERY_SET.values():
         prepare(models, args.converters.resolve(), args.force)
         missing = models.missing()
         if missing:
