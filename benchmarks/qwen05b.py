@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,10 +33,8 @@ sys.path.insert(0, str(HERE / "llama_cpp"))
 from client import LlamaCpp, available  # noqa: E402  (benchmarks/llama_cpp/client.py)
 from files import QWEN05B  # noqa: E402
 
-from measure import prefill_seconds  # noqa: E402  (benchmarks/measure.py)
-from run import both  # noqa: E402
-from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
-from runtime.bench import timed_decode  # noqa: E402
+from base_rows import record_of, rows_table  # noqa: E402  (benchmarks/base_rows.py)
+from runtime import Engine, SessionConfig  # noqa: E402
 
 RESULTS = HERE / "results" / "qwen05b"
 PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # ours -> llama.cpp's
@@ -58,44 +54,6 @@ def same_weights(llama: LlamaCpp) -> dict[str, float]:
             "logit_std": float(ours.std()), "argmax_agree": float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))}
 
 
-def measure(llama: LlamaCpp, rounds: int, steps: int) -> list[dict[str, Any]]:
-    """Every row, ours and llama.cpp's alternating round by round."""
-    rows = []
-    for ours, theirs in PAIRS:
-        samples: dict[str, list[tuple[float, float]]] = {}
-        with Engine(QWEN05B.ours[ours], EngineSettings(num_threads=1)) as engine, \
-                engine.create_session(SessionConfig()) as session:
-            timed_decode(engine, session, 2)  # warm both sides
-            llama.request("decode", kind=theirs, setting="base", threads=1, steps=2, prompt=0)
-            for r in range(rounds):
-                cases = {
-                    "decode from position 0": (
-                        lambda: timed_decode(engine, session, steps)[0] * 1e3,
-                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
-                                              prompt=0)["ms"]),
-                    f"decode after a {PROMPT}-token prompt": (
-                        lambda: timed_decode(engine, session, steps, PROMPT)[0] * 1e3,
-                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
-                                              prompt=PROMPT)["ms"]),
-                    f"prefill {PROMPT} tokens": (
-                        lambda: prefill_seconds(session, PROMPT) * 1e3,
-                        lambda: llama.request("prefill", kind=theirs, tokens=PROMPT, threads=1)["ms"]),
-                }
-                for name, (mine, other) in cases.items():
-                    samples.setdefault(name, []).append(both(mine, other, r))
-                print(f"{ours} round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-        for name, pairs in samples.items():
-            row = {"precision": f"{ours} / {theirs}", "measure": name,
-                   "ours_ms": statistics.median(p[0] for p in pairs),
-                   "llama_cpp_ms": statistics.median(p[1] for p in pairs),
-                   "speed": statistics.median(p[1] / p[0] for p in pairs),
-                   "speed_min": min(p[1] / p[0] for p in pairs), "speed_max": max(p[1] / p[0] for p in pairs),
-                   "rounds": len(pairs)}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    return rows
-
-
 def build_report() -> dict[str, Any]:
     """What ``tools/build_qwen05b.py`` measured of the export and its fidelity."""
     path = QWEN05B.hf.parent / "report.json"
@@ -104,12 +62,7 @@ def build_report() -> dict[str, Any]:
 
 def markdown(record: dict[str, Any]) -> str:
     """The tables of ``results/qwen05b.md`` (and of the report's section)."""
-    out = [f"{QWEN05B.title}, 1 thread; measured {record['date']} (load average {record['load_average'][0]:.1f} "
-           f"at the start). speed = llama.cpp's ms / ours (above 1: ours is faster); median "
-           f"[min-max] over {record['rows'][0]['rounds']} alternating rounds.", "",
-           "| precision (ours / llama.cpp) | measure | ours ms | llama.cpp ms | speed |", "|---|---|---|---|---|"]
-    out += [f"| {r['precision']} | {r['measure']} | {r['ours_ms']:.1f} | {r['llama_cpp_ms']:.1f} | "
-            f"{r['speed']:.2f}x [{r['speed_min']:.2f}-{r['speed_max']:.2f}] |" for r in record["rows"]]
+    out = rows_table(record)
     same = record["same_weights"]
     out += ["", f"Same weights: our f32 logits and llama.cpp's f32 logits over {same['positions']} positions differ "
             f"by at most {same['max_abs_diff']:.2g} (logit std {same['logit_std']:.2f}); greedy tokens agree at "
@@ -145,14 +98,11 @@ def main() -> int:
     if missing:
         raise SystemExit("missing (tools/build_qwen05b.py, then benchmarks/llama_cpp/setup.sh): "
                          + ", ".join(map(str, missing)))
-    from datetime import date
-
-    record: dict[str, Any] = {"date": date.today().isoformat(), "load_average": os.getloadavg(), "threads": 1}
     with LlamaCpp(QWEN05B.key) as llama:
-        record["same_weights"] = same_weights(llama)
-        print(json.dumps(record["same_weights"]), flush=True)
-        record["rows"] = measure(llama, args.rounds, args.steps)
-    record["export"] = build_report()
+        weights = same_weights(llama)
+        print(json.dumps(weights), flush=True)
+        record = record_of(llama, QWEN05B, list(PAIRS), args.rounds, args.steps, PROMPT)
+    record.update(same_weights=weights, export=build_report())
     RESULTS.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     RESULTS.with_suffix(".md").write_text(markdown(record) + "\n")
     print(markdown(record))

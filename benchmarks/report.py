@@ -68,7 +68,8 @@ def _pair_label(precision: str) -> str:
 
 def render_markdown(results: dict, folder: Path) -> str:
     """The report: machine, how to read it, the targets (the only verdicts), then tables;
-    last, the 0.5B section when ``folder`` holds ``benchmarks/qwen05b.py``'s results."""
+    last, the sections of ``benchmarks/base_rows.py`` and ``benchmarks/qwen05b.py`` when
+    ``folder`` holds their results."""
     out = ["# Benchmark results", "", *machine_lines(results["machine"]), ""]
     out += ["Every comparison is measured in alternating rounds: each round times our side and "
             "llama.cpp's back to back on the same weights (who goes first flips every round); "
@@ -86,6 +87,11 @@ def render_markdown(results: dict, folder: Path) -> str:
             out += [f"Measured {when['date']}; load average {when['load_average_start'][0]:.1f} at the start, "
                     f"{when['load_average_end'][0]:.1f} at the end.", ""]
         out += set_tables(key, data, shared_machine(results["machine"]))
+    for rows_file in sorted(folder.glob("base_rows_*.json")):
+        from base_rows import rows_table  # benchmarks/base_rows.py
+
+        out += ["", f"## More precisions beside llama.cpp (`benchmarks/base_rows.py`, {rows_file.stem[10:]})", "",
+                *rows_table(json.loads(rows_file.read_text()))]
     if (folder / "qwen05b.json").exists():
         from qwen05b import markdown as qwen05b_markdown  # benchmarks/qwen05b.py
 

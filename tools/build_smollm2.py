@@ -11,11 +11,13 @@ and GBs of memory)::
 Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
 ``~/.cache/runtime/models/smollm2-135m-instruct/``), never into the repository:
 
-``smollm2-135m-instruct-{f32,int8}.tflite`` and ``.litertlm``
-    Float32 and dynamic-range int8 exports with LoRA rank slots 8, 16 and 64, KV length
-    1024, prefill lengths 32, 128 and 512, attention windows 128 and 512; the bundles add the tokenizer, stop tokens and
-    chat template (``python -m runtime generate --model X.litertlm --prompt TEXT``).
-``../smollm2-135m-instruct-batch/smollm2-135m-instruct-{f32,int8}-batch.tflite`` (``--batched``)
+``smollm2-135m-instruct-{f32,int8,int4-block32}.tflite`` and ``.litertlm``
+    Float32, dynamic-range int8 and int4 (blocks of 32, llama.cpp's Q4_0 / Q4_1 block size)
+    exports, from one run, with LoRA rank slots 8, 16 and 64, KV length 1024, prefill lengths
+    32, 128 and 512, attention windows 128 and 512; the bundles add the tokenizer, stop
+    tokens and chat template (``python -m runtime generate --model X.litertlm --prompt TEXT``).
+``../smollm2-135m-instruct-batch/smollm2-135m-instruct-{f32,int8}-batch.tflite`` (``--batched``;
+f32 and int8 only)
     For concurrent sessions (the benchmark's "concurrent sessions"): LoRA slots 8 and 16,
     KV length 1024, prefill 128, batched decode of 2, 4, 8 and 16 rows with rank-8 LoRA
     inputs, and attention windows 128 and 512 (single and batched).
@@ -54,7 +56,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
-PRECISIONS = {"f32": "none", "int8": "int8"}
+PRECISIONS = {"f32": "none", "int8": "int8", "int4-block32": "int4-block32"}  # file name -> --quantize
+BATCHED_PRECISIONS = {"f32": "none", "int8": "int8"}
 LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS, ATTENTION_WINDOWS = (8, 16, 64), 1024, (32, 128, 512), (128, 512)
 BATCH_ARGS = ("--lora-ranks", "8,16", "--kv-length", "1024", "--prefill-lengths", "128", "--batch-sizes", "2,4,8,16",
               "--batch-lora-ranks", "8", "--attention-windows", "128,512")
@@ -94,16 +97,17 @@ def export(gguf: Path, out_dir: Path, force: bool) -> dict[str, Any]:
                         "--lora-ranks", ",".join(map(str, LORA_RANKS)), "--kv-length", str(KV_LENGTH),
                         "--prefill-lengths", ",".join(map(str, PREFILL_LENGTHS)),
                         "--attention-windows", ",".join(map(str, ATTENTION_WINDOWS)),
-                        "--quantize", ",".join(PRECISIONS.values())], outputs, "f32 and int8", force)
+                        "--quantize", ",".join(PRECISIONS.values())], outputs, ", ".join(PRECISIONS), force)
 
 
 def export_batched(gguf: Path, out_dir: Path, force: bool) -> dict[str, Any]:
     """The exports with batched decode signatures and attention windows (:data:`BATCH_ARGS`),
     both precisions from one run."""
-    outputs = [batched_model(out_dir, precision) for precision in PRECISIONS]
+    outputs = [batched_model(out_dir, precision) for precision in BATCHED_PRECISIONS]
     outputs[0].parent.mkdir(parents=True, exist_ok=True)
     template = batched_model(out_dir, "{precision}")
-    return _run_export([str(gguf), "--out", str(template), *BATCH_ARGS, "--quantize", ",".join(PRECISIONS.values())],
+    return _run_export([str(gguf), "--out", str(template), *BATCH_ARGS,
+                        "--quantize", ",".join(BATCHED_PRECISIONS.values())],
                        outputs, "batched", force)
 
 
@@ -268,7 +272,7 @@ def check(out_dir: Path, gguf: Path, report: dict[str, Any]) -> None:
     report["bundle_chat_template_matches_transformers"] = ours == prompts
     report["fidelity"] = {"steps": STEPS, "prompts": list(CHECK_PROMPTS)}
     models = {precision: out_dir / f"{NAME}-{precision}.tflite" for precision in PRECISIONS}
-    batched = {f"{precision} batched": batched_model(out_dir, precision) for precision in PRECISIONS}
+    batched = {f"{precision} batched": batched_model(out_dir, precision) for precision in BATCHED_PRECISIONS}
     models.update({label: path for label, path in batched.items() if path.exists()})
     for precision, model_file in models.items():  # each in a process of its own, which gives its memory back
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -300,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     built = export(gguf, out_dir, args.force)
     if built:
         report["export"] = built
-        report.pop("exports", None)  # one export per precision, before --quantize none,int8
-        print(f"f32 and int8: {json.dumps(built)}", flush=True)
+        print(f"{', '.join(PRECISIONS)}: {json.dumps(built)}", flush=True)
         report_file.write_text(json.dumps(report, indent=2) + "\n")
     if args.batched:
         built = export_batched(gguf, out_dir, args.force)

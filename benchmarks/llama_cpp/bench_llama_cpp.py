@@ -682,6 +682,20 @@ def load_probe(model_path: Path, n_ctx: int, threads: int) -> dict[str, Any]:
             "peak_rss_kib": rss_kib("VmHWM")}
 
 
+QUANTIZE_TYPES = {"q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0, "q4_1": L.LLAMA_FTYPE_MOSTLY_Q4_1}
+
+
+def quantize(source: Path, out: Path, kind: str) -> dict[str, Any]:
+    """llama.cpp's own quantizer (what ``llama-quantize`` runs): ``source`` GGUF -> ``out``
+    in ``kind``, the whole file, output tensor included."""
+    params = L.llama_model_quantize_default_params()
+    params.ftype = QUANTIZE_TYPES[kind]
+    start = time.perf_counter()
+    if L.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize {source} -> {out} ({kind}) failed")
+    return {"out": str(out), "kind": kind, "seconds": time.perf_counter() - start}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=9)
@@ -698,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=argparse.SUPPRESS)
     parser.add_argument("--serve", choices=list(EVERY_SET), metavar="SET",
                         help="serve timing requests on stdin for a model set of files.py (see Server)")
+    parser.add_argument("--quantize", nargs=3, metavar=("SOURCE", "OUT", "TYPE"),
+                        help=f"quantize a GGUF file with llama.cpp ({', '.join(QUANTIZE_TYPES)}) and exit")
     parser.add_argument("--load-probe", nargs=3, metavar=("MODEL", "N_CTX", "THREADS"),
                         help="print load_probe's JSON for one model and exit")
     args = parser.parse_args(argv)
@@ -706,6 +722,10 @@ def main(argv: list[str] | None = None) -> int:
     L.llama_backend_init()
     if args.serve:
         return Server(EVERY_SET[args.serve]).serve()
+    if args.quantize:
+        source, out, kind = args.quantize
+        print(json.dumps(quantize(Path(source), Path(out), kind)))
+        return 0
     if args.load_probe:
         model_path, n_ctx, threads = args.load_probe
         print(json.dumps(load_probe(Path(model_path), int(n_ctx), int(threads))))

@@ -121,9 +121,11 @@ SMOLLM2 = ModelSet(
     key="smollm2",
     title="SmolLM2-135M-Instruct",
     hf=SMOLLM2_HF,
-    ours={p: CACHE / "models" / "smollm2-135m-instruct" / f"smollm2-135m-instruct-{p}.tflite" for p in ("f32", "int8")},
+    ours={p: CACHE / "models" / "smollm2-135m-instruct" / f"smollm2-135m-instruct-{p}.tflite"
+          for p in ("f32", "int8", "int4-block32")},
     theirs={"f32": SMOLLM2_BENCH / "gguf" / "smollm2-f32.gguf", "q8_0": SMOLLM2_BENCH / "gguf" / "smollm2-q8_0.gguf",
-            "q4_1": SMOLLM2_BENCH / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"},  # a link to the original
+            "q4_1": SMOLLM2_BENCH / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf",  # a link to the original
+            "q4_0": SMOLLM2_BENCH / "gguf" / "smollm2-q4_0.gguf"},  # llama.cpp's quantizer, from the f32 GGUF
     adapters={name: Adapter(rank, seed, SMOLLM2_BENCH / f"peft_{name}", SMOLLM2_BENCH / "gguf" / f"lora-{name}-f32.gguf",
                             modules)
               for name, rank, seed, modules in (("r8_a", 8, 101, ATTENTION_MODULES), ("r8_b", 8, 202, ATTENTION_MODULES),

@@ -24,6 +24,9 @@ from pathlib import Path
 from files import EVERY_SET, Adapter, ModelSet, smollm2_q4_1_gguf
 
 WEIGHT_STD = 0.02  # of every entry of the random A and B matrices
+HERE = Path(__file__).resolve().parent
+LLAMA_PYTHON = HERE / ".venv" / "bin" / "python"  # setup.sh's llama-cpp-python virtualenv
+LLAMA_QUANTIZED = ("q4_0",)  # GGUF precisions made by llama.cpp's quantizer, not its converter
 
 
 def log(message: str) -> None:
@@ -89,6 +92,12 @@ def prepare(models: ModelSet, converters: Path, force: bool) -> None:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.symlink_to(original)
             continue
+        if precision in LLAMA_QUANTIZED:  # llama.cpp's own quantizer, from the set's f32 GGUF
+            if force or stale(out, models.theirs["f32"]):
+                log(f"{models.key}: {models.theirs['f32'].name} -> {out.name}")
+                subprocess.run([str(LLAMA_PYTHON), str(HERE / "bench_llama_cpp.py"), "--quantize",
+                                str(models.theirs["f32"]), str(out), precision], check=True, stdout=subprocess.DEVNULL)
+            continue
         if force or stale(out, models.hf):
             log(f"{models.key}: {models.hf.name}/ -> {out.name}")
             convert(converters / "convert_hf_to_gguf.py", ["--outtype", precision, str(models.hf)], out)
@@ -102,8 +111,9 @@ def prepare(models: ModelSet, converters: Path, force: bool) -> None:
 
 def write_manifest(models: ModelSet) -> None:
     folder = next(iter(models.theirs.values())).parent
-    made_from = {out.name: f"{models.hf} --outtype {precision}" if precision != "q4_1" else f"link to {out.resolve()}"
-                 for precision, out in models.theirs.items()}
+    made_from = {out.name: f"link to {out.resolve()}" if precision == "q4_1" else
+                 f"llama_model_quantize {models.theirs['f32'].name} {precision}" if precision in LLAMA_QUANTIZED else
+                 f"{models.hf} --outtype {precision}" for precision, out in models.theirs.items()}
     made_from.update({a.gguf.name: f"{a.peft} --base {models.hf} --outtype f32" for a in models.adapters.values()})
     files = {}
     for path in sorted(folder.glob("*.gguf")):

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""The base model beside llama.cpp at given precision pairs: decode and prefill, no adapters.
+
+    python3 benchmarks/base_rows.py --set smollm2 --pairs int4-block32:q4_0,int4-block32:q4_1,int8:q8_0
+
+1 thread, for each pair (our export's precision : llama.cpp's GGUF precision, both of the
+model set in ``benchmarks/llama_cpp/files.py``): ms per decode step over ``--steps`` steps
+from an empty context and after a ``--prompt``-token prompt, and ms to prefill that prompt.
+Our session and llama.cpp's context (in its own process) take turns round by round, who
+goes first flipping every round; figures are medians over the rounds, speed is llama.cpp's
+ms over ours within a round. ``benchmarks/qwen05b.py`` runs the same rows for the 0.5B set.
+
+Writes ``benchmarks/results/base_rows_{set}.json`` and ``.md``; ``benchmarks/report.py`` puts
+the table in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "llama_cpp"))
+from client import LlamaCpp, available  # noqa: E402  (benchmarks/llama_cpp/client.py)
+from files import EVERY_SET, ModelSet  # noqa: E402
+
+from measure import prefill_seconds  # noqa: E402  (benchmarks/measure.py)
+from run import both  # noqa: E402
+from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
+from runtime.bench import timed_decode  # noqa: E402
+
+RESULTS = HERE / "results"
+
+
+def measure(llama: LlamaCpp, models: ModelSet, pairs: list[tuple[str, str]], rounds: int, steps: int,
+            prompt: int) -> list[dict[str, Any]]:
+    """Every row of every pair, ours and llama.cpp's alternating round by round."""
+    rows = []
+    for ours, theirs in pairs:
+        samples: dict[str, list[tuple[float, float]]] = {}
+        with Engine(models.ours[ours], EngineSettings(num_threads=1)) as engine, \
+                engine.create_session(SessionConfig()) as session:
+            timed_decode(engine, session, 2)  # warm both sides
+            llama.request("decode", kind=theirs, setting="base", threads=1, steps=2, prompt=0)
+            for r in range(rounds):
+                cases = {
+                    "decode from position 0": (
+                        lambda: timed_decode(engine, session, steps)[0] * 1e3,
+                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
+                                              prompt=0)["ms"]),
+                    f"decode after a {prompt}-token prompt": (
+                        lambda: timed_decode(engine, session, steps, prompt)[0] * 1e3,
+                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
+                                              prompt=prompt)["ms"]),
+                    f"prefill {prompt} tokens": (
+                        lambda: prefill_seconds(session, prompt) * 1e3,
+                        lambda: llama.request("prefill", kind=theirs, tokens=prompt, threads=1)["ms"]),
+                }
+                for name, (mine, other) in cases.items():
+                    samples.setdefault(name, []).append(both(mine, other, r))
+                print(f"{ours} / {theirs} round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+        for name, measured in samples.items():
+            speeds = [theirs_ms / ours_ms for ours_ms, theirs_ms in measured]
+            row = {"precision": f"{ours} / {theirs}", "measure": name,
+                   "ours_ms": statistics.median(p[0] for p in measured),
+                   "llama_cpp_ms": statistics.median(p[1] for p in measured),
+                   "speed": statistics.median(speeds), "speed_min": min(speeds), "speed_max": max(speeds),
+                   "rounds": len(measured)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def rows_table(record: dict[str, Any]) -> list[str]:
+    """The rows of ``record`` (what :func:`measure` returned, with the date and load) as a
+    markdown table with a line saying how to read it."""
+    out = [f"{record['title']}, 1 thread; measured {record['date']} (load average {record['load_average'][0]:.1f} "
+           f"at the start). speed = llama.cpp's ms / ours (above 1: ours is faster); median "
+           f"[min-max] over {record['rows'][0]['rounds']} alternating rounds.", "",
+           "| precision (ours / llama.cpp) | measure | ours ms | llama.cpp ms | speed |", "|---|---|---|---|---|"]
+    out += [f"| {r['precision']} | {r['measure']} | {r['ours_ms']:.1f} | {r['llama_cpp_ms']:.1f} | "
+            f"{r['speed']:.2f}x [{r['speed_min']:.2f}-{r['speed_max']:.2f}] |" for r in record["rows"]]
+    return out
+
+
+def record_of(llama: LlamaCpp, models: ModelSet, pairs: list[tuple[str, str]], rounds: int, steps: int,
+              prompt: int) -> dict[str, Any]:
+    """The measured rows with what :func:`rows_table` needs beside them."""
+    start = {"title": models.title, "date": date.today().isoformat(), "load_average": os.getloadavg(), "threads": 1}
+    return {**start, "rows": measure(llama, models, pairs, rounds, steps, prompt)}
+
+
+def main() -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--set", default="smollm2", choices=sorted(EVERY_SET))
+    parser.add_argument("--pairs", required=True, help="OURS:THEIRS,... (e.g. int4-block32:q4_0)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, help="decode steps per timed run (default: the set's)")
+    parser.add_argument("--prompt", type=int, default=128)
+    args = parser.parse_args()
+    models = EVERY_SET[args.set]
+    pairs = [tuple(pair.split(":", 1)) for pair in args.pairs.split(",")]
+    if not available():
+        raise SystemExit("llama.cpp is not set up: bash benchmarks/llama_cpp/setup.sh")
+    for ours, theirs in pairs:
+        if ours not in models.ours or theirs not in models.theirs:
+            raise SystemExit(f"--pairs {ours}:{theirs}: the {models.key} set has ours {', '.join(models.ours)} "
+                             f"and llama.cpp's {', '.join(models.theirs)}")
+    missing = [path for ours, theirs in pairs for path in (models.ours[ours], models.theirs[theirs])
+               if not path.exists()]
+    if missing:
+        raise SystemExit(f"missing for {args.pairs}: " + ", ".join(map(str, missing)))
+    with LlamaCpp(models.key) as llama:
+        record = record_of(llama, models, pairs, args.rounds, args.steps or models.decode_steps, args.prompt)
+    out = RESULTS / f"base_rows_{models.key}"
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(rows_table(record)) + "\n")
+    print("\n".join(rows_table(record)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
