@@ -2,6 +2,8 @@
 """The base model beside llama.cpp at given precision pairs: decode and prefill, no adapters.
 
     python3 benchmarks/base_rows.py --set smollm2 --pairs int4-block32:q4_0,int4-block32:q4_1,int8:q8_0
+    python3 benchmarks/base_rows.py --set smollm2 --prompt 512 --model f32-w768=W768-f32.tflite \
+        --pairs f32:f32,f32-w768:f32 --out base_rows_windows   # another export of ours beside the set's
 
 1 thread, for each pair (our export's precision : llama.cpp's GGUF precision, both of the
 model set in ``benchmarks/llama_cpp/files.py``): ms per decode step over ``--steps`` steps
@@ -21,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -104,8 +107,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, help="decode steps per timed run (default: the set's)")
     parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                        help="another export of ours, usable as NAME in --pairs (repeatable)")
+    parser.add_argument("--out", help="results name in benchmarks/results (default: base_rows_SET)")
     args = parser.parse_args()
     models = EVERY_SET[args.set]
+    extra = dict(entry.split("=", 1) for entry in args.model)
+    models = replace(models, ours={**models.ours, **{name: Path(path) for name, path in extra.items()}})
     pairs = [tuple(pair.split(":", 1)) for pair in args.pairs.split(",")]
     if not available():
         raise SystemExit("llama.cpp is not set up: bash benchmarks/llama_cpp/setup.sh")
@@ -119,7 +127,7 @@ def main() -> int:
         raise SystemExit(f"missing for {args.pairs}: " + ", ".join(map(str, missing)))
     with LlamaCpp(models.key) as llama:
         record = record_of(llama, models, pairs, args.rounds, args.steps or models.decode_steps, args.prompt)
-    out = RESULTS / f"base_rows_{models.key}"
+    out = RESULTS / (args.out or f"base_rows_{models.key}")
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(rows_table(record)) + "\n")
     print("\n".join(rows_table(record)))
