@@ -28,6 +28,9 @@ SIDES = {
     ("int8", "theirs"): ("llama.cpp q8_0", "#f0a35e"),
     ("q4", "theirs"): ("llama.cpp Q4_1 (original file)", "#f6d2a8"),
 }
+# benchmarks/turbo.py's results -> what each measured.
+TURBO_RESULTS = {"turbo_smollm2": "f32, 3 heads trained on 128 items", "turbo_smollm2_heads32": "f32, 3 heads trained on 32 items",
+                 "turbo_smollm2_int8": "int8, 3 heads trained on 128 items"}
 SPEED_NOTE = "speed = llama.cpp's ms / ours (above 1: ours is faster)"
 
 
@@ -87,6 +90,13 @@ def render_markdown(results: dict, folder: Path) -> str:
             out += [f"Measured {when['date']}; load average {when['load_average_start'][0]:.1f} at the start, "
                     f"{when['load_average_end'][0]:.1f} at the end.", ""]
         out += set_tables(key, data, shared_machine(results["machine"]))
+    turbo = [(name, label) for name, label in TURBO_RESULTS.items() if (folder / f"{name}.md").exists()]
+    if turbo:
+        out += ["", "## Turbo LoRA: draft heads against the same LoRA without them (`benchmarks/turbo.py`)", "",
+                "Greedy, 1 thread, SmolLM2-135M, outputs compared token for token; each file's own run "
+                "(commands in `benchmarks/turbo.py`'s docstring and the README's Turbo LoRA section)."]
+        for name, label in turbo:
+            out += ["", f"**{label}** (`{name}.md`)", "", (folder / f"{name}.md").read_text().strip()]
     for rows_file in sorted(folder.glob("base_rows_*.json")):
         from base_rows import rows_table  # benchmarks/base_rows.py
 
