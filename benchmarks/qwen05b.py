@@ -70,8 +70,9 @@ def markdown(record: dict[str, Any]) -> str:
     export = record.get("export", {}).get("export")
     if export:
         gb = 1e9
+        largest = export["largest_process_peak_rss_bytes"] / gb
         out += ["", f"Export (`{export['command']}`): {export['seconds']:.0f} s for both precisions, "
-                f"{export['jobs']} jobs; peak RSS of the largest process {export['largest_process_peak_rss_bytes'] / gb:.2f} GB "
+                f"{export['jobs']} jobs; peak RSS of the largest process {largest:.2f} GB "
                 f"(exporter {export['exporter_peak_rss_bytes'] / gb:.2f}, each worker "
                 + ", ".join(f"{v / gb:.2f}" for v in export["worker_peak_rss_bytes"])
                 + f", finishing process {export['finisher_peak_rss_bytes'] / gb:.2f}); all processes together "
@@ -81,8 +82,9 @@ def markdown(record: dict[str, Any]) -> str:
         out += ["", "Against float64 transformers, max |logit difference| over "
                 f"{fidelity['prompt_tokens']} prompt tokens and {fidelity['steps']} steps (logit std "
                 f"{fidelity['logit_std']:.3f}): "
-                + "; ".join(f"{p} {fidelity[p]['max_abs_logit_diff']:.3g}, greedy {fidelity[p]['greedy_tokens_agreeing']}"
-                            f"/{fidelity[p]['of']}" for p in ("f32", "int8") if p in fidelity) + "."]
+                + "; ".join(f"{p} {fidelity[p]['max_abs_logit_diff']:.3g}, greedy "
+                            f"{fidelity[p]['greedy_tokens_agreeing']}/{fidelity[p]['of']}"
+                            for p in ("f32", "int8") if p in fidelity) + "."]
     return "\n".join(out)
 
 

@@ -29,7 +29,8 @@ SIDES = {
     ("q4", "theirs"): ("llama.cpp Q4_1 (original file)", "#f6d2a8"),
 }
 # benchmarks/turbo.py's results -> what each measured.
-TURBO_RESULTS = {"turbo_smollm2": "f32, 3 heads trained on 128 items", "turbo_smollm2_heads32": "f32, 3 heads trained on 32 items",
+TURBO_RESULTS = {"turbo_smollm2": "f32, 3 heads trained on 128 items",
+                 "turbo_smollm2_heads32": "f32, 3 heads trained on 32 items",
                  "turbo_smollm2_int8": "int8, 3 heads trained on 128 items"}
 SPEED_NOTE = "speed = llama.cpp's ms / ours (above 1: ours is faster)"
 
