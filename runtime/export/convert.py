@@ -3,7 +3,11 @@ converter passes, merging modules into one, the flatbuffer, and the quantizer.
 
 Imports neither torch nor litert-torch, only litert-converter's MLIR bindings and
 ai-edge-quantizer (~0.2 GB for the process against litert-torch's ~0.55 GB), so that the
-export's last stages (:mod:`runtime.export.finish`) run in a small process of their own."""
+export's last stages (:mod:`runtime.export.finish`) run in a small process of their own.
+litert-converter 0.5.0 offers its converter API (merging modules, the TFLite passes, the
+flatbuffer writer) only as ``litert_converter.mlir._mlir_libs.converter_api_ext``, the module
+litert-torch's converter calls too; this module alone imports it (:mod:`runtime.export.lowering`
+takes it from here)."""
 
 from __future__ import annotations
 

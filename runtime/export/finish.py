@@ -63,10 +63,9 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
     gc.collect()
     release_freed_memory()
     done("serialize")
+    flatbuffer = finish.float_file.read_bytes() if finish.quantized else b""  # read once for every precision
     for quantized in finish.quantized:
-        flatbuffer = finish.float_file.read_bytes()
         quantized.out_file.write_bytes(convert.quantize(flatbuffer, quantized.recipe, quantized.quantization))
-        del flatbuffer
         gc.collect()
         release_freed_memory()
         done(f"quantize ({quantized.quantization})")
