@@ -1,10 +1,10 @@
 """The litert-torch 0.10.0 modules the export uses, imported after its defects are worked
 around (:mod:`runtime.export.litert_torch_fixes`). Import litert-torch from here only.
 
-The exporter runs litert-torch's converter step by step, which needs three of its private
-functions; they are named here (:func:`run_graph_passes`, :func:`output_names`,
-:func:`quantizer_recipe`), so that this module alone depends on 0.10.0's internals (the
-``export`` extra pins that version)."""
+The exporter runs litert-torch's converter step by step, which needs two of its private
+functions; they are named here (:func:`run_graph_passes`, :func:`output_names`), so that
+this module alone depends on 0.10.0's internals (the ``export`` extra pins that version);
+:func:`quantizer_recipe` builds ai-edge-quantizer's recipe as its converter does."""
 
 from typing import Any
 
@@ -31,7 +31,7 @@ from litert_torch._convert import litert_converter  # noqa: E402
 from litert_torch._convert import signature as litert_signature  # noqa: E402
 from litert_torch.backend import export as backend_export  # noqa: E402
 from litert_torch.backend import inline_consts  # noqa: E402
-from litert_torch.quantize import quant_config, translate_recipe  # noqa: E402
+from litert_torch.quantize import translate_recipe  # noqa: E402
 
 def run_graph_passes(program: Any) -> Any:
     """litert-torch's FX graph passes over an exported program, as its converter runs them."""
@@ -51,7 +51,7 @@ def quantizer_recipe(flag: str, model_config: Any) -> Any | None:
     recipe = converter.get_quant_recipe_from_flag(flag, model_config)
     if recipe is None:
         return None
-    if recipe._quantizer_mode != quant_config.QuantConfig._QuantizerMode.AI_EDGE_QUANTIZER:
+    if recipe.generative_recipe is None:  # a PT2E recipe: litert-torch's other quantizer
         raise InvalidArgumentError(f"quantize={flag!r}: litert-torch's recipe is not a generative "
                                    "(ai-edge-quantizer) recipe, which is all this exporter runs")
     return translate_recipe.translate_to_ai_edge_recipe(recipe.generative_recipe)
