@@ -25,9 +25,14 @@ def test_every_projection_of_the_export_is_found_with_its_shape():
     assert q.dtype.name == "float32" and q.flags.writeable and not (q[:kv] == k).all()  # k's rows, not q's
 
 
-def test_a_model_without_the_map_or_a_projection_outside_it_is_named():
+def test_a_model_without_the_map_or_a_projection_outside_it_is_named(tmp_path):
+    # an export made before the map: the same bytes with the map's metadata under another name
+    data = MODEL_FILES["default"].read_bytes()
+    assert data.count(b"runtime.projections") == 1
+    older = tmp_path / "older.tflite"
+    older.write_bytes(data.replace(b"runtime.projections", b"runtime.elsewhere__"))
     with pytest.raises(FailedPreconditionError, match="no runtime.projections metadata.*export it again"):
-        ModelWeights.open(MODEL_FILES["default"], "gqa_default.tflite")
+        ModelWeights.open(older, "older.tflite")
     with pytest.raises(NotFoundError, match="llama: .* no weight for layer 3 projection 'q'"):
         ModelWeights.open(LLAMA, "llama").weight(3, "q")
     with pytest.raises(NotFoundError, match="cannot read the model"):

@@ -249,7 +249,8 @@ def export_settings(cfg: TinyGqaConfig, *, kv_layout: str, prefill_logits: bool,
     """The ``runtime.export`` settings of the test models."""
     from runtime.export.settings import ExportSettings
 
-    return ExportSettings(lora_ranks=tuple(cfg.lora_ranks), kv_length=cfg.kv_cache_max_len,
+    # Attention-only slots: the all-linear ones have their own fixtures (tests/models/families).
+    return ExportSettings(lora_ranks=tuple(cfg.lora_ranks), lora_targets="attention", kv_length=cfg.kv_cache_max_len,
                           prefill_lengths=tuple(cfg.prefill_seq_lens), quantize=quantize, kv_layout=kv_layout,
                           prefill_logits=prefill_logits, batch_sizes=tuple(cfg.batch_sizes),
                           attention_windows=tuple(cfg.attention_windows))

