@@ -56,9 +56,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "int4-block32, int4-block128; several (e.g. none,int8) write one model each from one "
                         "tracing and lowering, --out and --bundle then naming them with {precision} "
                         "(f32 for none, else the value), e.g. --out model-{precision}.tflite")
-    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=None,
-                        help="transposed is what Google's LiteRT-LM engine reads (default with --bundle; "
-                        "else default); this runtime runs both")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=defaults.kv_layout,
+                        help="transposed (the default) is faster here and what Google's LiteRT-LM engine reads; "
+                        "default is litert-torch's own layout; this runtime runs both")
     parser.add_argument("--batch-sizes", default="", metavar="B,B,...",
                         help="batched decode signatures: B sessions step in one pass over the weights (e.g. 2,4,8)")
     parser.add_argument("--batch-lora-ranks", default=None, metavar="R,R,...",
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_lengths=None if args.prefill_lengths is None
         else parse_integers("--prefill-lengths", args.prefill_lengths),
         quantize=quantizations[0],
-        kv_layout=args.kv_layout or ("transposed" if args.bundle is not None else "default"),
+        kv_layout=args.kv_layout,
         prefill_logits=args.prefill_logits,
         batch_sizes=parse_integers("--batch-sizes", args.batch_sizes),
         batch_lora_ranks=None if args.batch_lora_ranks is None
