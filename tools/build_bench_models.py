@@ -348,7 +348,7 @@ def export(cfg: BenchConfig, hf_dir: Path, out_file: Path, quantize: str) -> flo
     from runtime.export.source import inspect_source
 
     settings = ExportSettings(lora_ranks=cfg.lora_ranks, kv_length=cfg.kv_cache_max_len,
-                              prefill_lengths=cfg.prefill_seq_lens, quantize=quantize,
+                              prefill_lengths=cfg.prefill_seq_lens, quantize=quantize, kv_layout="default",
                               batch_sizes=cfg.batch_sizes, batch_lora_ranks=cfg.batch_lora_ranks)
     report = export_checkpoint(inspect_source(hf_dir), settings, model_out=out_file)
     return sum(report.stage_seconds.values())
