@@ -1,6 +1,6 @@
 """Concurrent sessions on one model set, on their own (the section of ``run.py``, alone).
 
-    python3 benchmarks/concurrency.py [--set smollm2] [--rounds 3] [--skip-llama-cpp]
+    python3 benchmarks/concurrency.py [--set smollm2] [--rounds 3] [--skip-llama-cpp] [--threads 2]
 
 The same measurement as ``run.py``'s "Concurrent sessions" (ours batched, ours taking
 turns, llama.cpp with a context per session, in alternating rounds; mixed ranks; a batch's
@@ -27,29 +27,35 @@ def main() -> None:
     parser.add_argument("--set", default="smollm2", choices=sorted(MODEL_SETS))
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="measure our side only")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="our engine's XNNPACK threads (a batch of sessions and a lone session alike); "
+                             "writes concurrency_{set}_threads{N} when not 1")
     args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: expected 1 or more")
     models = MODEL_SETS[args.set]
     with_llama = not args.skip_llama_cpp and llama_cpp.available()
     with ExitStack() as stack:
         llama = stack.enter_context(llama_cpp.LlamaCpp(models.key)) if with_llama else None
+        section = concurrency_section(models, args.rounds, llama, args.threads)
         results = {"machine": machine(llama.hello if llama else None),
-                   "sets": {models.key: {"title": models.title,
-                                         "concurrency": concurrency_section(models, args.rounds, llama)}}}
+                   "sets": {models.key: {"title": models.title, "concurrency": section}}}
     results["machine"]["load_average_end"] = os.getloadavg()
-    write_report(results, args.set, args.rounds)
+    write_report(results, args.set, args.rounds, args.threads)
 
 
-def write_report(results: dict, key: str, rounds: int) -> None:
-    """``concurrency_{key}.json``, ``.md`` and ``.png`` from the measured ``results``."""
+def write_report(results: dict, key: str, rounds: int, threads: int) -> None:
+    """``concurrency_{key}[_threads{N}].json``, ``.md`` and ``.png`` from the measured ``results``."""
     title = results["sets"][key]["title"]
     conc = results["sets"][key]["concurrency"]
-    out = RESULTS / f"concurrency_{key}"
+    out = RESULTS / (f"concurrency_{key}" if threads == 1 else f"concurrency_{key}_threads{threads}")
     out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     rows: list[str] = []
     report.concurrency_targets(title, conc, lambda target, where, measured, met: rows.append(
         f"| {target} | {where} | {measured} | {'yes' if met else 'NO'} |"))
     lines = [f"# Concurrent sessions: {title}", "", *report.machine_lines(results["machine"]), "",
-             f"Command: `python3 benchmarks/concurrency.py --set {key} --rounds {rounds}`", "",
+             f"Command: `python3 benchmarks/concurrency.py --set {key} --rounds {rounds}"
+             + (f" --threads {threads}`" if threads != 1 else "`"), "",
              "| target | model | measured | met |", "|---|---|---|---|", *rows, "",
              f"![concurrent sessions]({out.name}.png)", *report.concurrency_tables(conc)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -210,6 +210,14 @@ def set_tables(key: str, data: dict, shared: bool) -> list[str]:
     return out
 
 
+def threads_label(conc: dict) -> str:
+    """How many threads the concurrent sessions ran on: one each, and our engine's XNNPACK
+    threads per run (a batch of many sessions runs on them too) where not one."""
+    engine = conc.get("engine_threads", 1)  # results measured before engines ran on more than one
+    label = f"{conc['threads_per_session']} thread per session"
+    return label if engine == 1 else f"{label}, ours running each batch on {engine} threads"
+
+
 def concurrency_tables(conc: dict) -> list[str]:
     """The concurrent-sessions tables, one per precision, with batches, queue wait, memory."""
     out: list[str] = []
@@ -217,8 +225,8 @@ def concurrency_tables(conc: dict) -> list[str]:
         names = list(entry["curves"])
         counts = sorted({int(n) for curve in entry["curves"].values() for n in curve})
         out += ["", f"### Concurrent sessions ({SIDES[(precision, 'ours')][0]} vs "
-                f"{SIDES[(precision, 'theirs')][0]}, {conc['adapters']}, {conc['threads_per_session']} thread "
-                "per session; aggregate decode tokens/s)", "",
+                f"{SIDES[(precision, 'theirs')][0]}, {conc['adapters']}, {threads_label(conc)}; aggregate "
+                "decode tokens/s)", "",
                 "| sessions | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
         for n in counts:
             out.append(f"| {n} | " + " | ".join(_range(entry["curves"][name][str(n)], "{:,.0f}")
@@ -342,6 +350,8 @@ def concurrency_targets(name: str, conc: dict, add: Callable[[str, str, str, boo
     """The concurrent-sessions targets of one model set, through ``add(target, where, measured, met)``."""
     for precision, entry in conc["precisions"].items():
         curves, label = entry["curves"], f"{name}, {SIDES[(precision, 'ours')][0]}"
+        if conc.get("engine_threads", 1) != 1:
+            label += f", {conc['engine_threads']} threads"
         batched, alone = curves["ours, batched"], curves["ours, batched"]["1"]["median"]
         lone = alone / curves["ours, taking turns"]["1"]["median"]
         add("a session alone on a batching engine >= 0.97x the tokens/s without batching", label,
@@ -663,7 +673,7 @@ def plot_concurrency(plt: Any, results: dict) -> Any:
         axis.legend(fontsize=7, loc="upper left")
         axis.set_title(f"{data['title']}\n{SIDES[(precision, 'ours')][0]} vs {SIDES[(precision, 'theirs')][0]}")
     conc = panels[0][0]["concurrency"]
-    figure.suptitle(f"Concurrent sessions, {conc['adapters']}, {conc['threads_per_session']} thread per session, "
+    figure.suptitle(f"Concurrent sessions, {conc['adapters']}, {threads_label(conc)}, "
                     f"{results['machine']['cores']} cores: higher is better\n({WHISKERS})")
     figure.tight_layout()
     return figure
