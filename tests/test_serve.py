@@ -35,7 +35,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from runtime import ByteTokenizer, Engine, LoraSource, SamplerConfig, SessionConfig  # noqa: E402
+from runtime import ByteTokenizer, Engine, EngineSettings, LoraSource, SamplerConfig, SessionConfig  # noqa: E402
 from runtime.cli.main import build_parser  # noqa: E402
 from runtime.errors import StatusError  # noqa: E402
 from runtime.serve.app import ServeSettings, create_app  # noqa: E402
@@ -135,7 +135,8 @@ def served(tmp_path_factory):
     adapters = tmp_path_factory.mktemp("adapters")
     for name in ADAPTERS:
         shutil.copy(DEMO / "adapters" / f"{name}.tflite", adapters)
-    engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]), chat_template=TEMPLATE)
+    engine = Engine(MODEL, EngineSettings(prefix_cache_bytes=1 << 20), tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]),
+                    chat_template=TEMPLATE)  # a prefix cache, as `runtime serve` has by default
     server, thread, url = start_server(engine, adapters, ServeSettings("demo", api_key=KEY, max_concurrent=8),
                                        downloads=DownloadPolicy.of(["127.0.0.1"], max_bytes=200_000))
     yield Served(url, engine, adapters)
@@ -754,6 +755,26 @@ def test_metrics_report_adapters_and_requests(served):
     assert metric(text, "runtime_decode_batch_wait_seconds", quantile="0.99") == 0
 
 
+def test_prompts_beginning_alike_start_from_the_cached_head_and_answer_as_offline(served):
+    preamble = "Repeat the line that follows, as the adapter does. "
+    before = served.call("/metrics")[1]["text"]
+    answers = [served.client().completions.create(model="uppercase", prompt=preamble + line, max_tokens=8,
+                                                  temperature=0).choices[0].text for line in PROMPTS]
+    text = served.call("/metrics")[1]["text"]
+
+    def grew(name: str) -> float:
+        return metric(text, name) - (metric(before, name) or 0)
+
+    assert grew("runtime_prefix_cache_hits_total") >= len(PROMPTS) - 1
+    assert grew("runtime_prefix_cache_reused_tokens_total") >= (len(PROMPTS) - 1) * len(preamble)
+    assert metric(text, "runtime_prefix_cache_bytes") > 0
+    with Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE])) as offline:
+        source = LoraSource(path=served.adapters / "uppercase.tflite")
+        for line, answer in zip(PROMPTS, answers):
+            with offline.create_session(SessionConfig(loras=[source])) as session:
+                assert session.generate(preamble + line, 8).text.rstrip("\n") == answer.rstrip("\n")
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """A server on the tiny model with short time limits (0.5 s), loopback names only, an
@@ -861,6 +882,9 @@ def test_the_serve_command_refuses_bad_input_with_one_line():
     (["--byte-tokens", "--allow-download-from", "host:99999"], "--allow-download-from"),
     (["--byte-tokens", "--download-timeout", "0"], "download_timeout_s"),
     (["--byte-tokens", "--header-timeout", "0"], "header_timeout_s"),
+    (["--byte-tokens", "--prefix-cache-mb", "-1"], "--prefix-cache-mb -1.0: expected 0 or more"),
+    (["--byte-tokens", "--prefix-cache-mb", "nan"], "--prefix-cache-mb nan"),
+    (["--byte-tokens", "--prefix-cache-mb", "inf"], "--prefix-cache-mb inf"),
 ])
 def test_the_serve_command_checks_its_arguments(args, words):
     parsed = build_parser().parse_args(["serve", "--model", str(MODEL), *args])

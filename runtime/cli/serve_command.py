@@ -68,6 +68,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
     parser.add_argument("--executors", type=int, default=1,
                         help="copies of the model running sessions in parallel (each costs the model's memory)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=64.0,
+                        help="memory for the KV rows of recent prompts per adapter: a prompt beginning like a "
+                        "cached one (a chat template's system prompt, earlier turns) prefills only the rest "
+                        "(default: 64; 0: off)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(run=run)
 
@@ -106,7 +110,11 @@ def run(args: argparse.Namespace) -> int:
     downloads = DownloadPolicy.of(args.allow_download_from, args.max_download_bytes, args.download_timeout)
     tokenizer = ByteTokenizer(stop_token_ids=args.stop_token or ()) if args.byte_tokens else args.tokenizer
     chat_template = _read_template(args.chat_template) if args.chat_template is not None else None
-    with Engine(args.model, EngineSettings(num_threads=args.threads, executors=args.executors),
+    if not 0 <= args.prefix_cache_mb < 1 << 40:  # NaN and infinity too
+        raise InvalidArgumentError(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
+    engine_settings = EngineSettings(num_threads=args.threads, executors=args.executors,
+                                     prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+    with Engine(args.model, engine_settings,
                 tokenizer=tokenizer, chat_template=chat_template) as engine:
         catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,
                                  draft_heads=not args.no_draft_heads)

@@ -59,6 +59,9 @@ class EngineSettings:
     batch to come back (a session alone never waits). ``None``: sessions take turns.
     ``speculation``: when a Turbo adapter's draft heads switch themselves off in a
     generation where they are rarely right (see :class:`SpeculationPolicy`).
+    ``prefix_cache_bytes``: memory for the KV rows of recent prompts, per adapter blend; a
+    session's prompt that begins like a cached one (a chat template's system prompt, the
+    earlier turns of a conversation) takes those rows instead of prefilling them (0: off).
     """
 
     num_threads: int = 1
@@ -67,6 +70,7 @@ class EngineSettings:
     executors: int = 1
     batch_wait_s: float | None = 0.002
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    prefix_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_wait_s is not None and (
@@ -76,6 +80,8 @@ class EngineSettings:
             raise InvalidArgumentError(f"executors={self.executors!r}, expected an integer >= 1")
         if type(self.num_threads) is not int or self.num_threads < 0:
             raise InvalidArgumentError(f"num_threads={self.num_threads!r}, expected an integer >= 0")
+        if type(self.prefix_cache_bytes) is not int or self.prefix_cache_bytes < 0:
+            raise InvalidArgumentError(f"prefix_cache_bytes={self.prefix_cache_bytes!r}, expected an integer >= 0")
         check_policy(self.lora_residency)
 
 

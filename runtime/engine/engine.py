@@ -76,6 +76,7 @@ class Engine:
             allow_non_finite=self.settings.allow_non_finite_weights,
             batch_wait_s=self.settings.batch_wait_s,
             output_projection=lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
+            prefix_cache_bytes=self.settings.prefix_cache_bytes,
         )
         self._sessions = SessionRegistry(self.settings.speculation)
         self._closed = False
@@ -100,6 +101,8 @@ class Engine:
         """Unregisters an adapter no live session uses and frees its buffers."""
         self._check_open()
         self._resources.registry.unload(lora_id)
+        if self._resources.prefix_cache is not None:
+            self._resources.prefix_cache.drop_adapter(lora_id)
 
     def adapter_ids(self) -> list[int]:
         """The ids of the registered adapters."""
@@ -179,6 +182,7 @@ class Engine:
             decode_batches=batch_sizes,
             queue_wait=queue_wait,
             speculation=self._sessions.speculation.snapshot(),
+            prefix_cache=self._resources.prefix_cache.stats() if self._resources.prefix_cache is not None else None,
         )
 
     def close(self) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.framework.resource_management.adapter_stats import AdapterStats, ResidentStats
+from runtime.framework.resource_management.prefix_cache import PrefixCacheStats
 from runtime.engine.speculative import SpeculationStats
 from runtime.util.latency import LatencySummary
 
-__all__ = ["AdapterStats", "EngineStats", "ResidentStats", "SessionStats", "SpeculationStats"]
+__all__ = ["AdapterStats", "EngineStats", "PrefixCacheStats", "ResidentStats", "SessionStats", "SpeculationStats"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class EngineStats:
     queue_wait: LatencySummary = LatencySummary(0, 0.0, 0.0)
     # Every session's speculative decoding so far (closed sessions included).
     speculation: SpeculationStats = SpeculationStats()
+    # The prefix cache of prompt heads (None: EngineSettings.prefix_cache_bytes is 0).
+    prefix_cache: PrefixCacheStats | None = None
 
     @property
     def resident_bytes(self) -> int:

@@ -76,6 +76,21 @@ class KvCache:
         self.buffers = {}
 
 
+@dataclass(frozen=True)
+class KvPrefix:
+    """A copy of a KV cache's first ``length`` positions: per ``kv_cache_*`` input, its
+    slice along the position axis. Caches started from it hold what a prefill of the same
+    ``length`` tokens with the same adapters would have written."""
+
+    length: int
+    rows: Mapping[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy holds."""
+        return sum(array.nbytes for array in self.rows.values())
+
+
 @dataclass
 class _SignatureIO:
     """A signature's token, position and logits buffers, with host arrays to fill them."""
@@ -131,6 +146,11 @@ class DecodeStep:
     binding: Binding
     token: int
     position: int
+
+
+def _positions(array: np.ndarray, axis: int, length: int) -> np.ndarray:
+    """The view of ``array``'s first ``length`` positions along ``axis``."""
+    return array[(slice(None),) * axis + (slice(0, length),)]
 
 
 def _row_buffer(signature: SignatureSpec, rows: Sequence[Mapping[str, TensorBuffer]], name: str) -> TensorBuffer:
@@ -243,6 +263,28 @@ class LlmExecutor:
                 data = source.buffers[spec.name].read(int(np.prod(spec.shape)), spec.dtype)
                 copy.buffers[spec.name].write(data.reshape(spec.shape))
         return copy
+
+    def read_kv_prefix(self, kv: KvCache, length: int) -> KvPrefix:
+        """A copy of ``kv``'s first ``length`` positions."""
+        if not 0 < length <= self.spec.kv_length:
+            raise InvalidArgumentError(f"a KV prefix of {length} positions, expected 1 ... {self.spec.kv_length}")
+        rows = {}
+        with self._lock:
+            for spec in self.spec.kv_inputs:
+                data = kv.buffers[spec.name].read(int(np.prod(spec.shape)), spec.dtype).reshape(spec.shape)
+                rows[spec.name] = _positions(data, self.spec.kv_position_axis(spec.name), length).copy()
+        return KvPrefix(length, rows)
+
+    def write_kv_prefix(self, kv: KvCache, prefix: KvPrefix, length: int) -> None:
+        """Makes ``kv`` hold ``prefix``'s first ``length`` positions, zeros after them (the
+        cache of a context that no run is using)."""
+        if not 0 < length <= prefix.length:
+            raise InvalidArgumentError(f"{length} positions of a KV prefix of {prefix.length}")
+        for spec in self.spec.kv_inputs:
+            axis = self.spec.kv_position_axis(spec.name)
+            data = np.zeros(spec.shape, spec.dtype)
+            _positions(data, axis, length)[...] = _positions(prefix.rows[spec.name], axis, length)
+            kv.buffers[spec.name].write(data)
 
     def create_lora_buffer(self, slot: LoraSlot, name: str) -> TensorBuffer:
         """An empty buffer for LoRA input ``name`` of ``slot``."""

@@ -115,6 +115,13 @@ class ModelSpec:
         """Bytes one session's KV cache takes."""
         return sum(spec.nbytes for spec in self.kv_inputs)
 
+    def kv_position_axis(self, name: str) -> int:
+        """The axis of KV input ``name`` that runs over cache positions (see the layouts'
+        shapes at :data:`KV_LAYOUT_DEFAULT` and :data:`KV_LAYOUT_TRANSPOSED`)."""
+        if self.kv_layout == KV_LAYOUT_DEFAULT:
+            return 1
+        return 3 if _KV_NAME.fullmatch(name)["kind"] == "v" else 2
+
     def decode(self, lora_slot: LoraSlot | None = None, window: int | None = None) -> SignatureSpec:
         """The decode signature for a LoRA slot (``None``: the plain one), attending over
         the first ``window`` positions (``None``: the whole cache)."""

@@ -8,7 +8,8 @@ how long registering it took, whether it is healthy; engine-wide: switch, materi
 percentiles, residency hits, misses and evictions, and batched decode: batches by rows
 (sessions' steps run as one pass over the weights) and the steps' wait for their batch;
 speculative decoding with Turbo adapters' draft heads: drafted, accepted per head, verify
-forwards, tokens per forward.
+forwards, tokens per forward; the prefix cache of prompt heads: hits, misses, positions
+taken from it, what it holds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from runtime import Engine
-from runtime.engine.stats import SpeculationStats
+from runtime.engine.stats import PrefixCacheStats, SpeculationStats
 from runtime.serve.catalog import AdapterCatalog
 from runtime.serve.generation import Outcome
 
@@ -160,6 +161,21 @@ class _EngineCollector:
         wait.add_metric(["0.99"], stats.queue_wait.p99_ms / 1e3)
         yield wait
         yield from _speculation(stats.speculation)
+        if stats.prefix_cache is not None:
+            yield from _prefix_cache(stats.prefix_cache)
+
+
+def _prefix_cache(cache: PrefixCacheStats) -> Iterator[Metric]:
+    """The prefix cache: prompts that started from a cached head, positions taken from it, what it holds."""
+    yield CounterMetricFamily("runtime_prefix_cache_hits", "Prompts that started from the cached KV rows of a "
+                              "prompt beginning the same way (same adapters)", value=cache.hits)
+    yield CounterMetricFamily("runtime_prefix_cache_misses", "Prompts from position 0 that found no cached head",
+                              value=cache.misses)
+    yield CounterMetricFamily("runtime_prefix_cache_reused_tokens", "Prompt positions taken from the cache "
+                              "instead of prefilled", value=cache.reused_tokens)
+    yield GaugeMetricFamily("runtime_prefix_cache_bytes", "Bytes of KV rows the prefix cache holds",
+                            value=cache.bytes)
+    yield GaugeMetricFamily("runtime_prefix_cache_entries", "Prompts the prefix cache holds", value=cache.entries)
 
 
 def _speculation(spec: SpeculationStats) -> Iterator[Metric]:

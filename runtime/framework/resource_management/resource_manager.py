@@ -30,6 +30,7 @@ from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_registry import AdapterRegistry
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
+from runtime.framework.resource_management.prefix_cache import PrefixCache
 from runtime.errors import FailedPreconditionError
 from runtime.util.draft_heads import DraftHeads
 from runtime.util.latency import LatencyRecorder
@@ -50,13 +51,15 @@ class ResourceManager:
         allow_non_finite: bool = False,
         batch_wait_s: float | None = None,
         output_projection: Callable[[], np.ndarray] | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         """``executors``: one executor, or a pool of executors of the same model; KV
         caches and adapter buffers are made by the first and bound to whichever runs.
         ``base_weights``: reads the model's projection weights (for R-only LoRA-XS).
         ``batch_wait_s``: with a model that has batched decode signatures, how long a
         batch waits for the sessions of the previous one to come back (``None``: no
-        batching, sessions take turns)."""
+        batching, sessions take turns). ``prefix_cache_bytes``: the budget of the
+        :class:`PrefixCache` of prompt heads (0: none)."""
         self.executors = [executors] if isinstance(executors, LlmExecutor) else list(executors)
         self.executor = executor = self.executors[0]
         self.spec: ModelSpec = executor.spec
@@ -85,6 +88,7 @@ class ResourceManager:
         self._last_lora: LoRA | None = None
         self.switch_latency = LatencyRecorder()
         self.batcher = DecodeBatcher(self, batch_wait_s)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
 
     def invoke_totals(self) -> tuple[int, float]:
         """Signature runs so far on all executors, and the seconds spent inside them."""
@@ -149,9 +153,22 @@ class ResourceManager:
 
     def prefill(self, context: ContextHandler, tokens: Sequence[int]) -> np.ndarray:
         """Appends ``tokens`` to ``context`` at its position; the logits after the last.
-        (The caller advances the position.)"""
+        (The caller advances the position.) With a prefix cache, a prompt from position 0
+        starts from the longest cached head of its blend and is cached after."""
+        cache = self.prefix_cache
         with Run(self, context) as binding:
-            return binding.executor.prefill(binding, tokens, context.position)
+            executor = binding.executor
+            if cache is None or context.position:
+                return executor.prefill(binding, tokens, context.position)
+            hit = cache.lookup(context.blend, tokens)
+            start = 0
+            if hit is not None:
+                executor.write_kv_prefix(context.kv, hit.prefix, hit.length)
+                start = hit.length
+            logits = executor.prefill(binding, tokens[start:], start)
+            if cache.wants(context.blend, tokens, self.spec.kv_cache_bytes // self.spec.kv_length):
+                cache.store(context.blend, tokens, executor.read_kv_prefix(context.kv, len(tokens)))
+            return logits
 
     def decode(self, context: ContextHandler, token: int) -> np.ndarray:
         """One decode step of ``context`` at its position, batched with other sessions'
