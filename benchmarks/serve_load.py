@@ -19,7 +19,9 @@ model with its adapters); ``--adapter PATH`` (repeatable) picks the source adapt
 model (vocabulary 256) gets ``--byte-tokens``; any other model is served with a
 synthetic tokenizer whose token ``i`` is the word ``t{i}``, so that any vocabulary
 streams as text (prompts are then random token ids; nothing stops a generation before
-``--max-tokens``).
+``--max-tokens``). ``--chat-template FILE`` sends each prompt as a one-message conversation
+rendered with that template: the prompts then begin alike (the template's system head),
+which both servers' prefix caches can reuse.
 
 The same workload against llama.cpp's ``llama-server`` (``--llama-server``, built by
 ``bash benchmarks/llama_cpp/build_server.sh``) runs with ``--gguf`` (the same weights)
@@ -51,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime import ByteTokenizer, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig, Tokenizer
+from runtime.components.chat_template import ChatTemplate
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -97,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=str(BENCH_MODEL), help="a model file, or 'demo'")
     parser.add_argument("--adapter", action="append", type=Path, help="a source adapter (repeatable)")
     parser.add_argument("--tokenizer", type=Path)
+    parser.add_argument("--chat-template", type=Path,
+                        help="a Jinja2 chat template: each prompt is sent as the token ids of a one-message "
+                        "conversation rendered with it, as /v1/chat/completions would (the prompts then share the "
+                        "template's head, e.g. a default system prompt)")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8, help="adapters served (copies of the sources)")
     parser.add_argument("--seconds", type=float, default=60.0, help="load time per server")
@@ -184,6 +191,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
         if synthetic:
             rng = random.Random(20250601)
             workload.prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(6, 14))] for _ in range(8)]
+        elif args.chat_template is not None:
+            template = ChatTemplate(args.chat_template.read_text())
+            workload.prompts = [engine.tokenizer.encode(template.render([{"role": "user", "content": text}]))
+                                for text in TEXT_PROMPTS]
         else:
             workload.prompts = [engine.tokenizer.encode(text) for text in TEXT_PROMPTS]
         for s, source in enumerate(workload.sources):
