@@ -5,8 +5,8 @@
     python3 benchmarks/base_rows.py --set smollm2 --prompt 512 --model f32-w768=W768-f32.tflite \
         --pairs f32:f32,f32-w768:f32 --out base_rows_windows   # another export of ours beside the set's
 
-1 thread, for each pair (our export's precision : llama.cpp's GGUF precision, both of the
-model set in ``benchmarks/llama_cpp/files.py``): ms per decode step over ``--steps`` steps
+1 thread (``--threads N``: both sides), for each pair (our export's precision : llama.cpp's GGUF
+precision, both of the model set in ``benchmarks/llama_cpp/files.py``): ms per decode step over ``--steps`` steps
 from an empty context and after a ``--prompt``-token prompt, and ms to prefill that prompt.
 Our session and llama.cpp's context (in its own process) take turns round by round, who
 goes first flipping every round; figures are medians over the rounds, speed is llama.cpp's
@@ -42,28 +42,29 @@ RESULTS = HERE / "results"
 
 
 def measure(llama: LlamaCpp, models: ModelSet, pairs: list[tuple[str, str]], rounds: int, steps: int,
-            prompt: int) -> list[dict[str, Any]]:
-    """Every row of every pair, ours and llama.cpp's alternating round by round."""
+            prompt: int, threads: int) -> list[dict[str, Any]]:
+    """Every row of every pair, ours and llama.cpp's alternating round by round, both on
+    ``threads`` threads."""
     rows = []
     for ours, theirs in pairs:
         samples: dict[str, list[tuple[float, float]]] = {}
-        with Engine(models.ours[ours], EngineSettings(num_threads=1)) as engine, \
+        with Engine(models.ours[ours], EngineSettings(num_threads=threads)) as engine, \
                 engine.create_session(SessionConfig()) as session:
             timed_decode(engine, session, 2)  # warm both sides
-            llama.request("decode", kind=theirs, setting="base", threads=1, steps=2, prompt=0)
+            llama.request("decode", kind=theirs, setting="base", threads=threads, steps=2, prompt=0)
             for r in range(rounds):
                 cases = {
                     "decode from position 0": (
                         lambda: timed_decode(engine, session, steps)[0] * 1e3,
-                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
+                        lambda: llama.request("decode", kind=theirs, setting="base", threads=threads, steps=steps,
                                               prompt=0)["ms"]),
                     f"decode after a {prompt}-token prompt": (
                         lambda: timed_decode(engine, session, steps, prompt)[0] * 1e3,
-                        lambda: llama.request("decode", kind=theirs, setting="base", threads=1, steps=steps,
+                        lambda: llama.request("decode", kind=theirs, setting="base", threads=threads, steps=steps,
                                               prompt=prompt)["ms"]),
                     f"prefill {prompt} tokens": (
                         lambda: prefill_seconds(session, prompt) * 1e3,
-                        lambda: llama.request("prefill", kind=theirs, tokens=prompt, threads=1)["ms"]),
+                        lambda: llama.request("prefill", kind=theirs, tokens=prompt, threads=threads)["ms"]),
                 }
                 for name, (mine, other) in cases.items():
                     samples.setdefault(name, []).append(both(mine, other, r))
@@ -83,9 +84,10 @@ def measure(llama: LlamaCpp, models: ModelSet, pairs: list[tuple[str, str]], rou
 def rows_table(record: dict[str, Any]) -> list[str]:
     """The rows of ``record`` (what :func:`measure` returned, with the date and load) as a
     markdown table with a line saying how to read it."""
-    out = [f"{record['title']}, 1 thread; measured {record['date']} (load average {record['load_average'][0]:.1f} "
-           f"at the start). speed = llama.cpp's ms / ours (above 1: ours is faster); median "
-           f"[min-max] over {record['rows'][0]['rounds']} alternating rounds.", "",
+    threads = record["threads"]
+    out = [f"{record['title']}, {threads} thread{'s' if threads > 1 else ''}; measured {record['date']} "
+           f"(load average {record['load_average'][0]:.1f} at the start). speed = llama.cpp's ms / ours (above 1: "
+           f"ours is faster); median [min-max] over {record['rows'][0]['rounds']} alternating rounds.", "",
            "| precision (ours / llama.cpp) | measure | ours ms | llama.cpp ms | speed |", "|---|---|---|---|---|"]
     out += [f"| {r['precision']} | {r['measure']} | {r['ours_ms']:.1f} | {r['llama_cpp_ms']:.1f} | "
             f"{r['speed']:.2f}x [{r['speed_min']:.2f}-{r['speed_max']:.2f}] |" for r in record["rows"]]
@@ -93,10 +95,11 @@ def rows_table(record: dict[str, Any]) -> list[str]:
 
 
 def record_of(llama: LlamaCpp, models: ModelSet, pairs: list[tuple[str, str]], rounds: int, steps: int,
-              prompt: int) -> dict[str, Any]:
+              prompt: int, threads: int = 1) -> dict[str, Any]:
     """The measured rows with what :func:`rows_table` needs beside them."""
-    start = {"title": models.title, "date": date.today().isoformat(), "load_average": os.getloadavg(), "threads": 1}
-    return {**start, "rows": measure(llama, models, pairs, rounds, steps, prompt)}
+    start = {"title": models.title, "date": date.today().isoformat(), "load_average": os.getloadavg(),
+             "threads": threads}
+    return {**start, "rows": measure(llama, models, pairs, rounds, steps, prompt, threads)}
 
 
 def main() -> int:
@@ -107,6 +110,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, help="decode steps per timed run (default: the set's)")
     parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="threads of both sides (default: 1)")
     parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
                         help="another export of ours, usable as NAME in --pairs (repeatable)")
     parser.add_argument("--out", help="results name in benchmarks/results (default: base_rows_SET)")
@@ -126,7 +130,8 @@ def main() -> int:
     if missing:
         raise SystemExit(f"missing for {args.pairs}: " + ", ".join(map(str, missing)))
     with LlamaCpp(models.key) as llama:
-        record = record_of(llama, models, pairs, args.rounds, args.steps or models.decode_steps, args.prompt)
+        record = record_of(llama, models, pairs, args.rounds, args.steps or models.decode_steps, args.prompt,
+                           args.threads)
     out = RESULTS / (args.out or f"base_rows_{models.key}")
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     out.with_suffix(".md").write_text("\n".join(rows_table(record)) + "\n")
