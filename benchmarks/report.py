@@ -88,8 +88,7 @@ def render_markdown(results: dict, folder: Path) -> str:
         out += ["", f"## {data['title']}", ""]
         if "measured" in data:
             when = data["measured"]
-            out += [f"Measured {when['date']}; load average {when['load_average_start'][0]:.1f} at the start, "
-                    f"{when['load_average_end'][0]:.1f} at the end.", ""]
+            out += [_measured_line(when), ""]
         out += set_tables(key, data, shared_machine(results["machine"]))
     turbo = [(name, label) for name, label in TURBO_RESULTS.items() if (folder / f"{name}.md").exists()]
     if turbo:
@@ -114,6 +113,19 @@ def render_markdown(results: dict, folder: Path) -> str:
 def shared_machine(m: dict) -> bool:
     """Whether other jobs ran beside the benchmark (a load average above what it adds itself)."""
     return m["load_average_start"][0] > 0.5 or m.get("load_average_end", [0])[0] > 0.5 + m["cores"]
+
+
+def _measured_line(when: dict) -> str:
+    """When a set was measured; for a set of which only some sections were measured again
+    (``run.py --sections ... --update``), which, and when the rest was."""
+    line = (f"Measured {when['date']}; load average {when['load_average_start'][0]:.1f} at the start, "
+            f"{when['load_average_end'][0]:.1f} at the end.")
+    before = when.get("before")
+    if before:
+        line = (f"Sections {', '.join(when['sections'])} measured {when['date']} (load average "
+                f"{when['load_average_start'][0]:.1f} at the start, {when['load_average_end'][0]:.1f} at the end); "
+                + _measured_line(before).replace("Measured", "the rest", 1))
+    return line
 
 
 def machine_lines(m: dict) -> list[str]:

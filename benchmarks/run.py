@@ -33,7 +33,7 @@ import platform
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -359,22 +359,32 @@ def memory_section(models: ModelSet, quick: bool, with_llama: bool) -> dict:
     return out
 
 
-def model_set_section(models: ModelSet, rounds: int, quick: bool, with_llama: bool) -> dict:
-    """Everything measured on one model set."""
+SECTIONS = ("threads", "register", "concurrency", "load", "memory", "cold_switch")
+
+
+def model_set_section(models: ModelSet, rounds: int, quick: bool, with_llama: bool,
+                      sections: Sequence[str] = SECTIONS) -> dict:
+    """Everything measured on one model set (or the ``sections`` named)."""
     out: dict = {"title": models.title, "decode_steps": models.decode_steps, "n_ctx": models.n_ctx,
                  "late_prompt": max(models.prefill_lengths),
                  "files": {side: {p: str(path) for p, path in paths.items()}
                            for side, paths in (("ours", models.ours), ("theirs", models.theirs))}}
     with ExitStack() as stack:
         llama = stack.enter_context(llama_cpp.LlamaCpp(models.key)) if with_llama else None
-        if llama:
+        if llama and "threads" in sections:
             out["same_weights"] = same_weights(models, llama)
-        out["threads"] = {str(threads): side_by_side(models, threads, rounds, llama) for threads in models.threads}
-        out["register"] = register_section(models, max(3, rounds // 3), llama)
-        out["concurrency"] = concurrency_section(models, max(3, rounds // 3), llama)
-    out["load"] = load_section(models, 3, with_llama)
-    out["memory"] = memory_section(models, quick, with_llama)
-    if models.key == "bench":
+        if "threads" in sections:
+            out["threads"] = {str(threads): side_by_side(models, threads, rounds, llama)
+                              for threads in models.threads}
+        if "register" in sections:
+            out["register"] = register_section(models, max(3, rounds // 3), llama)
+        if "concurrency" in sections:
+            out["concurrency"] = concurrency_section(models, max(3, rounds // 3), llama)
+    if "load" in sections:
+        out["load"] = load_section(models, 3, with_llama)
+    if "memory" in sections:
+        out["memory"] = memory_section(models, quick, with_llama)
+    if models.key == "bench" and "cold_switch" in sections:
         out["cold_switch"] = bench_cold_switch(models.ours["f32"], [LoraSource(path=models.adapters[n].peft)
                                                                    for n in ("r8_a", "r64")], 5 if quick else 15)
     return out
@@ -448,7 +458,17 @@ def main() -> None:
                         help="thread counts to measure (repeatable; default: each set's own)")
     parser.add_argument("--update", action="store_true",
                         help="keep the other sets of the existing results.json (re-measure only --sets)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="what to measure of each set (default: all of %(default)s); with --update the "
+                        "other sections of a set measured before are kept, with its date")
     args = parser.parse_args()
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(SECTIONS)})")
+    partial = set(sections) != set(SECTIONS)
+    if partial and not args.update:
+        parser.error("--sections needs --update (a report of some sections alone would drop the others)")
     rounds = 5 if args.quick else 15
     with_llama = not args.skip_llama_cpp and llama_cpp.available()
     if not with_llama and not args.skip_llama_cpp:
@@ -471,13 +491,21 @@ def main() -> None:
         print(f"{models.title} ...", file=sys.stderr)
         set_rounds = rounds if key == "bench" else max(3, rounds // 2)
         started = {"date": machine(None)["date"], "load_average_start": os.getloadavg()}
-        results["sets"][key] = model_set_section(models, set_rounds, args.quick, with_llama)
-        results["sets"][key]["measured"] = {**started, "load_average_end": os.getloadavg()}
+        results["sets"][key] = model_set_section(models, set_rounds, args.quick, with_llama, sections)
+        results["sets"][key]["measured"] = {**started, "load_average_end": os.getloadavg(), "sections": sections}
     results["machine"]["load_average_end"] = os.getloadavg()
     RESULTS.mkdir(exist_ok=True)
     if args.update and (RESULTS / "results.json").exists():
-        kept = json.loads((RESULTS / "results.json").read_text())["sets"]
-        results["sets"] = {**{k: v for k, v in kept.items() if k not in results["sets"]}, **results["sets"]}
+        before = json.loads((RESULTS / "results.json").read_text())
+        kept = before["sets"]
+        if partial:  # the header stays the whole run's; each set says which sections are newer
+            results["machine"] = before["machine"]
+        for key, fresh in results["sets"].items():
+            if key in kept and partial:  # the sections measured now, the rest as before
+                fresh["measured"]["before"] = kept[key].get("measured")
+                results["sets"][key] = {**kept[key], **fresh}
+        fresh_sets = results["sets"]  # in the order of the file, new sets last
+        results["sets"] = {**{k: fresh_sets.get(k, v) for k, v in kept.items()}, **fresh_sets}
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     from report import plots, render_markdown
 
