@@ -100,9 +100,7 @@ class Engine:
     def unload_adapter(self, lora_id: int) -> None:
         """Unregisters an adapter no live session uses and frees its buffers."""
         self._check_open()
-        self._resources.registry.unload(lora_id)
-        if self._resources.prefix_cache is not None:
-            self._resources.prefix_cache.drop_adapter(lora_id)
+        self._resources.unload_adapter(lora_id)
 
     def adapter_ids(self) -> list[int]:
         """The ids of the registered adapters."""
@@ -182,7 +180,7 @@ class Engine:
             decode_batches=batch_sizes,
             queue_wait=queue_wait,
             speculation=self._sessions.speculation.snapshot(),
-            prefix_cache=self._resources.prefix_cache.stats() if self._resources.prefix_cache is not None else None,
+            prefix_cache=self._resources.prefix_cache_stats(),
         )
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_registry import AdapterRegistry
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
-from runtime.framework.resource_management.prefix_cache import PrefixCache
+from runtime.framework.resource_management.prefix_cache import PrefixCache, PrefixCacheStats
 from runtime.errors import FailedPreconditionError
 from runtime.util.draft_heads import DraftHeads
 from runtime.util.latency import LatencyRecorder
@@ -89,6 +89,17 @@ class ResourceManager:
         self.switch_latency = LatencyRecorder()
         self.batcher = DecodeBatcher(self, batch_wait_s)
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+
+    def unload_adapter(self, lora_id: int) -> None:
+        """Unregisters an adapter no live context uses; the prompts it computed leave the
+        prefix cache."""
+        self.registry.unload(lora_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_adapter(lora_id)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters (``None``: there is none)."""
+        return self.prefix_cache.stats() if self.prefix_cache is not None else None
 
     def invoke_totals(self) -> tuple[int, float]:
         """Signature runs so far on all executors, and the seconds spent inside them."""
