@@ -20,6 +20,7 @@ from contextlib import ExitStack
 from run import RESULTS, MODEL_SETS, concurrency_section, llama_cpp, machine
 
 import report
+import run
 
 
 def main() -> None:
@@ -30,11 +31,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="our engine's XNNPACK threads (a batch of sessions and a lone session alike); "
                              "writes concurrency_{set}_threads{N} when not 1")
+    parser.add_argument("--update-report", action="store_true",
+                        help="also put the section into benchmarks/results/results.json and results.md in place "
+                             "of the set's (1 thread only; the report's other sections stay)")
     args = parser.parse_args()
+    if args.update_report and args.threads != 1:
+        parser.error("--update-report goes with --threads 1 (the report's concurrency section is on 1 thread)")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: expected 1 or more")
     models = MODEL_SETS[args.set]
     with_llama = not args.skip_llama_cpp and llama_cpp.available()
+    started = {"date": machine(None)["date"], "load_average_start": os.getloadavg()}
     with ExitStack() as stack:
         llama = stack.enter_context(llama_cpp.LlamaCpp(models.key)) if with_llama else None
         section = concurrency_section(models, args.rounds, llama, args.threads)
@@ -42,6 +49,10 @@ def main() -> None:
                    "sets": {models.key: {"title": models.title, "concurrency": section}}}
     results["machine"]["load_average_end"] = os.getloadavg()
     write_report(results, args.set, args.rounds, args.threads)
+    if args.update_report:
+        measured = {**started, "load_average_end": os.getloadavg(), "sections": ["concurrency"]}
+        fresh = {"title": models.title, "concurrency": section, "measured": measured}
+        run.write_report({"machine": results["machine"], "sets": {models.key: fresh}}, update=True, partial=True)
 
 
 def write_report(results: dict, key: str, rounds: int, threads: int) -> None:

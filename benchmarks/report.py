@@ -115,17 +115,16 @@ def shared_machine(m: dict) -> bool:
     return m["load_average_start"][0] > 0.5 or m.get("load_average_end", [0])[0] > 0.5 + m["cores"]
 
 
-def _measured_line(when: dict) -> str:
+def _measured_line(when: dict, first: bool = True) -> str:
     """When a set was measured; for a set of which only some sections were measured again
     (``run.py --sections ... --update``), which, and when the rest was."""
-    line = (f"Measured {when['date']}; load average {when['load_average_start'][0]:.1f} at the start, "
-            f"{when['load_average_end'][0]:.1f} at the end.")
+    own = (f"{when['date']} (load average {when['load_average_start'][0]:.1f} at the start, "
+           f"{when['load_average_end'][0]:.1f} at the end)")
     before = when.get("before")
-    if before:
-        line = (f"Sections {', '.join(when['sections'])} measured {when['date']} (load average "
-                f"{when['load_average_start'][0]:.1f} at the start, {when['load_average_end'][0]:.1f} at the end); "
-                + _measured_line(before).replace("Measured", "the rest", 1))
-    return line
+    if not before:
+        return f"Measured {own}." if first else f"the rest {own}."
+    return (f"{'S' if first else 's'}ections {', '.join(when['sections'])} measured {own}; "
+            + _measured_line(before, first=False))
 
 
 def machine_lines(m: dict) -> list[str]:

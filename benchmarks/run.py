@@ -494,8 +494,16 @@ def main() -> None:
         results["sets"][key] = model_set_section(models, set_rounds, args.quick, with_llama, sections)
         results["sets"][key]["measured"] = {**started, "load_average_end": os.getloadavg(), "sections": sections}
     results["machine"]["load_average_end"] = os.getloadavg()
+    print(write_report(results, update=args.update, partial=partial))
+
+
+def write_report(results: dict, *, update: bool, partial: bool) -> str:
+    """Writes ``results.json``, ``results.md`` and the plots; returns the markdown. With
+    ``update``, the sets not in ``results`` are kept from the existing ``results.json``;
+    with ``partial`` too (some sections measured), so are the other sections of the sets
+    measured, and the header of the run that measured the rest."""
     RESULTS.mkdir(exist_ok=True)
-    if args.update and (RESULTS / "results.json").exists():
+    if update and (RESULTS / "results.json").exists():
         before = json.loads((RESULTS / "results.json").read_text())
         kept = before["sets"]
         if partial:  # the header stays the whole run's; each set says which sections are newer
@@ -506,6 +514,7 @@ def main() -> None:
                 results["sets"][key] = {**kept[key], **fresh}
         fresh_sets = results["sets"]  # in the order of the file, new sets last
         results["sets"] = {**{k: fresh_sets.get(k, v) for k, v in kept.items()}, **fresh_sets}
+        results.setdefault("skipped", before.get("skipped", {}))
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     from report import plots, render_markdown
 
@@ -513,7 +522,7 @@ def main() -> None:
     (RESULTS / "results.md").write_text(report + "\n")
     for path in plots(results, RESULTS):
         print(f"wrote {path}", file=sys.stderr)
-    print(report)
+    return report
 
 
 if __name__ == "__main__":
