@@ -9,9 +9,9 @@ Two engines on the same model, one with ``EngineSettings(prefix_cache_bytes=64 M
 the chat template, so that every prompt begins with the template's head (its default
 system prompt) and then differs: each round asks about every topic of ``TOPICS`` with
 another opener of ``OPENERS`` (no question is asked twice), on a fresh session of each
-engine, who goes first alternating; the first round is not timed. Time to first token is the prefill of the prompt and the sampling of the first
-token (``Session.generate`` with one new token), 1 thread. The answers must be the same
-token for token. Writes ``benchmarks/results/{out}.json`` and ``.md``.
+engine, who goes first alternating; the first round is not timed. Time to first token is
+the prefill of the prompt and the sampling of the first token (``Session.generate`` with one
+new token), 1 thread. The answers must be the same token for token. Writes ``benchmarks/results/{out}.json`` and ``.md``.
 """
 
 from __future__ import annotations
