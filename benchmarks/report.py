@@ -81,7 +81,8 @@ def render_markdown(results: dict, folder: Path) -> str:
             f"within a round. {SPEED_NOTE}.", ""]
     for key, message in results.get("skipped", {}).items():
         out += [f"**{key} skipped**: {message}", ""]
-    out += ["## Targets", "", "| target | model | measured | met |", "|---|---|---|---|", *targets(results), ""]
+    out += ["## Targets", "", "| target | model | measured | met |", "|---|---|---|---|", *targets(results),
+            *serve_targets(folder), ""]
     out += ["## Plots", ""]
     out += [f"![{title}]({name})" for name, title in PLOT_TITLES.items()]
     for key, data in _sets(results):
@@ -691,6 +692,31 @@ def plot_concurrency(plt: Any, results: dict) -> Any:
 
 
 SERVE_LOADS = {"serve_load_smollm2.json": "SmolLM2-135M f32", "serve_load.json": "bench model f32"}
+
+
+def serve_targets(folder: Path) -> list[str]:
+    """The serving target at real size (``serve_load_smollm2.json``, written beside the
+    report by ``benchmarks/serve_load.py``): tokens/s at least llama-server's, time to first
+    token p99 below its p99, no error, every answer equal to offline."""
+    path = folder / "serve_load_smollm2.json"
+    if not path.exists():
+        return []
+    load = json.loads(path.read_text())
+    rows = {row["server"]: row for row in load["rows"]}
+    ours, theirs = rows.get("runtime serve"), rows.get("llama-server")
+    if ours is None or theirs is None:
+        return []
+    settings = load["settings"]
+    ratio = theirs.get("ours_vs_this_tokens_per_s", ours["tokens_per_s"] / theirs["tokens_per_s"])  # turns' median
+    met = (ratio >= 1.0 and ours["ttft_ms_p99"] < theirs["ttft_ms_p99"] and ours["errors"] == 0
+           and ours["mismatches"] == 0)
+    measured = (f"{ratio:.2f}x tokens/s, TTFT p99 {ours['ttft_ms_p99'] / 1e3:.1f} vs "
+                f"{theirs['ttft_ms_p99'] / 1e3:.1f} s, {ours['errors']} errors, "
+                f"{ours['requests'] - ours['errors'] - ours['mismatches']}/{ours['requests'] - ours['errors']} "
+                "equal to offline")
+    return [f"| runtime serve vs llama-server under load: tokens/s >= 1.0x, TTFT p99 below its p99, 0 errors, "
+            f"every answer equal to offline | SmolLM2-135M f32, {settings['clients']} streaming clients, "
+            f"{settings['adapters']} adapters | {measured} | {'yes' if met else 'NO'} |"]
 
 
 def plot_serve(plt: Any, folder: Path) -> Any:
