@@ -41,7 +41,8 @@ def main() -> None:
         parser.error(f"--threads {args.threads}: expected 1 or more")
     models = MODEL_SETS[args.set]
     with_llama = not args.skip_llama_cpp and llama_cpp.available()
-    started = {"date": machine(None)["date"], "load_average_start": os.getloadavg()}
+    now = machine(None)
+    started = {"date": now["date"], "cpu": now["cpu"], "load_average_start": os.getloadavg()}
     with ExitStack() as stack:
         llama = stack.enter_context(llama_cpp.LlamaCpp(models.key)) if with_llama else None
         section = concurrency_section(models, args.rounds, llama, args.threads)

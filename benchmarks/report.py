@@ -119,7 +119,8 @@ def shared_machine(m: dict) -> bool:
 def _measured_line(when: dict, first: bool = True) -> str:
     """When a set was measured; for a set of which only some sections were measured again
     (``run.py --sections ... --update``), which, and when the rest was."""
-    own = (f"{when['date']} (load average {when['load_average_start'][0]:.1f} at the start, "
+    on = f"on {when['cpu']}, " if "cpu" in when else ""  # recorded since sets are measured in parts
+    own = (f"{when['date']} ({on}load average {when['load_average_start'][0]:.1f} at the start, "
            f"{when['load_average_end'][0]:.1f} at the end)")
     before = when.get("before")
     if not before:

@@ -490,7 +490,8 @@ def main() -> None:
             continue
         print(f"{models.title} ...", file=sys.stderr)
         set_rounds = rounds if key == "bench" else max(3, rounds // 2)
-        started = {"date": machine(None)["date"], "load_average_start": os.getloadavg()}
+        now = machine(None)
+        started = {"date": now["date"], "cpu": now["cpu"], "load_average_start": os.getloadavg()}
         results["sets"][key] = model_set_section(models, set_rounds, args.quick, with_llama, sections)
         results["sets"][key]["measured"] = {**started, "load_average_end": os.getloadavg(), "sections": sections}
     results["machine"]["load_average_end"] = os.getloadavg()
