@@ -45,6 +45,10 @@ def test_default_prefill_lengths_scale_with_the_kv_length(kv_length: int, length
      r"attention_windows \[1024\] are not shorter than kv_length=1024"),
     ({"attention_windows": (0,)}, r"attention_windows=\(0,\): every value must be >= 1"),
     ({"lora_targets": "mlp"}, "lora_targets='mlp': expected one of attention, all-linear"),
+    ({"prefill_windows": (1024,), "kv_length": 1024},
+     r"prefill_windows \[1024\] are not shorter than kv_length=1024: prefill already attends"),
+    ({"prefill_windows": (16, 128), "prefill_lengths": (32, 128)},
+     r"prefill_windows \[16\] are shorter than every prefill length \[32, 128\]"),
 ])
 def test_bad_fields_are_refused_by_name(fields: dict, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):

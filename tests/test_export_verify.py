@@ -23,12 +23,13 @@ pytestmark = pytest.mark.export
 def test_verify_returns_what_decode_steps_return_and_the_lm_heads_input(tmp_path, layout):
     source = inspect_source(checkpoints.write_llama_directory(tmp_path / "llama", tokenizer=False))
     settings = ExportSettings(lora_ranks=(4,), lora_targets="attention", kv_length=32, prefill_lengths=(8,),
-                              kv_layout=layout, verify_lengths=(3,))
+                              kv_layout=layout, verify_lengths=(3,), attention_windows=(8,))
     model = tmp_path / "model.tflite"
     export(source, settings, model_out=model)
     executor = LlmExecutor(model)
     try:
-        assert {"verify3", "verify3_lora_r4"} <= set(executor.spec.signatures)
+        assert {"verify3", "verify3_lora_r4", "verify3_attend8", "verify3_attend8_lora_r4"} <= set(
+            executor.spec.signatures)
         assert executor.spec.verify_lengths(None) == (3,)
         plain, speculative = executor.bind(executor.create_kv_cache()), executor.bind(executor.create_kv_cache())
         executor.prefill(plain, [1, 2, 3, 4], 0)
@@ -38,7 +39,8 @@ def test_verify_returns_what_decode_steps_return_and_the_lm_heads_input(tmp_path
         np.testing.assert_allclose(logits, stepped, atol=1e-4)
         lm_head = read_output_projection(model, "verify3", str(model))
         np.testing.assert_allclose(hidden @ lm_head.T, logits, atol=1e-4)
-        # Two tokens run in the padded verify3; the next step at the kept position is unaffected.
+        # (positions 4-6 ran verify3_attend8) Two tokens at 7-8 run the padded whole-cache verify3;
+        # the next step at the kept position is unaffected.
         logits2, _ = executor.verify(speculative, [6, 5], 7)
         np.testing.assert_allclose(logits2[0], executor.decode(plain, 6, 7), atol=1e-4)
     finally:

@@ -106,5 +106,6 @@ def test_the_export_has_all_linear_batched_and_windowed_signatures() -> None:
     with Engine(MODEL) as engine:
         names = set(engine.spec.signatures)
     for name in ("decode_lora_all_r8", "prefill_16_lora_all_r8", "decode_attend16_lora_all_r8",
-                 "decode_batch4_attend16_lora_all_r8", "decode_batch2_lora_r8", "decode_batch4_lora_all_r8"):
+                 "decode_batch4_attend16_lora_all_r8", "decode_batch2_lora_r8", "decode_batch4_lora_all_r8",
+                 "prefill_16_attend16_lora_all_r8"):
         assert name in names

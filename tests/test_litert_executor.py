@@ -14,7 +14,7 @@ from runtime.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
+from runtime.executor.litert_executor import Binding, ExecutorSettings, LlmExecutor
 from runtime.util.lora_data import LoraData
 from runtime.util.signature_names import LoraSlot
 
@@ -65,22 +65,48 @@ def test_rank_4_adapter_in_rank_16_slot(executor, weights):
         np.testing.assert_allclose(executor.decode(binding, seq[pos], pos), expected[pos], atol=TOL)
 
 
+def bind_in_r16_slot(executor: LlmExecutor, adapter: str | None) -> tuple[Binding, dict | None]:
+    """A fresh KV cache bound to ``adapter`` (a fixture's name) in the rank-16 slot, or to
+    no LoRA; and the adapter's deltas for the reference."""
+    if adapter is None:
+        return executor.bind(executor.create_kv_cache()), None
+    slot = LoraSlot(16)
+    plan = plan_adapter(LoraData.create_from_file_path(adapter_path(adapter)), {slot: executor.spec.slot_inputs(slot)})
+    lora = LoRA([(plan, 1.0)], slot, executor.spec.slot_inputs(slot), lambda n: executor.create_lora_buffer(slot, n))
+    return executor.bind(executor.create_kv_cache(), lora.buffers, slot), adapter_deltas(adapter)
+
+
 @pytest.mark.parametrize("adapter", [None, "torch_r4"])
 def test_decode_across_its_attention_windows_matches_reference(executor, weights, adapter):
     """Positions 0-15 run decode_attend16, 16-31 decode_attend32, the rest the whole
     cache: every step's logits are the reference's, at each window's edges too."""
     assert executor.spec.windows(None) == executor.spec.windows(LoraSlot(16)) == (16, 32)
-    if adapter is None:
-        binding, deltas = executor.bind(executor.create_kv_cache()), None
-    else:
-        plan = plan_adapter(LoraData.create_from_file_path(adapter_path(adapter)), {LoraSlot(16): executor.spec.slot_inputs(LoraSlot(16))})
-        lora = LoRA([(plan, 1.0)], LoraSlot(16), executor.spec.slot_inputs(LoraSlot(16)), lambda n: executor.create_lora_buffer(LoraSlot(16), n))
-        binding, deltas = executor.bind(executor.create_kv_cache(), lora.buffers, LoraSlot(16)), adapter_deltas(adapter)
+    binding, deltas = bind_in_r16_slot(executor, adapter)
     seq = tokens(64, seed=9)
     expected = reference_logits(weights, seq, lora=deltas)
     for pos in range(64):
         np.testing.assert_allclose(executor.decode(binding, seq[pos], pos), expected[pos], atol=TOL,
                                    err_msg=f"position {pos}")
+
+
+@pytest.mark.parametrize("adapter", [None, "torch_r4"])
+def test_prefill_chunks_attend_over_the_shortest_window_that_holds_them(executor, weights, adapter, monkeypatch):
+    """A chunk whose last token lies below 16 runs a prefill attending over 16 positions,
+    below 32 over 32, past that the whole cache (padded chunks too): the logits are the
+    reference's either way, and each window is used."""
+    ran = []
+    run_filled = executor._run_filled
+    monkeypatch.setattr(executor, "_run_filled", lambda run: ran.append(run.signature.key) or run_filled(run))
+    binding, deltas = bind_in_r16_slot(executor, adapter)
+    suffix = "" if adapter is None else "_lora_r16"
+    seq = tokens(60, seed=11)
+    expected = reference_logits(weights, seq, lora=deltas)
+    for start, end in ((0, 9), (9, 20), (20, 60)):  # chunks ending at 7 and 8 | 16 and 19 | 51 and 59
+        np.testing.assert_allclose(executor.prefill(binding, seq[start:end], start), expected[end - 1], atol=TOL,
+                                   err_msg=f"tokens {start}-{end - 1}")
+    prefills = {key for key in ran if key.startswith("prefill")}
+    assert {f"prefill_8_attend16{suffix}", f"prefill_8_attend32{suffix}", f"prefill_32{suffix}"} <= prefills, ran
+    assert not any("attend" in key for key in ran[ran.index(f"prefill_32{suffix}"):]), ran
 
 
 def test_kv_copy_is_independent(executor, weights):

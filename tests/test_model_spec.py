@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 
 from conftest import MODEL_FILES
@@ -56,14 +57,26 @@ def test_discovers_the_test_models(layout):
     assert spec.decode_batch(4, LoraSlot(16), window=32).key == "decode_batch4_attend32_lora_r16"
     with pytest.raises(NotFoundError, match="attending over 8 positions"):
         spec.decode(None, window=8)
+    # Prefill chunks of 8 attend over 16 or 32 positions, of 32 over 32; a chunk's last position picks.
+    assert spec.windows(LoraSlot(4), kind="prefill", seq_len=8) == (16, 32)
+    assert spec.windows(None, kind="prefill", seq_len=32) == (32,)
+    assert [spec.window_for(p, None, kind="prefill", seq_len=8) for p in (7, 15, 16, 31, 32)] == [16, 16, 32, 32, None]
+    assert spec.prefill(8, LoraSlot(16), window=32).key == "prefill_8_attend32_lora_r16"
+    assert spec.prefill_lengths == (8, 32)
     executor.close()
 
 
 def test_refuses_attention_windows_it_cannot_honour(details):
-    prefill = copy.deepcopy(details)
-    prefill["prefill_8_attend16"] = prefill["prefill_8"]
-    with pytest.raises(UnimplementedError, match="'prefill_8_attend16': only decode signatures"):
-        ModelSpec.from_details(prefill, "m")
+    short = {**details, "prefill_32_attend16": details["prefill_32"]}
+    with pytest.raises(InvalidArgumentError, match=r"'prefill_32_attend16' attends over 16 positions, expected 32 "):
+        ModelSpec.from_details(short, "m")
+    with_logits = copy.deepcopy(details)
+    inputs, outputs = with_logits["prefill_8_attend16"]
+    outputs.setdefault("logits", {"shape": [1, 8, 256], "dtype": np.float32})
+    with_logits["prefill_8"][1].pop("logits", None)
+    with pytest.raises(InvalidArgumentError, match="'prefill_8_attend16' takes or returns other tensors than its "
+                                                   "whole-cache counterpart 'prefill_8'"):
+        ModelSpec.from_details(with_logits, "m")
     too_long = {**details, "decode_attend64": details["decode_attend16"]}
     with pytest.raises(InvalidArgumentError, match=r"'decode_attend64' attends over 64 positions, expected 1 ... 63"):
         ModelSpec.from_details(too_long, "m")

@@ -29,6 +29,8 @@ from runtime.util.signature_names import (
     ("verify4", SignatureName("verify", 4)),
     ("verify8_lora_r16", SignatureName("verify", 8, lora_slot=LoraSlot(16))),
     ("verify4_lora_all_r8", SignatureName("verify", 4, lora_slot=LoraSlot(8, ALL_LINEAR))),
+    ("verify4_attend128_lora_r8", SignatureName("verify", 4, window=128, lora_slot=LoraSlot(8))),
+    ("prefill_32_attend128_lora_all_r8", SignatureName("prefill", 32, window=128, lora_slot=LoraSlot(8, ALL_LINEAR))),
 ])
 def test_names_round_trip(name, parts):
     assert SignatureName.parse(name) == parts
@@ -38,7 +40,7 @@ def test_names_round_trip(name, parts):
 @pytest.mark.parametrize("name", [
     "serving_default", "decode_lora_r0", "decode_batch0", "decode_lora_r8_batch2", "prefill_08", "decode ",
     "decode_lora_mlp_r8", "decode_all_r8",
-    "verify0", "verify_4", "verify4_batch2",
+    "verify0", "verify_4", "verify4_batch2", "verify4_lora_r8_attend128",
 ])
 def test_other_names_are_not_of_the_contract(name):
     assert SignatureName.parse(name) is None

@@ -79,6 +79,8 @@ class TinyGqaConfig:
     batch_sizes: tuple[int, ...] = (2, 4)
     # Attention windows of the extra decode signatures (decode[_batch{B}]_attend{W}...).
     attention_windows: tuple[int, ...] = (16, 32)
+    # Attention windows of the extra prefill signatures (prefill_{L}_attend{W}..., L <= W).
+    prefill_windows: tuple[int, ...] = (16, 32)
     rms_eps: float = 1e-6
     rope_base: float = 10_000.0
     # Fraction of head_dim that RoPE rotates (litert-torch "rotary_percentage").
@@ -103,6 +105,7 @@ class TinyGqaConfig:
         out["lora_ranks"] = list(self.lora_ranks)
         out["batch_sizes"] = list(self.batch_sizes)
         out["attention_windows"] = list(self.attention_windows)
+        out["prefill_windows"] = list(self.prefill_windows)
         out["attn_scale"] = self.attn_scale
         out["final_logit_softcap"] = None
         out["attn_logit_softcap"] = None
@@ -253,7 +256,7 @@ def export_settings(cfg: TinyGqaConfig, *, kv_layout: str, prefill_logits: bool,
     return ExportSettings(lora_ranks=tuple(cfg.lora_ranks), lora_targets="attention", kv_length=cfg.kv_cache_max_len,
                           prefill_lengths=tuple(cfg.prefill_seq_lens), quantize=quantize, kv_layout=kv_layout,
                           prefill_logits=prefill_logits, batch_sizes=tuple(cfg.batch_sizes),
-                          attention_windows=tuple(cfg.attention_windows))
+                          attention_windows=tuple(cfg.attention_windows), prefill_windows=tuple(cfg.prefill_windows))
 
 
 def litert_model_config(cfg: TinyGqaConfig) -> Any:

@@ -65,7 +65,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="the LoRA rank slots the batched signatures take (default: every --lora-ranks slot)")
     parser.add_argument("--attention-windows", default="", metavar="W,W,...",
                         help="extra decode signatures (single and batched) attending over the cache's first W "
-                        "positions only: faster while a session is short (e.g. 128,512)")
+                        "positions only: faster while a session is short (e.g. 128,512); with --verify-lengths "
+                        "also verify{L} signatures attending over W")
+    parser.add_argument("--prefill-windows", default="", metavar="W,W,...",
+                        help="extra prefill signatures (every prefill length up to W) attending over the cache's "
+                        "first W positions only: a prompt's chunks ending below W do not pay for the whole cache "
+                        "(e.g. 128; each window costs export time like a prefill length per LoRA slot)")
     parser.add_argument("--verify-lengths", default="", metavar="L,L,...",
                         help="verify{L} signatures (per LoRA slot and plain): L tokens at once with logits and final "
                         "hidden states at all L, which speculative decoding with an adapter's draft heads (Turbo "
@@ -136,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         batch_lora_ranks=None if args.batch_lora_ranks is None
         else parse_integers("--batch-lora-ranks", args.batch_lora_ranks),
         attention_windows=parse_integers("--attention-windows", args.attention_windows),
+        prefill_windows=parse_integers("--prefill-windows", args.prefill_windows),
         verify_lengths=parse_integers("--verify-lengths", args.verify_lengths),
     )
     targets = [path for _, *paths in outputs for path in paths if path is not None]

@@ -102,6 +102,11 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
     if windows:
         lines.append(f"  attention windows {windows} (a decode step attends over the first W positions while it "
                      "fits in one)")
+    prefill_windows = sorted({w for slot in slots for length in spec.prefill_lengths
+                              for w in spec.windows(slot, kind="prefill", seq_len=length)})
+    if prefill_windows:
+        lines.append(f"  prefill windows {prefill_windows} (a prefill chunk attends over the first W positions "
+                     "while it ends in one)")
     for key, signature in spec.signatures.items():
         lora = signature.lora_inputs
         lines.append(f"  signature {key}: {len(signature.inputs)} inputs ({len(lora)} LoRA), "

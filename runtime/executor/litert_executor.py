@@ -36,7 +36,7 @@ from runtime.errors import (
 from runtime.executor.batch_plan import DecodePlan
 from runtime.executor.fast_path import FastPath
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
-from runtime.util.signature_names import LoraSlot
+from runtime.util.signature_names import VERIFY, LoraSlot
 from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
 
 
@@ -137,6 +137,9 @@ class Binding:
     prefill: dict[int, _Run] = field(default_factory=dict)
     decode_windows: dict[int, _Run] = field(default_factory=dict)  # by attention window
     verify: dict[int, _Run] = field(default_factory=dict)  # by verify length
+    # Prefill and verify steps attending over a window of the cache, by (length, window).
+    prefill_windows: dict[tuple[int, int], _Run] = field(default_factory=dict)
+    verify_windows: dict[tuple[int, int], _Run] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -305,10 +308,16 @@ class LlmExecutor:
                           self._run_args(self.spec.decode(lora_slot), kv, lora_buffers))
         for length in self.spec.prefill_lengths:
             binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_slot), kv, lora_buffers)
+            for window in self.spec.windows(lora_slot, kind="prefill", seq_len=length):
+                binding.prefill_windows[length, window] = self._run_args(
+                    self.spec.prefill(length, lora_slot, window), kv, lora_buffers)
         for window in self.spec.windows(lora_slot):
             binding.decode_windows[window] = self._run_args(self.spec.decode(lora_slot, window), kv, lora_buffers)
         for length in self.spec.verify_lengths(lora_slot):
             binding.verify[length] = self._run_args(self.spec.verify(length, lora_slot), kv, lora_buffers)
+            for window in self.spec.windows(lora_slot, kind=VERIFY, seq_len=length):
+                binding.verify_windows[length, window] = self._run_args(
+                    self.spec.verify(length, lora_slot, window), kv, lora_buffers)
         return binding
 
     def _run_args(
@@ -370,7 +379,7 @@ class LlmExecutor:
             else:
                 length = 1
             chunk, bulk = bulk[:length], bulk[length:]
-            run = self._decode_run(binding, pos) if length == 1 else binding.prefill[length]
+            run = self._decode_run(binding, pos) if length == 1 else self._prefill_run(binding, length, pos, len(chunk))
             with self._lock:
                 self._check_open()
                 out = self._invoke(run, chunk, pos)
@@ -395,14 +404,23 @@ class LlmExecutor:
         if not tokens or not lengths:
             raise InvalidArgumentError(f"verify takes 1 ... {max(binding.verify, default=0)} tokens, got {len(tokens)}"
                                        + ("" if binding.verify else " (the model has no verify signatures)"))
-        run = binding.verify[lengths[0]]
-        self._check_position(start, run.signature.seq_len)
+        length = lengths[0]
+        self._check_position(start, length)
+        window = self.spec.window_for(start + len(tokens) - 1, binding.lora_slot, kind=VERIFY, seq_len=length)
+        run = binding.verify[length] if window is None else binding.verify_windows[length, window]
         hidden = np.empty(run.io.hidden_shape, np.float32)
         with self._lock:
             self._check_open()
             logits = self._invoke(run, tokens, start)
             run.io.read_hidden(hidden)  # type: ignore[misc]
         return logits[: len(tokens)], hidden[: len(tokens)]  # type: ignore[index]
+
+    def _prefill_run(self, binding: Binding, length: int, start: int, count: int) -> _Run:
+        """The ``prefill_{length}`` run for ``count`` tokens at ``start...`` (the rest is
+        padding, never attended to by them): the shortest attention window that holds
+        them, else the whole cache."""
+        window = self.spec.window_for(start + count - 1, binding.lora_slot, kind="prefill", seq_len=length)
+        return binding.prefill[length] if window is None else binding.prefill_windows[length, window]
 
     def _decode_run(self, binding: Binding, position: int) -> _Run:
         """The decode run for a step at ``position``: the shortest attention window that

@@ -127,22 +127,26 @@ class ModelSpec:
         the first ``window`` positions (``None``: the whole cache)."""
         return self._find("decode", 1, lora_slot, window=window)
 
-    def windows(self, lora_slot: LoraSlot | None, rows: int = 1) -> tuple[int, ...]:
-        """The attention windows of the decode signatures of ``rows`` rows for a rank slot,
-        ascending (empty: they attend over the whole cache only)."""
-        return self._windows.get((lora_slot, rows), ())
+    def windows(self, lora_slot: LoraSlot | None, rows: int = 1, kind: str = "decode",
+                seq_len: int = 1) -> tuple[int, ...]:
+        """The attention windows of the signatures of ``kind`` and ``seq_len`` (by default
+        the decode steps of ``rows`` rows) for a rank slot, ascending (empty: they attend
+        over the whole cache only)."""
+        return self._windows.get((kind, seq_len, lora_slot, rows), ())
 
-    def window_for(self, position: int, lora_slot: LoraSlot | None, rows: int = 1) -> int | None:
-        """The smallest attention window that holds a step at ``position`` (the step
-        attends over positions ``0..position``), or ``None``: the whole cache."""
-        return next((w for w in self.windows(lora_slot, rows) if w > position), None)
+    def window_for(self, position: int, lora_slot: LoraSlot | None, rows: int = 1, kind: str = "decode",
+                   seq_len: int = 1) -> int | None:
+        """The smallest attention window of :meth:`windows` that holds a step whose last
+        token is at ``position`` (the step attends over positions ``0..position``), or
+        ``None``: the whole cache."""
+        return next((w for w in self.windows(lora_slot, rows, kind, seq_len) if w > position), None)
 
     @cached_property
-    def _windows(self) -> dict[tuple[LoraSlot | None, int], tuple[int, ...]]:
-        windows: dict[tuple[LoraSlot | None, int], list[int]] = {}
+    def _windows(self) -> dict[tuple[str, int, LoraSlot | None, int], tuple[int, ...]]:
+        windows: dict[tuple[str, int, LoraSlot | None, int], list[int]] = {}
         for spec in self.signatures.values():
             if spec.window is not None:
-                windows.setdefault((spec.lora_slot, spec.rows), []).append(spec.window)
+                windows.setdefault((spec.kind, spec.seq_len, spec.lora_slot, spec.rows), []).append(spec.window)
         return {key: tuple(sorted(found)) for key, found in windows.items()}
 
     def batch_sizes(self, lora_slot: LoraSlot | None) -> tuple[int, ...]:
@@ -166,19 +170,21 @@ class ModelSpec:
         """The batched decode signature of ``rows`` rows for a rank slot (and window)."""
         return self._find("decode", 1, lora_slot, rows, window)
 
-    def prefill(self, seq_len: int, lora_slot: LoraSlot | None = None) -> SignatureSpec:
-        """The prefill signature of length ``seq_len`` for a rank slot."""
-        return self._find("prefill", seq_len, lora_slot)
+    def prefill(self, seq_len: int, lora_slot: LoraSlot | None = None, window: int | None = None) -> SignatureSpec:
+        """The prefill signature of length ``seq_len`` for a rank slot (attending over the
+        first ``window`` positions; ``None``: the whole cache)."""
+        return self._find("prefill", seq_len, lora_slot, window=window)
 
     def verify_lengths(self, lora_slot: LoraSlot | None) -> tuple[int, ...]:
         """The lengths of the ``verify{L}`` signatures for a rank slot (``None``: without
         LoRA inputs), ascending; empty when the model was exported without them."""
         return tuple(sorted(s.seq_len for s in self.signatures.values()
-                            if s.kind == VERIFY and s.lora_slot == lora_slot))
+                            if s.kind == VERIFY and s.lora_slot == lora_slot and s.window is None))
 
-    def verify(self, length: int, lora_slot: LoraSlot | None = None) -> SignatureSpec:
-        """The ``verify{length}`` signature for a rank slot."""
-        return self._find(VERIFY, length, lora_slot)
+    def verify(self, length: int, lora_slot: LoraSlot | None = None, window: int | None = None) -> SignatureSpec:
+        """The ``verify{length}`` signature for a rank slot (attending over the first
+        ``window`` positions; ``None``: the whole cache)."""
+        return self._find(VERIFY, length, lora_slot, window=window)
 
     @property
     def hidden_size(self) -> int | None:
@@ -384,20 +390,23 @@ def _check_verify(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
 
 
 def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], kv_length: int, source: str) -> None:
-    """An attention window belongs to a decode step, is shorter than the cache, and has
-    the whole-cache signature of the same rows and slot beside it (positions past it)."""
+    """An attention window is shorter than the cache, holds the step's tokens, and the
+    whole-cache signature of the same kind, length, rows and slot is beside it (positions
+    past the window), taking the same LoRA inputs."""
     if spec.window is None:
         return
-    if spec.kind != "decode":
-        raise UnimplementedError(f"{source}: signature {spec.key!r}: only decode signatures may have an "
-                                 "attention window")
-    if not 1 <= spec.window < kv_length:
+    if not spec.seq_len <= spec.window < kv_length:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} attends over {spec.window} positions, "
-                                   f"expected 1 ... {kv_length - 1} (the KV cache holds {kv_length})")
-    if not any((s.kind, s.lora_slot, s.rows, s.window) == ("decode", spec.lora_slot, spec.rows, None)
-               for s in signatures.values()):
+                                   f"expected {spec.seq_len} ... {kv_length - 1} (its {spec.seq_len} token(s) "
+                                   f"and a KV cache of {kv_length})")
+    whole = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_slot, s.rows, s.window)
+                  == (spec.kind, spec.seq_len, spec.lora_slot, spec.rows, None)), None)
+    if whole is None:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no whole-cache counterpart "
                                    f"of {spec.rows} row(s) for the same LoRA slot")
+    if whole.lora_inputs != spec.lora_inputs or set(whole.outputs) != set(spec.outputs):
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} takes or returns other tensors than its "
+                                   f"whole-cache counterpart {whole.key!r}")
 
 
 def _shape(spec: TensorSpec) -> str:

@@ -1,12 +1,15 @@
 """``decode_batch{B}``: one decode step for B sessions in one pass over the base weights;
-``decode_attend{W}``: a decode step that attends over the cache's first W positions.
+``..._attend{W}``: a step that attends over the cache's first W positions only: a decode
+step (``decode_attend{W}``), or T tokens of one session (``prefill_{T}_attend{W}``,
+``verify{T}_attend{W}``), so a short context does not pay for attending over the whole cache.
 
-Every row has its own token, position, KV cache and LoRA weights; the base linears (q/k/v,
-output projection, feed-forward, lm_head) run once over the ``[B, 1, hidden]``
+Every row has its own tokens, positions, KV cache and LoRA weights; the base linears (q/k/v,
+output projection, feed-forward, lm_head) run once over the ``[B, T, hidden]``
 activations, which at real size is what a decode step costs: reading the weights. Each
 row writes its new K and V into its own cache and attends over that cache (its first W
 positions with an attention window: at W=128 a row's attention costs ~1/8 of attending
-over 1024); the rows' own ``x A_i B_i`` run as batched matmuls over their stacked LoRA
+over 1024; T tokens of a row attend causally, each over the positions up to its own); the
+rows' own ``x A_i B_i`` run as batched matmuls over their stacked LoRA
 weights. (Stacking the caches instead, to attend in one matmul, measured twice as slow:
 the copies and transposes of every row's window cost more than the operations saved.)
 
@@ -14,7 +17,8 @@ Inputs, named as the runtime binds them (litert-torch names a nested dict's leav
 ``{outer}_{inner}``; a row's names are the single-session names with ``_{row}`` appended,
 and with one row they are the single-session names):
 
-- ``tokens`` int32 ``[B, 1]``, ``input_pos`` int32 ``[B]``;
+- ``tokens`` int32 ``[B, 1]``, ``input_pos`` int32 ``[B]`` (one row of T tokens:
+  ``[1, T]`` and ``[T]``, the positions consecutive, as a prefill's);
 - ``kv_cache_{k,v}_{layer}_{row}``: one session's whole cache, in the layout of ``decode``;
 - ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{layer}_{row}`` (with a LoRA rank), and in an
   all-linear slot ``lora_ff_{gate,up,down}_{a,b}_prime_weight_{layer}_{row}``: that row's
@@ -22,8 +26,10 @@ and with one row they are the single-session names):
   also ``..._m_prime_weight_{layer}_{row}``, each projection's output scale less one
   (:mod:`runtime.export.dora`). Zeros make a row plain.
 
-Outputs: ``logits`` ``[B, 1, vocab]`` and ``kv_cache_{k,v}_{layer}_{row}``. With a window
-W, a row's position must be below W (the runtime picks the signature).
+Outputs: ``logits`` ``[B, T, vocab]`` (left out with ``logits=False``: a prefill exported
+without logits) and ``kv_cache_{k,v}_{layer}_{row}``. With a window W, a row's last
+position must be below W (the runtime picks the signature); positions past W may be
+written (a padded prefill's padding), they are never attended to.
 """
 
 from __future__ import annotations
@@ -56,14 +62,21 @@ class BatchDecode(nn.Module):
     """The ``decode_batch{batch}`` step of ``model`` (litert-torch's ``DecoderOnlyModel``),
     with per-row LoRA inputs of rank ``lora_rank`` (``None``: no LoRA inputs), attending
     over the first ``window`` positions of each cache (``None``: all of them). With one
-    row it is a single session's ``decode_attend{window}``, under the single-session names."""
+    row it is a single session's ``decode_attend{window}``, under the single-session names,
+    and with ``length`` T > 1 tokens that session's T-token step (a windowed prefill or
+    verify), returning logits at all T unless ``logits`` is False."""
 
     def __init__(self, model: nn.Module, batch: int, lora_rank: int | None, kv_layout: tuple,
-                 window: int | None = None, mlp: bool = False, dora: bool = False) -> None:
+                 window: int | None = None, mlp: bool = False, dora: bool = False, length: int = 1,
+                 logits: bool = True) -> None:
         super().__init__()
         check_batchable(model)
+        if batch > 1 and length > 1:
+            raise UnimplementedError(f"a step of {batch} rows takes one token per row, not {length}")
         self.model = model
         self.batch = batch
+        self.length = length
+        self.logits = logits
         self.lora_rank = lora_rank
         self.kv_layout = kv_layout
         self.window = window
@@ -83,8 +96,8 @@ class BatchDecode(nn.Module):
         """Inputs of the right shapes; they also fix the signature's input names."""
         config = self.model.config
         kwargs: dict[str, object] = {
-            "tokens": torch.zeros((self.batch, 1), dtype=torch.int32),
-            "input_pos": torch.zeros((self.batch,), dtype=torch.int32),
+            "tokens": torch.zeros((self.batch, self.length), dtype=torch.int32),
+            "input_pos": torch.arange(self.batch * self.length, dtype=torch.int32) % self.length,
         }
         entry = kv_utils.KVCacheEntry.from_model_config(kv_length, config.block_config(0).attn_config,
                                                         kv_layout=self.kv_layout)
@@ -100,18 +113,18 @@ class BatchDecode(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_cache: dict[str, torch.Tensor],
                 lora: dict[str, torch.Tensor] | None = None) -> dict[str, object]:
-        model, batch = self.model, self.batch
+        model, batch, length = self.model, self.batch, self.length
         config = model.config
         attn_config = config.block_config(0).attn_config
-        x = model.tok_embedding(tokens)  # [B, 1, D]
+        x = model.tok_embedding(tokens)  # [B, T, D]
         if config.embedding_scale is not None:
             x = x * config.embedding_scale
         n_elem = int(attn_config.rotary_percentage * attn_config.head_dim)
-        cos, sin = config.build_rope(input_pos, n_elem, attn_config.rotary_base)  # [1, B, n/2]
-        rope = (cos.reshape(batch, 1, 1, -1), sin.reshape(batch, 1, 1, -1))  # [B, heads, T, n/2]
+        cos, sin = config.build_rope(input_pos, n_elem, attn_config.rotary_base)  # [1, B * T, n/2]
+        rope = (cos.reshape(batch, 1, length, -1), sin.reshape(batch, 1, length, -1))  # [B, heads, T, n/2]
         span = self.window or kv_utils.KVCacheEntry(kv_cache[self._row("k_0", 0)], kv_cache[self._row("v_0", 0)],
                                                     kv_layout=self.kv_layout).get_max_seq_len()
-        mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :span].reshape(batch, 1, 1, span)
+        mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :span].reshape(batch, 1, length, span)
         masks = [mask[row:row + 1] for row in range(batch)]  # each row's, sliced once for all layers
         updated: dict[str, torch.Tensor] = {}
         for layer, block in enumerate(model.transformer_blocks):
@@ -123,16 +136,17 @@ class BatchDecode(nn.Module):
             else:
                 x = x + attended
                 x = x + self._feed_forward(block.ff, block.post_atten_norm(x), lora, layer)
-        logits = model.lm_head(model.final_norm(x))  # [B, 1, vocab]
-        return {"logits": logits, "kv_cache": updated}
+        if not self.logits:
+            return {"kv_cache": updated}
+        return {"logits": model.lm_head(model.final_norm(x)), "kv_cache": updated}  # logits [B, T, vocab]
 
     def _attention(self, attn: nn.Module, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    masks: list[torch.Tensor], input_pos: torch.Tensor, kv_cache: dict[str, torch.Tensor],
                    lora: dict[str, torch.Tensor] | None, updated: dict[str, torch.Tensor]) -> torch.Tensor:
-        """litert-torch's ``CausalSelfAttention.forward`` for B rows of one token each:
-        shared projections, per-row LoRA, and per row: its K/V written into its own cache
-        and attention over that cache's first ``window`` positions."""
-        config, batch = attn.config, self.batch
+        """litert-torch's ``CausalSelfAttention.forward`` for B rows of one token each (or
+        one row of T tokens): shared projections, per-row LoRA, and per row: its K/V written
+        into its own cache and attention over that cache's first ``window`` positions."""
+        config, batch, length = attn.config, self.batch, self.length
         groups, head_dim = config.num_query_groups, config.head_dim
         if self.dora and lora is not None:
             scales = [self._scale(lora, layer, projection) for projection in ("q", "k", "v")]
@@ -141,22 +155,26 @@ class BatchDecode(nn.Module):
             qkv = attn.qkv_projection(x)
         q_per_kv = config.num_heads // groups
         if config.qkv_transpose_before_split:
-            qkv = qkv.view(batch, 1, -1, head_dim)
+            qkv = qkv.view(batch, length, -1, head_dim)
             q, k, v = qkv.split((q_per_kv * groups, groups, groups), dim=-2)
         else:
-            qkv = qkv.view(batch, 1, groups, -1)
+            qkv = qkv.view(batch, length, groups, -1)
             q, k, v = qkv.split((q_per_kv * head_dim, head_dim, head_dim), dim=-1)
         if lora is not None:
             q = q + self._lora_delta(x, lora, layer, "q").reshape(q.shape)
             k = k + self._lora_delta(x, lora, layer, "k").reshape(k.shape)
             v = v + self._lora_delta(x, lora, layer, "v").reshape(v.shape)
-        q = attn.query_norm(q).reshape(batch, 1, -1, head_dim)
-        k = attn.key_norm(k).reshape(batch, 1, -1, head_dim)
-        v = attn.value_norm(v).reshape(batch, 1, -1, head_dim)
+        q = attn.query_norm(q).reshape(batch, length, -1, head_dim)
+        k = attn.key_norm(k).reshape(batch, length, -1, head_dim)
+        v = attn.value_norm(v).reshape(batch, length, -1, head_dim)
         q, k = rotary_position_embedding.apply_rope_inline(q, k, *rope)
         transposed = self.kv_layout == kv_utils.KV_LAYOUT_TRANSPOSED
         # Head h reads KV group h // q_per_kv, as litert-torch's repeat_interleave does.
-        queries = q.reshape(batch, groups, q_per_kv, head_dim) * (1.0 / math.sqrt(head_dim))
+        if length == 1:
+            queries = q.reshape(batch, groups, q_per_kv, head_dim)
+        else:  # one row [1, T, heads, hd] -> [1, G, q_per_kv * T, hd]: a group's heads' queries, T each
+            queries = q.permute(0, 2, 1, 3).reshape(1, groups, q_per_kv * length, head_dim)
+        queries = queries * (1.0 / math.sqrt(head_dim))
         rows = []
         for row in range(batch):
             k_name, v_name = self._row(f"k_{layer}", row), self._row(f"v_{layer}", row)
@@ -169,18 +187,25 @@ class BatchDecode(nn.Module):
                 # adj_y): no copy of the window is transposed per step, and the attention of
                 # a step costs ~0.6x the transposing matmuls' at 1024 positions, ~0.75x at 128.
                 keys, values = entry.k_cache[:, :, :self.window], entry.v_cache[..., :self.window]
-                scores = bmm_4d(queries[one], keys)  # [1, G, q_per_kv, W]
+                scores = bmm_4d(queries[one], keys)  # [1, G, q_per_kv * T, W]
             else:  # K and V [1, T, G, hd]
                 entry = kv_utils.update(entry, input_pos[one], k[one], v[one])
                 keys = entry.k_cache[:, :self.window].permute(0, 2, 3, 1)  # [1, G, hd, W]
                 values = entry.v_cache[:, :self.window].permute(0, 2, 1, 3)  # [1, G, W, hd]
-                scores = torch.matmul(queries[one], keys)  # [1, G, q_per_kv, W]
+                scores = torch.matmul(queries[one], keys)  # [1, G, q_per_kv * T, W]
             updated[k_name], updated[v_name] = entry.k_cache, entry.v_cache
             if config.logit_softcap is not None:
                 scores = torch.tanh(scores / config.logit_softcap) * config.logit_softcap
+            span = scores.shape[-1]
+            if length > 1:  # [1, heads, T, W], which the row's mask [1, 1, T, W] broadcasts over
+                scores = scores.reshape(1, -1, length, span)
             probs = torch.softmax(scores + masks[row], dim=-1)
+            if length > 1:
+                probs = probs.reshape(1, groups, q_per_kv * length, span)
             attended_row = bmm_4d(probs, values) if transposed else torch.matmul(probs, values)
-            rows.append(attended_row.reshape(1, 1, -1))  # [1, 1, heads * hd]
+            if length > 1:  # [1, G, q_per_kv * T, hd] -> [1, T, heads, hd]
+                attended_row = attended_row.reshape(1, -1, length, head_dim).permute(0, 2, 1, 3)
+            rows.append(attended_row.reshape(1, length, -1))  # [1, T, heads * hd]
         attended = torch.cat(rows, dim=0) if batch > 1 else rows[0]
         if self.dora and lora is not None:
             y = scaled_linear(attn.output_projection, attended, self._scale(lora, layer, "o"))
@@ -203,12 +228,12 @@ class BatchDecode(nn.Module):
                             project)
 
     def _scale(self, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
-        """Each row's DoRA output scale less one of a projection: ``[B, 1, out]``."""
+        """Each row's DoRA output scale less one of a projection: ``[B, 1, out]`` (over T tokens)."""
         return torch.stack([lora[self._row(lora_key(layer, projection, "m_prime"), row)]
                             for row in range(self.batch)]).unsqueeze(1)
 
     def _lora_delta(self, x: torch.Tensor, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
-        """``x_i A_i B_i`` for every row i of ``x`` ``[B, 1, in]``: ``[B, 1, out]``."""
+        """``x_i A_i B_i`` for every row i of ``x`` ``[B, T, in]``: ``[B, T, out]``."""
         a = torch.stack([lora[self._row(lora_key(layer, projection, "a_prime"), row)] for row in range(self.batch)])
         b = torch.stack([lora[self._row(lora_key(layer, projection, "b_prime"), row)] for row in range(self.batch)])
         return torch.matmul(torch.matmul(x, a), b)

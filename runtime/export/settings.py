@@ -48,7 +48,9 @@ class ExportSettings:
     (``decode_batch{B}`` when the model has no LoRA slots). Each attention window W adds
     ``decode_attend{W}[_lora_r{R}]`` and ``decode_batch{B}_attend{W}[_lora_r{R}]``: the same
     steps attending over the cache's first W positions only (a session whose position is
-    below W), which costs a fraction of attending over all ``kv_length``.
+    below W), which costs a fraction of attending over all ``kv_length``; with verify
+    lengths also ``verify{L}_attend{W}[_lora_r{R}]``. Each prefill window W adds
+    ``prefill_{L}_attend{W}[_lora_r{R}]`` for every prefill length L <= W.
     """
 
     # LoRA rank slots; an adapter of rank r runs in the smallest slot >= r. Empty: no LoRA.
@@ -85,6 +87,11 @@ class ExportSettings:
     # Shorter spans of the cache that extra decode signatures attend over (each < kv_length):
     # a decode step's attention reads every position it spans, filled or not.
     attention_windows: tuple[int, ...] = ()
+    # Spans of the cache that extra prefill signatures attend over (each < kv_length), for
+    # the prefill lengths up to each: a chunk of T tokens ending below W attends over W
+    # positions, not kv_length (a prompt's first chunks: a short prompt does not pay for
+    # the whole cache). Each window costs export time like a prefill length per slot.
+    prefill_windows: tuple[int, ...] = ()
     # Token counts of the verify signatures (``verify{L}[_lora_r{R}]``, one per LoRA slot
     # and one plain): L tokens at L consecutive positions returning logits and final hidden
     # states at all L, what speculative decoding with an adapter's draft heads (Turbo LoRA)
@@ -97,7 +104,7 @@ class ExportSettings:
         if self.prefill_lengths is None:  # frozen: set once, here
             object.__setattr__(self, "prefill_lengths", default_prefill_lengths(self.kv_length))
         for name in ("lora_ranks", "dora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks",
-                     "attention_windows", "verify_lengths"):
+                     "attention_windows", "prefill_windows", "verify_lengths"):
             values = getattr(self, name)
             if values is None and name == "batch_lora_ranks":
                 continue
@@ -121,6 +128,16 @@ class ExportSettings:
             raise InvalidArgumentError(
                 f"attention_windows {too_long} are not shorter than kv_length={self.kv_length}: decode already "
                 "attends over the whole cache")
+        too_long = [window for window in self.prefill_windows if window >= self.kv_length]
+        if too_long:
+            raise InvalidArgumentError(
+                f"prefill_windows {too_long} are not shorter than kv_length={self.kv_length}: prefill already "
+                "attends over the whole cache")
+        too_short = [window for window in self.prefill_windows if window < min(self.prefill_lengths)]
+        if too_short:
+            raise InvalidArgumentError(
+                f"prefill_windows {too_short} are shorter than every prefill length {sorted(self.prefill_lengths)}: "
+                "a window holds at least one chunk")
         if any(length < 2 or length > self.kv_length for length in self.verify_lengths):
             raise InvalidArgumentError(f"verify_lengths={self.verify_lengths}: each must be in [2, kv_length="
                                        f"{self.kv_length}] (a verify checks the trunk's token and at least one draft)")

@@ -128,18 +128,25 @@ def session_inputs(model: nn.Module, settings: ExportSettings, length: int,
     return build
 
 
+def windowed_step(model: nn.Module, settings: ExportSettings, rows: int, window: int | None,
+                  slot: LoraSlot | None, length: int = 1, logits: bool = True) -> nn.Module:
+    """The module of a batched or windowed step (:mod:`runtime.export.batch_decode`):
+    ``rows`` sessions of one token, or one session of ``length`` tokens, for ``slot``."""
+    return batch_decode_step(model, rows, slot.rank if slot else None, _KV_LAYOUTS[settings.kv_layout], window,
+                             mlp=slot is not None and slot.targets == ALL_LINEAR,
+                             dora=slot is not None and slot.targets == DORA, length=length, logits=logits).eval()
+
+
 def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
     """``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank slot R
     (``decode_batch{B}`` without LoRA slots), and for each attention window W
     ``decode_attend{W}[_lora_r{R}]`` for every slot and ``decode_batch{B}_attend{W}...``;
-    all-linear slots likewise: see :mod:`runtime.export.batch_decode`."""
-    layout = _KV_LAYOUTS[settings.kv_layout]
+    all-linear slots likewise; for each prefill window W ``prefill_{L}_attend{W}[_lora_r{R}]``
+    for every slot and prefill length L <= W: see :mod:`runtime.export.batch_decode`."""
     signatures = []
 
     def add(rows: int, window: int | None, slot: LoraSlot | None) -> None:
-        module = batch_decode_step(model, rows, slot.rank if slot else None, layout, window,
-                                   mlp=slot is not None and slot.targets == ALL_LINEAR,
-                                   dora=slot is not None and slot.targets == DORA).eval()
+        module = windowed_step(model, settings, rows, window, slot)
         name = SignatureName("decode", rows=rows, window=window, lora_slot=slot)
         signatures.append(Signature(str(name), module, rows,
                                     functools.partial(module.sample_kwargs, settings.kv_length)))
@@ -147,6 +154,12 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
     for window in sorted(settings.attention_windows):
         for slot in (None, *single_session_slots(model, settings)):
             add(1, window, slot)
+    for window in sorted(settings.prefill_windows):
+        for slot in (None, *single_session_slots(model, settings)):
+            for length in sorted(length for length in settings.prefill_lengths if length <= window):
+                module = windowed_step(model, settings, 1, window, slot, length, logits=settings.prefill_logits)
+                signatures.append(Signature(str(SignatureName("prefill", length, window=window, lora_slot=slot)),
+                                            module, 1, functools.partial(module.sample_kwargs, settings.kv_length)))
     batch_slots = lora_slots(model, settings, settings.batch_ranks) if settings.batch_ranks else [None]
     for batch in sorted(settings.batch_sizes):
         for window in (None, *sorted(settings.attention_windows)):
@@ -158,7 +171,8 @@ def batch_decode_signatures(model: nn.Module, settings: ExportSettings) -> list[
 def verify_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
     """``verify{L}`` and ``verify{L}_lora_r{R}`` (``..._lora_all_r{R}``) for each verify
     length L and LoRA slot: L tokens at L positions, logits and final hidden states at all
-    L (see :mod:`runtime.export.verify`)."""
+    L (see :mod:`runtime.export.verify`); and ``verify{L}_attend{W}...`` for each attention
+    window W >= L, so that a verify attends over no more of the cache than a decode step."""
     if not settings.verify_lengths:
         return []
     if not hasattr(model, "final_norm"):
@@ -173,6 +187,11 @@ def verify_signatures(model: nn.Module, settings: ExportSettings) -> list[Signat
         for length in sorted(settings.verify_lengths):
             signatures.append(Signature(str(SignatureName("verify", length, lora_slot=slot)), module, 1,
                                         session_inputs(model, settings, length, lora)))
+            for window in sorted(w for w in settings.attention_windows if w >= length):
+                windowed = VerifyStep(windowed_step(model, settings, 1, window, slot, length), model.final_norm).eval()
+                signatures.append(Signature(str(SignatureName("verify", length, window=window, lora_slot=slot)),
+                                            windowed, 1, functools.partial(windowed.step.sample_kwargs,
+                                                                           settings.kv_length)))
     return signatures
 
 

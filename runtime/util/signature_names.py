@@ -10,12 +10,14 @@ parses them with it):
 * ``verify{L}``: L tokens of one session at L consecutive positions, returning the logits
   and the final hidden states (the lm_head's input) at all L: the step of speculative
   decoding that checks a draft (Turbo LoRA);
-* ``_attend{W}`` on a decode: the step attends over the cache's first W positions only;
+* ``_attend{W}`` on a decode, a prefill or a verify: the step attends over the cache's
+  first W positions only;
 * ``_lora_r{R}``: the signature takes LoRA inputs of rank R for the attention projections
   q/k/v/o; ``_lora_all_r{R}``: for every linear projection, the MLP's gate/up/down too;
   ``_lora_dora_r{R}``: those and a DoRA output scale per projection (a :class:`LoraSlot` each).
 
-In that order: ``decode_batch8_attend128_lora_r16``. A batched signature's KV cache and
+In that order: ``decode_batch8_attend128_lora_r16``, ``prefill_32_attend128_lora_r8``,
+``verify4_attend128_lora_r8``. A batched signature's KV cache and
 LoRA tensors are the single-session names with ``_{row}`` appended.
 """
 
@@ -71,7 +73,7 @@ def cheapest_slot(slots: Iterable[LoraSlot], need: LoraSlot) -> LoraSlot | None:
     """The cheapest of ``slots`` that holds ``need``, or ``None`` if none does."""
     return min((slot for slot in slots if slot.holds(need)), key=lambda slot: slot.cost_order, default=None)
 _VERIFY = re.compile(
-    r"verify(?P<len>[1-9][0-9]*)(?:_lora(?P<all>_all)?_r(?P<rank>[1-9][0-9]*))?"
+    r"verify(?P<len>[1-9][0-9]*)(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora(?P<all>_all)?_r(?P<rank>[1-9][0-9]*))?"
 )
 VERIFY = "verify"  # the kind of a verify{L} signature
 _ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
@@ -101,7 +103,7 @@ class SignatureName:
         attend = f"_attend{self.window}" if self.window is not None else ""
         slot = self.lora_slot.suffix if self.lora_slot is not None else ""
         if self.kind == VERIFY:
-            return f"{VERIFY}{self.seq_len}{slot}"
+            return f"{VERIFY}{self.seq_len}{attend}{slot}"
         return f"{self.kind}{length}{batch}{attend}{slot}"
 
     @classmethod
@@ -111,7 +113,7 @@ class SignatureName:
         model's checks to say, naming the signature."""
         match = _VERIFY.fullmatch(name)
         if match is not None:
-            return cls(kind=VERIFY, seq_len=int(match["len"]), lora_slot=_slot(match))
+            return cls(kind=VERIFY, seq_len=int(match["len"]), window=_int(match["window"]), lora_slot=_slot(match))
         match = _SIGNATURE.fullmatch(name)
         if match is None:
             return None

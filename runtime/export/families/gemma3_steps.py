@@ -41,22 +41,23 @@ def is_gemma3(model: nn.Module) -> bool:
 
 class Gemma3BatchDecode(BatchDecode):
     """``decode_batch{batch}[_attend{window}]`` of Gemma 3's decoder (with one row, the
-    single session's ``decode_attend{window}``): the shared projections run once over the
-    rows, each row attends over its own cache with its own masks and adds its own LoRA
-    (on gate/up/down too with ``mlp``). Same constructor as :class:`BatchDecode`."""
+    single session's ``decode_attend{window}``, or with ``length`` T its T-token step): the
+    shared projections run once over the rows, each row attends over its own cache with its
+    own masks and adds its own LoRA (on gate/up/down too with ``mlp``). Same constructor as
+    :class:`BatchDecode`."""
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_cache: dict[str, torch.Tensor],
                 lora: dict[str, torch.Tensor] | None = None) -> dict[str, object]:
-        model, batch = self.model, self.batch
-        x = model.tok_embedding(tokens) * model.config.embedding_scale  # [B, 1, D]
+        model, batch, length = self.model, self.batch, self.length
+        x = model.tok_embedding(tokens) * model.config.embedding_scale  # [B, T, D]
         span = self.window or kv_utils.KVCacheEntry(kv_cache[self._row("k_0", 0)], kv_cache[self._row("v_0", 0)],
                                                     kv_layout=self.kv_layout).get_max_seq_len()
-        masks = {}  # per attention type, each row's [1, 1, 1, span], sliced once for all layers
+        masks = {}  # per attention type, each row's [1, 1, T, span], sliced once for all layers
         for kind, mask in model.masks(input_pos, span).items():
-            rows = mask.reshape(batch, 1, 1, span)
+            rows = mask.reshape(batch, 1, length, span)
             masks[kind] = [rows[row:row + 1] for row in range(batch)]
-        ropes = {kind: (cos.reshape(batch, 1, 1, -1), sin.reshape(batch, 1, 1, -1))  # [B, heads, T, n/2]
+        ropes = {kind: (cos.reshape(batch, 1, length, -1), sin.reshape(batch, 1, length, -1))  # [B, heads, T, n/2]
                  for kind, (cos, sin) in model.ropes(input_pos).items()}
         updated: dict[str, torch.Tensor] = {}
         for layer, (kind, block) in enumerate(zip(model.layer_types, model.transformer_blocks)):
@@ -64,6 +65,8 @@ class Gemma3BatchDecode(BatchDecode):
                                        input_pos, kv_cache, lora, updated)
             x = x + block.post_atten_norm(attended)
             x = x + self._feed_forward(block.ff, x, lora, layer)
+        if not self.logits:
+            return {"kv_cache": updated}
         return {"logits": model.lm_head(model.final_norm(x)), "kv_cache": updated}
 
 
