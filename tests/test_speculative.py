@@ -1,7 +1,8 @@
 """Tests for runtime.engine.speculative: Turbo LoRA's draft heads in generate(), lossless.
 
 The fixtures (tools/build_turbo_fixtures.py) are the tiny GQA model exported with verify4
-signatures in both KV layouts and PEFT adapters carrying the qkvo_r4 LoRA plus draft heads:
+signatures in both KV layouts (and verify4_attend16: a generation's verifies run in the
+16-position window first, then over the whole cache) and PEFT adapters carrying the qkvo_r4 LoRA plus draft heads:
 random (drafts mostly rejected), trained on TRAINED_PROMPTS' continuations (mostly kept),
 LoRAX's multi-layer layout, and heads of the wrong width.
 """

@@ -8,7 +8,9 @@ Two steps, each rerunnable::
 
 ``export`` writes, under ``tests/models/turbo/``, the tiny GQA model of
 ``tools/build_test_models.py`` (same seed, same weights) with LoRA rank slots 4 and 8 (a blend of two rank-4 adapters), one
-prefill length (8), KV length 64 and ``verify4`` signatures (plain and ``_lora_r4``), in
+prefill length (8), KV length 64, ``verify4`` signatures (plain and ``_lora_r4``/``_r8``) and
+the same attending over the first 16 positions (``verify4_attend16...``, beside
+``decode_attend16...``), in
 both KV layouts: ``default.tflite`` (no prefill logits) and ``transposed.tflite``
 (prefill logits).
 
@@ -49,6 +51,7 @@ OUT_DIR = REPO_ROOT / "tests" / "models" / "turbo"
 LORA_DIR = REPO_ROOT / "tests" / "models" / "peft" / "qkvo_r4"
 MODELS = {"default.tflite": ("default", False), "transposed.tflite": ("transposed", True)}
 VERIFY_LENGTH = 4
+VERIFY_WINDOW = 16  # decode_attend16 and verify4_attend16: a generation crosses it, both kinds run
 NUM_HEADS = 3
 SEED = 21
 # The prompts the trained heads learn the tiny model's continuations of (with the LoRA).
@@ -71,7 +74,7 @@ def export(out_dir: Path) -> None:
         for name, (layout, prefill_logits) in MODELS.items():
             settings = ExportSettings(lora_ranks=(4, 8), lora_targets="attention", kv_length=cfg.kv_cache_max_len,
                                       prefill_lengths=(8,), kv_layout=layout, prefill_logits=prefill_logits,
-                                      verify_lengths=(VERIFY_LENGTH,))
+                                      verify_lengths=(VERIFY_LENGTH,), attention_windows=(VERIFY_WINDOW,))
             start = time.perf_counter()
             run_export(source, settings, model_out=out_dir / name)
             print(f"exported {name} in {time.perf_counter() - start:.1f} s", flush=True)
