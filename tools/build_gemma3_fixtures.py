@@ -11,7 +11,8 @@ layers, sliding window 5 between a global layer, two RoPE tables, four norms per
 query_pre_attn_scalar != head_dim, random weights from a fixed seed), exported float32
 with the default LoRA targets (all-linear: attention-only slots and all-linear ones
 beside them) of rank 8, prefill length 16, KV length 64, batched decode of 2 and 4 rows
-and an attention window of 16 positions (single and batched). Under
+and an attention window of 16 positions (single and batched decode, and prefill: the
+prompt's prefill runs in it). Under
 ``tests/models/gemma3/`` by default:
 
 ``model.tflite``
@@ -62,7 +63,7 @@ FED_TOKENS = 28  # teacher-forced after the prompt: past the 16-position window 
 TOLERANCE = 1e-4
 LORA_SLOT = 8
 EXPORT = dict(lora_ranks=(LORA_SLOT,), kv_length=64, prefill_lengths=(16,), batch_sizes=(2, 4),
-              attention_windows=(16,))
+              attention_windows=(16,), prefill_windows=(16,))
 # The adapters, by directory name: their target modules and seed offset.
 ADAPTERS = {"adapter": (TARGETS, 1), "adapter_b": (TARGETS, 2), "adapter_all_linear": (ALL_LINEAR_TARGETS, 3),
             "adapter_all_linear_b": (ALL_LINEAR_TARGETS, 4)}
