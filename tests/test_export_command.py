@@ -88,6 +88,9 @@ def test_prefill_longer_than_the_kv_cache_and_no_output(tmp_path: Path, source: 
     refused(export(source, "--out", tmp_path / "m.tflite", "--kv-length", "64", "--prefill-lengths", "8",
                     "--attention-windows", "16,64"),
             "attention_windows [64] are not shorter than kv_length=64")
+    refused(export(source, "--out", tmp_path / "m.tflite", "--kv-length", "64", "--prefill-lengths", "8,16",
+                    "--prefill-windows", "4"),
+            "prefill_windows [4] are shorter than every prefill length [8, 16]")
     refused(export(source), "give --out MODEL.tflite, --bundle MODEL.litertlm or both")
 
 
