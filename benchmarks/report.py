@@ -28,10 +28,8 @@ SIDES = {
     ("int8", "theirs"): ("llama.cpp q8_0", "#f0a35e"),
     ("q4", "theirs"): ("llama.cpp Q4_1 (original file)", "#f6d2a8"),
 }
-# benchmarks/turbo.py's results -> what each measured.
-TURBO_RESULTS = {"turbo_smollm2": "f32, 3 heads trained on 128 items",
-                 "turbo_smollm2_heads32": "f32, 3 heads trained on 32 items",
-                 "turbo_smollm2_int8": "int8, 3 heads trained on 128 items"}
+# benchmarks/turbo.py's results (each file's own JSON says which model and heads it measured).
+TURBO_RESULTS = ("turbo_smollm2", "turbo_smollm2_int8", "turbo_smollm2_heads32")
 SPEED_NOTE = "speed = llama.cpp's ms / ours (above 1: ours is faster)"
 
 
@@ -70,6 +68,14 @@ def _pair_label(precision: str) -> str:
 # -- the report ------------------------------------------------------------------------------
 
 
+def turbo_label(result: dict) -> str:
+    """What one ``benchmarks/turbo.py`` result measured: the model file, and the heads and
+    the items they were trained on (from the adapter's training.json when it had one)."""
+    training = result.get("training", {})
+    heads = f"{training['heads']} heads trained on {training['train_items']} items" if training else "heads"
+    return f"{Path(result['model']).name}, {heads}"
+
+
 def render_markdown(results: dict, folder: Path) -> str:
     """The report: machine, how to read it, the targets (the only verdicts), then tables;
     last, the sections of ``benchmarks/base_rows.py`` and ``benchmarks/qwen05b.py`` when
@@ -91,7 +97,8 @@ def render_markdown(results: dict, folder: Path) -> str:
             when = data["measured"]
             out += [_measured_line(when), ""]
         out += set_tables(key, data, shared_machine(results["machine"]))
-    turbo = [(name, label) for name, label in TURBO_RESULTS.items() if (folder / f"{name}.md").exists()]
+    turbo = [(name, turbo_label(json.loads((folder / f"{name}.json").read_text()))) for name in TURBO_RESULTS
+             if (folder / f"{name}.md").exists() and (folder / f"{name}.json").exists()]
     if turbo:
         out += ["", "## Turbo LoRA: draft heads against the same LoRA without them (`benchmarks/turbo.py`)", "",
                 "Greedy, 1 thread, SmolLM2-135M, outputs compared token for token; each file's own run "
