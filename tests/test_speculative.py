@@ -52,6 +52,17 @@ def test_greedy_output_is_identical_to_the_same_lora_without_heads(engine, heads
             assert plain_stats.verifies == 0
 
 
+def test_the_first_step_drafts_from_the_prompts_last_hidden_state(engine):
+    """The prompt's last tokens run as a verify (a prefill returns no hidden states), so
+    the first step after the prompt already carries a draft; the tokens stay plain's."""
+    for prompt in (TRAINED_PROMPTS[0], [9], OTHER_PROMPTS[1]):  # a short prompt goes through verify whole
+        turbo, position, stats = _generate(engine, LoraSource(path=TURBO / "trained_heads"), prompt, max_new_tokens=2)
+        plain, plain_position, _ = _generate(engine, LoraSource(path=TURBO / "trained_heads", heads=False), prompt,
+                                             max_new_tokens=2)
+        assert (turbo.tokens, position) == (plain.tokens, plain_position)
+        assert stats.verifies == 1 and stats.drafted == 1, stats
+
+
 def test_trained_heads_keep_most_drafts_and_random_ones_few(engine):
     before = engine.stats().speculation
     for prompt in TRAINED_PROMPTS:

@@ -207,14 +207,16 @@ class Session:
                     f"{kv_length} positions"
                 )
             start = time.perf_counter()
-            logits = self._prefill(context, prompt)
-            prefill_done = time.perf_counter()
-            generated = [sampler.sample(logits)]
-            first_token = time.perf_counter()
             heads = self._draft_heads(context)
+            decoder = None
             if heads is not None:
                 gate = self._registry.gate(context.blend[0][0])
                 decoder = SpeculativeDecoder(self._resources, context, heads, self._decode, gate)
+            logits = self._prefill(context, prompt, decoder)
+            prefill_done = time.perf_counter()
+            generated = [sampler.sample(logits)]
+            first_token = time.perf_counter()
+            if decoder is not None:
                 before = self._counters.decode_seconds
                 try:
                     generated, stop_reason = decoder.run(generated[0], sampler, max_new_tokens, stops, on_token)
@@ -334,9 +336,16 @@ class Session:
             speculation=self._speculation.snapshot(),
         )
 
-    def _prefill(self, context: ContextHandler, tokens: list[int]) -> np.ndarray:
-        logits = self._resources.prefill(context, tokens)
-        context.position += len(tokens)
+    def _prefill(self, context: ContextHandler, tokens: list[int], decoder: SpeculativeDecoder | None = None
+                 ) -> np.ndarray:
+        """Appends ``tokens`` to ``context`` and advances its position (a speculating
+        generation's ``decoder`` verifies the last of them: see its ``prefill``); the logits
+        after the last."""
+        if decoder is not None:
+            logits = decoder.prefill(tokens)
+        else:
+            logits = self._resources.prefill(context, tokens)
+            context.position += len(tokens)
         self._counters.prompt_tokens += len(tokens)
         return logits
 

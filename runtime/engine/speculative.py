@@ -189,6 +189,29 @@ class SpeculativeDecoder:
         self._lm_head = lm_head if heads.vocab is None else np.ascontiguousarray(lm_head[heads.vocab])
         self._length = max(resources.spec.verify_lengths(resources.registry.slot_or_none(context.blend)), default=0)
         self.counters = SpeculationCounters(accepted=[0] * heads.count)
+        self._drafts: list[int] = []  # the first step's drafts, from the prompt's last hidden state
+
+    def prefill(self, prompt: list[int]) -> np.ndarray:
+        """Appends ``prompt`` to the context and advances its position; returns the logits
+        after it. While the heads are on, the prompt's last tokens (up to the longest verify
+        length) go through one verify run instead of the prefill: its final hidden state
+        drafts the first step, which a prefill (no hidden states) would leave without
+        drafts; the logits are the same step's, as every later step's are."""
+        context = self._context
+        tail = min(len(prompt), self._length)
+        head = prompt[: len(prompt) - tail]
+        if not tail or not self._gate.heads_on() or (
+                context.position + len(head) + self._length > self._resources.spec.kv_length):
+            logits = self._resources.prefill(context, prompt)
+            context.position += len(prompt)
+            return logits
+        if head:
+            self._resources.prefill(context, head)
+            context.position += len(head)
+        logits, hidden = self._resources.verify(context, prompt[len(head):])
+        context.position += tail
+        self._drafts = self._heads.draft(hidden[-1], self._project)
+        return logits[-1]
 
     def _project(self, rows: np.ndarray) -> np.ndarray:
         """The heads' rows through the lm_head (or its draft-vocabulary rows): einsum for a
@@ -205,7 +228,7 @@ class SpeculativeDecoder:
         context, counters, gate = self._context, self.counters, self._gate
         kv_length = self._resources.spec.kv_length
         generated = [first]
-        drafts: list[int] = []
+        drafts = self._drafts
         while True:
             last = generated[-1]
             if on_token is not None:
