@@ -341,11 +341,12 @@ class Session:
         """Appends ``tokens`` to ``context`` and advances its position (a speculating
         generation's ``decoder`` verifies the last of them: see its ``prefill``); the logits
         after the last."""
-        if decoder is not None:
-            logits = decoder.prefill(tokens)
-        else:
-            logits = self._resources.prefill(context, tokens)
-            context.position += len(tokens)
+        def plain(chunk: list[int]) -> np.ndarray:
+            logits = self._resources.prefill(context, chunk)
+            context.position += len(chunk)
+            return logits
+
+        logits = plain(tokens) if decoder is None else decoder.prefill(tokens, plain)
         self._counters.prompt_tokens += len(tokens)
         return logits
 

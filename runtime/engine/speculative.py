@@ -191,23 +191,21 @@ class SpeculativeDecoder:
         self.counters = SpeculationCounters(accepted=[0] * heads.count)
         self._drafts: list[int] = []  # the first step's drafts, from the prompt's last hidden state
 
-    def prefill(self, prompt: list[int]) -> np.ndarray:
+    def prefill(self, prompt: list[int], prefill: Callable[[list[int]], np.ndarray]) -> np.ndarray:
         """Appends ``prompt`` to the context and advances its position; returns the logits
-        after it. While the heads are on, the prompt's last tokens (up to the longest verify
-        length) go through one verify run instead of the prefill: its final hidden state
-        drafts the first step, which a prefill (no hidden states) would leave without
-        drafts; the logits are the same step's, as every later step's are."""
+        after it. ``prefill(tokens)``: the plain way (a prefill that advances the position).
+        While the heads are on, the prompt's last tokens (up to the longest verify length)
+        go through one verify run instead: its final hidden state drafts the first step,
+        which a prefill (no hidden states) would leave without drafts; the logits are the
+        same step's, as every later step's are."""
         context = self._context
         tail = min(len(prompt), self._length)
         head = prompt[: len(prompt) - tail]
         if not tail or not self._gate.heads_on() or (
                 context.position + len(head) + self._length > self._resources.spec.kv_length):
-            logits = self._resources.prefill(context, prompt)
-            context.position += len(prompt)
-            return logits
+            return prefill(prompt)
         if head:
-            self._resources.prefill(context, head)
-            context.position += len(head)
+            prefill(head)
         logits, hidden = self._resources.verify(context, prompt[len(head):])
         context.position += tail
         self._drafts = self._heads.draft(hidden[-1], self._project)

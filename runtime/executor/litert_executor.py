@@ -137,9 +137,8 @@ class Binding:
     prefill: dict[int, _Run] = field(default_factory=dict)
     decode_windows: dict[int, _Run] = field(default_factory=dict)  # by attention window
     verify: dict[int, _Run] = field(default_factory=dict)  # by verify length
-    # Prefill and verify steps attending over a window of the cache, by (length, window).
-    prefill_windows: dict[tuple[int, int], _Run] = field(default_factory=dict)
-    verify_windows: dict[tuple[int, int], _Run] = field(default_factory=dict)
+    # Prefill and verify steps attending over a window of the cache, by (kind, length, window).
+    step_windows: dict[tuple[str, int, int], _Run] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -309,14 +308,14 @@ class LlmExecutor:
         for length in self.spec.prefill_lengths:
             binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_slot), kv, lora_buffers)
             for window in self.spec.windows(lora_slot, kind="prefill", seq_len=length):
-                binding.prefill_windows[length, window] = self._run_args(
+                binding.step_windows["prefill", length, window] = self._run_args(
                     self.spec.prefill(length, lora_slot, window), kv, lora_buffers)
         for window in self.spec.windows(lora_slot):
             binding.decode_windows[window] = self._run_args(self.spec.decode(lora_slot, window), kv, lora_buffers)
         for length in self.spec.verify_lengths(lora_slot):
             binding.verify[length] = self._run_args(self.spec.verify(length, lora_slot), kv, lora_buffers)
             for window in self.spec.windows(lora_slot, kind=VERIFY, seq_len=length):
-                binding.verify_windows[length, window] = self._run_args(
+                binding.step_windows[VERIFY, length, window] = self._run_args(
                     self.spec.verify(length, lora_slot, window), kv, lora_buffers)
         return binding
 
@@ -379,7 +378,8 @@ class LlmExecutor:
             else:
                 length = 1
             chunk, bulk = bulk[:length], bulk[length:]
-            run = self._decode_run(binding, pos) if length == 1 else self._prefill_run(binding, length, pos, len(chunk))
+            run = (self._decode_run(binding, pos) if length == 1
+                   else self._step_run(binding, "prefill", length, pos + len(chunk) - 1))
             with self._lock:
                 self._check_open()
                 out = self._invoke(run, chunk, pos)
@@ -406,8 +406,7 @@ class LlmExecutor:
                                        + ("" if binding.verify else " (the model has no verify signatures)"))
         length = lengths[0]
         self._check_position(start, length)
-        window = self.spec.window_for(start + len(tokens) - 1, binding.lora_slot, kind=VERIFY, seq_len=length)
-        run = binding.verify[length] if window is None else binding.verify_windows[length, window]
+        run = self._step_run(binding, VERIFY, length, start + len(tokens) - 1)
         hidden = np.empty(run.io.hidden_shape, np.float32)
         with self._lock:
             self._check_open()
@@ -415,12 +414,14 @@ class LlmExecutor:
             run.io.read_hidden(hidden)  # type: ignore[misc]
         return logits[: len(tokens)], hidden[: len(tokens)]  # type: ignore[index]
 
-    def _prefill_run(self, binding: Binding, length: int, start: int, count: int) -> _Run:
-        """The ``prefill_{length}`` run for ``count`` tokens at ``start...`` (the rest is
-        padding, never attended to by them): the shortest attention window that holds
-        them, else the whole cache."""
-        window = self.spec.window_for(start + count - 1, binding.lora_slot, kind="prefill", seq_len=length)
-        return binding.prefill[length] if window is None else binding.prefill_windows[length, window]
+    def _step_run(self, binding: Binding, kind: str, length: int, last: int) -> _Run:
+        """The ``kind`` (prefill or verify) run of ``length`` tokens whose last real token
+        is at ``last`` (any after it are padding, never attended to by them): the shortest
+        attention window that holds it, else the whole cache."""
+        window = self.spec.window_for(last, binding.lora_slot, kind=kind, seq_len=length)
+        if window is not None:
+            return binding.step_windows[kind, length, window]
+        return binding.prefill[length] if kind == "prefill" else binding.verify[length]
 
     def _decode_run(self, binding: Binding, position: int) -> _Run:
         """The decode run for a step at ``position``: the shortest attention window that
