@@ -95,6 +95,53 @@ def test_generate_and_clone(engine, weights):
         assert stopped.stop_reason in ("stop_token", "max_new_tokens")
 
 
+def test_a_generations_last_token_is_written_by_the_next_call(engine, weights):
+    """No step computes the logits after a generation's last token (nobody reads them);
+    whatever runs the session next writes it first, so every way on is exact."""
+    lora = adapter_deltas("torch_r4")
+    config = SessionConfig(lora_path=adapter_path("torch_r4"))
+
+    with engine.create_session(config) as session:
+        before = engine.stats().invokes
+        session.run_prefill(PROMPT)
+        prefill_runs = engine.stats().invokes - before
+
+    def generated(session):
+        before = engine.stats().invokes
+        tokens = session.generate(PROMPT, max_new_tokens=5).tokens
+        assert engine.stats().invokes - before == prefill_runs + 4  # 4 decode steps for 5 tokens
+        assert session.position == len(PROMPT) + 5 and session.stats().position == len(PROMPT) + 5
+        return tokens
+
+    def expected(tokens):
+        return reference_logits(weights, tokens, lora=lora)[-1]
+
+    with engine.create_session(config) as session:
+        tokens = generated(session)
+        np.testing.assert_allclose(session.run_decode(9), expected(PROMPT + tokens + [9]), atol=TOL)
+        clone = session.clone()
+        np.testing.assert_allclose(clone.run_decode(4), expected(PROMPT + tokens + [9, 4]), atol=TOL)
+        clone.close()
+    with engine.create_session(config) as session:
+        tokens = generated(session)
+        np.testing.assert_allclose(session.run_prefill([8, 6]), expected(PROMPT + tokens + [8, 6]), atol=TOL)
+    with engine.create_session(config) as session:
+        tokens = generated(session)
+        clone = session.clone()  # the clone holds the pending token too
+        more = clone.generate([8], max_new_tokens=3).tokens
+        ref = reference_logits(weights, PROMPT + tokens + [8] + more, lora=lora)
+        assert more == [int(np.argmax(row)) for row in ref[len(PROMPT) + 5 : -1]]
+        clone.close()
+        (row,) = engine.decode_together([(session, 2)])
+        np.testing.assert_allclose(row, expected(PROMPT + tokens + [2]), atol=TOL)
+        assert session.position == len(PROMPT) + 6
+    with engine.create_session(config) as session:
+        generated(session)
+        session.reset()  # the pending token goes with the rest
+        assert session.position == 0
+        np.testing.assert_allclose(session.run_prefill([8, 6]), expected([8, 6]), atol=TOL)
+
+
 def test_generate_with_seeded_sampler_is_reproducible(engine):
     config = SessionConfig(sampler=SamplerConfig(temperature=1.0, top_k=20, seed=7))
     outputs = []

@@ -137,10 +137,12 @@ class Engine:
         with ExitStack() as held:
             contexts = [held.enter_context(session.reserve()) for session in sessions]
             for session, context in zip(sessions, contexts):
-                if context.position + 1 > self.spec.kv_length:
+                if context.length + 1 > self.spec.kv_length:
                     raise ResourceExhaustedError(
-                        f"session {session.session_id}: 1 token at position {context.position} would exceed "
+                        f"session {session.session_id}: 1 token at position {context.length} would exceed "
                         f"the KV cache of {self.spec.kv_length} positions")
+            for session, context in zip(sessions, contexts):
+                session.write_pending(context)  # a generation's last token, alone (rare: after generate)
             start = time.perf_counter()
             logits = self._resources.batcher.decode_together(list(zip(contexts, tokens)))
             seconds = time.perf_counter() - start

@@ -123,7 +123,7 @@ class Session:
     @property
     def position(self) -> int:
         """How many tokens the session's context holds."""
-        return self._require_open().position
+        return self._require_open().length
 
     @property
     def kv_length(self) -> int:
@@ -162,7 +162,9 @@ class Session:
         if not self._lock.acquire(blocking=False):
             raise FailedPreconditionError("the session is being used by another call")
         try:
-            return self._decode(self._require_open(), token)
+            context = self._require_open()
+            self.write_pending(context)
+            return self._decode(context, token)
         finally:
             self._lock.release()
 
@@ -199,10 +201,10 @@ class Session:
         stops = set(self._check_tokens(stop_tokens))
         kv_length = self.kv_length
         with self.reserve() as context:
-            needed = context.position + len(prompt) + max_new_tokens
+            needed = context.length + len(prompt) + max_new_tokens
             if needed > kv_length:
                 raise ResourceExhaustedError(
-                    f"{context.position} tokens in context + {len(prompt)} prompt + "
+                    f"{context.length} tokens in context + {len(prompt)} prompt + "
                     f"{max_new_tokens} new tokens = {needed} exceeds the KV cache of "
                     f"{kv_length} positions"
                 )
@@ -261,12 +263,10 @@ class Session:
             while True:
                 if on_token is not None:
                     on_token(generated[-1])
-                logits = self._decode(context, generated[-1])
-                if generated[-1] in stops:
-                    return "stop_token"
-                if len(generated) == max_new_tokens:
-                    return "max_new_tokens"
-                generated.append(sampler.sample(logits))
+                if generated[-1] in stops or len(generated) == max_new_tokens:
+                    context.pending = generated[-1]  # no step for logits nobody reads
+                    return "stop_token" if generated[-1] in stops else "max_new_tokens"
+                generated.append(sampler.sample(self._decode(context, generated[-1])))
 
     # -- context management --------------------------------------------------------
 
@@ -283,7 +283,7 @@ class Session:
         so nothing needs clearing.
         """
         with self.reserve() as context:
-            context.position = 0
+            context.position, context.pending = 0, None
 
     def set_adapters(self, loras: Sequence[LoraSource] = (), *, adapters: Mapping[int, float] | None = None,
                      reset: bool = False) -> None:
@@ -295,13 +295,13 @@ class Session:
         error the session keeps its old adapters.
         """
         with self.reserve() as context:
-            if context.position and not reset:
+            if context.length and not reset:
                 raise FailedPreconditionError(
-                    f"the session holds {context.position} tokens computed with its current "
+                    f"the session holds {context.length} tokens computed with its current "
                     "adapters; pass reset=True to clear them and switch"
                 )
             self._resources.set_adapters(context, check_sources(loras), check_adapters(adapters or {}).items())
-            context.position = 0
+            context.position, context.pending = 0, None
 
     def close(self) -> None:
         """Releases the context and unpins the adapters; closing twice is harmless."""
@@ -326,7 +326,7 @@ class Session:
         return SessionStats(
             session_id=self.session_id,
             lora_ids=tuple(context.lora_ids),
-            position=context.position,
+            position=context.length,
             prompt_tokens=counters.prompt_tokens,
             decode_tokens=counters.decode_tokens,
             time_to_first_token_s=counters.time_to_first_token_s,
@@ -338,15 +338,18 @@ class Session:
 
     def _prefill(self, context: ContextHandler, tokens: list[int], decoder: SpeculativeDecoder | None = None
                  ) -> np.ndarray:
-        """Appends ``tokens`` to ``context`` and advances its position (a speculating
-        generation's ``decoder`` verifies the last of them: see its ``prefill``); the logits
-        after the last."""
+        """Appends ``tokens`` to ``context`` after its pending token and advances its
+        position (a speculating generation's ``decoder`` verifies the last of them: see its
+        ``prefill``); the logits after the last."""
         def plain(chunk: list[int]) -> np.ndarray:
             logits = self._resources.prefill(context, chunk)
             context.position += len(chunk)
+            context.pending = None  # the first chunk held it
             return logits
 
-        logits = plain(tokens) if decoder is None else decoder.prefill(tokens, plain)
+        run = tokens if context.pending is None else [context.pending, *tokens]
+        logits = plain(run) if decoder is None else decoder.prefill(run, plain)
+        context.pending = None
         self._counters.prompt_tokens += len(tokens)
         return logits
 
@@ -355,6 +358,13 @@ class Session:
         logits = self._resources.decode(context, token)
         self.record_decode(context, time.perf_counter() - start)
         return logits
+
+    def write_pending(self, context: ContextHandler) -> None:
+        """Writes the reserved ``context``'s pending token (the last one a generation
+        ended with) to its KV cache, if any; for calls that step it one token at a time."""
+        if context.pending is not None:
+            self._decode(context, context.pending)
+            context.pending = None
 
     def record_decode(self, context: ContextHandler, seconds: float) -> None:
         """Counts one decode step of the reserved ``context`` that took ``seconds``: its

@@ -35,7 +35,8 @@ the same order, a seeded generation gives the same tokens whether the heads run 
 keeps state (the server's repetition penalty and ``min_tokens``) sees what plain decoding
 shows it. With greedy decoding (temperature 0 or top_k 1) the pick is the argmax and the
 output is plain greedy decoding's, token for token. The session's position ends where
-plain decoding's would (every generated token in the context).
+plain decoding's would (every generated token in the context; the last one pending, as
+plain decoding leaves it: see :class:`ContextHandler`).
 
 A session whose drafts are rarely accepted (free text, or a high temperature) switches
 the heads off for a while (:class:`SpeculationPolicy`). A speculating session runs its
@@ -231,15 +232,15 @@ class SpeculativeDecoder:
             last = generated[-1]
             if on_token is not None:
                 on_token(last)
-            done = last in stops or len(generated) == max_new_tokens
+            if last in stops or len(generated) == max_new_tokens:
+                context.pending = last  # no step for logits nobody reads
+                return generated, "stop_token" if last in stops else "max_new_tokens"
             heads_on = gate.heads_on()
-            if done or not heads_on or self._length == 0 or context.position + self._length > kv_length:
+            if not heads_on or self._length == 0 or context.position + self._length > kv_length:
                 logits = self._decode(context, last)
                 counters.plain_steps += 1
                 if not heads_on:
                     gate.plain_step()
-                if done:
-                    return generated, "stop_token" if last in stops else "max_new_tokens"
                 generated.append(sampler.sample(logits))
                 drafts = []
                 continue
@@ -266,6 +267,6 @@ class SpeculativeDecoder:
             if drafts:
                 gate.verified(kept)
             if stopped is not None:
-                return generated, stopped
+                return generated, stopped  # its last token (kept) is in the cache
             generated.append(choice)  # the first choice unlike its draft, or the one after every draft
             drafts = self._heads.draft(hidden[kept], self._project)

@@ -16,6 +16,11 @@ from runtime.executor.litert_executor import Binding, KvCache, LlmExecutor
 class ContextHandler:
     """A session's adapters (as a blend of loaded ids and scales), KV cache and position.
 
+    ``position`` counts the tokens in the KV cache; ``pending`` is the token a generation
+    ended with: part of the session's text, written to the cache by the next call that
+    runs the model on this context (a generation's last token needs no logits, so the step
+    computing them is saved: llama.cpp does the same).
+
     ``binding`` is the executor arguments for this KV cache with the adapter buffers it
     was built for (``bound_lora``) on one executor. Bindings for a few recently used
     (executor, buffers) pairs are kept in ``recent``, so switching back and forth between
@@ -25,6 +30,7 @@ class ContextHandler:
     blend: Blend
     kv: KvCache
     position: int = 0
+    pending: int | None = None
     binding: Binding | None = field(default=None, repr=False)
     bound_lora: LoRA | None = field(default=None, repr=False)
     recent: dict[tuple[int, int], tuple[LoRA | None, Binding]] = field(default_factory=dict, repr=False)
@@ -32,6 +38,11 @@ class ContextHandler:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     RECENT_BINDINGS: ClassVar[int] = 8
+
+    @property
+    def length(self) -> int:
+        """The session's tokens: those in the cache and the pending one."""
+        return self.position + (self.pending is not None)
 
     @property
     def lora_ids(self) -> list[int]:

@@ -121,14 +121,15 @@ class ResourceManager:
         return context
 
     def clone_context(self, context: ContextHandler) -> ContextHandler:
-        """A new context with a copy of ``context``'s KV cache, position and adapters."""
+        """A new context with a copy of ``context``'s KV cache, position, pending token and
+        adapters."""
         self.registry.pin(context.blend)
         try:
             kv = self.executor.copy_kv_cache(context.kv)
         except BaseException:
             self.registry.unpin(context.blend)
             raise
-        clone = ContextHandler(context.blend, kv, context.position)
+        clone = ContextHandler(context.blend, kv, context.position, context.pending)
         self._track(clone)
         return clone
 
