@@ -19,7 +19,7 @@ identical token for token. Decode tokens/s is tokens after the first over decode
 summed over the items. The free-text rows run ``reverse_words`` prompts (free word order the
 heads were not trained on) the same way: what the heads cost when they do not help, with
 the engine's default :class:`SpeculationPolicy` (heads switch themselves off) and with the
-heads forced on. Also measured: one verify4 forward against one decode step, and one
+heads forced on. Also measured: one verify forward (the model's longest) against one decode step, and one
 draft (K heads' blocks plus the shared lm_head product in numpy) on their own.
 
 With ``--llama-cpp f32`` (or ``q8_0`` for an int8 model; ``bash benchmarks/llama_cpp/setup.sh``
@@ -122,11 +122,13 @@ def side_by_side(engine: Engine, adapter: Path, items: list[tuple[str, list[int]
 
 
 def step_costs(engine: Engine, adapter: Path, rounds: int = 7) -> dict[str, float]:
-    """Median ms of one decode step, one verify4 forward (same LoRA), and one draft."""
+    """Median ms of one decode step, one verify forward of the model's longest verify length
+    (same LoRA), and one draft."""
     decode, verify = [], []
     with engine.create_session(SessionConfig(loras=[LoraSource(path=adapter, heads=False)])) as session:
         session.run_prefill(list(range(1, 40)))
         resources = session._resources  # noqa: SLF001 - the benchmark times the two runs directly
+        length = max(resources.spec.verify_lengths(resources.registry.slot_or_none(session.blend)))
         for _ in range(rounds):
             with session.reserve() as context:
                 start = time.perf_counter()
@@ -135,13 +137,13 @@ def step_costs(engine: Engine, adapter: Path, rounds: int = 7) -> dict[str, floa
                 decode.append((time.perf_counter() - start) / 8)
                 start = time.perf_counter()
                 for i in range(8):
-                    resources.verify(context, [7, 8, 9, 10])
+                    resources.verify(context, list(range(7, 7 + length)))
                 verify.append((time.perf_counter() - start) / 8)
         lm_head = resources.lm_head()
     heads = read_adapter_heads(str(adapter), peft_directory=str(adapter))
     hidden = np.random.default_rng(0).standard_normal(heads.width).astype(np.float32)
     costs = {"decode_ms": round(statistics.median(decode) * 1e3, 2),
-             "verify4_ms": round(statistics.median(verify) * 1e3, 2), "heads": heads.count,
+             "verify_length": length, "verify_ms": round(statistics.median(verify) * 1e3, 2), "heads": heads.count,
              "draft_vocabulary": None if heads.vocab is None else int(len(heads.vocab))}
     whole = dataclasses.replace(heads, vocab=None)
     for name, each, rows in (("draft_ms", heads, lm_head if heads.vocab is None else lm_head[heads.vocab]),
@@ -207,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"lengths, in the same rounds): {r['llama_cpp_tokens_per_s']} tok/s; Turbo "
                  f"{r['turbo_vs_llama_cpp']}x llama.cpp, plain {round(r['plain_tokens_per_s'] / r['llama_cpp_tokens_per_s'], 3)}x."]
     rows.append("")
-    rows.append(f"One decode step {costs['decode_ms']} ms, one verify4 forward {costs['verify4_ms']} ms, one draft "
+    rows.append(f"One decode step {costs['decode_ms']} ms, one verify{costs['verify_length']} forward "
+                f"{costs['verify_ms']} ms, one draft "
                 f"({costs['heads']} heads, numpy) {costs['draft_ms']} ms over the adapter's "
                 f"{costs['draft_vocabulary']}-token draft vocabulary, {costs['draft_whole_vocabulary_ms']} ms over the "
                 "whole vocabulary; 1 thread.")
