@@ -88,7 +88,7 @@ def render_markdown(results: dict, folder: Path) -> str:
     for key, message in results.get("skipped", {}).items():
         out += [f"**{key} skipped**: {message}", ""]
     out += ["## Targets", "", "| target | model | measured | met |", "|---|---|---|---|", *targets(results),
-            *serve_targets(folder), ""]
+            *serve_targets(folder), *turbo_targets(folder), ""]
     out += ["## Plots", ""]
     out += [f"![{title}]({name})" for name, title in PLOT_TITLES.items()]
     for key, data in _sets(results):
@@ -725,6 +725,24 @@ def serve_targets(folder: Path) -> list[str]:
     return [f"| runtime serve vs llama-server under load: tokens/s >= 1.0x, TTFT p99 below its p99, 0 errors, "
             f"every answer equal to offline | SmolLM2-135M f32, {settings['clients']} streaming clients, "
             f"{settings['adapters']} adapters | {measured} | {'yes' if met else 'NO'} |"]
+
+
+def turbo_targets(folder: Path) -> list[str]:
+    """Turbo LoRA's targets from the f32 run of ``benchmarks/turbo.py`` (``turbo_smollm2.json``,
+    written beside the report): ``order_json`` decode >= 2x the same LoRA without heads with
+    every output identical, and heads that cost <= 5% on free text (default policy)."""
+    path = folder / "turbo_smollm2.json"
+    if not path.exists():
+        return []
+    result = json.loads(path.read_text())
+    where = f"SmolLM2-135M, {turbo_label(result)}"
+    templated, free = result["order_json"], result["free_text_default_policy"]
+    fast = templated["speedup"] >= 2.0 and templated["identical"] == templated["items"]
+    return [f"| Turbo LoRA, `order_json`: decode tokens/s >= 2x the same LoRA without heads, every output identical "
+            f"| {where} | {templated['speedup']:.2f}x, {templated['identical']}/{templated['items']} identical "
+            f"| {'yes' if fast else 'NO'} |",
+            f"| Turbo LoRA, free text: the heads cost <= 5% (default policy) | {where} | {free['speedup']:.3f}x "
+            f"| {'yes' if free['speedup'] >= 0.95 else 'NO'} |"]
 
 
 def plot_serve(plt: Any, folder: Path) -> Any:
