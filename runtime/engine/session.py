@@ -181,7 +181,9 @@ class Session:
         comes.
 
         Stops after a token of ``stop_tokens`` (default: the tokenizer's stop tokens).
-        Every generated token is appended to the context, so the session can go on.
+        Every generated token is appended to the context, so the session can go on (the
+        last one is written to the KV cache by the session's next call: no step computes
+        the logits after it, which nobody reads).
         Raises ``ResourceExhaustedError`` before doing anything when the prompt plus
         ``max_new_tokens`` would not fit the KV cache.
         """
