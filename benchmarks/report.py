@@ -29,7 +29,8 @@ SIDES = {
     ("q4", "theirs"): ("llama.cpp Q4_1 (original file)", "#f6d2a8"),
 }
 # benchmarks/turbo.py's results (each file's own JSON says which model and heads it measured).
-TURBO_RESULTS = ("turbo_smollm2", "turbo_smollm2_verify4", "turbo_smollm2_int8", "turbo_smollm2_heads32")
+TURBO_RESULTS = ("turbo_smollm2", "turbo_smollm2_verify4", "turbo_smollm2_int8_verify6", "turbo_smollm2_int8",
+                 "turbo_smollm2_heads32")
 SPEED_NOTE = "speed = llama.cpp's ms / ours (above 1: ours is faster)"
 
 
