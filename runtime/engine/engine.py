@@ -139,7 +139,7 @@ class Engine:
             for session, context in zip(sessions, contexts):
                 if context.length + 1 > self.spec.kv_length:
                     raise ResourceExhaustedError(
-                        f"session {session.session_id}: 1 token at position {context.length} would exceed "
+                        f"session {session.session_id}: 1 token after its {context.length} would exceed "
                         f"the KV cache of {self.spec.kv_length} positions")
             for session, context in zip(sessions, contexts):
                 session.write_pending(context)  # a generation's last token, alone (rare: after generate)
