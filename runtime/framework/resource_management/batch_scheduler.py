@@ -79,14 +79,21 @@ class BatchScheduler(Generic[Item, Result]):
     def submit(self, item: Item) -> Result:
         """Runs ``item`` in the next batch that has room and returns its result (or
         raises its error)."""
-        ticket: _Ticket[Item, Result] = _Ticket(item)
         with self._lock:
-            self._waiting.append(ticket)
-            if self._leading:
-                ticket.wake = threading.Event()
-                self._arrived.notify()
+            alone = not self._leading and self._last_rows <= 1 and self._streaming <= 1
+            if alone:  # the batch it would lead has one row, this one: no ticket, no wait
+                self._leading = True
+                self._last_rows = 1
             else:
-                self._leading = ticket.lead = True
+                ticket: _Ticket[Item, Result] = _Ticket(item)
+                self._waiting.append(ticket)
+                if self._leading:
+                    ticket.wake = threading.Event()
+                    self._arrived.notify()
+                else:
+                    self._leading = ticket.lead = True
+        if alone:
+            return self._run_alone(item)
         while not ticket.done:
             if ticket.lead:
                 self._lead()
@@ -109,6 +116,40 @@ class BatchScheduler(Generic[Item, Result]):
             with self._lock:
                 self._streaming -= 1
 
+    def _run_alone(self, item: Item) -> Result:
+        """Runs a batch of ``item`` alone (the caller leads; nothing waits in the queue
+        ahead of it) and passes the lead on."""
+        try:
+            (outcome,) = self._outcomes([item])
+        finally:
+            if self._on_batch is not None:
+                self._on_batch(1, (0.0,))
+            self._pass_lead()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _outcomes(self, items: list[Item]) -> Sequence[Result | BaseException]:
+        """``run_batch(items)``: a result or an error per row; if it raises (or returns
+        the wrong number of rows), the error for every row."""
+        try:
+            outcomes = self._run_batch(items)
+            if len(outcomes) != len(items):
+                raise RuntimeError(f"run_batch returned {len(outcomes)} results for {len(items)} rows")
+        except BaseException as exc:
+            outcomes = [exc] * len(items)
+        return outcomes
+
+    def _pass_lead(self) -> None:
+        """Hands the lead to the first caller waiting, or gives it up."""
+        with self._lock:
+            if self._waiting:
+                successor = self._waiting[0]
+                successor.lead = True
+                successor.wake.set()
+            else:
+                self._leading = False
+
     def _lead(self) -> None:
         """Forms and runs one batch, then passes the lead on (or gives it up)."""
         policy = self._policy
@@ -126,12 +167,7 @@ class BatchScheduler(Generic[Item, Result]):
         started = time.perf_counter()
         for ticket in batch:
             ticket.waited_s = started - ticket.queued_at
-        try:
-            outcomes: Sequence[Result | BaseException] = self._run_batch([t.item for t in batch])
-            if len(outcomes) != len(batch):
-                raise RuntimeError(f"run_batch returned {len(outcomes)} results for {len(batch)} rows")
-        except BaseException as exc:  # every row of a failed batch gets the error
-            outcomes = [exc] * len(batch)
+        outcomes = self._outcomes([t.item for t in batch])
         if self._on_batch is not None:
             self._on_batch(len(batch), [t.waited_s for t in batch])
         for ticket, outcome in zip(batch, outcomes):
@@ -143,10 +179,4 @@ class BatchScheduler(Generic[Item, Result]):
             ticket.done = True
             if ticket.wake is not None:
                 ticket.wake.set()
-        with self._lock:
-            if self._waiting:
-                successor = self._waiting[0]
-                successor.lead = True
-                successor.wake.set()
-            else:
-                self._leading = False
+        self._pass_lead()
