@@ -14,7 +14,7 @@ Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
 ``smollm2-135m-instruct-{f32,int8,int4-block32}.tflite`` and ``.litertlm``
     Float32, dynamic-range int8 and int4 (blocks of 32, llama.cpp's Q4_0 / Q4_1 block size)
     exports, from one run, with LoRA rank slots 8, 16 and 64, KV length 1024, prefill lengths
-    32, 128 and 512, attention windows 128, 256 and 512; the bundles add the tokenizer, stop
+    32, 128 and 512, attention windows 128, 256, 512 and 768; the bundles add the tokenizer, stop
     tokens and chat template (``python -m runtime generate --model X.litertlm --prompt TEXT``).
 ``../smollm2-135m-instruct-batch/smollm2-135m-instruct-{f32,int8}-batch.tflite`` (``--batched``;
 f32 and int8 only)
@@ -61,7 +61,7 @@ PRECISIONS = {"f32": "none", "int8": "int8", "int4-block32": "int4-block32"}  # 
 BATCHED_PRECISIONS = {"f32": "none", "int8": "int8"}
 # Windows double up to half the cache: a step past 512 attends over all 1024 positions, which
 # costs little more than a 768 window would (its slice of the caches is a copy per step).
-LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS, ATTENTION_WINDOWS = (8, 16, 64), 1024, (32, 128, 512), (128, 256, 512)
+LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS, ATTENTION_WINDOWS = (8, 16, 64), 1024, (32, 128, 512), (128, 256, 512, 768)
 BATCH_ARGS = ("--lora-ranks", "8,16", "--kv-length", "1024", "--prefill-lengths", "8,128", "--batch-sizes", "2,4,8,16",
               "--batch-lora-ranks", "8", "--attention-windows", "128,512")
 STEPS = 32

