@@ -156,7 +156,8 @@ def prepare(directory: Path) -> None:
             return {"logits": torch.nn.functional.linear(normed, self.embedding)}
 
     head = Head().eval()
-    signatures = [Signature(f"head_rows{rows}", head, {"hidden": torch.zeros((rows, 1, head.norm.numel()))})
+    signatures = [Signature(f"head_rows{rows}", head, rows,
+                            lambda rows=rows: {"hidden": torch.zeros((rows, 1, head.norm.numel()))})
                   for rows in HEAD_ROWS]
     if not (directory / "head-f32.tflite").exists():
         context = convert.new_context()
