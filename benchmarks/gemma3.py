@@ -461,7 +461,8 @@ def notes(directory: Path) -> list[str]:
                       f"(argmax identical: {linear['peft_all_linear_r8']['argmax_identical']}); decode there, ms/token "
                       f"(median of 5 rounds of 16 steps): base {ms['base']:.1f}, attention-only r8 "
                       f"{ms['attention_r8']:.1f} ({ms['attention_r8'] / ms['base']:.2f}x), all-linear r8 "
-                      f"{ms['all_linear_r8']:.1f} ({ms['all_linear_r8'] / ms['base']:.2f}x).", ""]
+                      f"{ms['all_linear_r8']:.1f} ({ms['all_linear_r8'] / ms['base']:.2f}x)"
+                      + (f"; measured {linear['measured']}." if "measured" in linear else "."), ""]
     return lines
 
 
