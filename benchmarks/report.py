@@ -89,7 +89,7 @@ def render_markdown(results: dict, folder: Path) -> str:
     for key, message in results.get("skipped", {}).items():
         out += [f"**{key} skipped**: {message}", ""]
     out += ["## Targets", "", "| target | model | measured | met |", "|---|---|---|---|", *targets(results),
-            *serve_targets(folder), *turbo_targets(folder), ""]
+            *serve_targets(folder), *turbo_targets(folder), *gemma3_targets(folder), ""]
     out += ["## Plots", ""]
     out += [f"![{title}]({name})" for name, title in PLOT_TITLES.items()]
     for key, data in _sets(results):
@@ -106,6 +106,9 @@ def render_markdown(results: dict, folder: Path) -> str:
                 "(commands in `benchmarks/turbo.py`'s docstring and the README's Turbo LoRA section)."]
         for name, label in turbo:
             out += ["", f"**{label}** (`{name}.md`)", "", (folder / f"{name}.md").read_text().strip()]
+    if (folder / "gemma3.md").exists():
+        text = (folder / "gemma3.md").read_text().strip()
+        out += ["", "## Gemma 3 270M (`benchmarks/gemma3.py`)", "", text.split("\n", 1)[1].strip()]
     for rows_file in sorted(folder.glob("base_rows_*.json")):
         from base_rows import rows_table  # benchmarks/base_rows.py
 
@@ -744,6 +747,27 @@ def turbo_targets(folder: Path) -> list[str]:
             f"| {'yes' if fast else 'NO'} |",
             f"| Turbo LoRA, free text: the heads cost <= 5% (default policy) | {where} | {free['speedup']:.3f}x "
             f"| {'yes' if free['speedup'] >= 0.95 else 'NO'} |"]
+
+
+def gemma3_targets(folder: Path) -> list[str]:
+    """Gemma 3 270M's targets from ``benchmarks/gemma3.py``'s run (``gemma3.json``, written
+    beside the report): decode f32 / int8 >= 1.0x llama.cpp f32 / q8_0, and 8 sessions with 8
+    distinct rank-8 adapters >= 3x one session."""
+    path = folder / "gemma3.json"
+    if not path.exists():
+        return []
+    figures = json.loads(path.read_text())["figures"]
+    rows = []
+    for ours, theirs in (("f32", "llama.cpp f32"), ("int8", "llama.cpp q8_0")):
+        if f"{ours}.speed_vs_llama_cpp" not in figures:
+            continue
+        where = f"Gemma 3 270M, 1 thread, ours {ours}"
+        speed, eight = figures[f"{ours}.speed_vs_llama_cpp"], figures[f"{ours}.batch8_aggregate_x"]
+        rows += [f"| decode tokens/s >= 1.0x llama.cpp ({theirs}) | {where} | {_range(speed)}x "
+                 f"| {'yes' if speed['median'] >= 1.0 else 'NO'} |",
+                 f"| 8 sessions, 8 distinct rank-8 adapters, one model copy: aggregate >= 3x one session | {where} "
+                 f"| {_range(eight)}x | {'yes' if eight['median'] >= 3.0 else 'NO'} |"]
+    return rows
 
 
 def plot_serve(plt: Any, folder: Path) -> Any:
