@@ -122,9 +122,9 @@ class BatchScheduler(Generic[Item, Result]):
         try:
             (outcome,) = self._outcomes([item])
         finally:
-            if self._on_batch is not None:
-                self._on_batch(1, (0.0,))
-            self._pass_lead()
+            self._pass_lead()  # whatever happens: callers queued meanwhile must not hang
+        if self._on_batch is not None:
+            self._on_batch(1, (0.0,))
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
