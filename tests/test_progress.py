@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 
 import pytest
@@ -29,6 +30,24 @@ def test_off_a_terminal_the_items_pass_through_untouched(monkeypatch):
     generator = (i for i in range(3))
     assert progress_bar("converting", unit="projection")(generator) is generator
     assert stream.getvalue() == ""
+
+
+def test_off_a_terminal_long_work_can_announce_each_step_on_a_line(monkeypatch):
+    stream = Terminal(tty=False)  # a log file, or a pipe to one
+    monkeypatch.setattr(sys, "stderr", stream)
+    steps = progress_bar("export", unit="step", lines_off_terminal=True)(iter(["load the weights", "lower decode"]))
+    monkeypatch.setattr(sys, "stderr", Terminal(tty=False))  # the work itself runs with stderr elsewhere
+    assert list(steps) == ["load the weights", "lower decode"]
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["export: load the weights", "export: lower decode"]
+    assert re.fullmatch(r".* \(1 done, \d+ s\)", lines[0]) and re.fullmatch(r".* \(2 done, \d+ s\)", lines[1])
+
+
+def test_a_step_is_announced_before_it_is_handed_on(monkeypatch):
+    stream = Terminal(tty=False)
+    monkeypatch.setattr(sys, "stderr", stream)
+    for step in progress_bar("export", lines_off_terminal=True)(["merge"]):
+        assert stream.getvalue().startswith("export: merge (1 done")  # the exporter yields a step when done
 
 
 def test_off_a_terminal_tqdm_is_not_needed(monkeypatch):

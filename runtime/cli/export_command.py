@@ -152,13 +152,14 @@ def run(args: argparse.Namespace) -> int:
     max_memory = None if args.max_memory is None else int(args.max_memory * GB)
     plan(source.parameters, args.jobs, max_memory)  # a model that cannot fit is refused before torch is imported
     # torch and the converter log natively (fd 2) and through Python (import-time warnings,
-    # their own progress bars): only our progress bar reaches the terminal.
+    # their own progress bars): only our progress reaches stderr (a bar on a terminal, else a
+    # line per stage and signature, so that a log of a long export shows where it is).
     with muted_native_logs(keep_python_stderr=True):
         terminal = sys.stderr
 
         def progress(stages: Iterable) -> Iterable:
             with contextlib.redirect_stderr(terminal):
-                return progress_bar("export", unit="step")(stages)
+                return progress_bar("export", unit="step", lines_off_terminal=True)(stages)
 
         with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
             exporter = _import_exporter()
