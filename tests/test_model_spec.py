@@ -87,10 +87,25 @@ def test_refuses_attention_windows_it_cannot_honour(details):
 
 def test_refuses_batched_signatures_whose_rows_differ_from_decode(details):
     missing = copy.deepcopy(details)
-    del missing["decode_batch2_lora_r4"][0]["lora_atten_v_b_prime_weight_1_1"]
-    with pytest.raises(InvalidArgumentError, match=r"'decode_batch2_lora_r4' input lora_atten_v_b_prime_weight_1_1 "
-                                                   r"is missing, expected"):
+    del missing["decode_batch2_lora_r4"][0]["lora_atten_v_b_prime_weight_1"]
+    with pytest.raises(InvalidArgumentError, match=r"'decode_batch2_lora_r4' LoRA inputs differ from "
+                                                   r"'decode_lora_r4''s stacked over 2 rows, "
+                                                   r"e.g. \['lora_atten_v_b_prime_weight_1'\]"):
         ModelSpec.from_details(missing, "m")
+    unstacked = copy.deepcopy(details)
+    unstacked["decode_batch2_lora_r4"][0]["lora_atten_q_a_prime_weight_0"]["shape"] = [4, 32, 4]
+    with pytest.raises(InvalidArgumentError, match=r"input 'lora_atten_q_a_prime_weight_0' is \[4, 32, 4\] float32, "
+                                                   r"expected \[2, ...\] float32: the rows' LoRA weights stacked"):
+        ModelSpec.from_details(unstacked, "m")
+    per_row = copy.deepcopy(details)  # an export from before the rows' LoRA inputs were stacked
+    inputs = per_row["decode_batch2_lora_r4"][0]
+    for name in [name for name in inputs if name.startswith("lora_")]:
+        stacked = inputs.pop(name)
+        for row in range(2):
+            inputs[f"{name}_{row}"] = {**stacked, "shape": stacked["shape"][1:]}
+    with pytest.raises(UnimplementedError, match=r"LoRA inputs per row: an export older than stacked batch LoRA "
+                                                 r"inputs; export the model again"):
+        ModelSpec.from_details(per_row, "m")
     shape = copy.deepcopy(details)
     shape["decode_batch4_lora_r16"][0]["kv_cache_k_0_2"]["shape"] = [1, 32, 2, 16]
     with pytest.raises(InvalidArgumentError, match=r"input kv_cache_k_0_2 is \[1, 32, 2, 16\] float32, expected"):

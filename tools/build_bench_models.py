@@ -20,7 +20,7 @@ With fixed seeds this writes, under ``benchmarks/models/`` by default:
     64, ``lora_alpha = 2 * r`` (scale 2), random non-zero A and B, different seeds.
 ``bench_f32.tflite``, ``bench_int8.tflite``
     The HF checkpoint exported by ``runtime.export``, float32 and ``int8``
-    (dynamic-range), prefill lengths 8 and 64, KV length 256, LoRA slots of rank 8, 16
+    (dynamic-range), prefill lengths 8 and 64, KV length 256, LoRA slots (q/k/v/o) of rank 8, 16
     and 64, default KV layout, no logits on prefill.
 ``reference_logits.npz``
     transformers' float32 logits (eager attention) for one fixed token sequence, at
@@ -83,6 +83,8 @@ class BenchConfig:
     kv_cache_max_len: int = 256
     prefill_seq_lens: tuple[int, ...] = (8, 64)
     lora_ranks: tuple[int, ...] = (8, 16, 64)
+    # LoRA on q/k/v/o only (the adapters here): all-linear slots would double the signatures.
+    lora_targets: str = "attention"
     # Batched decode signatures decode_batch{B}_lora_r8 (many sessions, one pass).
     batch_sizes: tuple[int, ...] = (2, 4, 8, 16)
     batch_lora_ranks: tuple[int, ...] = (8,)
@@ -347,7 +349,7 @@ def export(cfg: BenchConfig, hf_dir: Path, out_file: Path, quantize: str) -> flo
     from runtime.export.settings import ExportSettings
     from runtime.export.source import inspect_source
 
-    settings = ExportSettings(lora_ranks=cfg.lora_ranks, kv_length=cfg.kv_cache_max_len,
+    settings = ExportSettings(lora_ranks=cfg.lora_ranks, lora_targets=cfg.lora_targets, kv_length=cfg.kv_cache_max_len,
                               prefill_lengths=cfg.prefill_seq_lens, quantize=quantize, kv_layout="default",
                               batch_sizes=cfg.batch_sizes, batch_lora_ranks=cfg.batch_lora_ranks)
     report = export_checkpoint(inspect_source(hf_dir), settings, model_out=out_file)

@@ -5,7 +5,9 @@ lives in library-owned ``TensorBuffer`` objects created here. Running a step bin
 session's buffers to the signature: the KV buffers are bound as both input and output,
 so the cache is updated in place and never copied; LoRA buffers are written once when an
 adapter is materialized and only bound afterwards. Switching a session or an adapter is
-therefore choosing another prebuilt :class:`Binding`, not copying memory.
+therefore choosing another prebuilt :class:`Binding`, not copying memory. A batched run
+takes its rows' adapters stacked in one buffer per LoRA input: a row's adapter is copied
+in when another adapter takes that row, and batches of the same sessions copy nothing.
 """
 
 from __future__ import annotations
@@ -125,6 +127,18 @@ class _Run:
 
 
 @dataclass
+class _StackedLora:
+    """The LoRA inputs of a slot's batched signatures of one row count: every row's adapter
+    stacked into one buffer per input, and the adapter buffers each row was filled from
+    (``None``: zeros), so a row is copied again only when another adapter takes it. Holding
+    them keeps a row's adapter buffers alive until another adapter takes the row (the
+    stacked copy is what runs, so buffers of another adapter cannot take their place)."""
+
+    buffers: dict[str, TensorBuffer]
+    rows: list[Mapping[str, TensorBuffer] | None] | None = None  # None: not filled yet
+
+
+@dataclass
 class Binding:
     """A KV cache bound to one LoRA slot's buffers (or none), for every signature of
     one executor."""
@@ -197,8 +211,8 @@ class LlmExecutor:
                 io.positions.write(io.position_array)
         self._lock = threading.Lock()
         self._closed = False
-        self._zero_lora: dict[LoraSlot, dict[str, TensorBuffer]] = {}  # per LoRA slot: rows without an adapter
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
+        self._stacked_lora: dict[tuple[int, LoraSlot], _StackedLora] = {}  # by (rows, slot), made when first run
         # The last batched run's key, bindings and arguments: consecutive steps of the same rows.
         self._last_batch: tuple[tuple[int, ...], tuple[Binding, ...], _Run] | None = None
         self.invokes = 0  # signature runs so far, and the seconds spent inside them
@@ -479,34 +493,53 @@ class LlmExecutor:
         return self._run_filled(run)
 
     def _batch_run(self, signature: SignatureSpec, bindings: Sequence[Binding]) -> _Run:
-        """Run arguments binding each row's own KV cache and LoRA buffers (no copies);
-        rows past ``bindings`` get the scratch KV cache and zero LoRA inputs."""
-        slot = signature.lora_slot
-        zero_lora = self._zero_lora_buffers(slot) if slot else {}
-        rows = []
-        for binding in bindings:
-            lora = binding.lora_buffers if binding.lora_slot == slot and binding.lora_buffers else zero_lora
-            rows.append({**binding.kv.buffers, **lora})
-        if len(rows) < signature.rows:
+        """Run arguments binding each row's own KV cache (no copies) and the slot's stacked
+        LoRA inputs, filled with the rows' adapters; rows past ``bindings`` get the scratch
+        KV cache and zero LoRA weights."""
+        kv_rows = [binding.kv.buffers for binding in bindings]
+        if len(kv_rows) < signature.rows:
             if self._scratch_kv is None:
                 self._scratch_kv = self.create_kv_cache()
-            rows += [{**self._scratch_kv.buffers, **zero_lora}] * (signature.rows - len(rows))
+            kv_rows += [self._scratch_kv.buffers] * (signature.rows - len(kv_rows))
         io = self._io[signature.key]
         shared_inputs = {TOKENS: io.tokens, INPUT_POS: io.positions}
-        inputs = [shared_inputs[name] if name in shared_inputs else _row_buffer(signature, rows, name)
+        if signature.lora_slot is not None:
+            slot = signature.lora_slot
+            adapters = [binding.lora_buffers if binding.lora_slot == slot else None for binding in bindings]
+            shared_inputs.update(self._fill_stacked_lora(signature, adapters))
+        inputs = [shared_inputs[name] if name in shared_inputs else _row_buffer(signature, kv_rows, name)
                   for name in io.input_order]
-        outputs = [io.logits if name == LOGITS else _row_buffer(signature, rows, name) for name in io.output_order]
+        outputs = [io.logits if name == LOGITS else _row_buffer(signature, kv_rows, name) for name in io.output_order]
         return _Run(signature, io, self._fast.prepare(inputs, outputs), inputs + outputs)
 
-    def _zero_lora_buffers(self, slot: LoraSlot) -> dict[str, TensorBuffer]:
-        """All-zero LoRA inputs of a slot, made once: a row with no adapter."""
-        if slot not in self._zero_lora:
-            buffers = {}
-            for name, spec in self.spec.slot_inputs(slot).items():
-                buffers[name] = self.create_lora_buffer(slot, name)
-                buffers[name].write(np.zeros(spec.shape, spec.dtype))
-            self._zero_lora[slot] = buffers
-        return self._zero_lora[slot]
+    def _fill_stacked_lora(self, signature: SignatureSpec,
+                           adapters: Sequence[Mapping[str, TensorBuffer] | None]) -> dict[str, TensorBuffer]:
+        """The stacked LoRA inputs of ``signature``'s rows and slot, holding ``adapters``
+        row by row (``None`` and rows past them: zeros). Only rows whose adapter changed
+        since the last fill are copied; a batch of the same sessions copies nothing."""
+        slot, rows = signature.lora_slot, signature.rows
+        stacked = self._stacked_lora.get((rows, slot))
+        if stacked is None:
+            buffers = {name: self._model.create_input_buffer_by_name(signature.key, name)
+                       for name in signature.lora_inputs}
+            stacked = self._stacked_lora[rows, slot] = _StackedLora(buffers)
+        wanted = [*adapters, *[None] * (rows - len(adapters))]
+        changed = range(rows) if stacked.rows is None else [
+            row for row in range(rows) if stacked.rows[row] is not wanted[row]]
+        if not changed:
+            return stacked.buffers
+        for name, spec in signature.lora_inputs.items():
+            host = np.zeros((rows, *spec.shape), np.float32)
+            if len(changed) < rows:  # keep the rows that stay
+                self._fast.reader(stacked.buffers[name])(host)
+            for row in changed:
+                if wanted[row] is None:
+                    host[row] = 0.0
+                else:
+                    self._fast.reader(wanted[row][name])(host[row])
+            stacked.buffers[name].write(host)
+        stacked.rows = wanted
+        return stacked.buffers
 
     def _invoke(self, run: _Run, chunk: Sequence[int], start: int) -> np.ndarray | None:
         """Writes tokens and positions (padded to the signature's length) and runs it."""
@@ -563,7 +596,7 @@ class LlmExecutor:
             with self._native_logs():
                 self._model.close()
                 self._last_batch = self._scratch_kv = None
-                self._zero_lora.clear()
+                self._stacked_lora.clear()
                 del self._model, self._io, self._fast  # frees the library's environment now
 
     def _native_logs(self) -> AbstractContextManager[None]:

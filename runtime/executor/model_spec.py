@@ -59,9 +59,10 @@ class SignatureSpec:
     window: int | None = None  # attends over the cache's first `window` positions (None: all)
 
     def row_input(self, name: str) -> tuple[int, str] | None:
-        """For an input of a batched signature, ``(row, the single-session name)``;
-        ``None`` for ``tokens`` and ``input_pos`` (or any input of an unbatched one)."""
-        if self.rows == 1 or name in (TOKENS, INPUT_POS):
+        """For a KV cache tensor of a batched signature, ``(row, the single-session name)``;
+        ``None`` for ``tokens``, ``input_pos`` and the stacked LoRA inputs (or any tensor
+        of an unbatched signature)."""
+        if self.rows == 1 or name in (TOKENS, INPUT_POS) or is_lora_input_name(name):
             return None
         parsed = parse_row_tensor_name(name)
         return (parsed[1], parsed[0]) if parsed else None
@@ -73,9 +74,10 @@ class SignatureSpec:
 
     @property
     def lora_inputs(self) -> dict[str, TensorSpec]:
-        """The signature's LoRA inputs (of one row), by name."""
-        inputs = self.inputs if self.rows == 1 else _rows(self.key, self.inputs, self.rows)[0]
-        return {n: s for n, s in inputs.items() if is_lora_input_name(n)}
+        """The signature's LoRA inputs as one row takes them, by name (a batched
+        signature takes each stacked: ``[rows, ...]`` of this shape)."""
+        return {n: TensorSpec(n, s.shape[1:] if self.rows > 1 else s.shape, s.dtype)
+                for n, s in self.inputs.items() if is_lora_input_name(n)}
 
 
 @dataclass(frozen=True)
@@ -318,8 +320,14 @@ def _batch_signature(key: str, named: SignatureName, ins: Mapping[str, TensorSpe
     if logits is None or len(logits.shape) != 3 or logits.shape[:2] != (rows, 1):
         got = logits.describe() if logits else "nothing"
         raise InvalidArgumentError(f"{source}: signature {key!r} output 'logits' is {got}, expected [{rows}, 1, vocab]")
-    per_row = _rows(key, ins, rows)
-    lora_slot = _lora_slot(key, per_row[0], source)
+    _rows(key, ins, rows, source)  # every other input is a row's KV cache
+    stacked = {name: spec for name, spec in ins.items() if is_lora_input_name(name)}
+    for name, spec in stacked.items():
+        if spec.shape[:1] != (rows,) or spec.dtype != np.float32:
+            raise InvalidArgumentError(f"{source}: signature {key!r} input {name!r} is {_shape(spec)}, expected "
+                                       f"[{rows}, ...] float32: the rows' LoRA weights stacked")
+    lora_slot = _lora_slot(key, {name: TensorSpec(name, spec.shape[1:], spec.dtype)
+                                 for name, spec in stacked.items()}, source)
     if named.lora_slot != lora_slot:
         raise InvalidArgumentError(
             f"{source}: signature {key!r} is named for LoRA slot {named.lora_slot or 'none'} but its LoRA inputs "
@@ -327,17 +335,19 @@ def _batch_signature(key: str, named: SignatureName, ins: Mapping[str, TensorSpe
     return SignatureSpec(key, "decode", 1, lora_slot, ins, outs, rows, named.window)
 
 
-def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int) -> list[dict[str, TensorSpec]]:
-    """A batched signature's KV and LoRA tensors, per row, under their single-session names."""
+def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int, source: str) -> list[dict[str, TensorSpec]]:
+    """A batched signature's KV cache tensors, per row, under their single-session names."""
     per_row: list[dict[str, TensorSpec]] = [{} for _ in range(rows)]
     for name, spec in tensors.items():
-        if name in (TOKENS, INPUT_POS, LOGITS):
+        if name in (TOKENS, INPUT_POS, LOGITS) or is_lora_input_name(name):
             continue
         base, row = parse_row_tensor_name(name) or ("", rows)
-        if row >= rows or not (_KV_NAME.fullmatch(base) or is_lora_input_name(base)):
+        if row >= rows or not _KV_NAME.fullmatch(base):
+            hint = (" (LoRA inputs per row: an export older than stacked batch LoRA inputs; export the model again)"
+                    if is_lora_input_name(base) else "")
             raise UnimplementedError(
-                f"signature {key!r} has a tensor this runtime cannot feed: {name!r} (expected KV cache and LoRA "
-                f"names ending in _0 ... _{rows - 1})")
+                f"{source}: signature {key!r} has a tensor this runtime cannot feed: {name!r} (expected KV cache names "
+                f"ending in _0 ... _{rows - 1} and LoRA inputs stacked over the rows){hint}")
         per_row[row][base] = TensorSpec(base, spec.shape, spec.dtype)
     return per_row
 
@@ -345,20 +355,23 @@ def _rows(key: str, tensors: Mapping[str, TensorSpec], rows: int) -> list[dict[s
 def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], kv: Mapping[str, TensorSpec],
                  source: str) -> None:
     """Every row of a batched signature takes and returns exactly what ``decode`` (or
-    ``decode_lora_r{R}``) does: the same KV caches and LoRA inputs, the same shapes."""
+    ``decode_lora_r{R}``) does: the same KV caches, and the same LoRA inputs as its row of
+    the stacked ones, the same shapes."""
     single = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_slot, s.rows, s.window)
                    == ("decode", 1, spec.lora_slot, 1, None)), None)
     if single is None:
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} has no single-session counterpart "
             f"{SignatureName('decode', lora_slot=spec.lora_slot)}")
-    expected = {**kv, **single.lora_inputs}
-    try:
-        inputs, outputs = _rows(spec.key, spec.inputs, spec.rows), _rows(spec.key, spec.outputs, spec.rows)
-    except UnimplementedError as exc:
-        raise UnimplementedError(f"{source}: {exc}") from None
+    if spec.lora_inputs != single.lora_inputs:
+        differ = sorted(set(spec.lora_inputs) ^ set(single.lora_inputs)) or sorted(
+            name for name in spec.lora_inputs if spec.lora_inputs[name] != single.lora_inputs[name])
+        raise InvalidArgumentError(
+            f"{source}: signature {spec.key!r} LoRA inputs differ from {single.key!r}'s stacked over "
+            f"{spec.rows} rows, e.g. {differ[:3]}")
+    inputs, outputs = _rows(spec.key, spec.inputs, spec.rows, source), _rows(spec.key, spec.outputs, spec.rows, source)
     for row in range(spec.rows):
-        for side, tensors, wanted in (("input", inputs[row], expected), ("output", outputs[row], kv)):
+        for side, tensors, wanted in (("input", inputs[row], kv), ("output", outputs[row], kv)):
             for name, want in wanted.items():
                 got = tensors.get(name)
                 if got is None or got.shape != want.shape or got.dtype != want.dtype:

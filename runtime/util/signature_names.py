@@ -17,8 +17,9 @@ parses them with it):
   ``_lora_dora_r{R}``: those and a DoRA output scale per projection (a :class:`LoraSlot` each).
 
 In that order: ``decode_batch8_attend128_lora_r16``, ``prefill_32_attend128_lora_r8``,
-``verify4_attend128_lora_r8``. A batched signature's KV cache and
-LoRA tensors are the single-session names with ``_{row}`` appended.
+``verify4_attend128_lora_r8``. A batched signature's KV cache tensors are the
+single-session names with ``_{row}`` appended; its LoRA inputs keep the single-session
+names, every row's stacked along a leading axis.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ differs around them, and these steps do what it does:
 - the token embedding is scaled by sqrt(hidden) and the lm_head is the embedding.
 
 The signatures have the inputs and outputs of the other families' (the same names, a
-row's being the single-session name with ``_{row}`` appended), so the runtime drives a
+row's KV cache being the single-session name with ``_{row}`` appended), so the runtime drives a
 Gemma 3 export as it drives a Llama one. Each row of a batch computes exactly what the
 single-session step computes for it: its own token, position, KV cache and LoRA inputs.
 """
