@@ -245,9 +245,26 @@ class ConcurrencyRig:
             t.join()
         return len(sessions) * (steps + 1) / (time.perf_counter() - start)
 
+    def lone_step(self, steps: int) -> tuple[float, float]:
+        """Seconds per step of one session decoding ``steps + 1`` steps, and of them the
+        seconds inside the model's runs (the graph's own time)."""
+        before = self.engine.stats()
+        tokens_per_s = self.tokens_per_second(1, steps)
+        after = self.engine.stats()
+        return 1 / tokens_per_s, (after.invoke_seconds - before.invoke_seconds) / (after.invokes - before.invokes)
+
     def close(self) -> None:
         self.engine.close()
         self._folder.cleanup()
+
+
+def discounted_lone_ratio(batched: tuple[float, float], turns: tuple[float, float]) -> float:
+    """A lone session's tokens/s on the batching engine over the non-batching one's, as if
+    both ran the non-batching engine's graph: each engine loads its own copy of the model,
+    and two copies' bare runs differ (by up to 15% on a 2-core box), which is not batching's
+    cost. ``(seconds per step, of them in the graph)`` of each."""
+    (step_b, graph_b), (step_t, graph_t) = batched, turns
+    return step_t / (graph_t + step_b - graph_b)
 
 
 def batch_fidelity(model: str | os.PathLike[str], sessions: int, steps: int = 8, rank: int = 8) -> dict[str, float]:

@@ -81,6 +81,25 @@ def test_concurrency_rig_gives_each_session_its_own_adapter_and_counts_tokens(mo
         rig.close()
 
 
+def test_a_lone_step_reports_the_graphs_share_of_it(monkeypatch):
+    rig = measure.ConcurrencyRig(MODEL_FILES["default"], [4])
+    try:
+        invokes = rig.engine.stats().invokes
+        monkeypatch.setattr(measure, "time", Clock())  # the timed block reads as 1 s
+        step, graph = rig.lone_step(steps=3)
+        assert step == 0.25 and rig.engine.stats().invokes - invokes == 4  # 4 steps in 1 s, one run each
+        assert 0 < graph < 0.25  # the runs' own wall time, not the faked clock's
+    finally:
+        rig.close()
+
+
+def test_the_lone_ratio_discounts_each_engines_own_graph_time():
+    # Graphs of 12 and 10 ms, both engines 1 ms outside them: as if on the same graph, equal.
+    assert measure.discounted_lone_ratio((0.013, 0.012), (0.011, 0.010)) == pytest.approx(1.0)
+    # 0.5 ms more of the runtime's own work per step on the batching engine.
+    assert measure.discounted_lone_ratio((0.0135, 0.012), (0.011, 0.010)) == pytest.approx(0.011 / 0.0115)
+
+
 def test_batch_memory_compares_rss_growth_with_what_the_sessions_hold():
     out = measure.batch_memory(MODEL_FILES["default"], 4, rank=4)
     kv_bytes = 4 * 64 * 2 * 16 * 4  # per session, the test model's caches

@@ -19,9 +19,9 @@ Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
 ``../smollm2-135m-instruct-batch/smollm2-135m-instruct-{f32,int8}-batch.tflite`` (``--batched``;
 f32 and int8 only)
     For concurrent sessions (the benchmark's "concurrent sessions" and ``serve_load.py``): LoRA
-    slots 8 and 16 on q/k/v/o (attention-only), KV length 1024, prefill 8 (a chat request's short prompt pays 8 positions,
-    not 128) and 128, batched decode of 2, 4, 8 and 16 rows with rank-8 LoRA
-    inputs, and attention windows 128 and 512 (single and batched).
+    slots 8 and 16 on q/k/v/o (attention-only), KV length 1024, prefill 8 (a chat request's
+    short prompt pays 8 positions, not 128) and 128, batched decode of 2, 4, 8 and 16 rows with
+    rank-8 LoRA inputs, and attention windows 128 and 512 (single and batched).
 ``peft_random_r8/``
     A random rank-8 PEFT adapter on q/k/v/o (for the adapter fidelity check).
 ``report.json``
@@ -64,8 +64,9 @@ BATCHED_PRECISIONS = {"f32": "none", "int8": "int8"}
 LORA_RANKS, KV_LENGTH, PREFILL_LENGTHS, ATTENTION_WINDOWS = (8, 16, 64), 1024, (32, 128, 512), (128, 256, 512, 768)
 # Attention-only slots: the concurrency and serving benchmarks run q/k/v/o adapters, and
 # all-linear slots would double the batched signatures, the slowest to lower.
-BATCH_ARGS = ("--lora-ranks", "8,16", "--lora-targets", "attention", "--kv-length", "1024", "--prefill-lengths", "8,128",
-              "--batch-sizes", "2,4,8,16", "--batch-lora-ranks", "8", "--attention-windows", "128,512")
+BATCH_ARGS = ("--lora-ranks", "8,16", "--lora-targets", "attention", "--kv-length", "1024",
+              "--prefill-lengths", "8,128", "--batch-sizes", "2,4,8,16", "--batch-lora-ranks", "8",
+              "--attention-windows", "128,512")
 STEPS = 32
 CHECK_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
                  "Explain in one sentence what a CPU does.")
