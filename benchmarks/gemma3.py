@@ -168,7 +168,8 @@ def prepare(directory: Path) -> None:
         f32 = directory / f"{stem}-f32.tflite"
         for name, quantize in QUANTIZED.items():
             out = directory / f"{stem}-{name}.tflite"
-            if f32.exists() and not out.exists():
+            # Again when the f32 model was exported since: a quantized copy of an older export is stale.
+            if f32.exists() and (not out.exists() or out.stat().st_mtime < f32.stat().st_mtime):
                 recipe = litert.quantizer_recipe(ExportSettings(quantize=quantize).litert_quantize, None)
                 out.write_bytes(convert.quantize(f32.read_bytes(), recipe, quantize))
                 print(f"{out}: {out.stat().st_size:,} bytes", flush=True)
