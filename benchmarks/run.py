@@ -398,8 +398,10 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None, thread
     (steps of concurrent sessions run as one pass over the weights) and taking turns (the
     same model, batching off), and llama.cpp with a context per session (its own thread:
     up to all cores); 8 sessions of mixed ranks 8 and 16, and 1 and 8 sessions near the end
-    of their caches (where no attention window is shorter) besides. Alternating rounds. Then
-    the RSS growth from 1 to 8 sessions stepping together, in a fresh process."""
+    of their caches (where no attention window is shorter) besides. Alternating rounds; one
+    session's steps also record each engine's graph time, which the lone-session target takes
+    out (:func:`measure.discounted_lone_ratio`). Then the RSS growth from 1 to 8 sessions
+    stepping together, in a fresh process."""
     counts = CONCURRENCY_COUNTS
     # Sessions near the end of their cache: a step attends over (nearly) all of it.
     late = models.n_ctx - models.decode_steps - 2
