@@ -104,8 +104,8 @@ def test_a_lower_rank_adapter_joins_a_higher_rank_batch_zero_padded():
 
 def test_rows_that_change_places_or_adapters_between_batches_stay_exact():
     """A batch's LoRA inputs are stacked over its rows and refilled where a row's adapter
-    changed: rows swapping places, fewer rows (zero padding), a session re-targeted to
-    another adapter while the rest stay, all equal each session stepping alone."""
+    changed: rows swapping places while others stay, fewer rows (padding), a session
+    re-targeted to another adapter while the rest stay, all equal each session stepping alone."""
     configs = [SessionConfig(lora_path=R4), SessionConfig(lora_path=R16), SessionConfig(lora_path=OTHER_R4),
                SessionConfig()]
     with Engine(MODEL_FILES["default"]) as engine, \
@@ -124,8 +124,8 @@ def test_rows_that_change_places_or_adapters_between_batches_stay_exact():
                 assert np.abs(logits - pairs[row][1].run_decode(token)).max() <= TOLERANCE, (rows, row)
 
         step([0, 1, 2, 3])
-        step([3, 2, 1, 0])
-        step([2, 0])
+        step([3, 1, 2, 0])  # the middle rows stay; the base session takes the rank-4 adapter's row
+        step([2, 0, 3])  # three rows in the 4-row batch: the last one pads
         step([3, 2, 1, 0])
         for session in pairs[0]:  # the rank-16 row keeps the batch in its slot: one row changes
             session.set_adapters([LoraSource(path=OTHER_R4)], reset=True)
