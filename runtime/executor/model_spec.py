@@ -72,10 +72,11 @@ class SignatureSpec:
         """Whether running it returns logits."""
         return LOGITS in self.outputs
 
-    @property
+    @cached_property
     def lora_inputs(self) -> dict[str, TensorSpec]:
         """The signature's LoRA inputs as one row takes them, by name (a batched
-        signature takes each stacked: ``[rows, ...]`` of this shape)."""
+        signature takes each stacked: ``[rows, ...]`` of this shape); worked out once, as
+        every LoRA buffer an adapter allocates looks its name up here."""
         return {n: TensorSpec(n, s.shape[1:] if self.rows > 1 else s.shape, s.dtype)
                 for n, s in self.inputs.items() if is_lora_input_name(n)}
 
