@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""What one pass over a decoder's weights costs by the rows it carries: which batch sizes
+are cheap on this CPU.
+
+    python3 benchmarks/batch_rows.py [--shape smollm2] [--rows 1,2,4,6,7,8,12,14,15,16] \
+        [--quantize none,int8] [--rounds 5] [--out benchmarks/results]
+
+A batched decode step runs every session's token through the base linears at once: M rows
+against each weight matrix. For each M, this builds a graph of the shape's linear layers
+only (fused q/k/v, output projection, fused gate/up, down, per layer, then the lm_head; no
+attention, no LoRA), converts it with litert-torch (the ``export`` extra) in each precision
+(``int8``: dynamic-range int8 weights, as ``export --quantize int8``), and times it on 1
+thread, every graph taking its turn in each round, the order flipping every round. Prints
+the median milliseconds per pass and per row and writes ``batch_rows.{json,md,png}``.
+
+Why: XNNPACK's f32 matrix kernel on AVX-512 takes 7 rows at a time, and each further group
+of 7 reads every weight again, so 8 rows cost about what 14 do and nearly twice what 7 do.
+A model exported with batch sizes 7 and 14 (``export --batch-sizes 2,4,7,14``) lets 8
+concurrent sessions step as batches of 7, each session waiting out one step in eight.
+Other CPUs have other kernels: run this before choosing ``--batch-sizes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder's linear layers: ``hidden`` in and out of each block, ``ffn`` the
+    feed-forward's width, ``kv`` the width of K (and of V), ``layers`` blocks, ``vocab``
+    the lm_head's outputs."""
+
+    hidden: int
+    ffn: int
+    kv: int
+    layers: int
+    vocab: int
+
+
+SHAPES = {
+    "smollm2": Shape(hidden=576, ffn=1536, kv=192, layers=30, vocab=49152),  # SmolLM2-135M
+    "tiny": Shape(hidden=64, ffn=128, kv=32, layers=2, vocab=256),  # a quick check of the script itself
+}
+PRECISIONS = {"none": "f32", "int8": "int8"}
+REPEATS = 10  # passes per timed run
+
+
+def build(shape: Shape, rows: int, quantize: str, out: Path) -> None:
+    """Writes the graph of ``shape``'s linears over ``rows`` rows to ``out``."""
+    import torch
+    from torch import nn
+
+    from runtime.export.litert import litert_torch
+
+    class Linears(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(nn.ModuleDict({
+                "qkv": nn.Linear(shape.hidden, shape.hidden + 2 * shape.kv, bias=False),
+                "o": nn.Linear(shape.hidden, shape.hidden, bias=False),
+                "gate_up": nn.Linear(shape.hidden, 2 * shape.ffn, bias=False),
+                "down": nn.Linear(shape.ffn, shape.hidden, bias=False)}) for _ in range(shape.layers))
+            self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            for block in self.blocks:  # slices stand in for attention and the gated activation
+                x = x + block["o"](block["qkv"](x)[..., :shape.hidden])
+                x = x + block["down"](block["gate_up"](x)[..., :shape.ffn])
+            return {"logits": self.lm_head(x)}
+
+    sample = torch.zeros((rows, 1, shape.hidden))
+    edge = litert_torch.signature("linears", Linears().eval(), sample_kwargs={"x": sample}).convert()
+    if quantize == "none":
+        edge.export(str(out))
+        return
+    from ai_edge_quantizer import recipe
+
+    from runtime.export.convert import quantize as quantized
+    with tempfile.NamedTemporaryFile(suffix=".tflite") as plain:
+        edge.export(plain.name)
+        out.write_bytes(quantized(Path(plain.name).read_bytes(), recipe.dynamic_wi8_afp32(), quantize))
+
+
+class Timed:
+    """One graph, loaded on 1 thread with its input and output buffers made once."""
+
+    def __init__(self, path: Path) -> None:
+        from ai_edge_litert.compiled_model import CompiledModel
+        from ai_edge_litert.cpu_options import CpuOptions
+        from ai_edge_litert.hardware_accelerator import HardwareAccelerator
+        from ai_edge_litert.options import Options
+
+        options = Options(HardwareAccelerator.CPU, cpu_options=CpuOptions(num_threads=1))
+        self.model = CompiledModel.from_file(str(path), options=options)
+        self.key = next(iter(self.model.get_signature_list()))
+        names = self.model.get_signature_list()[self.key]
+        self.inputs = {n: self.model.create_input_buffer_by_name(self.key, n) for n in names["inputs"]}
+        self.outputs = {n: self.model.create_output_buffer_by_name(self.key, n) for n in names["outputs"]}
+
+    def ms_per_pass(self) -> float:
+        """Milliseconds of one pass, the mean of :data:`REPEATS` after a warm-up pass."""
+        self.model.run_by_name(self.key, self.inputs, self.outputs)
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            self.model.run_by_name(self.key, self.inputs, self.outputs)
+        return (time.perf_counter() - start) / REPEATS * 1e3
+
+
+def measure(shape: Shape, rows: list[int], quantizations: list[str], rounds: int) -> dict[str, dict[int, float]]:
+    """Median ms per pass by precision name and rows."""
+    with tempfile.TemporaryDirectory() as folder:
+        graphs: dict[tuple[str, int], Timed] = {}
+        for quantize in quantizations:
+            for count in rows:
+                path = Path(folder) / f"{quantize}-{count}.tflite"
+                print(f"building {PRECISIONS[quantize]}, {count} rows", file=sys.stderr, flush=True)
+                build(shape, count, quantize, path)
+                graphs[(quantize, count)] = Timed(path)
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in graphs}
+        for r in range(rounds):
+            print(f"round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+            for key in sorted(graphs, reverse=r % 2 == 1):
+                times[key].append(graphs[key].ms_per_pass())
+        return {PRECISIONS[q]: {count: statistics.median(times[(q, count)]) for count in rows} for q in quantizations}
+
+
+def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
+    """The markdown table: per precision, ms per pass, per row, and against one row's pass."""
+    precisions = list(measured)
+    lines = [f"Linears of {shape_name} (no attention, no LoRA), 1 thread, median ms per pass", "",
+             "| rows | " + " | ".join(f"{p} ms | {p} per row | {p} vs 1 row" for p in precisions) + " |",
+             "|---:|" + "---:|---:|---:|" * len(precisions)]
+    for count in measured[precisions[0]]:
+        cells = []
+        for p in precisions:
+            ms, one = measured[p][count], measured[p][min(measured[p])]
+            cells += [f"{ms:.2f}", f"{ms / count:.2f}", f"{ms / one:.2f}x"]
+        lines.append(f"| {count} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(measured: dict[str, dict[int, float]], path: Path) -> None:
+    """ms per pass by rows, a line per precision."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    for precision, by_rows in measured.items():
+        axes.plot(list(by_rows), list(by_rows.values()), marker="o", label=precision)
+    axes.set_xlabel("rows in one pass (sessions in a batch)")
+    axes.set_ylabel("ms per pass, 1 thread")
+    axes.set_ylim(bottom=0)
+    axes.legend()
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="1,2,4,6,7,8,12,14,15,16", help="row counts, comma-separated")
+    parser.add_argument("--quantize", default="none,int8", help="precisions: none (float32), int8")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                        help="folder for batch_rows.json, .md and .png")
+    args = parser.parse_args()
+    rows = sorted({int(r) for r in args.rows.split(",")})
+    quantizations = args.quantize.split(",")
+    unknown = [q for q in quantizations if q not in PRECISIONS]
+    if unknown or not rows or rows[0] < 1 or args.rounds < 1:
+        parser.error(f"--quantize takes {', '.join(PRECISIONS)}; --rows and --rounds take positive integers")
+    measured = measure(SHAPES[args.shape], rows, quantizations, args.rounds)
+    table = render(args.shape, measured)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "batch_rows.md").write_text(table)
+    (args.out / "batch_rows.json").write_text(json.dumps(
+        {"shape": {"name": args.shape, **asdict(SHAPES[args.shape])}, "rounds": args.rounds,
+         "ms_per_pass": {p: {str(c): ms for c, ms in by_rows.items()} for p, by_rows in measured.items()}},
+        indent=2) + "\n")
+    plot(measured, args.out / "batch_rows.png")
+
+
+if __name__ == "__main__":
+    main()
