@@ -13,11 +13,16 @@ attention, no LoRA), converts it with litert-torch (the ``export`` extra) in eac
 thread, every graph taking its turn in each round, the order flipping every round. Prints
 the median milliseconds per pass and per row and writes ``batch_rows.{json,md,png}``.
 
-Why: XNNPACK's f32 matrix kernel on AVX-512 takes 7 rows at a time, and each further group
-of 7 reads every weight again, so 8 rows cost about what 14 do and nearly twice what 7 do.
-A model exported with batch sizes 7 and 14 (``export --batch-sizes 2,4,7,14``) lets 8
-concurrent sessions step as batches of 7, each session waiting out one step in eight.
-Other CPUs have other kernels: run this before choosing ``--batch-sizes``.
+What it showed (SmolLM2-135M's shape, 1 thread, AMD EPYC with AVX-512): XNNPACK's float32
+matrix kernel takes 7 rows at a time and each further group of 7 reads every weight again:
+1 row 20.6 ms, 7 rows 24.8 ms, 8 rows 39.1 ms. int8 grows smoothly (no such step). In the
+whole batched step the difference shrinks: a batch of 7 SmolLM2 sessions took 62.4 ms
+against 76.6 ms for 8 (8.9 against 9.6 ms a token, ``benchmarks/batch_cost.py``), and
+capping batches at 7 so that 8 sessions take turns in runs of 7 measured slower, not
+faster: every run then holds another set of sessions, and the batch's stacked LoRA inputs
+are written again (8 sessions against one: 2.86x f32 and 2.03x int8 capped, against 3.50x
+and 2.57x uncapped in the run before, ``run.py --sections concurrency``). A run's rows cost more than its pass over the weights: each row's attention and
+LoRA products are small matmuls whose dynamic operands XNNPACK packs on every step.
 """
 
 from __future__ import annotations

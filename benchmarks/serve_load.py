@@ -112,9 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor (both servers)")
     parser.add_argument("--executors", type=int, default=1, help="our server's --executors")
-    parser.add_argument("--max-batch-rows", type=int, default=None,
-                        help="our server's --max-batch-rows (also the engine alone's; default: the model's "
-                        "largest batch)")
     parser.add_argument("--prefix-cache-mb", type=float, default=64.0,
                         help="our server's --prefix-cache-mb (also the engine alone's; llama-server reuses a "
                         "slot's prompt head by default too)")
@@ -328,8 +325,7 @@ class OurServer:
         self._command = [sys.executable, "-m", "runtime", "serve", "--model", str(workload.model),
                          *workload.server_args, "--adapters", str(folder), "--port", "0",
                          "--max-concurrent", str(args.clients), "--threads", str(args.threads),
-                         "--executors", str(args.executors), "--prefix-cache-mb", str(args.prefix_cache_mb),
-                         *(["--max-batch-rows", str(args.max_batch_rows)] if args.max_batch_rows else [])]
+                         "--executors", str(args.executors), "--prefix-cache-mb", str(args.prefix_cache_mb)]
 
     def __enter__(self) -> OurServer:
         log = WORK / "runtime-serve.log"  # a file, not a pipe: a full pipe would stall the server
@@ -398,7 +394,6 @@ class EngineAlone:
     def __enter__(self) -> EngineAlone:
         self._engine = Engine(self._workload.model,
                               EngineSettings(num_threads=self._args.threads, executors=self._args.executors,
-                                             max_batch_rows=self._args.max_batch_rows,
                                              prefix_cache_bytes=int(self._args.prefix_cache_mb * 2**20)),
                               tokenizer=self._workload.tokenizer)
         for path in self._paths:
@@ -507,7 +502,6 @@ def _settings(workload: Workload, args) -> dict:
             "source_adapters": [s.name for s in workload.sources], "adapters": args.adapters,
             "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
             "threads": args.threads, "executors": args.executors, "prefix_cache_mb": args.prefix_cache_mb,
-            "max_batch_rows": args.max_batch_rows,
             "prompts": len(workload.prompts),
             "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count()}
 
@@ -520,8 +514,7 @@ def render(rows: list[dict], workload: Workload, args, skipped: str | None) -> s
         "",
         f"Model `{settings['model']}`, adapters {', '.join(settings['source_adapters'])} (copied round robin), "
         f"greedy, max_tokens {args.max_tokens}, {args.threads} thread(s), our --executors {args.executors} "
-        f"and --prefix-cache-mb {args.prefix_cache_mb:g}"
-        f"{f' and --max-batch-rows {args.max_batch_rows}' if args.max_batch_rows else ''}, "
+        f"and --prefix-cache-mb {args.prefix_cache_mb:g}, "
         f"{settings['cpus']} CPUs (load average {settings['load_average_at_end']:.1f} at the end). "
         f"Each took {args.rounds} turns of {args.seconds / args.rounds:.0f} s, in alternating order; the last "
         "column is runtime serve's tokens/s over this row's, the median of the turns' ratios.",

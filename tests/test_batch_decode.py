@@ -152,12 +152,11 @@ def slow_steps(monkeypatch):
         monkeypatch.setattr(LlmExecutor, name, slowed)
 
 
-@pytest.mark.parametrize("max_rows", [None, 2])
-def test_sessions_on_threads_batch_and_equal_their_runs_alone(slow_steps, max_rows):
+def test_sessions_on_threads_batch_and_equal_their_runs_alone(slow_steps):
     steps = 12
     expected = alone(MODEL_FILES["transposed"], MIXED * 2, steps)
     results: dict[int, list[int]] = {}
-    with Engine(MODEL_FILES["transposed"], EngineSettings(batch_wait_s=0.05, max_batch_rows=max_rows)) as engine:
+    with Engine(MODEL_FILES["transposed"], EngineSettings(batch_wait_s=0.05)) as engine:
         start = threading.Barrier(len(MIXED) * 2)
 
         def work(row: int, config: SessionConfig) -> None:
@@ -173,13 +172,10 @@ def test_sessions_on_threads_batch_and_equal_their_runs_alone(slow_steps, max_ro
         for thread in threads:
             thread.join()
         stats = engine.stats()
-        cap = max_rows or max(signature.rows for signature in engine.spec.signatures.values())
     assert [results[row] for row in range(len(threads))] == [t for t, _ in expected]
     # steps - 1 decode steps each: a generation's last token is left pending, not run.
     assert sum(rows * count for rows, count in stats.decode_batches) == len(threads) * (steps - 1)
-    largest = max(rows for rows, _ in stats.decode_batches)
-    assert largest > 1  # steps did run together
-    assert largest == cap  # 14 sessions waiting: full batches ran, none larger than the cap
+    assert max(rows for rows, _ in stats.decode_batches) > 1  # steps did run together
     assert stats.queue_wait.count == len(threads) * (steps - 1)
 
 

@@ -55,15 +55,6 @@ def test_more_rows_than_the_largest_batch_take_several_runs(spec):
                                              ("decode_batch2_attend16_lora_r4", (4, 5))]
 
 
-def test_max_rows_leaves_the_larger_batches_unused(spec):
-    rows = [DecodeRow(LoraSlot(4), p) for p in (1, 2, 3, 4, 5)]
-    assert runs(plan_decode(spec, rows, max_rows=3)) == [("decode_batch2_attend16_lora_r4", (0, 1)),
-                                                         ("decode_batch2_attend16_lora_r4", (2, 3)),
-                                                         ("decode_attend16_lora_r4", (4,))]
-    assert runs(plan_decode(spec, rows[:3], max_rows=1)) == [("decode_attend16_lora_r4", (i,)) for i in range(3)]
-    assert runs(plan_decode(spec, rows[:3], max_rows=4)) == runs(plan_decode(spec, rows[:3]))
-
-
 def test_rows_past_the_cache_are_not_planned(spec):
     plan = plan_decode(spec, [DecodeRow(LoraSlot(4), 63), DecodeRow(LoraSlot(4), 64), DecodeRow(None, 70)])
     assert plan.overflow == (1, 2)

@@ -52,12 +52,6 @@ def test_engine_settings_refuse_fewer_than_one_executor(executors):
         EngineSettings(executors=executors)
 
 
-@pytest.mark.parametrize("rows", [0, -1, 2.0, True, "7"])
-def test_engine_settings_refuse_a_max_batch_rows_that_is_not_a_positive_integer(rows):
-    with pytest.raises(InvalidArgumentError, match=r"max_batch_rows=.*expected an integer >= 1 or None"):
-        EngineSettings(max_batch_rows=rows)
-
-
 def test_engine_settings_are_revalidated_on_replace():
     settings = EngineSettings(num_threads=2)
     assert dataclasses.replace(settings, executors=3) == EngineSettings(num_threads=2, executors=3)

@@ -68,9 +68,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
     parser.add_argument("--executors", type=int, default=1,
                         help="copies of the model running sessions in parallel (each costs the model's memory)")
-    parser.add_argument("--max-batch-rows", type=int, default=None, metavar="ROWS",
-                        help="requests decoding in one batched run at most (default: the model's largest batch); "
-                        "7 suits float32 models on AVX-512 CPUs (see benchmarks/batch_rows.py)")
     parser.add_argument("--prefix-cache-mb", type=float, default=64.0,
                         help="memory for the KV rows of recent prompts per adapter: a prompt beginning like a "
                         "cached one (a chat template's system prompt, earlier turns) prefills only the rest "
@@ -116,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.prefix_cache_mb < 1 << 40:  # NaN and infinity too
         raise InvalidArgumentError(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
     engine_settings = EngineSettings(num_threads=args.threads, executors=args.executors,
-                                     max_batch_rows=args.max_batch_rows,
                                      prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     with Engine(args.model, engine_settings,
                 tokenizer=tokenizer, chat_template=chat_template) as engine:

@@ -57,11 +57,6 @@ class EngineSettings:
     --batch-sizes``), decode steps that sessions request at the same time run as one pass
     over the weights; a batch waits at most this long for the sessions of the previous
     batch to come back (a session alone never waits). ``None``: sessions take turns.
-    ``max_batch_rows``: sessions in one batched run at most (``None``: the largest batched
-    signature's rows); the others wait for the next run. A run costs about one read of the
-    weights per group of rows the CPU's matrix kernel takes at once: XNNPACK's float32
-    kernel on AVX-512 takes 7, so there 8 rows cost nearly what 14 do, and 8 sessions step
-    faster as runs of 7 (``benchmarks/batch_rows.py`` measures a CPU).
     ``speculation``: when a Turbo adapter's draft heads switch themselves off in a
     generation where they are rarely right (see :class:`SpeculationPolicy`).
     ``prefix_cache_bytes``: memory for the KV rows of recent prompts, per adapter blend; a
@@ -74,7 +69,6 @@ class EngineSettings:
     allow_non_finite_weights: bool = False
     executors: int = 1
     batch_wait_s: float | None = 0.002
-    max_batch_rows: int | None = None
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     prefix_cache_bytes: int = 0
 
@@ -82,8 +76,6 @@ class EngineSettings:
         if self.batch_wait_s is not None and (
                 type(self.batch_wait_s) not in (int, float) or not 0 <= self.batch_wait_s <= 1):
             raise InvalidArgumentError(f"batch_wait_s={self.batch_wait_s!r}, expected seconds in [0, 1] or None")
-        if self.max_batch_rows is not None and (type(self.max_batch_rows) is not int or self.max_batch_rows < 1):
-            raise InvalidArgumentError(f"max_batch_rows={self.max_batch_rows!r}, expected an integer >= 1 or None")
         if type(self.executors) is not int or self.executors < 1:
             raise InvalidArgumentError(f"executors={self.executors!r}, expected an integer >= 1")
         if type(self.num_threads) is not int or self.num_threads < 0:

@@ -75,7 +75,6 @@ class Engine:
             residency=self.settings.lora_residency,
             allow_non_finite=self.settings.allow_non_finite_weights,
             batch_wait_s=self.settings.batch_wait_s,
-            max_batch_rows=self.settings.max_batch_rows,
             output_projection=lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
             prefix_cache_bytes=self.settings.prefix_cache_bytes,
         )

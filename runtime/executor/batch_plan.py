@@ -13,8 +13,7 @@ the executor runs the plan. This is the one place that decides slots, windows an
   the host slot (or the first slot with batched signatures) with zero LoRA inputs.
 * A group of n rows runs in the smallest ``decode_batch{B}`` with B >= n (the largest B,
   repeatedly, for more rows; unused rows are padding), attending over the shortest window
-  that holds its furthest row; a row alone runs as one session's step. With ``max_rows``,
-  batches of more rows are not used (see ``EngineSettings.max_batch_rows``).
+  that holds its furthest row; a row alone runs as one session's step.
 * Rows whose step would not fit the KV cache are not run.
 """
 
@@ -56,9 +55,8 @@ class DecodePlan:
     overflow: tuple[int, ...]
 
 
-def plan_decode(spec: ModelSpec, rows: Sequence[DecodeRow], max_rows: int | None = None) -> DecodePlan:
-    """The runs that step ``rows`` (see the module's rules), none of more than ``max_rows``
-    rows (``None``: up to the largest batched signature); rows keep their order within a run."""
+def plan_decode(spec: ModelSpec, rows: Sequence[DecodeRow]) -> DecodePlan:
+    """The runs that step ``rows`` (see the module's rules); rows keep their order within a run."""
     fits = [i for i, row in enumerate(rows) if 0 <= row.position < spec.kv_length]
     overflow = tuple(i for i in range(len(rows)) if i not in set(fits))
     host = max((rows[i].slot for i in fits if rows[i].slot is not None and spec.batch_sizes(rows[i].slot)),
@@ -77,15 +75,15 @@ def plan_decode(spec: ModelSpec, rows: Sequence[DecodeRow], max_rows: int | None
     ordered = ([(None, plain)] if plain else []) + sorted(groups.items(), key=lambda group: group[0].cost_order)
     runs: list[PlannedRun] = []
     for group_slot, members in ordered:
-        runs += _group_runs(spec, rows, slots, group_slot, members, max_rows)
+        runs += _group_runs(spec, rows, slots, group_slot, members)
     return DecodePlan(tuple(runs), tuple(slots), overflow)
 
 
 def _group_runs(spec: ModelSpec, rows: Sequence[DecodeRow], slots: Sequence[LoraSlot | None],
-                slot: LoraSlot | None, members: list[int], max_rows: int | None) -> list[PlannedRun]:
+                slot: LoraSlot | None, members: list[int]) -> list[PlannedRun]:
     """The runs of one slot's rows: batches of the smallest size that holds what is left,
     a row alone (or every row, when the slot has no batched signatures) as a single step."""
-    sizes = tuple(size for size in spec.batch_sizes(slot) if max_rows is None or size <= max_rows)
+    sizes = spec.batch_sizes(slot)
     runs = []
     pending = members
     while pending:

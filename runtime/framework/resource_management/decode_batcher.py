@@ -49,16 +49,12 @@ class BatchResources(Protocol):
 class DecodeBatcher:
     """Batches the decode steps of one resource manager's contexts. Thread-safe."""
 
-    def __init__(self, resources: BatchResources, wait_s: float | None, max_rows: int | None = None) -> None:
+    def __init__(self, resources: BatchResources, wait_s: float | None) -> None:
         """``wait_s``: how long a batch waits for the sessions of the previous one to come
-        back (``None``, or a model without batched signatures: every step runs alone).
-        ``max_rows``: steps in one batched run at most (``None``: the largest batched
-        signature's rows); the steps past it wait for the next batch."""
+        back (``None``, or a model without batched signatures: every step runs alone)."""
         self._resources = resources
-        self._max_rows = max_rows
         spec = resources.spec
-        largest = max((s.rows for s in spec.signatures.values() if max_rows is None or s.rows <= max_rows),
-                      default=1)
+        largest = max((s.rows for s in spec.signatures.values()), default=1)
         self._scheduler: BatchScheduler[Step, np.ndarray] | None = None
         if wait_s is not None and largest > 1:
             self._scheduler = BatchScheduler(self._run_together, BatchPolicy(largest, wait_s),
@@ -111,8 +107,8 @@ class DecodeBatcher:
         with resources.executor_for_batch() as executor:
             while pending:
                 contexts = [steps[i][0] for i in pending]
-                decode_rows = [DecodeRow(resources.registry.slot_or_none(c.blend), c.position) for c in contexts]
-                plan = plan_decode(executor.spec, decode_rows, self._max_rows)
+                plan = plan_decode(executor.spec, [
+                    DecodeRow(resources.registry.slot_or_none(c.blend), c.position) for c in contexts])
                 with ExitStack() as runs:
                     rows, failed = [], []
                     for row, context in enumerate(contexts):

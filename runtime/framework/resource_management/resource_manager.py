@@ -50,7 +50,6 @@ class ResourceManager:
         residency: ResidencyPolicy | None = None,
         allow_non_finite: bool = False,
         batch_wait_s: float | None = None,
-        max_batch_rows: int | None = None,
         output_projection: Callable[[], np.ndarray] | None = None,
         prefix_cache_bytes: int = 0,
     ) -> None:
@@ -59,8 +58,7 @@ class ResourceManager:
         ``base_weights``: reads the model's projection weights (for R-only LoRA-XS).
         ``batch_wait_s``: with a model that has batched decode signatures, how long a
         batch waits for the sessions of the previous one to come back (``None``: no
-        batching, sessions take turns). ``max_batch_rows``: steps in one batched run at
-        most (``None``: the largest batched signature's rows). ``prefix_cache_bytes``: the budget of the
+        batching, sessions take turns). ``prefix_cache_bytes``: the budget of the
         :class:`PrefixCache` of prompt heads (0: none)."""
         self.executors = [executors] if isinstance(executors, LlmExecutor) else list(executors)
         self.executor = executor = self.executors[0]
@@ -89,7 +87,7 @@ class ResourceManager:
         self._last_context = 0  # id() of the previous run's context (0: none yet), for switches
         self._last_lora: LoRA | None = None
         self.switch_latency = LatencyRecorder()
-        self.batcher = DecodeBatcher(self, batch_wait_s, max_batch_rows)
+        self.batcher = DecodeBatcher(self, batch_wait_s)
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
 
     def unload_adapter(self, lora_id: int) -> None:
