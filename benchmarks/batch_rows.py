@@ -15,8 +15,9 @@ the median milliseconds per pass and per row and writes ``batch_rows.{json,md,pn
 
 What it showed (SmolLM2-135M's shape, 1 thread, AMD EPYC with AVX-512): XNNPACK's float32
 matrix kernel takes 7 rows at a time and each further group of 7 reads every weight again:
-1 row 20.6 ms, 7 rows 24.8 ms, 8 rows 39.1 ms. int8 grows smoothly (no such step). In the
-whole batched step the difference shrinks: a batch of 7 SmolLM2 sessions took 62.4 ms
+1 row 23.6 ms, 7 rows 27.2 ms, 8 rows 46.4 ms, 15 rows 64.6 ms. int8 has no such step
+(1.02x one row at 2 rows, 1.6-1.8x at 6 to 8, 2.1x at 12 to 15). In the whole batched
+step the difference shrinks: a batch of 7 SmolLM2 sessions took 62.4 ms
 against 76.6 ms for 8 (8.9 against 9.6 ms a token, ``benchmarks/batch_cost.py``), and
 capping batches at 7 so that 8 sessions take turns in runs of 7 measured slower, not
 faster: every run then holds another set of sessions, and the batch's stacked LoRA inputs
