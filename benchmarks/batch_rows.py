@@ -144,13 +144,15 @@ def measure(shape: Shape, rows: list[int], quantizations: list[str], rounds: int
 def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
     """The markdown table: per precision, ms per pass, per row, and against one row's pass."""
     precisions = list(measured)
+    fewest = min(measured[precisions[0]])
     lines = [f"Linears of {shape_name} (no attention, no LoRA), 1 thread, median ms per pass", "",
-             "| rows | " + " | ".join(f"{p} ms | {p} per row | {p} vs 1 row" for p in precisions) + " |",
+             "| rows | " + " | ".join(f"{p} ms | {p} per row | {p} vs {fewest} row{'s' * (fewest > 1)}"
+                                     for p in precisions) + " |",
              "|---:|" + "---:|---:|---:|" * len(precisions)]
     for count in measured[precisions[0]]:
         cells = []
         for p in precisions:
-            ms, one = measured[p][count], measured[p][min(measured[p])]
+            ms, one = measured[p][count], measured[p][fewest]
             cells += [f"{ms:.2f}", f"{ms / count:.2f}", f"{ms / one:.2f}x"]
         lines.append(f"| {count} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
