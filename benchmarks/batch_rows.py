@@ -9,7 +9,7 @@ A batched decode step runs every session's token through the base linears at onc
 against each weight matrix. For each M, this builds a graph of the shape's linear layers
 only (fused q/k/v, output projection, fused gate/up, down, per layer, then the lm_head; no
 attention, no LoRA), converts it with litert-torch (the ``export`` extra) in each precision
-(``int8``: dynamic-range int8 weights, as ``export --quantize int8``), and times it on 1
+(``int8``: ai-edge-quantizer's ``dynamic_wi8_afp32``, int8 weights), and times it on 1
 thread, every graph taking its turn in each round, the order flipping every round. Prints
 the median milliseconds per pass and per row and writes ``batch_rows.{json,md,png}``.
 
