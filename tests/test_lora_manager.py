@@ -191,6 +191,17 @@ def test_unload_frees_and_refuses_pinned(manager):
         manager.acquire(((1, 1.0),))
 
 
+
+def test_an_id_loaded_again_after_unloading_gets_its_new_adapters_slot(manager):
+    manager.load_lora(1, data("torch_r4"))
+    assert manager.slot_for(((1, 1.0),)) == R4
+    manager.unload_lora(1)
+    with pytest.raises(NotFoundError):
+        manager.slot_for(((1, 1.0),))
+    manager.load_lora(1, data("torch_r16"))
+    assert manager.slot_for(((1, 1.0),)) == R16
+    assert use(manager, (1, 1.0)).slot == R16
+
 def test_concurrent_use_materializes_once(manager):
     manager.load_lora(1, data("torch_r4"))
     results = []

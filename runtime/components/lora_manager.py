@@ -46,6 +46,7 @@ Layout = tuple[tuple[tuple[int, str], ProjectionPair], ...]
 # A weighted set of loaded adapters: ((lora_id, scale), ...), sorted by id, no zero scales.
 Blend = tuple[tuple[int, float], ...]
 Materialized = tuple[Blend, LoraSlot]  # a blend in one LoRA slot
+_SLOTS_REMEMBERED = 4096  # blends whose slot LoraManager.slot_for keeps
 
 
 def normalize_blend(entries: Iterable[tuple[int, float]]) -> Blend:
@@ -93,6 +94,8 @@ class LoraManager:
         # its own slot, and in a larger one too while it runs in a batch of that slot.
         self._resident: OrderedDict[Materialized, LoRA] = OrderedDict()
         self._active: dict[Materialized, int] = {}
+        # Each blend's own slot, found once: every run asks for it (twice a decode step).
+        self._slot_of: dict[Blend, LoraSlot] = {}
         self._pins: dict[int, int] = {}
         self._evict_listeners: list[Callable[[Blend, LoRA], None]] = []
         self._hits = self._misses = self._evictions = 0
@@ -139,10 +142,16 @@ class LoraManager:
         """The cheapest slot that holds ``blend``: its summed rank, and the MLP's inputs
         if any of its adapters touches the MLP."""
         with self._lock:
+            slot = self._slot_of.get(blend)
+            if slot is not None:
+                return slot
             need = blend_needs([(self._require(lora_id), scale) for lora_id, scale in blend])
-        slot = cheapest_slot(self._slots, need)
-        if slot is not None:
-            return slot
+            slot = cheapest_slot(self._slots, need)
+            if slot is not None:
+                if len(self._slot_of) >= _SLOTS_REMEMBERED:  # blends of many distinct scales
+                    self._slot_of.clear()
+                self._slot_of[blend] = slot
+                return slot
         raise InvalidArgumentError(
             f"adapters {[i for i, _ in blend]} need rank {need.rank} together ({need.targets}), more than any "
             f"LoRA slot of the model holds (slots: {', '.join(map(str, self._slots))})"
@@ -279,6 +288,8 @@ class LoraManager:
                     f"{self._pins[lora_id]} live session(s); close them first"
                 )
             del self._plans[lora_id]
+            for blend in [b for b in self._slot_of if any(i == lora_id for i, _ in b)]:
+                del self._slot_of[blend]
             layout = tuple(plan.pairs.items())
             pairs, users = self._layouts.pop(layout)
             if users > 1:
