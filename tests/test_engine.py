@@ -126,7 +126,9 @@ def test_stats_report_adapters_sessions_and_latencies():
 def test_executor_pool_runs_sessions_in_parallel_with_isolated_results():
     import threading
 
-    configs = [SessionConfig(lora_path=adapter_path(name)) for name in ("torch_r4", "litertlm_r4", "torch_r16")]
+    # Two of them share an adapter: its buffers serve runs of both executors at once.
+    names = ("torch_r4", "litertlm_r4", "torch_r16", "torch_r4", "torch_r4")
+    configs = [SessionConfig(lora_path=adapter_path(name)) for name in names]
     configs.append(SessionConfig())
 
     def run(engine, config, seed):

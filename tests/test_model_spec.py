@@ -17,11 +17,7 @@ from runtime.util.signature_names import ALL_LINEAR, LoraSlot
 @pytest.fixture(scope="module")
 def details():
     executor = LlmExecutor(MODEL_FILES["default"])
-    model = executor._model
-    found = {
-        key: (model.get_input_tensor_details(key), model.get_output_tensor_details(key))
-        for key in model.get_signature_list()
-    }
+    found = executor._model.signature_details()
     executor.close()
     return found
 

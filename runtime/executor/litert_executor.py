@@ -1,7 +1,8 @@
-"""The only place that talks to ai-edge-litert: opening the model, buffers, running signatures.
+"""The only place that runs the model: opening it, buffers, running signatures (through
+LiteRT's C API, :mod:`runtime.executor.native`).
 
 State that belongs to a session (its KV cache) or to an adapter (its LoRA input buffers)
-lives in library-owned ``TensorBuffer`` objects created here. Running a step binds the
+lives in host buffers (:class:`~runtime.executor.native.HostBuffer`) created here. Running a step binds the
 session's buffers to the signature: the KV buffers are bound as both input and output,
 so the cache is updated in place and never copied; LoRA buffers are written once when an
 adapter is materialized and only bound afterwards. Switching a session or an adapter is
@@ -15,19 +16,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from ai_edge_litert.compiled_model import CompiledModel
-from ai_edge_litert.cpu_options import CpuOptions
-from ai_edge_litert.hardware_accelerator import HardwareAccelerator
-from ai_edge_litert.options import Options
-from ai_edge_litert.tensor_buffer import TensorBuffer
-
 from runtime.errors import (
     FailedPreconditionError,
     InternalError,
@@ -36,7 +30,7 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.batch_plan import DecodePlan
-from runtime.executor.fast_path import FastPath
+from runtime.executor.native import HostBuffer, NativeModel, PreparedRun
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
 from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
@@ -65,7 +59,7 @@ class ExecutorSettings:
 class KvCache:
     """One session's KV cache: a zero-initialized buffer per ``kv_cache_*`` input."""
 
-    def __init__(self, buffers: dict[str, TensorBuffer], nbytes: int) -> None:
+    def __init__(self, buffers: dict[str, HostBuffer], nbytes: int) -> None:
         self.buffers = buffers
         self.nbytes = nbytes
 
@@ -95,25 +89,22 @@ class KvPrefix:
 
 @dataclass
 class _SignatureIO:
-    """A signature's token, position and logits buffers, with host arrays to fill them."""
+    """A signature's token, position and logits buffers, and views of their memory:
+    ``token_array`` ``[rows, seq]`` and ``position_array`` (flat) are filled in place,
+    ``logits_array`` ``[rows * seq, vocab]`` read after a run."""
 
     index: int
     input_order: list[str]
     output_order: list[str]
-    tokens: TensorBuffer
-    positions: TensorBuffer
-    logits: TensorBuffer | None
+    tokens: HostBuffer
+    positions: HostBuffer
+    logits: HostBuffer | None
     token_array: np.ndarray
     position_array: np.ndarray
-    logits_shape: tuple[int, int]
-    # Prepared by FastPath: copy the arrays into the buffers, fill an array with logits.
-    write_tokens: Callable[[], None] = field(init=False)
-    write_positions: Callable[[], None] = field(init=False)
-    read_logits: Callable[[np.ndarray], None] | None = field(init=False, default=None)
-    # A verify signature's final hidden states [L, width], and the call that reads them.
-    hidden: TensorBuffer | None = None
-    hidden_shape: tuple[int, int] = (0, 0)
-    read_hidden: Callable[[np.ndarray], None] | None = field(init=False, default=None)
+    logits_array: np.ndarray | None
+    # A verify signature's final hidden states, and their view [L, width].
+    hidden: HostBuffer | None = None
+    hidden_array: np.ndarray | None = None
 
 
 @dataclass
@@ -122,8 +113,7 @@ class _Run:
 
     signature: SignatureSpec
     io: _SignatureIO
-    prepared: tuple[Any, Any]
-    buffers: list[TensorBuffer]  # keeps every bound buffer alive as long as the run
+    prepared: PreparedRun  # which also keeps every bound buffer alive
 
 
 @dataclass
@@ -134,8 +124,8 @@ class _StackedLora:
     them keeps a row's adapter buffers alive until another adapter takes the row (the
     stacked copy is what runs, so buffers of another adapter cannot take their place)."""
 
-    buffers: dict[str, TensorBuffer]
-    rows: list[Mapping[str, TensorBuffer] | None] | None = None  # None: not filled yet
+    buffers: dict[str, HostBuffer]
+    rows: list[Mapping[str, HostBuffer] | None] | None = None  # None: not filled yet
 
 
 @dataclass
@@ -146,7 +136,7 @@ class Binding:
     executor: LlmExecutor
     kv: KvCache
     lora_slot: LoraSlot | None
-    lora_buffers: Mapping[str, TensorBuffer] | None
+    lora_buffers: Mapping[str, HostBuffer] | None
     decode: _Run  # attending over the whole cache
     prefill: dict[int, _Run] = field(default_factory=dict)
     decode_windows: dict[int, _Run] = field(default_factory=dict)  # by attention window
@@ -169,7 +159,7 @@ def _positions(array: np.ndarray, axis: int, length: int) -> np.ndarray:
     return array[(slice(None),) * axis + (slice(0, length),)]
 
 
-def _row_buffer(signature: SignatureSpec, rows: Sequence[Mapping[str, TensorBuffer]], name: str) -> TensorBuffer:
+def _row_buffer(signature: SignatureSpec, rows: Sequence[Mapping[str, HostBuffer]], name: str) -> HostBuffer:
     row, single_name = signature.row_input(name)
     return rows[row][single_name]
 
@@ -178,7 +168,7 @@ class LlmExecutor:
     """Runs a litert-torch LLM export on the CPU with per-session KV caches.
 
     All runs are serialized by an internal lock; buffers and bindings may be created
-    from any thread.
+    from any thread. A run releases the GIL: executors run in parallel.
     """
 
     def __init__(
@@ -189,26 +179,27 @@ class LlmExecutor:
         name: str | None = None,
     ) -> None:
         """``model``: a ``.tflite`` path, or the model's bytes (then ``name`` labels it)."""
-        self._model_bytes = model if isinstance(model, bytes) else None
-        self.model_path = Path(name or "<in-memory model>") if self._model_bytes is not None else Path(model)
+        in_memory = isinstance(model, bytes)
+        self.model_path = Path(name or "<in-memory model>") if in_memory else Path(model)
         self.settings = settings or ExecutorSettings()
-        if self._model_bytes is None and not self.model_path.is_file():
+        if not in_memory and not self.model_path.is_file():
             raise NotFoundError(f"{self.model_path}: no such model file")
         if not self.settings.native_logs:
             mute_native_logs_at_exit()
         with self._native_logs():
-            self._model = self._load()
-            details = {
-                key: (self._model.get_input_tensor_details(key), self._model.get_output_tensor_details(key))
-                for key in self._model.get_signature_list()
-            }
-            self.spec = ModelSpec.from_details(details, str(self.model_path))
+            # XNNPACK packs each signature's weights for its kernels when the model loads; with a
+            # weight cache it packs each weight once for all signatures (SmolLM2-135M f32 with 16
+            # signatures: 0.4 GiB instead of 7.5 GiB). ":memory:" keeps that cache in memory.
+            self._model = NativeModel(model, num_threads=self.settings.num_threads,
+                                      weight_cache=_IN_MEMORY_WEIGHT_CACHE, name=str(self.model_path))
+        try:
+            self._signatures = self._model.signatures
+            self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
             # Token, position and logits buffers are shared by all sessions: runs are serialized.
-            self._fast = FastPath(self._model)
             self._io = {key: self._signature_io(key, signature) for key, signature in self.spec.signatures.items()}
-            for io in self._io.values():  # the first write sets up the library's environment
-                io.tokens.write(io.token_array)
-                io.positions.write(io.position_array)
+        except BaseException:
+            self._model.close()
+            raise
         self._lock = threading.Lock()
         self._closed = False
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
@@ -219,56 +210,33 @@ class LlmExecutor:
         self.invoke_seconds = 0.0
 
     def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
-        index = self._model.get_signature_index(key)
-        described = self._model.get_signature_by_index(index)
+        described = self._signatures[key]
+        tokens = self._model.create_buffer(described.inputs[TOKENS])
+        positions = self._model.create_buffer(described.inputs[INPUT_POS])
+        logits = self._model.create_buffer(described.outputs[LOGITS]) if signature.has_logits else None
         io = _SignatureIO(
-            index=index,
-            input_order=list(described["inputs"]),
-            output_order=list(described["outputs"]),
-            tokens=self._model.create_input_buffer_by_name(key, TOKENS),
-            positions=self._model.create_input_buffer_by_name(key, INPUT_POS),
-            logits=self._model.create_output_buffer_by_name(key, LOGITS) if signature.has_logits else None,
-            token_array=np.zeros((signature.rows, signature.seq_len), np.int32),
-            position_array=np.zeros(signature.rows * signature.seq_len, np.int32),
-            logits_shape=(signature.rows * signature.seq_len, self.spec.vocab_size),
+            index=described.index,
+            input_order=list(described.inputs),
+            output_order=list(described.outputs),
+            tokens=tokens,
+            positions=positions,
+            logits=logits,
+            token_array=tokens.array.reshape(signature.rows, signature.seq_len),
+            position_array=positions.array.reshape(-1),
+            logits_array=None if logits is None else logits.array.reshape(-1, self.spec.vocab_size),
         )
-        io.write_tokens = self._fast.writer(io.tokens, io.token_array)
-        io.write_positions = self._fast.writer(io.positions, io.position_array)
-        if io.logits is not None:
-            io.read_logits = self._fast.reader(io.logits)
         if HIDDEN in signature.outputs:
-            io.hidden = self._model.create_output_buffer_by_name(key, HIDDEN)
-            io.hidden_shape = (signature.seq_len, signature.outputs[HIDDEN].shape[-1])
-            io.read_hidden = self._fast.reader(io.hidden)
+            io.hidden = self._model.create_buffer(described.outputs[HIDDEN])
+            io.hidden_array = io.hidden.array.reshape(signature.seq_len, signature.outputs[HIDDEN].shape[-1])
         return io
-
-    def _load(self) -> CompiledModel:
-        # XNNPACK packs each signature's weights for its kernels when the model loads; with a
-        # weight cache it packs each weight once for all signatures (SmolLM2-135M f32 with 16
-        # signatures: 0.4 GiB instead of 7.5 GiB). ":memory:" keeps that cache in memory.
-        cpu = CpuOptions(num_threads=self.settings.num_threads, xnnpack_weight_cache_path=_IN_MEMORY_WEIGHT_CACHE)
-        options = Options(HardwareAccelerator.CPU, cpu_options=cpu)
-        try:
-            if self._model_bytes is not None:
-                return CompiledModel.from_buffer(self._model_bytes, options=options)
-            return CompiledModel.from_file(str(self.model_path), options=options)
-        except Exception as exc:  # the library raises plain RuntimeError/ValueError
-            reason = " ".join(str(exc).split())
-        # Raised outside the except block, so that the library's exception, and the half-made
-        # environment its traceback holds, is freed now, while its logs are muted.
-        raise InvalidArgumentError(f"{self.model_path}: cannot load the model: {reason}")
 
     # -- buffers -------------------------------------------------------------------
 
     def create_kv_cache(self) -> KvCache:
         """A fresh, zeroed KV cache (zeroed: NaN bits in masked slots would poison logits)."""
         self._check_open()
-        decode = self.spec.decode().key
-        buffers = {}
-        for spec in self.spec.kv_inputs:
-            buffer = self._model.create_input_buffer_by_name(decode, spec.name)
-            buffer.write(np.zeros(spec.shape, spec.dtype))
-            buffers[spec.name] = buffer
+        inputs = self._signatures[self.spec.decode().key].inputs
+        buffers = {spec.name: self._model.create_buffer(inputs[spec.name]) for spec in self.spec.kv_inputs}
         return KvCache(buffers, self.spec.kv_cache_bytes)
 
     def copy_kv_cache(self, source: KvCache) -> KvCache:
@@ -276,8 +244,7 @@ class LlmExecutor:
         copy = self.create_kv_cache()
         with self._lock:
             for spec in self.spec.kv_inputs:
-                data = source.buffers[spec.name].read(int(np.prod(spec.shape)), spec.dtype)
-                copy.buffers[spec.name].write(data.reshape(spec.shape))
+                copy.buffers[spec.name].array[...] = source.buffers[spec.name].array
         return copy
 
     def read_kv_prefix(self, kv: KvCache, length: int) -> KvPrefix:
@@ -287,7 +254,7 @@ class LlmExecutor:
         rows = {}
         with self._lock:
             for spec in self.spec.kv_inputs:
-                data = kv.buffers[spec.name].read(int(np.prod(spec.shape)), spec.dtype).reshape(spec.shape)
+                data = kv.buffers[spec.name].array
                 rows[spec.name] = _positions(data, self.spec.kv_position_axis(spec.name), length).copy()
         return KvPrefix(length, rows)
 
@@ -298,20 +265,20 @@ class LlmExecutor:
             raise InvalidArgumentError(f"{length} positions of a KV prefix of {prefix.length}")
         for spec in self.spec.kv_inputs:
             axis = self.spec.kv_position_axis(spec.name)
-            data = np.zeros(spec.shape, spec.dtype)
+            data = kv.buffers[spec.name].array
+            data[...] = 0
             _positions(data, axis, length)[...] = _positions(prefix.rows[spec.name], axis, length)
-            kv.buffers[spec.name].write(data)
 
-    def create_lora_buffer(self, slot: LoraSlot, name: str) -> TensorBuffer:
+    def create_lora_buffer(self, slot: LoraSlot, name: str) -> HostBuffer:
         """An empty buffer for LoRA input ``name`` of ``slot``."""
         self._check_open()
         signature = self.spec.decode(slot)
         if name not in signature.lora_inputs:
             raise NotFoundError(f"LoRA slot {slot} has no LoRA input {name!r}")
-        return self._model.create_input_buffer_by_name(signature.key, name)
+        return self._model.create_buffer(self._signatures[signature.key].inputs[name])
 
     def bind(
-        self, kv: KvCache, lora_buffers: Mapping[str, TensorBuffer] | None = None, lora_slot: LoraSlot | None = None
+        self, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None = None, lora_slot: LoraSlot | None = None
     ) -> Binding:
         """Prebuilds the run arguments of every signature for ``kv`` and a LoRA slot."""
         if (lora_buffers is None) != (lora_slot is None):
@@ -334,7 +301,7 @@ class LlmExecutor:
         return binding
 
     def _run_args(
-        self, signature: SignatureSpec, kv: KvCache, lora_buffers: Mapping[str, TensorBuffer] | None
+        self, signature: SignatureSpec, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None
     ) -> _Run:
         io = self._io[signature.key]
         inputs = {TOKENS: io.tokens, INPUT_POS: io.positions, **kv.buffers}
@@ -353,9 +320,7 @@ class LlmExecutor:
             outputs[HIDDEN] = io.hidden
         ordered_inputs = [inputs[name] for name in io.input_order]
         ordered_outputs = [outputs[name] for name in io.output_order]
-        return _Run(
-            signature, io, self._fast.prepare(ordered_inputs, ordered_outputs), ordered_inputs + ordered_outputs
-        )
+        return _Run(signature, io, self._model.prepare(io.index, ordered_inputs, ordered_outputs))
 
     # -- running -------------------------------------------------------------------
 
@@ -421,11 +386,11 @@ class LlmExecutor:
         length = lengths[0]
         self._check_position(start, length)
         run = self._step_run(binding, VERIFY, length, start + len(tokens) - 1)
-        hidden = np.empty(run.io.hidden_shape, np.float32)
+        hidden = np.empty(run.io.hidden_array.shape, np.float32)  # type: ignore[union-attr]
         with self._lock:
             self._check_open()
             logits = self._invoke(run, tokens, start)
-            run.io.read_hidden(hidden)  # type: ignore[misc]
+            hidden[...] = run.io.hidden_array
         return logits[: len(tokens)], hidden[: len(tokens)]  # type: ignore[index]
 
     def _step_run(self, binding: Binding, kind: str, length: int, last: int) -> _Run:
@@ -510,34 +475,31 @@ class LlmExecutor:
         inputs = [shared_inputs[name] if name in shared_inputs else _row_buffer(signature, kv_rows, name)
                   for name in io.input_order]
         outputs = [io.logits if name == LOGITS else _row_buffer(signature, kv_rows, name) for name in io.output_order]
-        return _Run(signature, io, self._fast.prepare(inputs, outputs), inputs + outputs)
+        return _Run(signature, io, self._model.prepare(io.index, inputs, outputs))
 
     def _fill_stacked_lora(self, signature: SignatureSpec,
-                           adapters: Sequence[Mapping[str, TensorBuffer] | None]) -> dict[str, TensorBuffer]:
+                           adapters: Sequence[Mapping[str, HostBuffer] | None]) -> dict[str, HostBuffer]:
         """The stacked LoRA inputs of ``signature``'s rows and slot, holding ``adapters``
         row by row (``None`` and rows past them: zeros). Only rows whose adapter changed
         since the last fill are copied; a batch of the same sessions copies nothing."""
         slot, rows = signature.lora_slot, signature.rows
         stacked = self._stacked_lora.get((rows, slot))
         if stacked is None:
-            buffers = {name: self._model.create_input_buffer_by_name(signature.key, name)
-                       for name in signature.lora_inputs}
+            inputs = self._signatures[signature.key].inputs
+            buffers = {name: self._model.create_buffer(inputs[name]) for name in signature.lora_inputs}
             stacked = self._stacked_lora[rows, slot] = _StackedLora(buffers)
         wanted = [*adapters, *[None] * (rows - len(adapters))]
         changed = range(rows) if stacked.rows is None else [
             row for row in range(rows) if stacked.rows[row] is not wanted[row]]
         if not changed:
             return stacked.buffers
-        for name, spec in signature.lora_inputs.items():
-            host = np.zeros((rows, *spec.shape), np.float32)
-            if len(changed) < rows:  # keep the rows that stay
-                self._fast.reader(stacked.buffers[name])(host)
+        for name in signature.lora_inputs:
+            host = stacked.buffers[name].array
             for row in changed:
                 if wanted[row] is None:
                     host[row] = 0.0
                 else:
-                    self._fast.reader(wanted[row][name])(host[row])
-            stacked.buffers[name].write(host)
+                    host[row] = wanted[row][name].array
         stacked.rows = wanted
         return stacked.buffers
 
@@ -560,18 +522,16 @@ class LlmExecutor:
         io = run.io
         # A fresh array each step (callers keep logits while later steps run), allocated
         # before the run: right after an invoke the same allocation took 10 us, not 0.3.
-        logits = np.empty(io.logits_shape, np.float32) if io.read_logits is not None else None
-        io.write_tokens()
-        io.write_positions()
+        logits = np.empty(io.logits_array.shape, np.float32) if io.logits_array is not None else None
         started = time.perf_counter()
         try:
-            self._fast.run(io.index, run.prepared)
-        except Exception as exc:
-            raise InternalError(f"running {run.signature.key!r} failed: {exc}") from None
+            self._model.run(run.prepared)
+        except InternalError as exc:
+            raise InternalError(f"running {run.signature.key!r} failed: {exc.args[0]}") from None
         self.invoke_seconds += time.perf_counter() - started
         self.invokes += 1
         if logits is not None:
-            io.read_logits(logits)
+            logits[...] = io.logits_array
         return logits
 
     def _check_position(self, start: int, count: int) -> None:
@@ -597,7 +557,7 @@ class LlmExecutor:
                 self._model.close()
                 self._last_batch = self._scratch_kv = None
                 self._stacked_lora.clear()
-                del self._model, self._io, self._fast  # frees the library's environment now
+                del self._io
 
     def _native_logs(self) -> AbstractContextManager[None]:
         return nullcontext() if self.settings.native_logs else muted_native_logs()

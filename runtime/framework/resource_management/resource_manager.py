@@ -63,9 +63,11 @@ class ResourceManager:
         self.executors = [executors] if isinstance(executors, LlmExecutor) else list(executors)
         self.executor = executor = self.executors[0]
         self.spec: ModelSpec = executor.spec
-        self._idle: queue.SimpleQueue[LlmExecutor] | None = None
+        # The executor given back last is taken first: a session stepping alone stays on one
+        # executor (its binding and that model copy's weights stay warm) instead of alternating.
+        self._idle: queue.LifoQueue[LlmExecutor] | None = None
         if len(self.executors) > 1:
-            self._idle = queue.SimpleQueue()
+            self._idle = queue.LifoQueue()
             for each in self.executors:
                 self._idle.put(each)
         self.registry = AdapterRegistry(

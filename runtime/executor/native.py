@@ -1,0 +1,334 @@
+"""LiteRT's C API, the ``libLiteRt.so`` that ships in the ai-edge-litert wheel, through ctypes.
+
+Why not the wheel's Python classes: ``CompiledModel.run_by_index`` holds the GIL for the
+whole run, so while a model ran no other Python thread did: an engine's executors never
+ran in parallel, and a server's threads stood still during every step. A ctypes call
+releases the GIL for as long as the library works. Its arguments are prepared once per
+binding, so a run is one foreign call.
+
+Buffers are host memory this module allocates (numpy arrays, 64-byte aligned, zeroed)
+and wraps as tensor buffers: writing or reading one is a numpy copy, not a library call,
+and a part of a buffer (one row of a stacked input) can be written alone. The library
+locks a buffer while a run uses it, so each compiled model binds its own handle of a
+buffer (:meth:`HostBuffer.handle_for`): an adapter's buffers can serve runs of several
+executors at once.
+
+Declared against ai-edge-litert 2.3 (the version ``pyproject.toml`` allows); the tensor
+types read back are checked, so a library whose structures differ is refused at open
+with an error naming it, never misread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import InternalError, InvalidArgumentError, UnimplementedError
+
+_P = ctypes.c_void_p
+_SIZE = ctypes.c_size_t
+_STATUS = ctypes.c_int
+_OUT_P = ctypes.POINTER(_P)
+_OUT_SIZE = ctypes.POINTER(_SIZE)
+_OUT_STR = ctypes.POINTER(ctypes.c_char_p)
+
+_CPU = 1  # kLiteRtHwAcceleratorCpu
+_CPU_OPTIONS = b"xnnpack"  # the identifier of the CPU accelerator's options (a TOML payload)
+_ALIGNMENT = 64  # bytes; XNNPACK may also read a little past a tensor's end: as much again is allocated
+_MAX_RANK = 8  # LITERT_TENSOR_MAX_RANK
+_TENSOR_TYPE_BYTES = 256  # room for LiteRtRankedTensorType (72 bytes in 2.3), read back as raw bytes
+
+# LiteRtElementType (the TfLiteType numbering) -> numpy dtype, for the types an LLM export uses.
+_DTYPES = {1: np.float32, 2: np.int32, 3: np.uint8, 4: np.int64, 6: np.bool_, 7: np.int16, 9: np.int8,
+           10: np.float16}
+# LiteRtStatus values worth a name in a message.
+_STATUS_NAMES = {1: "invalid argument", 2: "memory allocation failure", 3: "runtime failure",
+                 4: "missing input tensor", 5: "unsupported", 6: "not found", 500: "file I/O error",
+                 501: "invalid flatbuffer"}
+
+_FUNCTIONS: dict[str, tuple[type | None, list]] = {
+    "LiteRtCreateEnvironment": (_STATUS, [ctypes.c_int, _P, _OUT_P]),
+    "LiteRtDestroyEnvironment": (None, [_P]),
+    "LiteRtCreateModelFromFile": (_STATUS, [_P, ctypes.c_char_p, _OUT_P]),
+    "LiteRtCreateModelFromBuffer": (_STATUS, [_P, _P, _SIZE, _OUT_P]),
+    "LiteRtDestroyModel": (None, [_P]),
+    "LiteRtCreateOptions": (_STATUS, [_OUT_P]),
+    "LiteRtDestroyOptions": (None, [_P]),
+    "LiteRtSetOptionsHardwareAccelerators": (_STATUS, [_P, ctypes.c_int]),
+    "LiteRtCreateOpaqueOptions": (_STATUS, [ctypes.c_char_p, _P, _P, _OUT_P]),
+    "LiteRtAddOpaqueOptions": (_STATUS, [_P, _P]),
+    "LiteRtCreateCompiledModel": (_STATUS, [_P, _P, _P, _OUT_P]),
+    "LiteRtDestroyCompiledModel": (None, [_P]),
+    "LiteRtGetNumModelSignatures": (_STATUS, [_P, _OUT_SIZE]),
+    "LiteRtGetModelSignature": (_STATUS, [_P, _SIZE, _OUT_P]),
+    "LiteRtGetSignatureKey": (_STATUS, [_P, _OUT_STR]),
+    "LiteRtGetNumSignatureInputs": (_STATUS, [_P, _OUT_SIZE]),
+    "LiteRtGetNumSignatureOutputs": (_STATUS, [_P, _OUT_SIZE]),
+    "LiteRtGetSignatureInputName": (_STATUS, [_P, _SIZE, _OUT_STR]),
+    "LiteRtGetSignatureOutputName": (_STATUS, [_P, _SIZE, _OUT_STR]),
+    "LiteRtGetSignatureInputTensorByIndex": (_STATUS, [_P, _SIZE, _OUT_P]),
+    "LiteRtGetSignatureOutputTensorByIndex": (_STATUS, [_P, _SIZE, _OUT_P]),
+    "LiteRtGetRankedTensorType": (_STATUS, [_P, _P]),
+    "LiteRtCreateTensorBufferFromHostMemory": (_STATUS, [_P, _P, _SIZE, _P, _OUT_P]),
+    "LiteRtDestroyTensorBuffer": (None, [_P]),
+    "LiteRtRunCompiledModel": (_STATUS, [_P, _SIZE, _SIZE, _P, _SIZE, _P]),
+}
+
+
+class _Library:
+    """``libLiteRt.so`` with the functions this module calls declared, and libc's
+    ``strdup`` / ``free`` for the options payload the library takes ownership of."""
+
+    def __init__(self) -> None:
+        import ai_edge_litert  # the wheel that ships the library
+
+        path = Path(ai_edge_litert.__file__).parent / "libLiteRt.so"
+        try:
+            self.lib = ctypes.CDLL(str(path))
+            for name, (restype, argtypes) in _FUNCTIONS.items():
+                function = getattr(self.lib, name)
+                function.restype, function.argtypes = restype, argtypes
+        except (OSError, AttributeError) as exc:
+            raise UnimplementedError(f"{path}: not LiteRT's C API as this runtime knows it: {exc}") from None
+        libc = ctypes.CDLL(None)
+        self.strdup = libc.strdup
+        self.strdup.restype, self.strdup.argtypes = _P, [ctypes.c_char_p]
+        self.free = ctypes.cast(libc.free, _P)
+
+    def check(self, status: int, what: str) -> None:
+        """``InternalError`` naming ``what`` and the status, unless the call succeeded."""
+        if status:
+            raise InternalError(f"{what} failed: {_status_text(status)}")
+
+
+_library: _Library | None = None
+_library_lock = threading.Lock()
+
+
+def _lib() -> _Library:
+    global _library
+    with _library_lock:
+        if _library is None:
+            _library = _Library()
+        return _library
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One input or output of a signature: its name, shape and dtype, and the library's
+    own description of it (``LiteRtRankedTensorType``, kept as bytes to create buffers)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    tensor_type: bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor holds."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class SignatureInfo:
+    """A signature of the model: its index, and its inputs and outputs in the order a run takes them."""
+
+    index: int
+    inputs: Mapping[str, TensorInfo]
+    outputs: Mapping[str, TensorInfo]
+
+
+class HostBuffer:
+    """A tensor's memory (``array``, zeroed at creation) and the tensor buffer handles
+    that let runs bind it. Thread-safe; the handles are destroyed with the object, which
+    every :class:`PreparedRun` that binds it keeps alive."""
+
+    def __init__(self, info: TensorInfo) -> None:
+        self.info = info
+        raw = np.zeros(info.nbytes + 2 * _ALIGNMENT, np.uint8)
+        start = -raw.ctypes.data % _ALIGNMENT
+        self.array = raw[start:start + info.nbytes].view(info.dtype).reshape(info.shape)
+        self._handles: dict[int, int] = {}  # by the compiled model that binds it
+        self._lock = threading.Lock()
+
+    def handle_for(self, model: NativeModel) -> int:
+        """The handle ``model``'s runs bind (one per model: the library locks a handle
+        for the length of a run)."""
+        handle = self._handles.get(id(model))
+        if handle is not None:
+            return handle
+        with self._lock:
+            if id(model) not in self._handles:
+                lib = _lib()
+                created = _P()
+                lib.check(lib.lib.LiteRtCreateTensorBufferFromHostMemory(
+                    self.info.tensor_type, self.array.ctypes.data, self.info.nbytes, None, ctypes.byref(created)),
+                    f"a tensor buffer for {self.info.name!r}")
+                self._handles[id(model)] = created.value
+            return self._handles[id(model)]
+
+    def write(self, data: np.ndarray) -> None:
+        """Copies ``data`` (the tensor's shape, or as many elements) into the buffer."""
+        self.array[...] = np.asarray(data).reshape(self.info.shape)
+
+    def read(self, count: int, dtype: np.dtype | type) -> np.ndarray:
+        """A copy of the first ``count`` elements, flat."""
+        if np.dtype(dtype) != self.info.dtype:
+            raise InvalidArgumentError(f"{self.info.name!r} holds {self.info.dtype}, not {np.dtype(dtype)}")
+        return self.array.reshape(-1)[:count].copy()
+
+    def __del__(self) -> None:
+        library = _library
+        if library is not None:
+            for handle in self._handles.values():
+                library.lib.LiteRtDestroyTensorBuffer(handle)
+        self._handles = {}
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A signature's index and its buffers' handles, as one run passes them; holding the
+    buffers keeps their handles alive as long as the run can be made."""
+
+    index: int
+    inputs: ctypes.Array
+    outputs: ctypes.Array
+    buffers: tuple[HostBuffer, ...]
+
+
+class NativeModel:
+    """A compiled model on the CPU (XNNPACK), its signatures, buffers for them, and runs
+    that release the GIL. ``run`` may be called from any thread, one run at a time."""
+
+    def __init__(self, model: str | os.PathLike[str] | bytes, *, num_threads: int, weight_cache: str,
+                 name: str) -> None:
+        """``model``: a ``.tflite`` path or the model's bytes (kept while the model is
+        open). ``num_threads``: XNNPACK's threads (0: the library's default).
+        ``weight_cache``: XNNPACK's packed-weight cache (a file, or ``":memory:"``).
+        ``InvalidArgumentError`` naming ``name`` when the library cannot load it."""
+        lib = _lib()
+        self._lib = lib
+        self._bytes = model if isinstance(model, bytes) else None
+        self._env, self._model, self._options, self._compiled = _P(), _P(), _P(), _P()
+        try:
+            lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
+            if self._bytes is not None:
+                address = ctypes.cast(ctypes.c_char_p(self._bytes), _P)
+                status = lib.lib.LiteRtCreateModelFromBuffer(self._env, address, len(self._bytes),
+                                                             ctypes.byref(self._model))
+            else:
+                status = lib.lib.LiteRtCreateModelFromFile(self._env, os.fsencode(model), ctypes.byref(self._model))
+            if status:
+                raise InvalidArgumentError(f"{name}: cannot load the model ({_status_text(status)})")
+            lib.check(lib.lib.LiteRtCreateOptions(ctypes.byref(self._options)), "creating options")
+            lib.check(lib.lib.LiteRtSetOptionsHardwareAccelerators(self._options, _CPU), "choosing the CPU")
+            payload = (f"num_threads = {num_threads}\n" if num_threads else "") \
+                + f"weight_cache_file_path = \"{weight_cache}\"\n"
+            cpu = _P()
+            copy = lib.strdup(payload.encode())  # the library frees it with the options
+            lib.check(lib.lib.LiteRtCreateOpaqueOptions(_CPU_OPTIONS, copy, lib.free, ctypes.byref(cpu)),
+                      "creating CPU options")
+            lib.check(lib.lib.LiteRtAddOpaqueOptions(self._options, cpu), "adding CPU options")
+            status = lib.lib.LiteRtCreateCompiledModel(self._env, self._model, self._options,
+                                                       ctypes.byref(self._compiled))
+            if status:
+                raise InvalidArgumentError(f"{name}: cannot compile the model for the CPU ({_status_text(status)})")
+            self.signatures = self._read_signatures(name)
+        except BaseException:
+            self.close()
+            raise
+        self._run = lib.lib.LiteRtRunCompiledModel
+
+    def _read_signatures(self, name: str) -> dict[str, SignatureInfo]:
+        lib = self._lib
+        count = _SIZE()
+        lib.check(lib.lib.LiteRtGetNumModelSignatures(self._model, ctypes.byref(count)), "counting signatures")
+        signatures = {}
+        for index in range(count.value):
+            signature, key = _P(), ctypes.c_char_p()
+            lib.check(lib.lib.LiteRtGetModelSignature(self._model, index, ctypes.byref(signature)),
+                      "reading a signature")
+            lib.check(lib.lib.LiteRtGetSignatureKey(signature, ctypes.byref(key)), "reading a signature's key")
+            signatures[key.value.decode()] = SignatureInfo(
+                index, self._tensors(signature, "Input", name), self._tensors(signature, "Output", name))
+        return signatures
+
+    def _tensors(self, signature: int, kind: str, name: str) -> dict[str, TensorInfo]:
+        """The inputs (``kind`` ``"Input"``) or outputs (``"Output"``) of a signature, in order."""
+        lib, check = self._lib.lib, self._lib.check
+        count = _SIZE()
+        check(getattr(lib, f"LiteRtGetNumSignature{kind}s")(signature, ctypes.byref(count)), "counting tensors")
+        tensors = {}
+        for index in range(count.value):
+            tensor_name, tensor = ctypes.c_char_p(), _P()
+            check(getattr(lib, f"LiteRtGetSignature{kind}Name")(signature, index, ctypes.byref(tensor_name)),
+                  "reading a tensor's name")
+            check(getattr(lib, f"LiteRtGetSignature{kind}TensorByIndex")(signature, index, ctypes.byref(tensor)),
+                  "reading a tensor")
+            raw = ctypes.create_string_buffer(_TENSOR_TYPE_BYTES)
+            check(lib.LiteRtGetRankedTensorType(tensor, raw), "reading a tensor's type")
+            tensors[tensor_name.value.decode()] = _tensor_info(tensor_name.value.decode(), raw.raw, name)
+        return tensors
+
+    def signature_details(self) -> dict[str, tuple[dict[str, dict], dict[str, dict]]]:
+        """``{key: (inputs, outputs)}``, each ``{name: {"shape": ..., "dtype": ...}}``: what
+        :meth:`~runtime.executor.model_spec.ModelSpec.from_details` reads."""
+        def described(tensors: Mapping[str, TensorInfo]) -> dict[str, dict]:
+            return {name: {"shape": t.shape, "dtype": t.dtype} for name, t in tensors.items()}
+        return {key: (described(s.inputs), described(s.outputs)) for key, s in self.signatures.items()}
+
+    def create_buffer(self, info: TensorInfo) -> HostBuffer:
+        """A zeroed buffer for a tensor of this model."""
+        return HostBuffer(info)
+
+    def prepare(self, index: int, inputs: Sequence[HostBuffer], outputs: Sequence[HostBuffer]) -> PreparedRun:
+        """What :meth:`run` takes to run signature ``index`` on these buffers, in the
+        signature's order."""
+        buffers = (*inputs, *outputs)
+        handles = [buffer.handle_for(self) for buffer in buffers]
+        return PreparedRun(index, (_P * len(inputs))(*handles[:len(inputs)]),
+                           (_P * len(outputs))(*handles[len(inputs):]), buffers)
+
+    def run(self, prepared: PreparedRun) -> None:
+        """Runs a prepared signature; other Python threads run meanwhile.
+        ``InternalError`` with the library's status if it reports a failure (its log says more)."""
+        status = self._run(self._compiled, prepared.index, len(prepared.inputs), prepared.inputs,
+                           len(prepared.outputs), prepared.outputs)
+        if status:
+            raise InternalError(_status_text(status))
+
+    def close(self) -> None:
+        """Frees the compiled model, the model and its environment (buffers stay valid)."""
+        lib = self._lib.lib
+        for handle, destroy in ((self._compiled, lib.LiteRtDestroyCompiledModel),
+                                (self._options, lib.LiteRtDestroyOptions),
+                                (self._model, lib.LiteRtDestroyModel),
+                                (self._env, lib.LiteRtDestroyEnvironment)):
+            if handle.value:
+                destroy(handle)
+                handle.value = None
+        self._bytes = None
+
+
+def _status_text(status: int) -> str:
+    return f"LiteRT status {status}: {_STATUS_NAMES.get(status, 'see its log')}"
+
+
+def _tensor_info(tensor: str, raw: bytes, model: str) -> TensorInfo:
+    """Reads ``LiteRtRankedTensorType`` (element type, then the layout: rank in the low
+    7 bits of a 32-bit word, then the dimensions as int32) and checks what it read."""
+    element = int.from_bytes(raw[0:4], "little", signed=True)
+    rank = raw[4] & 0x7F
+    dims = tuple(int(d) for d in np.frombuffer(raw, np.int32, count=rank, offset=8)) if rank <= _MAX_RANK else ()
+    if element not in _DTYPES or rank > _MAX_RANK or any(d <= 0 for d in dims):
+        raise UnimplementedError(
+            f"{model}: tensor {tensor!r} reads as element type {element}, rank {rank}, dims {dims}: this "
+            "ai-edge-litert's libLiteRt.so lays out tensor types differently from 2.3 (the version this runtime "
+            "binds); install ai-edge-litert 2.3")
+    return TensorInfo(tensor, dims, np.dtype(_DTYPES[element]), raw)

@@ -1,0 +1,111 @@
+"""Tests for runtime.executor.native: LiteRT's C API through ctypes."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import MODEL_FILES, adapter_path
+from runtime import Engine, EngineSettings, SessionConfig
+from runtime.errors import InvalidArgumentError, UnimplementedError
+from runtime.executor.native import NativeModel, _tensor_info
+
+
+def _decode_model() -> tuple[NativeModel, object]:
+    model = NativeModel(MODEL_FILES["default"], num_threads=1, weight_cache=":memory:", name="test model")
+    signature = model.signatures["decode"]
+    inputs = [model.create_buffer(info) for info in signature.inputs.values()]
+    outputs = [model.create_buffer(info) for info in signature.outputs.values()]
+    return model, model.prepare(signature.index, inputs, outputs)
+
+
+def test_a_run_lets_other_python_threads_work():
+    model, prepared = _decode_model()
+    spins, done = [0], threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            spins[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    during = []
+    try:
+        for _ in range(200):
+            before = spins[0]
+            model.run(prepared)  # with the GIL held (as the wheel's own binding does) nothing spins here
+            during.append(spins[0] - before)
+    finally:
+        done.set()
+        spinner.join()
+        model.close()
+    assert sum(during) > 0
+
+
+def test_executors_share_an_adapter_in_runs_at_the_same_time():
+    """The library locks a tensor buffer for a run: two executors binding the same
+    adapter buffer at once each need a handle of their own."""
+    config = SessionConfig(lora_path=adapter_path("torch_r4"))
+    steps = 400
+
+    def decode_all(session) -> list[np.ndarray]:
+        out = []
+        for i in range(steps):
+            if session.position == session.kv_length:
+                session.reset()
+            out.append(session.run_decode(i % 200 + 1))
+        return out
+
+    with Engine(MODEL_FILES["default"], EngineSettings(batch_wait_s=None)) as engine:
+        with engine.create_session(config) as session:
+            alone = decode_all(session)
+    with Engine(MODEL_FILES["default"], EngineSettings(executors=2, batch_wait_s=None)) as engine:
+        sessions = [engine.create_session(config) for _ in range(2)]
+        results: list = [None, None]
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, decode_all(sessions[i])))
+                   for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    for result in results:
+        assert result is not None and len(result) == steps
+        for got, expected in zip(result, alone):
+            np.testing.assert_array_equal(got, expected)
+
+
+def test_buffers_are_zeroed_aligned_host_memory():
+    model, _ = _decode_model()
+    info = model.signatures["decode"].inputs["kv_cache_k_0"]
+    buffer = model.create_buffer(info)
+    assert buffer.array.shape == info.shape and buffer.array.dtype == np.float32
+    assert buffer.array.ctypes.data % 64 == 0 and not buffer.array.any()
+    values = np.arange(buffer.array.size, dtype=np.float32).reshape(info.shape)
+    buffer.write(values)
+    np.testing.assert_array_equal(buffer.read(5, np.float32), values.reshape(-1)[:5])
+    with pytest.raises(InvalidArgumentError, match="'kv_cache_k_0' holds float32, not int32"):
+        buffer.read(5, np.int32)
+    model.close()
+
+
+def test_a_tensor_type_laid_out_otherwise_is_refused_naming_the_tensor():
+    raw = bytearray(256)
+    raw[0:4] = (1).to_bytes(4, "little")  # float32
+    raw[4] = 2  # rank 2
+    raw[8:16] = np.array([3, 4], np.int32).tobytes()
+    assert _tensor_info("x", bytes(raw), "m.tflite").shape == (3, 4)
+    raw[8:16] = np.array([3, -1], np.int32).tobytes()
+    with pytest.raises(UnimplementedError, match="m.tflite: tensor 'x' reads as element type 1, rank 2, dims"):
+        _tensor_info("x", bytes(raw), "m.tflite")
+    raw[0:4] = (99).to_bytes(4, "little")
+    with pytest.raises(UnimplementedError, match="install ai-edge-litert 2.3"):
+        _tensor_info("x", bytes(raw), "m.tflite")
+
+
+def test_a_file_that_is_no_model_is_refused_naming_it(tmp_path):
+    path = tmp_path / "junk.tflite"
+    path.write_bytes(b"not a flatbuffer at all" * 10)
+    with pytest.raises(InvalidArgumentError, match="junk.tflite: cannot load the model"):
+        NativeModel(path, num_threads=1, weight_cache=":memory:", name=str(path))
