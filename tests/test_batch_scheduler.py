@@ -150,3 +150,48 @@ def test_a_step_that_arrives_during_a_batch_waits_for_it_in_the_queue():
     # The first ran at once; the second, arriving a moment into the first's 0.6 s batch,
     # waited in the queue for most of it.
     assert waits[0] < 0.3 < waits[1]  # margins for a loaded machine
+
+
+def test_with_two_runners_two_batches_run_at_once_and_never_more():
+    running, most = [0], [0]
+    lock = threading.Lock()
+    batches: list[list[int]] = []
+
+    def run_batch(items):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            batches.append(list(items))
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+        return [i * i for i in items]
+
+    scheduler = BatchScheduler(run_batch, BatchPolicy(max_batch=8, max_wait_s=0.05, max_running=2))
+    results = drive(scheduler, callers=8, steps=15)
+    for caller, got in results.items():
+        assert got == [(caller * 1000 + s) ** 2 for s in range(15)]
+    assert most[0] == 2
+    for batch in batches:  # one row per caller per batch
+        assert len({item // 1000 for item in batch}) == len(batch)
+
+
+def test_streaming_callers_are_shared_between_the_runners():
+    sizes: list[int] = []
+    scheduler = BatchScheduler(Recorder(delay=0.005), BatchPolicy(max_batch=8, max_wait_s=0.2, max_running=2),
+                               on_batch=lambda rows, waits: sizes.append(rows))
+
+    def stream(caller: int) -> None:
+        with scheduler.streaming():
+            barrier.wait()
+            for step in range(12):
+                scheduler.submit(caller * 1000 + step)
+
+    barrier = threading.Barrier(8)
+    threads = [threading.Thread(target=stream, args=(c,)) for c in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sum(sizes) == 8 * 12
+    assert sorted(sizes)[len(sizes) // 2] == 4  # most batches hold half the callers, one per runner
