@@ -391,10 +391,12 @@ def model_set_section(models: ModelSet, rounds: int, quick: bool, with_llama: bo
     return out
 
 
-def concurrency_section(models: ModelSet, rounds: int, llama: Any | None, threads: int = 1) -> dict:
+def concurrency_section(models: ModelSet, rounds: int, llama: Any | None, threads: int = 1,
+                        executors: int = 1) -> dict:
     """Aggregate decode tokens/s of 1-16 sessions, each with its own rank-8 adapter and a
-    thread of its own, started at once, per precision: ours on one model copy (its runs on
-    ``threads`` XNNPACK threads, a batch's and a lone session's alike) with batched decode
+    thread of its own, started at once, per precision: ours on one model copy, or on
+    ``executors`` copies each running a batch at once (its runs on ``threads`` XNNPACK
+    threads, a batch's and a lone session's alike) with batched decode
     (steps of concurrent sessions run as one pass over the weights) and taking turns (the
     same model, batching off), and llama.cpp with a context per session (its own thread:
     up to all cores); 8 sessions of mixed ranks 8 and 16, and 1 and 8 sessions near the end
@@ -407,7 +409,7 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None, thread
     late = models.n_ctx - models.decode_steps - 2
     late_name = f"ours, batched, from position {late}"
     out: dict = {"model": models.title, "adapters": "rank 8, a distinct one per session", "threads_per_session": 1,
-                 "engine_threads": threads, "counts": list(counts), "precisions": {}}
+                 "engine_threads": threads, "executors": executors, "counts": list(counts), "precisions": {}}
     for ours_precision, _, theirs_precision in PRECISION_PAIRS:
         model = models.batched.get(ours_precision)
         if model is None or not model.exists():
@@ -417,8 +419,10 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None, thread
         data, lone = Rounds(), []  # lone: discounted_lone_ratio per round
         with ExitStack() as stack:
             # The batched engine also holds 4 rank-16 sessions, which with 4 rank-8 ones make the mixed case.
-            batched = ConcurrencyRig(model, [8] * max(counts) + [16] * 4, num_threads=threads, batch_wait_s=0.002)
-            turns = ConcurrencyRig(model, [8] * max(counts), num_threads=threads, batch_wait_s=None)
+            batched = ConcurrencyRig(model, [8] * max(counts) + [16] * 4, num_threads=threads, executors=executors,
+                                     batch_wait_s=0.002)
+            turns = ConcurrencyRig(model, [8] * max(counts), num_threads=threads, executors=executors,
+                                   batch_wait_s=None)
             for rig in (batched, turns):
                 stack.callback(rig.close)
             for r in progress_bar(f"concurrency {ours_precision}", unit="round")(range(rounds + 1)):
