@@ -1,14 +1,12 @@
 """BatchScheduler: steps submitted from many threads run together, in batches.
 
-No thread of its own: the first caller to arrive while no batch is being formed, and a
-runner (an executor) is free, leads. It waits, briefly, for the callers the previous batch
-served, or its share of the callers that announced a stream of steps
-(:meth:`BatchScheduler.streaming`), whichever are more, to come back with their next step
-(continuous batching: a decoding session submits again as soon as it has sampled), takes
-up to ``max_batch`` waiting steps (no more than its share while other runners are free),
-and runs them as one batch outside the lock; meanwhile the lead passes to a caller still
-waiting, who forms the next batch for the next free runner. Each caller gets its own
-result. A caller alone never waits: the previous batch had one row, and that row is here.
+No thread of its own: the first caller to arrive while no batch is being formed leads. It
+waits, briefly, for the callers the previous batch served, or the callers that announced
+a stream of steps (:meth:`BatchScheduler.streaming`), whichever are more, to come back with
+their next step (continuous batching: a decoding session submits again as soon as it has sampled),
+takes up to ``max_batch`` waiting steps, runs them as one batch outside the lock, hands
+each caller its own result, and passes the lead to a caller still waiting. A caller alone
+never waits: the previous batch had one row, and that row is here.
 """
 
 from __future__ import annotations
@@ -31,12 +29,10 @@ class BatchPolicy:
 
     ``max_batch``: rows in one batch at most. ``max_wait_s``: how long a batch waits for
     the callers of the previous batch to come back before it runs without them.
-    ``max_running``: batches that may run at once (one per executor).
     """
 
     max_batch: int
     max_wait_s: float = 0.002
-    max_running: int = 1
 
 
 class _Ticket(Generic[Item, Result]):
@@ -76,26 +72,22 @@ class BatchScheduler(Generic[Item, Result]):
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._waiting: deque[_Ticket[Item, Result]] = deque()
-        self._leading = False  # a caller is forming a batch
-        self._running = 0  # batches formed and not finished
-        # Rows of the latest batch of each runner: the callers that will come back.
-        self._recent: deque[int] = deque(maxlen=policy.max_running)
+        self._leading = False
+        self._last_rows = 0  # size of the previous batch: how many callers to wait for
         self._streaming = 0  # callers inside streaming(): they will submit again soon
 
     def submit(self, item: Item) -> Result:
         """Runs ``item`` in the next batch that has room and returns its result (or
         raises its error)."""
         with self._lock:
-            free = self._running < self._policy.max_running
-            alone = (free and not self._leading and not self._waiting and self._streaming <= 1
-                     and (not self._recent or self._recent[-1] <= 1))
+            alone = not self._leading and self._last_rows <= 1 and self._streaming <= 1
             if alone:  # the batch it would lead has one row, this one: no ticket, no wait
-                self._running += 1
-                self._recent.append(1)
+                self._leading = True
+                self._last_rows = 1
             else:
                 ticket: _Ticket[Item, Result] = _Ticket(item)
                 self._waiting.append(ticket)
-                if self._leading or not free:
+                if self._leading:
                     ticket.wake = threading.Event()
                     self._arrived.notify()
                 else:
@@ -125,12 +117,12 @@ class BatchScheduler(Generic[Item, Result]):
                 self._streaming -= 1
 
     def _run_alone(self, item: Item) -> Result:
-        """Runs a batch of ``item`` alone (nothing waited in the queue ahead of it) and
-        hands the lead to a caller queued meanwhile, if any."""
+        """Runs a batch of ``item`` alone (the caller leads; nothing waits in the queue
+        ahead of it) and passes the lead on."""
         try:
             (outcome,) = self._outcomes([item])
         finally:
-            self._finish()  # whatever happens: callers queued meanwhile must not hang
+            self._pass_lead()  # whatever happens: callers queued meanwhile must not hang
         if self._on_batch is not None:
             self._on_batch(1, (0.0,))
         if isinstance(outcome, BaseException):
@@ -148,41 +140,30 @@ class BatchScheduler(Generic[Item, Result]):
             outcomes = [exc] * len(items)
         return outcomes
 
-    def _hand_lead(self) -> None:
-        """Under the lock: makes the first caller waiting the leader, when none leads and
-        a runner is free."""
-        if self._waiting and not self._leading and self._running < self._policy.max_running:
-            successor = self._waiting[0]
-            self._leading = successor.lead = True
-            successor.wake.set()
-
-    def _finish(self) -> None:
-        """A batch has run: its runner is free for the next."""
+    def _pass_lead(self) -> None:
+        """Hands the lead to the first caller waiting, or gives it up."""
         with self._lock:
-            self._running -= 1
-            self._hand_lead()
+            if self._waiting:
+                successor = self._waiting[0]
+                successor.lead = True
+                successor.wake.set()
+            else:
+                self._leading = False
 
     def _lead(self) -> None:
-        """Forms one batch and passes the lead on, then runs the batch."""
+        """Forms and runs one batch, then passes the lead on (or gives it up)."""
         policy = self._policy
         with self._lock:
-            # The callers known to come back, spread over the runners: this batch's share.
-            known = max(sum(self._recent), self._streaming)
-            expected = min(max(-(-known // policy.max_running), 1), policy.max_batch)
+            expected = min(max(self._last_rows, self._streaming, 1), policy.max_batch)
             deadline = time.perf_counter() + policy.max_wait_s
             while len(self._waiting) < expected:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     break
                 self._arrived.wait(left)
-            # More than the share only when fewer runners are free than would take the rest.
-            spread = -(-len(self._waiting) // (policy.max_running - self._running))
-            count = min(len(self._waiting), policy.max_batch, max(expected, spread))
+            count = min(len(self._waiting), policy.max_batch)
             batch = [self._waiting.popleft() for _ in range(count)]
-            self._recent.append(count)
-            self._running += 1
-            self._leading = False
-            self._hand_lead()
+            self._last_rows = count
         started = time.perf_counter()
         for ticket in batch:
             ticket.waited_s = started - ticket.queued_at
@@ -198,4 +179,4 @@ class BatchScheduler(Generic[Item, Result]):
             ticket.done = True
             if ticket.wake is not None:
                 ticket.wake.set()
-        self._finish()
+        self._pass_lead()

@@ -34,7 +34,6 @@ class BatchResources(Protocol):
 
     spec: ModelSpec
     registry: AdapterRegistry
-    executors: list[LlmExecutor]
 
     def decode_alone(self, context: ContextHandler, token: int) -> np.ndarray:
         """One step of a context by itself."""
@@ -58,8 +57,8 @@ class DecodeBatcher:
         largest = max((s.rows for s in spec.signatures.values()), default=1)
         self._scheduler: BatchScheduler[Step, np.ndarray] | None = None
         if wait_s is not None and largest > 1:
-            policy = BatchPolicy(largest, wait_s, max_running=len(resources.executors))  # a batch per executor
-            self._scheduler = BatchScheduler(self._run_together, policy, on_batch=self._record_batch)
+            self._scheduler = BatchScheduler(self._run_together, BatchPolicy(largest, wait_s),
+                                             on_batch=self._record_batch)
         self.queue_wait = LatencyRecorder()  # of batched decode steps
         self._batch_sizes: Counter[int] = Counter()  # rows -> batches of that many rows
         self._batch_sizes_lock = threading.Lock()
