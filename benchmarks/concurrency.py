@@ -32,7 +32,7 @@ def main() -> None:
                         help="our engine's XNNPACK threads (a batch of sessions and a lone session alike); "
                              "writes concurrency_{set}_threads{N} when not 1")
     parser.add_argument("--executors", type=int, default=1,
-                        help="model copies of our engine, each running a batch at once (on a core of its own); "
+                        help="model copies of our engine (sessions taking turns run on them in parallel); "
                              "writes concurrency_{set}_executors{N} when not 1")
     parser.add_argument("--update-report", action="store_true",
                         help="also put the section into benchmarks/results/results.json and results.md in place "

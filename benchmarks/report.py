@@ -242,7 +242,7 @@ def threads_label(conc: dict) -> str:
     if engine != 1:
         label += f", ours running each batch on {engine} threads"
     copies = conc.get("executors", 1)
-    return label if copies == 1 else f"{label}, ours on {copies} executors (model copies) running batches at once"
+    return label if copies == 1 else f"{label}, ours on {copies} executors (model copies)"
 
 
 def concurrency_tables(conc: dict) -> list[str]:
@@ -395,7 +395,7 @@ def concurrency_targets(name: str, conc: dict, add: Callable[[str, str, str, boo
         if "8" in batched:
             eight = batched["8"]["median"] / alone
             need = 4.0 if precision == "f32" else 3.0
-            held = "one model copy" if copies == 1 else f"{copies} model copies running at once, a core each"
+            held = "one model copy" if copies == 1 else f"{copies} model copies"
             add(f"8 sessions, 8 distinct rank-8 adapters, {held}: aggregate >= {need:.0f}x one session",
                 label, f"{eight:.2f}x", eight >= need)
             latency = 8 / eight

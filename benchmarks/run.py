@@ -395,8 +395,8 @@ def concurrency_section(models: ModelSet, rounds: int, llama: Any | None, thread
                         executors: int = 1) -> dict:
     """Aggregate decode tokens/s of 1-16 sessions, each with its own rank-8 adapter and a
     thread of its own, started at once, per precision: ours on one model copy, or on
-    ``executors`` copies each running a batch at once (its runs on ``threads`` XNNPACK
-    threads, a batch's and a lone session's alike) with batched decode
+    ``executors`` copies (its runs on ``threads`` XNNPACK threads, a batch's and a lone
+    session's alike) with batched decode
     (steps of concurrent sessions run as one pass over the weights) and taking turns (the
     same model, batching off), and llama.cpp with a context per session (its own thread:
     up to all cores); 8 sessions of mixed ranks 8 and 16, and 1 and 8 sessions near the end
