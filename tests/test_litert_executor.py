@@ -163,3 +163,15 @@ def test_closed_executor_refuses_work():
         executor.decode(binding, 1, 0)
     with pytest.raises(FailedPreconditionError):
         executor.create_kv_cache()
+
+
+def test_each_step_returns_a_fresh_logits_array():
+    executor = LlmExecutor(MODEL_FILES["transposed"])
+    binding = executor.bind(executor.create_kv_cache())
+    first = executor.decode(binding, 7, 0)
+    kept = first.copy()
+    second = executor.decode(binding, 8, 1)
+    assert first is not second and not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, kept)  # the later step did not overwrite it
+    assert not np.array_equal(first, second)
+    executor.close()

@@ -2,10 +2,10 @@
 LiteRT's C API, :mod:`runtime.executor.native`).
 
 State that belongs to a session (its KV cache) or to an adapter (its LoRA input buffers)
-lives in host buffers (:class:`~runtime.executor.native.HostBuffer`) created here. Running a step binds the
-session's buffers to the signature: the KV buffers are bound as both input and output,
-so the cache is updated in place and never copied; LoRA buffers are written once when an
-adapter is materialized and only bound afterwards. Switching a session or an adapter is
+lives in host buffers (:class:`~runtime.executor.native.HostBuffer`) created here.
+Running a step binds the session's buffers to the signature: the KV buffers are bound as
+both input and output, so the cache is updated in place and never copied; LoRA buffers are
+written once when an adapter is materialized and only bound afterwards. Switching a session or an adapter is
 therefore choosing another prebuilt :class:`Binding`, not copying memory. A batched run
 takes its rows' adapters stacked in one buffer per LoRA input: a row's adapter is copied
 in when another adapter takes that row, and batches of the same sessions copy nothing.
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from runtime.errors import (
     FailedPreconditionError,
     InternalError,
