@@ -177,12 +177,6 @@ class HostBuffer:
         """Copies ``data`` (the tensor's shape, or as many elements) into the buffer."""
         self.array[...] = np.asarray(data).reshape(self.info.shape)
 
-    def read(self, count: int, dtype: np.dtype | type) -> np.ndarray:
-        """A copy of the first ``count`` elements, flat."""
-        if np.dtype(dtype) != self.info.dtype:
-            raise InvalidArgumentError(f"{self.info.name!r} holds {self.info.dtype}, not {np.dtype(dtype)}")
-        return self.array.reshape(-1)[:count].copy()
-
     def __del__(self) -> None:
         library = _library
         if library is not None:
