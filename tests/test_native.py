@@ -10,14 +10,14 @@ import pytest
 from conftest import MODEL_FILES, adapter_path
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import InvalidArgumentError, UnimplementedError
-from runtime.executor.native import NativeModel, _tensor_info
+from runtime.executor.native import HostBuffer, NativeModel, _tensor_info
 
 
 def _decode_model() -> tuple[NativeModel, object]:
     model = NativeModel(MODEL_FILES["default"], num_threads=1, weight_cache=":memory:", name="test model")
     signature = model.signatures["decode"]
-    inputs = [model.create_buffer(info) for info in signature.inputs.values()]
-    outputs = [model.create_buffer(info) for info in signature.outputs.values()]
+    inputs = [HostBuffer(info) for info in signature.inputs.values()]
+    outputs = [HostBuffer(info) for info in signature.outputs.values()]
     return model, model.prepare(signature.index, inputs, outputs)
 
 
@@ -79,7 +79,7 @@ def test_executors_share_an_adapter_in_runs_at_the_same_time():
 def test_buffers_are_zeroed_aligned_host_memory():
     model, _ = _decode_model()
     info = model.signatures["decode"].inputs["kv_cache_k_0"]
-    buffer = model.create_buffer(info)
+    buffer = HostBuffer(info)
     assert buffer.array.shape == info.shape and buffer.array.dtype == np.float32
     assert buffer.array.ctypes.data % 64 == 0 and not buffer.array.any()
     values = np.arange(buffer.array.size, dtype=np.float32)

@@ -194,7 +194,6 @@ class LlmExecutor:
             self._model = NativeModel(model, num_threads=self.settings.num_threads,
                                       weight_cache=_IN_MEMORY_WEIGHT_CACHE, name=str(self.model_path))
         try:
-            self._signatures = self._model.signatures
             self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
             # Token, position and logits buffers are shared by all sessions: runs are serialized.
             self._io = {key: self._signature_io(key, signature) for key, signature in self.spec.signatures.items()}
@@ -211,10 +210,10 @@ class LlmExecutor:
         self.invoke_seconds = 0.0
 
     def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
-        described = self._signatures[key]
-        tokens = self._model.create_buffer(described.inputs[TOKENS])
-        positions = self._model.create_buffer(described.inputs[INPUT_POS])
-        logits = self._model.create_buffer(described.outputs[LOGITS]) if signature.has_logits else None
+        described = self._model.signatures[key]
+        tokens = HostBuffer(described.inputs[TOKENS])
+        positions = HostBuffer(described.inputs[INPUT_POS])
+        logits = HostBuffer(described.outputs[LOGITS]) if signature.has_logits else None
         io = _SignatureIO(
             index=described.index,
             input_order=list(described.inputs),
@@ -227,7 +226,7 @@ class LlmExecutor:
             logits_array=None if logits is None else logits.array.reshape(-1, self.spec.vocab_size),
         )
         if HIDDEN in signature.outputs:
-            io.hidden = self._model.create_buffer(described.outputs[HIDDEN])
+            io.hidden = HostBuffer(described.outputs[HIDDEN])
             io.hidden_array = io.hidden.array.reshape(signature.seq_len, signature.outputs[HIDDEN].shape[-1])
         return io
 
@@ -236,8 +235,8 @@ class LlmExecutor:
     def create_kv_cache(self) -> KvCache:
         """A fresh, zeroed KV cache (zeroed: NaN bits in masked slots would poison logits)."""
         self._check_open()
-        inputs = self._signatures[self.spec.decode().key].inputs
-        buffers = {spec.name: self._model.create_buffer(inputs[spec.name]) for spec in self.spec.kv_inputs}
+        inputs = self._model.signatures[self.spec.decode().key].inputs
+        buffers = {spec.name: HostBuffer(inputs[spec.name]) for spec in self.spec.kv_inputs}
         return KvCache(buffers, self.spec.kv_cache_bytes)
 
     def copy_kv_cache(self, source: KvCache) -> KvCache:
@@ -276,7 +275,7 @@ class LlmExecutor:
         signature = self.spec.decode(slot)
         if name not in signature.lora_inputs:
             raise NotFoundError(f"LoRA slot {slot} has no LoRA input {name!r}")
-        return self._model.create_buffer(self._signatures[signature.key].inputs[name])
+        return HostBuffer(self._model.signatures[signature.key].inputs[name])
 
     def bind(
         self, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None = None, lora_slot: LoraSlot | None = None
@@ -486,8 +485,8 @@ class LlmExecutor:
         slot, rows = signature.lora_slot, signature.rows
         stacked = self._stacked_lora.get((rows, slot))
         if stacked is None:
-            inputs = self._signatures[signature.key].inputs
-            buffers = {name: self._model.create_buffer(inputs[name]) for name in signature.lora_inputs}
+            inputs = self._model.signatures[signature.key].inputs
+            buffers = {name: HostBuffer(inputs[name]) for name in signature.lora_inputs}
             stacked = self._stacked_lora[rows, slot] = _StackedLora(buffers)
         wanted = [*adapters, *[None] * (rows - len(adapters))]
         changed = range(rows) if stacked.rows is None else [

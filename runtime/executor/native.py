@@ -277,10 +277,6 @@ class NativeModel:
             return {name: {"shape": t.shape, "dtype": t.dtype} for name, t in tensors.items()}
         return {key: (described(s.inputs), described(s.outputs)) for key, s in self.signatures.items()}
 
-    def create_buffer(self, info: TensorInfo) -> HostBuffer:
-        """A zeroed buffer for a tensor of this model."""
-        return HostBuffer(info)
-
     def prepare(self, index: int, inputs: Sequence[HostBuffer], outputs: Sequence[HostBuffer]) -> PreparedRun:
         """What :meth:`run` takes to run signature ``index`` on these buffers, in the
         signature's order."""
