@@ -86,10 +86,11 @@ class ModelSet:
     # PEFT directories that prepare_models.py makes (random weights); the rest are committed.
     generated_adapters: tuple[str, ...] = field(default=())
 
-    def missing(self, with_llama_cpp: bool = True) -> list[Path]:
+    def missing(self, with_llama_cpp: bool = True, with_ours: bool = True) -> list[Path]:
         """Files the measurements need that are not there (empty: ready); llama.cpp's
-        only ``with_llama_cpp``."""
-        needed = [*self.ours.values(), *(a.peft for a in self.adapters.values())]
+        only ``with_llama_cpp``, our single-session exports only ``with_ours`` (the
+        concurrent sessions run on the ``batched`` exports, and skip a missing one)."""
+        needed = [*(self.ours.values() if with_ours else ()), *(a.peft for a in self.adapters.values())]
         if with_llama_cpp:
             needed += [*self.theirs.values(), *(a.gguf for a in self.adapters.values())]
         return [path for path in needed if not path.exists()]
