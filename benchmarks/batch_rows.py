@@ -133,12 +133,19 @@ def measure(shape: Shape, rows: list[int], quantizations: list[str], rounds: int
                 print(f"building {PRECISIONS[quantize]}, {count} rows", file=sys.stderr, flush=True)
                 build(shape, count, quantize, path)
                 graphs[(quantize, count)] = Timed(path)
-        times: dict[tuple[str, int], list[float]] = {key: [] for key in graphs}
-        for r in range(rounds):
-            print(f"round {r + 1} of {rounds}", file=sys.stderr, flush=True)
-            for key in sorted(graphs, reverse=r % 2 == 1):
-                times[key].append(graphs[key].ms_per_pass())
-        return {PRECISIONS[q]: {count: statistics.median(times[(q, count)]) for count in rows} for q in quantizations}
+        medians = in_alternating_rounds(graphs, rounds)
+        return {PRECISIONS[q]: {count: medians[(q, count)] for count in rows} for q in quantizations}
+
+
+def in_alternating_rounds(graphs: dict[tuple[str, int], Timed], rounds: int) -> dict[tuple[str, int], float]:
+    """The median ms per pass of each graph over ``rounds`` rounds, every graph taking its
+    turn in each round, the order flipping every round."""
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in graphs}
+    for r in range(rounds):
+        print(f"round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+        for key in sorted(graphs, reverse=r % 2 == 1):
+            times[key].append(graphs[key].ms_per_pass())
+    return {key: statistics.median(values) for key, values in times.items()}
 
 
 def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
@@ -158,19 +165,19 @@ def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(measured: dict[str, dict[int, float]], path: Path) -> None:
-    """ms per pass by rows, a line per precision."""
+def plot(curves: dict[str, dict[int, float]], path: Path, xlabel: str, ylabel: str) -> None:
+    """Writes a line per curve (its label: ``{x: y}``) to ``path``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 3.5))
-    for precision, by_rows in measured.items():
-        axes.plot(list(by_rows), list(by_rows.values()), marker="o", label=precision)
-    axes.set_xlabel("rows in one pass (sessions in a batch)")
-    axes.set_ylabel("ms per pass, 1 thread")
+    for label, points in curves.items():
+        axes.plot(list(points), list(points.values()), marker="o", label=label)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
     axes.set_ylim(bottom=0)
-    axes.legend()
+    axes.legend(fontsize=8)
     figure.savefig(path, dpi=110, bbox_inches="tight")
 
 
@@ -197,7 +204,7 @@ def main() -> None:
         {"shape": {"name": args.shape, **asdict(SHAPES[args.shape])}, "rounds": args.rounds,
          "ms_per_pass": {p: {str(c): ms for c, ms in by_rows.items()} for p, by_rows in measured.items()}},
         indent=2) + "\n")
-    plot(measured, args.out / "batch_rows.png")
+    plot(measured, args.out / "batch_rows.png", "rows in one pass (sessions in a batch)", "ms per pass, 1 thread")
 
 
 if __name__ == "__main__":
