@@ -39,7 +39,6 @@ of the machine's read bandwidth), not by the graph's form.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -48,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_rows import Timed, in_alternating_rounds, plot  # noqa: E402
+from batch_rows import Timed, in_alternating_rounds, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -155,15 +154,10 @@ def main() -> None:
     shape = SHAPES[args.shape]
     measured = measure(shape, spans, args.rounds)
     table = render(args.shape, shape, measured)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attention_forms.md").write_text(table)
-    (args.out / "attention_forms.json").write_text(json.dumps(
-        {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds,
-         "ms_per_step": {form: {str(s): ms for s, ms in by_span.items()} for form, by_span in measured.items()}},
-        indent=2) + "\n")
-    plot(measured, args.out / "attention_forms.png", "cached positions attended", "ms per step, 1 thread")
-
+    payload = {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds,
+               "ms_per_step": {form: {str(s): ms for s, ms in by_span.items()} for form, by_span in measured.items()}}
+    write_results(args.out, "attention_forms", table, payload, measured, "cached positions attended",
+                  "ms per step, 1 thread")
 
 if __name__ == "__main__":
     main()

@@ -165,12 +165,18 @@ def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(curves: dict[str, dict[int, float]], path: Path, xlabel: str, ylabel: str) -> None:
-    """Writes a line per curve (its label: ``{x: y}``) to ``path``."""
+def write_results(out: Path, name: str, table: str, payload: dict, curves: dict[str, dict[int, float]],
+                  xlabel: str, ylabel: str) -> None:
+    """Prints ``table`` and writes it to ``{out}/{name}.md``, ``payload`` to ``{name}.json``
+    and a line per curve (its label: ``{x: y}``) to ``{name}.png``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(table)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     figure, axes = plt.subplots(figsize=(6, 3.5))
     for label, points in curves.items():
         axes.plot(list(points), list(points.values()), marker="o", label=label)
@@ -178,7 +184,7 @@ def plot(curves: dict[str, dict[int, float]], path: Path, xlabel: str, ylabel: s
     axes.set_ylabel(ylabel)
     axes.set_ylim(bottom=0)
     axes.legend(fontsize=8)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
+    figure.savefig(out / f"{name}.png", dpi=110, bbox_inches="tight")
 
 
 def main() -> None:
@@ -197,15 +203,10 @@ def main() -> None:
         parser.error(f"--quantize takes {', '.join(PRECISIONS)}; --rows and --rounds take positive integers")
     measured = measure(SHAPES[args.shape], rows, quantizations, args.rounds)
     table = render(args.shape, measured)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "batch_rows.md").write_text(table)
-    (args.out / "batch_rows.json").write_text(json.dumps(
-        {"shape": {"name": args.shape, **asdict(SHAPES[args.shape])}, "rounds": args.rounds,
-         "ms_per_pass": {p: {str(c): ms for c, ms in by_rows.items()} for p, by_rows in measured.items()}},
-        indent=2) + "\n")
-    plot(measured, args.out / "batch_rows.png", "rows in one pass (sessions in a batch)", "ms per pass, 1 thread")
-
+    payload = {"shape": {"name": args.shape, **asdict(SHAPES[args.shape])}, "rounds": args.rounds,
+               "ms_per_pass": {p: {str(c): ms for c, ms in by_rows.items()} for p, by_rows in measured.items()}}
+    write_results(args.out, "batch_rows", table, payload, measured, "rows in one pass (sessions in a batch)",
+                  "ms per pass, 1 thread")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""What the rows' own LoRA products cost in a batched decode step, in each form XNNPACK can
+run them, against a plain read of the same adapter weights.
+
+    python3 benchmarks/lora_forms.py [--shape smollm2] [--rows 1,8] [--rank 8] [--rounds 7] \
+        [--out benchmarks/results]
+
+For each row count B, builds one graph per form (the export extra: litert-torch) of
+``x_i A_i B_i`` on q, k, v and o of every layer for B rows, each row's ``A`` and ``B`` a
+slice of a stacked graph input as in our batched exports (the next layer's ``x`` depends on
+the last, so nothing runs ahead). Times them on 1 thread in alternating rounds and prints the
+median milliseconds per step and the GB/s at which each form gets through the adapters'
+bytes. Writes ``lora_forms.{json,md,png}``.
+
+The forms:
+
+- ``stacked matmuls``: ``(x A) B`` as batched matmuls over ``A`` ``[B, in, r]`` and ``B``
+  ``[B, r, out]`` (what our exports do; XNNPACK packs both weights on every run, ``A`` into
+  16 columns for r = 8);
+- ``weights on the left``: ``A^T`` ``[B, r, in]`` and ``B^T`` ``[B, out, r]`` as the left
+  operands, read as they lie (then ``x`` is packed instead, into 16 columns);
+- ``multiply and sum``: elementwise products summed along the contracted axis (no matmul);
+- ``read only``: each weight summed: the bytes' floor on this machine.
+
+What it showed (SmolLM2-135M's q/k/v/o, 30 layers, rank 8; AMD EPYC, 1 thread, 2026-12-03,
+9 rounds): at 8 rows the exports' form took 6.6 ms a step (4.5 GB/s through 29.5 MB of
+adapter weights), a fifth to a quarter of an int8 batched step of 8 rows (26-30 ms), where
+reading the weights took 1.6 ms (18 GB/s); multiplying and summing 5.8 ms (0.88x), the
+weights on the left 11.7 ms. One row: 1.0 ms, 0.7 ms and 2.1 ms; reading 0.4 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from batch_rows import Timed, in_alternating_rounds, write_results  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The projections LoRA runs on in each of ``layers`` blocks: ``hidden`` in, and out of
+    q and o; ``kv`` out of k and v."""
+
+    hidden: int
+    kv: int
+    layers: int
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """``{name: (in, out)}`` of q, k, v and o."""
+        return {"q": (self.hidden, self.hidden), "k": (self.hidden, self.kv), "v": (self.hidden, self.kv),
+                "o": (self.hidden, self.hidden)}
+
+
+SHAPES = {
+    "smollm2": Shape(hidden=576, kv=192, layers=30),  # SmolLM2-135M
+    "tiny": Shape(hidden=16, kv=8, layers=2),  # a quick check of the script itself
+}
+FORMS = ("stacked matmuls", "weights on the left", "multiply and sum", "read only")
+
+
+def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
+    """Writes the graph of ``form`` for ``rows`` rows to ``out``."""
+    import torch
+    from torch import nn
+
+    from runtime.export.litert import litert_torch
+
+    left = form == "weights on the left"
+
+    def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``x A B`` for every row: x ``[B, 1, in]`` -> ``[B, 1, out]``."""
+        if form == "stacked matmuls":
+            return torch.matmul(torch.matmul(x, a), b)
+        if left:  # a [B, r, in], b [B, out, r]
+            return torch.matmul(b, torch.matmul(a, x.transpose(1, 2))).transpose(1, 2)
+        if form == "multiply and sum":
+            hidden = (x.transpose(1, 2) * a).sum(1, keepdim=True)  # [B, 1, r]
+            return (hidden.transpose(1, 2) * b).sum(1, keepdim=True)
+        return x[..., :1] + a.sum((1, 2)).reshape(-1, 1, 1) + b.sum((1, 2)).reshape(-1, 1, 1)  # read only
+
+    class Lora(nn.Module):
+        def forward(self, x: torch.Tensor, **weights: torch.Tensor) -> dict[str, torch.Tensor]:
+            for layer in range(shape.layers):
+                step = x
+                for name in shape.projections():
+                    d = delta(x, weights[f"a_{name}_{layer}"], weights[f"b_{name}_{layer}"])
+                    step = step + d[..., :shape.kv].sum(-1, keepdim=True) if name in "kv" else step + d
+                x = step
+            return {"out": x}
+
+    sample = {"x": torch.zeros((rows, 1, shape.hidden))}
+    for layer in range(shape.layers):
+        for name, (fan_in, fan_out) in shape.projections().items():
+            sample[f"a_{name}_{layer}"] = torch.zeros((rows, rank, fan_in) if left else (rows, fan_in, rank))
+            sample[f"b_{name}_{layer}"] = torch.zeros((rows, fan_out, rank) if left else (rows, rank, fan_out))
+    litert_torch.signature("lora", Lora().eval(), sample_kwargs=sample).convert().export(str(out))
+
+
+def measure(shape: Shape, rows: list[int], rank: int, rounds: int) -> dict[str, dict[int, float]]:
+    """Median ms per step by form and rows."""
+    with tempfile.TemporaryDirectory() as folder:
+        graphs: dict[tuple[str, int], Timed] = {}
+        for count in rows:
+            for number, form in enumerate(FORMS):
+                path = Path(folder) / f"{number}-{count}.tflite"
+                print(f"building {form}, {count} rows", file=sys.stderr, flush=True)
+                build(shape, count, rank, form, path)
+                graphs[(form, count)] = Timed(path)
+        medians = in_alternating_rounds(graphs, rounds)
+        return {form: {count: medians[(form, count)] for count in rows} for form in FORMS}
+
+
+def weight_bytes(shape: Shape, rows: int, rank: int) -> int:
+    """The bytes of every row's ``A`` and ``B`` over all layers (float32)."""
+    return 4 * rows * rank * shape.layers * sum(i + o for i, o in shape.projections().values())
+
+
+def render(shape_name: str, rank: int, shape: Shape, measured: dict[str, dict[int, float]]) -> str:
+    """The markdown table: per row count, ms per step and GB/s through the weights, per form."""
+    rows = list(measured[FORMS[0]])
+    lines = [f"LoRA rank {rank} on q/k/v/o of {shape_name} ({shape.layers} layers), each row its own adapter, "
+             "1 thread, median ms per step", "",
+             "| form | " + " | ".join(f"{r} rows ms | GB/s" for r in rows) + " |",
+             "|---|" + "---:|---:|" * len(rows)]
+    for form, by_rows in measured.items():
+        cells = [f"{by_rows[r]:.3f} | {weight_bytes(shape, r, rank) / by_rows[r] / 1e6:.1f}" for r in rows]
+        lines.append(f"| {form} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="1,8", help="rows (sessions) in a batch, comma-separated")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+                        help="folder for lora_forms.json, .md and .png")
+    args = parser.parse_args()
+    try:
+        rows = sorted({int(r) for r in args.rows.split(",")})
+    except ValueError:
+        parser.error(f"--rows {args.rows!r}: expected positive integers, comma-separated")
+    if not rows or rows[0] < 1 or args.rank < 1 or args.rounds < 1:
+        parser.error("--rows, --rank and --rounds take positive integers")
+    shape = SHAPES[args.shape]
+    measured = measure(shape, rows, args.rank, args.rounds)
+    table = render(args.shape, args.rank, shape, measured)
+    payload = {"shape": {"name": args.shape, **asdict(shape)}, "rank": args.rank, "rounds": args.rounds,
+               "ms_per_step": {form: {str(r): ms for r, ms in by_rows.items()} for form, by_rows in measured.items()}}
+    write_results(args.out, "lora_forms", table, payload, measured, "rows in one batch", "ms per step, 1 thread")
+
+if __name__ == "__main__":
+    main()
