@@ -159,5 +159,6 @@ def main() -> None:
     write_results(args.out, "attention_forms", table, payload, measured, "cached positions attended",
                   "ms per step, 1 thread")
 
+
 if __name__ == "__main__":
     main()

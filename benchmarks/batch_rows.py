@@ -208,5 +208,6 @@ def main() -> None:
     write_results(args.out, "batch_rows", table, payload, measured, "rows in one pass (sessions in a batch)",
                   "ms per pass, 1 thread")
 
+
 if __name__ == "__main__":
     main()

@@ -157,5 +157,6 @@ def main() -> None:
                "ms_per_step": {form: {str(r): ms for r, ms in by_rows.items()} for form, by_rows in measured.items()}}
     write_results(args.out, "lora_forms", table, payload, measured, "rows in one batch", "ms per step, 1 thread")
 
+
 if __name__ == "__main__":
     main()
