@@ -18,7 +18,7 @@ The forms (``K`` ``[G, T, hd]`` and ``V`` ``[G, hd, T]`` are our exports' transp
 - ``cache on the right``: ``q K^T`` and ``p V^T`` as BATCH_MATMUL with the cache as the
   transposed right operand, which XNNPACK packs on every run (what our exports do);
 - ``cache on the left``: ``(K q^T)^T`` and ``(V p^T)^T``: the cache as the left operand, read
-  as it lies, against a right operand of ``q_per_kv`` columns (the kernel's 16 columns mostly
+  as it lies, against a right operand of ``q_per_kv`` columns (the kernel's 32 columns mostly
   padding);
 - ``no transposed operand``: ``K`` stored ``[G, hd, T]`` and ``V`` ``[G, T, hd]``, so neither
   product transposes its right operand (packing copies rows);

@@ -15,10 +15,10 @@ bytes. Writes ``lora_forms.{json,md,png}``.
 The forms:
 
 - ``stacked matmuls``: ``(x A) B`` as batched matmuls over ``A`` ``[B, in, r]`` and ``B``
-  ``[B, r, out]`` (what our exports do; XNNPACK packs both weights on every run, ``A`` into
-  16 columns for r = 8);
+  ``[B, r, out]`` (what our exports do; XNNPACK packs both weights on every run, ``A``'s r = 8
+  columns padded to its kernel's 32 on this AVX-512 CPU);
 - ``weights on the left``: ``A^T`` ``[B, r, in]`` and ``B^T`` ``[B, out, r]`` as the left
-  operands, read as they lie (then ``x`` is packed instead, into 16 columns);
+  operands, read as they lie (then ``x`` is packed instead, padded alike);
 - ``multiply and sum``: elementwise products summed along the contracted axis (no matmul);
 - ``read only``: each weight summed: the bytes' floor on this machine.
 
