@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_rows import Timed, in_alternating_rounds, write_results  # noqa: E402
+from batch_rows import Timed, in_alternating_rounds, positive_ints, throughput_table, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -126,15 +126,9 @@ def cache_bytes(shape: Shape, span: int) -> int:
 
 def render(shape_name: str, shape: Shape, measured: dict[str, dict[int, float]]) -> str:
     """The markdown table: per span, ms per step and GB/s through the caches, per form."""
-    spans = list(measured[FORMS[0]])
-    lines = [f"Attention of one decode step over a KV cache, {shape_name} ({shape.layers} layers, {shape.groups} "
-             f"groups of {shape.q_per_kv} heads of {shape.head_dim}), 1 thread, median ms per step", "",
-             "| form | " + " | ".join(f"{s} positions ms | GB/s" for s in spans) + " |",
-             "|---|" + "---:|---:|" * len(spans)]
-    for form, by_span in measured.items():
-        cells = [f"{by_span[s]:.3f} | {cache_bytes(shape, s) / by_span[s] / 1e6:.1f}" for s in spans]
-        lines.append(f"| {form} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    title = (f"Attention of one decode step over a KV cache, {shape_name} ({shape.layers} layers, {shape.groups} "
+             f"groups of {shape.q_per_kv} heads of {shape.head_dim}), 1 thread, median ms per step")
+    return throughput_table(title, measured, "positions", lambda span: cache_bytes(shape, span))
 
 
 def main() -> None:
@@ -145,12 +139,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="folder for attention_forms.json, .md and .png")
     args = parser.parse_args()
-    try:
-        spans = sorted({int(s) for s in args.spans.split(",")})
-    except ValueError:
-        parser.error(f"--spans {args.spans!r}: expected positive integers, comma-separated")
-    if not spans or spans[0] < 1 or args.rounds < 1:
-        parser.error("--spans and --rounds take positive integers")
+    spans = positive_ints(parser, "--spans", args.spans)
+    if args.rounds < 1:
+        parser.error("--rounds takes a positive integer")
     shape = SHAPES[args.shape]
     measured = measure(shape, spans, args.rounds)
     table = render(args.shape, shape, measured)

@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -165,6 +166,31 @@ def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def positive_ints(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """``text``'s comma-separated positive integers, sorted and distinct; a parser error
+    naming ``flag`` otherwise."""
+    try:
+        values = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        parser.error(f"{flag} {text!r}: expected positive integers, comma-separated")
+    return values
+
+
+def throughput_table(title: str, measured: dict[str, dict[int, float]], column: str,
+                     bytes_of: Callable[[int], int]) -> str:
+    """The markdown table of ``measured`` (form -> {x: ms}): per x, ms and the GB/s at which
+    the ``bytes_of(x)`` bytes went through, a row per form, under ``title``."""
+    xs = list(next(iter(measured.values())))
+    lines = [title, "", "| form | " + " | ".join(f"{x} {column} ms | GB/s" for x in xs) + " |",
+             "|---|" + "---:|---:|" * len(xs)]
+    for form, by_x in measured.items():
+        cells = [f"{by_x[x]:.3f} | {bytes_of(x) / by_x[x] / 1e6:.1f}" for x in xs]
+        lines.append(f"| {form} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_results(out: Path, name: str, table: str, payload: dict, curves: dict[str, dict[int, float]],
                   xlabel: str, ylabel: str) -> None:
     """Prints ``table`` and writes it to ``{out}/{name}.md``, ``payload`` to ``{name}.json``
@@ -196,11 +222,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="folder for batch_rows.json, .md and .png")
     args = parser.parse_args()
-    rows = sorted({int(r) for r in args.rows.split(",")})
+    rows = positive_ints(parser, "--rows", args.rows)
     quantizations = args.quantize.split(",")
     unknown = [q for q in quantizations if q not in PRECISIONS]
-    if unknown or not rows or rows[0] < 1 or args.rounds < 1:
-        parser.error(f"--quantize takes {', '.join(PRECISIONS)}; --rows and --rounds take positive integers")
+    if unknown or args.rounds < 1:
+        parser.error(f"--quantize takes {', '.join(PRECISIONS)}; --rounds takes a positive integer")
     measured = measure(SHAPES[args.shape], rows, quantizations, args.rounds)
     table = render(args.shape, measured)
     payload = {"shape": {"name": args.shape, **asdict(SHAPES[args.shape])}, "rounds": args.rounds,

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_rows import Timed, in_alternating_rounds, write_results  # noqa: E402
+from batch_rows import Timed, in_alternating_rounds, positive_ints, throughput_table, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -124,15 +124,9 @@ def weight_bytes(shape: Shape, rows: int, rank: int) -> int:
 
 def render(shape_name: str, rank: int, shape: Shape, measured: dict[str, dict[int, float]]) -> str:
     """The markdown table: per row count, ms per step and GB/s through the weights, per form."""
-    rows = list(measured[FORMS[0]])
-    lines = [f"LoRA rank {rank} on q/k/v/o of {shape_name} ({shape.layers} layers), each row its own adapter, "
-             "1 thread, median ms per step", "",
-             "| form | " + " | ".join(f"{r} rows ms | GB/s" for r in rows) + " |",
-             "|---|" + "---:|---:|" * len(rows)]
-    for form, by_rows in measured.items():
-        cells = [f"{by_rows[r]:.3f} | {weight_bytes(shape, r, rank) / by_rows[r] / 1e6:.1f}" for r in rows]
-        lines.append(f"| {form} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    title = (f"LoRA rank {rank} on q/k/v/o of {shape_name} ({shape.layers} layers), each row its own adapter, "
+             "1 thread, median ms per step")
+    return throughput_table(title, measured, "rows", lambda rows: weight_bytes(shape, rows, rank))
 
 
 def main() -> None:
@@ -144,12 +138,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="folder for lora_forms.json, .md and .png")
     args = parser.parse_args()
-    try:
-        rows = sorted({int(r) for r in args.rows.split(",")})
-    except ValueError:
-        parser.error(f"--rows {args.rows!r}: expected positive integers, comma-separated")
-    if not rows or rows[0] < 1 or args.rank < 1 or args.rounds < 1:
-        parser.error("--rows, --rank and --rounds take positive integers")
+    rows = positive_ints(parser, "--rows", args.rows)
+    if args.rank < 1 or args.rounds < 1:
+        parser.error("--rank and --rounds take positive integers")
     shape = SHAPES[args.shape]
     measured = measure(shape, rows, args.rank, args.rounds)
     table = render(args.shape, args.rank, shape, measured)
