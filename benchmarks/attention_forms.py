@@ -3,15 +3,16 @@
 against a plain read of the same cache: where a batched step's time beyond the linears goes.
 
     python3 benchmarks/attention_forms.py [--shape smollm2] [--spans 128,1024] [--rounds 7] \
-        [--out benchmarks/results]
+        [--threads 1] [--out benchmarks/results]
 
 For each span W, builds one graph per form (the export extra: litert-torch) of a decoder's
 attention for one token of one session, layer after layer, every layer's K and V cache an
 input of the graph as in our exports (the query of the next layer depends on the last, so
 nothing runs ahead): ``G`` KV groups of ``q_per_kv`` query heads of ``head_dim``, over the
-caches' first W positions. Then times them on 1 thread, every graph taking its turn in each
-round, the order flipping every round, and prints the median milliseconds per step and the
-GB/s at which each form gets through the caches' bytes. Writes ``attention_forms.{json,md,png}``.
+caches' first W positions. Then times them on ``--threads`` XNNPACK threads, every graph
+taking its turn in each round, the order flipping every round, and prints the median
+milliseconds per step and the GB/s at which each form gets through the caches' bytes.
+Writes ``attention_forms.{json,md,png}``.
 
 The forms (``K`` ``[G, T, hd]`` and ``V`` ``[G, hd, T]`` are our exports' transposed layout):
 
@@ -105,8 +106,8 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
     litert_torch.signature("attention", Attention().eval(), sample_kwargs=sample).convert().export(str(out))
 
 
-def measure(shape: Shape, spans: list[int], rounds: int) -> dict[str, dict[int, float]]:
-    """Median ms per step by form and span."""
+def measure(shape: Shape, spans: list[int], rounds: int, threads: int) -> dict[str, dict[int, float]]:
+    """Median ms per step by form and span, on ``threads`` XNNPACK threads."""
     with tempfile.TemporaryDirectory() as folder:
         graphs: dict[tuple[str, int], Timed] = {}
         for span in spans:
@@ -114,7 +115,7 @@ def measure(shape: Shape, spans: list[int], rounds: int) -> dict[str, dict[int, 
                 path = Path(folder) / f"{number}-{span}.tflite"
                 print(f"building {form}, {span} positions", file=sys.stderr, flush=True)
                 build(shape, span, form, path)
-                graphs[(form, span)] = Timed(path)
+                graphs[(form, span)] = Timed(path, threads)
         medians = in_alternating_rounds(graphs, rounds)
         return {form: {span: medians[(form, span)] for span in spans} for form in FORMS}
 
@@ -124,10 +125,11 @@ def cache_bytes(shape: Shape, span: int) -> int:
     return 2 * shape.layers * shape.groups * span * shape.head_dim * 4
 
 
-def render(shape_name: str, shape: Shape, measured: dict[str, dict[int, float]]) -> str:
+def render(shape_name: str, shape: Shape, measured: dict[str, dict[int, float]], threads: int) -> str:
     """The markdown table: per span, ms per step and GB/s through the caches, per form."""
     title = (f"Attention of one decode step over a KV cache, {shape_name} ({shape.layers} layers, {shape.groups} "
-             f"groups of {shape.q_per_kv} heads of {shape.head_dim}), 1 thread, median ms per step")
+             f"groups of {shape.q_per_kv} heads of {shape.head_dim}), {threads} thread{'s' * (threads > 1)}, "
+             "median ms per step")
     return throughput_table(title, measured, "positions", lambda span: cache_bytes(shape, span))
 
 
@@ -136,19 +138,20 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     parser.add_argument("--spans", default="128,1024", help="cached positions attended, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="XNNPACK threads per graph")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="folder for attention_forms.json, .md and .png")
     args = parser.parse_args()
     spans = positive_ints(parser, "--spans", args.spans)
-    if args.rounds < 1:
-        parser.error("--rounds takes a positive integer")
+    if args.rounds < 1 or args.threads < 1:
+        parser.error("--rounds and --threads take positive integers")
     shape = SHAPES[args.shape]
-    measured = measure(shape, spans, args.rounds)
-    table = render(args.shape, shape, measured)
-    payload = {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds,
+    measured = measure(shape, spans, args.rounds, args.threads)
+    table = render(args.shape, shape, measured, args.threads)
+    payload = {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds, "threads": args.threads,
                "ms_per_step": {form: {str(s): ms for s, ms in by_span.items()} for form, by_span in measured.items()}}
     write_results(args.out, "attention_forms", table, payload, measured, "cached positions attended",
-                  "ms per step, 1 thread")
+                  f"ms per step, {args.threads} thread{'s' * (args.threads > 1)}")
 
 
 if __name__ == "__main__":

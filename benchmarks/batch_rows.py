@@ -100,15 +100,16 @@ def build(shape: Shape, rows: int, quantize: str, out: Path) -> None:
 
 
 class Timed:
-    """One graph, loaded on 1 thread with its input and output buffers made once."""
+    """One graph, loaded on ``threads`` XNNPACK threads with its input and output buffers
+    made once."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, threads: int = 1) -> None:
         from ai_edge_litert.compiled_model import CompiledModel
         from ai_edge_litert.cpu_options import CpuOptions
         from ai_edge_litert.hardware_accelerator import HardwareAccelerator
         from ai_edge_litert.options import Options
 
-        options = Options(HardwareAccelerator.CPU, cpu_options=CpuOptions(num_threads=1))
+        options = Options(HardwareAccelerator.CPU, cpu_options=CpuOptions(num_threads=threads))
         self.model = CompiledModel.from_file(str(path), options=options)
         self.key = next(iter(self.model.get_signature_list()))
         names = self.model.get_signature_list()[self.key]
