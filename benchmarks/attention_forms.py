@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_rows import Timed, in_alternating_rounds, positive_ints, throughput_table, write_results  # noqa: E402
+from batch_rows import measure_forms, positive_ints, throughput_table, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -108,16 +107,8 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
 
 def measure(shape: Shape, spans: list[int], rounds: int, threads: int) -> dict[str, dict[int, float]]:
     """Median ms per step by form and span, on ``threads`` XNNPACK threads."""
-    with tempfile.TemporaryDirectory() as folder:
-        graphs: dict[tuple[str, int], Timed] = {}
-        for span in spans:
-            for number, form in enumerate(FORMS):
-                path = Path(folder) / f"{number}-{span}.tflite"
-                print(f"building {form}, {span} positions", file=sys.stderr, flush=True)
-                build(shape, span, form, path)
-                graphs[(form, span)] = Timed(path, threads)
-        medians = in_alternating_rounds(graphs, rounds)
-        return {form: {span: medians[(form, span)] for span in spans} for form in FORMS}
+    return measure_forms(FORMS, spans, "positions", lambda form, span, path: build(shape, span, form, path),
+                         rounds, threads)
 
 
 def cache_bytes(shape: Shape, span: int) -> int:

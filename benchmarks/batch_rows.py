@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -127,16 +127,9 @@ class Timed:
 
 def measure(shape: Shape, rows: list[int], quantizations: list[str], rounds: int) -> dict[str, dict[int, float]]:
     """Median ms per pass by precision name and rows."""
-    with tempfile.TemporaryDirectory() as folder:
-        graphs: dict[tuple[str, int], Timed] = {}
-        for quantize in quantizations:
-            for count in rows:
-                path = Path(folder) / f"{quantize}-{count}.tflite"
-                print(f"building {PRECISIONS[quantize]}, {count} rows", file=sys.stderr, flush=True)
-                build(shape, count, quantize, path)
-                graphs[(quantize, count)] = Timed(path)
-        medians = in_alternating_rounds(graphs, rounds)
-        return {PRECISIONS[q]: {count: medians[(q, count)] for count in rows} for q in quantizations}
+    quantization_of = {PRECISIONS[q]: q for q in quantizations}
+    return measure_forms(list(quantization_of), rows, "rows",
+                         lambda precision, count, path: build(shape, count, quantization_of[precision], path), rounds)
 
 
 def in_alternating_rounds(graphs: dict[tuple[str, int], Timed], rounds: int) -> dict[tuple[str, int], float]:
@@ -165,6 +158,22 @@ def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
             cells += [f"{ms:.2f}", f"{ms / count:.2f}", f"{ms / one:.2f}x"]
         lines.append(f"| {count} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def measure_forms(forms: Sequence[str], xs: Sequence[int], unit: str, build_one: Callable[[str, int, Path], None],
+                  rounds: int, threads: int = 1) -> dict[str, dict[int, float]]:
+    """Median ms per pass by form and x: ``build_one(form, x, path)`` writes each graph,
+    which then runs on ``threads`` XNNPACK threads in :func:`in_alternating_rounds`."""
+    with tempfile.TemporaryDirectory() as folder:
+        graphs: dict[tuple[str, int], Timed] = {}
+        for x in xs:
+            for number, form in enumerate(forms):
+                path = Path(folder) / f"{number}-{x}.tflite"
+                print(f"building {form}, {x} {unit}", file=sys.stderr, flush=True)
+                build_one(form, x, path)
+                graphs[(form, x)] = Timed(path, threads)
+        medians = in_alternating_rounds(graphs, rounds)
+        return {form: {x: medians[(form, x)] for x in xs} for form in forms}
 
 
 def positive_ints(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:

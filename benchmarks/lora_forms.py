@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_rows import Timed, in_alternating_rounds, positive_ints, throughput_table, write_results  # noqa: E402
+from batch_rows import measure_forms, positive_ints, throughput_table, write_results  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -105,16 +104,7 @@ def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
 
 def measure(shape: Shape, rows: list[int], rank: int, rounds: int) -> dict[str, dict[int, float]]:
     """Median ms per step by form and rows."""
-    with tempfile.TemporaryDirectory() as folder:
-        graphs: dict[tuple[str, int], Timed] = {}
-        for count in rows:
-            for number, form in enumerate(FORMS):
-                path = Path(folder) / f"{number}-{count}.tflite"
-                print(f"building {form}, {count} rows", file=sys.stderr, flush=True)
-                build(shape, count, rank, form, path)
-                graphs[(form, count)] = Timed(path)
-        medians = in_alternating_rounds(graphs, rounds)
-        return {form: {count: medians[(form, count)] for count in rows} for form in FORMS}
+    return measure_forms(FORMS, rows, "rows", lambda form, count, path: build(shape, count, rank, form, path), rounds)
 
 
 def weight_bytes(shape: Shape, rows: int, rank: int) -> int:
