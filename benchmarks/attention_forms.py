@@ -34,7 +34,13 @@ exports' own form 8.6 ms. The form without a transposed operand was the fastest 
 of ours at 1024, 0.92x at 512) and the slowest of the matmuls at 128 positions (0.95 against
 0.68 ms), where batched steps run; multiplying and summing was no faster anywhere. So a
 step's attention is bounded by XNNPACK's batch matmul over a cache operand (about a quarter
-of the machine's read bandwidth), not by the graph's form.
+of the machine's read bandwidth), not by the graph's form. Whether a window's slice of the
+whole cache costs (``--spans 128,512,768 --rounds 9``, 2026-12-03, same box): a window of
+128 of the 1024 cache took 0.93 ms against 0.73 ms over a cache of 128 (0.1-0.2 ms a row in
+two runs, up to 1.6 ms of a batch of 8); windows of 512 and 768 were within the noise of
+caches of their length (3.1 and 5.7 ms against 4.1 and 6.3 ms in the quiet run, 5.8 and 4.4
+against 4.8 and 6.4 in one beside another process): caches the length of the window
+(KV-length buckets) would save a few percent of a batched step at most.
 """
 
 from __future__ import annotations
@@ -59,13 +65,15 @@ class Shape:
     q_per_kv: int
     head_dim: int
     layers: int
+    kv_length: int  # positions a session's cache holds (what an attention window is sliced from)
 
 
 SHAPES = {
-    "smollm2": Shape(groups=3, q_per_kv=3, head_dim=64, layers=30),  # SmolLM2-135M
-    "tiny": Shape(groups=1, q_per_kv=2, head_dim=8, layers=2),  # a quick check of the script itself
+    "smollm2": Shape(groups=3, q_per_kv=3, head_dim=64, layers=30, kv_length=1024),  # SmolLM2-135M
+    "tiny": Shape(groups=1, q_per_kv=2, head_dim=8, layers=2, kv_length=64),  # a quick check of the script itself
 }
-FORMS = ("cache on the right", "cache on the left", "no transposed operand", "multiply and sum", "read only")
+FORMS = ("cache on the right", "window of the whole cache", "cache on the left", "no transposed operand",
+         "multiply and sum", "read only")
 
 
 def build(shape: Shape, span: int, form: str, out: Path) -> None:
@@ -79,6 +87,8 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
         """One layer: q ``[1, G, q_per_kv, hd]``, k and v the layer's two cache inputs."""
         if form == "cache on the right":  # k [1, G, T, hd], v [1, G, hd, T]
             return bmm_4d(torch.softmax(bmm_4d(q, k), dim=-1), v)
+        if form == "window of the whole cache":  # the same, over the first T of kv_length positions
+            return bmm_4d(torch.softmax(bmm_4d(q, k[:, :, :span]), dim=-1), v[..., :span])
         if form == "cache on the left":
             probs = torch.softmax(bmm_4d(k, q).transpose(-1, -2), dim=-1)
             return bmm_4d(v, probs).transpose(-1, -2)
@@ -98,6 +108,8 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
     hd, g = shape.head_dim, shape.groups
     k_shape, v_shape = ((1, g, hd, span), (1, g, span, hd)) if form == "no transposed operand" else \
         ((1, g, span, hd), (1, g, hd, span))
+    if form == "window of the whole cache":
+        k_shape, v_shape = (1, g, shape.kv_length, hd), (1, g, hd, shape.kv_length)
     caches = {}
     for layer in range(shape.layers):
         caches[f"k_{layer}"], caches[f"v_{layer}"] = torch.zeros(k_shape), torch.zeros(v_shape)
@@ -137,6 +149,8 @@ def main() -> None:
     if args.rounds < 1 or args.threads < 1:
         parser.error("--rounds and --threads take positive integers")
     shape = SHAPES[args.shape]
+    if max(spans) > shape.kv_length:
+        parser.error(f"--spans {args.spans}: a span is at most {args.shape}'s {shape.kv_length} cached positions")
     measured = measure(shape, spans, args.rounds, args.threads)
     table = render(args.shape, shape, measured, args.threads)
     payload = {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds, "threads": args.threads,

@@ -1,6 +1,7 @@
 """What one batched decode step costs against one session's step, at several positions.
 
-    python3 benchmarks/batch_cost.py MODEL.tflite [--rows 8] [--ranks 8] [--positions 8,300,600] [--rounds 4]
+    python3 benchmarks/batch_cost.py MODEL.tflite [--rows 8] [--ranks 8] [--positions 8,300,600] [--rounds 4] \
+        [--threads 1]
 
 ``rows`` sessions, each with its own random adapter (of the ``--ranks`` in turn: ``8,16``
 mixes ranks, whose rows share a batch of the larger slot), are prefilled to a position;
@@ -8,7 +9,8 @@ then, in alternating rounds, one session steps alone (``Session.run_decode``) an
 them step together (``Engine.decode_together``). Prints the median milliseconds of each,
 the aggregate speed-up (rows x single / batch) and the latency ratio (batch / single), per
 position: with attention windows, a position picks the window both paths run in. Needs a
-model exported with ``--batch-sizes`` (and LoRA slots for the ranks).
+model exported with ``--batch-sizes`` (and LoRA slots for the ranks). ``--threads``: the
+engine's XNNPACK threads (both paths alike).
 """
 
 from __future__ import annotations
@@ -33,10 +35,14 @@ def main() -> None:
     parser.add_argument("--ranks", default="8", help="adapter ranks, given to the sessions in turn")
     parser.add_argument("--positions", default="8,300,600", help="where the sessions start, comma-separated")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="the engine's XNNPACK threads")
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
-    with tempfile.TemporaryDirectory() as folder, Engine(args.model, EngineSettings(batch_wait_s=None)) as engine:
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: expected 1 or more")
+    settings = EngineSettings(batch_wait_s=None, num_threads=args.threads)
+    with tempfile.TemporaryDirectory() as folder, Engine(args.model, settings) as engine:
         paths = {}
         for rank in ranks:
             (Path(folder) / f"r{rank}").mkdir()
@@ -46,7 +52,8 @@ def main() -> None:
                     for row in range(args.rows)]
         slot = engine.spec.slot_for(LoraSlot(max(ranks)))
         print(f"{args.model.name}: {args.rows} sessions of ranks {ranks} (batch slot {slot}, windows "
-              f"{list(engine.spec.windows(slot, args.rows))}), 1 thread, median of {args.rounds} rounds of {STEPS} steps")
+              f"{list(engine.spec.windows(slot, args.rows))}), {args.threads} thread(s), median of {args.rounds} "
+              f"rounds of {STEPS} steps")
         print("| position | one session (ms) | batch of %d (ms) | aggregate | latency |" % args.rows)
         print("|---:|---:|---:|---:|---:|")
         for position in positions:

@@ -17,6 +17,10 @@ The forms:
 - ``stacked matmuls``: ``(x A) B`` as batched matmuls over ``A`` ``[B, in, r]`` and ``B``
   ``[B, r, out]`` (what our exports do; XNNPACK packs both weights on every run, ``A``'s r = 8
   columns padded to its kernel's 32 on this AVX-512 CPU);
+- ``rows side by side``: every row's ``A`` side by side in one ``[in, B r]`` input and
+  every ``B`` stacked in one ``[B r, out]``: one matmul of all rows against all ``A``
+  (nothing padded: B r columns), a constant block mask keeping each row's own r columns,
+  one matmul against all ``B`` (the masked zeros add nothing);
 - ``weights on the left``: ``A^T`` ``[B, r, in]`` and ``B^T`` ``[B, out, r]`` as the left
   operands, read as they lie (then ``x`` is packed instead, padded alike);
 - ``multiply and sum``: elementwise products summed along the contracted axis (no matmul);
@@ -26,7 +30,10 @@ What it showed (SmolLM2-135M's q/k/v/o, 30 layers, rank 8; AMD EPYC, 1 thread, 2
 9 rounds): at 8 rows the exports' form took 6.6 ms a step (4.5 GB/s through 29.5 MB of
 adapter weights), a fifth to a quarter of an int8 batched step of 8 rows (26-30 ms), where
 reading the weights took 1.6 ms (18 GB/s); multiplying and summing 5.8 ms (0.88x), the
-weights on the left 11.7 ms. One row: 1.0 ms, 0.7 ms and 2.1 ms; reading 0.4 ms.
+weights on the left 11.7 ms. One row: 1.0 ms, 0.7 ms and 2.1 ms; reading 0.4 ms. Rows side
+by side (2026-12-03, same box, 7 rounds): 7.3 ms against 7.5 ms for the exports' form in the
+same run: packing ``A`` without padding its 8 columns to 32 saves nothing, so the padding is
+not the cost (an earlier stop measured the same layout through FULLY_CONNECTED: slower).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ SHAPES = {
     "smollm2": Shape(hidden=576, kv=192, layers=30),  # SmolLM2-135M
     "tiny": Shape(hidden=16, kv=8, layers=2),  # a quick check of the script itself
 }
-FORMS = ("stacked matmuls", "weights on the left", "multiply and sum", "read only")
+FORMS = ("stacked matmuls", "rows side by side", "weights on the left", "multiply and sum", "read only")
 
 
 def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
@@ -72,11 +79,16 @@ def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
     from runtime.export.litert import litert_torch
 
     left = form == "weights on the left"
+    side = form == "rows side by side"
+    mask = torch.kron(torch.eye(rows), torch.ones((1, rank)))  # [B, B r]: each row's own columns
 
     def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``x A B`` for every row: x ``[B, 1, in]`` -> ``[B, 1, out]``."""
         if form == "stacked matmuls":
             return torch.matmul(torch.matmul(x, a), b)
+        if form == "rows side by side":  # a [in, B r], b [B r, out]
+            own = torch.matmul(x.reshape(rows, -1), a) * mask
+            return torch.matmul(own, b).reshape(rows, 1, -1)
         if left:  # a [B, r, in], b [B, out, r]
             return torch.matmul(b, torch.matmul(a, x.transpose(1, 2))).transpose(1, 2)
         if form == "multiply and sum":
@@ -97,6 +109,10 @@ def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
     sample = {"x": torch.zeros((rows, 1, shape.hidden))}
     for layer in range(shape.layers):
         for name, (fan_in, fan_out) in shape.projections().items():
+            if side:
+                sample[f"a_{name}_{layer}"] = torch.zeros((fan_in, rows * rank))
+                sample[f"b_{name}_{layer}"] = torch.zeros((rows * rank, fan_out))
+                continue
             sample[f"a_{name}_{layer}"] = torch.zeros((rows, rank, fan_in) if left else (rows, fan_in, rank))
             sample[f"b_{name}_{layer}"] = torch.zeros((rows, fan_out, rank) if left else (rows, rank, fan_out))
     litert_torch.signature("lora", Lora().eval(), sample_kwargs=sample).convert().export(str(out))
