@@ -80,7 +80,7 @@ def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
 
     left = form == "weights on the left"
     side = form == "rows side by side"
-    mask = torch.kron(torch.eye(rows), torch.ones((1, rank)))  # [B, B r]: each row's own columns
+    mask = torch.kron(torch.eye(rows), torch.ones((1, rank))) if side else None  # [B, B r]: each row's own columns
 
     def delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``x A B`` for every row: x ``[B, 1, in]`` -> ``[B, 1, out]``."""
