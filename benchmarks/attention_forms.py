@@ -37,10 +37,12 @@ step's attention is bounded by XNNPACK's batch matmul over a cache operand (abou
 of the machine's read bandwidth), not by the graph's form. Whether a window's slice of the
 whole cache costs (``--spans 128,512,768 --rounds 9``, 2026-12-03, same box): a window of
 128 of the 1024 cache took 0.93 ms against 0.73 ms over a cache of 128 (0.1-0.2 ms a row in
-two runs, up to 1.6 ms of a batch of 8); windows of 512 and 768 were within the noise of
-caches of their length (3.1 and 5.7 ms against 4.1 and 6.3 ms in the quiet run, 5.8 and 4.4
-against 4.8 and 6.4 in one beside another process): caches the length of the window
-(KV-length buckets) would save a few percent of a batched step at most.
+three runs, up to 1.6 ms of a batch of 8); windows of 512 and 768 were within the noise of
+caches of their length (3.1 and 5.7 ms against 4.1 and 6.3 ms in a quiet run, 5.8 and 4.4
+against 4.8 and 6.4 in one beside another process, 4.0 and 4.8 against 4.2 and 3.8 in a third,
+quiet, with 1024 added: the same graph over 768 positions took 3.8 ms in one run and 6.3 in
+another): caches the length of the window (KV-length buckets) would save a few percent of a
+batched step at most.
 """
 
 from __future__ import annotations
