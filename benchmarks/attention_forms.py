@@ -155,9 +155,8 @@ def main() -> None:
         parser.error(f"--spans {args.spans}: a span is at most {args.shape}'s {shape.kv_length} cached positions")
     measured = measure(shape, spans, args.rounds, args.threads)
     table = render(args.shape, shape, measured, args.threads)
-    payload = {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds, "threads": args.threads,
-               "ms_per_step": {form: {str(s): ms for s, ms in by_span.items()} for form, by_span in measured.items()}}
-    write_results(args.out, "attention_forms", table, payload, measured, "cached positions attended",
+    settings = {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds, "threads": args.threads}
+    write_results(args.out, "attention_forms", table, settings, measured, "ms_per_step", "cached positions attended",
                   f"ms per step, {args.threads} thread{'s' * (args.threads > 1)}")
 
 

@@ -201,10 +201,11 @@ def throughput_table(title: str, measured: dict[str, dict[int, float]], column: 
     return "\n".join(lines) + "\n"
 
 
-def write_results(out: Path, name: str, table: str, payload: dict, curves: dict[str, dict[int, float]],
-                  xlabel: str, ylabel: str) -> None:
-    """Prints ``table`` and writes it to ``{out}/{name}.md``, ``payload`` to ``{name}.json``
-    and a line per curve (its label: ``{x: y}``) to ``{name}.png``."""
+def write_results(out: Path, name: str, table: str, settings: dict, curves: dict[str, dict[int, float]],
+                  key: str, xlabel: str, ylabel: str) -> None:
+    """Prints ``table`` and writes it to ``{out}/{name}.md``; ``settings`` with the curves
+    under ``key`` to ``{name}.json``; and a line per curve (its label: ``{x: y}``) to
+    ``{name}.png``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -212,6 +213,7 @@ def write_results(out: Path, name: str, table: str, payload: dict, curves: dict[
     print(table)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(table)
+    payload = {**settings, key: {label: {str(x): y for x, y in points.items()} for label, points in curves.items()}}
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     figure, axes = plt.subplots(figsize=(6, 3.5))
     for label, points in curves.items():
@@ -239,10 +241,9 @@ def main() -> None:
         parser.error(f"--quantize takes {', '.join(PRECISIONS)}; --rounds takes a positive integer")
     measured = measure(SHAPES[args.shape], rows, quantizations, args.rounds)
     table = render(args.shape, measured)
-    payload = {"shape": {"name": args.shape, **asdict(SHAPES[args.shape])}, "rounds": args.rounds,
-               "ms_per_pass": {p: {str(c): ms for c, ms in by_rows.items()} for p, by_rows in measured.items()}}
-    write_results(args.out, "batch_rows", table, payload, measured, "rows in one pass (sessions in a batch)",
-                  "ms per pass, 1 thread")
+    settings = {"shape": {"name": args.shape, **asdict(SHAPES[args.shape])}, "rounds": args.rounds}
+    write_results(args.out, "batch_rows", table, settings, measured, "ms_per_pass",
+                  "rows in one pass (sessions in a batch)", "ms per pass, 1 thread")
 
 
 if __name__ == "__main__":

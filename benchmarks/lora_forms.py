@@ -150,9 +150,9 @@ def main() -> None:
     shape = SHAPES[args.shape]
     measured = measure(shape, rows, args.rank, args.rounds)
     table = render(args.shape, args.rank, shape, measured)
-    payload = {"shape": {"name": args.shape, **asdict(shape)}, "rank": args.rank, "rounds": args.rounds,
-               "ms_per_step": {form: {str(r): ms for r, ms in by_rows.items()} for form, by_rows in measured.items()}}
-    write_results(args.out, "lora_forms", table, payload, measured, "rows in one batch", "ms per step, 1 thread")
+    settings = {"shape": {"name": args.shape, **asdict(shape)}, "rank": args.rank, "rounds": args.rounds}
+    write_results(args.out, "lora_forms", table, settings, measured, "ms_per_step", "rows in one batch",
+                  "ms per step, 1 thread")
 
 
 if __name__ == "__main__":
