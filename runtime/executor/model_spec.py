@@ -16,6 +16,7 @@ is refused at open time with a message naming the signature and the tensor.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ class SignatureSpec:
         """The signature's LoRA inputs as one row takes them, by name (a batched
         signature takes each stacked: ``[rows, ...]`` of this shape); worked out once, as
         every LoRA buffer an adapter allocates looks its name up here."""
-        return {n: TensorSpec(n, s.shape[1:] if self.rows > 1 else s.shape, s.dtype)
+        return {n: _shared_spec(n, s.shape[1:], s.dtype) if self.rows > 1 else s
                 for n, s in self.inputs.items() if is_lora_input_name(n)}
 
 
@@ -267,7 +268,12 @@ class ModelSpec:
 
 
 def _spec(name: str, detail: Mapping[str, Any]) -> TensorSpec:
-    return TensorSpec(name, tuple(int(d) for d in detail["shape"]), np.dtype(detail["dtype"]))
+    return _shared_spec(name, tuple(map(int, detail["shape"])), np.dtype(detail["dtype"]))
+
+
+@functools.lru_cache(maxsize=1 << 15)  # signatures share most tensors: one object each, compared by identity first
+def _shared_spec(name: str, shape: tuple[int, ...], dtype: np.dtype) -> TensorSpec:
+    return TensorSpec(name, shape, dtype)
 
 
 def _signature(

@@ -244,30 +244,37 @@ class NativeModel:
         count = _SIZE()
         lib.check(lib.lib.LiteRtGetNumModelSignatures(self._model, ctypes.byref(count)), "counting signatures")
         signatures = {}
+        known: dict[bytes, TensorInfo] = {}  # signatures share most tensors' names and types: one object each
         for index in range(count.value):
             signature, key = _P(), ctypes.c_char_p()
             lib.check(lib.lib.LiteRtGetModelSignature(self._model, index, ctypes.byref(signature)),
                       "reading a signature")
             lib.check(lib.lib.LiteRtGetSignatureKey(signature, ctypes.byref(key)), "reading a signature's key")
             signatures[key.value.decode()] = SignatureInfo(
-                index, self._tensors(signature, "Input", name), self._tensors(signature, "Output", name))
+                index, self._tensors(signature, "Input", name, known), self._tensors(signature, "Output", name, known))
         return signatures
 
-    def _tensors(self, signature: int, kind: str, name: str) -> dict[str, TensorInfo]:
-        """The inputs (``kind`` ``"Input"``) or outputs (``"Output"``) of a signature, in order."""
+    def _tensors(self, signature: int, kind: str, name: str, known: dict[bytes, TensorInfo]) -> dict[str, TensorInfo]:
+        """The inputs (``kind`` ``"Input"``) or outputs (``"Output"``) of a signature, in
+        order; a tensor whose name and type are in ``known`` is that object."""
         lib, check = self._lib.lib, self._lib.check
-        count = _SIZE()
-        check(getattr(lib, f"LiteRtGetNumSignature{kind}s")(signature, ctypes.byref(count)), "counting tensors")
+        count_of = getattr(lib, f"LiteRtGetNumSignature{kind}s")
+        name_of = getattr(lib, f"LiteRtGetSignature{kind}Name")
+        tensor_of = getattr(lib, f"LiteRtGetSignature{kind}TensorByIndex")
+        type_of = lib.LiteRtGetRankedTensorType
+        count, tensor_name, tensor = _SIZE(), ctypes.c_char_p(), _P()
+        raw = ctypes.create_string_buffer(_TENSOR_TYPE_BYTES)
+        check(count_of(signature, ctypes.byref(count)), "counting tensors")
         tensors = {}
         for index in range(count.value):
-            tensor_name, tensor = ctypes.c_char_p(), _P()
-            check(getattr(lib, f"LiteRtGetSignature{kind}Name")(signature, index, ctypes.byref(tensor_name)),
-                  "reading a tensor's name")
-            check(getattr(lib, f"LiteRtGetSignature{kind}TensorByIndex")(signature, index, ctypes.byref(tensor)),
-                  "reading a tensor")
-            raw = ctypes.create_string_buffer(_TENSOR_TYPE_BYTES)
-            check(lib.LiteRtGetRankedTensorType(tensor, raw), "reading a tensor's type")
-            tensors[tensor_name.value.decode()] = _tensor_info(tensor_name.value.decode(), raw.raw, name)
+            check(name_of(signature, index, ctypes.byref(tensor_name)), "reading a tensor's name")
+            check(tensor_of(signature, index, ctypes.byref(tensor)), "reading a tensor")
+            check(type_of(tensor, raw), "reading a tensor's type")
+            identity = tensor_name.value + b"\0" + raw.raw
+            info = known.get(identity)
+            if info is None:
+                info = known[identity] = _tensor_info(tensor_name.value.decode(), raw.raw, name)
+            tensors[info.name] = info
         return tensors
 
     def signature_details(self) -> dict[str, tuple[dict[str, dict], dict[str, dict]]]:

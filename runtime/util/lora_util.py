@@ -106,6 +106,7 @@ def _key(*parts: int | str) -> tuple[int | str, ...]:
     return parts
 
 
+@functools.lru_cache(maxsize=1 << 15)  # a model's signatures ask about the same names tens of thousands of times
 def is_lora_input_name(name: str) -> bool:
     """True when ``name`` is, as a whole, a LoRA input name in any known convention."""
     return any(p.fullmatch(name) for p in _PATTERNS.values())
