@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
@@ -45,16 +44,24 @@ LORA_RANK_METADATA = "lora_rank"
 MAX_TENSOR_DIMS = 8
 MAX_DIMENSION = 1 << 31
 
-TFLITE_DTYPES: dict[int, np.dtype] = {
-    schema.TensorType.FLOAT32: np.dtype(np.float32),
-    schema.TensorType.FLOAT16: np.dtype(np.float16),
-    schema.TensorType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-}
+_FLOAT_DTYPES = {schema.TensorType.FLOAT32: np.dtype(np.float32), schema.TensorType.FLOAT16: np.dtype(np.float16)}
 _UOFFSET = 4
 # Errors the generated flatbuffer accessors raise when offsets point outside the input.
 _ACCESS_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+def tflite_dtype(type_code: int) -> np.dtype | None:
+    """The numpy dtype of an adapter tensor of TFLite type ``type_code`` (FLOAT32,
+    FLOAT16 or BFLOAT16; ``None`` for any other). bfloat16 is ml_dtypes', imported here
+    when a tensor needs it: with numpy 2.4 the import takes ~0.9 s, which every start of
+    the runtime paid while it was imported with this module."""
+    if type_code == schema.TensorType.BFLOAT16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return _FLOAT_DTYPES.get(type_code)
 
 
 @dataclass(frozen=True, slots=True)  # slots: hundreds per registered adapter
@@ -298,12 +305,12 @@ class _FlatbufferReader:
                     f"{self.source}: {where}: dimension {dim} in shape {list(shape)} is "
                     f"outside [0, {MAX_DIMENSION})"
                 )
-        if type_code not in TFLITE_DTYPES:
+        dtype = tflite_dtype(type_code)
+        if dtype is None:
             raise InvalidArgumentError(
                 f"{self.source}: {where}: unsupported dtype {_type_name(type_code)}, "
                 "expected FLOAT32, FLOAT16 or BFLOAT16"
             )
-        dtype = TFLITE_DTYPES[type_code]
         if not 0 <= buffer_index < n_buffers:
             raise InvalidArgumentError(
                 f"{self.source}: {where}: buffer index {buffer_index} is outside the "

@@ -20,11 +20,12 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, TFLITE_DTYPES
+from runtime.util.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, tflite_dtype
 from runtime.util.lora_util import Convention, from_graph_layout, lora_input_name
 
 DATA_ALIGNMENT = 64
-_TYPE_CODES = {dtype: code for code, dtype in TFLITE_DTYPES.items()}
+_TYPE_CODES = {"float32": schema.TensorType.FLOAT32, "float16": schema.TensorType.FLOAT16,
+               "bfloat16": schema.TensorType.BFLOAT16}  # by dtype name; the dtype itself is checked too
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def serialize_lora_tensors(
         raise InvalidArgumentError(f"lora_rank={lora_rank!r}, expected a positive integer (uint32)")
     arrays = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
     for name, array in arrays.items():
-        if array.dtype not in _TYPE_CODES:
+        if _type_code(array.dtype) is None:
             raise InvalidArgumentError(
                 f"tensor {name!r}: dtype {array.dtype} cannot be written, expected "
                 "float32, float16 or bfloat16"
@@ -153,7 +154,7 @@ def _build(
         shape = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int32))
         schema.TensorStart(builder)
         schema.TensorAddShape(builder, shape)
-        schema.TensorAddType(builder, _TYPE_CODES[array.dtype])
+        schema.TensorAddType(builder, _type_code(array.dtype))
         schema.TensorAddBuffer(builder, index)
         schema.TensorAddName(builder, name_offset)
         tensors.append(schema.TensorEnd(builder))
@@ -200,3 +201,10 @@ def _offset_vector(builder: flatbuffers.Builder, start_vector, offsets: list[int
 
 def _align(value: int) -> int:
     return -(-value // DATA_ALIGNMENT) * DATA_ALIGNMENT
+
+
+def _type_code(dtype: np.dtype) -> int | None:
+    """The TFLite type a tensor of ``dtype`` is written as (``None``: not an adapter's
+    float32, float16 or bfloat16 in native byte order)."""
+    code = _TYPE_CODES.get(dtype.name)
+    return code if code is not None and dtype == tflite_dtype(code) else None
