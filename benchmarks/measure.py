@@ -64,13 +64,14 @@ def register_seconds(engine: Engine, source: LoraSource, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def load_cost(model: str | os.PathLike[str], num_threads: int = 1) -> dict[str, float]:
+def load_cost(model: str | os.PathLike[str], num_threads: int = 1,
+              weight_cache_dir: str | os.PathLike[str] | None = None) -> dict[str, float]:
     """What opening ``model`` costs, meant for a fresh process: seconds to construct the
-    Engine and to run the first decode step (the library prepares its kernels' weights
-    then); RSS before (bytes), and RSS and peak RSS after it."""
+    Engine (with packed weights kept in ``weight_cache_dir``, if given) and to run the
+    first decode step; RSS before (bytes), and RSS and peak RSS after it."""
     before = rss_bytes()
     start = time.perf_counter()
-    engine = Engine(model, EngineSettings(num_threads=num_threads))
+    engine = Engine(model, EngineSettings(num_threads=num_threads, weight_cache_dir=weight_cache_dir))
     loaded = time.perf_counter()
     with engine, engine.create_session() as session:
         session.run_decode(1)

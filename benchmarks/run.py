@@ -322,27 +322,34 @@ def register_section(models: ModelSet, rounds: int, llama: Any | None, repeats: 
 
 def load_section(models: ModelSet, rounds: int, with_llama: bool) -> dict:
     """Opening each model file in a fresh process (1 thread): load time, first decode step,
-    peak RSS; ours and llama.cpp's in alternating rounds."""
+    peak RSS; ours and llama.cpp's in alternating rounds, then ours again with the packed
+    weights in a weight cache file (written by an open before the rounds)."""
     data = Rounds()
-    for r in range(rounds):
-        for precision, ours_p, theirs_p in PRECISION_PAIRS:
-            ours_run = (lambda p=ours_p: in_child(load_cost, models.ours[p], 1)) if ours_p in models.ours else dict
-            theirs_run = ((lambda p=theirs_p: llama_cpp.load_probe(models.theirs[p], models.n_ctx, 1))
-                          if with_llama and theirs_p in models.theirs else dict)
-            mine, other = both(ours_run, theirs_run, r)
-            if mine:
-                data.add(precision, "ours", "load_ms", mine["load_s"] * 1e3)
-                data.add(precision, "ours", "first_decode_ms", mine["first_decode_s"] * 1e3)
-                data.add(precision, "ours", "peak_rss_mib", mine["peak_rss_bytes"] / 2**20)
-                data.add(precision, "ours", "rss_before_mib", mine["rss_before_bytes"] / 2**20)
-            if other:
-                data.add(precision, "theirs", "load_ms", other["load_ms"] + other["context_ms"])
-                data.add(precision, "theirs", "first_decode_ms", other["first_decode_ms"])
-                data.add(precision, "theirs", "peak_rss_mib", other["peak_rss_kib"] / 1024)
-                data.add(precision, "theirs", "rss_before_mib", other["rss_before_kib"] / 1024)
+    with tempfile.TemporaryDirectory(prefix="weight-cache-") as cache:
+        for ours_p in {ours_p for _, ours_p, _ in PRECISION_PAIRS if ours_p in models.ours}:
+            in_child(load_cost, models.ours[ours_p], 1, cache)
+        for r in range(rounds):
+            for precision, ours_p, theirs_p in PRECISION_PAIRS:
+                ours_run = (lambda p=ours_p: in_child(load_cost, models.ours[p], 1)) if ours_p in models.ours else dict
+                theirs_run = ((lambda p=theirs_p: llama_cpp.load_probe(models.theirs[p], models.n_ctx, 1))
+                              if with_llama and theirs_p in models.theirs else dict)
+                mine, other = both(ours_run, theirs_run, r)
+                cached = in_child(load_cost, models.ours[ours_p], 1, cache) if mine else {}
+                for side, result in (("ours", mine), ("ours_cached", cached)):
+                    if result:
+                        data.add(precision, side, "load_ms", result["load_s"] * 1e3)
+                        data.add(precision, side, "first_decode_ms", result["first_decode_s"] * 1e3)
+                        data.add(precision, side, "peak_rss_mib", result["peak_rss_bytes"] / 2**20)
+                        data.add(precision, side, "rss_before_mib", result["rss_before_bytes"] / 2**20)
+                if other:
+                    data.add(precision, "theirs", "load_ms", other["load_ms"] + other["context_ms"])
+                    data.add(precision, "theirs", "first_decode_ms", other["first_decode_ms"])
+                    data.add(precision, "theirs", "peak_rss_mib", other["peak_rss_kib"] / 1024)
+                    data.add(precision, "theirs", "rss_before_mib", other["rss_before_kib"] / 1024)
     out = data.summary()
     for precision, ours_p, theirs_p in PRECISION_PAIRS:
-        sizes = {"ours": models.ours.get(ours_p), "theirs": models.theirs.get(theirs_p) if with_llama else None}
+        sizes = {"ours": models.ours.get(ours_p), "ours_cached": models.ours.get(ours_p),
+                 "theirs": models.theirs.get(theirs_p) if with_llama else None}
         for side, path in sizes.items():
             if path is not None and precision in out:
                 out[precision].setdefault(side, {})["file_mib"] = path.stat().st_size / 2**20

@@ -24,6 +24,14 @@ def test_generate_prints_tokens_and_timings():
     assert done.stderr == ""  # the native library's INFO lines stay off the terminal
 
 
+def test_generate_keeps_packed_weights_in_a_weight_cache_dir(tmp_path):
+    runs = [cli("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "5,17,42", "--max-new-tokens", "4",
+                "--weight-cache-dir", tmp_path / "packed") for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr
+    assert runs[0].stdout.splitlines()[0] == runs[1].stdout.splitlines()[0]  # the same tokens from the file
+    assert [f.suffix for f in (tmp_path / "packed").iterdir()] == [".xnnpack"]
+
+
 def test_generate_text_with_byte_tokens_and_adapter_from_stdin():
     done = subprocess.run(
         [sys.executable, "-m", "runtime", "generate", "--model", str(MODEL_FILES["default"]), "--lora-buffer",

@@ -13,7 +13,7 @@ from litert_lm_builder import litertlm_builder as builder
 from litert_lm_builder.runtime.proto import llm_metadata_pb2
 
 from conftest import MODEL_FILES, adapter_path
-from runtime import Engine, SessionConfig
+from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, StatusError
 from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
 
@@ -85,14 +85,19 @@ def test_reads_sections_zero_copy(bundle_path, hf_json):
             bundle.model_section("tf_lite_embedder")
 
 
-def test_bundle_runs_like_the_bare_model(bundle_path):
+def test_bundle_runs_like_the_bare_model(bundle_path, tmp_path):
     prompt = [5, 17, 42, 200, 3, 99]
     config = SessionConfig(lora_path=adapter_path("torch_r4"))
     results = []
-    for model in (bundle_path, MODEL_FILES["default"]):
-        with Engine(model) as engine, engine.create_session(config) as session:
+    cache = tmp_path / "weight-cache"
+    for model, settings in ((bundle_path, EngineSettings()), (MODEL_FILES["default"], EngineSettings()),
+                            (bundle_path, EngineSettings(weight_cache_dir=cache)),
+                            (bundle_path, EngineSettings(weight_cache_dir=cache))):
+        with Engine(model, settings) as engine, engine.create_session(config) as session:
             results.append(np.stack([session.run_prefill(prompt), session.run_decode(7)]))
-    np.testing.assert_array_equal(results[0], results[1])
+    for result in results[1:]:
+        np.testing.assert_array_equal(results[0], result)
+    assert [f.name.split(".")[0] for f in cache.iterdir()] == [bundle_path.stem]  # named after the bundle
 
 
 def test_bundle_tokenizer_gives_text_in_text_out(bundle_path):

@@ -66,6 +66,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--download-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="time limit of one whole download (default: 60)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
+    parser.add_argument("--weight-cache-dir", type=Path, metavar="DIR",
+                        help="keep the model's packed weights in DIR between runs: the first run writes about the "
+                        "model's size there, later runs open the model faster (default: packed at every start)")
     parser.add_argument("--executors", type=int, default=1,
                         help="copies of the model running sessions in parallel (each costs the model's memory)")
     parser.add_argument("--prefix-cache-mb", type=float, default=64.0,
@@ -113,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.prefix_cache_mb < 1 << 40:  # NaN and infinity too
         raise InvalidArgumentError(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
     engine_settings = EngineSettings(num_threads=args.threads, executors=args.executors,
-                                     prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+                                     prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+                                     weight_cache_dir=args.weight_cache_dir)
     with Engine(args.model, engine_settings,
                 tokenizer=tokenizer, chat_template=chat_template) as engine:
         catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,

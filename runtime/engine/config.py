@@ -62,6 +62,10 @@ class EngineSettings:
     ``prefix_cache_bytes``: memory for the KV rows of recent prompts, per adapter blend; a
     session's prompt that begins like a cached one (a chat template's system prompt, the
     earlier turns of a conversation) takes those rows instead of prefilling them (0: off).
+    ``weight_cache_dir``: a directory where XNNPACK's packed weights of the model are kept
+    between runs, in a file named after the model file's identity (the first open writes
+    about the model's size; later opens map it instead of packing again). ``None``: packed
+    in memory at every open.
     """
 
     num_threads: int = 1
@@ -71,6 +75,7 @@ class EngineSettings:
     batch_wait_s: float | None = 0.002
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     prefix_cache_bytes: int = 0
+    weight_cache_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         if self.batch_wait_s is not None and (
@@ -82,6 +87,8 @@ class EngineSettings:
             raise InvalidArgumentError(f"num_threads={self.num_threads!r}, expected an integer >= 0")
         if type(self.prefix_cache_bytes) is not int or self.prefix_cache_bytes < 0:
             raise InvalidArgumentError(f"prefix_cache_bytes={self.prefix_cache_bytes!r}, expected an integer >= 0")
+        if self.weight_cache_dir is not None and not isinstance(self.weight_cache_dir, (str, os.PathLike)):
+            raise InvalidArgumentError(f"weight_cache_dir={self.weight_cache_dir!r:.60}, expected a directory path or None")
         check_policy(self.lora_residency)
 
 

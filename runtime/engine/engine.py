@@ -20,6 +20,7 @@ from runtime.engine.stats import EngineStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
+from runtime.executor.weight_cache import WeightCacheFile
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
@@ -53,16 +54,22 @@ class Engine:
         bundled_tokenizer = None
         llm_metadata = None
         model: str | os.PathLike[str] | bytes = self.model_path
+        model_part = ""  # which model of the file, for the weight cache's name
         if is_litertlm(self.model_path):
             with LitertLmBundle(self.model_path) as bundle:
-                with bundle.section_bytes(bundle.model_section()) as view:
+                section = bundle.model_section()
+                with bundle.section_bytes(section) as view:
                     model = bytes(view)
+                model_part = f"litertlm section at {section.begin}"
                 bundled_tokenizer = bundle.tokenizer()
                 llm_metadata = bundle.llm_metadata()
+        weight_cache = (WeightCacheFile.for_model(self.settings.weight_cache_dir, self.model_path, model_part)
+                        if self.settings.weight_cache_dir is not None else None)
         executors: list[LlmExecutor] = []
         try:
             for _ in range(self.settings.executors):
-                executors.append(LlmExecutor(model, executor_settings, name=str(self.model_path)))
+                executors.append(LlmExecutor(model, executor_settings, name=str(self.model_path),
+                                             weight_cache=weight_cache))
             self.tokenizer = _tokenizer(tokenizer, bundled_tokenizer, llm_metadata)
             self.chat_template = _chat_template(chat_template, llm_metadata)
         except BaseException:

@@ -32,6 +32,7 @@ from runtime.errors import (
 )
 from runtime.executor.batch_plan import DecodePlan
 from runtime.executor.native import HostBuffer, NativeModel, PreparedRun
+from runtime.executor.weight_cache import WeightCacheFile
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
 from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
@@ -178,8 +179,11 @@ class LlmExecutor:
         settings: ExecutorSettings | None = None,
         *,
         name: str | None = None,
+        weight_cache: WeightCacheFile | None = None,
     ) -> None:
-        """``model``: a ``.tflite`` path, or the model's bytes (then ``name`` labels it)."""
+        """``model``: a ``.tflite`` path, or the model's bytes (then ``name`` labels it).
+        ``weight_cache``: the file that keeps XNNPACK's packed weights of this model
+        between runs (``None``: they are packed in memory at every open)."""
         in_memory = isinstance(model, bytes)
         self.model_path = Path(name or "<in-memory model>") if in_memory else Path(model)
         self.settings = settings or ExecutorSettings()
@@ -187,19 +191,22 @@ class LlmExecutor:
             raise NotFoundError(f"{self.model_path}: no such model file")
         if not self.settings.native_logs:
             mute_native_logs_at_exit()
-        with self._native_logs():
-            # XNNPACK packs each signature's weights for its kernels when the model loads; with a
-            # weight cache it packs each weight once for all signatures (SmolLM2-135M f32 with 16
-            # signatures: 0.4 GiB instead of 7.5 GiB). ":memory:" keeps that cache in memory.
-            self._model = NativeModel(model, num_threads=self.settings.num_threads,
-                                      weight_cache=_IN_MEMORY_WEIGHT_CACHE, name=str(self.model_path))
-        try:
-            self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
-            # Token, position and logits buffers are shared by all sessions: runs are serialized.
-            self._io = {key: self._signature_io(key, signature) for key, signature in self.spec.signatures.items()}
-        except BaseException:
-            self._model.close()
-            raise
+        # XNNPACK packs each signature's weights for its kernels when the model loads; with a
+        # weight cache it packs each weight once for all signatures (SmolLM2-135M f32 with 16
+        # signatures: 0.4 GiB instead of 7.5 GiB). ":memory:" keeps that cache in memory.
+        model_bytes = len(model) if in_memory else self.model_path.stat().st_size
+        with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(_IN_MEMORY_WEIGHT_CACHE)) as cache:
+            with self._native_logs():
+                self._model = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache,
+                                          name=str(self.model_path))
+            try:
+                self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
+                # Token, position and logits buffers are shared by all sessions: runs are serialized.
+                self._io = {key: self._signature_io(key, signature)
+                            for key, signature in self.spec.signatures.items()}
+            except BaseException:
+                self._model.close()
+                raise
         self._lock = threading.Lock()
         self._closed = False
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
