@@ -53,13 +53,12 @@ class Engine:
         executor_settings = ExecutorSettings(num_threads=self.settings.num_threads)
         bundled_tokenizer = None
         llm_metadata = None
-        model: str | os.PathLike[str] | bytes = self.model_path
+        model: str | os.PathLike[str] | memoryview = self.model_path
         model_part = ""  # which model of the file, for the weight cache's name
         if is_litertlm(self.model_path):
             with LitertLmBundle(self.model_path) as bundle:
                 section = bundle.model_section()
-                with bundle.section_bytes(section) as view:
-                    model = bytes(view)
+                model = bundle.section_bytes(section)  # the mapping outlives the bundle while the view lives
                 model_part = f"litertlm section at {section.begin}"
                 bundled_tokenizer = bundle.tokenizer()
                 llm_metadata = bundle.llm_metadata()

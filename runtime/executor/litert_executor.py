@@ -175,16 +175,17 @@ class LlmExecutor:
 
     def __init__(
         self,
-        model: str | os.PathLike[str] | bytes,
+        model: str | os.PathLike[str] | bytes | memoryview,
         settings: ExecutorSettings | None = None,
         *,
         name: str | None = None,
         weight_cache: WeightCacheFile | None = None,
     ) -> None:
-        """``model``: a ``.tflite`` path, or the model's bytes (then ``name`` labels it).
+        """``model``: a ``.tflite`` path, or the model's bytes or a view of them, e.g. a
+        section of a mapped bundle (then ``name`` labels it).
         ``weight_cache``: the file that keeps XNNPACK's packed weights of this model
         between runs (``None``: they are packed in memory at every open)."""
-        in_memory = isinstance(model, bytes)
+        in_memory = isinstance(model, (bytes, memoryview))
         self.model_path = Path(name or "<in-memory model>") if in_memory else Path(model)
         self.settings = settings or ExecutorSettings()
         if not in_memory and not self.model_path.is_file():

@@ -200,21 +200,20 @@ class NativeModel:
     """A compiled model on the CPU (XNNPACK), its signatures, buffers for them, and runs
     that release the GIL. ``run`` may be called from any thread, one run at a time."""
 
-    def __init__(self, model: str | os.PathLike[str] | bytes, *, num_threads: int, weight_cache: str,
+    def __init__(self, model: str | os.PathLike[str] | bytes | memoryview, *, num_threads: int, weight_cache: str,
                  name: str) -> None:
-        """``model``: a ``.tflite`` path or the model's bytes (kept while the model is
-        open). ``num_threads``: XNNPACK's threads (0: the library's default).
+        """``model``: a ``.tflite`` path, or the model's bytes or a read-only view of them
+        (kept while the model is open: the library reads it in place). ``num_threads``: XNNPACK's threads (0: the library's default).
         ``weight_cache``: XNNPACK's packed-weight cache (a file, or ``":memory:"``).
         ``InvalidArgumentError`` naming ``name`` when the library cannot load it."""
         lib = _lib()
         self._lib = lib
-        self._bytes = model if isinstance(model, bytes) else None
+        self._buffer = np.frombuffer(model, np.uint8) if isinstance(model, (bytes, memoryview)) else None
         self._env, self._model, self._options, self._compiled = _P(), _P(), _P(), _P()
         try:
             lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
-            if self._bytes is not None:
-                address = ctypes.cast(ctypes.c_char_p(self._bytes), _P)
-                status = lib.lib.LiteRtCreateModelFromBuffer(self._env, address, len(self._bytes),
+            if self._buffer is not None:
+                status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
                                                              ctypes.byref(self._model))
             else:
                 status = lib.lib.LiteRtCreateModelFromFile(self._env, os.fsencode(model), ctypes.byref(self._model))
@@ -310,7 +309,7 @@ class NativeModel:
             if handle.value:
                 destroy(handle)
                 handle.value = None
-        self._bytes = None
+        self._buffer = None
 
 
 def _status_text(status: int) -> str:

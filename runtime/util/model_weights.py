@@ -42,10 +42,10 @@ class ModelWeights:
     """Reads ``W`` ``[out, in]`` float32 of any mapped projection of one model. Thread-safe."""
 
     @classmethod
-    def open(cls, model: str | os.PathLike[str] | bytes, source: str) -> ModelWeights:
+    def open(cls, model: str | os.PathLike[str] | bytes | memoryview, source: str) -> ModelWeights:
         """The weights of a model file (memory-mapped: only what is read is paged in) or
-        of a model's bytes."""
-        if isinstance(model, bytes):
+        of a model's bytes (or a view of them)."""
+        if isinstance(model, (bytes, memoryview)):
             return cls(model, source)
         try:
             with open(model, "rb") as file:

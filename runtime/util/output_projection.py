@@ -25,10 +25,11 @@ _PASS_THROUGH = {schema.BuiltinOperator.RESHAPE, schema.BuiltinOperator.SQUEEZE}
 _PROJECTIONS = {schema.BuiltinOperator.FULLY_CONNECTED, schema.BuiltinOperator.BATCH_MATMUL}
 
 
-def read_output_projection(model: str | os.PathLike[str] | bytes, signature_key: str, source: str) -> np.ndarray:
+def read_output_projection(model: str | os.PathLike[str] | bytes | memoryview, signature_key: str,
+                           source: str) -> np.ndarray:
     """The float32 ``[vocab, hidden]`` weight that turns ``signature_key``'s final hidden
     states into its ``logits``."""
-    if isinstance(model, bytes):
+    if isinstance(model, (bytes, memoryview)):
         buffer: Any = model
     else:
         try:
