@@ -112,17 +112,24 @@ def model_geometry(slot: SlotInputs) -> dict[tuple[int, str], _Geometry]:
         parsed = parse_lora_input_name(name)
         if parsed.side == DORA_SIDE:
             continue
-        graph_shape = to_graph_layout(parsed.convention, parsed.side, np.empty(spec.shape, np.int8)).shape
-        entry = dims.setdefault((parsed.layer, parsed.projection), {})
-        if parsed.side == "a":
-            entry["in"] = graph_shape[0]
-        else:
-            entry["out"] = graph_shape[1]
+        size = spec.shape[1 - rank_axis(parsed.convention, parsed.side)]  # the side that is not the rank
+        dims.setdefault(parsed.pair, {})["in" if parsed.side == "a" else "out"] = size
     return {key: _Geometry(d["in"], d["out"]) for key, d in dims.items() if len(d) == 2}
 
 
-def plan_adapter(data: AdapterData, slots: Mapping[LoraSlot, SlotInputs]) -> AdapterPlan:
+def slots_geometry(slots: Mapping[LoraSlot, SlotInputs]) -> dict[tuple[int, str], _Geometry]:
+    """:func:`model_geometry` of every slot together: each projection any slot takes."""
+    geometry: dict[tuple[int, str], _Geometry] = {}
+    for inputs in slots.values():
+        geometry.update(model_geometry(inputs))
+    return geometry
+
+
+def plan_adapter(data: AdapterData, slots: Mapping[LoraSlot, SlotInputs],
+                 geometry: Mapping[tuple[int, str], _Geometry] | None = None) -> AdapterPlan:
     """Checks that ``data`` fits the model's LoRA inputs; reads metadata only.
+    ``geometry``: :func:`slots_geometry` of ``slots``, for a caller that plans many
+    adapters against the same slots (working it out reads every slot's inputs).
 
     Raises ``InvalidArgumentError`` naming the adapter, the first tensor that does not
     fit, what it has and what the model expects.
@@ -130,9 +137,8 @@ def plan_adapter(data: AdapterData, slots: Mapping[LoraSlot, SlotInputs]) -> Ada
     source = data.source_name
     if not slots:
         raise InvalidArgumentError(f"{source}: the model takes no LoRA inputs (exported without lora_ranks)")
-    geometry: dict[tuple[int, str], _Geometry] = {}
-    for inputs in slots.values():
-        geometry.update(model_geometry(inputs))
+    if geometry is None:
+        geometry = slots_geometry(slots)
     layers = sorted({layer for layer, _ in geometry})
     covered = [p for p in PROJECTIONS if any(projection == p for _, projection in geometry)]
     example = next(iter(next(iter(slots.values()))))

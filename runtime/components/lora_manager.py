@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from runtime.components.lora import (
-    AdapterPlan, LoRA, ProjectionPair, SlotInputs, WritableBuffer, blend_needs, plan_adapter,
+    AdapterPlan, LoRA, ProjectionPair, SlotInputs, WritableBuffer, blend_needs, plan_adapter, slots_geometry,
 )
 from runtime.components.residency import KeepAll, Lru, ResidencyPolicy, check_policy, choose_evictions
 from runtime.errors import (
@@ -83,6 +83,7 @@ class LoraManager:
         """``slots`` maps each LoRA slot to its inputs; ``allocate(slot, name)``
         returns an empty buffer for one of them."""
         self._slots = dict(slots)
+        self._geometry = slots_geometry(self._slots)  # every registration checks against it
         self._allocate = allocate
         self._allow_non_finite = allow_non_finite
         self._residency = KeepAll() if residency is None else check_policy(residency)
@@ -110,7 +111,7 @@ class LoraManager:
         ``AlreadyExistsError`` when the id is taken; ``InvalidArgumentError`` when the
         adapter does not fit (nothing is registered then).
         """
-        plan = plan_adapter(data, self._slots)
+        plan = plan_adapter(data, self._slots, self._geometry)
         layout = tuple(plan.pairs.items())
         with self._lock:
             if lora_id in self._plans:
