@@ -21,6 +21,7 @@ with an error naming it, never misread.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -55,7 +56,6 @@ _STATUS_NAMES = {1: "invalid argument", 2: "memory allocation failure", 3: "runt
 _FUNCTIONS: dict[str, tuple[type | None, list]] = {
     "LiteRtCreateEnvironment": (_STATUS, [ctypes.c_int, _P, _OUT_P]),
     "LiteRtDestroyEnvironment": (None, [_P]),
-    "LiteRtCreateModelFromFile": (_STATUS, [_P, ctypes.c_char_p, _OUT_P]),
     "LiteRtCreateModelFromBuffer": (_STATUS, [_P, _P, _SIZE, _OUT_P]),
     "LiteRtDestroyModel": (None, [_P]),
     "LiteRtCreateOptions": (_STATUS, [_OUT_P]),
@@ -83,7 +83,8 @@ _FUNCTIONS: dict[str, tuple[type | None, list]] = {
 
 class _Library:
     """``libLiteRt.so`` with the functions this module calls declared, and libc's
-    ``strdup`` / ``free`` for the options payload the library takes ownership of."""
+    ``strdup`` / ``free`` for the options payload the library takes ownership of, and
+    ``malloc_trim`` where it exists."""
 
     def __init__(self) -> None:
         import ai_edge_litert  # the wheel that ships the library
@@ -100,6 +101,13 @@ class _Library:
         self.strdup = libc.strdup
         self.strdup.restype, self.strdup.argtypes = _P, [ctypes.c_char_p]
         self.free = ctypes.cast(libc.free, _P)
+        self._malloc_trim = getattr(libc, "malloc_trim", None)  # glibc's; other C libraries may lack it
+
+    def return_freed_memory(self) -> None:
+        """Gives the C heap's free pages back to the system (the library frees a model's
+        many small objects, which the heap would otherwise keep)."""
+        if self._malloc_trim is not None:
+            self._malloc_trim(0)
 
     def check(self, status: int, what: str) -> None:
         """``InternalError`` naming ``what`` and the status, unless the call succeeded."""
@@ -202,21 +210,19 @@ class NativeModel:
 
     def __init__(self, model: str | os.PathLike[str] | bytes | memoryview, *, num_threads: int, weight_cache: str,
                  name: str) -> None:
-        """``model``: a ``.tflite`` path, or the model's bytes or a read-only view of them
-        (kept while the model is open: the library reads it in place). ``num_threads``: XNNPACK's threads (0: the library's default).
+        """``model``: a ``.tflite`` path (mapped read-only), or the model's bytes or a
+        read-only view of them; kept while the model is open, as the library reads it in
+        place. ``num_threads``: XNNPACK's threads (0: the library's default).
         ``weight_cache``: XNNPACK's packed-weight cache (a file, or ``":memory:"``).
         ``InvalidArgumentError`` naming ``name`` when the library cannot load it."""
         lib = _lib()
         self._lib = lib
-        self._buffer = np.frombuffer(model, np.uint8) if isinstance(model, (bytes, memoryview)) else None
+        self._buffer = _model_bytes(model, name)
         self._env, self._model, self._options, self._compiled = _P(), _P(), _P(), _P()
         try:
             lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
-            if self._buffer is not None:
-                status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
-                                                             ctypes.byref(self._model))
-            else:
-                status = lib.lib.LiteRtCreateModelFromFile(self._env, os.fsencode(model), ctypes.byref(self._model))
+            status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
+                                                         ctypes.byref(self._model))
             if status:
                 raise InvalidArgumentError(f"{name}: cannot load the model ({_status_text(status)})")
             lib.check(lib.lib.LiteRtCreateOptions(ctypes.byref(self._options)), "creating options")
@@ -233,6 +239,12 @@ class NativeModel:
             if status:
                 raise InvalidArgumentError(f"{name}: cannot compile the model for the CPU ({_status_text(status)})")
             self.signatures = self._read_signatures(name)
+            # Runs read the buffer through the compiled model's own interpreter, never the model
+            # built from it: its IR of every signature (~140 MiB for SmolLM2's 56) can go. (A model
+            # created from a file could not: the compiled model reads that model's mapping.)
+            lib.lib.LiteRtDestroyModel(self._model)
+            self._model.value = None
+            lib.return_freed_memory()
         except BaseException:
             self.close()
             raise
@@ -310,6 +322,18 @@ class NativeModel:
                 destroy(handle)
                 handle.value = None
         self._buffer = None
+
+
+def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str) -> np.ndarray:
+    """The model's bytes as the library reads them; a file is mapped read-only, so only
+    the pages read are loaded."""
+    if isinstance(model, (bytes, memoryview)):
+        return np.frombuffer(model, np.uint8)
+    try:
+        with open(model, "rb") as file:
+            return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        raise InvalidArgumentError(f"{name}: cannot load the model ({exc})") from None
 
 
 def _status_text(status: int) -> str:
