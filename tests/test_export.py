@@ -238,6 +238,15 @@ def test_weights_lowered_as_resources_come_out_as_inline_ones_stored_once(
                                   runtime_logits(tmp_path / "inline.tflite"))
 
 
+def test_each_signature_is_one_subgraph_with_its_norms_inline(exported: Exported) -> None:
+    # litert-torch lowers an RMSNorm as an odml.rms_norm composite by default: a subgraph of
+    # its own per norm, called by the interpreter, cutting XNNPACK's partition at each norm.
+    from ai_edge_litert import schema_py_generated as schema
+
+    model = schema.Model.GetRootAs(exported.model.read_bytes(), 0)
+    assert model.SubgraphsLength() == model.SignatureDefsLength() > 1
+
+
 def spoiling(after_step: str, files: str, directory: Path) -> Callable[[Iterable[str]], Iterator[str]]:
     """An export's ``progress`` that overwrites the scratch ``files`` (a glob in
     ``directory``) once ``after_step`` is done, before the next stage reads them."""
