@@ -12,6 +12,7 @@ from runtime.components.sampler import SamplerConfig
 from runtime.components.tokenizer import ByteTokenizer, Tokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
+from runtime.cli.options import add_weight_cache_dir
 from runtime.errors import InvalidArgumentError
 from runtime.framework.lora_source import LoraSource
 
@@ -59,9 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--weight-cache-dir", type=Path, metavar="DIR",
-                        help="keep the model's packed weights in DIR between runs: the first run writes about the "
-                        "model's size there, later runs open the model faster (default: packed at every start)")
+    add_weight_cache_dir(parser)
     parser.add_argument("--no-draft-heads", action="store_true",
                         help="load Turbo LoRA adapters without their draft heads (plain decoding; also what a model "
                         "exported without --verify-lengths needs)")
@@ -109,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         default_max_new_tokens = DEMO_MAX_NEW_TOKENS
     max_new_tokens = default_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     started = time.perf_counter()
-    with Engine(args.model, EngineSettings(num_threads=args.threads, weight_cache_dir=args.weight_cache_dir), tokenizer=tokenizer) as engine:
+    settings = EngineSettings(num_threads=args.threads, weight_cache_dir=args.weight_cache_dir)
+    with Engine(args.model, settings, tokenizer=tokenizer) as engine:
         loaded = time.perf_counter()
         if args.prompt is not None and engine.tokenizer is None:
             raise InvalidArgumentError("--prompt needs a tokenizer: give --tokenizer or --byte-tokens")

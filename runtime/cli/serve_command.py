@@ -8,6 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
+from runtime.cli.options import add_weight_cache_dir
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 API_KEY_VARIABLE = "RUNTIME_API_KEY"
@@ -66,9 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--download-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="time limit of one whole download (default: 60)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
-    parser.add_argument("--weight-cache-dir", type=Path, metavar="DIR",
-                        help="keep the model's packed weights in DIR between runs: the first run writes about the "
-                        "model's size there, later runs open the model faster (default: packed at every start)")
+    add_weight_cache_dir(parser)
     parser.add_argument("--executors", type=int, default=1,
                         help="copies of the model running sessions in parallel (each costs the model's memory)")
     parser.add_argument("--prefix-cache-mb", type=float, default=64.0,

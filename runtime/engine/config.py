@@ -88,7 +88,8 @@ class EngineSettings:
         if type(self.prefix_cache_bytes) is not int or self.prefix_cache_bytes < 0:
             raise InvalidArgumentError(f"prefix_cache_bytes={self.prefix_cache_bytes!r}, expected an integer >= 0")
         if self.weight_cache_dir is not None and not isinstance(self.weight_cache_dir, (str, os.PathLike)):
-            raise InvalidArgumentError(f"weight_cache_dir={self.weight_cache_dir!r:.60}, expected a directory path or None")
+            raise InvalidArgumentError(
+                f"weight_cache_dir={self.weight_cache_dir!r:.60}, expected a directory path or None")
         check_policy(self.lora_residency)
 
 
