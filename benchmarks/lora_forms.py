@@ -2,8 +2,8 @@
 """What the rows' own LoRA products cost in a batched decode step, in each form XNNPACK can
 run them, against a plain read of the same adapter weights.
 
-    python3 benchmarks/lora_forms.py [--shape smollm2] [--rows 1,8] [--rank 8] [--rounds 7] \
-        [--out benchmarks/results]
+    python3 benchmarks/lora_forms.py [--shape smollm2] [--rows 1,8] [--rank 8] [--forms F,F,...] \
+        [--rounds 7] [--out benchmarks/results]
 
 For each row count B, builds one graph per form (the export extra: litert-torch) of
 ``x_i A_i B_i`` on q, k, v and o of every layer for B rows, each row's ``A`` and ``B`` a
@@ -17,6 +17,9 @@ The forms:
 - ``stacked matmuls``: ``(x A) B`` as batched matmuls over ``A`` ``[B, in, r]`` and ``B``
   ``[B, r, out]`` (what our exports do; XNNPACK packs both weights on every run, ``A``'s r = 8
   columns padded to its kernel's 32 on this AVX-512 CPU);
+- ``fully connected``: each row's own two FULLY_CONNECTED ops over ``A`` ``[B, r, in]`` and
+  ``B`` ``[B, out, r]`` (PEFT's own layout; XNNPACK packs dynamic FULLY_CONNECTED weights
+  with its vectorized ``goi`` kernel);
 - ``rows side by side``: every row's ``A`` side by side in one ``[in, B r]`` input and
   every ``B`` stacked in one ``[B r, out]``: one matmul of all rows against all ``A``
   (nothing padded: B r columns), a constant block mask keeping each row's own r columns,
@@ -34,6 +37,10 @@ weights on the left 11.7 ms. One row: 1.0 ms, 0.7 ms and 2.1 ms; reading 0.4 ms.
 by side (2026-12-03, same box, 7 rounds): 7.3 ms against 7.5 ms for the exports' form in the
 same run: packing ``A`` without padding its 8 columns to 32 saves nothing, so the padding is
 not the cost (an earlier stop measured the same layout through FULLY_CONNECTED: slower).
+Fully connected, one row (2026-12-03, same box, 9 rounds, ``--rows 1 --forms "stacked
+matmuls,fully connected,read only"``): rank 8 0.53 ms against 0.70 ms for the exports' form,
+rank 64 7.07 ms against 3.58 ms: what rank 8 would gain, rank 64 loses twice over, so the
+exports keep ``A`` ``[in, r]`` and ``B`` ``[r, out]``.
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ SHAPES = {
     "smollm2": Shape(hidden=576, kv=192, layers=30),  # SmolLM2-135M
     "tiny": Shape(hidden=16, kv=8, layers=2),  # a quick check of the script itself
 }
-FORMS = ("stacked matmuls", "rows side by side", "weights on the left", "multiply and sum", "read only")
+FORMS = ("stacked matmuls", "fully connected", "rows side by side", "weights on the left", "multiply and sum",
+         "read only")
 
 
 def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
@@ -79,6 +87,7 @@ def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
     from runtime.export.litert import litert_torch
 
     left = form == "weights on the left"
+    transposed = left or form == "fully connected"
     side = form == "rows side by side"
     mask = torch.kron(torch.eye(rows), torch.ones((1, rank))) if side else None  # [B, B r]: each row's own columns
 
@@ -86,6 +95,9 @@ def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
         """``x A B`` for every row: x ``[B, 1, in]`` -> ``[B, 1, out]``."""
         if form == "stacked matmuls":
             return torch.matmul(torch.matmul(x, a), b)
+        if form == "fully connected":  # a [B, r, in], b [B, out, r]: each row's own two FULLY_CONNECTED
+            return torch.stack([nn.functional.linear(nn.functional.linear(x[row], a[row]), b[row])
+                                for row in range(rows)])
         if form == "rows side by side":  # a [in, B r], b [B r, out]
             own = torch.matmul(x.reshape(rows, -1), a) * mask
             return torch.matmul(own, b).reshape(rows, 1, -1)
@@ -113,14 +125,14 @@ def build(shape: Shape, rows: int, rank: int, form: str, out: Path) -> None:
                 sample[f"a_{name}_{layer}"] = torch.zeros((fan_in, rows * rank))
                 sample[f"b_{name}_{layer}"] = torch.zeros((rows * rank, fan_out))
                 continue
-            sample[f"a_{name}_{layer}"] = torch.zeros((rows, rank, fan_in) if left else (rows, fan_in, rank))
-            sample[f"b_{name}_{layer}"] = torch.zeros((rows, fan_out, rank) if left else (rows, rank, fan_out))
+            sample[f"a_{name}_{layer}"] = torch.zeros((rows, rank, fan_in) if transposed else (rows, fan_in, rank))
+            sample[f"b_{name}_{layer}"] = torch.zeros((rows, fan_out, rank) if transposed else (rows, rank, fan_out))
     litert_torch.signature("lora", Lora().eval(), sample_kwargs=sample).convert().export(str(out))
 
 
-def measure(shape: Shape, rows: list[int], rank: int, rounds: int) -> dict[str, dict[int, float]]:
+def measure(shape: Shape, forms: list[str], rows: list[int], rank: int, rounds: int) -> dict[str, dict[int, float]]:
     """Median ms per step by form and rows."""
-    return measure_forms(FORMS, rows, "rows", lambda form, count, path: build(shape, count, rank, form, path), rounds)
+    return measure_forms(forms, rows, "rows", lambda form, count, path: build(shape, count, rank, form, path), rounds)
 
 
 def weight_bytes(shape: Shape, rows: int, rank: int) -> int:
@@ -140,6 +152,7 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="1,8", help="rows (sessions) in a batch, comma-separated")
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--forms", default=",".join(FORMS), help=f"forms to time, comma-separated, of {FORMS}")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
                         help="folder for lora_forms.json, .md and .png")
@@ -147,10 +160,14 @@ def main() -> None:
     rows = positive_ints(parser, "--rows", args.rows)
     if args.rank < 1 or args.rounds < 1:
         parser.error("--rank and --rounds take positive integers")
+    forms = [form.strip() for form in args.forms.split(",")]
+    if unknown := sorted(set(forms) - set(FORMS)):
+        parser.error(f"--forms: unknown {unknown}, expected some of {FORMS}")
     shape = SHAPES[args.shape]
-    measured = measure(shape, rows, args.rank, args.rounds)
+    measured = measure(shape, forms, rows, args.rank, args.rounds)
     table = render(args.shape, args.rank, shape, measured)
-    settings = {"shape": {"name": args.shape, **asdict(shape)}, "rank": args.rank, "rounds": args.rounds}
+    settings = {"shape": {"name": args.shape, **asdict(shape)}, "rank": args.rank, "forms": forms,
+                "rounds": args.rounds}
     write_results(args.out, "lora_forms", table, settings, measured, "ms_per_step", "rows in one batch",
                   "ms per step, 1 thread")
 
