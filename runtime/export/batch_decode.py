@@ -237,8 +237,8 @@ class BatchDecode(nn.Module):
 
     def _lora_delta(self, x: torch.Tensor, lora: dict[str, torch.Tensor], layer: int, projection: str) -> torch.Tensor:
         """``x_i A_i B_i`` for every row i of ``x`` ``[B, T, in]``: ``[B, T, out]``, as batched
-        matmuls over the rows' stacked ``A`` ``[B, in, r]`` and ``B`` ``[B, r, out]``."""
+        matmuls over the rows' stacked ``A`` ``[B, in, r]`` and ``B`` ``[B, r, out]``, or one
+        row's unstacked ``[in, r]`` and ``[r, out]`` as they are (made ``[1, in, r]`` in the
+        graph, they were a RESHAPE that XNNPACK ran as a copy of the adapter every step)."""
         a, b = lora[lora_key(layer, projection, "a_prime")], lora[lora_key(layer, projection, "b_prime")]
-        if self.batch == 1:  # one row's inputs are unstacked: [in, r] and [r, out]
-            a, b = a.unsqueeze(0), b.unsqueeze(0)
         return torch.matmul(torch.matmul(x, a), b)
