@@ -18,8 +18,8 @@ The forms:
   ``[B, r, out]`` (what our exports do; XNNPACK packs both weights on every run, ``A``'s r = 8
   columns padded to its kernel's 32 on this AVX-512 CPU);
 - ``fully connected``: each row's own two FULLY_CONNECTED ops over ``A`` ``[B, r, in]`` and
-  ``B`` ``[B, out, r]`` (PEFT's own layout; XNNPACK packs dynamic FULLY_CONNECTED weights
-  with its vectorized ``goi`` kernel);
+  ``B`` ``[B, out, r]`` (PEFT's own layout, packed by XNNPACK as dynamic FULLY_CONNECTED
+  weights);
 - ``rows side by side``: every row's ``A`` side by side in one ``[in, B r]`` input and
   every ``B`` stacked in one ``[B r, out]``: one matmul of all rows against all ``A``
   (nothing padded: B r columns), a constant block mask keeping each row's own r columns,
