@@ -268,6 +268,7 @@ def test_every_signature_multiplies_its_lora_weights_where_they_lie(exported: Ex
     assert "decode_attend16_lora_r4" in readers and "decode_batch3_lora_r4" in readers
     assert {kind for kinds in readers.values() for kind in kinds} == {"BATCH_MATMUL"}, readers
 
+
 def spoiling(after_step: str, files: str, directory: Path) -> Callable[[Iterable[str]], Iterator[str]]:
     """An export's ``progress`` that overwrites the scratch ``files`` (a glob in
     ``directory``) once ``after_step`` is done, before the next stage reads them."""

@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+from runtime.cli.options import add_weight_cache_dir
 from runtime.components.sampler import SamplerConfig
 from runtime.components.tokenizer import ByteTokenizer, Tokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
-from runtime.cli.options import add_weight_cache_dir
 from runtime.errors import InvalidArgumentError
 from runtime.framework.lora_source import LoraSource
 
