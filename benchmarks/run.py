@@ -322,20 +322,27 @@ def register_section(models: ModelSet, rounds: int, llama: Any | None, repeats: 
 
 def load_section(models: ModelSet, rounds: int, with_llama: bool) -> dict:
     """Opening each model file in a fresh process (1 thread): load time, first decode step,
-    peak RSS; ours and llama.cpp's in alternating rounds, then ours again with the packed
-    weights in a weight cache file (written by an open before the rounds)."""
+    peak RSS; ours and llama.cpp's in alternating rounds. Ours three ways: with the packed
+    weights in a weight cache file (the default: written by an open before the rounds), the
+    first open (writing that file into an empty directory), and packed in memory
+    (``weight_cache_dir=None``)."""
     data = Rounds()
     with tempfile.TemporaryDirectory(prefix="weight-cache-") as cache:
         for ours_p in {ours_p for _, ours_p, _ in PRECISION_PAIRS if ours_p in models.ours}:
             in_child(load_cost, models.ours[ours_p], 1, cache)
         for r in range(rounds):
             for precision, ours_p, theirs_p in PRECISION_PAIRS:
-                ours_run = (lambda p=ours_p: in_child(load_cost, models.ours[p], 1)) if ours_p in models.ours else dict
+                ours_run = ((lambda p=ours_p: in_child(load_cost, models.ours[p], 1, cache))
+                            if ours_p in models.ours else dict)
                 theirs_run = ((lambda p=theirs_p: llama_cpp.load_probe(models.theirs[p], models.n_ctx, 1))
                               if with_llama and theirs_p in models.theirs else dict)
                 mine, other = both(ours_run, theirs_run, r)
-                cached = in_child(load_cost, models.ours[ours_p], 1, cache) if mine else {}
-                for side, result in (("ours", mine), ("ours_cached", cached)):
+                first, in_memory = {}, {}
+                if mine:
+                    with tempfile.TemporaryDirectory(prefix="weight-cache-first-") as empty:
+                        first = in_child(load_cost, models.ours[ours_p], 1, empty)
+                    in_memory = in_child(load_cost, models.ours[ours_p], 1, None)
+                for side, result in (("ours", mine), ("ours_first_open", first), ("ours_in_memory", in_memory)):
                     if result:
                         data.add(precision, side, "load_ms", result["load_s"] * 1e3)
                         data.add(precision, side, "first_decode_ms", result["first_decode_s"] * 1e3)
@@ -348,7 +355,8 @@ def load_section(models: ModelSet, rounds: int, with_llama: bool) -> dict:
                     data.add(precision, "theirs", "rss_before_mib", other["rss_before_kib"] / 1024)
     out = data.summary()
     for precision, ours_p, theirs_p in PRECISION_PAIRS:
-        sizes = {"ours": models.ours.get(ours_p), "ours_cached": models.ours.get(ours_p),
+        sizes = {"ours": models.ours.get(ours_p), "ours_first_open": models.ours.get(ours_p),
+                 "ours_in_memory": models.ours.get(ours_p),
                  "theirs": models.theirs.get(theirs_p) if with_llama else None}
         for side, path in sizes.items():
             if path is not None and precision in out:

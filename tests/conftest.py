@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# Engines keep packed weights in the user's cache directory by default: the tests' engines,
+# and the commands they start, keep theirs in a directory of the session instead.
+SESSION_CACHE = os.environ["RUNTIME_CACHE"] = tempfile.mkdtemp(prefix="runtime-tests-cache-")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_the_sessions_cache_directory():
+    yield
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def collect_engines_while_output_is_captured():

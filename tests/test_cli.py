@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 from conftest import MODEL_FILES, adapter_path
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runtime", *map(str, args)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "runtime", *map(str, args)], capture_output=True, text=True, timeout=120,
+        env=env and {**os.environ, **env},
     )
 
 
@@ -30,6 +32,19 @@ def test_generate_keeps_packed_weights_in_a_weight_cache_dir(tmp_path):
     assert [run.returncode for run in runs] == [0, 0], runs[0].stderr
     assert runs[0].stdout.splitlines()[0] == runs[1].stdout.splitlines()[0]  # the same tokens from the file
     assert [f.suffix for f in (tmp_path / "packed").iterdir()] == [".xnnpack"]
+
+
+def test_generate_keeps_packed_weights_in_the_user_cache_unless_told_not_to(tmp_path):
+    generate = ("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "5,17,42", "--max-new-tokens", "4")
+    without = cli(*generate, "--no-weight-cache", env={"RUNTIME_CACHE": str(tmp_path)})
+    assert without.returncode == 0, without.stderr
+    assert not (tmp_path / "xnnpack").exists()
+    default = cli(*generate, env={"RUNTIME_CACHE": str(tmp_path)})
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.splitlines()[0] == without.stdout.splitlines()[0]
+    assert [f.suffix for f in (tmp_path / "xnnpack").iterdir()] == [".xnnpack"]
+    both = cli(*generate, "--no-weight-cache", "--weight-cache-dir", tmp_path)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
 def test_generate_text_with_byte_tokens_and_adapter_from_stdin():

@@ -85,4 +85,7 @@ def test_cache_paths_follow_runtime_cache(monkeypatch, tmp_path):
     assert tasks.hf_model_dir() == tmp_path / "models" / tasks.HF_MODEL_NAME
     assert tasks.adapter_dir("intent") == tmp_path / "adapters" / "smollm2" / "intent"
     monkeypatch.delenv("RUNTIME_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert tasks.cache_root() == Path.home() / ".cache" / "runtime"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tasks.hf_model_dir() == tmp_path / "xdg" / "runtime" / "models" / tasks.HF_MODEL_NAME

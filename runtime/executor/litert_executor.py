@@ -32,13 +32,10 @@ from runtime.errors import (
 )
 from runtime.executor.batch_plan import DecodePlan
 from runtime.executor.native import HostBuffer, NativeModel, PreparedRun
-from runtime.executor.weight_cache import WeightCacheFile
+from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
 from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
-
-
-_IN_MEMORY_WEIGHT_CACHE = ":memory:"  # XNNPACK's name for a weight cache without a file
 
 
 @dataclass(frozen=True)
@@ -196,7 +193,7 @@ class LlmExecutor:
         # weight cache it packs each weight once for all signatures (SmolLM2-135M f32 with 16
         # signatures: 0.4 GiB instead of 7.5 GiB). ":memory:" keeps that cache in memory.
         model_bytes = len(model) if in_memory else self.model_path.stat().st_size
-        with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(_IN_MEMORY_WEIGHT_CACHE)) as cache:
+        with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(IN_MEMORY)) as cache:
             with self._native_logs():
                 self._model = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache,
                                           name=str(self.model_path))
