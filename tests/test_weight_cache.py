@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MODEL_FILES
 from runtime import Engine, EngineSettings
-from runtime.errors import InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError
+from runtime.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
 from runtime.executor import weight_cache
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec
@@ -154,6 +154,12 @@ def test_by_default_no_file_is_written_in_memory_but_a_named_directory_there_get
         assert os.listdir(shm) == []
         assert (logits(model, os.path.join(shm, "named")) == expected).all()
         assert [f.endswith(SUFFIX) for f in os.listdir(os.path.join(shm, "named"))] == [True]
+
+
+def test_a_missing_model_is_named_as_such_by_default_and_without_a_cache(tmp_path):
+    for cache_dir in (WeightCacheDir.USER, None):
+        with pytest.raises(NotFoundError, match=r"missing\.tflite: no such model file$"):
+            Engine(tmp_path / "missing.tflite", EngineSettings(weight_cache_dir=cache_dir))
 
 
 def test_settings_refuse_what_is_not_a_path():

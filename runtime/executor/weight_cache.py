@@ -86,7 +86,8 @@ class WeightCacheFile:
         try:
             stat = source.stat()
         except OSError as exc:
-            raise NotFoundError(f"{source}: cannot read the model file for its weight cache: {exc.strerror}") from None
+            raise NotFoundError(f"{source}: no such model file" if isinstance(exc, FileNotFoundError)
+                                else f"{source}: cannot read the model file: {exc.strerror}") from None
         where = os.path.realpath(source)
         identity = (where, part, stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev, version("ai-edge-litert"))
         name = f"{source.stem}.{_digest(where, part)[:8]}.{_digest(*identity)[:16]}{SUFFIX}"
