@@ -18,7 +18,7 @@ niced::
 
     nice -n 10 python3 tools/build_qwen05b.py [--cache DIR] [--force] [--jobs N]
 
-Writes into ``$RUNTIME_CACHE/qwen2.5-0.5b-random/`` (default
+Writes into ``$RUNTIME_CACHE/models/qwen2.5-0.5b-random/`` (default
 ``~/.cache/runtime/models/qwen2.5-0.5b-random/``), never into the repository: the
 checkpoint (``checkpoint/``), ``qwen2.5-0.5b-random-{f32,int8}.tflite`` (LoRA slot 8, KV
 length 1024, the default prefill lengths 32, 128 and 512), the export's ``--report`` JSON,

@@ -8,7 +8,7 @@ and GBs of memory)::
 
     nice -n 10 python3 tools/build_smollm2.py [--cache DIR] [--force] [--skip-check] [--batched]
 
-Writes into ``$RUNTIME_CACHE/smollm2-135m-instruct/`` (default
+Writes into ``$RUNTIME_CACHE/models/smollm2-135m-instruct/`` (default
 ``~/.cache/runtime/models/smollm2-135m-instruct/``), never into the repository:
 
 ``smollm2-135m-instruct-{f32,int8,int4-block32}.tflite`` and ``.litertlm``
@@ -75,12 +75,11 @@ QUESTIONS = ("What is the capital of France?", "What is 12 + 30?", "Name three p
 
 
 def cache_dir(given: Path | None, name: str = NAME) -> Path:
-    """``--cache``, else ``$RUNTIME_CACHE/<name>``, else ``~/.cache/runtime/models/<name>``."""
-    if given is not None:
-        return given
-    root = Path(os.environ["RUNTIME_CACHE"]) if os.environ.get("RUNTIME_CACHE") else (
-        Path.home() / ".cache" / "runtime" / "models")
-    return root / name
+    """``--cache``, else ``models/<name>`` in the runtime's cache directory (``$RUNTIME_CACHE``,
+    ``~/.cache/runtime``), where the benchmarks and the adapter tools look for it."""
+    from runtime.util.cache_dir import runtime_cache_dir
+
+    return given if given is not None else runtime_cache_dir() / "models" / name
 
 
 def find_gguf() -> Path:
