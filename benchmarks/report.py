@@ -233,7 +233,8 @@ def set_tables(key: str, data: dict, shared: bool) -> list[str]:
     for precision, sides in data["load"].items():
         for side, e in sides.items():
             if "load_ms" in e:
-                out.append(f"| {SIDES[(precision, side)][0]} | {e.get('file_mib', 0):.0f} | "
+                label = SIDES.get((precision, side), (f"{precision}, {side}",))[0]  # older results: their key
+                out.append(f"| {label} | {e.get('file_mib', 0):.0f} | "
                            + " | ".join(_range(e[f], "{:.0f}") for f in ("load_ms", "first_decode_ms", "peak_rss_mib"))
                            + f" | {_med(e['rss_before_mib'], '{:.0f}')} |")
     if "concurrency" in data:
