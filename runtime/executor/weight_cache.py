@@ -136,17 +136,16 @@ class WeightCacheFile:
             raise ResourceExhaustedError(f"{directory}: in memory (tmpfs), no weight cache is written there")
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            free, needed = shutil.disk_usage(directory).free, int(model_bytes * _HEADROOM)
+            if free < needed:  # checked before any file is made: nothing to remove when refused
+                raise ResourceExhaustedError(
+                    f"{directory}: {free / 2**20:.0f} MiB free, the weight cache {self.path.name} needs about "
+                    f"{needed / 2**20:.0f} MiB; free some space or open the model without a weight cache directory")
             building = directory / f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}{_BUILDING}"
             building.touch(exist_ok=False)
         except OSError as exc:
             raise PermissionDeniedError(
                 f"{directory}: cannot write the weight cache {self.path.name} there: {exc.strerror}") from None
-        free, needed = shutil.disk_usage(directory).free, int(model_bytes * _HEADROOM)
-        if free < needed:
-            building.unlink()
-            raise ResourceExhaustedError(
-                f"{directory}: {free / 2**20:.0f} MiB free, the weight cache {self.path.name} needs about "
-                f"{needed / 2**20:.0f} MiB; free some space or open the model without a weight cache directory")
         return building
 
     def _remove_stale(self) -> None:
