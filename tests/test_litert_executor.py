@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -87,6 +89,28 @@ def test_decode_across_its_attention_windows_matches_reference(executor, weights
     for pos in range(64):
         np.testing.assert_allclose(executor.decode(binding, seq[pos], pos), expected[pos], atol=TOL,
                                    err_msg=f"position {pos}")
+
+
+def test_a_context_moves_between_window_caches_both_ways(executor, weights):
+    """Each window's signatures take a cache of its own length: a context that grew from
+    the 16-position window into the 32 one and on to the whole cache, then was rewound to
+    position 10 (a rejected draft, a reused prefix), runs in the 16 window again and every
+    step equals the reference of the context it holds; the buffers it left hold no data."""
+    binding = executor.bind(executor.create_kv_cache())
+    first, second = tokens(40, seed=21), tokens(40, seed=22)
+    expected = reference_logits(weights, first)
+    for pos in range(40):
+        np.testing.assert_allclose(executor.decode(binding, first[pos], pos), expected[pos], atol=TOL)
+    assert binding.kv.length == executor.spec.kv_length
+    rewound = first[:10] + second[10:30]
+    expected = reference_logits(weights, rewound)
+    for pos in range(10, 30):
+        np.testing.assert_allclose(executor.decode(binding, rewound[pos], pos), expected[pos], atol=TOL,
+                                   err_msg=f"position {pos}")
+    assert binding.kv.length == 32
+    if sys.platform.startswith("linux"):  # released pages read as zeros there
+        for length in (16, executor.spec.kv_length):
+            assert not any(buffer.array.any() for buffer in binding.kv.at(length).values()), length
 
 
 @pytest.mark.parametrize("adapter", [None, "torch_r4"])

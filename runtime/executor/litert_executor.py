@@ -4,7 +4,8 @@ LiteRT's C API, :mod:`runtime.executor.native`).
 State that belongs to a session (its KV cache) or to an adapter (its LoRA input buffers)
 lives in host buffers (:class:`~runtime.executor.native.HostBuffer`) created here.
 Running a step binds the session's buffers to the signature: the KV buffers are bound as
-both input and output, so the cache is updated in place and never copied; LoRA buffers are
+both input and output, so the cache is updated in place (a session's context is copied
+only when its steps change attention window, :class:`KvCache`); LoRA buffers are
 written once when an adapter is materialized and only bound afterwards. Switching a session or an adapter is
 therefore choosing another prebuilt :class:`Binding`, not copying memory. A batched run
 takes its rows' adapters stacked in one buffer per LoRA input: a row's adapter is copied
@@ -56,11 +57,43 @@ class ExecutorSettings:
 
 
 class KvCache:
-    """One session's KV cache: a zero-initialized buffer per ``kv_cache_*`` input."""
+    """One session's KV cache: for each cache length the model's signatures take (every
+    attention window's W positions, and the whole cache) a zero-initialized buffer per
+    ``kv_cache_*`` input.
 
-    def __init__(self, buffers: dict[str, HostBuffer], nbytes: int) -> None:
-        self.buffers = buffers
-        self.nbytes = nbytes
+    The context lies in the buffers of one length at a time (:attr:`length`); a run of
+    another length moves it there first (:meth:`move`): a copy of the filled positions
+    only, when a session's steps change window, and the buffers left give their pages
+    back. So a signature attending over W positions binds a cache of W positions as it
+    lies, and no step copies a window out of a larger cache.
+    """
+
+    def __init__(self, buffers: dict[int, dict[str, HostBuffer]], position_axes: Mapping[str, int],
+                 nbytes: int) -> None:
+        self.by_length = buffers
+        self.length = max(buffers)  # the buffers that hold the context
+        self.nbytes = nbytes  # the whole cache's bytes (the buffers of other lengths give their pages back)
+        self._axes = position_axes  # by input name
+
+    def at(self, length: int) -> dict[str, HostBuffer]:
+        """The buffers of ``length`` positions (bound by the runs of that cache length)."""
+        return self.by_length[length]
+
+    def move(self, length: int, filled: int) -> None:
+        """Makes the buffers of ``length`` hold the context's first ``filled`` positions,
+        copied from the buffers holding them now, whose pages are then released. Only the
+        executor's runs call it, under its lock."""
+        if length == self.length:
+            return
+        source, target = self.by_length[self.length], self.by_length[length]
+        if filled > min(self.length, length):
+            raise InternalError(f"moving {filled} positions of a KV cache from {self.length} to {length} positions")
+        for name, buffer in target.items():
+            axis = self._axes[name]
+            _positions(buffer.array, axis, filled)[...] = _positions(source[name].array, axis, filled)
+        for buffer in source.values():
+            buffer.release()
+        self.length = length
 
     def close(self) -> None:
         """Drops this cache's buffers; they are freed once no binding refers to them.
@@ -68,7 +101,7 @@ class KvCache:
         Buffers are never destroyed explicitly: a binding still in use would then hand
         freed memory to the interpreter.
         """
-        self.buffers = {}
+        self.by_length = {}
 
 
 @dataclass(frozen=True)
@@ -113,6 +146,8 @@ class _Run:
     signature: SignatureSpec
     io: _SignatureIO
     prepared: PreparedRun  # which also keeps every bound buffer alive
+    caches: tuple[KvCache, ...]  # each row's KV cache, whose buffers of `cache_length` it binds
+    cache_length: int
 
 
 @dataclass
@@ -202,6 +237,10 @@ class LlmExecutor:
                 # Token, position and logits buffers are shared by all sessions: runs are serialized.
                 self._io = {key: self._signature_io(key, signature)
                             for key, signature in self.spec.signatures.items()}
+                # A KV cache's inputs per cache length (each window's and the whole cache's).
+                self._kv_infos = {self.spec.cache_length(signature): {
+                    spec.name: self._model.signatures[signature.key].inputs[spec.name] for spec in self.spec.kv_inputs}
+                    for signature in self.spec.signatures.values() if signature.rows == 1}
             except BaseException:
                 self._model.close()
                 raise
@@ -238,18 +277,22 @@ class LlmExecutor:
     # -- buffers -------------------------------------------------------------------
 
     def create_kv_cache(self) -> KvCache:
-        """A fresh, zeroed KV cache (zeroed: NaN bits in masked slots would poison logits)."""
+        """A fresh, zeroed KV cache (zeroed: NaN bits in masked slots would poison logits),
+        with buffers of every cache length the model's signatures take; pages not yet
+        written take no memory."""
         self._check_open()
-        inputs = self._model.signatures[self.spec.decode().key].inputs
-        buffers = {spec.name: HostBuffer(inputs[spec.name]) for spec in self.spec.kv_inputs}
-        return KvCache(buffers, self.spec.kv_cache_bytes)
+        buffers = {length: {name: HostBuffer(info, releasable=True) for name, info in infos.items()}
+                   for length, infos in self._kv_infos.items()}
+        axes = {spec.name: self.spec.kv_position_axis(spec.name) for spec in self.spec.kv_inputs}
+        return KvCache(buffers, axes, self.spec.kv_cache_bytes)
 
     def copy_kv_cache(self, source: KvCache) -> KvCache:
         """A new KV cache holding the same values as ``source``."""
         copy = self.create_kv_cache()
         with self._lock:
-            for spec in self.spec.kv_inputs:
-                copy.buffers[spec.name].array[...] = source.buffers[spec.name].array
+            copy.length = source.length
+            for name, buffer in copy.at(source.length).items():
+                buffer.array[...] = source.at(source.length)[name].array
         return copy
 
     def read_kv_prefix(self, kv: KvCache, length: int) -> KvPrefix:
@@ -258,21 +301,29 @@ class LlmExecutor:
             raise InvalidArgumentError(f"a KV prefix of {length} positions, expected 1 ... {self.spec.kv_length}")
         rows = {}
         with self._lock:
+            if length > kv.length:
+                raise InternalError(f"a KV prefix of {length} positions from a context in {kv.length}")
             for spec in self.spec.kv_inputs:
-                data = kv.buffers[spec.name].array
+                data = kv.at(kv.length)[spec.name].array
                 rows[spec.name] = _positions(data, self.spec.kv_position_axis(spec.name), length).copy()
         return KvPrefix(length, rows)
 
     def write_kv_prefix(self, kv: KvCache, prefix: KvPrefix, length: int) -> None:
         """Makes ``kv`` hold ``prefix``'s first ``length`` positions, zeros after them (the
-        cache of a context that no run is using)."""
+        cache of a context that no run is using), in the shortest buffers with room for
+        the next position too."""
         if not 0 < length <= prefix.length:
             raise InvalidArgumentError(f"{length} positions of a KV prefix of {prefix.length}")
-        for spec in self.spec.kv_inputs:
-            axis = self.spec.kv_position_axis(spec.name)
-            data = kv.buffers[spec.name].array
-            data[...] = 0
-            _positions(data, axis, length)[...] = _positions(prefix.rows[spec.name], axis, length)
+        kv.length = next((n for n in sorted(kv.by_length) if n > length), self.spec.kv_length)
+        for held, buffers in kv.by_length.items():
+            for buffer in buffers.values():
+                if held == kv.length:
+                    buffer.array[...] = 0
+                else:
+                    buffer.release()
+        for name, buffer in kv.at(kv.length).items():
+            axis = self.spec.kv_position_axis(name)
+            _positions(buffer.array, axis, length)[...] = _positions(prefix.rows[name], axis, length)
 
     def create_lora_buffer(self, slot: LoraSlot, name: str) -> HostBuffer:
         """An empty buffer for LoRA input ``name`` of ``slot``."""
@@ -309,7 +360,8 @@ class LlmExecutor:
         self, signature: SignatureSpec, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None
     ) -> _Run:
         io = self._io[signature.key]
-        inputs = {TOKENS: io.tokens, INPUT_POS: io.positions, **kv.buffers}
+        length = self.spec.cache_length(signature)
+        inputs = {TOKENS: io.tokens, INPUT_POS: io.positions, **kv.at(length)}
         expected_lora = set(signature.lora_inputs)
         given = set(lora_buffers or {})
         if given != expected_lora:
@@ -318,14 +370,14 @@ class LlmExecutor:
                 f"got {sorted(given)[:4]}..."
             )
         inputs.update(lora_buffers or {})
-        outputs = dict(kv.buffers)
+        outputs = dict(kv.at(length))
         if io.logits is not None:
             outputs[LOGITS] = io.logits
         if io.hidden is not None:
             outputs[HIDDEN] = io.hidden
         ordered_inputs = [inputs[name] for name in io.input_order]
         ordered_outputs = [outputs[name] for name in io.output_order]
-        return _Run(signature, io, self._model.prepare(io.index, ordered_inputs, ordered_outputs))
+        return _Run(signature, io, self._model.prepare(io.index, ordered_inputs, ordered_outputs), (kv,), length)
 
     # -- running -------------------------------------------------------------------
 
@@ -362,8 +414,7 @@ class LlmExecutor:
             else:
                 length = 1
             chunk, bulk = bulk[:length], bulk[length:]
-            run = (self._decode_run(binding, pos) if length == 1
-                   else self._step_run(binding, "prefill", length, pos + len(chunk) - 1))
+            run = self._decode_run(binding, pos) if length == 1 else self._step_run(binding, "prefill", length, pos)
             with self._lock:
                 self._check_open()
                 out = self._invoke(run, chunk, pos)
@@ -390,7 +441,7 @@ class LlmExecutor:
                                        + ("" if binding.verify else " (the model has no verify signatures)"))
         length = lengths[0]
         self._check_position(start, length)
-        run = self._step_run(binding, VERIFY, length, start + len(tokens) - 1)
+        run = self._step_run(binding, VERIFY, length, start)
         hidden = np.empty(run.io.hidden_array.shape, np.float32)  # type: ignore[union-attr]
         with self._lock:
             self._check_open()
@@ -398,11 +449,11 @@ class LlmExecutor:
             hidden[...] = run.io.hidden_array
         return logits[: len(tokens)], hidden[: len(tokens)]  # type: ignore[index]
 
-    def _step_run(self, binding: Binding, kind: str, length: int, last: int) -> _Run:
-        """The ``kind`` (prefill or verify) run of ``length`` tokens whose last real token
-        is at ``last`` (any after it are padding, never attended to by them): the shortest
-        attention window that holds it, else the whole cache."""
-        window = self.spec.window_for(last, binding.lora_slot, kind=kind, seq_len=length)
+    def _step_run(self, binding: Binding, kind: str, length: int, start: int) -> _Run:
+        """The ``kind`` (prefill or verify) run of ``length`` tokens from ``start``: the
+        shortest attention window that holds all of them (padding too: a window's cache
+        has no room past it), else the whole cache."""
+        window = self.spec.window_for(start + length - 1, binding.lora_slot, kind=kind, seq_len=length)
         if window is not None:
             return binding.step_windows[kind, length, window]
         return binding.prefill[length] if kind == "prefill" else binding.verify[length]
@@ -466,11 +517,13 @@ class LlmExecutor:
         """Run arguments binding each row's own KV cache (no copies) and the slot's stacked
         LoRA inputs, filled with the rows' adapters; rows past ``bindings`` get the scratch
         KV cache and zero LoRA weights."""
-        kv_rows = [binding.kv.buffers for binding in bindings]
-        if len(kv_rows) < signature.rows:
+        caches = [binding.kv for binding in bindings]
+        if len(caches) < signature.rows:
             if self._scratch_kv is None:
                 self._scratch_kv = self.create_kv_cache()
-            kv_rows += [self._scratch_kv.buffers] * (signature.rows - len(kv_rows))
+            caches += [self._scratch_kv] * (signature.rows - len(caches))
+        length = self.spec.cache_length(signature)
+        kv_rows = [cache.at(length) for cache in caches]
         io = self._io[signature.key]
         shared_inputs = {TOKENS: io.tokens, INPUT_POS: io.positions}
         if signature.lora_slot is not None:
@@ -480,7 +533,7 @@ class LlmExecutor:
         inputs = [shared_inputs[name] if name in shared_inputs else _row_buffer(signature, kv_rows, name)
                   for name in io.input_order]
         outputs = [io.logits if name == LOGITS else _row_buffer(signature, kv_rows, name) for name in io.output_order]
-        return _Run(signature, io, self._model.prepare(io.index, inputs, outputs))
+        return _Run(signature, io, self._model.prepare(io.index, inputs, outputs), tuple(caches), length)
 
     def _fill_stacked_lora(self, signature: SignatureSpec,
                            adapters: Sequence[Mapping[str, HostBuffer] | None]) -> dict[str, HostBuffer]:
@@ -525,6 +578,9 @@ class LlmExecutor:
         """Runs ``run`` with its token and position arrays as filled: writes them, runs the
         signature (counted and timed) and returns its logits (``None`` when it has none)."""
         io = run.io
+        for row, cache in enumerate(run.caches):
+            if cache.length != run.cache_length:  # the row's context is in buffers of another length
+                cache.move(run.cache_length, int(io.position_array[row * run.signature.seq_len]))
         # A fresh array each step (callers keep logits while later steps run), allocated
         # before the run: right after an invoke the same allocation took 10 us, not 0.3.
         logits = np.empty(io.logits_array.shape, np.float32) if io.logits_array is not None else None

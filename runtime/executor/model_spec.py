@@ -6,8 +6,8 @@ length, decode, batched decode, attention windows, LoRA rank slots). Inputs are
 signatures, the LoRA inputs; a batched signature's ``tokens`` are ``[B, 1]``,
 ``input_pos`` ``[B]``, and each row's KV cache and LoRA inputs carry the row's suffix.
 Outputs are the updated KV caches and ``logits`` (always on decode, on prefill only
-when exported with ``output_logits_on_prefill``). A window's caches are whole: only the
-name says W.
+when exported with ``output_logits_on_prefill``). A window's caches hold W positions
+(``..._attend{W}``): the first W of the session's context, in the layout of the whole cache.
 
 This module turns the details the interpreter reports into a :class:`ModelSpec`,
 checking everything the executor relies on, so that a model this runtime cannot drive
@@ -119,12 +119,14 @@ class ModelSpec:
         """Bytes one session's KV cache takes."""
         return sum(spec.nbytes for spec in self.kv_inputs)
 
+    def cache_length(self, signature: SignatureSpec) -> int:
+        """The positions each KV cache input of ``signature`` holds: its window, else all."""
+        return signature.window or self.kv_length
+
     def kv_position_axis(self, name: str) -> int:
         """The axis of KV input ``name`` that runs over cache positions (see the layouts'
         shapes at :data:`KV_LAYOUT_DEFAULT` and :data:`KV_LAYOUT_TRANSPOSED`)."""
-        if self.kv_layout == KV_LAYOUT_DEFAULT:
-            return 1
-        return 3 if _KV_NAME.fullmatch(name)["kind"] == "v" else 2
+        return _position_axis(self.kv_layout, name)
 
     def decode(self, lora_slot: LoraSlot | None = None, window: int | None = None) -> SignatureSpec:
         """The decode signature for a LoRA slot (``None``: the plain one), attending over
@@ -238,14 +240,16 @@ class ModelSpec:
         if not kv_inputs:
             raise InvalidArgumentError(f"{source}: signature 'decode' has no kv_cache_* inputs")
         kv = {s.name: s for s in kv_inputs}
-        for spec in signatures.values():
-            if spec.rows == 1:
-                _check_same_kv(spec, kv, source)
-            else:
-                _check_batch(spec, signatures, kv, source)
         layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1))
         for spec in signatures.values():
-            _check_window(spec, signatures, kv_length, source)
+            _check_window_span(spec, kv_length, source)
+            cache = _window_caches(kv, layout, spec.window)
+            if spec.rows == 1:
+                _check_same_kv(spec, cache, kv, source)
+            else:
+                _check_batch(spec, signatures, cache, source)
+        for spec in signatures.values():
+            _check_window(spec, signatures, source)
         for spec in signatures.values():
             if spec.kind == VERIFY:
                 _check_verify(spec, signatures, decode.outputs[LOGITS].shape[-1], source)
@@ -409,16 +413,19 @@ def _check_verify(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
                                    "LoRA inputs beside it")
 
 
-def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], kv_length: int, source: str) -> None:
-    """An attention window is shorter than the cache, holds the step's tokens, and the
-    whole-cache signature of the same kind, length, rows and slot is beside it (positions
-    past the window), taking the same LoRA inputs."""
-    if spec.window is None:
-        return
-    if not spec.seq_len <= spec.window < kv_length:
+def _check_window_span(spec: SignatureSpec, kv_length: int, source: str) -> None:
+    """An attention window is shorter than the cache and holds the step's tokens."""
+    if spec.window is not None and not spec.seq_len <= spec.window < kv_length:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} attends over {spec.window} positions, "
                                    f"expected {spec.seq_len} ... {kv_length - 1} (its {spec.seq_len} token(s) "
                                    f"and a KV cache of {kv_length})")
+
+
+def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], source: str) -> None:
+    """The whole-cache signature of a window's kind, length, rows and slot is beside it
+    (positions past the window), taking the same LoRA inputs."""
+    if spec.window is None:
+        return
     whole = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_slot, s.rows, s.window)
                   == (spec.kind, spec.seq_len, spec.lora_slot, spec.rows, None)), None)
     if whole is None:
@@ -471,15 +478,40 @@ def _check_dora_scales(key: str, scales: Mapping[tuple[int, str], TensorSpec], f
             f"(missing for {missing or 'the MLP'}): a DoRA slot is an all-linear slot with a scale per projection")
 
 
-def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], source: str) -> None:
+def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], whole: Mapping[str, TensorSpec],
+                   source: str) -> None:
+    """``spec`` takes and returns the KV caches ``kv`` (``whole``: the whole cache's, which
+    a window's signature of an older export took)."""
     for name, expected in kv.items():
         for side, tensors in (("input", spec.inputs), ("output", spec.outputs)):
             actual = tensors.get(name)
             if actual is None or actual.shape != expected.shape or actual.dtype != expected.dtype:
                 got = actual.describe() if actual else "nothing"
+                hint = (" (an attention window's caches hold its positions only since 2026-12-03: this export "
+                        "takes the whole cache; export the model again)"
+                        if actual is not None and actual.shape == whole[name].shape else "")
                 raise InvalidArgumentError(
-                    f"{source}: signature {spec.key!r} {side} {name!r} is {got}, expected {expected.describe()}"
+                    f"{source}: signature {spec.key!r} {side} {name!r} is {got}, expected {expected.describe()}{hint}"
                 )
+
+
+def _position_axis(layout: str, name: str) -> int:
+    if layout == KV_LAYOUT_DEFAULT:
+        return 1
+    return 3 if _KV_NAME.fullmatch(name)["kind"] == "v" else 2
+
+
+def _window_caches(kv: Mapping[str, TensorSpec], layout: str, window: int | None) -> Mapping[str, TensorSpec]:
+    """The KV cache inputs of a signature attending over ``window`` positions: ``kv`` (the
+    whole cache's) with ``window`` positions (``None``: ``kv`` itself)."""
+    if window is None:
+        return kv
+    caches = {}
+    for name, spec in kv.items():
+        shape = list(spec.shape)
+        shape[_position_axis(layout, name)] = window
+        caches[name] = _shared_spec(name, tuple(shape), spec.dtype)
+    return caches
 
 
 def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int) -> tuple[str, int]:

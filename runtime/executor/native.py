@@ -157,13 +157,24 @@ class HostBuffer:
     that let runs bind it. Thread-safe; the handles are destroyed with the object, which
     every :class:`PreparedRun` that binds it keeps alive."""
 
-    def __init__(self, info: TensorInfo) -> None:
+    def __init__(self, info: TensorInfo, *, releasable: bool = False) -> None:
+        """``releasable``: in pages of its own, which :meth:`release` gives back (a KV cache's)."""
         self.info = info
-        raw = np.zeros(info.nbytes + 2 * _ALIGNMENT, np.uint8)
+        # Private pages (a shared mapping would keep its pages when released), aligned and zeroed.
+        self._pages = (mmap.mmap(-1, info.nbytes + _ALIGNMENT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                       if releasable else None)
+        raw = np.frombuffer(self._pages, np.uint8) if self._pages else np.zeros(info.nbytes + 2 * _ALIGNMENT, np.uint8)
         start = -raw.ctypes.data % _ALIGNMENT
         self.array = raw[start:start + info.nbytes].view(info.dtype).reshape(info.shape)
         self._handles: dict[int, int] = {}  # by the compiled model that binds it
         self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Gives a releasable buffer's memory back to the system while it keeps its address
+        (and every handle stays valid): the contents become zeros, on Linux; where the
+        system keeps them instead, they stay as they were."""
+        if self._pages is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._pages.madvise(mmap.MADV_DONTNEED)
 
     def handle_for(self, model: NativeModel) -> int:
         """The handle ``model``'s runs bind (one per model: the library locks a handle

@@ -1,14 +1,14 @@
 """``decode_batch{B}``: one decode step for B sessions in one pass over the base weights;
-``..._attend{W}``: a step that attends over the cache's first W positions only: a decode
-step (``decode_attend{W}``), or T tokens of one session (``prefill_{T}_attend{W}``,
-``verify{T}_attend{W}``), so a short context does not pay for attending over the whole cache.
+``..._attend{W}``: a step that takes and attends over a cache of W positions only (the
+first W of a session's context): a decode step (``decode_attend{W}``), or T tokens of one
+session (``prefill_{T}_attend{W}``, ``verify{T}_attend{W}``), so a short context does not
+pay for attending over, nor for copying a window out of, the whole cache.
 
 Every row has its own tokens, positions, KV cache and LoRA weights; the base linears (q/k/v,
 output projection, feed-forward, lm_head) run once over the ``[B, T, hidden]``
 activations, which at real size is what a decode step costs: reading the weights. Each
-row writes its new K and V into its own cache and attends over that cache (its first W
-positions with an attention window: at W=128 a row's attention costs ~1/8 of attending
-over 1024; T tokens of a row attend causally, each over the positions up to its own); the
+row writes its new K and V into its own cache and attends over that cache (W positions
+with an attention window: at W=128 a row's attention costs ~1/8 of attending over 1024; T tokens of a row attend causally, each over the positions up to its own); the
 rows' own ``x A_i B_i`` run as batched matmuls over their stacked LoRA
 weights. (Stacking the caches instead, to attend in one matmul, measured twice as slow:
 the copies and transposes of every row's window cost more than the operations saved.)
@@ -19,7 +19,11 @@ appended, and with one row every name is the single-session name):
 
 - ``tokens`` int32 ``[B, 1]``, ``input_pos`` int32 ``[B]`` (one row of T tokens:
   ``[1, T]`` and ``[T]``, the positions consecutive, as a prefill's);
-- ``kv_cache_{k,v}_{layer}_{row}``: row ``row``'s session's whole cache, in the layout of ``decode``;
+- ``kv_cache_{k,v}_{layer}_{row}``: row ``row``'s session's cache, in the layout of ``decode``: all
+  its positions, or with a window W a cache of W positions (a slice of the whole cache, cut
+  out in the graph, was a copy of every row's window on every step: ~47 MB a step for 8
+  SmolLM2-135M rows at W=128; the runtime keeps a session's context in buffers of the
+  window's length instead, :class:`runtime.executor.litert_executor.KvCache`);
 - ``lora_atten_{q,k,v,o}_{a,b}_prime_weight_{layer}`` (with a LoRA rank), and in an
   all-linear slot ``lora_ff_{gate,up,down}_{a,b}_prime_weight_{layer}``: every row's adapter
   stacked, ``[B, ...]`` of the single-session input's shape, row i in ``[i]`` (in the layout
@@ -31,9 +35,9 @@ appended, and with one row every name is the single-session name):
   rank-8 rows of SmolLM2-135M took 1.35x as long in int8, 1.2x in f32).
 
 Outputs: ``logits`` ``[B, T, vocab]`` (left out with ``logits=False``: a prefill exported
-without logits) and ``kv_cache_{k,v}_{layer}_{row}``. With a window W, a row's last
-position must be below W (the runtime picks the signature); positions past W may be
-written (a padded prefill's padding), they are never attended to.
+without logits) and ``kv_cache_{k,v}_{layer}_{row}``. With a window W, every position
+a step writes, a padded prefill's padding too, must be below W (the runtime picks the
+signature): a position past the cache would be clamped into it.
 """
 
 from __future__ import annotations
@@ -96,6 +100,11 @@ class BatchDecode(nn.Module):
         """The input name of ``row``'s ``name`` (one row: the single-session name)."""
         return row_tensor_name(name, row) if self.batch > 1 else name
 
+    def _span(self, kv_cache: dict[str, torch.Tensor]) -> int:
+        """The positions a row attends over: its whole cache as given (a window's W)."""
+        return kv_utils.KVCacheEntry(kv_cache[self._row("k_0", 0)], kv_cache[self._row("v_0", 0)],
+                                     kv_layout=self.kv_layout).get_max_seq_len()
+
     def sample_kwargs(self, kv_length: int) -> dict[str, object]:
         """Inputs of the right shapes; they also fix the signature's input names."""
         config = self.model.config
@@ -103,7 +112,7 @@ class BatchDecode(nn.Module):
             "tokens": torch.zeros((self.batch, self.length), dtype=torch.int32),
             "input_pos": torch.arange(self.batch * self.length, dtype=torch.int32) % self.length,
         }
-        entry = kv_utils.KVCacheEntry.from_model_config(kv_length, config.block_config(0).attn_config,
+        entry = kv_utils.KVCacheEntry.from_model_config(self.window or kv_length, config.block_config(0).attn_config,
                                                         kv_layout=self.kv_layout)
         kwargs["kv_cache"] = {self._row(f"{kind}_{layer}", row): torch.zeros_like(cache)
                               for layer in range(config.num_layers) for row in range(self.batch)
@@ -126,8 +135,7 @@ class BatchDecode(nn.Module):
         n_elem = int(attn_config.rotary_percentage * attn_config.head_dim)
         cos, sin = config.build_rope(input_pos, n_elem, attn_config.rotary_base)  # [1, B * T, n/2]
         rope = (cos.reshape(batch, 1, length, -1), sin.reshape(batch, 1, length, -1))  # [B, heads, T, n/2]
-        span = self.window or kv_utils.KVCacheEntry(kv_cache[self._row("k_0", 0)], kv_cache[self._row("v_0", 0)],
-                                                    kv_layout=self.kv_layout).get_max_seq_len()
+        span = self._span(kv_cache)
         mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :span].reshape(batch, 1, length, span)
         masks = [mask[row:row + 1] for row in range(batch)]  # each row's, sliced once for all layers
         updated: dict[str, torch.Tensor] = {}
@@ -188,14 +196,14 @@ class BatchDecode(nn.Module):
                 entry = kv_utils.update_transposed(entry, input_pos[one], k[one].permute(0, 2, 1, 3),
                                                    v[one].permute(0, 2, 3, 1))
                 # Both products contract the caches' last axis as they lie (BATCH_MATMUL with
-                # adj_y): no copy of the window is transposed per step, and the attention of
+                # adj_y): no copy of the cache is transposed per step, and the attention of
                 # a step costs ~0.6x the transposing matmuls' at 1024 positions, ~0.75x at 128.
-                keys, values = entry.k_cache[:, :, :self.window], entry.v_cache[..., :self.window]
+                keys, values = entry.k_cache, entry.v_cache
                 scores = bmm_4d(queries[one], keys)  # [1, G, q_per_kv * T, W]
             else:  # K and V [1, T, G, hd]
                 entry = kv_utils.update(entry, input_pos[one], k[one], v[one])
-                keys = entry.k_cache[:, :self.window].permute(0, 2, 3, 1)  # [1, G, hd, W]
-                values = entry.v_cache[:, :self.window].permute(0, 2, 1, 3)  # [1, G, W, hd]
+                keys = entry.k_cache.permute(0, 2, 3, 1)  # [1, G, hd, W]
+                values = entry.v_cache.permute(0, 2, 1, 3)  # [1, G, W, hd]
                 scores = torch.matmul(queries[one], keys)  # [1, G, q_per_kv * T, W]
             updated[k_name], updated[v_name] = entry.k_cache, entry.v_cache
             if config.logit_softcap is not None:

@@ -47,7 +47,7 @@ class ExportSettings:
     batch sizes, ``decode_batch{B}_lora_r{R}`` for each batch size B and batch rank R
     (``decode_batch{B}`` when the model has no LoRA slots). Each attention window W adds
     ``decode_attend{W}[_lora_r{R}]`` and ``decode_batch{B}_attend{W}[_lora_r{R}]``: the same
-    steps attending over the cache's first W positions only (a session whose position is
+    steps over a cache of W positions only (a session's first W, while its position is
     below W), which costs a fraction of attending over all ``kv_length``; with verify
     lengths also ``verify{L}_attend{W}[_lora_r{R}]``. Each prefill window W adds
     ``prefill_{L}_attend{W}[_lora_r{R}]`` for every prefill length L <= W.

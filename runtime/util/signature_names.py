@@ -10,8 +10,8 @@ parses them with it):
 * ``verify{L}``: L tokens of one session at L consecutive positions, returning the logits
   and the final hidden states (the lm_head's input) at all L: the step of speculative
   decoding that checks a draft (Turbo LoRA);
-* ``_attend{W}`` on a decode, a prefill or a verify: the step attends over the cache's
-  first W positions only;
+* ``_attend{W}`` on a decode, a prefill or a verify: the step takes and attends over a
+  cache of W positions only (a session's first W);
 * ``_lora_r{R}``: the signature takes LoRA inputs of rank R for the attention projections
   q/k/v/o; ``_lora_all_r{R}``: for every linear projection, the MLP's gate/up/down too;
   ``_lora_dora_r{R}``: those and a DoRA output scale per projection (a :class:`LoraSlot` each).

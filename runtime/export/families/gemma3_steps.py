@@ -51,8 +51,7 @@ class Gemma3BatchDecode(BatchDecode):
                 lora: dict[str, torch.Tensor] | None = None) -> dict[str, object]:
         model, batch, length = self.model, self.batch, self.length
         x = model.tok_embedding(tokens) * model.config.embedding_scale  # [B, T, D]
-        span = self.window or kv_utils.KVCacheEntry(kv_cache[self._row("k_0", 0)], kv_cache[self._row("v_0", 0)],
-                                                    kv_layout=self.kv_layout).get_max_seq_len()
+        span = self._span(kv_cache)
         masks = {}  # per attention type, each row's [1, 1, T, span], sliced once for all layers
         for kind, mask in model.masks(input_pos, span).items():
             rows = mask.reshape(batch, 1, length, span)
