@@ -77,9 +77,9 @@ def test_refuses_attention_windows_it_cannot_honour(details):
     with pytest.raises(InvalidArgumentError, match=r"'decode_attend64' attends over 64 positions, expected 1 ... 63"):
         ModelSpec.from_details(too_long, "m")
     whole = {**details, "decode_attend16": details["decode"]}  # an export older than window-sized caches
-    with pytest.raises(InvalidArgumentError, match=r"'decode_attend16' input 'kv_cache_k_0' is kv_cache_k_0 \[1, 64, 2, 16\] "
-                                                   r"float32, expected kv_cache_k_0 \[1, 16, 2, 16\] .*export the "
-                                                   r"model again"):
+    with pytest.raises(InvalidArgumentError, match=r"'decode_attend16' input 'kv_cache_k_0' is kv_cache_k_0 "
+                                                   r"\[1, 64, 2, 16\] float32, expected kv_cache_k_0 "
+                                                   r"\[1, 16, 2, 16\] .*export the model again"):
         ModelSpec.from_details(whole, "m")
     orphan = {k: v for k, v in details.items() if not k.startswith("decode_batch4_lora")}
     with pytest.raises(InvalidArgumentError, match="'decode_batch4_attend16_lora_r4' has no whole-cache counterpart"):

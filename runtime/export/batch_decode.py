@@ -8,10 +8,11 @@ Every row has its own tokens, positions, KV cache and LoRA weights; the base lin
 output projection, feed-forward, lm_head) run once over the ``[B, T, hidden]``
 activations, which at real size is what a decode step costs: reading the weights. Each
 row writes its new K and V into its own cache and attends over that cache (W positions
-with an attention window: at W=128 a row's attention costs ~1/8 of attending over 1024; T tokens of a row attend causally, each over the positions up to its own); the
-rows' own ``x A_i B_i`` run as batched matmuls over their stacked LoRA
-weights. (Stacking the caches instead, to attend in one matmul, measured twice as slow:
-the copies and transposes of every row's window cost more than the operations saved.)
+with an attention window: at W=128 a row's attention costs ~1/8 of attending over 1024;
+T tokens of a row attend causally, each over the positions up to its own); the rows' own
+``x A_i B_i`` run as batched matmuls over their stacked LoRA weights. (Stacking the caches
+instead, to attend in one matmul, measured twice as slow: the copies and transposes of
+every row's window cost more than the operations saved.)
 
 Inputs, named as the runtime binds them (litert-torch names a nested dict's leaves
 ``{outer}_{inner}``; a row's KV cache names are the single-session names with ``_{row}``
