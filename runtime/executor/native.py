@@ -163,7 +163,8 @@ class HostBuffer:
         # Private pages (a shared mapping would keep its pages when released), aligned and zeroed.
         self._pages = (mmap.mmap(-1, info.nbytes + _ALIGNMENT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                        if releasable else None)
-        raw = np.frombuffer(self._pages, np.uint8) if self._pages else np.zeros(info.nbytes + 2 * _ALIGNMENT, np.uint8)
+        raw = (np.frombuffer(self._pages, np.uint8) if self._pages is not None
+               else np.zeros(info.nbytes + 2 * _ALIGNMENT, np.uint8))
         start = -raw.ctypes.data % _ALIGNMENT
         self.array = raw[start:start + info.nbytes].view(info.dtype).reshape(info.shape)
         self._handles: dict[int, int] = {}  # by the compiled model that binds it
