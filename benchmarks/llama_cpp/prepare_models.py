@@ -73,7 +73,7 @@ def convert(script: Path, args: list[str], out: Path) -> None:
 def prepare(models: ModelSet, converters: Path, force: bool) -> None:
     """Everything llama.cpp needs for one model set."""
     if not (models.hf / "config.json").is_file():
-        log(f"{models.key}: no checkpoint at {models.hf}; skipped")
+        log(f"{models.key}: no checkpoint at {models.hf} (made by: {models.hf_made_by}); skipped")
         return
     todo = [name for name in models.generated_adapters if force or not models.adapters[name].peft.is_dir()]
     if todo:

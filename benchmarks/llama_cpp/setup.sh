@@ -22,6 +22,8 @@
 #      smollm2 (real size, in $RUNTIME_CACHE or ~/.cache/runtime, under bench/smollm2/):
 #        random PEFT adapters of rank 8, 8, 64 and 256 on the cached checkpoint
 #        (models/smollm2-135m-instruct-hf), its f32 and q8_0 GGUF, the adapters' GGUF.
+#      A set whose checkpoint is missing is skipped, naming the command that makes it
+#      (smollm2: python3 tools/train_smollm2_adapters.py prepare).
 #    It and the converters run with python3, which needs the export extra (torch,
 #    transformers, peft, sentencepiece); BUILD_PYTHON to override.
 #
