@@ -32,7 +32,7 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.batch_plan import DecodePlan
-from runtime.executor.native import HostBuffer, NativeModel, PreparedRun
+from runtime.executor.native import HostBuffer, NativeModel, PageBlock, PreparedRun
 from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
@@ -68,10 +68,10 @@ class KvCache:
     lies, and no step copies a window out of a larger cache.
     """
 
-    def __init__(self, buffers: dict[int, dict[str, HostBuffer]], position_axes: Mapping[str, int],
-                 nbytes: int) -> None:
-        self.by_length = buffers
-        self.length = max(buffers)  # the buffers that hold the context
+    def __init__(self, blocks: dict[int, PageBlock], position_axes: Mapping[str, int], nbytes: int) -> None:
+        self._blocks = blocks  # by cache length
+        self.by_length = {length: block.buffers for length, block in blocks.items()}
+        self.length = max(blocks)  # the buffers that hold the context
         self.nbytes = nbytes  # the whole cache's bytes (the buffers of other lengths give their pages back)
         self._axes = position_axes  # by input name
 
@@ -91,9 +91,12 @@ class KvCache:
         for name, buffer in target.items():
             axis = self._axes[name]
             _positions(buffer.array, axis, filled)[...] = _positions(source[name].array, axis, filled)
-        for buffer in source.values():
-            buffer.release()
+        self.release(self.length)
         self.length = length
+
+    def release(self, length: int) -> None:
+        """Gives the pages of the buffers of ``length`` back (they read as zeros after)."""
+        self._blocks[length].release()
 
     def close(self) -> None:
         """Drops this cache's buffers; they are freed once no binding refers to them.
@@ -102,6 +105,7 @@ class KvCache:
         freed memory to the interpreter.
         """
         self.by_length = {}
+        self._blocks = {}
 
 
 @dataclass(frozen=True)
@@ -281,10 +285,9 @@ class LlmExecutor:
         with buffers of every cache length the model's signatures take; pages not yet
         written take no memory."""
         self._check_open()
-        buffers = {length: {name: HostBuffer(info, releasable=True) for name, info in infos.items()}
-                   for length, infos in self._kv_infos.items()}
+        blocks = {length: PageBlock(list(infos.values())) for length, infos in self._kv_infos.items()}
         axes = {spec.name: self.spec.kv_position_axis(spec.name) for spec in self.spec.kv_inputs}
-        return KvCache(buffers, axes, self.spec.kv_cache_bytes)
+        return KvCache(blocks, axes, self.spec.kv_cache_bytes)
 
     def copy_kv_cache(self, source: KvCache) -> KvCache:
         """A new KV cache holding the same values as ``source``."""
@@ -316,11 +319,11 @@ class LlmExecutor:
             raise InvalidArgumentError(f"{length} positions of a KV prefix of {prefix.length}")
         kv.length = next((n for n in sorted(kv.by_length) if n > length), self.spec.kv_length)
         for held, buffers in kv.by_length.items():
+            if held != kv.length:
+                kv.release(held)
+                continue
             for buffer in buffers.values():
-                if held == kv.length:
-                    buffer.array[...] = 0
-                else:
-                    buffer.release()
+                buffer.array[...] = 0
         for name, buffer in kv.at(kv.length).items():
             axis = self.spec.kv_position_axis(name)
             _positions(buffer.array, axis, length)[...] = _positions(prefix.rows[name], axis, length)
