@@ -34,7 +34,7 @@ from client import LlamaCpp, available  # noqa: E402  (benchmarks/llama_cpp/clie
 from files import EVERY_SET, ModelSet  # noqa: E402
 
 from measure import prefill_seconds  # noqa: E402  (benchmarks/measure.py)
-from run import both  # noqa: E402
+from run import both, cpu_name  # noqa: E402
 from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
 from runtime.bench import timed_decode  # noqa: E402
 
@@ -85,8 +85,9 @@ def rows_table(record: dict[str, Any]) -> list[str]:
     """The rows of ``record`` (what :func:`measure` returned, with the date and load) as a
     markdown table with a line saying how to read it."""
     threads = record["threads"]
-    out = [f"{record['title']}, {threads} thread{'s' if threads > 1 else ''}; measured {record['date']} "
-           f"(load average {record['load_average'][0]:.1f} at the start). speed = llama.cpp's ms / ours (above 1: "
+    on = f" on {record['cpu']}" if "cpu" in record else ""  # recorded since 2026-12-04
+    out = [f"{record['title']}, {threads} thread{'s' if threads > 1 else ''}; measured {record['date']}{on}, "
+           f"load average {record['load_average'][0]:.1f} at the start. speed = llama.cpp's ms / ours (above 1: "
            f"ours is faster); median [min-max] over {record['rows'][0]['rounds']} alternating rounds.", "",
            "| precision (ours / llama.cpp) | measure | ours ms | llama.cpp ms | speed |", "|---|---|---|---|---|"]
     out += [f"| {r['precision']} | {r['measure']} | {r['ours_ms']:.1f} | {r['llama_cpp_ms']:.1f} | "
@@ -97,8 +98,8 @@ def rows_table(record: dict[str, Any]) -> list[str]:
 def record_of(llama: LlamaCpp, models: ModelSet, pairs: list[tuple[str, str]], rounds: int, steps: int,
               prompt: int, threads: int = 1) -> dict[str, Any]:
     """The measured rows with what :func:`rows_table` needs beside them."""
-    start = {"title": models.title, "date": date.today().isoformat(), "load_average": os.getloadavg(),
-             "threads": threads}
+    start = {"title": models.title, "date": date.today().isoformat(),
+             "cpu": cpu_name(Path("/proc/cpuinfo").read_text()), "load_average": os.getloadavg(), "threads": threads}
     return {**start, "rows": measure(llama, models, pairs, rounds, steps, prompt, threads)}
 
 

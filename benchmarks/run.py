@@ -113,10 +113,26 @@ def in_child(function: Callable, *args: Any) -> Any:
 # -- the machine -----------------------------------------------------------------------
 
 
+# CPU flags that decide which matrix kernels XNNPACK and llama.cpp run (one CPU model name
+# covers boxes with and without AVX-512), in the order they are printed.
+VECTOR_FLAGS = {"avx512f": "AVX-512", "avx512_vnni": "AVX-512 VNNI", "avx_vnni": "AVX-VNNI", "avx2": "AVX2",
+                "fma": "FMA", "asimddp": "NEON dot product", "i8mm": "I8MM", "sve": "SVE"}
+
+
+def cpu_name(cpuinfo: str) -> str:
+    """The CPU's model name with the vector extensions its kernels are chosen by, e.g.
+    ``AMD EPYC (AVX2, FMA)``, from the text of ``/proc/cpuinfo``."""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    vector = [label for flag, label in VECTOR_FLAGS.items() if flag in flags]
+    return f"{name} ({', '.join(vector)})" if vector else name
+
+
 def machine(llama_hello: dict | None) -> dict:
     """What ran the benchmark: CPU, cores, memory, versions, date, load before the run."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name(Path("/proc/cpuinfo").read_text())
     memory_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                       if line.startswith("MemTotal:"))
     return {
