@@ -41,6 +41,13 @@ Fully connected, one row (2026-12-03, same box, 9 rounds, ``--rows 1 --forms "st
 matmuls,fully connected,read only"``): rank 8 0.53 ms against 0.70 ms for the exports' form,
 rank 64 7.07 ms against 3.58 ms: what rank 8 would gain, rank 64 loses twice over, so the
 exports keep ``A`` ``[in, r]`` and ``B`` ``[r, out]``.
+
+On an AMD EPYC with AVX2 and no AVX-512 (2026-12-04, 7 rounds, ``--rows 1 --rank R --forms
+"stacked matmuls,fully connected,weights on the left,multiply and sum,read only"``, tables
+in ``benchmarks/results/avx2/lora_forms_r{8,64}_1row.md``): one row at rank 64, the exports'
+form 3.91 ms, fully connected 5.08, weights on the left 4.70, multiply and sum 2.42, reading
+1.58; at rank 8 0.57, 0.66, 1.04, 0.65 and 0.31 ms. Multiplying and summing would take 1.5
+ms off a rank-64 step there (0.62x) and add 0.08 ms to a rank-8 one.
 """
 
 from __future__ import annotations
