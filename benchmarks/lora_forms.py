@@ -46,8 +46,12 @@ On an AMD EPYC with AVX2 and no AVX-512 (2026-12-04, 7 rounds, ``--rows 1 --rank
 "stacked matmuls,fully connected,weights on the left,multiply and sum,read only"``, tables
 in ``benchmarks/results/avx2/lora_forms_r{8,64}_1row.md``): one row at rank 64, the exports'
 form 3.91 ms, fully connected 5.08, weights on the left 4.70, multiply and sum 2.42, reading
-1.58; at rank 8 0.57, 0.66, 1.04, 0.65 and 0.31 ms. Multiplying and summing would take 1.5
-ms off a rank-64 step there (0.62x) and add 0.08 ms to a rank-8 one.
+1.58; at rank 8 0.57, 0.66, 1.04, 0.65 and 0.31 ms; the exports' form against multiplying and
+summing at rank 32 1.33 and 0.87 ms, at rank 16 0.70 and 0.69. So since 2026-12-04 one token
+of one row at rank 32 and above is multiplied and summed in the exports
+(``runtime.export.mlp_lora.lora_product``): a whole rank-64 SmolLM2 step took 0.93x (f32)
+and 0.82x (int8) the matmul form's time there. Batched rows keep the batched matmuls (at 8
+rows and rank 8 the two forms were 4.23 and 4.38 ms).
 """
 
 from __future__ import annotations

@@ -67,18 +67,19 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
 
 
-def write_peft_adapter(model_dir: Path, out: Path, targets: list[str] = ATTENTION) -> Path:
-    """A random rank-4 PEFT adapter on ``targets`` (q/k/v/o by default), saved by peft."""
+def write_peft_adapter(model_dir: Path, out: Path, targets: list[str] = ATTENTION, rank: int = 4) -> Path:
+    """A random PEFT adapter of ``rank`` (4 by default) on ``targets`` (q/k/v/o by default),
+    saved by peft; its weights shrink with the rank, so that its effect is alike at any rank."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
             if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3 * (4 / rank) ** 0.25)
     peft_model.save_pretrained(out)
     return out
 
@@ -250,9 +251,16 @@ def test_each_signature_is_one_subgraph_with_its_norms_inline(exported: Exported
 def test_every_signature_multiplies_its_lora_weights_where_they_lie(exported: Exported) -> None:
     # A RESHAPE of a LoRA input (one row's [in, r] made [1, in, r]) is a copy of the adapter
     # that XNNPACK makes on every step: ~3 ms of a rank-64 SmolLM2-135M step.
+    readers = lora_readers(exported.model)
+    assert "decode_attend16_lora_r4" in readers and "decode_batch3_lora_r4" in readers
+    assert {kind for kinds in readers.values() for kind in kinds} == {"BATCH_MATMUL"}, readers
+
+
+def lora_readers(model_file: Path) -> dict[str, set[str]]:
+    """By signature, the kinds of the operators that read a ``lora_*`` input."""
     from ai_edge_litert import schema_py_generated as schema
 
-    model = schema.Model.GetRootAs(exported.model.read_bytes(), 0)
+    model = schema.Model.GetRootAs(model_file.read_bytes(), 0)
     names = {code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
     readers: dict[str, set[str]] = {}
     for index in range(model.SignatureDefsLength()):
@@ -265,8 +273,36 @@ def test_every_signature_multiplies_its_lora_weights_where_they_lie(exported: Ex
             if lora.intersection(op.InputsAsNumpy().tolist()):
                 kind = names[model.OperatorCodes(op.OpcodeIndex()).BuiltinCode()]
                 readers.setdefault(signature.SignatureKey().decode(), set()).add(kind)
-    assert "decode_attend16_lora_r4" in readers and "decode_batch3_lora_r4" in readers
-    assert {kind for kinds in readers.values() for kind in kinds} == {"BATCH_MATMUL"}, readers
+    return readers
+
+
+def test_a_high_rank_decode_multiplies_and_sums_its_lora_and_stays_exact(exported: Exported, tmp_path: Path) -> None:
+    # From rank 32 one token's x A B is products and sums (no matmul whose operand XNNPACK
+    # packs every step): decode in the window's step and the whole cache's, single rows only.
+    settings = ExportSettings(lora_ranks=(32,), lora_targets="attention", kv_length=32, prefill_lengths=(8,),
+                              attention_windows=(16,), batch_sizes=(2,))
+    model = tmp_path / "r32.tflite"
+    export(inspect_source(exported.source), settings, model_out=model, jobs=1)
+    readers = lora_readers(model)
+    for name in ("decode_lora_r32", "decode_attend16_lora_r32"):
+        assert readers[name] == {"MUL"}, readers
+    for name in ("prefill_8_lora_r32", "decode_batch2_lora_r32"):
+        assert readers[name] == {"BATCH_MATMUL"}, readers
+    adapter = write_peft_adapter(exported.source, tmp_path / "adapter", rank=32)
+    with_adapter = runtime_logits(model, adapter)  # decodes at positions 6-15 in the window, 16-23 past it
+    assert np.max(np.abs(with_adapter - transformers_logits(exported.source, adapter))) <= 1e-4
+    assert np.max(np.abs(with_adapter - runtime_logits(model))) > 0.1
+    configs = [SessionConfig(lora_path=adapter), SessionConfig()]
+    with Engine(model) as engine:
+        sessions = [engine.create_session(config) for config in configs]
+        for row, session in enumerate(sessions):
+            session.run_prefill(TOKEN_IDS[:PROMPT_LEN + row])
+        together = engine.decode_together([(s, TOKEN_IDS[-1]) for s in sessions])
+        assert dict(engine.stats().decode_batches) == {2: 1}
+        alone = sessions[0]
+        alone.reset()
+        alone.run_prefill(TOKEN_IDS[:PROMPT_LEN])
+        assert np.max(np.abs(alone.run_decode(TOKEN_IDS[-1]) - together[0])) <= 1e-5
 
 
 def spoiling(after_step: str, files: str, directory: Path) -> Callable[[Iterable[str]], Iterator[str]]:

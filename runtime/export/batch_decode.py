@@ -52,7 +52,8 @@ from runtime.errors import UnimplementedError
 from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
 from runtime.export.dora import check_dora, fused_qkv_scale, scaled_linear
 from runtime.export.litert import bmm_4d, kv_utils, rotary_position_embedding
-from runtime.export.mlp_lora import check_mlp_lora, feed_forward, is_standard_decoder, lora_key, lora_shapes
+from runtime.export.mlp_lora import (check_mlp_lora, feed_forward, is_standard_decoder, lora_key, lora_product,
+                                     lora_shapes)
 from runtime.util.signature_names import row_tensor_name
 
 def check_batchable(model: nn.Module) -> None:
@@ -248,6 +249,7 @@ class BatchDecode(nn.Module):
         """``x_i A_i B_i`` for every row i of ``x`` ``[B, T, in]``: ``[B, T, out]``, as batched
         matmuls over the rows' stacked ``A`` ``[B, in, r]`` and ``B`` ``[B, r, out]``, or one
         row's unstacked ``[in, r]`` and ``[r, out]`` as they are (made ``[1, in, r]`` in the
-        graph, they were a RESHAPE that XNNPACK ran as a copy of the adapter every step)."""
-        a, b = lora[lora_key(layer, projection, "a_prime")], lora[lora_key(layer, projection, "b_prime")]
-        return torch.matmul(torch.matmul(x, a), b)
+        graph, they were a RESHAPE that XNNPACK ran as a copy of the adapter every step); one
+        row's single token at a high rank as products and sums (:func:`lora_product`)."""
+        return lora_product(x, lora[lora_key(layer, projection, "a_prime")],
+                            lora[lora_key(layer, projection, "b_prime")])

@@ -209,10 +209,32 @@ class AllLinearStep(nn.Module):
         return None
 
 
+# From this rank up, one token's ``x A B`` is elementwise products and sums, not matmuls:
+# XNNPACK packs a matmul's right-hand operand into its kernel's layout on every run when it
+# is a graph input (as ``A`` and ``B`` are), and at rank 64 the packing costs more than the
+# products. SmolLM2-135M, one session, attention window 128, 1 thread, AMD EPYC with AVX2,
+# side by side in alternating rounds (2026-12-04): a rank-64 decode step took 0.93x (f32)
+# and 0.82x (int8) the matmul form's time; the products alone (``benchmarks/lora_forms.py
+# --rows 1``) 2.42 against 3.91 ms at rank 64, 0.87 against 1.33 at 32, 0.69 against 0.70
+# at 16 and 0.65 against 0.57 at 8.
+ELEMENTWISE_LORA_MIN_RANK = 32
+
+
+def lora_product(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x A B`` of one projection: ``x`` ``[..., in]`` with one row's ``a`` ``[in, r]`` and
+    ``b`` ``[r, out]``, or rows' stacked ``[B, in, r]`` and ``[B, r, out]`` (batched
+    matmuls). A single token against one row's ``A`` of rank ``ELEMENTWISE_LORA_MIN_RANK``
+    or more is multiplied and summed where ``A`` and ``B`` lie, with no matmul to pack them."""
+    if a.dim() == 2 and x.numel() == a.shape[0] and a.shape[1] >= ELEMENTWISE_LORA_MIN_RANK:
+        hidden = (x.reshape(-1, 1) * a).sum(0, keepdim=True)  # [1, r]
+        return (hidden.reshape(-1, 1) * b).sum(0).reshape(*x.shape[:-1], b.shape[-1])
+    return torch.matmul(torch.matmul(x, a), b)
+
+
 def deltas(lora: dict[str, torch.Tensor], layer: int) -> Delta:
-    """The LoRA deltas of one layer's projections: ``(x @ a) @ b``."""
+    """The LoRA deltas of one layer's projections: ``x A B`` (:func:`lora_product`)."""
 
     def delta(projection: str, x: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(torch.matmul(x, lora[lora_key(layer, projection, "a_prime")]),
+        return lora_product(x, lora[lora_key(layer, projection, "a_prime")],
                             lora[lora_key(layer, projection, "b_prime")])
     return delta

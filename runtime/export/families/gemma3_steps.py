@@ -31,7 +31,7 @@ from torch import nn
 from runtime.export.batch_decode import BatchDecode
 from runtime.export.families.gemma3 import Gemma3Decoder
 from runtime.export.litert import kv_utils, lora_utils
-from runtime.export.mlp_lora import ATTENTION_PROJECTIONS, AllLinearStep, feed_forward, lora_key
+from runtime.export.mlp_lora import ATTENTION_PROJECTIONS, AllLinearStep, deltas, feed_forward, lora_key
 
 
 def is_gemma3(model: nn.Module) -> bool:
@@ -86,10 +86,7 @@ class Gemma3AllLinearStep(AllLinearStep):
                 for short, long in ATTENTION_PROJECTIONS.items()}))
 
         def mlp(layer: int) -> functools.partial[torch.Tensor]:
-            def delta(projection: str, x: torch.Tensor) -> torch.Tensor:
-                return torch.matmul(torch.matmul(x, lora[lora_key(layer, projection, "a_prime")]),
-                                    lora[lora_key(layer, projection, "b_prime")])
-            return functools.partial(feed_forward, model.transformer_blocks[layer].ff, delta=delta)
+            return functools.partial(feed_forward, model.transformer_blocks[layer].ff, delta=deltas(lora, layer))
 
         logits = torch.numel(input_pos) == 1 or self.export_config.output_logits_on_prefill
         return model.run(tokens, input_pos, kv_cache, attention_lora, mlp, logits=logits)
