@@ -26,6 +26,17 @@ def test_generate_prints_tokens_and_timings():
     assert done.stderr == ""  # the native library's INFO lines stay off the terminal
 
 
+def test_generate_prints_where_the_runs_time_went_op_by_op():
+    done = cli("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "5,17,42", "--max-new-tokens", "4",
+               "--profile-ops")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    summary = next(line for line in lines if line.startswith("ops of the generation"))
+    assert int(summary.split(": ")[1].split(" runs")[0]) >= 4  # the prefill's runs and 3 decode steps
+    assert any(line.startswith("| Fully Connected (NC, F32) GEMM | XNNPACK |") for line in lines)
+    assert done.stderr == ""
+
+
 def test_generate_keeps_packed_weights_in_a_weight_cache_dir(tmp_path):
     runs = [cli("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "5,17,42", "--max-new-tokens", "4",
                 "--weight-cache-dir", tmp_path / "packed") for _ in range(2)]

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from runtime.cli.options import add_weight_cache_dir
@@ -61,6 +62,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int, default=1)
     add_weight_cache_dir(parser)
+    parser.add_argument("--profile-ops", action="store_true",
+                        help="record the generation's runs with LiteRT's op profiler and print where their time "
+                        "went, op by op (the recorded runs are slower)")
     parser.add_argument("--no-draft-heads", action="store_true",
                         help="load Turbo LoRA adapters without their draft heads (plain decoding; also what a model "
                         "exported without --verify-lengths needs)")
@@ -108,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         default_max_new_tokens = DEMO_MAX_NEW_TOKENS
     max_new_tokens = default_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     started = time.perf_counter()
-    settings = EngineSettings(num_threads=args.threads, weight_cache_dir=args.weight_cache_dir)
+    settings = EngineSettings(num_threads=args.threads, weight_cache_dir=args.weight_cache_dir,
+                              profile_ops=args.profile_ops)
     with Engine(args.model, settings, tokenizer=tokenizer) as engine:
         loaded = time.perf_counter()
         if args.prompt is not None and engine.tokenizer is None:
@@ -127,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = session.generate(prompt, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
-                                  on_token=show)
+        with engine.profile_ops() if args.profile_ops else nullcontext() as recording:
+            result = session.generate(prompt, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                                      on_token=show)
         steps = max(len(result.tokens) - 1, 1)
         print()
         print(
@@ -139,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
             f"decode {1e3 * result.decode_seconds / steps:.3f} ms/token "
             f"({result.decode_tokens_per_second:,.0f} tokens/s) | stop: {result.stop_reason}"
         )
+        if recording is not None:
+            print(f"\nops of the generation (prefill and decode, recorded): {recording.profile.table()}")
         speculation = session.stats().speculation
         if speculation.verifies:
             print(f"draft heads: {speculation.drafted} drafted, accepted per head {list(speculation.accepted)}, "

@@ -71,6 +71,8 @@ class EngineSettings:
     ``WeightCacheDir.USER`` (the default): the user's cache directory,
     ``~/.cache/runtime/xnnpack``, where it can take the file; else packed in memory.
     ``None``: packed in memory at every open.
+    ``profile_ops``: attach LiteRT's op profiler to the model, so that
+    :meth:`Engine.profile_ops` can record where runs spend their time, op by op.
     """
 
     num_threads: int = 1
@@ -81,6 +83,7 @@ class EngineSettings:
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     prefix_cache_bytes: int = 0
     weight_cache_dir: str | os.PathLike[str] | WeightCacheDir | None = WeightCacheDir.USER
+    profile_ops: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_wait_s is not None and (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from runtime.engine.stats import EngineStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
+from runtime.executor.op_profile import OpRecording, summarize
 from runtime.executor.weight_cache import weight_cache_file
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
@@ -50,7 +51,8 @@ class Engine:
         bundle's template (and its bundle's stop tokens go to the bundled tokenizer)."""
         self.model_path = Path(model_path)
         self.settings = settings or EngineSettings()
-        executor_settings = ExecutorSettings(num_threads=self.settings.num_threads)
+        executor_settings = ExecutorSettings(num_threads=self.settings.num_threads,
+                                             profile_ops=self.settings.profile_ops)
         bundled_tokenizer = None
         llm_metadata = None
         model: str | os.PathLike[str] | memoryview = self.model_path
@@ -154,6 +156,32 @@ class Engine:
             for session, context in zip(sessions, contexts):
                 session.record_decode(context, seconds)
         return logits
+
+    @contextmanager
+    def profile_ops(self) -> Iterator[OpRecording]:
+        """Records where the model's runs inside the ``with`` block spend their time, op by
+        op (an engine opened with ``EngineSettings(profile_ops=True)``); the recording's
+        ``profile`` is set when the block ends::
+
+            with engine.profile_ops() as recording:
+                session.run_decode(token)
+            print(recording.profile.table(steps=1))
+
+        Runs are slower while recorded (see :mod:`runtime.executor.op_profile`).
+        ``FailedPreconditionError`` when the engine was opened without ``profile_ops`` or
+        is recording already."""
+        self._check_open()
+        executors = self._resources.executors
+        recording = OpRecording()
+        started = []
+        try:
+            for executor in executors:
+                executor.start_profiling()
+                started.append(executor)
+            yield recording
+        finally:
+            events = [event for executor in started for event in executor.stop_profiling()]
+        recording.profile = summarize(events)
 
     def set_residency(self, policy: ResidencyPolicy) -> None:
         """Changes which blends of adapters stay resident; applied at once."""

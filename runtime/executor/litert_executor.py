@@ -32,7 +32,7 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.batch_plan import DecodePlan
-from runtime.executor.native import HostBuffer, NativeModel, PageBlock, PreparedRun
+from runtime.executor.native import HostBuffer, NativeModel, PageBlock, PreparedRun, ProfiledEvent
 from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
@@ -46,10 +46,12 @@ class ExecutorSettings:
     ``num_threads``: CPU threads for XNNPACK (0 lets the library choose).
     ``native_logs``: let the library print its INFO lines (it offers no switch for them,
     so by default file descriptor 2 is muted while a model loads or closes, and at exit).
+    ``profile_ops``: attach LiteRT's op profiler (:meth:`LlmExecutor.start_profiling`).
     """
 
     num_threads: int = 1
     native_logs: bool = False
+    profile_ops: bool = False
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
@@ -235,7 +237,7 @@ class LlmExecutor:
         with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(IN_MEMORY)) as cache:
             with self._native_logs():
                 self._model = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache,
-                                          name=str(self.model_path))
+                                          name=str(self.model_path), profiling=self.settings.profile_ops)
             try:
                 self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
                 # Token, position and logits buffers are shared by all sessions: runs are serialized.
@@ -256,6 +258,7 @@ class LlmExecutor:
         self._last_batch: tuple[tuple[int, ...], tuple[Binding, ...], _Run] | None = None
         self.invokes = 0  # signature runs so far, and the seconds spent inside them
         self.invoke_seconds = 0.0
+        self._profiling = False  # whether the profiler records
 
     def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
         described = self._model.signatures[key]
@@ -277,6 +280,30 @@ class LlmExecutor:
             io.hidden = HostBuffer(described.outputs[HIDDEN])
             io.hidden_array = io.hidden.array.reshape(signature.seq_len, signature.outputs[HIDDEN].shape[-1])
         return io
+
+    # -- profiling -----------------------------------------------------------------
+
+    def start_profiling(self) -> None:
+        """Records every op of this executor's runs from now on, until :meth:`stop_profiling`.
+        ``FailedPreconditionError`` unless the executor was opened with ``profile_ops`` and
+        is not recording already."""
+        with self._lock:
+            self._check_open()
+            if not self.settings.profile_ops:
+                raise FailedPreconditionError(f"{self.model_path}: opened without profile_ops, so LiteRT's "
+                                              "profiler is not attached")
+            if self._profiling:
+                raise FailedPreconditionError(f"{self.model_path}: its runs are being recorded already")
+            self._model.start_profiling()
+            self._profiling = True
+
+    def stop_profiling(self) -> list[ProfiledEvent]:
+        """Stops recording; what the runs since :meth:`start_profiling` recorded."""
+        with self._lock:
+            if not self._profiling:
+                raise FailedPreconditionError(f"{self.model_path}: its runs are not being recorded")
+            self._profiling = False
+            return self._model.stop_profiling()
 
     # -- buffers -------------------------------------------------------------------
 

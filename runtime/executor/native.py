@@ -78,7 +78,48 @@ _FUNCTIONS: dict[str, tuple[type | None, list]] = {
     "LiteRtCreateTensorBufferFromHostMemory": (_STATUS, [_P, _P, _SIZE, _P, _OUT_P]),
     "LiteRtDestroyTensorBuffer": (None, [_P]),
     "LiteRtRunCompiledModel": (_STATUS, [_P, _SIZE, _SIZE, _P, _SIZE, _P]),
+    "LiteRtCompiledModelGetProfiler": (_STATUS, [_P, _OUT_P]),
+    "LiteRtStartProfiler": (_STATUS, [_P]),
+    "LiteRtStopProfiler": (_STATUS, [_P]),
+    "LiteRtResetProfiler": (_STATUS, [_P]),
+    "LiteRtGetNumProfilerEvents": (_STATUS, [_P, ctypes.POINTER(ctypes.c_int)]),
+    "LiteRtGetProfilerEvents": (_STATUS, [_P, ctypes.c_int, _P]),
 }
+
+# LiteRT's runtime options (a TOML payload) and the one this module sets: attaching its
+# profiler to the compiled model's interpreter, which then records each op's run while started.
+_RUNTIME_OPTIONS = b"runtime_options_string"
+_PROFILING = b"enable_profiling = true\n"
+
+
+class _MemoryUsage(ctypes.Structure):
+    _fields_ = [("total_allocated_bytes", _SIZE), ("in_use_allocated_bytes", _SIZE),
+                ("private_footprint_bytes", _SIZE)]
+
+
+class _ProfiledEvent(ctypes.Structure):
+    """``ProfiledEventData`` of ``litert_profiler_event.h``."""
+
+    _fields_ = [("tag", ctypes.c_char_p), ("event_type", ctypes.c_int), ("start_timestamp_us", ctypes.c_uint64),
+                ("elapsed_time_us", ctypes.c_uint64), ("begin_mem_usage", _MemoryUsage),
+                ("end_mem_usage", _MemoryUsage), ("event_metadata1", ctypes.c_uint64),
+                ("event_metadata2", ctypes.c_uint64), ("event_source", ctypes.c_int)]
+
+
+# LiteRtProfilerEventType values of the events :meth:`NativeModel.stop_profiling` returns:
+# a signature's run (DEFAULT events tagged "Invoke"), an op the interpreter's own kernels
+# ran, and an op inside a delegate's (XNNPACK's) partition, profiled either way.
+RUN_EVENT, INTERPRETER_OP_EVENT, DELEGATE_OP_EVENTS = 1, 2, (4, 8)
+
+
+@dataclass(frozen=True)
+class ProfiledEvent:
+    """One event the profiler recorded: its tag (an op's name, or ``Invoke`` for a whole
+    signature run), its LiteRtProfilerEventType and how long it took."""
+
+    tag: str
+    event_type: int
+    microseconds: int
 
 
 class _Library:
@@ -244,16 +285,18 @@ class NativeModel:
     that release the GIL. ``run`` may be called from any thread, one run at a time."""
 
     def __init__(self, model: str | os.PathLike[str] | bytes | memoryview, *, num_threads: int, weight_cache: str,
-                 name: str) -> None:
+                 name: str, profiling: bool = False) -> None:
         """``model``: a ``.tflite`` path (mapped read-only), or the model's bytes or a
         read-only view of them; kept while the model is open, as the library reads it in
         place. ``num_threads``: XNNPACK's threads (0: the library's default).
         ``weight_cache``: XNNPACK's packed-weight cache (a file, or ``":memory:"``).
+        ``profiling``: attach LiteRT's profiler (:meth:`start_profiling`).
         ``InvalidArgumentError`` naming ``name`` when the library cannot load it."""
         lib = _lib()
         self._lib = lib
         self._buffer = _model_bytes(model, name)
         self._env, self._model, self._options, self._compiled = _P(), _P(), _P(), _P()
+        self._profiler = _P()
         try:
             lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
             status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
@@ -269,10 +312,21 @@ class NativeModel:
             lib.check(lib.lib.LiteRtCreateOpaqueOptions(_CPU_OPTIONS, copy, lib.free, ctypes.byref(cpu)),
                       "creating CPU options")
             lib.check(lib.lib.LiteRtAddOpaqueOptions(self._options, cpu), "adding CPU options")
+            if profiling:
+                runtime = _P()
+                lib.check(lib.lib.LiteRtCreateOpaqueOptions(_RUNTIME_OPTIONS, lib.strdup(_PROFILING), lib.free,
+                                                            ctypes.byref(runtime)), "creating runtime options")
+                lib.check(lib.lib.LiteRtAddOpaqueOptions(self._options, runtime), "adding runtime options")
             status = lib.lib.LiteRtCreateCompiledModel(self._env, self._model, self._options,
                                                        ctypes.byref(self._compiled))
             if status:
                 raise InvalidArgumentError(f"{name}: cannot compile the model for the CPU ({_status_text(status)})")
+            if profiling:
+                lib.check(lib.lib.LiteRtCompiledModelGetProfiler(self._compiled, ctypes.byref(self._profiler)),
+                          "getting the profiler")
+                if not self._profiler.value:
+                    raise UnimplementedError(f"{name}: the library attached no profiler (it does not read the "
+                                             "runtime option enable_profiling)")
             self.signatures = self._read_signatures(name)
             # Runs read the buffer through the compiled model's own interpreter, never the model
             # built from it: its IR of every signature (~140 MiB for SmolLM2's 56) can go. (A model
@@ -345,6 +399,26 @@ class NativeModel:
                            len(prepared.outputs), prepared.outputs)
         if status:
             raise InternalError(_status_text(status))
+
+    def start_profiling(self) -> None:
+        """Drops the events recorded so far and records every op of the runs from now on
+        (a model opened with ``profiling``; runs are slower while recording)."""
+        lib = self._lib
+        lib.check(lib.lib.LiteRtResetProfiler(self._profiler), "resetting the profiler")
+        lib.check(lib.lib.LiteRtStartProfiler(self._profiler), "starting the profiler")
+
+    def stop_profiling(self) -> list[ProfiledEvent]:
+        """Stops recording; the runs' events since :meth:`start_profiling` (signature runs
+        and ops; the library's other events left out), in the order they ended."""
+        lib = self._lib
+        lib.check(lib.lib.LiteRtStopProfiler(self._profiler), "stopping the profiler")
+        count = ctypes.c_int()
+        lib.check(lib.lib.LiteRtGetNumProfilerEvents(self._profiler, ctypes.byref(count)), "counting events")
+        events = (_ProfiledEvent * count.value)()
+        lib.check(lib.lib.LiteRtGetProfilerEvents(self._profiler, count.value, events), "reading events")
+        kept = (RUN_EVENT, INTERPRETER_OP_EVENT, *DELEGATE_OP_EVENTS)
+        return [ProfiledEvent(event.tag.decode(errors="replace"), event.event_type, event.elapsed_time_us)
+                for event in events if event.tag and event.event_type in kept]
 
     def close(self) -> None:
         """Frees the compiled model, the model and its environment (buffers stay valid)."""
