@@ -31,3 +31,13 @@ def test_non_finite_logits_are_reported_before_sampling():
     for bad in (np.inf, -np.inf, np.nan):
         with pytest.raises(NonFiniteLogits):
             sampler.sample(np.array([0.0, bad]))
+
+
+def test_the_callers_float32_logits_are_read_not_changed():
+    logits = np.array([5.0, 4.0, 9.0, -1.0], dtype=np.float32)
+    before = logits.copy()
+    sampler = RequestSampler(SamplerConfig(), prompt=[0, 3], stop_tokens={2}, min_tokens=1, repetition_penalty=2.0)
+    assert sampler.sample(logits) == 1  # 2 held back (min_tokens), 0 penalized to 2.5
+    assert sampler.sample(logits) == 2  # 1 is seen now too
+    np.testing.assert_array_equal(logits, before)
+    assert RequestSampler(SamplerConfig(), prompt=[], stop_tokens=()).sample(logits) == 2

@@ -44,14 +44,18 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token id for a ``(vocab,)`` vector of logits."""
-        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if logits.size == 0:
-            raise InvalidArgumentError("logits are empty")
-        if not np.all(np.isfinite(logits)):
+        logits = finite_logits(logits)
+        if logits is None:
             raise InternalError("the model produced non-finite logits (NaN or Inf)")
+        return self.pick(logits)
+
+    def pick(self, logits: np.ndarray) -> int:
+        """The next token id for a non-empty ``(vocab,)`` vector of finite logits, float32
+        or float64 (greedy reads them as they are; sampling computes in float64)."""
         config = self.config
         if config.temperature == 0.0 or config.top_k == 1:
-            return int(np.argmax(logits))
+            return int(np.argmax(logits))  # float32 to float64 keeps every value and so the argmax
+        logits = logits.astype(np.float64, copy=False)
         candidates = np.argsort(-logits, kind="stable")
         if config.top_k:
             candidates = candidates[: config.top_k]
@@ -62,6 +66,18 @@ class Sampler:
             keep = int(np.searchsorted(np.cumsum(probs), config.top_p) + 1)
             candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
         return int(candidates[self._rng.choice(len(candidates), p=probs)])
+
+
+def finite_logits(logits: np.ndarray) -> np.ndarray | None:
+    """``logits`` as a flat float array (float32 logits as they are, no copy), or None if
+    any is NaN or infinite; ``InvalidArgumentError`` if there are none. One pass over the
+    vocabulary: a greedy step's sampling is this and an argmax."""
+    logits = np.asarray(logits).reshape(-1)
+    if logits.dtype not in (np.float32, np.float64):
+        logits = logits.astype(np.float64)
+    if logits.size == 0:
+        raise InvalidArgumentError("logits are empty")
+    return logits if np.isfinite(logits).all() else None
 
 
 def greedy() -> Sampler:

@@ -9,6 +9,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from runtime import Sampler, SamplerConfig
+from runtime.components.sampler import finite_logits
 
 _SUPPRESSED = -1e30  # a stop token's logit before min_tokens: finite, so never sampled
 
@@ -34,16 +35,20 @@ class RequestSampler(Sampler):
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token id; :class:`NonFiniteLogits` if ``logits`` hold NaN or Inf."""
-        logits = np.array(logits, dtype=np.float64).reshape(-1)
-        if not np.isfinite(logits).all():
+        logits = finite_logits(logits)
+        if logits is None:
             raise NonFiniteLogits
-        if self._penalty != 1.0 and self._history:
+        penalize = self._penalty != 1.0 and self._history
+        suppress = self.generated < self._min_tokens and self._stops.size
+        if penalize or suppress:
+            logits = logits.astype(np.float64)  # a copy: the caller's logits stay as they are
+        if penalize:
             seen = np.unique(np.asarray(self._history, dtype=np.int64))
             values = logits[seen]
             logits[seen] = np.where(values > 0, values / self._penalty, values * self._penalty)
-        if self.generated < self._min_tokens and self._stops.size:
+        if suppress:
             logits[self._stops] = _SUPPRESSED
-        token = super().sample(logits)
+        token = self.pick(logits)
         self.generated += 1
         if self._penalty != 1.0:
             self._history.append(token)
