@@ -16,7 +16,7 @@ from runtime.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from runtime.executor.litert_executor import Binding, ExecutorSettings, LlmExecutor
+from runtime.executor.litert_executor import Binding, ExecutorSettings, LlmExecutor, prefill_chunks
 from runtime.util.lora_data import LoraData
 from runtime.util.signature_names import LoraSlot
 
@@ -199,3 +199,33 @@ def test_each_step_returns_a_fresh_logits_array():
     np.testing.assert_array_equal(first, kept)  # the later step did not overwrite it
     assert not np.array_equal(first, second)
     executor.close()
+
+
+@pytest.mark.parametrize("count, room, expected", [
+    (127, 1024, [128]),  # one padded run, not prefill_32 four times: the same positions in one pass
+    (100, 1024, [128]),
+    (511, 1024, [512]),
+    (1000, 1024, [512, 512]),
+    (60, 1024, [32, 32]),  # not a padded prefill_128: 68 positions more to save one run
+    (32, 1024, [32]),
+    (5, 1024, [32]),
+    (40, 60, [32, 1, 1, 1, 1, 1, 1, 1, 1]),  # no room to pad the last 8: decode steps
+])
+def test_a_prompt_is_cut_into_the_runs_that_compute_the_fewest_positions(count, room, expected):
+    assert prefill_chunks(count, (32, 128, 512), room) == expected
+
+
+def test_every_prefill_plan_covers_its_tokens_within_the_cache():
+    for lengths in [(32, 128, 512), (8, 128), (5, 7), ()]:
+        for room in (1, 9, 40, 130, 600):
+            for count in range(0, room + 1, 3):
+                chunks = prefill_chunks(count, lengths, room)
+                assert all(chunk in (*lengths, 1) for chunk in chunks)
+                *exact, last = chunks or [0]
+                assert sum(exact) < count or count == 0  # only the last chunk may be padded
+                assert count <= sum(chunks) <= room
+                assert sum(chunks) == count or last in lengths  # padding only in a prefill
+
+
+def test_no_prefill_lengths_means_decode_steps():
+    assert prefill_chunks(3, (), 100) == [1, 1, 1]
