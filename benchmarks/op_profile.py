@@ -47,7 +47,8 @@ def main() -> None:
             parser.error(f"--{name} {getattr(args, name)}: expected 1 or more")
     settings = EngineSettings(batch_wait_s=None, num_threads=1, profile_ops=True)
     with tempfile.TemporaryDirectory() as folder, Engine(args.model, settings) as engine:
-        if args.position + 2 * (WARMUP + args.steps) * 2 > engine.spec.kv_length:
+        # The first session steps in both kinds: WARMUP + steps unrecorded, then steps recorded, each.
+        if args.position + 2 * (WARMUP + 2 * args.steps) > engine.spec.kv_length:
             parser.error(f"--position {args.position}: {args.steps} steps would run past the KV cache of "
                          f"{engine.spec.kv_length} positions")
         paths = random_adapter_files(engine, Path(folder), args.rows, args.rank) if args.rank else [None] * args.rows

@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("litert_torch")
 
 import checkpoints  # noqa: E402
+from tflite_ops import signature_graphs  # noqa: E402
 from runtime import Engine, InvalidArgumentError, SamplerConfig, SessionConfig  # noqa: E402
 from runtime.export import families  # noqa: E402
 from runtime.export.bundle import write_bundle  # noqa: E402
@@ -258,21 +259,12 @@ def test_every_signature_multiplies_its_lora_weights_where_they_lie(exported: Ex
 
 def lora_readers(model_file: Path) -> dict[str, set[str]]:
     """By signature, the kinds of the operators that read a ``lora_*`` input."""
-    from ai_edge_litert import schema_py_generated as schema
-
-    model = schema.Model.GetRootAs(model_file.read_bytes(), 0)
-    names = {code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
     readers: dict[str, set[str]] = {}
-    for index in range(model.SignatureDefsLength()):
-        signature = model.SignatureDefs(index)
-        graph = model.Subgraphs(signature.SubgraphIndex())
-        lora = {signature.Inputs(i).TensorIndex() for i in range(signature.InputsLength())
-                if signature.Inputs(i).Name().decode().startswith("lora_")}
-        for op_index in range(graph.OperatorsLength()):
-            op = graph.Operators(op_index)
-            if lora.intersection(op.InputsAsNumpy().tolist()):
-                kind = names[model.OperatorCodes(op.OpcodeIndex()).BuiltinCode()]
-                readers.setdefault(signature.SignatureKey().decode(), set()).add(kind)
+    for key, graph in signature_graphs(model_file).items():
+        lora = {index for name, index in graph.inputs.items() if name.startswith("lora_")}
+        for kind, inputs in graph.operators:
+            if lora.intersection(inputs):
+                readers.setdefault(key, set()).add(kind)
     return readers
 
 

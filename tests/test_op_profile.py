@@ -7,27 +7,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from ai_edge_litert import schema_py_generated as schema
 
 from conftest import MODEL_FILES
+from tflite_ops import signature_graphs
 from runtime import Engine, EngineSettings
 from runtime.errors import FailedPreconditionError
 
 STEPS = 3
-
-
-def signature_op_counts(model_path, key: str) -> Counter:
-    """How many ops of each builtin kind the model's signature ``key`` holds, read from its flatbuffer."""
-    model = schema.Model.GetRootAsModel(model_path.read_bytes(), 0)
-    names = {code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
-    codes = [max(model.OperatorCodes(i).BuiltinCode(), model.OperatorCodes(i).DeprecatedBuiltinCode())
-             for i in range(model.OperatorCodesLength())]
-    for index in range(model.SignatureDefsLength()):
-        signature = model.SignatureDefs(index)
-        if signature.SignatureKey().decode() == key:
-            graph = model.Subgraphs(signature.SubgraphIndex())
-            return Counter(names[codes[graph.Operators(i).OpcodeIndex()]] for i in range(graph.OperatorsLength()))
-    raise KeyError(key)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +32,8 @@ def test_a_recording_counts_every_op_of_every_decode_step(engine):
     profile = recording.profile
     assert profile.runs == STEPS
     by_name = {op.name: op for op in profile.ops}
-    linears = signature_op_counts(MODEL_FILES["transposed"], "decode")["FULLY_CONNECTED"]
+    linears = Counter(kind for kind, _ in signature_graphs(MODEL_FILES["transposed"])["decode"].operators)[
+        "FULLY_CONNECTED"]
     assert linears > 0
     assert by_name["Fully Connected (NC, F32) GEMM"].count == STEPS * linears
     assert by_name["Fully Connected (NC, F32) GEMM"].kernel == "XNNPACK"
