@@ -69,9 +69,7 @@ def write_report(results: dict, key: str, rounds: int, threads: int, executors: 
     options = "".join(f" --{name} {value}" for name, value in chosen.items())
     out = RESULTS / ("_".join([f"concurrency_{key}", *(f"{name}{value}" for name, value in chosen.items())]))
     out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    rows: list[str] = []
-    report.concurrency_targets(title, conc, lambda target, where, measured, met: rows.append(
-        f"| {target} | {where} | {measured} | {'yes' if met else 'NO'} |"))
+    rows = [target.row() for target in report.concurrency_targets(title, conc)]
     lines = [f"# Concurrent sessions: {title}", "", *report.machine_lines(results["machine"]), "",
              f"Command: `python3 benchmarks/concurrency.py --set {key} --rounds {rounds}{options}`", "",
              "| target | model | measured | met |", "|---|---|---|---|", *rows, "",

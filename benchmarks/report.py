@@ -3,7 +3,9 @@ and the PNG plots, each comparing our runtime with llama.cpp measured in the sam
 
     python3 benchmarks/report.py [RESULTS_DIR]
 
-re-renders both from ``results.json`` (``benchmarks/run.py`` calls the same functions).
+re-renders both from ``results.json``, and the README's headline table between its
+:data:`HEADLINE_BEGIN` and :data:`HEADLINE_END` lines (``benchmarks/run.py`` calls the same
+functions).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,34 @@ SIDES = {
 TURBO_RESULTS = ("turbo_smollm2", "turbo_smollm2_verify4", "turbo_smollm2_int8_verify6", "turbo_smollm2_int8",
                  "turbo_smollm2_heads32")
 SPEED_NOTE = "speed = llama.cpp's ms / ours (above 1: ours is faster)"
+README = Path(__file__).resolve().parents[1] / "README.md"
+# The README's headline table lies between these lines, written by write_headline().
+HEADLINE_BEGIN = "<!-- headline: written by benchmarks/report.py from benchmarks/results; do not edit -->"
+HEADLINE_END = "<!-- /headline -->"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One verdict of the report: what is asked (``target``) of which model and setting
+    (``where``), the figure measured, whether it is met, what measured it (``source``), and
+    whether it belongs in the README's headline (the real-size rows beside llama.cpp and
+    the batch's exactness). ``met`` is None for a figure the headline shows with no target."""
+
+    target: str
+    where: str
+    measured: str
+    met: bool | None
+    source: str = ""
+    headline: bool = False
+
+    def row(self) -> str:
+        """This target's row of the report's table of targets."""
+        return f"| {self.target} | {self.where} | {self.measured} | {self.verdict} |"
+
+    @property
+    def verdict(self) -> str:
+        """``yes``, ``NO``, or ``no target``."""
+        return "no target" if self.met is None else "yes" if self.met else "NO"
 
 
 # -- small helpers -------------------------------------------------------------------------
@@ -92,8 +123,8 @@ def render_markdown(results: dict, folder: Path) -> str:
             f"within a round. {SPEED_NOTE}.", ""]
     for key, message in results.get("skipped", {}).items():
         out += [f"**{key} skipped**: {message}", ""]
-    out += ["## Targets", "", "| target | model | measured | met |", "|---|---|---|---|", *targets(results),
-            *serve_targets(folder), *turbo_targets(folder), *gemma3_targets(folder), ""]
+    out += ["## Targets", "", "| target | model | measured | met |", "|---|---|---|---|",
+            *(t.row() for t in all_targets(results, folder)), ""]
     out += ["## Plots", ""]
     out += [f"![{title}]({name})" for name, title in PLOT_TITLES.items()]
     for key, data in _sets(results):
@@ -313,16 +344,30 @@ def _size(register_row: dict) -> float:
     return register_row["file_mb"]
 
 
-def targets(results: dict) -> list[str]:
-    """The targets, each with the measured figure and a verdict."""
-    rows = []
+def all_targets(results: dict, folder: Path) -> list[Target]:
+    """Every target of the report: the model sets' (``results``), then those of the runs
+    whose results lie in ``folder`` (serving, Turbo LoRA, Gemma 3)."""
+    return [*targets(results), *serve_targets(folder), *turbo_targets(folder), *gemma3_targets(folder)]
 
-    def add(target: str, where: str, measured: str, met: bool) -> None:
-        rows.append(f"| {target} | {where} | {measured} | {'yes' if met else 'NO'} |")
 
+def measured_by(data: dict, section: str) -> str:
+    """Which run of ``benchmarks/run.py`` measured ``section`` of a model set, and when."""
+    when = data.get("measured", {})
+    while section not in when.get("sections", [section]) and when.get("before"):
+        when = when["before"]
+    return f"`run.py` {section}, {when.get('date', 'date not recorded')}, {when.get('cpu', 'CPU not recorded')}"
+
+
+def targets(results: dict) -> list[Target]:
+    """The targets of the model sets, each with the measured figure and a verdict."""
+    rows: list[Target] = []
     for key, data in _sets(results):
         real = key == "smollm2"
         name = "SmolLM2-135M" if real else "bench model"
+
+        def add(target: str, where: str, measured: str, met: bool, section: str, headline: bool = False) -> None:
+            rows.append(Target(target, where, measured, met, measured_by(data, section), headline and real))
+
         for threads, t in _threads(data):
             where = f"{name}, {_threads_label(threads)}"
             for precision in ("f32", "int8"):
@@ -332,33 +377,38 @@ def targets(results: dict) -> list[str]:
                 if not real:
                     worst = max(e["glue_share"]["median"] for e in settings.values())
                     add("runtime's own work <= 3% of a decode step", f"{where}, {precision}",
-                        f"worst {100 * worst:.1f}%", worst <= 0.03)
+                        f"worst {100 * worst:.1f}%", worst <= 0.03, "threads")
                 for setting in ("r8", "blend", "r64"):
                     e = settings[setting]
                     add("adapter / plain decode <= the graph's own ratio + 3% (per round, median)",
                         f"{where}, {precision}, {SETTING_NAMES[setting]}",
                         f"{e['x_base']['median']:.3f} vs {e['graph_x']['median']:.3f}: "
-                        f"{e['x_base_minus_graph_x']['median']:+.3f}", e["x_base_minus_graph_x"]["median"] <= 0.03)
+                        f"{e['x_base_minus_graph_x']['median']:+.3f}", e["x_base_minus_graph_x"]["median"] <= 0.03,
+                        "threads")
             for precision, factor in (("f32", 1.0), ("int8", 1.0 if real else 1.3)):
                 for setting in ("base", "r8", "base_late"):
                     e = t["decode"].get(precision, {}).get(setting, {})
                     if "speed" in e:
                         add(f"decode tokens/s >= {factor}x llama.cpp ({SIDES[(precision, 'ours')][0]} vs "
                             f"{SIDES[(precision, 'theirs')][0]})", f"{where}, {SETTING_NAMES[setting]}",
-                            f"{_range(e['speed'])}x", e["speed"]["median"] >= factor)
+                            f"{_range(e['speed'])}x ({_med(e['ours_ms'], '{:.1f}')} vs "
+                            f"{_med(e['theirs_ms'], '{:.1f}')} ms)", e["speed"]["median"] >= factor, "threads", True)
             if real:
                 for precision in ("f32", "int8"):
                     e = t["prefill"].get(precision, {}).get("512", {})
                     if "speed" in e:
                         add(f"prefill 512 tokens >= 1.0x llama.cpp ({SIDES[(precision, 'ours')][0]} vs "
-                            f"{SIDES[(precision, 'theirs')][0]})", where, f"{_range(e['speed'])}x",
-                            e["speed"]["median"] >= 1.0)
+                            f"{SIDES[(precision, 'theirs')][0]})", where, f"{_range(e['speed'])}x "
+                            f"({_med(e['ours_ms'], '{:.0f}')} vs {_med(e['theirs_ms'], '{:.0f}')} ms)",
+                            e["speed"]["median"] >= 1.0, "threads", True)
             limit = 1.02 if real else 1.05
             sw = t["switch"]["ours"]
             add(f"switch between resident adapters + next step <= {limit}x a step (two sessions)", where,
-                f"{_range(sw['two_sessions_over_step'], '{:.3f}')}x", sw["two_sessions_over_step"]["median"] <= limit)
+                f"{_range(sw['two_sessions_over_step'], '{:.3f}')}x", sw["two_sessions_over_step"]["median"] <= limit,
+                "threads", True)
             add(f"same, one session re-targeted with set_adapters (<= {limit}x)", where,
-                f"{_range(sw['switch_over_step'], '{:.3f}')}x", sw["switch_over_step"]["median"] <= limit)
+                f"{_range(sw['switch_over_step'], '{:.3f}')}x", sw["switch_over_step"]["median"] <= limit,
+                "threads", True)
         for field, source in (("ours_ms", "GGUF file"), ("ours_peft_ms", "PEFT directory")):
             measured = [row for row in data["register"]["rows"] if field in row]
             if len(measured) > 1:
@@ -366,23 +416,31 @@ def targets(results: dict) -> list[str]:
                 low, high = smallest[field]["median"], largest[field]["median"]
                 add(f"register time independent of file size (largest / smallest < 2), {source}", name,
                     f"{low:.2f} ms at {smallest['file_mb']:.2f} MB, {high:.2f} ms at {largest['file_mb']:.0f} MB",
-                    high / low < 2.0)
+                    high / low < 2.0, "register")
         mem = data["memory"]["ours"]
         add("registered, non-resident adapter <= 64 KB RSS", name,
-            f"{mem['registered_per_adapter_bytes'] / 1024:.1f} KiB", mem["registered_per_adapter_bytes"] <= 64_000)
+            f"{mem['registered_per_adapter_bytes'] / 1024:.1f} KiB", mem["registered_per_adapter_bytes"] <= 64_000,
+            "memory", True)
         ratio = mem["resident_per_adapter_bytes"] / mem["slot_float32_bytes"]
         add("resident adapter <= 1.1x its float32 buffer bytes (each beyond the first)", name, f"{ratio:.3f}x",
-            ratio <= 1.1)
+            ratio <= 1.1, "memory")
         if not real:
             add("0 bytes RSS growth per switch", name, f"{mem['growth_per_switch_bytes']:.2f} B",
-                mem["growth_per_switch_bytes"] <= 1.0)
+                mem["growth_per_switch_bytes"] <= 1.0, "memory")
         if "concurrency" in data:
-            concurrency_targets(name, data["concurrency"], add)
+            rows += [Target(t.target, t.where, t.measured, t.met, measured_by(data, "concurrency"),
+                            t.headline and real) for t in concurrency_targets(name, data["concurrency"])]
     return rows
 
 
-def concurrency_targets(name: str, conc: dict, add: Callable[[str, str, str, bool], None]) -> None:
-    """The concurrent-sessions targets of one model set, through ``add(target, where, measured, met)``."""
+def concurrency_targets(name: str, conc: dict) -> list[Target]:
+    """The concurrent-sessions targets of one model set (``name``); the 8-session, latency
+    and exactness rows are headline rows."""
+    rows: list[Target] = []
+
+    def add(target: str, where: str, measured: str, met: bool, headline: bool = False) -> None:
+        rows.append(Target(target, where, measured, met, headline=headline))
+
     for precision, entry in conc["precisions"].items():
         curves, label = entry["curves"], f"{name}, {SIDES[(precision, 'ours')][0]}"
         if conc.get("engine_threads", 1) != 1:
@@ -404,26 +462,92 @@ def concurrency_targets(name: str, conc: dict, add: Callable[[str, str, str, boo
             eight = batched["8"]["median"] / alone
             need = 4.0 if precision == "f32" else 3.0
             held = "one model copy" if copies == 1 else f"{copies} model copies"
+            theirs = curves.get("llama.cpp, a context per session", {}).get("8")
+            beside = f"; llama.cpp {theirs['median']:.0f}, a context each" if theirs else ""
             add(f"8 sessions, 8 distinct rank-8 adapters, {held}: aggregate >= {need:.0f}x one session",
-                label, f"{eight:.2f}x", eight >= need)
+                label, f"{eight:.2f}x ({batched['8']['median']:.0f} vs {alone:.0f} tokens/s{beside})", eight >= need,
+                True)
             latency = 8 / eight
             add("a session's per-token latency in a batch of 8 <= 2x alone", label, f"{latency:.2f}x",
-                latency <= 2.0)
+                latency <= 2.0, True)
         late = next((name for name in curves if name.startswith("ours, batched, from position")), None)
         if late and {"1", "8"} <= set(curves[late]):
             ratio = curves[late]["8"]["median"] / curves[late]["1"]["median"]
             need = 3.0 if precision == "f32" else 2.5  # every row attends over (nearly) the whole cache
             add(f"the same, sessions {late.rsplit(' ', 1)[1]} tokens into their caches: aggregate >= "
-                f"{need:g}x one session", label, f"{ratio:.2f}x", ratio >= need)
+                f"{need:g}x one session", label, f"{ratio:.2f}x", ratio >= need, True)
         fidelity = entry["fidelity"]
         tolerance = 1e-4 if precision == "f32" else 1e-3
         add(f"a batch's rows equal their sessions alone: max |logit diff| <= {tolerance:g}, greedy identical "
             f"({fidelity['sessions']} sessions, {fidelity['steps']} steps)", label,
             f"{fidelity['max_abs_logit_diff']:.1e}, {'identical' if fidelity['greedy_identical'] else 'DIFFERENT'}",
-            fidelity["max_abs_logit_diff"] <= tolerance and fidelity["greedy_identical"])
+            fidelity["max_abs_logit_diff"] <= tolerance and fidelity["greedy_identical"], True)
         mem = entry["memory"]
         add(f"RSS growth from 1 to {mem['sessions']} sessions <= their KV caches + adapter buffers + 10%", label,
             f"{mem['growth_over_held']:.2f}x", mem["growth_over_held"] <= 1.1)
+    return rows
+
+
+def untargeted_figures(results: dict, folder: Path) -> list[Target]:
+    """The real-size figures beside llama.cpp that have no target: prefill of a short prompt,
+    opening the model, registering an adapter, and the 4-bit rows of ``benchmarks/base_rows.py``
+    (``base_rows_smollm2_prompt512.json`` in ``folder``)."""
+    rows = []
+    base_rows = folder / "base_rows_smollm2_prompt512.json"
+    if base_rows.exists():
+        record = json.loads(base_rows.read_text())
+        rows += [Target(f"{r['measure']} ({r['precision'].replace(' / ', ' vs ')})",
+                        f"SmolLM2-135M, {_threads_label(str(record['threads']))}",
+                        f"{r['speed']:.2f} [{r['speed_min']:.2f}-{r['speed_max']:.2f}]x ({r['ours_ms']:.1f} vs "
+                        f"{r['llama_cpp_ms']:.1f} ms)", None,
+                        f"`{base_rows.name}`, {record['date']}, {record.get('cpu', 'CPU not recorded')}")
+                 for r in record["rows"] if r["precision"].startswith("int4")]
+    data = results["sets"].get("smollm2")
+    if data is None:
+        return rows
+    for precision in ("f32", "int8"):
+        pair = f"{SIDES[(precision, 'ours')][0]} vs {SIDES[(precision, 'theirs')][0]}"
+        e = data["threads"].get("1", {}).get("prefill", {}).get(precision, {}).get("128", {})
+        if "speed" in e:
+            rows.append(Target(f"prefill 128 tokens ({pair})", "SmolLM2-135M, 1 thread",
+                               f"{_range(e['speed'])}x ({_med(e['ours_ms'], '{:.0f}')} vs "
+                               f"{_med(e['theirs_ms'], '{:.0f}')} ms)", None, measured_by(data, "threads")))
+        load = data.get("load", {}).get(precision, {})
+        if "ours" in load and "theirs" in load:
+            ours, theirs = load["ours"], load["theirs"]
+            rows.append(Target(f"open the model: load time and peak RSS ({pair})", "SmolLM2-135M",
+                               f"{ours['load_ms']['median'] / 1e3:.2f} s, {ours['peak_rss_mib']['median'] / 1024:.2f} "
+                               f"GiB vs {theirs['load_ms']['median'] / 1e3:.2f} s, "
+                               f"{theirs['peak_rss_mib']['median'] / 1024:.2f} GiB", None, measured_by(data, "load")))
+    registered = [row for row in data.get("register", {}).get("rows", []) if "theirs_ms" in row]
+    if registered:
+        row = min(registered, key=_size)
+        peft, gguf, theirs = (_med(row.get(field), "{:.1f}") for field in ("ours_peft_ms", "ours_ms", "theirs_ms"))
+        rows.append(Target(f"register a rank-{row['rank']} adapter (ours PEFT directory / GGUF vs llama.cpp GGUF)",
+                           "SmolLM2-135M", f"{peft} / {gguf} vs {theirs} ms", None, measured_by(data, "register")))
+    return rows
+
+
+def headline(results: dict, folder: Path) -> str:
+    """The README's headline table: the report's headline targets (real size, beside
+    llama.cpp, and the batch's exactness) and the real-size figures without a target, each
+    with its verdict and the run that measured it."""
+    lines = ["| target | model | measured | met | measured by |", "|---|---|---|---|---|"]
+    rows = [t for t in all_targets(results, folder) if t.headline] + untargeted_figures(results, folder)
+    lines += [f"| {t.target} | {t.where} | {t.measured} | {'**NO**' if t.met is False else t.verdict} | {t.source} |"
+              for t in rows]
+    return "\n".join(lines)
+
+
+def write_headline(table: str, readme: Path = README) -> None:
+    """Puts ``table`` between the headline markers of ``readme`` (which must hold them once)."""
+    text = readme.read_text()
+    if text.count(HEADLINE_BEGIN) != 1 or text.count(HEADLINE_END) != 1:
+        raise ValueError(f"{readme}: expected one {HEADLINE_BEGIN!r} line and one {HEADLINE_END!r} line")
+    before, rest = text.split(HEADLINE_BEGIN)
+    after = rest.split(HEADLINE_END)[1]
+    readme.write_text(f"{before}{HEADLINE_BEGIN}\n{table}\n{HEADLINE_END}{after}")
+
 
 # -- the plots ---------------------------------------------------------------------------------
 
@@ -727,7 +851,7 @@ def plot_concurrency(plt: Any, results: dict) -> Any:
 SERVE_LOADS = {"serve_load_smollm2.json": "SmolLM2-135M f32", "serve_load.json": "bench model f32"}
 
 
-def serve_targets(folder: Path) -> list[str]:
+def serve_targets(folder: Path) -> list[Target]:
     """The serving target at real size (``serve_load_smollm2.json``, written beside the
     report by ``benchmarks/serve_load.py``): tokens/s at least llama-server's, time to first
     token p99 below its p99, no error, every answer equal to offline."""
@@ -747,12 +871,13 @@ def serve_targets(folder: Path) -> list[str]:
                 f"{theirs['ttft_ms_p99'] / 1e3:.1f} s, {ours['errors']} errors, "
                 f"{ours['requests'] - ours['errors'] - ours['mismatches']}/{ours['requests'] - ours['errors']} "
                 "equal to offline")
-    return [f"| runtime serve vs llama-server under load: tokens/s >= 1.0x, TTFT p99 below its p99, 0 errors, "
-            f"every answer equal to offline | SmolLM2-135M f32, {settings['clients']} streaming clients, "
-            f"{settings['adapters']} adapters | {measured} | {'yes' if met else 'NO'} |"]
+    return [Target("runtime serve vs llama-server under load: tokens/s >= 1.0x, TTFT p99 below its p99, 0 errors, "
+                   "every answer equal to offline",
+                   f"SmolLM2-135M f32, {settings['clients']} streaming clients, {settings['adapters']} adapters",
+                   measured, met, f"`{path.name}`", headline=True)]
 
 
-def turbo_targets(folder: Path) -> list[str]:
+def turbo_targets(folder: Path) -> list[Target]:
     """Turbo LoRA's targets from the f32 run of ``benchmarks/turbo.py`` (``turbo_smollm2.json``,
     written beside the report): ``order_json`` decode >= 2x the same LoRA without heads with
     every output identical, and heads that cost <= 5% on free text (default policy)."""
@@ -763,14 +888,15 @@ def turbo_targets(folder: Path) -> list[str]:
     where = f"SmolLM2-135M, {turbo_label(result)}"
     templated, free = result["order_json"], result["free_text_default_policy"]
     fast = templated["speedup"] >= 2.0 and templated["identical"] == templated["items"]
-    return [f"| Turbo LoRA, `order_json`: decode tokens/s >= 2x the same LoRA without heads, every output identical "
-            f"| {where} | {templated['speedup']:.2f}x, {templated['identical']}/{templated['items']} identical "
-            f"| {'yes' if fast else 'NO'} |",
-            f"| Turbo LoRA, free text: the heads cost <= 5% (default policy) | {where} | {free['speedup']:.3f}x "
-            f"| {'yes' if free['speedup'] >= 0.95 else 'NO'} |"]
+    source = f"`{path.name}`"
+    return [Target("Turbo LoRA, `order_json`: decode tokens/s >= 2x the same LoRA without heads, every output "
+                   "identical", where, f"{templated['speedup']:.2f}x, {templated['identical']}/{templated['items']} "
+                   "identical", fast, source, headline=True),
+            Target("Turbo LoRA, free text: the heads cost <= 5% (default policy)", where, f"{free['speedup']:.3f}x",
+                   free["speedup"] >= 0.95, source, headline=True)]
 
 
-def gemma3_targets(folder: Path) -> list[str]:
+def gemma3_targets(folder: Path) -> list[Target]:
     """Gemma 3 270M's targets from ``benchmarks/gemma3.py``'s run (``gemma3.json``, written
     beside the report): decode f32 / int8 >= 1.0x llama.cpp f32 / q8_0, and 8 sessions with 8
     distinct rank-8 adapters >= 3x one session."""
@@ -784,10 +910,10 @@ def gemma3_targets(folder: Path) -> list[str]:
             continue
         where = f"Gemma 3 270M, 1 thread, ours {ours}"
         speed, eight = figures[f"{ours}.speed_vs_llama_cpp"], figures[f"{ours}.batch8_aggregate_x"]
-        rows += [f"| decode tokens/s >= 1.0x llama.cpp ({theirs}) | {where} | {_range(speed)}x "
-                 f"| {'yes' if speed['median'] >= 1.0 else 'NO'} |",
-                 f"| 8 sessions, 8 distinct rank-8 adapters, one model copy: aggregate >= 3x one session | {where} "
-                 f"| {_range(eight)}x | {'yes' if eight['median'] >= 3.0 else 'NO'} |"]
+        rows += [Target(f"decode tokens/s >= 1.0x llama.cpp ({theirs})", where, f"{_range(speed)}x",
+                        speed["median"] >= 1.0, f"`{path.name}`", headline=True),
+                 Target("8 sessions, 8 distinct rank-8 adapters, one model copy: aggregate >= 3x one session", where,
+                        f"{_range(eight)}x", eight["median"] >= 3.0, f"`{path.name}`", headline=True)]
     return rows
 
 
@@ -829,5 +955,6 @@ if __name__ == "__main__":
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "results"
     loaded = json.loads((folder / "results.json").read_text())
     (folder / "results.md").write_text(render_markdown(loaded, folder) + "\n")
+    write_headline(headline(loaded, folder))
     for path in plots(loaded, folder):
         print(f"wrote {path}")

@@ -546,8 +546,8 @@ def main() -> None:
 
 
 def write_report(results: dict, *, update: bool, partial: bool) -> str:
-    """Writes ``results.json``, ``results.md`` and the plots; returns the markdown. With
-    ``update``, the sets not in ``results`` are kept from the existing ``results.json``;
+    """Writes ``results.json``, ``results.md``, the plots and the README's headline table;
+    returns the markdown. With ``update``, the sets not in ``results`` are kept from the existing ``results.json``;
     with ``partial`` too (some sections measured), so are the other sections of the sets
     measured, and the header of the run that measured the rest."""
     RESULTS.mkdir(exist_ok=True)
@@ -564,10 +564,11 @@ def write_report(results: dict, *, update: bool, partial: bool) -> str:
         results["sets"] = {**{k: fresh_sets.get(k, v) for k, v in kept.items()}, **fresh_sets}
         results.setdefault("skipped", before.get("skipped", {}))
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    from report import plots, render_markdown
+    from report import headline, plots, render_markdown, write_headline
 
     report = render_markdown(results, RESULTS)
     (RESULTS / "results.md").write_text(report + "\n")
+    write_headline(headline(results, RESULTS))
     for path in plots(results, RESULTS):
         print(f"wrote {path}", file=sys.stderr)
     return report
