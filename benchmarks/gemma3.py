@@ -376,9 +376,9 @@ def check(directory: Path) -> dict[str, Any]:
     return out
 
 
-def report(figures: dict[str, Any], command: str, steps: int, directory: Path) -> str:
-    """The markdown tables of ``figures``, with the f32 export's report and the ``--check``
-    result when they are there."""
+def report(figures: dict[str, Any], command: str, steps: int, directory: Path, measured: dict[str, str]) -> str:
+    """The markdown tables of ``figures`` (``measured``: the run's date and CPU), with the f32
+    export's report and the ``--check`` result when they are there."""
     pairs = [(ours, theirs) for ours, theirs, _ in PAIRS if f"{ours}.decode_ms" in figures]
 
     def span(key: str, digits: int = 2) -> str:
@@ -403,7 +403,8 @@ def report(figures: dict[str, Any], command: str, steps: int, directory: Path) -
     return "\n".join([
         "# Gemma 3 270M beside llama.cpp (same weights: the Q4_K_M GGUF dequantized)",
         "",
-        f"`{command}`; 1 thread, median (min-max) over {rounds} alternating rounds of {steps} decode steps "
+        f"`{command}`, {measured['date']} on {measured['cpu']}; 1 thread, median (min-max) over {rounds} "
+        f"alternating rounds of {steps} decode steps "
         "from an empty context. Targets (issue 23): decode f32 / int8 >= 1.0x llama.cpp f32 / q8_0; "
         f"{ROWS} sessions >= 3x one. The 4-bit column is for reference: ours is int4-block32 of the "
         "dequantized weights, llama.cpp's the original Q4_K_M file.",
@@ -496,11 +497,15 @@ def main() -> int:
         return 0
     command = " ".join(["python3", "benchmarks/gemma3.py", str(args.directory), "--rounds", str(args.rounds),
                         "--steps", str(args.steps)])
+    from run import cpu_name  # benchmarks/run.py (not in llama.cpp's virtualenv, where the child runs)
+
+    measured = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "cpu": cpu_name(Path("/proc/cpuinfo").read_text())}
     figures = measure(directory, args.rounds, args.steps)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gemma3.json").write_text(json.dumps({"command": command, "load_average": os.getloadavg(),
+    (RESULTS / "gemma3.json").write_text(json.dumps({"command": command, **measured, "load_average": os.getloadavg(),
                                                      "figures": figures}, indent=2) + "\n")
-    text = report(figures, command, args.steps, directory)
+    text = report(figures, command, args.steps, directory, measured)
     (RESULTS / "gemma3.md").write_text(text)
     print(text)
     return 0

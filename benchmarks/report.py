@@ -874,7 +874,8 @@ def serve_targets(folder: Path) -> list[Target]:
     return [Target("runtime serve vs llama-server under load: tokens/s >= 1.0x, TTFT p99 below its p99, 0 errors, "
                    "every answer equal to offline",
                    f"SmolLM2-135M f32, {settings['clients']} streaming clients, {settings['adapters']} adapters",
-                   measured, met, f"`{path.name}`", headline=True)]
+                   measured, met, ", ".join([f"`{path.name}`", *(settings[key] for key in ("date", "cpu")
+                                                                if key in settings)]), headline=True)]
 
 
 def turbo_targets(folder: Path) -> list[Target]:
@@ -903,7 +904,9 @@ def gemma3_targets(folder: Path) -> list[Target]:
     path = folder / "gemma3.json"
     if not path.exists():
         return []
-    figures = json.loads(path.read_text())["figures"]
+    result = json.loads(path.read_text())
+    figures = result["figures"]
+    source = ", ".join([f"`{path.name}`", *(result[key] for key in ("date", "cpu") if key in result)])
     rows = []
     for ours, theirs in (("f32", "llama.cpp f32"), ("int8", "llama.cpp q8_0")):
         if f"{ours}.speed_vs_llama_cpp" not in figures:
@@ -911,9 +914,9 @@ def gemma3_targets(folder: Path) -> list[Target]:
         where = f"Gemma 3 270M, 1 thread, ours {ours}"
         speed, eight = figures[f"{ours}.speed_vs_llama_cpp"], figures[f"{ours}.batch8_aggregate_x"]
         rows += [Target(f"decode tokens/s >= 1.0x llama.cpp ({theirs})", where, f"{_range(speed)}x",
-                        speed["median"] >= 1.0, f"`{path.name}`", headline=True),
+                        speed["median"] >= 1.0, source, headline=True),
                  Target("8 sessions, 8 distinct rank-8 adapters, one model copy: aggregate >= 3x one session", where,
-                        f"{_range(eight)}x", eight["median"] >= 3.0, f"`{path.name}`", headline=True)]
+                        f"{_range(eight)}x", eight["median"] >= 3.0, source, headline=True)]
     return rows
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from run import cpu_name  # benchmarks/run.py
 from runtime import ByteTokenizer, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig, Tokenizer
 from runtime.components.chat_template import ChatTemplate
 
@@ -503,7 +504,8 @@ def _settings(workload: Workload, args) -> dict:
             "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
             "threads": args.threads, "executors": args.executors, "prefix_cache_mb": args.prefix_cache_mb,
             "prompts": len(workload.prompts),
-            "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count()}
+            "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(Path("/proc/cpuinfo").read_text())}
 
 
 def render(rows: list[dict], workload: Workload, args, skipped: str | None) -> str:
@@ -515,7 +517,8 @@ def render(rows: list[dict], workload: Workload, args, skipped: str | None) -> s
         f"Model `{settings['model']}`, adapters {', '.join(settings['source_adapters'])} (copied round robin), "
         f"greedy, max_tokens {args.max_tokens}, {args.threads} thread(s), our --executors {args.executors} "
         f"and --prefix-cache-mb {args.prefix_cache_mb:g}, "
-        f"{settings['cpus']} CPUs (load average {settings['load_average_at_end']:.1f} at the end). "
+        f"{settings['cpus']} CPUs of {settings['cpu']} (load average {settings['load_average_at_end']:.1f} at the "
+        f"end), {settings['date']}. "
         f"Each took {args.rounds} turns of {args.seconds / args.rounds:.0f} s, in alternating order; the last "
         "column is runtime serve's tokens/s over this row's, the median of the turns' ratios.",
         "",
