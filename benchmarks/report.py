@@ -889,7 +889,7 @@ def turbo_targets(folder: Path) -> list[Target]:
     where = f"SmolLM2-135M, {turbo_label(result)}"
     templated, free = result["order_json"], result["free_text_default_policy"]
     fast = templated["speedup"] >= 2.0 and templated["identical"] == templated["items"]
-    source = f"`{path.name}`"
+    source = ", ".join([f"`{path.name}`", *(result[key] for key in ("date", "cpu") if key in result)])
     return [Target("Turbo LoRA, `order_json`: decode tokens/s >= 2x the same LoRA without heads, every output "
                    "identical", where, f"{templated['speedup']:.2f}x, {templated['identical']}/{templated['items']} "
                    "identical", fast, source, headline=True),
