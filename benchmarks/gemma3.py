@@ -497,10 +497,9 @@ def main() -> int:
         return 0
     command = " ".join(["python3", "benchmarks/gemma3.py", str(args.directory), "--rounds", str(args.rounds),
                         "--steps", str(args.steps)])
-    from run import cpu_name  # benchmarks/run.py (not in llama.cpp's virtualenv, where the child runs)
+    from run import date_and_cpu  # benchmarks/run.py (not in llama.cpp's virtualenv, where the child runs)
 
-    measured = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "cpu": cpu_name(Path("/proc/cpuinfo").read_text())}
+    measured = date_and_cpu()
     figures = measure(directory, args.rounds, args.steps)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gemma3.json").write_text(json.dumps({"command": command, **measured, "load_average": os.getloadavg(),

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import random_adapter_files  # noqa: E402
-from run import cpu_name  # noqa: E402
+from run import date_and_cpu  # noqa: E402
 
 from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
 
@@ -58,9 +58,9 @@ def main() -> None:
         kinds = {"one session": lambda: sessions[0].run_decode(5),
                  f"{args.rows} sessions together": lambda: engine.decode_together([(s, 5) for s in sessions])}
         adapters = f"distinct random rank-{args.rank} adapters" if args.rank else "no adapters"
+        stamp = date_and_cpu()
         lines = [f"# Where a decode step's time goes: {args.model.name}", "",
-                 f"{cpu_name(Path('/proc/cpuinfo').read_text())}, 1 thread, load average "
-                 f"{os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                 f"{stamp['cpu']}, 1 thread, load average {os.getloadavg()[0]:.1f}, {stamp['date']}; "
                  f"{args.rows} sessions with {adapters} after {args.position} prompt tokens; {args.steps} recorded "
                  f"steps of each kind.", "",
                  f"Command: `python3 benchmarks/op_profile.py {args.model.name} --rows {args.rows} --rank "

@@ -130,14 +130,19 @@ def cpu_name(cpuinfo: str) -> str:
     return f"{name} ({', '.join(vector)})" if vector else name
 
 
+def date_and_cpu() -> dict[str, str]:
+    """When and where a benchmark runs: ``date`` (``2026-12-04 11:30 UTC``) and ``cpu``
+    (:func:`cpu_name`), as every result file records them."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu_name(Path("/proc/cpuinfo").read_text())}
+
+
 def machine(llama_hello: dict | None) -> dict:
     """What ran the benchmark: CPU, cores, memory, versions, date, load before the run."""
-    cpu = cpu_name(Path("/proc/cpuinfo").read_text())
     memory_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                       if line.startswith("MemTotal:"))
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu,
+        **date_and_cpu(),
         "cores": os.cpu_count(),
         "memory_gib": round(memory_kib / 2**20, 1),
         "python": platform.python_version(),
@@ -537,8 +542,7 @@ def main() -> None:
             continue
         print(f"{models.title} ...", file=sys.stderr)
         set_rounds = rounds if key == "bench" else max(3, rounds // 2)
-        now = machine(None)
-        started = {"date": now["date"], "cpu": now["cpu"], "load_average_start": os.getloadavg()}
+        started = {**date_and_cpu(), "load_average_start": os.getloadavg()}
         results["sets"][key] = model_set_section(models, set_rounds, args.quick, with_llama, sections)
         results["sets"][key]["measured"] = {**started, "load_average_end": os.getloadavg(), "sections": sections}
     results["machine"]["load_average_end"] = os.getloadavg()

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from run import cpu_name  # benchmarks/run.py
+from run import date_and_cpu  # benchmarks/run.py
 from runtime import ByteTokenizer, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig, Tokenizer
 from runtime.components.chat_template import ChatTemplate
 
@@ -504,8 +504,7 @@ def _settings(workload: Workload, args) -> dict:
             "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
             "threads": args.threads, "executors": args.executors, "prefix_cache_mb": args.prefix_cache_mb,
             "prompts": len(workload.prompts),
-            "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(Path("/proc/cpuinfo").read_text())}
+            "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **date_and_cpu()}
 
 
 def render(rows: list[dict], workload: Workload, args, skipped: str | None) -> str:

@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "llama_cpp"))
 
 import smollm2_tasks as tasks  # noqa: E402
 from client import LlamaCpp  # noqa: E402  (benchmarks/llama_cpp/client.py)
-from run import cpu_name  # noqa: E402  (benchmarks/run.py)
+from run import date_and_cpu  # noqa: E402  (benchmarks/run.py)
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
 from runtime.components.chat_template import ChatTemplate  # noqa: E402
 from runtime.engine.speculative import SpeculationPolicy  # noqa: E402
@@ -178,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                         "kind of the smollm2 set beside the order_json items")
     args = parser.parse_args(argv)
     report: dict[str, object] = {"model": str(args.model), "adapter": str(args.adapter), "threads": 1,
-                                 "max_new_tokens": args.max_new_tokens,
-                                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                 "cpu": cpu_name(Path("/proc/cpuinfo").read_text())}
+                                 "max_new_tokens": args.max_new_tokens, **date_and_cpu()}
     training = args.adapter / "training.json"
     if training.is_file():
         report["training"] = json.loads(training.read_text())
