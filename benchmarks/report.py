@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -428,8 +428,9 @@ def targets(results: dict) -> list[Target]:
             add("0 bytes RSS growth per switch", name, f"{mem['growth_per_switch_bytes']:.2f} B",
                 mem["growth_per_switch_bytes"] <= 1.0, "memory")
         if "concurrency" in data:
-            rows += [Target(t.target, t.where, t.measured, t.met, measured_by(data, "concurrency"),
-                            t.headline and real) for t in concurrency_targets(name, data["concurrency"])]
+            source = measured_by(data, "concurrency")
+            rows += [replace(t, source=source, headline=t.headline and real)
+                     for t in concurrency_targets(name, data["concurrency"])]
     return rows
 
 
