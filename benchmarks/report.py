@@ -63,6 +63,11 @@ class Target:
         """This target's row of the report's table of targets."""
         return f"| {self.target} | {self.where} | {self.measured} | {self.verdict} |"
 
+    def headline_row(self) -> str:
+        """This target's row of the README's headline: a NO in bold, and what measured it."""
+        verdict = "**NO**" if self.met is False else self.verdict
+        return f"| {self.target} | {self.where} | {self.measured} | {verdict} | {self.source} |"
+
     @property
     def verdict(self) -> str:
         """``yes``, ``NO``, or ``no target``."""
@@ -350,6 +355,11 @@ def all_targets(results: dict, folder: Path) -> list[Target]:
     return [*targets(results), *serve_targets(folder), *turbo_targets(folder), *gemma3_targets(folder)]
 
 
+def file_source(path: Path, result: dict) -> str:
+    """Which result file measured a row, with the date and CPU the file records (if any)."""
+    return ", ".join([f"`{path.name}`", *(result[key] for key in ("date", "cpu") if key in result)])
+
+
 def measured_by(data: dict, section: str) -> str:
     """Which run of ``benchmarks/run.py`` measured ``section`` of a model set, and when."""
     when = data.get("measured", {})
@@ -500,8 +510,7 @@ def untargeted_figures(results: dict, folder: Path) -> list[Target]:
         rows += [Target(f"{r['measure']} ({r['precision'].replace(' / ', ' vs ')})",
                         f"SmolLM2-135M, {_threads_label(str(record['threads']))}",
                         f"{r['speed']:.2f} [{r['speed_min']:.2f}-{r['speed_max']:.2f}]x ({r['ours_ms']:.1f} vs "
-                        f"{r['llama_cpp_ms']:.1f} ms)", None,
-                        f"`{base_rows.name}`, {record['date']}, {record.get('cpu', 'CPU not recorded')}")
+                        f"{r['llama_cpp_ms']:.1f} ms)", None, file_source(base_rows, record))
                  for r in record["rows"] if r["precision"].startswith("int4")]
     data = results["sets"].get("smollm2")
     if data is None:
@@ -535,8 +544,7 @@ def headline(results: dict, folder: Path) -> str:
     with its verdict and the run that measured it."""
     lines = ["| target | model | measured | met | measured by |", "|---|---|---|---|---|"]
     rows = [t for t in all_targets(results, folder) if t.headline] + untargeted_figures(results, folder)
-    lines += [f"| {t.target} | {t.where} | {t.measured} | {'**NO**' if t.met is False else t.verdict} | {t.source} |"
-              for t in rows]
+    lines += [t.headline_row() for t in rows]
     return "\n".join(lines)
 
 
@@ -875,8 +883,7 @@ def serve_targets(folder: Path) -> list[Target]:
     return [Target("runtime serve vs llama-server under load: tokens/s >= 1.0x, TTFT p99 below its p99, 0 errors, "
                    "every answer equal to offline",
                    f"SmolLM2-135M f32, {settings['clients']} streaming clients, {settings['adapters']} adapters",
-                   measured, met, ", ".join([f"`{path.name}`", *(settings[key] for key in ("date", "cpu")
-                                                                if key in settings)]), headline=True)]
+                   measured, met, file_source(path, settings), headline=True)]
 
 
 def turbo_targets(folder: Path) -> list[Target]:
@@ -890,7 +897,7 @@ def turbo_targets(folder: Path) -> list[Target]:
     where = f"SmolLM2-135M, {turbo_label(result)}"
     templated, free = result["order_json"], result["free_text_default_policy"]
     fast = templated["speedup"] >= 2.0 and templated["identical"] == templated["items"]
-    source = ", ".join([f"`{path.name}`", *(result[key] for key in ("date", "cpu") if key in result)])
+    source = file_source(path, result)
     return [Target("Turbo LoRA, `order_json`: decode tokens/s >= 2x the same LoRA without heads, every output "
                    "identical", where, f"{templated['speedup']:.2f}x, {templated['identical']}/{templated['items']} "
                    "identical", fast, source, headline=True),
@@ -907,7 +914,7 @@ def gemma3_targets(folder: Path) -> list[Target]:
         return []
     result = json.loads(path.read_text())
     figures = result["figures"]
-    source = ", ".join([f"`{path.name}`", *(result[key] for key in ("date", "cpu") if key in result)])
+    source = file_source(path, result)
     rows = []
     for ours, theirs in (("f32", "llama.cpp f32"), ("int8", "llama.cpp q8_0")):
         if f"{ours}.speed_vs_llama_cpp" not in figures:
