@@ -44,7 +44,12 @@ caches of their length (3.1 and 5.7 ms against 4.1 and 6.3 ms in a quiet run, 5.
 against 4.8 and 6.4 in one beside another process, 4.0 and 4.8 against 4.2 and 3.8 in a third,
 quiet, with 1024 added: the same graph over 768 positions took 3.8 ms in one run and 6.3 in
 another): caches the length of the window (KV-length buckets) would save a few percent of a
-batched step at most.
+batched step at most. TFLite's own kernels instead of XNNPACK (``--spans 128,1024 --rounds 7
+--out benchmarks/results/avx2``, AMD EPYC with AVX2, 2026-12-04): 3.0 and 28.5 ms against
+0.52 and 6.8 ms for the same graph on XNNPACK, 1.7-1.9 GB/s: no way out there either. (In
+that run the window of the whole 1024 cache took 4.8 ms against 6.8 ms for the same graph
+without the slice; timed alone, 15 rounds, the two took 5.2 and 5.5 ms: identical ops, and a
+gap of that size is this machine's noise.)
 """
 
 from __future__ import annotations
