@@ -13,6 +13,7 @@ import statistics
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -129,6 +130,7 @@ def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, se
 
 
 RESIDENT_PROBE = 16  # adapters made resident at once to measure what each costs
+PYTHON_PROBE = 8  # adapters registered under tracemalloc, after the RSS measurement
 
 
 def _resident_cost(engine: Engine, session: Session, paths: Sequence[Path]) -> dict[str, float]:
@@ -154,10 +156,16 @@ def _resident_cost(engine: Engine, session: Session, paths: Sequence[Path]) -> d
 
 def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cycles: int = 10_000) -> dict[str, float]:
     """RSS per registered and per resident adapter, after unload; ``count`` adapters used in
-    turn by one session under ``Lru(4)``; growth over ``cycles`` switch+decode cycles."""
+    turn by one session under ``Lru(4)``; growth over ``cycles`` switch+decode cycles.
+
+    A registered adapter is measured twice: the RSS growth over ``count`` registrations
+    (which the heap freed by writing the adapter files can hide: it is reused first), and the
+    Python objects that :data:`PYTHON_PROBE` more registrations keep (tracemalloc, which
+    counts numpy's buffers too)."""
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, Engine(model, EngineSettings(lora_residency=Lru(max_resident=4))) as engine:
-        paths = random_adapter_files(engine, Path(tmp), count, rank)
+        paths = random_adapter_files(engine, Path(tmp), count + PYTHON_PROBE, rank)
+        paths, probes = paths[:count], paths[count:]
         session = engine.create_session()
         other = engine.create_session()
         for s in (session, other):
@@ -165,6 +173,13 @@ def bench_memory(model: str | os.PathLike[str], rank: int, count: int = 1000, cy
         base = rss_bytes()
         ids = [engine.register_adapter(LoraSource(path=p)) for p in paths]
         out["registered_per_adapter_bytes"] = (rss_bytes() - base) / count
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        probe_ids = [engine.register_adapter(LoraSource(path=p)) for p in probes]
+        out["registered_python_per_adapter_bytes"] = (tracemalloc.get_traced_memory()[0] - before) / PYTHON_PROBE
+        tracemalloc.stop()
+        for lora_id in probe_ids:
+            engine.unload_adapter(lora_id)
         out["tensor_bytes_per_adapter"] = engine.stats().adapters[0].tensor_bytes
         out.update(_resident_cost(engine, session, paths[:RESIDENT_PROBE]))
         for path in paths[RESIDENT_PROBE:]:  # every other adapter once, through the same session

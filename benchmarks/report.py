@@ -324,10 +324,20 @@ def decode_cells(by_thread: dict, precision: str, setting: str) -> list[str]:
             _med(e.get("x_base")), _med(e.get("graph_x")), _med(e["glue_share"], "{:.1f}%", 100)]
 
 
+def registered_adapter_bytes(ours: dict) -> float:
+    """What one registered, not resident adapter keeps: the larger of the RSS growth per
+    registration and the Python objects it keeps (measured since 2026-12-04; the RSS growth
+    alone can hide in heap that writing the adapter files freed)."""
+    return max(ours["registered_per_adapter_bytes"], ours.get("registered_python_per_adapter_bytes", 0.0))
+
+
 def memory_table(mem: dict) -> list[str]:
     ours = mem["ours"]
+    python = ours.get("registered_python_per_adapter_bytes")
     out = ["", "### Memory per adapter (VmRSS, f32 model, fresh processes)", "", "| what | value |", "|---|---:|",
            f"| ours: RSS per registered (not resident) rank-8 adapter | {ours['registered_per_adapter_bytes'] / 1024:.1f} KiB |",
+           *([f"| ours: Python objects a registered rank-8 adapter keeps (tracemalloc) | {python / 1024:.1f} KiB |"]
+             if python is not None else []),
            f"| ours: its tensor bytes (float32) | {ours['tensor_bytes_per_adapter'] / 1024:.1f} KiB |",
            f"| ours: RSS of the first resident adapter (heap growth, first binding included) | "
            f"{ours['resident_first_adapter_bytes'] / 1024:.1f} KiB |",
@@ -428,9 +438,13 @@ def targets(results: dict) -> list[Target]:
                     f"{low:.2f} ms at {smallest['file_mb']:.2f} MB, {high:.2f} ms at {largest['file_mb']:.0f} MB",
                     high / low < 2.0, "register")
         mem = data["memory"]["ours"]
-        add("registered, non-resident adapter <= 64 KB RSS", name,
-            f"{mem['registered_per_adapter_bytes'] / 1024:.1f} KiB", mem["registered_per_adapter_bytes"] <= 64_000,
-            "memory", True)
+        kept = registered_adapter_bytes(mem)
+        measured = f"{mem['registered_per_adapter_bytes'] / 1024:.1f} KiB"
+        if "registered_python_per_adapter_bytes" in mem:
+            measured = (f"{mem['registered_python_per_adapter_bytes'] / 1024:.1f} KiB of Python objects, "
+                        f"RSS +{measured}")
+        add("registered, non-resident adapter <= 64 KB (RSS growth, and Python objects kept)", name, measured,
+            kept <= 64_000, "memory", True)
         ratio = mem["resident_per_adapter_bytes"] / mem["slot_float32_bytes"]
         add("resident adapter <= 1.1x its float32 buffer bytes (each beyond the first)", name, f"{ratio:.3f}x",
             ratio <= 1.1, "memory")
@@ -762,7 +776,7 @@ def plot_memory(plt: Any, results: dict) -> Any:
     figure, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets) + 1.0, 3.2), squeeze=False)
     for axis, (_, data) in zip(axes[0], sets):
         mem = data["memory"]
-        bars = [("ours: registered, not resident (r8)", mem["ours"]["registered_per_adapter_bytes"] / 1024, "#7aa6dc"),
+        bars = [("ours: registered, not resident (r8)", registered_adapter_bytes(mem["ours"]) / 1024, "#7aa6dc"),
                 ("ours: resident (r8)", mem["ours"]["resident_per_adapter_bytes"] / 1024, "#1f4e9c")]
         for name, label, color in (("r8_a", "llama.cpp: loaded (r8)", "#c45a10"),
                                    ("r64", "llama.cpp: loaded (r64)", "#f0a35e")):

@@ -58,6 +58,8 @@ def test_memory_walks_every_adapter_under_lru4_and_unloads_them():
     assert out["growth_per_switch_bytes"] < 4096  # a leaked slot buffer per cycle would be ~100 KiB
     assert {"registered_per_adapter_bytes", "resident_first_adapter_bytes", "resident_per_adapter_bytes",
             "rss_all_registered_used_once_lru4_bytes", "after_unload_bytes"} <= set(out)
+    # A registration keeps its table of projections: some Python objects, far below the adapter's tensors.
+    assert 0 < out["registered_python_per_adapter_bytes"] < out["tensor_bytes_per_adapter"] / 4
 
 
 def test_concurrency_rig_gives_each_session_its_own_adapter_and_counts_tokens(monkeypatch):
