@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         targets.append(LlamaServer(workload, args, llama))
     collected = {target.label: ([], 0.0) for target in targets}
     rates: list[dict[str, float]] = []
+    started = date_and_cpu()
     with contextlib.ExitStack() as stack:
         for target in targets:
             stack.enter_context(target)
@@ -153,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows[1:]:
         ratios = [r[rows[0]["server"]] / r[row["server"]] for r in rates if r[row["server"]] > 0]
         row["ours_vs_this_tokens_per_s"] = statistics.median(ratios) if ratios else None
-    table = render(rows, workload, args, llama if isinstance(llama, str) else None)
+    settings = _settings(workload, args, started)
+    table = render(rows, settings, args, llama if isinstance(llama, str) else None)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(table)
-    args.out.with_suffix(".json").write_text(json.dumps({"settings": _settings(workload, args), "rows": rows,
+    args.out.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows,
                                                          "tokens_per_s_by_round": rates}, indent=2) + "\n")
     print(f"wrote {args.out.with_suffix('.md')} and .json")
     checked = [row for row in rows if "mismatches" in row]  # ours; llama-server's errors are reported, not ours
@@ -498,17 +500,17 @@ def _wait_healthy(url: str, process: subprocess.Popen, log: Path, seconds: float
 # -- the report --------------------------------------------------------------------
 
 
-def _settings(workload: Workload, args) -> dict:
+def _settings(workload: Workload, args, started: dict[str, str]) -> dict:
+    """The run's settings for the result files; ``started``: its date and CPU, taken as it began."""
     return {"model": str(workload.model.relative_to(ROOT) if workload.model.is_relative_to(ROOT) else workload.model),
             "source_adapters": [s.name for s in workload.sources], "adapters": args.adapters,
             "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
             "threads": args.threads, "executors": args.executors, "prefix_cache_mb": args.prefix_cache_mb,
             "prompts": len(workload.prompts),
-            "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **date_and_cpu()}
+            "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **started}
 
 
-def render(rows: list[dict], workload: Workload, args, skipped: str | None) -> str:
-    settings = _settings(workload, args)
+def render(rows: list[dict], settings: dict, args, skipped: str | None) -> str:
     lines = [
         f"# Serving under load: {args.clients} streaming clients over {args.adapters} adapters, "
         f"{args.seconds:.0f} s each",
