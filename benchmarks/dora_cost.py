@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from adapter_kinds import FANS, LAYERS, MODULES, decode_ms  # SmolLM2-135M's shapes; beside this file
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
-from runtime.util.dora import DoraMagnitudes, DoraProjection
+from runtime.adapters.dora import DoraMagnitudes, DoraProjection
 from runtime.util.model_weights import ModelWeights
 
 RANK, ALPHA = 8, 16

@@ -2,7 +2,7 @@
 """How far an R-only LoRA-XS adapter moves when its A and B come from an int8 export.
 
 An R-only adapter stores only ``R``; the runtime rebuilds ``A`` and ``B`` from the model
-file's own weights (``TruncatedSVD`` of W, :mod:`runtime.util.lora_xs`). An f32 export holds
+file's own weights (``TruncatedSVD`` of W, :mod:`runtime.adapters.lora_xs`). An f32 export holds
 the checkpoint's W exactly; an int8 export holds it quantized, so its factors differ. For
 every attention projection of SmolLM2-135M this prints, at rank 8 with a random R (std
 0.01, the scale of a trained one):
@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "llama_cpp"))
 from files import SMOLLM2  # noqa: E402
 
-from runtime.util.lora_xs import LoraXsFactors  # noqa: E402
+from runtime.adapters.lora_xs import LoraXsFactors  # noqa: E402
 from runtime.util.model_weights import ModelWeights  # noqa: E402
 
 RANK, LAYERS, PROJECTIONS = 8, 30, ("q", "k", "v", "o")

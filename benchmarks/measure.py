@@ -22,8 +22,8 @@ import numpy as np
 from runtime import Engine, EngineSettings, KeepAll, LoraSource, Lru, Session, SessionConfig
 from runtime.bench import decode_loop
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_util import Convention, parse_lora_input_name
-from runtime.util.lora_writer import LoraWeights, write_lora_file
+from runtime.adapters.lora_util import Convention, parse_lora_input_name
+from runtime.adapters.lora_writer import LoraWeights, write_lora_file
 from runtime.util.signature_names import LoraSlot
 
 

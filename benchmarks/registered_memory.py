@@ -49,9 +49,9 @@ import numpy as np
 
 from measure import rss_bytes  # benchmarks/measure.py, beside this script
 from runtime.components.lora_manager import LoraManager
-from runtime.util.adapter_formats import AdapterOrigin
-from runtime.util.lora_util import DORA_SIDE, MLP_PROJECTIONS, Convention, lora_input_name
-from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.adapters.adapter_formats import AdapterOrigin
+from runtime.adapters.lora_util import DORA_SIDE, MLP_PROJECTIONS, Convention, lora_input_name
+from runtime.adapters.lora_writer import serialize_lora_tensors
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, LoraSlot
 from runtime.util.tensor_spec import TensorSpec
 

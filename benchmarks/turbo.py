@@ -60,7 +60,7 @@ from run import date_and_cpu  # noqa: E402  (benchmarks/run.py)
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
 from runtime.components.chat_template import ChatTemplate  # noqa: E402
 from runtime.engine.speculative import SpeculationPolicy  # noqa: E402
-from runtime.util.draft_heads import read_adapter_heads  # noqa: E402
+from runtime.adapters.draft_heads import read_adapter_heads  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 ALWAYS = SpeculationPolicy(probe_verifies=1 << 30)

@@ -57,8 +57,8 @@ def expected_tensors() -> dict[str, np.ndarray]:
 
 def adapter_deltas(name: str, scale: float = 1.0) -> dict[tuple[int, str], np.ndarray]:
     """Dense ``[out, in]`` deltas ``scale * (a @ b).T`` of an adapter fixture, for the reference."""
-    from runtime.util.lora_data import LoraData
-    from runtime.util.lora_util import parse_lora_input_name, to_graph_layout
+    from runtime.adapters.lora_data import LoraData
+    from runtime.adapters.lora_util import parse_lora_input_name, to_graph_layout
 
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     with LoraData.create_from_file_path(adapter_path(name)) as data:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.util.lora_util import Convention, lora_input_name
+from runtime.adapters.lora_util import Convention, lora_input_name
 from runtime.util.signature_names import LoraSlot
 from runtime.util.tensor_spec import TensorSpec
 

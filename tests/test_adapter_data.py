@@ -1,4 +1,4 @@
-"""Tests for runtime.util.adapter_data."""
+"""Tests for runtime.adapters.adapter_data."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from runtime.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from runtime.util.adapter_data import (
+from runtime.adapters.adapter_data import (
     MAX_LISTED,
     DerivedLoraData,
     DerivedTensor,
     LazyLoraData,
     refuse_unappliable,
 )
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.adapters.lora_data import LoraData
+from runtime.adapters.lora_writer import serialize_lora_tensors
 from runtime.util.scoped_file import FileWatch
 
 F32 = np.dtype(np.float32)

@@ -1,4 +1,4 @@
-"""Tests for runtime.util.adapter_formats: detection by content, opening, identity, digests."""
+"""Tests for runtime.adapters.adapter_formats: detection by content, opening, identity, digests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from conftest import adapter_path
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
-from runtime.util.adapter_formats import GGUF, PEFT, TFLITE, AdapterOrigin, detect_format, open_adapter, peft_directory
+from runtime.adapters.adapter_formats import GGUF, PEFT, TFLITE, AdapterOrigin, detect_format, open_adapter, peft_directory
 from test_gguf_data import gguf_tensors, write
 
 

@@ -26,8 +26,8 @@ from runtime.errors import (
     StatusError,
     UnimplementedError,
 )
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.adapters.lora_data import LoraData
+from runtime.adapters.lora_writer import serialize_lora_tensors
 
 PEFT = MODELS / "peft"
 GOOD = adapter_path("torch_r4").read_bytes()

@@ -1,4 +1,4 @@
-"""DoRA adapters (runtime/util/dora.py and their materialization in runtime/components/lora.py):
+"""DoRA adapters (runtime/adapters/dora.py and their materialization in runtime/components/lora.py):
 the output scale g = m / ||W + u s B A||_row for a session's scale u, folded into b and written
 as g - 1 into the DoRA slot's scale inputs; blends refused by name. The model is the Llama
 family fixture (tests/models/families/llama, exported with --dora-ranks 8), whose
@@ -18,10 +18,10 @@ from runtime.cli.main import main
 from runtime.components.lora import LoRA, plan_adapter
 from runtime.errors import InvalidArgumentError
 from runtime.executor.litert_executor import LlmExecutor
-from runtime.util.adapter_formats import open_adapter
-from runtime.util.dora import DoraMagnitudes, DoraProjection
-from runtime.util.lora_util import lora_input_name, Convention
-from runtime.util.lora_xs import LoraXsFactors
+from runtime.adapters.adapter_formats import open_adapter
+from runtime.adapters.dora import DoraMagnitudes, DoraProjection
+from runtime.adapters.lora_util import lora_input_name, Convention
+from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import DORA, LoraSlot
 

@@ -1,4 +1,4 @@
-"""Tests for runtime.util.draft_heads: reading Turbo LoRA / Medusa draft heads."""
+"""Tests for runtime.adapters.draft_heads: reading Turbo LoRA / Medusa draft heads."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
-from runtime.util.draft_heads import check_heads, read_adapter_heads, read_draft_heads
+from runtime.adapters.draft_heads import check_heads, read_adapter_heads, read_draft_heads
 from conftest import MODELS
 
 TURBO = MODELS / "turbo"

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from runtime.errors import DataLossError, InvalidArgumentError, StatusError
 from runtime.util.flatbuffer_table import MAX_VECTOR, FlatTable
-from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.adapters.lora_writer import serialize_lora_tensors
 
 SOURCE = "header.bin"
 NAME = "h\u00e9llo"  # non-ASCII: decoded as UTF-8

@@ -1,4 +1,4 @@
-"""Gemma 3's batched, windowed and all-linear steps (runtime/export/families/gemma3_steps.py),
+"""Gemma 3's batched, windowed and all-linear steps (runtime/export/gemma3_steps.py),
 needing the ``export`` extra: in torch, each row of a batched step equals the decoder's own
 step for that session, and the all-linear step equals transformers + peft; exported by the
 command (default LoRA targets: all-linear), a batch's rows equal their sessions alone and
@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
 from runtime.export import families  # noqa: E402
-from runtime.export.families.gemma3_steps import Gemma3AllLinearStep, Gemma3BatchDecode  # noqa: E402
+from runtime.export.gemma3_steps import Gemma3AllLinearStep, Gemma3BatchDecode  # noqa: E402
 from runtime.export.litert import converter, kv_utils  # noqa: E402
 from runtime.export.mlp_lora import lora_key, lora_shapes  # noqa: E402
 from tools.build_gemma3_fixtures import ADAPTER_ALPHA, ADAPTER_RANK, SPEC  # noqa: E402

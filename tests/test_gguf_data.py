@@ -1,4 +1,4 @@
-"""Tests for runtime.util.gguf_data with GGUF files written by the gguf package."""
+"""Tests for runtime.adapters.gguf_data with GGUF files written by the gguf package."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from gguf import GGUFWriter
 from retained import retained_per_adapter
 
 from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
-from runtime.util.gguf_data import read_gguf_lora, undo_rope_permutation
+from runtime.adapters.gguf_data import read_gguf_lora, undo_rope_permutation
 
 HEAD_DIM = 16
 

@@ -17,7 +17,7 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.litert_executor import Binding, ExecutorSettings, LlmExecutor, prefill_chunks
-from runtime.util.lora_data import LoraData
+from runtime.adapters.lora_data import LoraData
 from runtime.util.signature_names import LoraSlot
 
 TOL = 1e-4

@@ -8,9 +8,9 @@ import pytest
 from conftest import adapter_path
 from runtime.components.lora import LoRA, plan_adapter
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_util import Convention, lora_input_name
-from runtime.util.lora_writer import LoraWeights, serialize_lora_tensors, name_adapter_tensors
+from runtime.adapters.lora_data import LoraData
+from runtime.adapters.lora_util import Convention, lora_input_name
+from runtime.adapters.lora_writer import LoraWeights, serialize_lora_tensors, name_adapter_tensors
 from runtime.util.signature_names import LoraSlot
 from slots import ArrayBuffer, slot_inputs
 

@@ -9,8 +9,8 @@ from conftest import adapter_path
 from runtime.components.lora import plan_adapter
 from runtime.components.lora_converter import convert_adapter
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_util import Convention, to_graph_layout
+from runtime.adapters.lora_data import LoraData
+from runtime.adapters.lora_util import Convention, to_graph_layout
 from runtime.util.signature_names import LoraSlot
 from slots import slot_inputs
 

@@ -1,4 +1,4 @@
-"""Tests for runtime.util.lora_data: every factory, both conventions, bad files."""
+"""Tests for runtime.adapters.lora_data: every factory, both conventions, bad files."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from runtime.errors import (
     NotFoundError,
     StatusError,
 )
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.adapters.lora_data import LoraData
+from runtime.adapters.lora_writer import serialize_lora_tensors
 from runtime.util.scoped_file import ScopedFile
 
 FIXTURES = ["torch_r4", "litertlm_r4", "mediapipe_r4", "torch_r4_bf16", "litertlm_r8_layer0"]

@@ -16,9 +16,9 @@ from runtime.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_util import Convention, lora_input_name
-from runtime.util.lora_writer import serialize_lora_tensors
+from runtime.adapters.lora_data import LoraData
+from runtime.adapters.lora_util import Convention, lora_input_name
+from runtime.adapters.lora_writer import serialize_lora_tensors
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot
 from slots import allocator, slot_inputs
 

@@ -1,4 +1,4 @@
-"""Tests for runtime.util.lora_util: which names are LoRA inputs and what they mean."""
+"""Tests for runtime.adapters.lora_util: which names are LoRA inputs and what they mean."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_util import (
+from runtime.adapters.lora_util import (
     ATTENTION_PROJECTIONS,
     PROJECTIONS,
     SIDES,

@@ -1,4 +1,4 @@
-"""Tests for runtime.util.lora_writer."""
+"""Tests for runtime.adapters.lora_writer."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from ai_edge_litert import schema_py_generated as schema
 
 from conftest import ADAPTERS, adapter_path
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, LoraData
-from runtime.util.lora_util import Convention, lora_input_name, to_graph_layout
-from runtime.util.lora_writer import (
+from runtime.adapters.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, LoraData
+from runtime.adapters.lora_util import Convention, lora_input_name, to_graph_layout
+from runtime.adapters.lora_writer import (
     DATA_ALIGNMENT,
     LoraWeights,
     name_adapter_tensors,

@@ -1,4 +1,4 @@
-"""Tests for runtime.util.lora_xs: LoRA-XS's A and B rebuilt from base weights, once."""
+"""Tests for runtime.adapters.lora_xs: LoRA-XS's A and B rebuilt from base weights, once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_xs import LoraXsFactors
+from runtime.adapters.lora_xs import LoraXsFactors
 
 
 class CountingWeights:

@@ -1,4 +1,4 @@
-"""Tests for runtime.util.peft_data with synthetic PEFT adapters (the real-PEFT fixtures
+"""Tests for runtime.adapters.peft_data with synthetic PEFT adapters (the real-PEFT fixtures
 are checked end to end in test_adapter_fidelity.py)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from runtime.errors import (
     NotFoundError,
     UnimplementedError,
 )
-from runtime.util.peft_data import PeftLoraConfig, read_peft_directory, read_peft_state_dict
+from runtime.adapters.peft_data import PeftLoraConfig, read_peft_directory, read_peft_state_dict
 
 PREFIX = "base_model.model.model.layers"
 

@@ -42,8 +42,8 @@ from runtime.serve.app import ServeSettings, create_app  # noqa: E402
 from runtime.serve.catalog import AdapterCatalog  # noqa: E402
 from runtime.serve.connection import uvicorn_config  # noqa: E402
 from runtime.serve.download import DownloadPolicy  # noqa: E402
-from runtime.util.lora_data import LoraData  # noqa: E402
-from runtime.util.lora_writer import serialize_lora_tensors  # noqa: E402
+from runtime.adapters.lora_data import LoraData  # noqa: E402
+from runtime.adapters.lora_writer import serialize_lora_tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(str(resources.files("runtime") / "demo_assets"))

@@ -19,9 +19,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from runtime.util.lora_data import LoraData
-from runtime.util.lora_util import ATTENTION_PROJECTIONS, Convention
-from runtime.util.lora_writer import LoraWeights, name_adapter_tensors, write_lora_file
+from runtime.adapters.lora_data import LoraData
+from runtime.adapters.lora_util import ATTENTION_PROJECTIONS, Convention
+from runtime.adapters.lora_writer import LoraWeights, name_adapter_tensors, write_lora_file
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "models" / "adapters"
 

@@ -154,7 +154,7 @@ def load_case(case: Case, workdir: Path, slots, lora_xs) -> str:
     """Loads a case as the engine would; returns the outcome class name."""
     from runtime.components.lora import LoRA, plan_adapter
     from runtime.errors import StatusError
-    from runtime.util.adapter_formats import AdapterOrigin, open_adapter
+    from runtime.adapters.adapter_formats import AdapterOrigin, open_adapter
     from runtime.util.signature_names import LoraSlot, cheapest_slot
 
     target = workdir / "case"
@@ -192,7 +192,7 @@ class _ArrayBuffer:
 
 def _worker(seed: int, tasks: mp.Queue, results: mp.Queue) -> None:
     from runtime.executor.litert_executor import LlmExecutor
-    from runtime.util.lora_xs import LoraXsFactors
+    from runtime.adapters.lora_xs import LoraXsFactors
     from runtime.util.model_weights import ModelWeights
 
     executor = LlmExecutor(MODEL)

@@ -53,7 +53,7 @@ Steps, all from fixed seeds (``TrainConfig.seed`` and offsets of it):
    ``proj(x) + (x @ a_prime) @ b_prime`` with ``a_prime`` ``[in, r]``, ``b_prime``
    ``[r, out]`` and no scaling.
 4. Export with litert-torch (float32, prefill 16/64, KV cache 256, LoRA rank 8) and the
-   adapters with ``runtime.util.lora_writer`` into ``runtime/demo_assets/``.
+   adapters with ``runtime.adapters.lora_writer`` into ``runtime/demo_assets/``.
 5. Greedy exact-match accuracy of every session (base and each adapter) against every
    task, on the three measuring sets, through ``runtime.Engine`` on the exported files
    (and in torch); ``demo.json`` records it with the config, seeds, sizes and versions.
@@ -793,8 +793,8 @@ def misses(outputs: Sequence[str], prompts: Sequence[str], task: str, limit: int
 def write_adapters(cfg: Any, loras: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     """Writes each adapter with the runtime's writer (litert-torch convention, float32)
     and ``uppercase`` once more in the LiteRT-LM convention (float16)."""
-    from runtime.util.lora_util import Convention
-    from runtime.util.lora_writer import LoraWeights, write_lora_file
+    from runtime.adapters.lora_util import Convention
+    from runtime.adapters.lora_writer import LoraWeights, write_lora_file
 
     adapter_dir = out_dir / ADAPTER_DIR
     adapter_dir.mkdir(parents=True, exist_ok=True)

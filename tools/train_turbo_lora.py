@@ -29,7 +29,7 @@ What it does, and what it does not:
 The Turbo adapter is written as a PEFT directory: the LoRA's files, with the heads added
 to its ``adapter_model.safetensors`` as ``medusa_head.{k}.linear.{weight,bias}``, the draft
 vocabulary (every token of the trunk's training answers) as ``medusa_head.vocab`` (the
-heads are trained, and draft, among those ids: see ``runtime/util/draft_heads.py``), and
+heads are trained, and draft, among those ids: see ``runtime/adapters/draft_heads.py``), and
 ``medusa_num_heads`` / ``medusa_num_layers`` in its ``adapter_config.json``, under
 ``$RUNTIME_CACHE/adapters/smollm2/<task>-turbo/``.
 """

@@ -10,9 +10,9 @@ import numpy as np
 from runtime.cli.progress import progress_bar
 from runtime.components.lora_converter import convert_adapter
 from runtime.executor.litert_executor import LlmExecutor
-from runtime.util.adapter_formats import detect_format, open_adapter
-from runtime.util.lora_util import Convention
-from runtime.util.lora_xs import LoraXsFactors
+from runtime.adapters.adapter_formats import detect_format, open_adapter
+from runtime.adapters.lora_util import Convention
+from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
 
 _DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}

@@ -11,11 +11,11 @@ from runtime.components.lora import dora_output_scales, plan_adapter
 from runtime.errors import InvalidArgumentError, StatusError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec
-from runtime.util.adapter_data import AdapterData
-from runtime.util.adapter_formats import open_adapter
-from runtime.util.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
+from runtime.adapters.adapter_data import AdapterData
+from runtime.adapters.adapter_formats import open_adapter
+from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
 from runtime.util.signature_names import LoraSlot
-from runtime.util.lora_xs import LoraXsFactors
+from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
 
 

@@ -11,7 +11,7 @@ buffer per such input from the adapters' tensors:
 * each adapter's scale is folded into its ``a``; adapters of a blend are concatenated
   along the rank, which is exact: ``sum_i s_i * x A_i B_i = x [s_1 A_1 .. s_n A_n] [B_1; ..; B_n]``;
 * rank left over in the slot, and inputs no adapter covers, are zero (also exact);
-* a DoRA adapter (:mod:`runtime.util.dora`) runs alone in a DoRA slot: its output scale
+* a DoRA adapter (:mod:`runtime.adapters.dora`) runs alone in a DoRA slot: its output scale
   ``g`` (for the session's scale) is folded into ``b``, and ``g - 1`` written into the
   slot's scale input of each projection it covers (zeros elsewhere: plain projections).
   A blend of it with other adapters is refused: DoRA's norm is of one adapted weight.
@@ -29,9 +29,9 @@ from typing import Protocol
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.adapter_data import MAX_LISTED, AdapterData
-from runtime.util.dora import DoraLoraData, DoraMagnitudes
-from runtime.util.lora_util import (
+from runtime.adapters.adapter_data import MAX_LISTED, AdapterData
+from runtime.adapters.dora import DoraLoraData, DoraMagnitudes
+from runtime.adapters.lora_util import (
     DORA_SIDE,
     MLP_PROJECTIONS,
     PROJECTIONS,

@@ -8,9 +8,9 @@ import numpy as np
 
 from runtime.components.lora import SlotInputs, plan_adapter
 from runtime.errors import UnimplementedError
-from runtime.util.adapter_data import AdapterData
-from runtime.util.lora_util import Convention, to_graph_layout
-from runtime.util.lora_writer import LoraWeights, serialize_lora_weights
+from runtime.adapters.adapter_data import AdapterData
+from runtime.adapters.lora_util import Convention, to_graph_layout
+from runtime.adapters.lora_writer import LoraWeights, serialize_lora_weights
 from runtime.util.signature_names import LoraSlot
 
 
@@ -28,7 +28,7 @@ def convert_adapter(
     Scales are already folded into ``a`` by the readers; pairs of smaller rank
     are zero-padded to the adapter's largest rank so every tensor has the same rank, as
     LiteRT-LM expects. The file has ``convention``'s customary layout
-    (:func:`runtime.util.lora_writer.serialize_lora_weights`) in ``dtype``.
+    (:func:`runtime.adapters.lora_writer.serialize_lora_weights`) in ``dtype``.
     """
     plan = plan_adapter(data, slots)
     if plan.dora is not None:

@@ -37,7 +37,7 @@ from runtime.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from runtime.util.adapter_data import AdapterData
+from runtime.adapters.adapter_data import AdapterData
 from runtime.util.latency import LatencyRecorder, LatencySummary
 from runtime.util.signature_names import LoraSlot, cheapest_slot
 

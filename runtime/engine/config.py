@@ -13,7 +13,7 @@ from runtime.engine.speculative import SpeculationPolicy
 from runtime.errors import InvalidArgumentError
 from runtime.executor.weight_cache import WeightCacheDir
 from runtime.framework.lora_source import LoraSource, check_scale
-from runtime.util.adapter_formats import AdapterBuffer
+from runtime.adapters.adapter_formats import AdapterBuffer
 
 
 def check_sources(loras: Iterable[LoraSource]) -> tuple[LoraSource, ...]:

@@ -19,7 +19,7 @@ from runtime.errors import FailedPreconditionError, InvalidArgumentError, Resour
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.resource_manager import ResourceManager
-from runtime.util.draft_heads import DraftHeads
+from runtime.adapters.draft_heads import DraftHeads
 
 
 class SessionRegistry:

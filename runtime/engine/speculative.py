@@ -55,7 +55,7 @@ import numpy as np
 from runtime.components.sampler import Sampler
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.resource_manager import ResourceManager
-from runtime.util.draft_heads import DraftHeads
+from runtime.adapters.draft_heads import DraftHeads
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedErr
 from runtime.util.signature_names import (
     ALL_LINEAR, ATTENTION, DORA, VERIFY, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name,
 )
-from runtime.util.lora_util import DORA_SIDE, MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.adapters.lora_util import DORA_SIDE, MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
 from runtime.util.tensor_spec import TensorSpec
 
 TOKENS = "tokens"

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
-from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
+from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: gemma3_steps.py
 from runtime.export.dora import check_dora, fused_qkv_scale, scaled_linear
 from runtime.export.litert import bmm_4d, kv_utils, rotary_position_embedding
 from runtime.export.mlp_lora import (check_mlp_lora, feed_forward, is_standard_decoder, lora_key, lora_product,
@@ -59,7 +59,7 @@ from runtime.util.signature_names import row_tensor_name
 def check_batchable(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder with its
     standard blocks or Gemma 3's own decoder (the families whose batched step this module
-    and :mod:`runtime.export.families.gemma3_steps` write)."""
+    and :mod:`runtime.export.gemma3_steps` write)."""
     if not is_standard_decoder(model) and not isinstance(model, Gemma3Decoder):
         raise UnimplementedError(
             f"batched and attention-window decode signatures are not available for {type(model).__name__}: "

@@ -26,7 +26,7 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.litert import export_config as export_cfg, kv_utils
-from runtime.util.lora_util import PROJECTIONS
+from runtime.adapters.lora_util import PROJECTIONS
 from runtime.export.mlp_lora import (
     AllLinearStep, Project, check_mlp_lora, deltas, is_standard_decoder, lora_attention, lora_key, lora_shapes,
 )

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
-from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: families/gemma3_steps.py
+from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: gemma3_steps.py
 from runtime.export.litert import attention, export_config as export_cfg, kv_utils, model_builder
 from runtime.export.litert import rotary_position_embedding, sdpa_with_kv_update
 

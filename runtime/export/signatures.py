@@ -17,7 +17,7 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.dora import DoraStep, check_dora
-from runtime.export.families.gemma3_steps import all_linear_step, batch_decode_step
+from runtime.export.gemma3_steps import all_linear_step, batch_decode_step
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.mlp_lora import AllLinearStep, check_mlp_lora, is_standard_decoder

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.util.gguf_data import GGUF_MAGIC, check_gguf_header
+from runtime.adapters.gguf_data import GGUF_MAGIC, check_gguf_header
 
 # Hugging Face model_type -> the family's name, for messages.
 FAMILIES = {

@@ -4,7 +4,7 @@ final norm) at all L.
 
 A verify signature is an ordinary multi-token step (the same forward a prefill with
 logits runs, plain, attention LoRA or all-linear LoRA) whose final norm's output is also
-returned, as ``hidden``: draft heads (:mod:`runtime.util.draft_heads`) turn the hidden
+returned, as ``hidden``: draft heads (:mod:`runtime.adapters.draft_heads`) turn the hidden
 state of the last accepted position into the next drafts. The output is captured with a
 forward hook on the decoder's ``final_norm`` while the step is traced, so every step
 module of the exporter gets the output without a forward of its own.

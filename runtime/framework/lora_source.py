@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.adapter_formats import AdapterBuffer, AdapterOrigin
+from runtime.adapters.adapter_formats import AdapterBuffer, AdapterOrigin
 
 
 def check_scale(scale: object, what: str) -> float:

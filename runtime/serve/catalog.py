@@ -39,8 +39,8 @@ from runtime.errors import (
 )
 from runtime.framework.lora_source import check_sha256
 from runtime.serve.download import DownloadPolicy, download
-from runtime.util.adapter_formats import GGUF, TFLITE, AdapterKey, AdapterOrigin, detect_format
-from runtime.util.peft_data import CONFIG_FILE, WEIGHTS_FILE
+from runtime.adapters.adapter_formats import GGUF, TFLITE, AdapterKey, AdapterOrigin, detect_format
+from runtime.adapters.peft_data import CONFIG_FILE, WEIGHTS_FILE
 
 log = logging.getLogger("runtime.serve")
 

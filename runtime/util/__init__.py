@@ -1,4 +1,4 @@
-"""Bytes and files: reading adapter tensors, naming conventions, writing LoRA files.
+"""Bytes and files: scoped files, caches, flatbuffer tables, names, latency counters.
 
-Nothing here knows about models, sessions or the interpreter.
+Nothing here knows about adapters, models' sessions or the interpreter.
 """

@@ -27,10 +27,10 @@ from runtime.components.residency import ResidencyPolicy
 from runtime.errors import NotFoundError, StatusError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
-from runtime.util.adapter_formats import AdapterKey, AdapterOrigin
-from runtime.util.draft_heads import DraftHeads, check_heads, read_adapter_heads
+from runtime.adapters.adapter_formats import AdapterKey, AdapterOrigin
+from runtime.adapters.draft_heads import DraftHeads, check_heads, read_adapter_heads
 from runtime.util.latency import LatencyRecorder
-from runtime.util.lora_xs import LoraXsFactors
+from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import LoraSlot
 from runtime.util.tensor_spec import TensorSpec

@@ -32,7 +32,7 @@ from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
 from runtime.framework.resource_management.prefix_cache import PrefixCache, PrefixCacheStats
 from runtime.errors import FailedPreconditionError
-from runtime.util.draft_heads import DraftHeads
+from runtime.adapters.draft_heads import DraftHeads
 from runtime.util.latency import LatencyRecorder
 from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import LoraSlot

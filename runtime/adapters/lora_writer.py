@@ -5,7 +5,7 @@
   ``Buffer.offset``/``Buffer.size``, and a ``lora_rank`` metadata entry whose value is
   stored in its buffer-index field.
 
-The inverse of :class:`runtime.util.lora_data.LoraData`: whatever this writes, that reads.
+The inverse of :class:`runtime.adapters.lora_data.LoraData`: whatever this writes, that reads.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, tflite_dtype
-from runtime.util.lora_util import Convention, from_graph_layout, lora_input_name
+from runtime.adapters.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, tflite_dtype
+from runtime.adapters.lora_util import Convention, from_graph_layout, lora_input_name
 
 DATA_ALIGNMENT = 64
 _TYPE_CODES = {"float32": schema.TensorType.FLOAT32, "float16": schema.TensorType.FLOAT16,

@@ -36,7 +36,7 @@ from runtime.errors import (
     NotFoundError,
     StatusError,
 )
-from runtime.util.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.adapters.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
 from runtime.util.scoped_file import FileWatch, ScopedFile
 
 FILE_IDENTIFIER = b"TFL3"

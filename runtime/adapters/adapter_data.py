@@ -1,6 +1,6 @@
 """AdapterData: the one interface every adapter source presents, and computed implementations.
 
-The ``.tflite`` reader (:class:`runtime.util.lora_data.LoraData`) serves stored bytes.
+The ``.tflite`` reader (:class:`runtime.adapters.lora_data.LoraData`) serves stored bytes.
 PEFT and GGUF adapters are presented the same way by :class:`DerivedLoraData`: tensors
 named in the litert-torch convention, in graph layout (``a`` ``[in, r]``, ``b``
 ``[r, out]``), with the adapter's scale already folded into ``a``, each computed from
@@ -23,8 +23,8 @@ from typing import Protocol, Self
 import numpy as np
 
 from runtime.errors import DataLossError, InternalError, InvalidArgumentError, NotFoundError
-from runtime.util.lora_data import TensorInfo
-from runtime.util.lora_util import (
+from runtime.adapters.lora_data import TensorInfo
+from runtime.adapters.lora_util import (
     PROJECTIONS, SIDES, Convention, is_lora_input_name, lora_input_name, parse_lora_input_name, rank_axis,
 )
 from runtime.util.scoped_file import FileWatch

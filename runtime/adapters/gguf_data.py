@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
-from runtime.util.adapter_data import MAX_LAYERS, DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
-from runtime.util.lora_util import PROJECTIONS, Convention, lora_input_name
+from runtime.adapters.adapter_data import MAX_LAYERS, DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
+from runtime.adapters.lora_util import PROJECTIONS, Convention, lora_input_name
 from runtime.util.scoped_file import FileWatch
 
 GGUF_MAGIC = b"GGUF"

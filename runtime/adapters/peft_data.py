@@ -15,12 +15,12 @@ an extra ``r x r`` ``lora_R`` or ``lora_latent_mapping`` between A and B) fold i
 ``fan_in_fan_out`` only changes how PEFT merges into a transposed base weight, not the
 activation path, so it needs nothing here; ``layers_to_transform`` is checked against the keys.
 DoRA (``use_dora: true``): every module also has ``.lora_magnitude_vector`` ``[out]``; the
-adapter is a :class:`runtime.util.dora.DoraLoraData`, whose magnitudes are read (and checked
+adapter is a :class:`runtime.adapters.dora.DoraLoraData`, whose magnitudes are read (and checked
 finite) when it is opened, and divided by the row norms of ``W + s B A`` (``W`` from the
 model file) when it is materialized.
 
 An opened adapter is checked in full, then keeps only its config, its pairs' shapes
-(:class:`runtime.util.adapter_data.LazyLoraData`) and how to read it again: the per-module
+(:class:`runtime.adapters.adapter_data.LazyLoraData`) and how to read it again: the per-module
 objects are built again at first use (a few KiB per registered adapter instead of hundreds).
 
 Refused, with every offending module listed: embeddings, lm_head, ``modules_to_save``,
@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
-from runtime.util.dora import DerivedDoraData, DoraLoraData, DoraMagnitudes, DoraProjection
-from runtime.util.draft_heads import is_draft_head_key
-from runtime.util.lora_util import Convention, lora_input_name
-from runtime.util.lora_xs import DEFAULT_N_ITER, DEFAULT_RANDOM_STATE, LoraXsFactors
+from runtime.adapters.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
+from runtime.adapters.dora import DerivedDoraData, DoraLoraData, DoraMagnitudes, DoraProjection
+from runtime.adapters.draft_heads import is_draft_head_key
+from runtime.adapters.lora_util import Convention, lora_input_name
+from runtime.adapters.lora_xs import DEFAULT_N_ITER, DEFAULT_RANDOM_STATE, LoraXsFactors
 from runtime.util.scoped_file import FileWatch
 
 CONFIG_FILE = "adapter_config.json"
@@ -81,7 +81,7 @@ class PeftLoraConfig:
     # "n_iter" and "random_state"; LoRA-XS's reference uses 10 and 42).
     n_iter: int = DEFAULT_N_ITER
     random_state: int = DEFAULT_RANDOM_STATE
-    # DoRA: every module has a magnitude vector that rescales its output (runtime.util.dora).
+    # DoRA: every module has a magnitude vector that rescales its output (runtime.adapters.dora).
     use_dora: bool = False
 
     @classmethod
@@ -150,7 +150,7 @@ class PeftLoraConfig:
 
 def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactors | None = None) -> LazyLoraData:
     """Opens a PEFT adapter directory (which paths name one is decided by
-    :func:`runtime.util.adapter_formats.peft_directory`). ``lora_xs``: the model's
+    :func:`runtime.adapters.adapter_formats.peft_directory`). ``lora_xs``: the model's
     factors, which an R-only LoRA-XS adapter needs."""
     directory = Path(directory)
     if not directory.is_dir():
@@ -220,7 +220,7 @@ def _derive(
     refused: list[str] = []
     for key in shapes:
         if is_draft_head_key(key):
-            continue  # Turbo LoRA's draft heads: read by runtime.util.draft_heads
+            continue  # Turbo LoRA's draft heads: read by runtime.adapters.draft_heads
         match = _KEY.fullmatch(key)
         if match is None:
             refused.append(_why_refused(key))

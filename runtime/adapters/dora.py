@@ -27,7 +27,7 @@ from typing import cast
 import numpy as np
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, PairTable
+from runtime.adapters.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, PairTable
 from runtime.util.scoped_file import FileWatch
 
 # A projection: (layer, projection name), as LoraInputName.pair spells it.

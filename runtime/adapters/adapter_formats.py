@@ -3,9 +3,9 @@ how it is known again (its identity), all decided here.
 
 | format | recognised by | reader |
 |---|---|---|
-| ``.tflite`` LoRA | ``TFL3`` at byte 4 | :class:`runtime.util.lora_data.LoraData` |
-| GGUF LoRA | ``GGUF`` at byte 0 | :func:`runtime.util.gguf_data.read_gguf_lora` |
-| PEFT | a directory (or its safetensors file) with ``adapter_config.json`` | :func:`runtime.util.peft_data.read_peft_directory` |
+| ``.tflite`` LoRA | ``TFL3`` at byte 4 | :class:`runtime.adapters.lora_data.LoraData` |
+| GGUF LoRA | ``GGUF`` at byte 0 | :func:`runtime.adapters.gguf_data.read_gguf_lora` |
+| PEFT | a directory (or its safetensors file) with ``adapter_config.json`` | :func:`runtime.adapters.peft_data.read_peft_directory` |
 
 In memory: the bytes of a ``.tflite`` LoRA file, or a PEFT state dict (name -> array)
 with its config.
@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import DataLossError, InvalidArgumentError
-from runtime.util.adapter_data import AdapterData
-from runtime.util.gguf_data import GGUF_MAGIC, read_gguf_lora
-from runtime.util.lora_data import FILE_IDENTIFIER, LoraData
-from runtime.util.lora_xs import LoraXsFactors
-from runtime.util.peft_data import CONFIG_FILE, WEIGHTS_FILE, read_peft_directory, read_peft_state_dict
+from runtime.adapters.adapter_data import AdapterData
+from runtime.adapters.gguf_data import GGUF_MAGIC, read_gguf_lora
+from runtime.adapters.lora_data import FILE_IDENTIFIER, LoraData
+from runtime.adapters.lora_xs import LoraXsFactors
+from runtime.adapters.peft_data import CONFIG_FILE, WEIGHTS_FILE, read_peft_directory, read_peft_state_dict
 from runtime.util.scoped_file import ScopedFile
 
 TFLITE, GGUF, PEFT = "tflite", "gguf", "peft"
