@@ -101,3 +101,18 @@ class Clock:
     def perf_counter(self) -> float:
         self.now += 1.0
         return self.now
+
+
+def make_resource_manager(model: Path):
+    """A ResourceManager over ``model`` as the engine builds one: one executor, its adapters."""
+    from runtime.executor.litert_executor import LlmExecutor
+    from runtime.framework.resource_management.adapter_registry import AdapterRegistry
+    from runtime.framework.resource_management.executor_pool import ExecutorPool
+    from runtime.framework.resource_management.resource_manager import ResourceManager
+    from runtime.util.model_weights import ModelWeights
+
+    pool = ExecutorPool(LlmExecutor(model))
+    spec = pool.spec
+    registry = AdapterRegistry(spec.lora_slots, pool.primary.create_lora_buffer, head_dim=spec.head_dim,
+                               base_weights=lambda: ModelWeights.open(model, str(model)))
+    return ResourceManager(pool, registry)

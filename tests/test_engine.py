@@ -157,3 +157,41 @@ def test_chat_template_given_as_source_renders_conversations():
         assert engine.chat_template is None
     with pytest.raises(InvalidArgumentError):
         Engine(MODEL_FILES["default"], chat_template="{% if %}")
+
+
+# -- the slot rule, asked of the engine ----------------------------------------------
+
+
+def test_slot_for_names_the_cheapest_slot_that_runs_the_adapters():
+    with Engine(MODEL_FILES["default"]) as engine:
+        r4 = engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+        r4_other = engine.register_adapter(LoraSource(path=adapter_path("litertlm_r4")))
+        r16 = engine.register_adapter(LoraSource(path=adapter_path("torch_r16")))
+        assert engine.slot_for({}) is None  # the base model
+        assert engine.slot_for({r4: 1.0}).rank == 4
+        assert engine.slot_for({r4: 0.5, r4_other: 0.5}).rank == 16  # 4 + 4 -> the smallest slot that holds 8
+        with engine.create_session(SessionConfig(adapters={r4: 0.5, r4_other: 0.5})) as session:
+            session.run_prefill([5, 17])
+            (resident,) = engine.stats().resident
+            assert resident.slot_rank == engine.slot_for(dict(session.blend)).rank  # the session asked the same rule
+        with pytest.raises(InvalidArgumentError, match=r"'small' \(rank 4, attention\), 'big' \(rank 16, attention\) "
+                                                       r"need rank 20 together.*slots: r4, r16"):
+            engine.slot_for({r4: 1.0, r16: 1.0}, names={r4: "small", r16: "big"})
+        with pytest.raises(InvalidArgumentError, match=r"torch_r4.tflite \(rank 4.*torch_r16.tflite \(rank 16"):
+            engine.create_session(SessionConfig(adapters={r4: 1.0, r16: 1.0}))  # sessions ask the same rule
+        with pytest.raises(NotFoundError, match="LoRA id 99"):
+            engine.slot_for({99: 1.0})
+
+
+def test_the_engine_answers_for_one_adapter():
+    with Engine(MODEL_FILES["default"]) as engine:
+        lora_id = engine.register_adapter(LoraSource(path=adapter_path("torch_r16")))
+        adapter = engine.adapter(lora_id)
+        assert (adapter.lora_id, adapter.rank, adapter.format, adapter.sessions) == (lora_id, 16, "tflite", 0)
+        assert adapter.source.endswith("torch_r16.tflite") and adapter.tensor_bytes > 0
+        with engine.create_session(SessionConfig(adapters={lora_id: 1.0})):
+            assert engine.adapter(lora_id).sessions == 1
+        assert engine.adapter(lora_id) == next(a for a in engine.stats().adapters if a.lora_id == lora_id)
+        engine.unload_adapter(lora_id)
+        with pytest.raises(NotFoundError):
+            engine.adapter(lora_id)

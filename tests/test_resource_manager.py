@@ -8,22 +8,19 @@ import threading
 
 import pytest
 
-from conftest import MODEL_FILES, adapter_path
+from conftest import MODEL_FILES, adapter_path, make_resource_manager
 import numpy as np
 
 from runtime.components.residency import KeepAll, OnlyActive
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
-from runtime.executor.litert_executor import LlmExecutor
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
-from runtime.util.model_weights import ModelWeights
 from runtime.util.signature_names import LoraSlot
 
 
 @pytest.fixture
 def manager():
-    resources = ResourceManager(LlmExecutor(MODEL_FILES["default"]),
-                                base_weights=lambda: ModelWeights.open(MODEL_FILES["default"], "default"))
+    resources = make_resource_manager(MODEL_FILES["default"])
     yield resources
     resources.close()
 
@@ -94,9 +91,9 @@ def test_concurrent_registration_loads_once(manager):
 
 def test_contexts_pin_their_adapters(manager):
     source = LoraSource(path=adapter_path("torch_r4"))
-    context = manager.new_context([source])
+    context = manager.create_context_handler([source])
     (lora_id,) = context.lora_ids
-    clone = manager.clone_context(context)
+    clone = manager.clone_context_handler(context)
     assert sessions_using(manager, lora_id) == 2
     with pytest.raises(FailedPreconditionError):
         manager.registry.unload(lora_id)
@@ -104,7 +101,7 @@ def test_contexts_pin_their_adapters(manager):
     manager.release_context(clone)
     manager.registry.unload(lora_id)
     assert manager.registry.ids() == []
-    again = manager.new_context([source])  # registered anew, under a new id
+    again = manager.create_context_handler([source])  # registered anew, under a new id
     assert again.lora_ids != [lora_id] and manager.registry.ids() == again.lora_ids
 
 
@@ -114,7 +111,7 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
     context must still get it (and the unload be refused), never a NotFoundError."""
     source = LoraSource(path=adapter_path("torch_r4"))
     lora_id = manager.registry.register(source)
-    context = manager.new_context([]) if switch else None
+    context = manager.create_context_handler([]) if switch else None
     outcome: list[BaseException | None] = []
     racers: list[threading.Thread] = []
 
@@ -139,7 +136,7 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
     if switch:
         manager.set_adapters(context, [source])
     else:
-        context = manager.new_context([source])
+        context = manager.create_context_handler([source])
     monkeypatch.undo()
     for racer in racers:
         racer.join(10)
@@ -149,13 +146,13 @@ def test_unload_cannot_slip_between_register_and_pin(manager, switch, monkeypatc
 
 
 def bound(manager, context):
-    with manager.run(context) as binding:
+    with manager.acquire_executor_with_context_handler(context) as binding:
         return binding
 
 
 def test_binding_is_reused_until_the_adapter_changes(manager):
     one = LoraSource(path=adapter_path("torch_r4"))
-    context = manager.new_context([one])
+    context = manager.create_context_handler([one])
     first = bound(manager, context)
     assert bound(manager, context) is first
     assert first.lora_slot == LoraSlot(4)
@@ -171,12 +168,12 @@ def test_binding_is_reused_until_the_adapter_changes(manager):
 
 def test_a_run_protects_its_adapter_and_always_ends(manager):
     manager.registry.set_residency(OnlyActive())
-    context = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
-    with manager.run(context):
+    context = manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))])
+    with manager.acquire_executor_with_context_handler(context):
         assert len(manager.registry.report().resident) == 1  # running: kept
     assert manager.registry.report().resident == ()  # ended: OnlyActive drops it
     with pytest.raises(RuntimeError, match="inside the run"):
-        with manager.run(context):
+        with manager.acquire_executor_with_context_handler(context):
             raise RuntimeError("inside the run")
     assert manager.registry.report().resident == ()  # ended by the exception too
     manager.release_context(context)
@@ -184,13 +181,13 @@ def test_a_run_protects_its_adapter_and_always_ends(manager):
 
 def test_idle_contexts_let_go_of_evicted_buffers(manager):
     """Else an eviction would free nothing: the idle context's binding would keep them."""
-    a = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
-    b = manager.new_context([LoraSource(path=adapter_path("litertlm_r4"))])
+    a = manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))])
+    b = manager.create_context_handler([LoraSource(path=adapter_path("litertlm_r4"))])
     bound(manager, a)
     assert a.bound_lora is not None
     manager.registry.set_residency(OnlyActive())  # a is idle: its blend goes
     assert a.bound_lora is None and a.binding is None and a.recent == {}
-    with manager.run(b):
+    with manager.acquire_executor_with_context_handler(b):
         assert b.bound_lora is not None  # active: kept while it runs
     assert b.bound_lora is None  # idle again: evicted, let go
     manager.release_context(a)
@@ -198,8 +195,8 @@ def test_idle_contexts_let_go_of_evicted_buffers(manager):
 
 
 def test_switches_are_counted_when_context_or_adapter_changes(manager):
-    a = manager.new_context([LoraSource(path=adapter_path("torch_r4"))])
-    b = manager.new_context([])
+    a = manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))])
+    b = manager.create_context_handler([])
     for context in (a, a, b, b, a):
         bound(manager, context)
     assert manager.switch_latency.summary().count == 2  # a->b and b->a; the first run is no switch
@@ -208,7 +205,7 @@ def test_switches_are_counted_when_context_or_adapter_changes(manager):
 def test_mutable_buffer_is_snapshotted_at_registration(manager):
     blob = bytearray(adapter_path("torch_r4").read_bytes())
     lora_id = manager.registry.register(LoraSource(buffer=blob))
-    context = manager.new_context([LoraSource(buffer=bytes(blob))])
+    context = manager.create_context_handler([LoraSource(buffer=bytes(blob))])
     assert context.lora_ids == [lora_id]  # same content, same adapter
     before = bound(manager, context).executor.decode(bound(manager, context), 1, 0)
     blob[:] = bytes(len(blob))  # the caller scribbles over its buffer

@@ -478,7 +478,7 @@ def test_errors_name_the_field_and_always_have_a_code(served):
                                                    "lora": [{"name": "json"}]})
     message = body["error"]["message"]
     assert (status, body["error"]["param"]) == (400, "lora")
-    assert "'uppercase' (rank 8), 'json' (rank 8) need rank 16" in message and "[" not in message
+    assert "'json' (rank 8, attention), 'uppercase' (rank 8, attention) need rank 16" in message and "[" not in message
 
 
 def huge_adapter(source: Path, target: Path, factor: float = 1e18) -> None:
@@ -961,3 +961,25 @@ def test_the_readme_serving_examples_run_as_written(tmp_path, offline):
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(20) == 0
+
+
+def test_a_dora_adapter_in_a_blend_is_refused_before_anything_runs(tmp_path):
+    """The server asks the engine's slot rule, so a blend the model cannot run (a DoRA
+    adapter with another) is a 400 naming both, not a generic error once it runs."""
+    family = ROOT / "tests" / "models" / "families" / "llama"
+    adapters = tmp_path / "adapters"
+    for name in ("adapter", "adapter_dora"):
+        shutil.copytree(family / name, adapters / name)
+    with Engine(family / "model.tflite", tokenizer=ByteTokenizer()) as engine:
+        server, thread, url = start_server(engine, adapters, ServeSettings("family"))
+        try:
+            served = Served(url, engine, adapters)
+            status, body = served.call("/v1/completions", {"model": "adapter_dora", "prompt": "hi", "max_tokens": 2,
+                                                           "lora": [{"name": "adapter", "scale": 0.5}]}, key=None)
+            assert (status, body["error"]["code"], body["error"]["param"]) == (400, "no_lora_slot", "lora")
+            assert "adapter_dora" in body["error"]["message"] and "cannot be blended" in body["error"]["message"]
+            status, body = served.call("/v1/completions", {"model": "adapter_dora", "prompt": "hi", "max_tokens": 2},
+                                       key=None)
+            assert status == 200 and body["choices"][0]["text"] is not None  # alone it runs
+        finally:
+            stop_server(server, thread)

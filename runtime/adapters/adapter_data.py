@@ -56,6 +56,9 @@ class AdapterData(Protocol):
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order."""
 
+    def has_tensor(self, name: str) -> bool:
+        """Whether the adapter has a tensor named ``name`` (LiteRT-LM's ``HasTensor``)."""
+
     def tensor_info(self, name: str) -> TensorInfo:
         """Shape, dtype and size of ``name`` (read from metadata only)."""
 
@@ -110,6 +113,10 @@ class DerivedLoraData:
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order."""
         return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether ``name`` is one of the tensors (nothing is computed)."""
+        return name in self._tensors
 
     def tensor_info(self, name: str) -> TensorInfo:
         """Shape, dtype and size of ``name``; ``NotFoundError`` if absent."""
@@ -306,6 +313,10 @@ class LazyLoraData:
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order (the one the source was derived in)."""
         return self._table.names()
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether ``name`` is one of the tensors (read from the table; nothing is built)."""
+        return self._table.shape(name) is not None
 
     def tensor_info(self, name: str) -> TensorInfo:
         """Shape, dtype and size of ``name``; ``NotFoundError`` if absent."""

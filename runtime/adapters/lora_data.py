@@ -153,6 +153,10 @@ class LoraData:
         """Every tensor name in the file, in file order."""
         return list(self._tensors)
 
+    def has_tensor(self, name: str) -> bool:
+        """Whether the file has a tensor named ``name`` (no tensor bytes are read)."""
+        return name in self._tensors
+
     def tensor_info(self, name: str) -> TensorInfo:
         """Shape, dtype, size and location of tensor ``name``; ``NotFoundError`` if absent."""
         try:

@@ -139,23 +139,29 @@ class LoraManager:
 
     # -- using ---------------------------------------------------------------------
 
-    def slot_for(self, blend: Blend) -> LoraSlot:
+    def slot_for(self, blend: Blend, names: Mapping[int, str] | None = None) -> LoraSlot:
         """The cheapest slot that holds ``blend``: its summed rank, and the MLP's inputs
-        if any of its adapters touches the MLP."""
+        if any of its adapters touches the MLP (see :func:`blend_needs`). The error when
+        none does names each adapter as ``names`` does (default: its source)."""
         with self._lock:
             slot = self._slot_of.get(blend)
             if slot is not None:
                 return slot
-            need = blend_needs([(self._require(lora_id), scale) for lora_id, scale in blend])
+            plans = [(self._require(lora_id), scale) for lora_id, scale in blend]
+            need = blend_needs(plans)
             slot = cheapest_slot(self._slots, need)
             if slot is not None:
                 if len(self._slot_of) >= _SLOTS_REMEMBERED:  # blends of many distinct scales
                     self._slot_of.clear()
                 self._slot_of[blend] = slot
                 return slot
+        names = names or {}
+        named = ", ".join((repr(names[lora_id]) if lora_id in names else plan.source_name) + f" (rank {plan.rank}, {plan.targets})"
+                          for (lora_id, _), (plan, _) in zip(blend, plans))
+        need_what = f"need rank {need.rank} together" if len(plans) > 1 else f"needs rank {need.rank}"
         raise InvalidArgumentError(
-            f"adapters {[i for i, _ in blend]} need rank {need.rank} together ({need.targets}), more than any "
-            f"LoRA slot of the model holds (slots: {', '.join(map(str, self._slots))})"
+            f"adapter{'s' if len(plans) > 1 else ''} {named} {need_what} ({need.targets}): no LoRA slot of the "
+            f"model holds that (slots: {', '.join(map(str, self._slots)) or 'none'})"
         )
 
     def acquire(self, blend: Blend, slot: LoraSlot | None = None) -> LoRA:
@@ -188,6 +194,20 @@ class LoraManager:
                 f"adapters {[i for i, _ in blend]} cannot run in LoRA slot {slot}: they need slot {own} or one "
                 f"of {', '.join(map(str, self._slots))} that holds it")
         return blend, slot
+
+    def use_lora(self, lora_id: int) -> LoRA:
+        """LiteRT-LM's ``UseLoRA``: adapter ``lora_id`` alone at scale 1, made resident in
+        its own slot (materialized if it is not) and returned. It is not held active: the
+        residency policy may drop it again; sessions hold theirs through :meth:`acquire`."""
+        blend = ((lora_id, 1.0),)
+        lora = self.acquire(blend)
+        self.release(blend)
+        return lora
+
+    def get_lora_buffers(self, lora_id: int) -> Mapping[str, object]:
+        """LiteRT-LM's ``GetLoRABuffers``: the filled input buffers of adapter ``lora_id``
+        (alone, scale 1), by the model's LoRA input names (see :meth:`use_lora`)."""
+        return self.use_lora(lora_id).buffers
 
     def add_evict_listener(self, listener: Callable[[Blend, LoRA], None]) -> None:
         """Calls ``listener(blend, lora)`` (under the manager's lock) whenever buffers are dropped."""

@@ -5,28 +5,34 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from runtime.engine.config import EngineSettings, SessionConfig
+from runtime.engine.config import EngineSettings, SessionConfig, check_adapters
 from runtime.components.chat_template import ChatTemplate
 from runtime.components.residency import ResidencyPolicy
 from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
 from runtime.engine.session import Session, SessionRegistry, check_token_ids
-from runtime.engine.stats import EngineStats
+from runtime.engine.speculative import Speculation
+from runtime.engine.stats import AdapterStats, EngineStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.op_profile import OpRecording, summarize
 from runtime.executor.weight_cache import weight_cache_file
 from runtime.framework.lora_source import LoraSource
+from runtime.components.lora_manager import normalize_blend
+from runtime.framework.resource_management.adapter_registry import AdapterRegistry
+from runtime.framework.resource_management.decode_batcher import DecodeBatcher
+from runtime.framework.resource_management.executor_pool import ExecutorPool
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
 from runtime.util.model_weights import ModelWeights
 from runtime.util.output_projection import read_output_projection
+from runtime.util.signature_names import LoraSlot
 
 
 class Engine:
@@ -76,16 +82,26 @@ class Engine:
             for executor in executors:
                 executor.close()
             raise
-        self._resources = ResourceManager(
-            executors,
+        pool = ExecutorPool(executors)
+        spec = pool.spec
+        self._adapters = AdapterRegistry(
+            spec.lora_slots,
+            pool.primary.create_lora_buffer,
+            head_dim=spec.head_dim,
             base_weights=lambda: ModelWeights.open(model, str(self.model_path)),
             residency=self.settings.lora_residency,
             allow_non_finite=self.settings.allow_non_finite_weights,
-            batch_wait_s=self.settings.batch_wait_s,
-            output_projection=lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
-            prefix_cache_bytes=self.settings.prefix_cache_bytes,
+            draft_width=spec.hidden_size,
+            vocab_size=spec.vocab_size,
         )
-        self._sessions = SessionRegistry(self.settings.speculation)
+        self._resources = ResourceManager(pool, self._adapters, prefix_cache_bytes=self.settings.prefix_cache_bytes)
+        self._batcher = DecodeBatcher(self._resources, self.settings.batch_wait_s)
+        self._speculation = Speculation(
+            self.settings.speculation,
+            self._adapters.draft_heads,
+            lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
+        )
+        self._sessions = SessionRegistry(self._speculation)
         self._closed = False
         self._lock = threading.Lock()
 
@@ -102,23 +118,41 @@ class Engine:
         """Registers an adapter (parse and check only: no buffers until a session runs
         it) and returns its id; the same adapter again returns the same id."""
         self._check_open()
-        return self._resources.registry.register(source)
+        return self._resources.assign_lora_id(source)
 
     def unload_adapter(self, lora_id: int) -> None:
         """Unregisters an adapter no live session uses and frees its buffers."""
         self._check_open()
         self._resources.unload_adapter(lora_id)
+        self._speculation.forget(lora_id)
 
     def adapter_ids(self) -> list[int]:
         """The ids of the registered adapters."""
-        return self._resources.registry.ids()
+        return self._adapters.ids()
+
+    def adapter(self, lora_id: int) -> AdapterStats:
+        """What adapter ``lora_id`` is: its source, format, rank, projections, bytes and
+        sessions; ``NotFoundError`` when no adapter has that id."""
+        return self._adapters.stats(lora_id)
+
+    def slot_for(self, adapters: Mapping[int, float], *, names: Mapping[int, str] | None = None) -> LoraSlot | None:
+        """The LoRA slot a session with ``adapters`` (id -> scale, a blend when several)
+        runs in: the model's cheapest that holds their summed rank and every projection
+        they touch; ``None`` for no adapters (the base model). ``InvalidArgumentError``
+        naming the adapters and why when no slot of the model can run them (too large a
+        summed rank, MLP projections on an attention-only model, a DoRA adapter blended
+        with others), each adapter as ``names`` (id -> name) calls it, by default its
+        source; ``NotFoundError`` for an unknown id. Sessions, batches and the server
+        all ask this one rule."""
+        self._check_open()
+        return self._resources.slot_for(normalize_blend(check_adapters(adapters).items()), names)
 
     def create_session(self, config: SessionConfig | None = None) -> Session:
         """A new, empty session running with the adapters ``config`` names."""
         self._check_open()
         config = config or SessionConfig()
-        context = self._resources.new_context(config.sources(), config.adapters.items())
-        return Session(self._resources, context, config.sampler, self._sessions, self.tokenizer)
+        context = self._resources.create_context_handler(config.sources(), config.adapters.items())
+        return Session(self._resources, self._batcher, context, config.sampler, self._sessions, self.tokenizer)
 
     def decode_together(self, steps: Sequence[tuple[Session, int]]) -> list[np.ndarray]:
         """One decode step for each ``(session, token)`` of this engine, in one pass over
@@ -151,7 +185,7 @@ class Engine:
             for session, context in zip(sessions, contexts):
                 session.write_pending(context)  # a generation's last token, alone (rare: after generate)
             start = time.perf_counter()
-            logits = self._resources.batcher.decode_together(list(zip(contexts, tokens)))
+            logits = self._batcher.decode_together(list(zip(contexts, tokens)))
             seconds = time.perf_counter() - start
             for session, context in zip(sessions, contexts):
                 session.record_decode(context, seconds)
@@ -171,7 +205,7 @@ class Engine:
         ``FailedPreconditionError`` when the engine was opened without ``profile_ops`` or
         is recording already."""
         self._check_open()
-        executors = self._resources.executors
+        executors = self._resources.pool.executors
         recording = OpRecording()
         started = []
         try:
@@ -186,14 +220,14 @@ class Engine:
     def set_residency(self, policy: ResidencyPolicy) -> None:
         """Changes which blends of adapters stay resident; applied at once."""
         self._check_open()
-        self._resources.registry.set_residency(policy)
+        self._adapters.set_residency(policy)
 
     def stats(self) -> EngineStats:
         """Registered and resident adapters with their bytes, latencies, residency hits and
         misses, and every live session's counters."""
-        report = self._resources.registry.report()
-        invokes, invoke_seconds = self._resources.invoke_totals()
-        batch_sizes, queue_wait = self._resources.batcher.report()
+        report = self._adapters.report()
+        invokes, invoke_seconds = self._resources.pool.invoke_totals()
+        batch_sizes, queue_wait = self._batcher.report()
         sessions = []
         for session in self._sessions.snapshot():
             try:
@@ -203,7 +237,7 @@ class Engine:
         return EngineStats(
             adapters=report.adapters,
             resident=report.resident,
-            load=self._resources.registry.load_latency.summary(),
+            load=self._adapters.load_latency.summary(),
             materialize=report.residency.materialize,
             switch=self._resources.switch_latency.summary(),
             residency_hits=report.residency.hits,
@@ -214,7 +248,7 @@ class Engine:
             invoke_seconds=invoke_seconds,
             decode_batches=batch_sizes,
             queue_wait=queue_wait,
-            speculation=self._sessions.speculation.snapshot(),
+            speculation=self._speculation.counters.snapshot(),
             prefix_cache=self._resources.prefix_cache_stats(),
         )
 

@@ -13,33 +13,24 @@ import numpy as np
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.components.tokenizer import Tokenizer
 from runtime.engine.config import check_adapters, check_sources
-from runtime.engine.speculative import AcceptanceGate, SpeculationCounters, SpeculationPolicy, SpeculativeDecoder
+from runtime.engine.speculative import Speculation, SpeculationCounters, SpeculativeDecoder
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.context_handler import ContextHandler
+from runtime.framework.resource_management.decode_batcher import DecodeBatcher
 from runtime.framework.resource_management.resource_manager import ResourceManager
-from runtime.adapters.draft_heads import DraftHeads
 
 
 class SessionRegistry:
-    """The live sessions of one engine, so that closing the engine closes them."""
+    """The live sessions of one engine, so that closing the engine closes them, and the
+    engine's :class:`Speculation` they share."""
 
-    def __init__(self, policy: SpeculationPolicy | None = None) -> None:
-        """``policy``: when the sessions' draft heads switch themselves off."""
-        self._policy = policy or SpeculationPolicy()
-        self._gates: dict[int, AcceptanceGate] = {}  # per adapter id (ids are never reused)
+    def __init__(self, speculation: Speculation) -> None:
+        self.speculation = speculation
         self._sessions: set[Session] = set()
         self._next_id = 1
         self._lock = threading.Lock()
-        self.speculation = SpeculationCounters()  # every session's draft-head work, closed ones too
-
-    def gate(self, lora_id: int) -> AcceptanceGate:
-        """The switch of adapter ``lora_id``'s draft heads, shared by its sessions."""
-        with self._lock:
-            if lora_id not in self._gates:
-                self._gates[lora_id] = AcceptanceGate(self._policy)
-            return self._gates[lora_id]
 
     def add(self, session: Session) -> int:
         """Records a new session; returns its id."""
@@ -101,6 +92,7 @@ class Session:
     def __init__(
         self,
         resources: ResourceManager,
+        batcher: DecodeBatcher,
         context: ContextHandler,
         sampler: SamplerConfig,
         registry: SessionRegistry,
@@ -108,12 +100,13 @@ class Session:
     ) -> None:
         """Sessions are made by :meth:`Engine.create_session` and :meth:`clone`."""
         self._resources = resources
+        self._batcher = batcher
         self._tokenizer = tokenizer
         self._context: ContextHandler | None = context
         self._sampler_config = sampler
         self._registry = registry
         self._lock = threading.Lock()
-        self._vocab = resources.executor.spec.vocab_size
+        self._vocab = resources.spec.vocab_size
         self._counters = _Counters()
         self._speculation = SpeculationCounters()
         self.session_id = registry.add(self)
@@ -128,7 +121,7 @@ class Session:
     @property
     def kv_length(self) -> int:
         """How many tokens the session's context can hold (the model's KV cache length)."""
-        return self._resources.executor.spec.kv_length
+        return self._resources.spec.kv_length
 
     @property
     def closed(self) -> bool:
@@ -211,11 +204,13 @@ class Session:
                     f"{kv_length} positions"
                 )
             start = time.perf_counter()
-            heads = self._draft_heads(context)
+            speculation = self._registry.speculation
+            drafting = speculation.heads_for(context.blend, self._speculation)
             decoder = None
-            if heads is not None:
-                gate = self._registry.gate(context.blend[0][0])
-                decoder = SpeculativeDecoder(self._resources, context, heads, self._decode, gate)
+            if drafting is not None:
+                heads, gate = drafting
+                decoder = SpeculativeDecoder(self._resources, context, heads, speculation.lm_head(), self._decode,
+                                             gate)
             logits = self._prefill(context, prompt, decoder)
             prefill_done = time.perf_counter()
             generated = [sampler.sample(logits)]
@@ -228,7 +223,7 @@ class Session:
                     self._counters.decode_tokens += decoder.counters.tokens
                     self._counters.decode_seconds = before + time.perf_counter() - first_token
                     self._speculation.add(decoder.counters)
-                    self._registry.speculation.add(decoder.counters)
+                    self._registry.speculation.counters.add(decoder.counters)
             else:
                 stop_reason = self._plain_loop(context, generated, sampler, max_new_tokens, stops, on_token)
             end = time.perf_counter()
@@ -246,22 +241,11 @@ class Session:
             text=text,
         )
 
-    def _draft_heads(self, context: ContextHandler) -> DraftHeads | None:
-        """The heads a generation of ``context`` speculates with, greedy or sampled (``None``:
-        plain decoding); counts a blend whose adapters carry heads it cannot use."""
-        heads = self._resources.draft_heads(context)
-        if heads is None and len(context.blend) > 1 and any(
-                self._resources.registry.draft_heads(lora_id) for lora_id, _ in context.blend):
-            blended = SpeculationCounters(blends_without_heads=1)
-            self._speculation.add(blended)
-            self._registry.speculation.add(blended)
-        return heads
-
     def _plain_loop(self, context: ContextHandler, generated: list[int], sampler: Sampler, max_new_tokens: int,
                     stops: set[int], on_token: Callable[[int], None] | None) -> str:
         """Plain decoding from ``generated[0]``: one decode step per token, appended to
         ``generated``; returns the stop reason."""
-        with self._resources.batcher.streaming():  # decode batches being formed wait for this session's steps
+        with self._batcher.streaming():  # decode batches being formed wait for this session's steps
             while True:
                 if on_token is not None:
                     on_token(generated[-1])
@@ -275,8 +259,8 @@ class Session:
     def clone(self) -> Session:
         """A new session with a copy of this one's context and the same adapters."""
         with self.reserve() as context:
-            copy = self._resources.clone_context(context)
-        return Session(self._resources, copy, self._sampler_config, self._registry, self._tokenizer)
+            copy = self._resources.clone_context_handler(context)
+        return Session(self._resources, self._batcher, copy, self._sampler_config, self._registry, self._tokenizer)
 
     def reset(self) -> None:
         """Empties the context (position 0); the adapters stay.
@@ -357,7 +341,7 @@ class Session:
 
     def _decode(self, context: ContextHandler, token: int) -> np.ndarray:
         start = time.perf_counter()
-        logits = self._resources.decode(context, token)
+        logits = self._batcher.decode(context, token)
         self.record_decode(context, time.perf_counter() - start)
         return logits
 

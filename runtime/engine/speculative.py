@@ -47,7 +47,7 @@ pass over the weights).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,23 +172,80 @@ class AcceptanceGate:
                 self._runs = self._kept = 0
 
 
+class Speculation:
+    """An engine's speculation: which draft heads a session drafts with, each adapter's
+    :class:`AcceptanceGate`, the lm_head the heads end in, and every generation's
+    counters (closed sessions' too). Thread-safe.
+
+    The rule, decided here only: a session speculates with the heads of its adapter when it
+    runs exactly one adapter and that adapter carries heads; a blend of several adapters
+    speculates with none (each head was trained on one adapter's hidden states), and such a
+    generation is counted in ``blends_without_heads``.
+    """
+
+    def __init__(self, policy: SpeculationPolicy, heads_of: Callable[[int], DraftHeads | None],
+                 lm_head: Callable[[], np.ndarray]) -> None:
+        """``heads_of(lora_id)``: the heads registered with an adapter (``None``: none);
+        ``lm_head()``: reads the model's output projection ``[vocab, hidden]`` (called once,
+        when a session first speculates)."""
+        self._policy = policy
+        self._heads_of = heads_of
+        self._read_lm_head = lm_head
+        self._lm_head: np.ndarray | None = None
+        self._gates: dict[int, AcceptanceGate] = {}
+        self._lock = threading.Lock()
+        self.counters = SpeculationCounters()
+
+    def heads_for(self, blend: Sequence[tuple[int, float]], counters: SpeculationCounters
+                  ) -> tuple[DraftHeads, AcceptanceGate] | None:
+        """The heads a generation of ``blend`` drafts with and its adapter's gate (``None``:
+        plain decoding); a blend whose adapters carry heads it cannot use is counted in
+        ``counters`` (the session's) and the engine's."""
+        if len(blend) == 1:
+            lora_id = blend[0][0]
+            heads = self._heads_of(lora_id)
+            return (heads, self._gate(lora_id)) if heads is not None else None
+        if any(self._heads_of(lora_id) is not None for lora_id, _ in blend):
+            blended = SpeculationCounters(blends_without_heads=1)
+            counters.add(blended)
+            self.counters.add(blended)
+        return None
+
+    def lm_head(self) -> np.ndarray:
+        """The model's output projection ``[vocab, hidden]`` float32 (read once)."""
+        with self._lock:
+            if self._lm_head is None:
+                self._lm_head = self._read_lm_head()
+            return self._lm_head
+
+    def forget(self, lora_id: int) -> None:
+        """Drops the gate of an adapter that was unloaded."""
+        with self._lock:
+            self._gates.pop(lora_id, None)
+
+    def _gate(self, lora_id: int) -> AcceptanceGate:
+        with self._lock:
+            if lora_id not in self._gates:
+                self._gates[lora_id] = AcceptanceGate(self._policy)
+            return self._gates[lora_id]
+
+
 class SpeculativeDecoder:
     """Runs one generation's decode loop with draft heads, greedy or sampled (see the module
     notes)."""
 
-    def __init__(self, resources: ResourceManager, context: ContextHandler, heads: DraftHeads,
+    def __init__(self, resources: ResourceManager, context: ContextHandler, heads: DraftHeads, lm_head: np.ndarray,
                  decode: Callable[[ContextHandler, int], np.ndarray], gate: AcceptanceGate) -> None:
-        """``decode(context, token)``: a plain decode step that advances the position (for
-        when the heads are off, or the cache has no room for a verify run); ``gate``: the
-        adapter's switch."""
+        """``lm_head``: the model's output projection the heads end in; ``decode(context,
+        token)``: a plain decode step that advances the position (for when the heads are
+        off, or the cache has no room for a verify run); ``gate``: the adapter's switch."""
         self._resources = resources
         self._context = context
         self._heads = heads
         self._decode = decode
         self._gate = gate
-        lm_head = resources.lm_head()
         self._lm_head = lm_head if heads.vocab is None else np.ascontiguousarray(lm_head[heads.vocab])
-        self._length = max(resources.spec.verify_lengths(resources.registry.slot_or_none(context.blend)), default=0)
+        self._length = max(resources.spec.verify_lengths(resources.slot_for(context.blend)), default=0)
         self.counters = SpeculationCounters(accepted=[0] * heads.count)
         self._drafts: list[int] = []  # the first step's drafts, from the prompt's last hidden state
 

@@ -308,7 +308,7 @@ class AdapterCatalog:
             for other in self._entries.values():
                 if other.lora_id == lora_id:
                     raise AlreadyExistsError(f"{path.name} is already loaded as adapter {other.name!r}")
-        stats = next(adapter for adapter in self._engine.stats().adapters if adapter.lora_id == lora_id)
+        stats = self._engine.adapter(lora_id)
         if AdapterOrigin.of_file(path).key != key:  # rewritten while it was registered
             self._engine.unload_adapter(lora_id)
             raise DataLossError(f"{path.name} changed while it was being loaded; load it again")

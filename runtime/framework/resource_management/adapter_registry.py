@@ -151,6 +151,13 @@ class AdapterRegistry:
         for lora_id, _ in blend:
             self._manager.unpin(lora_id)
 
+    def slot_for(self, blend: Blend, names: Mapping[int, str] | None = None) -> LoraSlot:
+        """The cheapest LoRA slot that runs ``blend``, or ``InvalidArgumentError`` naming its
+        adapters and why none does (their summed rank, the projections they touch, a DoRA
+        adapter in a blend), each as ``names`` names it (default: its source);
+        ``NotFoundError`` for an id that is not registered."""
+        return self._manager.slot_for(blend, names)
+
     def slot_or_none(self, blend: Blend) -> LoraSlot | None:
         """The LoRA slot ``blend`` runs in; ``None`` for the base model, or when an adapter
         of it is gone (the row's own acquire then reports why)."""
@@ -182,30 +189,42 @@ class AdapterRegistry:
         """Every registered adapter with its bytes and sessions, the resident blends, and
         the residency counters."""
         manager = self._manager
-        resident = tuple(
-            ResidentStats(blend, lora.slot.rank, lora.nbytes, lora.slot.targets)
-            for (blend, _), lora in manager.resident().items()
-        )
+        resident = self._resident()
         adapters = []
         for lora_id in manager.loaded_ids():
             try:
-                plan = manager.plan(lora_id)
+                adapters.append(self._stats(lora_id, resident))
             except NotFoundError:
                 continue  # unloaded meanwhile
-            heads = self._heads.get(lora_id)
-            adapters.append(AdapterStats(
-                lora_id=lora_id,
-                source=plan.source_name,
-                format=plan.data.format_name,
-                rank=plan.rank,
-                targets=plan.targets,
-                tensor_bytes=plan.data.nbytes + (heads.nbytes if heads else 0),
-                resident_bytes=sum(r.nbytes for r in resident if any(i == lora_id for i, _ in r.blend)),
-                sessions=manager.pin_count(lora_id),
-                draft_heads=heads.count if heads else 0,
-                draft_head_bytes=heads.nbytes if heads else 0,
-            ))
         return AdapterReport(tuple(adapters), resident, manager.residency_stats())
+
+    def stats(self, lora_id: int) -> AdapterStats:
+        """Adapter ``lora_id``'s source, format, rank, projections, bytes and sessions;
+        ``NotFoundError`` when no adapter has that id."""
+        return self._stats(lora_id, self._resident())
+
+    def _resident(self) -> tuple[ResidentStats, ...]:
+        return tuple(
+            ResidentStats(blend, lora.slot.rank, lora.nbytes, lora.slot.targets)
+            for (blend, _), lora in self._manager.resident().items()
+        )
+
+    def _stats(self, lora_id: int, resident: tuple[ResidentStats, ...]) -> AdapterStats:
+        manager = self._manager
+        plan = manager.plan(lora_id)
+        heads = self._heads.get(lora_id)
+        return AdapterStats(
+            lora_id=lora_id,
+            source=plan.source_name,
+            format=plan.data.format_name,
+            rank=plan.rank,
+            targets=plan.targets,
+            tensor_bytes=plan.data.nbytes + (heads.nbytes if heads else 0),
+            resident_bytes=sum(r.nbytes for r in resident if any(i == lora_id for i, _ in r.blend)),
+            sessions=manager.pin_count(lora_id),
+            draft_heads=heads.count if heads else 0,
+            draft_head_bytes=heads.nbytes if heads else 0,
+        )
 
     def _id_for(self, key: tuple[AdapterKey, bool]) -> int:
         if key not in self._ids:

@@ -20,7 +20,7 @@ import numpy as np
 from runtime.executor.batch_plan import DecodeRow, plan_decode
 from runtime.executor.litert_executor import Binding, DecodeStep, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
-from runtime.framework.resource_management.adapter_registry import AdapterRegistry
+from runtime.components.lora_manager import Blend
 from runtime.framework.resource_management.batch_scheduler import BatchPolicy, BatchScheduler
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.util.latency import LatencyRecorder, LatencySummary
@@ -30,19 +30,21 @@ Step = tuple[ContextHandler, int]  # a context and the token it appends
 
 
 class BatchResources(Protocol):
-    """What the batcher uses of the resource manager that owns it."""
+    """What the batcher uses of the resource manager whose contexts it steps."""
 
     spec: ModelSpec
-    registry: AdapterRegistry
+
+    def row_slot(self, blend: Blend) -> LoraSlot | None:
+        """The LoRA slot a row's blend runs in (``None``: none, or its adapter is gone)."""
 
     def decode_alone(self, context: ContextHandler, token: int) -> np.ndarray:
         """One step of a context by itself."""
 
-    def run(self, context: ContextHandler, executor: LlmExecutor | None = None, slot: LoraSlot | None = None
-            ) -> AbstractContextManager[Binding]:
+    def acquire_executor_with_context_handler(self, context: ContextHandler, executor: LlmExecutor | None = None,
+                                              slot: LoraSlot | None = None) -> AbstractContextManager[Binding]:
         """The context's binding on ``executor`` in ``slot``, for the block."""
 
-    def executor_for_batch(self) -> AbstractContextManager[LlmExecutor]:
+    def acquire_executor(self) -> AbstractContextManager[LlmExecutor]:
         """One executor for the block."""
 
 
@@ -104,16 +106,17 @@ class DecodeBatcher:
         # One order for the same sessions whatever order they came in: consecutive steps
         # of the same batch reuse the executor's run arguments.
         pending = sorted(range(len(steps)), key=lambda i: id(steps[i][0]))
-        with resources.executor_for_batch() as executor:
+        with resources.acquire_executor() as executor:
             while pending:
                 contexts = [steps[i][0] for i in pending]
                 plan = plan_decode(executor.spec, [
-                    DecodeRow(resources.registry.slot_or_none(c.blend), c.position) for c in contexts])
+                    DecodeRow(resources.row_slot(c.blend), c.position) for c in contexts])
                 with ExitStack() as runs:
                     rows, failed = [], []
                     for row, context in enumerate(contexts):
                         try:
-                            binding = runs.enter_context(resources.run(context, executor, plan.slots[row]))
+                            binding = runs.enter_context(
+                                resources.acquire_executor_with_context_handler(context, executor, plan.slots[row]))
                         except Exception as exc:  # this row alone: an unloaded adapter, a closed model
                             outcomes[pending[row]] = exc
                             failed.append(row)

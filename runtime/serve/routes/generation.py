@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtime.errors import NotFoundError, ResourceExhaustedError
+from runtime.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from runtime.serve.catalog import Lease
 from runtime.serve.error_handlers import as_api_error
 from runtime.serve.errors import ApiError, bad_request, model_not_found
@@ -21,7 +21,6 @@ from runtime.serve.protocol import ChatBody, CompletionBody, LoraWeight, Reply, 
 from runtime.serve.sampling import NonFiniteLogits
 from runtime.serve.server import Server
 from runtime.serve.settings import ADAPTER_SEPARATOR
-from runtime.util.signature_names import ALL_LINEAR, ATTENTION, LoraSlot
 
 log = logging.getLogger("runtime.serve")
 
@@ -63,7 +62,7 @@ async def generate(server: Server, body: CompletionBody | ChatBody, request: Req
         server.admission.finish(job)
 
     try:
-        _check_rank(server, lease, weights, body)
+        _check_slot(server, lease, weights, body)
         job = GenerationJob(
             server.engine,
             GenerationRequest(prompt, body.token_limit, body.sampler_config(), body.stop_strings(),
@@ -165,18 +164,18 @@ class _Run:
                            "adapter's weights are too large or broken", code="non_finite_logits", param=param)
 
 
-def _check_rank(server: Server, lease: Lease, weights: list[tuple[str, float]], body: CompletionBody | ChatBody) -> None:
-    """A blend must fit one of the model's LoRA slots; the error names the adapters."""
+def _check_slot(server: Server, lease: Lease, weights: list[tuple[str, float]], body: CompletionBody | ChatBody
+                ) -> None:
+    """The engine's rule (:meth:`Engine.slot_for`) decides whether the request's adapters
+    run together in one of the model's LoRA slots; a 400 naming them and why, if not."""
     if not weights:
         return
-    ranks = {name: lease.entries[name].rank for name, _ in weights}
-    targets = ALL_LINEAR if any(lease.entries[name].targets == ALL_LINEAR for name, _ in weights) else ATTENTION
-    if server.engine.spec.slot_for(LoraSlot(sum(ranks.values()), targets)) is None:
-        slots = ", ".join(map(str, server.engine.spec.slots)) or "none"
-        named = ", ".join(f"{name!r} (rank {rank})" for name, rank in ranks.items())
-        raise bad_request(f"adapters {named} need rank {sum(ranks.values())} together, more than any LoRA slot of "
-                          f"the model (slots: {slots})", code="rank_exceeded",
-                          param="lora" if body.lora else "model")
+    adapters = lease.adapters(weights)
+    names = {lease.entries[name].lora_id: name for name, _ in weights}
+    try:
+        server.engine.slot_for(adapters, names=names)
+    except InvalidArgumentError as exc:
+        raise bad_request(exc.args[0], code="no_lora_slot", param="lora" if body.lora else "model") from None
 
 
 async def _first_event(events: asyncio.Queue, request: Request, job: GenerationJob) -> object:
