@@ -9,7 +9,9 @@ LoRAX's multi-layer layout, and heads of the wrong width.
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 import threading
 
 import numpy as np
@@ -201,3 +203,39 @@ def test_each_failed_probe_doubles_the_pause_and_a_passing_one_resets_it():
     assert [pause_after_probe(0) for _ in range(4)] == [3, 6, 6, 6]
     assert pause_after_probe(2) == 0
     assert pause_after_probe(0) == 3
+
+
+def test_unloading_an_adapter_drops_its_speculation_gate():
+    """Each adapter's heads have a gate shared by its sessions; unloading the adapter drops
+    it (ids are never reused, so a gate left behind would be kept for nothing, forever)."""
+    def gates() -> int:
+        gc.collect()
+        return sum(isinstance(o, AcceptanceGate) for o in gc.get_objects())
+
+    with Engine(LAYOUTS["default"], EngineSettings(speculation=ALWAYS)) as engine:
+        before = gates()
+        lora_id = engine.register_adapter(LoraSource(path=TURBO / "trained_heads"))
+        with engine.create_session(SessionConfig(adapters={lora_id: 1.0})) as session:
+            assert session.generate(TRAINED_PROMPTS[0], max_new_tokens=4).tokens
+            assert session.stats().speculation.verifies > 0  # the heads ran, through the adapter's gate
+        assert gates() == before + 1
+        engine.unload_adapter(lora_id)
+        assert gates() == before
+
+
+def test_a_turbo_adapter_is_read_in_one_pass(monkeypatch):
+    """Its LoRA tensors and its draft heads come from one opening of its safetensors file."""
+    import safetensors
+
+    opened = []
+    real = safetensors.safe_open
+
+    def counting(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    with Engine(LAYOUTS["default"]) as engine:
+        lora_id = engine.register_adapter(LoraSource(path=TURBO / "trained_heads"))
+        assert engine.adapter(lora_id).draft_heads > 0
+    assert opened == ["adapter_model.safetensors"]

@@ -23,6 +23,7 @@ from typing import Protocol, Self
 import numpy as np
 
 from runtime.errors import DataLossError, InternalError, InvalidArgumentError, NotFoundError
+from runtime.adapters.draft_heads import DraftHeads
 from runtime.adapters.lora_data import TensorInfo
 from runtime.adapters.lora_util import (
     PROJECTIONS, SIDES, Convention, is_lora_input_name, lora_input_name, parse_lora_input_name, rank_axis,
@@ -52,6 +53,7 @@ class AdapterData(Protocol):
 
     source_name: str
     format_name: str
+    draft_heads: DraftHeads | None  # Turbo LoRA's heads, when read with the adapter (PEFT only)
 
     def get_all_tensor_names(self) -> list[str]:
         """Every tensor name, in a stable order."""
@@ -90,6 +92,8 @@ class DerivedTensor:
 
 class DerivedLoraData:
     """An adapter whose tensors are computed from another source when read."""
+
+    draft_heads: DraftHeads | None = None  # derived adapters carry none
 
     def __init__(
         self,
@@ -290,6 +294,8 @@ class LazyLoraData:
     """A registered adapter of derived tensors: its :class:`PairTable` and how to build its
     :class:`DerivedLoraData` again, which the first read does and :meth:`release_memory`
     drops. Thread-safe."""
+
+    draft_heads: DraftHeads | None = None  # set by a reader that read them with the adapter
 
     def __init__(self, table: PairTable, build: Callable[[], DerivedLoraData], *, source_name: str,
                  format_name: str, watches: Sequence[FileWatch] = ()) -> None:

@@ -175,20 +175,23 @@ class AdapterOrigin:
                 f"{what}: SHA-256 is {digest.hexdigest()}, expected {expected.lower()}; nothing was registered"
             )
 
-    def open(self, *, head_dim: int | None = None, lora_xs: LoraXsFactors | None = None) -> AdapterData:
+    def open(self, *, head_dim: int | None = None, lora_xs: LoraXsFactors | None = None,
+             heads: bool = False) -> AdapterData:
         """Reads the adapter's metadata (no weights yet) in whichever format it is.
         ``head_dim``: the model's, which GGUF LoRA needs to undo llama's RoPE row order;
-        ``lora_xs``: the model's LoRA-XS factors, which an R-only PEFT adapter needs."""
+        ``lora_xs``: the model's LoRA-XS factors, which an R-only PEFT adapter needs;
+        ``heads``: read the draft heads a PEFT adapter carries into ``draft_heads``, in the
+        same pass (other formats carry none)."""
         if self.path is None:
             if isinstance(self.buffer, Mapping):
                 if self.peft_config is None:
                     raise InvalidArgumentError(f"{self.name}: a state dict needs its PEFT config (peft_config=)")
-                return read_peft_state_dict(self.buffer, self.peft_config, self.name, lora_xs)
+                return read_peft_state_dict(self.buffer, self.peft_config, self.name, lora_xs, heads=heads)
             if self.peft_config is not None:
                 raise InvalidArgumentError(f"{self.name}: peft_config goes with a state dict, not with bytes")
             return LoraData.create_from_buffer(self.buffer, name=self.name)
         if self.peft:
-            return read_peft_directory(self.path, lora_xs)
+            return read_peft_directory(self.path, lora_xs, heads=heads)
         if _file_format(Path(self.path)) == GGUF:
             return read_gguf_lora(self.path, head_dim=head_dim)
         return LoraData.create_from_file_path(self.path)

@@ -84,6 +84,7 @@ class LoraData:
     """
 
     format_name = "tflite"
+    draft_heads = None  # a .tflite LoRA file carries no draft heads
 
     def __init__(
         self,

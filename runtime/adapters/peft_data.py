@@ -44,7 +44,8 @@ import numpy as np
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.adapters.adapter_data import DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
 from runtime.adapters.dora import DerivedDoraData, DoraLoraData, DoraMagnitudes, DoraProjection
-from runtime.adapters.draft_heads import is_draft_head_key
+from runtime.adapters.draft_heads import CONFIG_KEYS as HEADS_CONFIG_KEYS
+from runtime.adapters.draft_heads import is_draft_head_key, read_draft_heads, read_heads_config
 from runtime.adapters.lora_util import Convention, lora_input_name
 from runtime.adapters.lora_xs import DEFAULT_N_ITER, DEFAULT_RANDOM_STATE, LoraXsFactors
 from runtime.util.scoped_file import FileWatch
@@ -148,10 +149,12 @@ class PeftLoraConfig:
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
-def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactors | None = None) -> LazyLoraData:
+def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactors | None = None, *,
+                        heads: bool = False) -> LazyLoraData:
     """Opens a PEFT adapter directory (which paths name one is decided by
     :func:`runtime.adapters.adapter_formats.peft_directory`). ``lora_xs``: the model's
-    factors, which an R-only LoRA-XS adapter needs."""
+    factors, which an R-only LoRA-XS adapter needs. ``heads``: also read the draft heads
+    (Turbo LoRA) the safetensors file carries, in the same pass, into ``draft_heads``."""
     directory = Path(directory)
     if not directory.is_dir():
         raise NotFoundError(f"{directory}: no such PEFT adapter directory")
@@ -161,21 +164,31 @@ def read_peft_directory(directory: str | os.PathLike[str], lora_xs: LoraXsFactor
             raise NotFoundError(f"{directory}: PEFT adapter has no {required.name}")
     config = PeftLoraConfig.from_dict(_load_json(config_path), str(config_path))
     watch = FileWatch(weights_path)
-    return _registered_kind(config).of(functools.partial(_read_weights, directory, config, lora_xs), (watch,))
+    opened = [_open_weights(weights_path)]  # the first build reads the file opened here, heads and all
+    draft_heads = None
+    if heads:
+        shapes, handle = opened[0]
+        draft_heads = read_draft_heads({key: shape for key, shape in shapes.items() if is_draft_head_key(key)},
+                                       handle.get_tensor, read_heads_config(directory), str(directory))
+
+    def build() -> DerivedLoraData:
+        shapes, handle = opened.pop() if opened else _open_weights(weights_path)
+        return _derive(shapes, handle.get_tensor, config, str(directory), lora_xs, watches=(FileWatch(weights_path),))
+
+    data = _registered_kind(config).of(build, (watch,))
+    data.draft_heads = draft_heads
+    return data
 
 
-def _read_weights(directory: Path, config: PeftLoraConfig, lora_xs: LoraXsFactors | None) -> DerivedLoraData:
-    """The adapter's tensors, derived from its safetensors file with ``config``."""
+def _open_weights(weights_path: Path) -> tuple[dict[str, tuple[int, ...]], Any]:
+    """The safetensors file's tensor shapes, and its open handle to read tensors from."""
     from safetensors import SafetensorError, safe_open
 
-    weights_path = directory / WEIGHTS_FILE
-    watch = FileWatch(weights_path)
     try:
         handle = safe_open(str(weights_path), framework="np")
-        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+        return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}, handle
     except (SafetensorError, OSError, ValueError) as exc:
         raise InvalidArgumentError(f"{weights_path}: not a readable safetensors file: {exc}") from None
-    return _derive(shapes, handle.get_tensor, config, str(directory), lora_xs, watches=(watch,))
 
 
 def _registered_kind(config: PeftLoraConfig) -> type[LazyLoraData]:
@@ -185,10 +198,12 @@ def _registered_kind(config: PeftLoraConfig) -> type[LazyLoraData]:
 
 def read_peft_state_dict(
     state_dict: Mapping[str, Any], config: Mapping[str, Any] | PeftLoraConfig, name: str = "<PEFT state dict>",
-    lora_xs: LoraXsFactors | None = None,
+    lora_xs: LoraXsFactors | None = None, *, heads: bool = False,
 ) -> LazyLoraData:
     """A PEFT state dict (key -> array) with its config (a dict as in ``adapter_config.json``);
-    ``lora_xs`` as for :func:`read_peft_directory`."""
+    ``lora_xs`` and ``heads`` as for :func:`read_peft_directory` (the heads' settings come
+    from the config dict)."""
+    heads_config = {key: config[key] for key in HEADS_CONFIG_KEYS if isinstance(config, Mapping) and key in config}
     if not isinstance(config, PeftLoraConfig):
         config = PeftLoraConfig.from_dict(config, name)
     arrays: dict[str, np.ndarray] = {}
@@ -198,7 +213,13 @@ def read_peft_state_dict(
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"{name}: tensor {key!r} is not an array: {exc}") from None
     shapes = {k: a.shape for k, a in arrays.items()}
-    return _registered_kind(config).of(functools.partial(_derive, shapes, arrays.__getitem__, config, name, lora_xs))
+    draft_heads = None
+    if heads:
+        draft_heads = read_draft_heads({key: shape for key, shape in shapes.items() if is_draft_head_key(key)},
+                                       arrays.__getitem__, heads_config, name)
+    data = _registered_kind(config).of(functools.partial(_derive, shapes, arrays.__getitem__, config, name, lora_xs))
+    data.draft_heads = draft_heads
+    return data
 
 
 @dataclass

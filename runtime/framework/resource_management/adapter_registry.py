@@ -27,8 +27,8 @@ from runtime.components.residency import ResidencyPolicy
 from runtime.errors import NotFoundError, StatusError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
-from runtime.adapters.adapter_formats import AdapterKey, AdapterOrigin
-from runtime.adapters.draft_heads import DraftHeads, check_heads, read_adapter_heads
+from runtime.adapters.adapter_formats import AdapterKey
+from runtime.adapters.draft_heads import DraftHeads, check_heads
 from runtime.util.latency import LatencyRecorder
 from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
@@ -82,9 +82,11 @@ class AdapterRegistry:
             try:
                 if source.sha256 is not None:
                     origin.check_sha256(source.sha256)
-                heads = self._read_heads(origin) if source.heads else None
-                data = origin.open(head_dim=self._head_dim, lora_xs=self._lora_xs)
+                data = origin.open(head_dim=self._head_dim, lora_xs=self._lora_xs, heads=source.heads)
                 try:
+                    heads = data.draft_heads
+                    if heads is not None:
+                        check_heads(heads, self._draft_width, self._vocab_size, origin.name)
                     self._manager.load_lora(lora_id, data)
                 except BaseException:
                     data.close()
@@ -97,15 +99,6 @@ class AdapterRegistry:
                 self._heads[lora_id] = heads
             self.load_latency.record(time.perf_counter() - started)
             return lora_id
-
-    def _read_heads(self, origin: AdapterOrigin) -> DraftHeads | None:
-        """The adapter's draft heads, checked against the model (refused with the way out)."""
-        heads = read_adapter_heads(origin.name, peft_directory=origin.path if origin.peft else None,
-                                   state_dict=origin.buffer if isinstance(origin.buffer, Mapping) else None,
-                                   peft_config=origin.peft_config)
-        if heads is not None:
-            check_heads(heads, self._draft_width, self._vocab_size, origin.name)
-        return heads
 
     def draft_heads(self, lora_id: int) -> DraftHeads | None:
         """The draft heads registered with adapter ``lora_id`` (``None``: it has none)."""
