@@ -21,7 +21,7 @@ from runtime.errors import FailedPreconditionError, InvalidArgumentError, Resour
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.op_profile import OpRecording, summarize
-from runtime.executor.weight_cache import weight_cache_file
+from runtime.executor.weight_cache import IN_MEMORY, weight_cache_file
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertlm
@@ -64,7 +64,8 @@ class Engine:
                 model_part = f"litertlm section at {section.begin}"
                 bundled_tokenizer = bundle.tokenizer()
                 llm_metadata = bundle.llm_metadata()
-        weight_cache = weight_cache_file(self.settings.weight_cache_dir, self.model_path, model_part)
+        weight_cache = weight_cache_file(self.settings.weight_cache_dir, self.model_path, model_part,
+                                         self.settings.weight_cache_max_bytes)
         executors: list[LlmExecutor] = []
         try:
             for _ in range(self.settings.executors):
@@ -85,6 +86,8 @@ class Engine:
             output_projection=lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
             prefix_cache_bytes=self.settings.prefix_cache_bytes,
         )
+        # The weight cache's directory, and whether this model's weights are mapped from a file there.
+        self._weight_cache = weight_cache, executors[0].weight_cache.path == IN_MEMORY
         self._sessions = SessionRegistry(self.settings.speculation)
         self._closed = False
         self._lock = threading.Lock()
@@ -216,6 +219,7 @@ class Engine:
             queue_wait=queue_wait,
             speculation=self._sessions.speculation.snapshot(),
             prefix_cache=self._resources.prefix_cache_stats(),
+            weight_cache=None if self._weight_cache[0] is None else self._weight_cache[0].stats(self._weight_cache[1]),
         )
 
     def close(self) -> None:
