@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -131,6 +132,22 @@ def test_files_left_by_builders_that_died_are_removed(model, tmp_path):
         path.write_bytes(b"partial")
     logits(model, cache)
     assert not dead.exists() and living.exists() and unrelated.exists()
+
+
+def test_a_file_being_written_under_a_pid_not_seen_here_stays_while_its_builder_holds_it(model, tmp_path):
+    """A builder in another pid namespace (a container sharing the directory) looks dead by
+    its pid; the shared lock it holds while XNNPACK writes keeps its file."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other = cache / f"other-model.12345678.0123456789abcdef.xnnpack.{int(gone.stdout)}.0badf00d.building"
+    other.write_bytes(b"partial")
+    with open(other, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_SH)
+        logits(model, cache)
+        assert other.exists()
+    logits(model, cache)
+    assert not other.exists()
 
 
 def test_by_default_the_file_goes_to_the_user_cache_directory(model, tmp_path, monkeypatch):

@@ -289,19 +289,21 @@ class WeightCacheFile:
             return
         source = self.path.with_name(self.path.name + _SOURCE)
         partial = source.with_name(f"{source.name}.{os.getpid()}.{secrets.token_hex(4)}{_BUILDING}")
-        partial.write_text(json.dumps(vars(self.model)))
-        os.replace(partial, source)
+        try:
+            partial.write_text(json.dumps(vars(self.model)))
+            os.replace(partial, source)
+        except OSError as exc:  # the file is still good: it only goes by its last use
+            partial.unlink(missing_ok=True)
+            log.info("%s: cannot record its model: %s", source, exc.strerror)
 
     def _remove_stale(self) -> None:
-        """Removes this model path's files of other identities that no process uses, and
-        files whose builder process is gone."""
+        """Removes this model path's files of other identities, and files whose builder
+        process is gone, where no process uses them."""
         for other in self.path.parent.glob(escape(self._model_prefix) + "*"):
             if other == self.path:
                 continue
-            if other.name.endswith(SUFFIX):
+            if other.name.endswith(SUFFIX) or (other.name.endswith(_BUILDING) and not _alive(other)):
                 _remove_unless_used(other)
-            elif other.name.endswith(_BUILDING) and not _alive(other):
-                other.unlink(missing_ok=True)
 
     def stats(self, in_memory: bool = False) -> WeightCacheStats:
         """What the directory holds; ``in_memory``: this engine packed its weights in memory."""
@@ -343,10 +345,10 @@ def trim(directory: str | os.PathLike[str], max_bytes: int | None) -> list[Path]
             total -= size
     for leftover in directory.glob("*" + _SOURCE):
         if not leftover.with_name(leftover.name[:-len(_SOURCE)]).exists():
-            leftover.unlink(missing_ok=True)
+            _remove_unless_used(leftover)
     for leftover in directory.glob("*" + _BUILDING):
-        if not _alive(leftover):
-            leftover.unlink(missing_ok=True)
+        if not _alive(leftover):  # its builder holds it in use: a pid of another namespace is safe too
+            _remove_unless_used(leftover)
     if removed:
         log.info("weight cache %s: removed %s", directory, ", ".join(path.name for path in removed))
     return removed
@@ -419,8 +421,12 @@ def _remove_unless_used(path: Path) -> bool:
     """Removes ``path`` (and its ``.source``) unless a process holds it in use."""
     with _unused(path) as free:
         if free:
-            path.unlink(missing_ok=True)
-            path.with_name(path.name + _SOURCE).unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+                path.with_name(path.name + _SOURCE).unlink(missing_ok=True)
+            except OSError as exc:  # a directory this user may read but not write
+                log.info("weight cache %s: cannot remove it: %s", path, exc.strerror)
+                return False
     return bool(free)
 
 
