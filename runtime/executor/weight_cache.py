@@ -12,12 +12,12 @@ weights. A file here is therefore named after its model's identity: the model fi
 resolved path, size, modification time and inode (what Python's bytecode caches key on,
 plus the inode, which changes when a file is replaced), which part of the file the model
 is, and the ai-edge-litert version. A model changed in place gets a new file, and the
-old one is removed.
+old one is removed once no process uses it.
 
 XNNPACK rewrites in place a file it cannot load, truncating it under any process that
 maps it. So a file is built under a name of its own and renamed into place once the
 model compiled and its data is on disk: a published file is complete and never written
-again. Processes that build at once each publish a whole file; the last rename wins.
+again. Of processes that build at once, the first to finish publishes its whole file.
 
 By default (:data:`WeightCacheDir.USER`) the files live in the user's cache directory,
 ``$RUNTIME_CACHE/xnnpack`` (``~/.cache/runtime/xnnpack``), and a model opens with its
