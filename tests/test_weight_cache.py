@@ -315,6 +315,29 @@ def test_processes_building_one_file_at_once_publish_one_whole_file(model, tmp_p
     assert written(cache) == [name, name + ".source"]
 
 
+def test_a_disk_without_room_takes_the_least_recently_used_unused_files_first(tmp_path, monkeypatch):
+    a, b, c = copies(tmp_path, 3)
+    cache = tmp_path / "cache"
+    logits(a, cache)
+    logits(b, cache)
+    packed = published(cache)[0].stat().st_size
+    needed = int(a.stat().st_size * 1.25)  # what a build asks the disk for
+    disk = {"room": needed + 3 * packed // 2}  # with two files, room for a build only once one is gone
+
+    def disk_usage(path):
+        return shutil._ntuple_diskusage(10**9, 10**9, disk["room"] - sum(f.stat().st_size for f in published(cache)))
+
+    monkeypatch.setattr(weight_cache.shutil, "disk_usage", disk_usage)
+    open_once(a, cache, None)  # found: no room needed; a is now the most recently used
+    open_once(c, cache, None)
+    assert published(cache) == sorted([file_of(a, cache), file_of(c, cache)])  # b made room
+    disk["room"] = needed + packed // 2  # now both would have to go
+    with Engine(c, EngineSettings(weight_cache_dir=cache)):
+        with pytest.raises(ResourceExhaustedError, match="MiB free, the weight cache model.* needs about"):
+            open_once(b, cache, None)  # c is in use: removing a alone would not make the room
+    assert published(cache) == sorted([file_of(a, cache), file_of(c, cache)])  # so a was not removed for nothing
+
+
 def test_a_file_larger_than_the_cap_serves_its_model_until_another_model_opens(tmp_path):
     a, b = copies(tmp_path, 2)
     cache = tmp_path / "cache"

@@ -29,7 +29,8 @@ Deleting the directory is safe: a process that maps a file keeps its pages.
 The directory is bounded (``max_bytes``, by default :data:`DEFAULT_MAX_BYTES` or
 ``$RUNTIME_WEIGHT_CACHE_MAX_SIZE``): every open drops the files whose model file is gone or
 changed since (a ``.source`` file beside each one records the model it was packed from),
-then the least recently used files until the rest fit. A file is "used" when a model opens
+then the least recently used files until the rest fit; so too when the disk has no room
+for a new file, before the open gives up on writing one. A file is "used" when a model opens
 from it and when that model closes (its access time is set then; the modification time
 stays the file's writing). A file in use is never removed: each process that opens a
 model from a file holds a shared ``flock`` on it until the model closes, and removal takes
@@ -272,6 +273,12 @@ class WeightCacheFile:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             free, needed = shutil.disk_usage(directory).free, int(model_bytes * _HEADROOM)
+            if free < needed:  # room made from the least recently used files no process has open, if they hold it
+                with _locked(directory):
+                    files = [(path, stat.st_size) for path, stat in _published(directory)]
+                    if sum(size for path, size in files if not _in_use(path)) >= needed - free:
+                        trim(directory, sum(size for _, size in files) - (needed - free))
+                free = shutil.disk_usage(directory).free
             if free < needed:  # checked before any file is made: nothing to remove when refused
                 raise ResourceExhaustedError(
                     f"{directory}: {free / 2**20:.0f} MiB free, the weight cache {self.path.name} needs about "
