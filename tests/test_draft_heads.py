@@ -16,14 +16,57 @@ def _heads(state: dict[str, np.ndarray], config: dict | None = None):
     return read_draft_heads({k: v.shape for k, v in state.items()}, state.__getitem__, config or {}, "test")
 
 
-def test_medusa_layout_is_read_and_applied_as_a_residual_silu_block():
+# Two Medusa-1 heads of width 3, computed with torch 2.13 by Medusa's own ResBlock
+# (medusa/model/medusa_model.py: ``x + nn.SiLU()(nn.Linear(hidden, hidden)(x))``, here with
+# torch.manual_seed(0) parameters times 4, rounded to 6 digits), on the hidden state H_REF:
+# each head's output, and its draft through LM_HEAD_REF (argmax of LM_HEAD_REF @ out).
+W_REF = [[[-0.0172901, 1.23886, -1.90074], [-1.69958, -0.889476, 0.619283], [-0.0457566, 1.8311, -0.204946]],
+         [[-2.20628, -1.52947, -0.951988], [0.0855485, 0.912988, 1.38569], [-1.56564, -1.00566, 0.838814]]]
+B_REF = [[0.611097, -0.697931, -0.453948], [1.9177, -0.475275, 1.72815]]
+H_REF = [0.5, -1.25, 2.0]
+LM_HEAD_REF = [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 1], [-1, 2, 0]]
+OUT_REF = [[0.4591806, -0.6957028, 1.872676], [1.071378, -0.3300831, 5.801531]]
+DRAFT_REF = [2, 3]
+
+
+def medusa_state(weights, biases) -> dict[str, np.ndarray]:
+    """Heads as a Medusa checkpoint names them."""
+    state = {}
+    for k, (w, b) in enumerate(zip(weights, biases)):
+        state[f"base_model.model.medusa_head.{k}.linear.weight"] = np.asarray(w, np.float32)
+        state[f"base_model.model.medusa_head.{k}.linear.bias"] = np.asarray(b, np.float32)
+    return state
+
+
+def test_medusa_heads_give_what_medusas_torch_resblocks_gave():
+    heads = _heads(medusa_state(W_REF, B_REF))
+    hidden = np.asarray(H_REF, np.float32)
+    np.testing.assert_allclose(heads.hidden_states(hidden), OUT_REF, rtol=1e-6, atol=1e-6)
+    lm_head = np.asarray(LM_HEAD_REF, np.float32)
+    assert heads.draft(hidden, lambda rows: rows @ lm_head.T) == DRAFT_REF
+    assert heads.count == 2 and heads.width == 3 and heads.nbytes == 2 * (9 + 3) * 4
+
+
+def reference_heads(weights: np.ndarray, biases: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    """Medusa's head k, ``h + SiLU(W_k h + b_k)``, for all K heads at once in float64: the
+    hidden state as a row times each W_k transposed, and SiLU(z) = z * sigmoid(z) with the
+    sigmoid as exp(-log(1 + exp(-z))) (``logaddexp``: no overflow in either tail)."""
+    row = hidden.astype(np.float64)[None, None, :]  # [1, 1, H]
+    z = (row @ weights.astype(np.float64).transpose(0, 2, 1))[:, 0, :] + biases  # [K, H]
+    return row[0] + z * np.exp(-np.logaddexp(0.0, -z))
+
+
+def test_medusa_heads_match_an_independent_reference():
     rng = np.random.default_rng(0)
-    w, b = rng.standard_normal((4, 4)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
-    heads = _heads({"base_model.model.medusa_head.0.linear.weight": w, "base_model.model.medusa_head.0.linear.bias": b})
-    h = rng.standard_normal(4).astype(np.float32)
-    z = w @ h + b
-    np.testing.assert_allclose(heads.hidden_states(h)[0], h + z / (1 + np.exp(-z)), rtol=1e-6)
-    assert heads.count == 1 and heads.width == 4 and heads.nbytes == w.nbytes + b.nbytes
+    count, width, vocab = 3, 16, 40
+    weights = rng.standard_normal((count, width, width)).astype(np.float32)  # not symmetric: W, not W^T
+    biases = rng.standard_normal((count, width)).astype(np.float32)
+    heads = _heads(medusa_state(weights, biases))
+    hidden = (3 * rng.standard_normal(width)).astype(np.float32)  # pre-activations far into both tails
+    expected = reference_heads(weights, biases, hidden)
+    np.testing.assert_allclose(heads.hidden_states(hidden), expected, rtol=1e-5, atol=1e-4)
+    lm_head = rng.standard_normal((vocab, width)).astype(np.float32)
+    assert heads.draft(hidden, lambda rows: rows @ lm_head.T) == list(np.argmax(expected @ lm_head.T, axis=-1))
 
 
 def test_draft_is_each_heads_argmax_through_the_shared_lm_head():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,16 +203,37 @@ def test_an_id_loaded_again_after_unloading_gets_its_new_adapters_slot(manager):
     assert manager.slot_for(((1, 1.0),)) == R16
     assert use(manager, (1, 1.0)).slot == R16
 
-def test_concurrent_use_materializes_once(manager):
+def test_concurrent_use_materializes_once():
+    """Eight threads ask for one blend at the same moment (a barrier) while building its
+    buffers is slow (each allocation sleeps, letting the other threads run): one build."""
+    allocate = allocator(SLOTS)
+
+    def slow_allocate(slot, name):
+        time.sleep(0.002)
+        return allocate(slot, name)
+
+    manager = LoraManager(SLOTS, slow_allocate)
     manager.load_lora(1, data("torch_r4"))
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(use(manager, (1, 1.0)))) for _ in range(8)]
+    start = threading.Barrier(8)
+    results, errors = [], []
+
+    def run():
+        start.wait(timeout=30)
+        try:
+            results.append(use(manager, (1, 1.0)))
+        except BaseException as exc:  # noqa: BLE001 - reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+    assert errors == [] and len(results) == 8
     assert len({id(r) for r in results}) == 1
-    assert len(manager.allocations) == len(SLOTS[R4])
+    assert len(allocate.calls) == len(SLOTS[R4])  # one set of buffers, not one per thread
+    stats = manager.residency_stats()
+    assert (stats.misses, stats.hits) == (1, 7)
 
 
 def test_lru_evicts_least_recently_used_idle_blend():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from conftest import MODEL_FILES, adapter_path
@@ -29,12 +30,6 @@ def engine_stats(resident=(), **overrides) -> EngineStats:
 # -- the dataclasses ------------------------------------------------------------------
 
 
-def test_resident_bytes_sums_every_resident_blend():
-    resident = [ResidentStats(((1, 1.0),), 4, 100), ResidentStats(((1, 0.5), (2, 1.0)), 16, 2500)]
-    assert engine_stats(resident).resident_bytes == 2600
-    assert engine_stats(resident[:1]).resident_bytes == 100
-
-
 def test_resident_bytes_of_nothing_is_zero():
     assert engine_stats().resident_bytes == 0
 
@@ -51,8 +46,27 @@ def engine():
 def test_a_fresh_engine_reports_nothing(engine):
     stats = engine.stats()
     assert isinstance(stats, EngineStats)
-    assert stats == engine_stats()
+    assert dataclasses.replace(stats, weight_cache=None) == engine_stats()  # the weight cache: tests/test_weight_cache.py
     assert stats.resident_bytes == 0
+
+
+def test_resident_bytes_are_the_slot_buffers_of_every_resident_blend(engine):
+    """Each resident blend holds every LoRA input of its slot, padded to the slot's rank,
+    whatever the adapters' own ranks: counted here from the model's signature inputs."""
+    slot_buffers = {slot.rank: sum(np.zeros(spec.shape, spec.dtype).nbytes for spec in inputs.values())
+                    for slot, inputs in engine.spec.lora_slots.items()}
+    assert slot_buffers[4] == R4_BYTES  # torch_r4's own tensors fill the rank-4 slot exactly
+    alone = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
+    blend = engine.create_session(SessionConfig(loras=[LoraSource(path=adapter_path("litertlm_r4"), scale=0.5),
+                                                       LoraSource(path=adapter_path("torch_r4"))]))
+    alone.run_prefill([1])
+    assert engine.stats().resident_bytes == slot_buffers[4]
+    blend.run_prefill([1])  # summed rank 8: the rank-16 slot
+    stats = engine.stats()
+    assert sorted((r.slot_rank, r.nbytes) for r in stats.resident) == [(4, slot_buffers[4]), (16, slot_buffers[16])]
+    assert stats.resident_bytes == slot_buffers[4] + slot_buffers[16]
+    blend.close()
+    alone.close()
 
 
 def test_a_registered_adapter_is_listed_but_not_resident(engine):

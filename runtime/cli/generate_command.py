@@ -9,7 +9,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from runtime.cli.options import add_weight_cache_dir
+from runtime.cli.options import add_weight_cache_dir, weight_cache_settings
 from runtime.components.sampler import SamplerConfig
 from runtime.components.tokenizer import ByteTokenizer, Tokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         default_max_new_tokens = DEMO_MAX_NEW_TOKENS
     max_new_tokens = default_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     started = time.perf_counter()
-    settings = EngineSettings(num_threads=args.threads, weight_cache_dir=args.weight_cache_dir,
+    settings = EngineSettings(num_threads=args.threads, **weight_cache_settings(args),
                               profile_ops=args.profile_ops)
     with Engine(args.model, settings, tokenizer=tokenizer) as engine:
         loaded = time.perf_counter()

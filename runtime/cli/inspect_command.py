@@ -11,6 +11,7 @@ from runtime.components.lora import dora_output_scales, plan_adapter
 from runtime.errors import InvalidArgumentError, StatusError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.model_spec import ModelSpec
+from runtime.executor.weight_cache import default_max_bytes, survey, user_directory
 from runtime.adapters.adapter_data import AdapterData
 from runtime.adapters.adapter_formats import open_adapter
 from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
@@ -30,11 +31,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("file", type=Path, nargs="?", help="a .tflite model or an adapter")
     parser.add_argument("--check", type=Path, metavar="ADAPTER", help="the adapter to check against --model")
     parser.add_argument("--model", type=Path, help="check that the adapter fits this model")
+    parser.add_argument("--weight-cache", type=Path, metavar="DIR", nargs="?", const=True,
+                        help="list the XNNPACK weight cache: its files, their models, sizes and last use, and the "
+                        "cap (DIR: a directory given as --weight-cache-dir; default: the user's cache directory)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Prints the description; a file that is neither kind raises InvalidArgumentError."""
+    if args.weight_cache is not None:
+        if args.file is not None or args.check is not None or args.model is not None:
+            raise InvalidArgumentError("--weight-cache lists the cache directory: give no FILE, --check or --model")
+        directory = user_directory() if args.weight_cache is True else args.weight_cache
+        print(survey(directory, default_max_bytes()).describe())
+        return 0
     adapter = args.check or args.file
     if adapter is None:
         raise InvalidArgumentError("inspect needs a FILE, or --check ADAPTER --model M")

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime.executor.weight_cache import WeightCacheDir
+from typing import Any
+
+from runtime.errors import InvalidArgumentError
+from runtime.executor.weight_cache import MAX_SIZE_ENV, WeightCacheDir, parse_size
 
 
 def add_weight_cache_dir(parser: argparse.ArgumentParser) -> None:
-    """``--weight-cache-dir DIR`` / ``--no-weight-cache``: ``EngineSettings.weight_cache_dir``."""
+    """``--weight-cache-dir DIR`` / ``--no-weight-cache``: ``EngineSettings.weight_cache_dir``;
+    ``--weight-cache-max-size SIZE``: ``EngineSettings.weight_cache_max_bytes``."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--weight-cache-dir", type=Path, metavar="DIR", default=WeightCacheDir.USER,
                        help="keep the model's packed weights in DIR between runs: the first run writes about the "
@@ -18,3 +22,23 @@ def add_weight_cache_dir(parser: argparse.ArgumentParser) -> None:
                        "where a file can be written there)")
     where.add_argument("--no-weight-cache", dest="weight_cache_dir", action="store_const", const=None,
                        help="pack the model's weights in memory at every start, writing no file")
+    parser.add_argument("--weight-cache-max-size", type=_size, metavar="SIZE", dest="weight_cache_max_bytes",
+                        default=argparse.SUPPRESS,
+                        help="the most the weight cache directory keeps (500M, 5G or 'unlimited'): files of deleted "
+                        "models go, then the least recently used files no process has open (default: "
+                        f"${MAX_SIZE_ENV}, else 5G)")
+
+
+def weight_cache_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineSettings`` fields that :func:`add_weight_cache_dir`'s options set."""
+    given = {"weight_cache_dir": args.weight_cache_dir}
+    if hasattr(args, "weight_cache_max_bytes"):  # else EngineSettings' default: the environment's, or 5 GiB
+        given["weight_cache_max_bytes"] = args.weight_cache_max_bytes
+    return given
+
+
+def _size(text: str) -> int | None:
+    try:
+        return parse_size(text, "--weight-cache-max-size")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from runtime.cli.options import add_weight_cache_dir
+from runtime.cli.options import add_weight_cache_dir, weight_cache_settings
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 API_KEY_VARIABLE = "RUNTIME_API_KEY"
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
     engine_settings = EngineSettings(num_threads=args.threads, executors=args.executors,
                                      prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-                                     weight_cache_dir=args.weight_cache_dir)
+                                     **weight_cache_settings(args))
     with Engine(args.model, engine_settings,
                 tokenizer=tokenizer, chat_template=chat_template) as engine:
         catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,

@@ -11,7 +11,7 @@ from runtime.components.residency import KeepAll, ResidencyPolicy, check_policy
 from runtime.components.sampler import SamplerConfig
 from runtime.engine.speculative import SpeculationPolicy
 from runtime.errors import InvalidArgumentError
-from runtime.executor.weight_cache import WeightCacheDir
+from runtime.executor.weight_cache import WeightCacheDir, default_max_bytes
 from runtime.framework.lora_source import LoraSource, check_scale
 from runtime.adapters.adapter_formats import AdapterBuffer
 
@@ -71,6 +71,10 @@ class EngineSettings:
     ``WeightCacheDir.USER`` (the default): the user's cache directory,
     ``~/.cache/runtime/xnnpack``, where it can take the file; else packed in memory.
     ``None``: packed in memory at every open.
+    ``weight_cache_max_bytes``: the weight cache directory's cap; each open drops the files
+    of models that are gone, then the least recently used files no process has open, until
+    the rest fit (``None``: unbounded). Default: ``$RUNTIME_WEIGHT_CACHE_MAX_SIZE`` (``500M``,
+    ``5G``, ``unlimited``), else 5 GiB. Files in use stay even above the cap.
     ``profile_ops``: attach LiteRT's op profiler to the model, so that
     :meth:`Engine.profile_ops` can record where runs spend their time, op by op.
     """
@@ -83,6 +87,7 @@ class EngineSettings:
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     prefix_cache_bytes: int = 0
     weight_cache_dir: str | os.PathLike[str] | WeightCacheDir | None = WeightCacheDir.USER
+    weight_cache_max_bytes: int | None = field(default_factory=default_max_bytes)
     profile_ops: bool = False
 
     def __post_init__(self) -> None:
@@ -99,6 +104,10 @@ class EngineSettings:
                                                                 (str, os.PathLike, WeightCacheDir)):
             raise InvalidArgumentError(f"weight_cache_dir={self.weight_cache_dir!r:.60}, expected a directory path, "
                                        "WeightCacheDir.USER or None")
+        if self.weight_cache_max_bytes is not None and (
+                type(self.weight_cache_max_bytes) is not int or self.weight_cache_max_bytes < 1):
+            raise InvalidArgumentError(f"weight_cache_max_bytes={self.weight_cache_max_bytes!r:.60}, expected bytes "
+                                       ">= 1 or None (unbounded); to keep no file, use weight_cache_dir=None")
         check_policy(self.lora_residency)
 
 

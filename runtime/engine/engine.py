@@ -22,7 +22,7 @@ from runtime.errors import FailedPreconditionError, InvalidArgumentError, Resour
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.op_profile import OpRecording, summarize
-from runtime.executor.weight_cache import weight_cache_file
+from runtime.executor.weight_cache import IN_MEMORY, weight_cache_file
 from runtime.framework.lora_source import LoraSource
 from runtime.components.lora_manager import normalize_blend
 from runtime.framework.resource_management.adapter_registry import AdapterRegistry
@@ -70,7 +70,8 @@ class Engine:
                 model_part = f"litertlm section at {section.begin}"
                 bundled_tokenizer = bundle.tokenizer()
                 llm_metadata = bundle.llm_metadata()
-        weight_cache = weight_cache_file(self.settings.weight_cache_dir, self.model_path, model_part)
+        weight_cache = weight_cache_file(self.settings.weight_cache_dir, self.model_path, model_part,
+                                         self.settings.weight_cache_max_bytes)
         executors: list[LlmExecutor] = []
         try:
             for _ in range(self.settings.executors):
@@ -94,6 +95,8 @@ class Engine:
             draft_width=spec.hidden_size,
             vocab_size=spec.vocab_size,
         )
+        # The weight cache's file, and whether this model's weights were packed in memory instead of there.
+        self._weight_cache = weight_cache, executors[0].weight_cache.path == IN_MEMORY
         self._resources = ResourceManager(pool, self._adapters, prefix_cache_bytes=self.settings.prefix_cache_bytes)
         self._batcher = DecodeBatcher(self._resources, self.settings.batch_wait_s)
         self._speculation = Speculation(
@@ -250,6 +253,7 @@ class Engine:
             queue_wait=queue_wait,
             speculation=self._speculation.counters.snapshot(),
             prefix_cache=self._resources.prefix_cache_stats(),
+            weight_cache=None if self._weight_cache[0] is None else self._weight_cache[0].stats(self._weight_cache[1]),
         )
 
     def close(self) -> None:

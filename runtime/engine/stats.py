@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from runtime.framework.resource_management.adapter_stats import AdapterStats, ResidentStats
 from runtime.framework.resource_management.prefix_cache import PrefixCacheStats
 from runtime.engine.speculative import SpeculationStats
+from runtime.executor.weight_cache import WeightCacheEntry, WeightCacheStats
 from runtime.util.latency import LatencySummary
 
-__all__ = ["AdapterStats", "EngineStats", "PrefixCacheStats", "ResidentStats", "SessionStats", "SpeculationStats"]
+__all__ = ["AdapterStats", "EngineStats", "PrefixCacheStats", "ResidentStats", "SessionStats", "SpeculationStats",
+           "WeightCacheEntry", "WeightCacheStats"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class EngineStats:
     speculation: SpeculationStats = SpeculationStats()
     # The prefix cache of prompt heads (None: EngineSettings.prefix_cache_bytes is 0).
     prefix_cache: PrefixCacheStats | None = None
+    # The XNNPACK weight cache directory: its files (least recently used first, with their
+    # model, size, last use, whether in use or their model is gone), its cap, and this
+    # engine's file (None: weight_cache_dir=None).
+    weight_cache: WeightCacheStats | None = None
 
     @property
     def resident_bytes(self) -> int:

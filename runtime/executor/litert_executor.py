@@ -33,7 +33,7 @@ from runtime.errors import (
 )
 from runtime.executor.batch_plan import DecodePlan
 from runtime.executor.native import HostBuffer, NativeModel, PageBlock, PreparedRun, ProfiledEvent
-from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile
+from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCacheUse
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
 from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
@@ -269,9 +269,9 @@ class LlmExecutor:
         # weight cache it packs each weight once for all signatures (SmolLM2-135M f32 with 16
         # signatures: 0.4 GiB instead of 7.5 GiB). ":memory:" keeps that cache in memory.
         model_bytes = len(model) if in_memory else self.model_path.stat().st_size
-        with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(IN_MEMORY)) as cache:
+        with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(WeightCacheUse(IN_MEMORY))) as cache:
             with self._native_logs():
-                self._model = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache,
+                self._model = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache.path,
                                           name=str(self.model_path), profiling=self.settings.profile_ops)
             try:
                 self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
@@ -285,6 +285,7 @@ class LlmExecutor:
             except BaseException:
                 self._model.close()
                 raise
+        self.weight_cache = cache  # the file the packed weights are mapped from, in use until close
         self._lock = threading.Lock()
         self._closed = False
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
@@ -673,6 +674,7 @@ class LlmExecutor:
             self._closed = True
             with self._native_logs():
                 self._model.close()
+                self.weight_cache.release()
                 self._last_batch = self._scratch_kv = None
                 self._stacked_lora.clear()
                 del self._io
