@@ -4,17 +4,14 @@ what it measured (exact where the quantity is known, e.g. the bytes of a rank sl
 from __future__ import annotations
 
 import hashlib
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from benchmarks import measure
 from conftest import MODEL_FILES, Clock, adapter_path
 from runtime import Engine, InvalidArgumentError, LoraSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import measure  # noqa: E402  (benchmarks/measure.py)
 
 R4 = LoraSource(path=adapter_path("torch_r4"))
 R16 = LoraSource(path=adapter_path("torch_r16"))
