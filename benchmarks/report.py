@@ -56,7 +56,7 @@ SUMMARY_END = "<!-- /summary -->"
 class Target:
     """One verdict of the report: what is asked (``target``) of which model and setting
     (``where``), the figure measured, whether it is met, what measured it (``source``), and
-    whether it belongs in the README's headline (the real-size rows beside llama.cpp and
+    whether it belongs in the headline (`docs/benchmarks.md`) (the real-size rows beside llama.cpp and
     the batch's exactness). ``met`` is None for a figure the headline shows with no target."""
 
     target: str
@@ -71,7 +71,7 @@ class Target:
         return f"| {self.target} | {self.where} | {self.measured} | {self.verdict} |"
 
     def headline_row(self) -> str:
-        """This target's row of the README's headline: a NO in bold, and what measured it."""
+        """This target's row of the headline: a NO in bold, and what measured it."""
         verdict = "**NO**" if self.met is False else self.verdict
         return f"| {self.target} | {self.where} | {self.measured} | {verdict} | {self.source} |"
 
@@ -150,7 +150,7 @@ def render_markdown(results: dict, folder: Path) -> str:
     if turbo:
         out += ["", "## Turbo LoRA: draft heads against the same LoRA without them (`benchmarks/turbo.py`)", "",
                 "Greedy, 1 thread, SmolLM2-135M, outputs compared token for token; each file's own run "
-                "(commands in `benchmarks/turbo.py`'s docstring and the README's Turbo LoRA section)."]
+                "(commands in `benchmarks/turbo.py`'s docstring and the docs' Turbo LoRA page, `docs/turbo-lora.md`)."]
         for name, label in turbo:
             out += ["", f"**{label}** (`{name}.md`)", "", (folder / f"{name}.md").read_text().strip()]
     if (folder / "gemma3.md").exists():

@@ -513,8 +513,8 @@ def main() -> None:
 
 
 def write_report(results: dict, *, update: bool, partial: bool) -> str:
-    """Writes ``results.json``, ``results.md``, the plots and the README's headline table;
-    returns the markdown. With ``update``, the sets not in ``results`` are kept from the existing ``results.json``;
+    """Writes ``results.json``, ``results.md``, the plots, the docs' headline table and the
+    README's summary; returns the markdown. With ``update``, the sets not in ``results`` are kept from the existing ``results.json``;
     with ``partial`` too (some sections measured), so are the other sections of the sets
     measured, and the header of the run that measured the rest."""
     RESULTS.mkdir(exist_ok=True)
