@@ -73,7 +73,8 @@ class Target:
     def headline_row(self) -> str:
         """This target's row of the headline: a NO in bold, and what measured it."""
         verdict = "**NO**" if self.met is False else self.verdict
-        return f"| {self.target} | {self.where} | {self.measured} | {verdict} | {self.source} |"
+        target = self.target.replace("|", "\\|")  # "max |logit diff|" must not split the row's cells
+        return f"| {target} | {self.where} | {self.measured} | {verdict} | {self.source} |"
 
     @property
     def verdict(self) -> str:
