@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The base model beside llama.cpp at given precision pairs: decode and prefill, no adapters.
 
-    python3 benchmarks/base_rows.py --set smollm2 --pairs int4-block32:q4_0,int4-block32:q4_1,int8:q8_0
-    python3 benchmarks/base_rows.py --set smollm2 --prompt 512 --model f32-w768=W768-f32.tflite \
+    python3 -m benchmarks.base_rows --set smollm2 --pairs int4-block32:q4_0,int4-block32:q4_1,int8:q8_0
+    python3 -m benchmarks.base_rows --set smollm2 --prompt 512 --model f32-w768=W768-f32.tflite \
         --pairs f32:f32,f32-w768:f32 --out base_rows_windows   # another export of ours beside the set's
 
 1 thread (``--threads N``: both sides), for each pair (our export's precision : llama.cpp's GGUF
@@ -28,17 +28,12 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "llama_cpp"))
-from client import LlamaCpp, available  # noqa: E402  (benchmarks/llama_cpp/client.py)
-from files import EVERY_SET, ModelSet  # noqa: E402
-
-from measure import prefill_seconds  # noqa: E402  (benchmarks/measure.py)
-from run import both, cpu_name  # noqa: E402
-from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
-from runtime.bench import timed_decode  # noqa: E402
-
-RESULTS = HERE / "results"
+from benchmarks.common import RESULTS, both, cpu_name
+from benchmarks.llama_cpp.client import LlamaCpp, available
+from benchmarks.llama_cpp.files import EVERY_SET, ModelSet
+from benchmarks.measure import prefill_seconds
+from runtime import Engine, EngineSettings, SessionConfig
+from runtime.bench import timed_decode
 
 
 def measure(llama: LlamaCpp, models: ModelSet, pairs: list[tuple[str, str]], rounds: int, steps: int,

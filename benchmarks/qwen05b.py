@@ -4,7 +4,7 @@
 
     python3 tools/build_qwen05b.py              # checkpoint, f32 + int8 exports, fidelity
     bash benchmarks/llama_cpp/setup.sh          # llama.cpp and its f32 / q8_0 GGUF of it
-    python3 benchmarks/qwen05b.py [--rounds 5] [--steps 16]
+    python3 -m benchmarks.qwen05b [--rounds 5] [--steps 16]
 
 1 thread, f32 against f32 and int8 against q8_0: ms per decode step over ``--steps`` steps
 from an empty context, and after a 128-token prompt (position 128 on), and ms to prefill
@@ -23,20 +23,17 @@ import argparse
 import json
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "llama_cpp"))
-from client import LlamaCpp, available  # noqa: E402  (benchmarks/llama_cpp/client.py)
-from files import QWEN05B  # noqa: E402
+from benchmarks.base_rows import record_of, rows_table
+from benchmarks.common import RESULTS
+from benchmarks.llama_cpp.client import LlamaCpp, available
+from benchmarks.llama_cpp.files import QWEN05B
+from runtime import Engine, SessionConfig
 
-from base_rows import record_of, rows_table  # noqa: E402  (benchmarks/base_rows.py)
-from runtime import Engine, SessionConfig  # noqa: E402
-
-RESULTS = HERE / "results" / "qwen05b"
+RESULT = RESULTS / "qwen05b"
 PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # ours -> llama.cpp's
 PROMPT = 128
 
@@ -105,8 +102,8 @@ def main() -> int:
         print(json.dumps(weights), flush=True)
         record = record_of(llama, QWEN05B, list(PAIRS), args.rounds, args.steps, PROMPT)
     record.update(same_weights=weights, export=build_report())
-    RESULTS.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    RESULTS.with_suffix(".md").write_text(markdown(record) + "\n")
+    RESULT.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    RESULT.with_suffix(".md").write_text(markdown(record) + "\n")
     print(markdown(record))
     return 0
 

@@ -1,11 +1,12 @@
 """Turns the benchmark results into the report (``results.md``: machine, targets, tables)
 and the PNG plots, each comparing our runtime with llama.cpp measured in the same run.
 
-    python3 benchmarks/report.py [RESULTS_DIR]
+    python3 -m benchmarks.report [RESULTS_DIR]
 
-re-renders both from ``results.json``, and the README's headline table between its
-:data:`HEADLINE_BEGIN` and :data:`HEADLINE_END` lines (``benchmarks/run.py`` calls the same
-functions).
+re-renders both from ``results.json``, the docs' headline table (``docs/benchmarks.md``,
+between its :data:`HEADLINE_BEGIN` and :data:`HEADLINE_END` lines) and the README's short
+"how fast" table (between :data:`SUMMARY_BEGIN` and :data:`SUMMARY_END`);
+``benchmarks/run.py`` calls the same functions.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.common import REPO, RESULTS
 
 SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend of two rank-8 (0.7/0.3)", "r64": "rank-64",
                  "base_late": "base, after the long prompt"}
@@ -39,17 +42,21 @@ SIDES = {
 TURBO_RESULTS = ("turbo_smollm2", "turbo_smollm2_verify4", "turbo_smollm2_int8_verify6", "turbo_smollm2_int8",
                  "turbo_smollm2_heads32")
 SPEED_NOTE = "speed = llama.cpp's ms / ours (above 1: ours is faster)"
-README = Path(__file__).resolve().parents[1] / "README.md"
-# The README's headline table lies between these lines, written by write_headline().
+README = REPO / "README.md"
+BENCHMARKS_PAGE = REPO / "docs" / "benchmarks.md"
+# The benchmarks page's headline table lies between these lines, written by write_headline().
 HEADLINE_BEGIN = "<!-- headline: written by benchmarks/report.py from benchmarks/results; do not edit -->"
 HEADLINE_END = "<!-- /headline -->"
+# The README's "how fast" table lies between these lines, written by write_summary().
+SUMMARY_BEGIN = "<!-- summary: written by benchmarks/report.py from benchmarks/results; do not edit -->"
+SUMMARY_END = "<!-- /summary -->"
 
 
 @dataclass(frozen=True)
 class Target:
     """One verdict of the report: what is asked (``target``) of which model and setting
     (``where``), the figure measured, whether it is met, what measured it (``source``), and
-    whether it belongs in the README's headline (the real-size rows beside llama.cpp and
+    whether it belongs in the headline (`docs/benchmarks.md`) (the real-size rows beside llama.cpp and
     the batch's exactness). ``met`` is None for a figure the headline shows with no target."""
 
     target: str
@@ -64,9 +71,10 @@ class Target:
         return f"| {self.target} | {self.where} | {self.measured} | {self.verdict} |"
 
     def headline_row(self) -> str:
-        """This target's row of the README's headline: a NO in bold, and what measured it."""
+        """This target's row of the headline: a NO in bold, and what measured it."""
         verdict = "**NO**" if self.met is False else self.verdict
-        return f"| {self.target} | {self.where} | {self.measured} | {verdict} | {self.source} |"
+        target = self.target.replace("|", "\\|")  # "max |logit diff|" must not split the row's cells
+        return f"| {target} | {self.where} | {self.measured} | {verdict} | {self.source} |"
 
     @property
     def verdict(self) -> str:
@@ -143,19 +151,19 @@ def render_markdown(results: dict, folder: Path) -> str:
     if turbo:
         out += ["", "## Turbo LoRA: draft heads against the same LoRA without them (`benchmarks/turbo.py`)", "",
                 "Greedy, 1 thread, SmolLM2-135M, outputs compared token for token; each file's own run "
-                "(commands in `benchmarks/turbo.py`'s docstring and the README's Turbo LoRA section)."]
+                "(commands in `benchmarks/turbo.py`'s docstring and the docs' Turbo LoRA page, `docs/turbo-lora.md`)."]
         for name, label in turbo:
             out += ["", f"**{label}** (`{name}.md`)", "", (folder / f"{name}.md").read_text().strip()]
     if (folder / "gemma3.md").exists():
         text = (folder / "gemma3.md").read_text().strip()
         out += ["", "## Gemma 3 270M (`benchmarks/gemma3.py`)", "", text.split("\n", 1)[1].strip()]
     for rows_file in sorted(folder.glob("base_rows_*.json")):
-        from base_rows import rows_table  # benchmarks/base_rows.py
+        from benchmarks.base_rows import rows_table
 
         out += ["", f"## More precisions beside llama.cpp (`benchmarks/base_rows.py`, {rows_file.stem[10:]})", "",
                 *rows_table(json.loads(rows_file.read_text()))]
     if (folder / "qwen05b.json").exists():
-        from qwen05b import markdown as qwen05b_markdown  # benchmarks/qwen05b.py
+        from benchmarks.qwen05b import markdown as qwen05b_markdown
 
         out += ["", "## The next size: Qwen2.5-0.5B's shapes (`benchmarks/qwen05b.py`)", "",
                 qwen05b_markdown(json.loads((folder / "qwen05b.json").read_text()))]
@@ -553,7 +561,7 @@ def untargeted_figures(results: dict, folder: Path) -> list[Target]:
 
 
 def headline(results: dict, folder: Path) -> str:
-    """The README's headline table: the report's headline targets (real size, beside
+    """The benchmarks page's headline table: the report's headline targets (real size, beside
     llama.cpp, and the batch's exactness) and the real-size figures without a target, each
     with its verdict and the run that measured it."""
     lines = ["| target | model | measured | met | measured by |", "|---|---|---|---|---|"]
@@ -562,14 +570,42 @@ def headline(results: dict, folder: Path) -> str:
     return "\n".join(lines)
 
 
-def write_headline(table: str, readme: Path = README) -> None:
-    """Puts ``table`` between the headline markers of ``readme`` (which must hold them once)."""
-    text = readme.read_text()
-    if text.count(HEADLINE_BEGIN) != 1 or text.count(HEADLINE_END) != 1:
-        raise ValueError(f"{readme}: expected one {HEADLINE_BEGIN!r} line and one {HEADLINE_END!r} line")
-    before, rest = text.split(HEADLINE_BEGIN)
-    after = rest.split(HEADLINE_END)[1]
-    readme.write_text(f"{before}{HEADLINE_BEGIN}\n{table}\n{HEADLINE_END}{after}")
+def is_summary_row(target: Target) -> bool:
+    """Whether a headline row belongs in the README's short table: one thread's plain decode
+    beside llama.cpp, eight sessions at once, serving, and Turbo LoRA on its task."""
+    if target.met is None:
+        return False
+    one_thread_decode = target.target.startswith("decode") and target.where.endswith(("1 thread, base", "1 thread, ours f32", "1 thread, ours int8"))
+    return one_thread_decode or target.target.startswith(("8 sessions", "runtime serve", "Turbo LoRA, `order_json`"))
+
+
+def summary(results: dict, folder: Path) -> str:
+    """The README's "how fast" table: the rows of :func:`headline` that :func:`is_summary_row`
+    picks, without the column of what measured them (the benchmarks page has it)."""
+    lines = ["| target | model | measured | met |", "|---|---|---|---|"]
+    rows = [t for t in all_targets(results, folder) if t.headline and is_summary_row(t)]
+    lines += [t.headline_row().rsplit(" | ", 1)[0] + " |" for t in rows]
+    return "\n".join(lines)
+
+
+def write_between(table: str, path: Path, begin: str, end: str) -> None:
+    """Puts ``table`` between the lines ``begin`` and ``end`` of ``path`` (which must hold each once)."""
+    text = path.read_text()
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise ValueError(f"{path}: expected one {begin!r} line and one {end!r} line")
+    before, rest = text.split(begin)
+    after = rest.split(end)[1]
+    path.write_text(f"{before}{begin}\n{table}\n{end}{after}")
+
+
+def write_headline(table: str, page: Path = BENCHMARKS_PAGE) -> None:
+    """Puts ``table`` between the headline markers of ``page`` (which must hold them once)."""
+    write_between(table, page, HEADLINE_BEGIN, HEADLINE_END)
+
+
+def write_summary(table: str, readme: Path = README) -> None:
+    """Puts ``table`` between the summary markers of ``readme`` (which must hold them once)."""
+    write_between(table, readme, SUMMARY_BEGIN, SUMMARY_END)
 
 
 # -- the plots ---------------------------------------------------------------------------------
@@ -977,9 +1013,10 @@ def plot_serve(plt: Any, folder: Path) -> Any:
 
 
 if __name__ == "__main__":
-    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "results"
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS
     loaded = json.loads((folder / "results.json").read_text())
     (folder / "results.md").write_text(render_markdown(loaded, folder) + "\n")
     write_headline(headline(loaded, folder))
+    write_summary(summary(loaded, folder))
     for path in plots(loaded, folder):
         print(f"wrote {path}")

@@ -1,6 +1,6 @@
 """The benchmark suite: what the runtime and its adapters cost, side by side with llama.cpp.
 
-    python benchmarks/run.py [--quick] [--sets bench,smollm2] [--skip-llama-cpp]
+    python3 -m benchmarks.run [--quick] [--sets bench,smollm2] [--skip-llama-cpp]
 
 Needs the ``bench`` extra (matplotlib for the plots). llama.cpp runs from its own
 virtualenv (``bash benchmarks/llama_cpp/setup.sh`` once; it also converts every model set
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.metadata
 import json
 import multiprocessing as mp
@@ -40,16 +39,10 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "llama_cpp"))
-
-import client as llama_cpp  # noqa: E402  (benchmarks/llama_cpp/client.py)
-from files import DECODE_SETTINGS, MODEL_SETS, PRECISION_PAIRS, SETTING_ADAPTERS, ModelSet  # noqa: E402
-
-from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
-from runtime.errors import StatusError  # noqa: E402
-from runtime.bench import SwitchRig, decode_round, timed_decode  # noqa: E402
-from measure import (  # noqa: E402  (benchmarks/measure.py)
+from benchmarks.common import RESULTS, both, date_and_cpu
+from benchmarks.llama_cpp import client as llama_cpp
+from benchmarks.llama_cpp.files import DECODE_SETTINGS, MODEL_SETS, PRECISION_PAIRS, SETTING_ADAPTERS, ModelSet
+from benchmarks.measure import (
     ConcurrencyRig,
     batch_fidelity,
     batch_memory,
@@ -61,9 +54,12 @@ from measure import (  # noqa: E402  (benchmarks/measure.py)
     register_seconds,
     spread,
 )
-from runtime.cli.progress import progress_bar  # noqa: E402
+from benchmarks.report import headline, plots, render_markdown, summary, write_headline, write_summary
+from runtime import Engine, EngineSettings, LoraSource, SessionConfig
+from runtime.bench import SwitchRig, decode_round, timed_decode
+from runtime.cli.progress import progress_bar
+from runtime.errors import StatusError
 
-RESULTS = HERE / "results"
 LATE = "base_late"  # base model, decode after the longest prefill length's prompt
 CONCURRENCY_COUNTS = (1, 2, 4, 8, 16)
 SAME_WEIGHTS_TOKENS = 16
@@ -90,15 +86,6 @@ class Rounds:
         return out
 
 
-def both(ours: Callable[[], Any], theirs: Callable[[], Any], round_index: int) -> tuple[Any, Any]:
-    """Runs our measurement and llama.cpp's, ours first in even rounds and second in odd ones."""
-    if round_index % 2 == 0:
-        mine = ours()
-        return mine, theirs()
-    other = theirs()
-    return ours(), other
-
-
 def sources(models: ModelSet, setting: str) -> list[LoraSource]:
     """Our LoraSources (PEFT directories) for one adapter setting of ``files.SETTING_ADAPTERS``."""
     return [LoraSource(path=models.adapters[name].peft, scale=scale) for name, scale in SETTING_ADAPTERS[setting]]
@@ -111,30 +98,6 @@ def in_child(function: Callable, *args: Any) -> Any:
 
 
 # -- the machine -----------------------------------------------------------------------
-
-
-# CPU flags that decide which matrix kernels XNNPACK and llama.cpp run (one CPU model name
-# covers boxes with and without AVX-512), in the order they are printed.
-VECTOR_FLAGS = {"avx512f": "AVX-512", "avx512_vnni": "AVX-512 VNNI", "avx_vnni": "AVX-VNNI", "avx2": "AVX2",
-                "fma": "FMA", "asimddp": "NEON dot product", "i8mm": "I8MM", "sve": "SVE"}
-
-
-def cpu_name(cpuinfo: str) -> str:
-    """The CPU's model name with the vector extensions its kernels are chosen by, e.g.
-    ``AMD EPYC (AVX2, FMA)``, from the text of ``/proc/cpuinfo``."""
-    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
-    name = fields.get("model name") or platform.processor() or "unknown CPU"
-    flags = set((fields.get("flags") or fields.get("Features") or "").split())
-    vector = [label for flag, label in VECTOR_FLAGS.items() if flag in flags]
-    return f"{name} ({', '.join(vector)})" if vector else name
-
-
-def date_and_cpu() -> dict[str, str]:
-    """When and where a benchmark runs: ``date`` (``2026-12-04 11:30 UTC``) and ``cpu``
-    (:func:`cpu_name`), as every result file records them."""
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": cpu_name(Path("/proc/cpuinfo").read_text())}
 
 
 def machine(llama_hello: dict | None) -> dict:
@@ -550,8 +513,8 @@ def main() -> None:
 
 
 def write_report(results: dict, *, update: bool, partial: bool) -> str:
-    """Writes ``results.json``, ``results.md``, the plots and the README's headline table;
-    returns the markdown. With ``update``, the sets not in ``results`` are kept from the existing ``results.json``;
+    """Writes ``results.json``, ``results.md``, the plots, the docs' headline table and the
+    README's summary; returns the markdown. With ``update``, the sets not in ``results`` are kept from the existing ``results.json``;
     with ``partial`` too (some sections measured), so are the other sections of the sets
     measured, and the header of the run that measured the rest."""
     RESULTS.mkdir(exist_ok=True)
@@ -568,11 +531,10 @@ def write_report(results: dict, *, update: bool, partial: bool) -> str:
         results["sets"] = {**{k: fresh_sets.get(k, v) for k, v in kept.items()}, **fresh_sets}
         results.setdefault("skipped", before.get("skipped", {}))
     (RESULTS / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    from report import headline, plots, render_markdown, write_headline
-
     report = render_markdown(results, RESULTS)
     (RESULTS / "results.md").write_text(report + "\n")
     write_headline(headline(results, RESULTS))
+    write_summary(summary(results, RESULTS))
     for path in plots(results, RESULTS):
         print(f"wrote {path}", file=sys.stderr)
     return report

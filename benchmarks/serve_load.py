@@ -1,6 +1,6 @@
 """Load on ``python -m runtime serve``: N concurrent streaming clients over K adapters for T seconds.
 
-    python3 benchmarks/serve_load.py [--model M] [--clients 32] [--adapters 8] [--seconds 60]
+    python3 -m benchmarks.serve_load [--model M] [--clients 32] [--adapters 8] [--seconds 60]
         [--llama-server PATH --gguf BASE.gguf --gguf-lora A.gguf ...]
 
 Needs the ``test`` extra (the ``serve`` extra and the ``openai`` client). Starts the server
@@ -52,13 +52,11 @@ from pathlib import Path
 
 import numpy as np
 
-from run import date_and_cpu  # benchmarks/run.py
+from benchmarks.common import BENCHMARKS, REPO, RESULTS, date_and_cpu
 from runtime import ByteTokenizer, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig, Tokenizer
 from runtime.components.chat_template import ChatTemplate
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
+HERE, ROOT = BENCHMARKS, REPO
 WORK = RESULTS / "tmp" / "serve_load"  # gitignored: copies of the adapters, the synthetic tokenizer
 BENCH_MODEL = HERE / "models" / "bench_f32.tflite"
 BENCH_ADAPTERS = [HERE / "models" / name for name in ("peft_r8_a", "peft_r8_b", "peft_r64")]
@@ -536,7 +534,7 @@ def render(rows: list[dict], settings: dict, args, skipped: str | None) -> str:
                      f"| {_ratio(row.get('ours_vs_this_tokens_per_s'))} |")
     if skipped:
         lines += ["", f"llama-server: skipped ({skipped})."]
-    lines += ["", "Command: `python3 benchmarks/serve_load.py " + " ".join(sys.argv[1:]) + "`", ""]
+    lines += ["", "Command: `python3 -m benchmarks.serve_load " + " ".join(sys.argv[1:]) + "`", ""]
     return "\n".join(lines)
 
 

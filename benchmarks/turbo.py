@@ -11,7 +11,7 @@ same LoRA without them, greedy, 1 thread, side by side in alternating rounds.
     python3 tools/train_turbo_lora.py --task order_json --untrained-lora --heads 5 --train-items 1024 \
         --test-items 16 --steps 1600 --max-new-tokens 48 --threads 1 \
         --out ~/.cache/runtime/adapters/smollm2/order_json-turbo-1024-h5
-    python3 benchmarks/turbo.py ~/.cache/runtime/turbo/smollm2-f32-verify6-w128.tflite \
+    python3 -m benchmarks.turbo ~/.cache/runtime/turbo/smollm2-f32-verify6-w128.tflite \
         ~/.cache/runtime/adapters/smollm2/order_json-turbo-1024-h5 --items 100 --free-items 20 --max-new-tokens 48 \
         --llama-cpp f32
 
@@ -49,20 +49,14 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(REPO / "benchmarks" / "llama_cpp"))
+from benchmarks.common import RESULTS, date_and_cpu
+from benchmarks.llama_cpp.client import LlamaCpp
+from runtime import Engine, EngineSettings, LoraSource, SessionConfig
+from runtime.components.chat_template import ChatTemplate
+from runtime.engine.speculative import SpeculationPolicy
+from runtime.adapters.draft_heads import read_adapter_heads
+from tools import smollm2_tasks as tasks  # tools/ (a namespace package from the repository root)
 
-import smollm2_tasks as tasks  # noqa: E402
-from client import LlamaCpp  # noqa: E402  (benchmarks/llama_cpp/client.py)
-from run import date_and_cpu  # noqa: E402  (benchmarks/run.py)
-from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
-from runtime.components.chat_template import ChatTemplate  # noqa: E402
-from runtime.engine.speculative import SpeculationPolicy  # noqa: E402
-from runtime.adapters.draft_heads import read_adapter_heads  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
 ALWAYS = SpeculationPolicy(probe_verifies=1 << 30)
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -92,15 +93,26 @@ def pytest_unconfigure(config):
     atexit.register(mute)  # runs after pytest has restored its captured file descriptors
 
 
-class Clock:
-    """A stand-in for the ``time`` module whose clock advances one second per reading."""
+class WorkClock:
+    """A stand-in for the ``time`` module whose clock reads the work done so far: one second
+    per unit of ``work()`` (model runs, registered adapters, ...). A measurement timed with it
+    reports the work inside its timed block, so one that also timed its set-up, or divided by
+    another count than the work it timed, reads another figure; a clock that merely ticks
+    once per reading gives the same figure either way. ``record()``, if given, is called at
+    every reading too, its results kept in ``records``: what had happened when the clock was
+    read."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
+    def __init__(self, work: Callable[[], float], record: Callable[[], object] | None = None) -> None:
+        self.work = work
+        self.record = record
+        self.readings: list[float] = []
+        self.records: list[object] = []
 
     def perf_counter(self) -> float:
-        self.now += 1.0
-        return self.now
+        if self.record is not None:
+            self.records.append(self.record())
+        self.readings.append(float(self.work()))
+        return self.readings[-1]
 
 
 def make_resource_manager(model: Path):

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from conftest import MODEL_FILES, Clock, adapter_path
+from conftest import MODEL_FILES, WorkClock, adapter_path
 from runtime import Engine, LoraSource, SessionConfig
 from runtime import bench
 
@@ -69,11 +69,22 @@ def test_decode_round_times_each_session_and_its_invokes(engine):
         assert adapted.position == 6  # from an empty context
 
 
+def runs(engine):
+    """A clock for ``bench``: one second per model run of ``engine`` so far."""
+    return WorkClock(lambda: engine.stats().invokes)
+
+
 def test_timed_decode_after_a_prompt_times_only_the_steps(engine, monkeypatch):
     with engine.create_session() as session:
-        monkeypatch.setattr(bench, "time", Clock())  # the timed block reads as 1 s
+        clock = runs(engine)
+        monkeypatch.setattr(bench, "time", clock)
+        before = engine.stats().invokes
         step, invoke = bench.timed_decode(engine, session, steps=4, prompt=10)
-        assert step == 0.25 and 0 < invoke < step
+        prefill_runs = engine.stats().invokes - before - 4
+        assert prefill_runs >= 1  # the prompt ran, and before the clock started:
+        assert clock.readings == [before + prefill_runs, before + prefill_runs + 4]
+        assert step == 1.0  # one model run per decode step timed, nothing else
+        assert 0 < invoke
         assert session.position == 14
         assert session.stats().decode_tokens == 4
 
@@ -81,9 +92,22 @@ def test_timed_decode_after_a_prompt_times_only_the_steps(engine, monkeypatch):
 def test_switch_rig_rounds_time_every_pattern_per_step(engine, monkeypatch):
     rig = bench.SwitchRig(engine, R4, OTHER_R4)
     try:
-        monkeypatch.setattr(bench, "time", Clock())  # each pattern's timed block reads as 1 s
+        monkeypatch.setattr(bench, "time", runs(engine))
+        before = engine.stats().switch.count
+        sessions = {"one": rig.one, "twin": rig.twin, "other": rig.other, "switcher": rig.switcher}
+        tokens = {name: s.stats().decode_tokens for name, s in sessions.items()}
         out = rig.round(steps=8)
-        assert out == {"alone": 1 / 9, "alternate_same": 1 / 8, "alternate_other": 1 / 8, "switch": 1 / 8}
+        # Who ran: the lone session 9 steps, then 4 beside its twin (same adapter) and 4 beside
+        # the session of the other adapter; the switcher 8, re-targeted before each.
+        assert {name: s.stats().decode_tokens - tokens[name] for name, s in sessions.items()} == {
+            "one": 9 + 4 + 4, "twin": 4, "other": 4, "switcher": 8}
+        assert rig.other.blend != rig.one.blend == rig.twin.blend  # the pairs are what their names say
+        # Every pattern's figure is per decode step: exactly one model run each, whatever
+        # the pattern does between them (switching adapters runs nothing).
+        assert out == {"alone": 1.0, "alternate_same": 1.0, "alternate_other": 1.0, "switch": 1.0}
+        # alone: 1 switch into its session; the same adapter alternating: 7 (its first step is
+        # the same session's); another adapter: 8; re-targeting one session: 8.
+        assert engine.stats().switch.count - before == 1 + 7 + 8 + 8
     finally:
         rig.close()
     assert engine.stats().sessions == ()

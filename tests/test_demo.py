@@ -99,7 +99,7 @@ def test_task_examples_are_answered_by_their_adapter_only():
 def test_recorded_accuracy_meets_the_floor(measuring_set):
     """demo.json's tables (measured through this runtime by tools/train_demo.py): each
     session does its own task on at least 95% of the lines and another's on none. (Issue
-    15's target; the committed model reaches 97.5-100%, see the README.)"""
+    15's target; the committed model reaches 97.5-100%, see docs/demo.md.)"""
     table = load_demo()["accuracy"]["runtime"][measuring_set]
     own = {"base": "echo", "+uppercase": "uppercase", "+no_vowels": "no_vowels", "+json": "json",
            "+uppercase_litertlm": "uppercase"}

@@ -4,17 +4,14 @@ what it measured (exact where the quantity is known, e.g. the bytes of a rank sl
 from __future__ import annotations
 
 import hashlib
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, Clock, adapter_path
+from benchmarks import measure
+from conftest import MODEL_FILES, WorkClock, adapter_path
 from runtime import Engine, InvalidArgumentError, LoraSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import measure  # noqa: E402  (benchmarks/measure.py)
 
 R4 = LoraSource(path=adapter_path("torch_r4"))
 R16 = LoraSource(path=adapter_path("torch_r16"))
@@ -70,13 +67,22 @@ def test_concurrency_rig_gives_each_session_its_own_adapter_and_counts_tokens(mo
         assert [ranks[session.lora_ids[0]] for session in rig.sessions] == [4, 16, 4]
         assert rig.engine.settings.executors == 2
         before = [session.stats().decode_tokens for session in rig.sessions]
-        monkeypatch.setattr(measure, "time", Clock())  # the timed block reads as 1 s
+
+        def state():
+            return [(s.stats().prompt_tokens, s.stats().decode_tokens - b) for s, b in zip(rig.sessions, before)]
+
+        # One second per reading (the threads' runs are not ordered against the clock's first
+        # reading); what had happened at each reading is recorded.
+        clock = WorkClock(lambda: len(clock.readings) + 1, record=state)
+        monkeypatch.setattr(measure, "time", clock)
         assert rig.tokens_per_second(2, steps=8) == 18.0  # 2 sessions x (8 + 1) tokens in 1 s
-        after = [session.stats().decode_tokens for session in rig.sessions]
-        assert [a - b for a, b in zip(after, before)] == [9, 9, 0]  # only the first two ran
-        # From a position: the prompt is prefilled before the clock starts, the steps follow it.
+        # The clock stopped after every step of both sessions, and only the first two ran.
+        assert clock.records[-1] == [(0, 9), (0, 9), (0, 0)]
+        # From a position: the prompt is in before the clock starts, the steps follow it.
+        clock.records.clear()
         assert rig.tokens_per_second(1, steps=4, first=2, position=40) == 5.0
-        assert rig.sessions[2].position == 45 and rig.sessions[2].stats().prompt_tokens == 40
+        assert clock.records[0][2][0] == 40 and clock.records[-1][2] == (40, 5)
+        assert rig.sessions[2].position == 45
         with pytest.raises(InvalidArgumentError, match="60 prompt tokens and 5 steps exceed the KV cache of 64"):
             rig.tokens_per_second(1, steps=4, position=60)
     finally:
@@ -87,9 +93,10 @@ def test_a_lone_step_reports_the_graphs_share_of_it(monkeypatch):
     rig = measure.ConcurrencyRig(MODEL_FILES["default"], [4])
     try:
         invokes = rig.engine.stats().invokes
-        monkeypatch.setattr(measure, "time", Clock())  # the timed block reads as 1 s
+        monkeypatch.setattr(measure, "time", WorkClock(lambda: rig.engine.stats().invokes))  # 1 s a model run
         step, graph = rig.lone_step(steps=3)
-        assert step == 0.25 and rig.engine.stats().invokes - invokes == 4  # 4 steps in 1 s, one run each
+        assert step == 1.0  # per step: one run, the 4 steps' runs all timed
+        assert rig.engine.stats().invokes - invokes == 4
         assert 0 < graph < 0.25  # the runs' own wall time, not the faked clock's
     finally:
         rig.close()
@@ -126,21 +133,33 @@ def test_peak_rss_is_at_least_the_current_rss():
 def test_prefill_seconds_prefills_from_an_empty_context(engine, monkeypatch):
     with engine.create_session() as session:
         session.run_decode(1)
-        monkeypatch.setattr(measure, "time", Clock())
-        assert measure.prefill_seconds(session, 12) == 1.0
+        monkeypatch.setattr(measure, "time", WorkClock(lambda: session.stats().prompt_tokens))  # 1 s a prompt token
+        assert measure.prefill_seconds(session, 12) == 12.0  # the whole prompt timed, nothing else
         assert session.position == 12
 
 
 def test_register_seconds_registers_and_unloads_each_time(monkeypatch):
     with Engine(MODEL_FILES["default"]) as engine:
-        monkeypatch.setattr(measure, "time", Clock())
+        clock = WorkClock(lambda: len(engine.stats().adapters))  # the clock reads the adapters registered now
+        monkeypatch.setattr(measure, "time", clock)
+        # Each timed block holds one registration and no unload: from 0 adapters to 1.
         assert measure.register_seconds(engine, R16, repeats=3) == 1.0
+        assert clock.readings == [0, 1] * 3
         assert engine.stats().load.count == 3
         assert engine.stats().adapters == ()
 
 
 def test_load_cost_times_loading_and_the_first_step_apart(monkeypatch):
-    monkeypatch.setattr(measure, "time", Clock())  # each reading one second later
+    opened: list[Engine] = []
+
+    class Opened(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self)
+
+    # 1000 s per engine opened, 1 s per model run: the two timed blocks apart.
+    monkeypatch.setattr(measure, "Engine", Opened)
+    monkeypatch.setattr(measure, "time", WorkClock(lambda: 1000 * len(opened) + sum(e.stats().invokes for e in opened)))
     out = measure.load_cost(MODEL_FILES["default"])
-    assert (out["load_s"], out["first_decode_s"]) == (1.0, 1.0)
+    assert (out["load_s"], out["first_decode_s"]) == (1000.0, 1.0)
     assert out["peak_rss_bytes"] >= out["rss_bytes"] > out["rss_before_bytes"]

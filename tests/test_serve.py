@@ -932,14 +932,23 @@ def test_serve_without_the_extra_says_what_to_install():
     assert done.returncode == 2 and "pip install 'runtime[serve]'" in done.stderr, done.stderr
 
 
-def test_the_readme_serving_examples_run_as_written(tmp_path, offline):
-    section = (ROOT / "README.md").read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
-    setup, curl = re.findall(r"```sh\n(.*?)```", section, re.S)
-    (client_code,) = re.findall(r"```py\n(.*?)```", section, re.S)
-    template = tmp_path / "demo_chat.jinja"
-    lines = [line.split("#")[0] for line in setup.replace("\\\n", " ").splitlines() if "pip install" not in line]
-    subprocess.run(["bash", "-c", lines[0].replace("demo_chat.jinja", str(template))], check=True, cwd=tmp_path)
-    command = lines[1].replace("demo_chat.jinja", str(template)).split() + ["--port", "0"]
+SERVING_PAGES = {"docs": ROOT / "docs" / "serving.md", "readme": ROOT / "README.md"}
+
+
+@pytest.mark.parametrize("page", sorted(SERVING_PAGES))
+def test_the_serving_examples_run_as_written(page, tmp_path, offline):
+    text = SERVING_PAGES[page].read_text()
+    if page == "readme":
+        text = text.split("## Serving", 1)[1].split("\n## ", 1)[0]
+    setup, curl = re.findall(r"```sh\n(.*?)```", text, re.S)
+    clients = re.findall(r"```py\n(.*?)```", text, re.S)
+    lines = [line.split("  #")[0] for line in setup.replace("\\\n", " ").splitlines() if "pip install" not in line]
+    *prepare, serve = lines
+    # The recipe's own shell lines, then the path they chose: never inside the checkout.
+    chosen = subprocess.run(["bash", "-c", "\n".join(prepare) + '\nprintf %s "$template"'], check=True, cwd=tmp_path,
+                            capture_output=True, text=True).stdout
+    assert Path(chosen).is_file() and not Path(chosen).resolve().is_relative_to(ROOT)
+    command = serve.replace('"$template"', chosen).split() + ["--port", "0"]
     assert command[:3] == ["python3", "-m", "runtime"]
     process = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                stderr=subprocess.PIPE)
@@ -952,12 +961,14 @@ def test_the_readme_serving_examples_run_as_written(tmp_path, offline):
                                   text=True, timeout=60, check=True)
             text = json.loads(done.stdout)["choices"][0]["text"]
             assert text == offline("hello world\n", [("uppercase", 1.0)], 32).text
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            exec(client_code.replace("http://127.0.0.1:8000", url), {})
-        chat_prompt = "my blue kite\n"
-        assert printed.getvalue().splitlines() == [offline("green tea\n", [("no_vowels", 1.0)], 32).text,
-                                             offline(chat_prompt, [("json", 1.0)], 256 - len(chat_prompt)).text]
+        for client_code in clients:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(client_code.replace("http://127.0.0.1:8000", url), {})
+            chat_prompt = "my blue kite\n"
+            assert printed.getvalue().splitlines() == [offline("green tea\n", [("no_vowels", 1.0)], 32).text,
+                                                 offline(chat_prompt, [("json", 1.0)], 256 - len(chat_prompt)).text]
+        assert len(clients) == (1 if page == "docs" else 0)
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(20) == 0

@@ -59,4 +59,4 @@ convert "$GGUF/bench-f32.gguf" convert_hf_to_gguf.py --outtype f32 "$MODELS/hf"
 for adapter in peft_r8_a peft_r8_b peft_r64; do
     convert "$GGUF/lora-$adapter-f32.gguf" convert_lora_to_gguf.py --outtype f32 --base "$MODELS/hf" "$MODELS/$adapter"
 done
-log "done; run: python3 benchmarks/serve_load.py"
+log "done; run: python3 -m benchmarks.serve_load"

@@ -1,6 +1,6 @@
 """What one batched decode step costs against one session's step, at several positions.
 
-    python3 benchmarks/batch_cost.py MODEL.tflite [--rows 8] [--ranks 8] [--positions 8,300,600] [--rounds 4] \
+    python3 -m benchmarks.experiments.batch_cost MODEL.tflite [--rows 8] [--ranks 8] [--positions 8,300,600] [--rounds 4] \
         [--threads 1]
 
 ``rows`` sessions, each with its own random adapter (of the ``--ranks`` in turn: ``8,16``
@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.measure import random_adapter_files
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.util.signature_names import LoraSlot
-from measure import random_adapter_files  # benchmarks/measure.py, beside this script
 
 STEPS = 6  # decode steps per timed run
 

@@ -22,7 +22,7 @@ another format's run would be reused and hide growth),
 and what first use then costs: the median time to materialize one registered adapter into
 numpy buffers of its slot (not DoRA's: its output scales need the model's weights)::
 
-    python3 benchmarks/registered_memory.py [--adapters 200] [--rank 8] [--formats peft,gguf]
+    python3 -m benchmarks.experiments.registered_memory [--adapters 200] [--rank 8] [--formats peft,gguf]
 
 Registration reads no weight, so the files hold zero weights (DoRA magnitudes: ones) and
 are written sparse: only their headers take disk space.
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from measure import rss_bytes  # benchmarks/measure.py, beside this script
+from benchmarks.measure import rss_bytes
 from runtime.components.lora_manager import LoraManager
 from runtime.adapters.adapter_formats import AdapterOrigin
 from runtime.adapters.lora_util import DORA_SIDE, MLP_PROJECTIONS, Convention, lora_input_name

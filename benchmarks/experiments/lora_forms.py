@@ -2,7 +2,7 @@
 """What the rows' own LoRA products cost in a batched decode step, in each form XNNPACK can
 run them, against a plain read of the same adapter weights.
 
-    python3 benchmarks/lora_forms.py [--shape smollm2] [--rows 1,8] [--rank 8] [--forms F,F,...] \
+    python3 -m benchmarks.experiments.lora_forms [--shape smollm2] [--rows 1,8] [--rank 8] [--forms F,F,...] \
         [--rounds 7] [--out benchmarks/results]
 
 For each row count B, builds one graph per form (the export extra: litert-torch) of
@@ -57,14 +57,11 @@ rows and rank 8 the two forms were 4.23 and 4.38 ms).
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from batch_rows import measure_forms, positive_ints, throughput_table, write_results  # noqa: E402
+from benchmarks.common import RESULTS
+from benchmarks.experiments.batch_rows import measure_forms, positive_ints, throughput_table, write_results
 
 
 @dataclass(frozen=True)
@@ -165,7 +162,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--forms", default=",".join(FORMS), help=f"forms to time, comma-separated, of {FORMS}")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+    parser.add_argument("--out", type=Path, default=RESULTS,
                         help="folder for lora_forms.json, .md and .png")
     args = parser.parse_args()
     rows = positive_ints(parser, "--rows", args.rows)

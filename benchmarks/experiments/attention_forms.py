@@ -2,7 +2,7 @@
 """What one decode step's attention over a KV cache costs in each form XNNPACK can run it,
 against a plain read of the same cache: where a batched step's time beyond the linears goes.
 
-    python3 benchmarks/attention_forms.py [--shape smollm2] [--spans 128,1024] [--rounds 7] \
+    python3 -m benchmarks.experiments.attention_forms [--shape smollm2] [--spans 128,1024] [--rounds 7] \
         [--threads 1] [--out benchmarks/results]
 
 For each span W, builds one graph per form (the export extra: litert-torch) of a decoder's
@@ -55,14 +55,11 @@ gap of that size is this machine's noise.)
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from batch_rows import measure_forms, positive_ints, throughput_table, write_results  # noqa: E402
+from benchmarks.common import RESULTS
+from benchmarks.experiments.batch_rows import measure_forms, positive_ints, throughput_table, write_results
 
 
 @dataclass(frozen=True)
@@ -152,7 +149,7 @@ def main() -> None:
     parser.add_argument("--spans", default="128,1024", help="cached positions attended, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="XNNPACK threads per graph")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+    parser.add_argument("--out", type=Path, default=RESULTS,
                         help="folder for attention_forms.json, .md and .png")
     args = parser.parse_args()
     spans = positive_ints(parser, "--spans", args.spans)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What an adapter's slot costs a decode step, in one or more exports of SmolLM2-135M side by side.
 
-    python3 benchmarks/slot_cost.py A.tflite[,B.tflite,...] [--rounds 11] [--steps 32]
+    python3 -m benchmarks.experiments.slot_cost A.tflite[,B.tflite,...] [--rounds 11] [--steps 32]
 
 Each export runs plain, with a random rank-8 attention-only PEFT adapter (q/k/v/o) and with a
 random rank-8 all-linear one (q/k/v/o, gate/up/down), 1 thread, decode steps at positions
@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adapter_kinds import FANS, decode_ms, write_peft  # noqa: E402  (SmolLM2's shapes; beside this file)
-
-from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
+from benchmarks.experiments.adapter_kinds import FANS, decode_ms, write_peft  # SmolLM2's shapes
+from runtime import Engine, EngineSettings, LoraSource, SessionConfig
 
 SETTINGS = ("plain", "attention r8", "all-linear r8")
 

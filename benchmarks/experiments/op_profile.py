@@ -1,7 +1,7 @@
 """Where a decode step's time goes, op by op: one session's step and a batch's, recorded
 by LiteRT's own profiler (``Engine.profile_ops``).
 
-    python3 benchmarks/op_profile.py MODEL.tflite [--rows 8] [--rank 8] [--steps 10] [--position 8] \
+    python3 -m benchmarks.experiments.op_profile MODEL.tflite [--rows 8] [--rank 8] [--steps 10] [--position 8] \
         [--out benchmarks/results/op_profile_NAME.md]
 
 ``rows`` sessions, each with its own random adapter of ``rank`` (0: none), are prefilled
@@ -18,17 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import random_adapter_files  # noqa: E402
-from run import date_and_cpu  # noqa: E402
-
-from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
+from benchmarks.common import date_and_cpu
+from benchmarks.measure import random_adapter_files
+from runtime import Engine, EngineSettings, SessionConfig
 
 WARMUP = 2  # unrecorded steps before each recording
 
@@ -63,7 +60,7 @@ def main() -> None:
                  f"{stamp['cpu']}, 1 thread, load average {os.getloadavg()[0]:.1f}, {stamp['date']}; "
                  f"{args.rows} sessions with {adapters} after {args.position} prompt tokens; {args.steps} recorded "
                  f"steps of each kind.", "",
-                 f"Command: `python3 benchmarks/op_profile.py {args.model.name} --rows {args.rows} --rank "
+                 f"Command: `python3 -m benchmarks.experiments.op_profile {args.model.name} --rows {args.rows} --rank "
                  f"{args.rank} --steps {args.steps} --position {args.position}`", ""]
         for kind, step in kinds.items():
             unrecorded = _median_ms(step, WARMUP + args.steps)

@@ -2,7 +2,7 @@
 """What a decode step costs by the span it attends over: an attention window of a longer
 cache against a cache of the window's length, side by side.
 
-    python3 benchmarks/kv_span.py NAME=MODEL.tflite [NAME=MODEL.tflite ...] \
+    python3 -m benchmarks.experiments.kv_span NAME=MODEL.tflite [NAME=MODEL.tflite ...] \
         [--positions 400,600,900] [--rounds 8] [--steps 16]
 
 Every export runs a plain session (1 thread) that decodes ``--steps`` steps after a prompt
@@ -31,11 +31,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
-from runtime.bench import timed_decode  # noqa: E402
+from runtime import Engine, EngineSettings, SessionConfig
+from runtime.bench import timed_decode
 
 
 def span(engine: Engine, position: int) -> str:

@@ -2,7 +2,7 @@
 """What one pass over a decoder's weights costs by the rows it carries: which batch sizes
 are cheap on this CPU.
 
-    python3 benchmarks/batch_rows.py [--shape smollm2] [--rows 1,2,4,6,7,8,12,14,15,16] \
+    python3 -m benchmarks.experiments.batch_rows [--shape smollm2] [--rows 1,2,4,6,7,8,12,14,15,16] \
         [--quantize none,int8,none-left] [--rounds 5] [--out benchmarks/results]
 
 A batched decode step runs every session's token through the base linears at once: M rows
@@ -18,7 +18,7 @@ matrix kernel takes 7 rows at a time and each further group of 7 reads every wei
 1 row 23.6 ms, 7 rows 27.2 ms, 8 rows 46.4 ms, 15 rows 64.6 ms. int8 has no such step
 (1.02x one row at 2 rows, 1.6-1.8x at 6 to 8, 2.1x at 12 to 15). In the whole batched
 step the difference shrinks: a batch of 7 SmolLM2 sessions took 62.4 ms
-against 76.6 ms for 8 (8.9 against 9.6 ms a token, ``benchmarks/batch_cost.py``), and
+against 76.6 ms for 8 (8.9 against 9.6 ms a token, ``benchmarks/experiments/batch_cost.py``), and
 capping batches at 7 so that 8 sessions take turns in runs of 7 measured slower, not
 faster: every run then holds another set of sessions, and the batch's stacked LoRA inputs
 are written again (8 sessions against one: 2.86x f32 and 2.03x int8 capped, against 3.50x
@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--quantize", default="none,int8",
                         help="precisions: none (float32), int8, none-left (float32, weights as left operands)")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
+    parser.add_argument("--out", type=Path, default=RESULTS,
                         help="folder for batch_rows.json, .md and .png")
     args = parser.parse_args()
     rows = positive_ints(parser, "--rows", args.rows)

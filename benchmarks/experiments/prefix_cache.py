@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time to first token of chat prompts with the prefix cache and without it, side by side.
 
-    python3 benchmarks/prefix_cache.py MODEL --tokenizer tokenizer.json --chat-template chat_template.jinja \
+    python3 -m benchmarks.experiments.prefix_cache MODEL --tokenizer tokenizer.json --chat-template chat_template.jinja \
         [--rounds 5] [--out prefix_cache_smollm2]
 
 Two engines on the same model, one with ``EngineSettings(prefix_cache_bytes=64 MiB)`` (what
@@ -25,10 +25,10 @@ import time
 from datetime import date
 from pathlib import Path
 
+from benchmarks.common import RESULTS
 from runtime import Engine, EngineSettings
 from runtime.components.chat_template import ChatTemplate
 
-RESULTS = Path(__file__).resolve().parent / "results"
 OPENERS = ("What is", "Tell me about", "Explain", "Describe", "Why do people like", "Summarize")
 TOPICS = ("the moon", "a bicycle", "the ocean", "music", "bread", "rain")
 CACHE_BYTES = 64 << 20
@@ -94,7 +94,7 @@ def main() -> int:
     result["speedup"] = result["ttft_ms_without"] / result["ttft_ms_with"]
     lines = [
         f"# Prefix cache: time to first token of chat prompts ({args.model.name})", "",
-        f"`python3 benchmarks/prefix_cache.py {' '.join(sys.argv[1:])}`; {result['date']}, load average "
+        f"`python3 -m benchmarks.experiments.prefix_cache {' '.join(sys.argv[1:])}`; {result['date']}, load average "
         f"{load[0]:.1f} at the start, 1 thread, prefill lengths {result['prefill_lengths']}, "
         f"{len(prompts)} distinct chat prompts of {min(result['prompt_tokens'])}-{max(result['prompt_tokens'])} "
         f"tokens sharing a {head}-token head, median over {args.rounds} rounds (after one untimed).", "",

