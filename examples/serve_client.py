@@ -30,16 +30,17 @@ Against a server you started yourself, e.g. SmolLM2-135M with its trained task a
 folder must be writable for the hot-load, and ``--allow-download-from 127.0.0.1`` lets it
 fetch from this script's local server)::
 
-    C=~/.cache/runtime; mkdir -p adapters && cp -r $C/adapters/smollm2/{order_json,intent} adapters/
-    python -m runtime serve --model $C/models/smollm2-135m-instruct-batch/smollm2-135m-instruct-int8-batch.tflite \\
-        --tokenizer $C/models/smollm2-135m-instruct-hf/tokenizer.json --adapters adapters \\
+    C=~/.cache/runtime; M=$C/models/smollm2-135m-instruct-batch/smollm2-135m-instruct-int8-batch.tflite
+    mkdir -p adapters && cp -r $C/adapters/smollm2/{order_json,intent} adapters/
+    python -m runtime convert $C/adapters/smollm2/reverse_words --model $M --out reverse_words.tflite
+    python -m runtime serve --model $M --tokenizer $C/models/smollm2-135m-instruct-hf/tokenizer.json \\
+        --chat-template $C/models/smollm2-135m-instruct-hf/chat_template.jinja --adapters adapters \\
         --allow-download-from 127.0.0.1 --port 8000 &
-    python examples/serve_client.py --base-url http://127.0.0.1:8000/v1 \\
-        --prompt "Reverse the order of these words: apple river stone" \\
-        --hot-load $C/adapters/smollm2/reverse_words/adapter_model.safetensors
+    python examples/serve_client.py --base-url http://127.0.0.1:8000/v1 --hot-load reverse_words.tflite \\
+        --prompt "Reverse the order of these words: apple river stone"
 
-(``--hot-load`` takes one file: a ``.tflite`` or ``.gguf`` LoRA; for a PEFT directory, convert
-it first with ``python -m runtime convert DIR --model M --out A.tflite``.)
+(``--hot-load`` serves one file: a ``.tflite`` or ``.gguf`` LoRA, as ``/v1/load_lora_adapter``'s
+``url`` takes.)
 """
 
 from __future__ import annotations
@@ -120,10 +121,26 @@ def file_server(path: Path):
         server.server_close()
 
 
-def complete(client: OpenAI, model: str, prompt: str, max_tokens: int, **extra) -> str:
-    """One greedy completion's text."""
-    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+def ask(client: OpenAI, chat: bool, model: str, text: str, max_tokens: int, **extra) -> str:
+    """One greedy answer to ``text``: a chat message where the server has a chat template,
+    else a completion of the line (the demo's format: the text and a newline)."""
+    if chat:
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                              max_tokens=max_tokens, temperature=0, **extra).choices[0].message.content
+    return client.completions.create(model=model, prompt=text + "\n", max_tokens=max_tokens, temperature=0,
                                      **extra).choices[0].text
+
+
+def stream(client: OpenAI, chat: bool, model: str, text: str, max_tokens: int):
+    """The pieces of a streamed greedy answer, as they arrive."""
+    if chat:
+        for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                                    max_tokens=max_tokens, temperature=0, stream=True):
+            yield chunk.choices[0].delta.content or ""
+    else:
+        for chunk in client.completions.create(model=model, prompt=text + "\n", max_tokens=max_tokens,
+                                               temperature=0, stream=True):
+            yield chunk.choices[0].text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", help="a running server's http://HOST:PORT/v1 (default: start one on the "
                         "demo model)")
     parser.add_argument("--api-key", default="none", help="the server's --api-key, if it has one")
-    parser.add_argument("--prompt", default="hello world", help="the prompt (a newline is added)")
+    parser.add_argument("--prompt", default="hello world", help="the user's text (a chat message where the "
+                        "server has a chat template, else a line)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--hot-load", type=Path, default=DEMO / "adapters" / "no_vowels.tflite",
                         help="the adapter file served for the hot-load")
     args = parser.parse_args(argv)
-    prompt = args.prompt.rstrip("\n") + "\n"
+    prompt = args.prompt.rstrip("\n")
 
     with ExitStack() as stack:
         base_url = args.base_url or stack.enter_context(demo_server(Path(stack.enter_context(
@@ -146,27 +164,28 @@ def main(argv: list[str] | None = None) -> int:
         models = client.models.list().data
         base = models[0].id
         adapters = [m.id for m in models[1:]]
-        print(f"1. models: base {base!r}, adapters {adapters}")
+        chat = bool(models[0].model_extra.get("chat_template"))
+        print(f"1. models: base {base!r} ({'chat template' if chat else 'no chat template: completions'}), "
+              f"adapters {adapters}")
 
         print("2. adapters by name (greedy):")
         for name in adapters[:2]:
-            print(f"   model={name!r:<12} {prompt!r} -> {complete(client, name, prompt, args.max_tokens)!r}")
+            print(f"   model={name!r:<12} {prompt!r} -> {ask(client, chat, name, prompt, args.max_tokens)!r}")
 
         first, other = adapters[0], adapters[1 % len(adapters)]
         blend = [{"name": other, "scale": 0.5}]
         try:
-            text = complete(client, first, prompt, args.max_tokens, extra_body={"lora": blend})
+            text = ask(client, chat, first, prompt, args.max_tokens, extra_body={"lora": blend})
             print(f"3. blend {first} 1.0 + {other} 0.5 -> {text!r}")
         except openai.BadRequestError as exc:
             print(f"3. blend {first} 1.0 + {other} 0.5 refused by the server: {exc.body['message']}")
-            text = complete(client, base, prompt, args.max_tokens, extra_body={"lora": [{"name": first, "scale": 0.5}]})
+            text = ask(client, chat, base, prompt, args.max_tokens, extra_body={"lora": [{"name": first, "scale": 0.5}]})
             print(f"   instead lora=[{{'name': {first!r}, 'scale': 0.5}}] on the base -> {text!r}")
 
         print(f"4. streaming (model={first!r}): ", end="", flush=True)
         chunks = 0
-        for chunk in client.completions.create(model=first, prompt=prompt, max_tokens=args.max_tokens,
-                                               temperature=0, stream=True):
-            print(chunk.choices[0].text, end="|", flush=True)
+        for piece in stream(client, chat, first, prompt, args.max_tokens):
+            print(piece, end="|", flush=True)
             chunks += 1
         print(f"\n   ({chunks} chunks)")
 
@@ -185,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                                  body={"lora_name": name, "url": url, "sha256": digest})
             print(f"   hot-load of {url} with sha256 {digest[:16]}...: {loaded} in "
                   f"{(time.perf_counter() - began) * 1e3:.0f} ms")
-        print(f"   model={name!r} {prompt!r} -> {complete(client, name, prompt, args.max_tokens)!r}")
+        print(f"   model={name!r} {prompt!r} -> {ask(client, chat, name, prompt, args.max_tokens)!r}")
         unloaded = client.post("/unload_lora_adapter", cast_to=object, body={"lora_name": name})
         print(f"   unloaded: {unloaded}; adapters now {[m.id for m in client.models.list().data[1:]]}")
     return 0

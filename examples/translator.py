@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shipped = pairs(args.pair or [f"en-upper={DEMO / 'adapters' / 'uppercase.tflite'}"])
     (new_name, new_path), = pairs([args.download or f"en-novowel={DEMO / 'adapters' / 'no_vowels.tflite'}"]).items()
-    lines = args.line or ["hello world", "the cat sat on the mat"]
+    lines = args.line or ["hello world", "good morning"]
 
     started = time.perf_counter()
     tokenizer = args.tokenizer

@@ -98,8 +98,8 @@ def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(en
     pytest.importorskip("fastapi")
     out = run_example("serve_client.py", "--prompt", "hello world")
     prompt = "hello world\n"
-    assert f"model='json'       'hello world\\n' -> {offline(engine, prompt, 'json', 48)!r}" in out, out
-    assert f"model='uppercase'  'hello world\\n' -> {offline(engine, prompt, 'uppercase', 48)!r}" in out, out
+    assert f"model='json'       'hello world' -> {offline(engine, prompt, 'json', 48)!r}" in out, out
+    assert f"model='uppercase'  'hello world' -> {offline(engine, prompt, 'uppercase', 48)!r}" in out, out
     # The demo model's rank-8 slots cannot hold two rank-8 adapters: refused, then one at a scale.
     assert "need rank 16 together, more than any LoRA slot of the model (slots: r8)" in out, out
     scaled = re.search(r"instead lora=\[\{'name': 'json', 'scale': 0\.5\}\] on the base -> (.*)$", out, re.M)
@@ -109,5 +109,5 @@ def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(en
     assert streamed.group(1).replace("|", "") == offline(engine, prompt, "json", 48), out
     assert "hot-load with a wrong sha256: refused, 400 integrity_check_failed" in out, out
     assert "'id': 'hot_no_vowels'" in out and "'healthy': True" in out, out
-    assert f"model='hot_no_vowels' 'hello world\\n' -> {offline(engine, prompt, 'no_vowels', 48)!r}" in out, out
+    assert f"model='hot_no_vowels' 'hello world' -> {offline(engine, prompt, 'no_vowels', 48)!r}" in out, out
     assert "'deleted': True}; adapters now ['json', 'uppercase']" in out, out
