@@ -120,6 +120,7 @@ class Run:
     calls: int = 0
     equal: int = 0
     errors: list[str] = field(default_factory=list)
+    batches: dict[int, int] = field(default_factory=dict)  # the engine's decode batches: rows -> how many
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,7 +269,7 @@ def drive(side, workload: Workload, npcs: int, ticks: int, stagger_ms: float) ->
     for thread in threads:
         thread.join()
     run.wall = time.perf_counter() - began
-    side.end()
+    run.batches = side.end() or {}
     return run
 
 
@@ -290,13 +291,18 @@ class EngineSide:
         self._engine.close()
 
     def begin(self, npcs: int) -> None:
+        self._batches_before = dict(self._engine.stats().decode_batches)
         self._sessions = [[self._engine.create_session(SessionConfig(adapters={lora_id: role.scale}))
                            for lora_id, role in zip(self._ids, self._workload.roles)] for _ in range(npcs)]
 
-    def end(self) -> None:
+    def end(self) -> dict[int, int]:
+        """Closes the NPCs' sessions; the decode batches of the run (rows -> how many)."""
         for sessions in self._sessions:
             for session in sessions:
                 session.close()
+        after = dict(self._engine.stats().decode_batches)
+        return {rows: count - self._batches_before.get(rows, 0) for rows, count in after.items()
+                if count > self._batches_before.get(rows, 0)}
 
     def caller(self, npc: int):
         sessions, roles = self._sessions[npc], self._workload.roles
@@ -438,6 +444,9 @@ def summarize(runs: dict[tuple[str, int, int], list[Run]]) -> list[dict]:
                      "calls": sum(run.calls for run in rounds), "equal": sum(run.equal for run in rounds),
                      "errors": sum(len(run.errors) for run in rounds),
                      "first_errors": sorted({e for run in rounds for e in run.errors})[:3]})
+        batches = [(rows, count) for run in rounds for rows, count in run.batches.items()]
+        if batches:  # decode steps per run of the model: > 1 where steps of several NPCs ran together
+            rows[-1]["steps_per_decode_run"] = sum(r * c for r, c in batches) / sum(c for _, c in batches)
     for row in rows:
         llama = next((r for r in rows if r["side"] == "llama-server" and r["threads"] == row["threads"]
                       and r["npcs"] == row["npcs"]), None)
@@ -459,16 +468,20 @@ def render(rows: list[dict], settings: dict) -> str:
         f"{settings['cpu']} (load average {settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
         "ticks/s: the median over the rounds; tick latency: percentiles over every tick of every round; "
         "equal: answers equal to the offline chain (token ids; runtime serve: text); last column: this side's "
-        "ticks/s over llama-server's, the median of the rounds' ratios.",
+        "ticks/s over llama-server's, the median of the rounds' ratios; steps/run: the engine's decode steps "
+        "per run of the model (above 1: steps of several NPCs, whatever their adapters, batched).",
         "",
-        "| threads | NPCs | side | ticks/s | tick p50 (ms) | tick p99 (ms) | equal | errors | vs llama-server |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| threads | NPCs | side | ticks/s | tick p50 (ms) | tick p99 (ms) | equal | errors | vs llama-server "
+        "| steps/run |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in sorted(rows, key=lambda r: (r["threads"], r["npcs"], r["side"])):
         ratio = row.get("vs_llama_server_ticks_per_s")
         lines.append(f"| {row['threads']} | {row['npcs']} | {row['side']} | {row['ticks_per_s']:.1f} "
                      f"| {row['tick_ms_p50']:.1f} | {row['tick_ms_p99']:.1f} | {row['equal']}/{row['calls']} "
-                     f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} |")
+                     f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} "
+                     f"| {row['steps_per_decode_run']:.2f} |" if "steps_per_decode_run" in row else
+                     f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} | |")
     if settings["llama_server_skipped"]:
         lines += ["", f"llama-server: skipped ({settings['llama_server_skipped']})."]
     lines += ["", "Command: `python3 benchmarks/npc_tick.py " + " ".join(sys.argv[1:]) + "`", ""]
