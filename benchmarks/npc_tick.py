@@ -467,7 +467,7 @@ def render(rows: list[dict], settings: dict) -> str:
         f"{settings['stagger_ms']:g} ms x i late; greedy, end-of-sequence ignored. {settings['cpus']} CPUs of "
         f"{settings['cpu']} (load average {settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
         "ticks/s: the median over the rounds; tick latency: percentiles over every tick of every round; "
-        "equal: answers equal to the offline chain (token ids; runtime serve: text); last column: this side's "
+        "equal: answers equal to the offline chain (token ids; runtime serve: text); vs llama-server: this side's "
         "ticks/s over llama-server's, the median of the rounds' ratios; steps/run: the engine's decode steps "
         "per run of the model (above 1: steps of several NPCs, whatever their adapters, batched).",
         "",
@@ -477,11 +477,11 @@ def render(rows: list[dict], settings: dict) -> str:
     ]
     for row in sorted(rows, key=lambda r: (r["threads"], r["npcs"], r["side"])):
         ratio = row.get("vs_llama_server_ticks_per_s")
+        steps = row.get("steps_per_decode_run")
         lines.append(f"| {row['threads']} | {row['npcs']} | {row['side']} | {row['ticks_per_s']:.1f} "
                      f"| {row['tick_ms_p50']:.1f} | {row['tick_ms_p99']:.1f} | {row['equal']}/{row['calls']} "
                      f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} "
-                     f"| {row['steps_per_decode_run']:.2f} |" if "steps_per_decode_run" in row else
-                     f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} | |")
+                     f"| {'' if steps is None else f'{steps:.2f}'} |")
     if settings["llama_server_skipped"]:
         lines += ["", f"llama-server: skipped ({settings['llama_server_skipped']})."]
     lines += ["", "Command: `python3 benchmarks/npc_tick.py " + " ".join(sys.argv[1:]) + "`", ""]
