@@ -31,7 +31,9 @@ Sides, each on ``--threads`` CPU threads, alternating order round by round:
   ``--parallel`` as many slots as NPCs, an f32 KV cache, flash attention off, every GGUF
   adapter loaded with ``--lora-init-without-apply`` and chosen per request with its ``lora``
   field (``[{"id", "scale"}]``: the role's adapter at its scale, the others at 0), ``/completion``
-  with ``return_tokens`` so its answers are compared as token ids.
+  with ``return_tokens`` so its answers are compared as token ids. It runs with
+  ``OMP_WAIT_POLICY=passive`` (unless set otherwise): its OpenMP threads' default spin-wait
+  starved the NPC clients and its own HTTP thread at ``-t 2`` on 2 cores (20x fewer ticks/s).
 
 On the bench model (the default: ``benchmarks/models/bench_f32.tflite``, 5.25M random
 parameters, batched decode of 2-16 rows at rank 8, its rank-8 PEFT adapters ``peft_r8_a`` and
@@ -86,6 +88,10 @@ BENCH_ROLES = [f"{HERE / 'models' / 'peft_r8_a'}", f"{HERE / 'models' / 'peft_r8
                f"{HERE / 'models' / 'peft_r8_a'}:0.5"]
 ROLES = ("planner", "decider", "dialogue")
 OBSERVATION, CARRIED, FROM_PREVIOUS = 6, 4, 8  # prompt parts, in tokens
+# llama-server's OpenMP threads wait for work spinning by default: with -t 2 on a 2-core box
+# they took the cores from the NPC clients and from its own HTTP thread (2026-12-05, 8 NPCs:
+# 1.5 ticks/s against 30.5 with "passive"; -t 1: 31.8 and 31.5). Our side has no OpenMP.
+OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY", "passive")
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           for r in workload.roles],
                 "npcs": npc_counts, "threads": thread_counts, "ticks": args.ticks, "rounds": args.rounds,
                 "stagger_ms": args.stagger_ms, "llama_server": None if isinstance(loras, str) else {
-                    "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras]},
+                    "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras], "omp_wait_policy": OMP_WAIT_POLICY},
                 "llama_server_skipped": loras if isinstance(loras, str) else None,
                 "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **started}
     table = render(rows, settings)
@@ -411,7 +417,8 @@ class LlamaSide(HttpSide):
     def __enter__(self) -> LlamaSide:
         log = WORK / "llama-server.log"
         with open(log, "w") as stderr:
-            self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=stderr)
+            self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=stderr,
+                                             env=dict(os.environ, OMP_WAIT_POLICY=OMP_WAIT_POLICY))
         _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log, seconds=120)
         return self
 
@@ -484,6 +491,10 @@ def render(rows: list[dict], settings: dict) -> str:
                      f"| {'' if steps is None else f'{steps:.2f}'} |")
     if settings["llama_server_skipped"]:
         lines += ["", f"llama-server: skipped ({settings['llama_server_skipped']})."]
+    else:
+        llama = settings["llama_server"]
+        lines += ["", f"llama-server: `{llama['gguf']}` with " + ", ".join(f"`{Path(p).name}`" for p in llama["loras"])
+                  + f", OMP_WAIT_POLICY={llama['omp_wait_policy']}."]
     lines += ["", "Command: `python3 benchmarks/npc_tick.py " + " ".join(sys.argv[1:]) + "`", ""]
     return "\n".join(lines)
 
