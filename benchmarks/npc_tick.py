@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     npc_counts = [int(n) for n in args.npcs.split(",")]
     thread_counts = [int(t) for t in args.threads.split(",")]
-    started = date_and_cpu()
+    started, load_at_start = date_and_cpu(), os.getloadavg()[0]
     workload = build_workload(args, max(npc_counts))
     loras = llama_setup(workload, args)  # one GGUF per distinct role adapter (Workload.sources)
     print(f"model {workload.model.name}, roles " + ", ".join(f"{r.name}={r.source.name}:{r.scale:g}/{r.max_tokens}"
@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 "stagger_ms": args.stagger_ms, "llama_server": None if isinstance(loras, str) else {
                     "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras], "omp_wait_policy": OMP_WAIT_POLICY},
                 "llama_server_skipped": loras if isinstance(loras, str) else None,
-                "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **started}
+                "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()[0],
+                "cpus": os.cpu_count(), **started}
     table = render(rows, settings)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -472,8 +473,9 @@ def render(rows: list[dict], settings: dict) -> str:
         f"Model `{settings['model']}`; roles {roles}; {settings['ticks']} ticks per NPC per run, "
         f"{settings['rounds']} rounds after an untimed one, sides in alternating order; NPC i starts "
         f"{settings['stagger_ms']:g} ms x i late; greedy, end-of-sequence ignored. {settings['cpus']} CPUs of "
-        f"{settings['cpu']} (load average {settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
-        "ticks/s: the median over the rounds; tick latency: percentiles over every tick of every round; "
+        f"{settings['cpu']} (load average {settings['load_average_at_start']:.1f} at the start, "
+        f"{settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
+        "ticks/s: the median over the rounds (in brackets: each round's); tick latency: percentiles over every tick of every round; "
         "equal: answers equal to the offline chain (token ids; runtime serve: text); vs llama-server: this side's "
         "ticks/s over llama-server's, the median of the rounds' ratios; steps/run: the engine's decode steps "
         "per run of the model (above 1: steps of several NPCs, whatever their adapters, batched).",
@@ -485,7 +487,8 @@ def render(rows: list[dict], settings: dict) -> str:
     for row in sorted(rows, key=lambda r: (r["threads"], r["npcs"], r["side"])):
         ratio = row.get("vs_llama_server_ticks_per_s")
         steps = row.get("steps_per_decode_run")
-        lines.append(f"| {row['threads']} | {row['npcs']} | {row['side']} | {row['ticks_per_s']:.1f} "
+        by_round = ", ".join(f"{rate:.0f}" for rate in row["ticks_per_s_by_round"])
+        lines.append(f"| {row['threads']} | {row['npcs']} | {row['side']} | {row['ticks_per_s']:.1f} ({by_round}) "
                      f"| {row['tick_ms_p50']:.1f} | {row['tick_ms_p99']:.1f} | {row['equal']}/{row['calls']} "
                      f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} "
                      f"| {'' if steps is None else f'{steps:.2f}'} |")
