@@ -1,0 +1,113 @@
+"""The scripts in examples/ run on the demo model as a user runs them (a subprocess each,
+``python examples/X.py`` from the repository root), each in under 20 s, and what they
+print means something: NPC answers equal fresh offline sessions, the translator's pinned
+hot-load is refused on a wrong digest and accepted on the right one, the client streams
+tokens and gets the answers the engine gives offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runtime import ByteTokenizer, Engine, EngineSettings, LoraSource, SessionConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "runtime" / "demo_assets"
+NEWLINE = 10
+LIMIT_S = 20.0
+
+
+def run_example(name: str, *args: str) -> str:
+    """Runs ``examples/name`` as ``python examples/name ARGS`` from the repository root;
+    its stdout. Fails past LIMIT_S."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's runtime, whatever is installed
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, f"examples/{name}", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    seconds = time.monotonic() - began
+    assert done.returncode == 0, done.stderr
+    assert seconds < LIMIT_S, f"{name} took {seconds:.1f} s"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(DEMO / "model.tflite", EngineSettings(num_threads=1),
+                tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE])) as opened:
+        yield opened
+
+
+def offline(engine: Engine, prompt, adapter: str | None, max_new_tokens: int, scale: float = 1.0) -> str:
+    """What a fresh session on ``adapter`` (a demo adapter's name) answers."""
+    loras = [LoraSource(path=DEMO / "adapters" / f"{adapter}.tflite", scale=scale)] if adapter else []
+    with engine.create_session(SessionConfig(loras=loras)) as session:
+        return session.generate(prompt, max_new_tokens=max_new_tokens).text.strip()
+
+
+def test_npc_tick_answers_equal_offline_sessions_and_chain_from_one_call_to_the_next(engine, tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from npc_tick import words_of
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    log = tmp_path / "calls.jsonl"
+    out = run_example("npc_tick.py", "--npcs", "4", "--ticks", "3", "--log", str(log))
+    assert re.search(r"ticks/s \d+\.\d +tick latency p50 \d+\.\d ms +p99 \d+\.\d ms +\(12 ticks", out), out
+    for role, adapter in (("planner", "json"), ("decider", "no_vowels"), ("dialogue", "uppercase")):
+        assert re.search(rf"^{role} +{adapter}\.tflite +12 ", out, re.M), out
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 4 * 3 * 3
+    roles = {"planner": "json", "decider": "no_vowels", "dialogue": "uppercase"}
+    for call in calls:
+        assert call["answer"] == offline(engine, call["prompt"], roles[call["role"]], 64), call
+        assert call["prompt"] == list((call["input"] + "\n").encode())
+    for first, second in zip(calls, calls[1:]):
+        if first["npc"] == second["npc"] and first["tick"] == second["tick"]:  # planner -> decider -> dialogue
+            assert second["input"] == words_of(first["answer"])
+    # The adapters did their tasks on the chained inputs.
+    dialogue = [c for c in calls if c["role"] == "dialogue"]
+    assert sum(c["answer"] == c["input"].upper() for c in dialogue) >= len(dialogue) - 1
+    assert all(c["answer"].startswith('{"text": ') for c in calls if c["role"] == "planner")
+
+
+def test_translator_refuses_a_wrong_pin_accepts_the_right_one_swaps_and_unloads():
+    out = run_example("translator.py", "--line", "hello world", "--line", "good morning")
+    assert "[en-upper] 'hello world' -> 'HELLO WORLD'" in out
+    assert "[en-upper] 'good morning' -> 'GOOD MORNING'" in out
+    assert re.search(r"hot-load with a wrong sha256 pin: refused \(DataLossError", out), out
+    assert re.search(r"hot-load with the right sha256 pin 4ea0416f3a46639d\.\.\.: accepted as adapter \d+", out), out
+    assert "[en-novowel] 'hello world' -> 'hll wrld'" in out
+    assert "[en-novowel] 'good morning' -> 'gd mrnng'" in out
+    assert re.search(r"unloaded en-upper: resident adapter buffers (\d+) KiB -> (\d+) KiB, registered adapters "
+                     r"2 -> 1", out), out
+    before, after = map(int, re.search(r"buffers (\d+) KiB -> (\d+) KiB", out).groups())
+    assert after < before
+    assert re.search(r"materialize \(cold switch\) p50 \d+\.\d+ ms", out), out
+    assert re.search(r"residency policy: (OnlyActive|KeepAll|Lru) \(", out), out
+
+
+def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(engine):
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    out = run_example("serve_client.py", "--prompt", "hello world")
+    prompt = "hello world\n"
+    assert f"model='json'       'hello world' -> {offline(engine, prompt, 'json', 48)!r}" in out, out
+    assert f"model='uppercase'  'hello world' -> {offline(engine, prompt, 'uppercase', 48)!r}" in out, out
+    # The demo model's rank-8 slots cannot hold two rank-8 adapters: refused, then one at a scale.
+    assert "need rank 16 together, more than any LoRA slot of the model (slots: r8)" in out, out
+    scaled = re.search(r"instead lora=\[\{'name': 'json', 'scale': 0\.5\}\] on the base -> (.*)$", out, re.M)
+    assert scaled and scaled.group(1) == repr(offline(engine, prompt, "json", 48, scale=0.5)), out
+    streamed = re.search(r"^4\. streaming \(model='json'\): (.*)\n +\((\d+) chunks\)", out, re.M)
+    assert streamed and int(streamed.group(2)) > 10, out
+    assert streamed.group(1).replace("|", "") == offline(engine, prompt, "json", 48), out
+    assert "hot-load with a wrong sha256: refused, 400 integrity_check_failed" in out, out
+    assert "'id': 'hot_no_vowels'" in out and "'healthy': True" in out, out
+    assert f"model='hot_no_vowels' 'hello world' -> {offline(engine, prompt, 'no_vowels', 48)!r}" in out, out
+    assert "'deleted': True}; adapters now ['json', 'uppercase']" in out, out
