@@ -3,7 +3,7 @@
 in turn, NPCs out of step; ticks/s and tick latency of the engine, of ``runtime serve`` and of
 llama.cpp's ``llama-server`` with per-request LoRA, on the same prompts and adapters.
 
-    python3 benchmarks/npc_tick.py [--model M] [--npcs 8,16,32] [--threads 1,2] [--ticks 4] [--rounds 2]
+    python3 -m benchmarks.npc_tick [--model M] [--npcs 8,16,32] [--threads 1,2] [--ticks 4] [--rounds 2]
         [--role PATH[:SCALE] --role ... --role ...] [--max-tokens 16,4,16]
         [--llama-server PATH --gguf BASE.gguf --gguf-lora A.gguf ...] [--skip-llama-cpp] [--skip-serve]
         [--out benchmarks/results/npc_tick]
@@ -44,7 +44,7 @@ more than passes over the weights. At real size (SmolLM2-135M, ``tools/build_smo
 ``prepare_models.py`` adapters)::
 
     C=~/.cache/runtime; B=$C/bench/smollm2
-    python3 benchmarks/npc_tick.py --npcs 8,16,32 --threads 1,2 --ticks 4 --rounds 2 --max-tokens 24,4,24 \\
+    python3 -m benchmarks.npc_tick --npcs 8,16,32 --threads 1,2 --ticks 4 --rounds 2 --max-tokens 24,4,24 \\
         --model $C/models/smollm2-135m-instruct-batch/smollm2-135m-instruct-int8-batch.tflite \\
         --tokenizer $C/models/smollm2-135m-instruct-hf/tokenizer.json \\
         --role $B/peft_r8_a --role $B/peft_r8_b --role $B/peft_r8_a:0.5 \\
@@ -75,13 +75,13 @@ from pathlib import Path
 
 import numpy as np
 
-from run import date_and_cpu  # benchmarks/run.py
-from serve_load import _default_llama_server, _free_port, _stop, _wait_healthy, llama_setup, write_id_tokenizer
+from benchmarks.common import RESULTS, date_and_cpu
+from benchmarks.serve_load import default_llama_server, free_port, stop_process, wait_healthy, llama_setup, write_id_tokenizer
 from runtime import Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "results"
+
 WORK = RESULTS / "tmp" / "npc_tick"  # gitignored: the adapters folder, the synthetic tokenizer, logs
 BENCH_MODEL = HERE / "models" / "bench_f32.tflite"
 BENCH_ROLES = [f"{HERE / 'models' / 'peft_r8_a'}", f"{HERE / 'models' / 'peft_r8_b'}",
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ticks", type=int, default=4, help="ticks per NPC per run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--stagger-ms", type=float, default=2.0)
-    parser.add_argument("--llama-server", type=Path, default=_default_llama_server())
+    parser.add_argument("--llama-server", type=Path, default=default_llama_server())
     parser.add_argument("--gguf", type=Path, default=HERE / "models" / "gguf" / "bench-f32.gguf")
     parser.add_argument("--gguf-lora", type=Path, action="append")
     parser.add_argument("--skip-llama-cpp", action="store_true")
@@ -377,11 +377,11 @@ class ServeSide(HttpSide):
             self._process.kill()
             raise SystemExit(f"the server did not start: {line}{log.read_text()[-2000:]}")
         self._port = int(found.group(1))
-        _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log)
+        wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _stop(self._process)
+        stop_process(self._process)
 
     def caller(self, npc: int):
         connection, roles = self.connection(), self._workload.roles
@@ -402,7 +402,7 @@ class LlamaSide(HttpSide):
     def __init__(self, workload: Workload, threads: int, npcs: int, binary: Path, gguf: Path,
                  loras: list[Path]) -> None:
         self._workload = workload
-        self._port = _free_port()
+        self._port = free_port()
         with Engine(workload.model) as probe:
             n_ctx = probe.spec.kv_length
         self._command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self._port),
@@ -420,11 +420,11 @@ class LlamaSide(HttpSide):
         with open(log, "w") as stderr:
             self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=stderr,
                                              env=dict(os.environ, OMP_WAIT_POLICY=OMP_WAIT_POLICY))
-        _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log, seconds=120)
+        wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log, seconds=120)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _stop(self._process)
+        stop_process(self._process)
 
     def caller(self, npc: int):
         connection, roles = self.connection(), self._workload.roles
@@ -498,7 +498,7 @@ def render(rows: list[dict], settings: dict) -> str:
         llama = settings["llama_server"]
         lines += ["", f"llama-server: `{llama['gguf']}` with " + ", ".join(f"`{Path(p).name}`" for p in llama["loras"])
                   + f", OMP_WAIT_POLICY={llama['omp_wait_policy']}."]
-    lines += ["", "Command: `python3 benchmarks/npc_tick.py " + " ".join(sys.argv[1:]) + "`", ""]
+    lines += ["", "Command: `python3 -m benchmarks.npc_tick " + " ".join(sys.argv[1:]) + "`", ""]
     return "\n".join(lines)
 
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-cache-mb", type=float, default=64.0,
                         help="our server's --prefix-cache-mb (also the engine alone's; llama-server reuses a "
                         "slot's prompt head by default too)")
-    parser.add_argument("--llama-server", type=Path, default=_default_llama_server())
+    parser.add_argument("--llama-server", type=Path, default=default_llama_server())
     parser.add_argument("--gguf", type=Path, default=HERE / "models" / "gguf" / "bench-f32.gguf")
     parser.add_argument("--gguf-lora", type=Path, action="append")
     parser.add_argument("--skip-llama-cpp", action="store_true")
@@ -338,11 +338,11 @@ class OurServer:
             self._process.kill()
             raise SystemExit(f"the server did not start: {line}{log.read_text()[-2000:]}")
         self._url = found.group(0)
-        _wait_healthy(self._url + "/health", self._process, log)
+        wait_healthy(self._url + "/health", self._process, log)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _stop(self._process)
+        stop_process(self._process)
 
     def run(self, seconds: float) -> tuple[list[Request], float]:
         return drive(self._url, self._workload, self._args, seconds, [(name, None) for name in self._names])
@@ -356,7 +356,7 @@ class LlamaServer:
 
     def __init__(self, workload: Workload, args, loras: list[Path]) -> None:
         self._workload, self._args = workload, args
-        self._port = _free_port()
+        self._port = free_port()
         copies = [loras[i % len(loras)] for i in range(args.adapters)]
         self._command = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1",
                          "--port", str(self._port), "-c", str(256 * args.clients), "--parallel", str(args.clients),
@@ -371,11 +371,11 @@ class LlamaServer:
         log = WORK / "llama-server.log"  # it logs every request: a pipe nobody reads would fill and stall it
         with open(log, "w") as stderr:
             self._process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=stderr)
-        _wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log, seconds=120)
+        wait_healthy(f"http://127.0.0.1:{self._port}/health", self._process, log, seconds=120)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        _stop(self._process)
+        stop_process(self._process)
 
     def run(self, seconds: float) -> tuple[list[Request], float]:
         return drive(f"http://127.0.0.1:{self._port}", self._workload, self._args, seconds, self._options)
@@ -434,7 +434,7 @@ class EngineAlone:
             turn += 1
 
 
-def _default_llama_server() -> Path | None:
+def default_llama_server() -> Path | None:
     found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
     if found:
         return Path(found)
@@ -462,7 +462,7 @@ def _pick(client: int, turn: int, adapters: int, prompts: int) -> tuple[int, int
     return (client + turn) % adapters, (client * 3 + turn) % prompts
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_process(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGINT)
     try:
         process.wait(30)
@@ -471,7 +471,7 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as probe:
@@ -479,7 +479,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _wait_healthy(url: str, process: subprocess.Popen, log: Path, seconds: float = 60) -> None:
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while True:
         try:

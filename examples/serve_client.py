@@ -13,7 +13,7 @@ beside the ``serve`` extra):
 2. a greedy completion per adapter, the adapter named as the ``model``;
 3. a blend: ``lora: [{"name", "scale"}]`` (the server's extension) beside the ``model``'s
    adapter; the demo model has rank-8 slots only, so a blend of two rank-8 adapters is
-   refused there (400 ``rank_exceeded``, printed) and the script sends the one adapter at
+   refused there (400 ``no_lora_slot``, printed) and the script sends the one adapter at
    scale 0.5 through the same ``lora`` field instead; models with larger slots blend;
 4. a streamed completion, printed token by token as the server-sent events arrive;
 5. ``POST /v1/load_lora_adapter`` with a ``url`` (a local HTTP server on 127.0.0.1 serving

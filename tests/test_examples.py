@@ -101,7 +101,7 @@ def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(en
     assert f"model='json'       'hello world' -> {offline(engine, prompt, 'json', 48)!r}" in out, out
     assert f"model='uppercase'  'hello world' -> {offline(engine, prompt, 'uppercase', 48)!r}" in out, out
     # The demo model's rank-8 slots cannot hold two rank-8 adapters: refused, then one at a scale.
-    assert "need rank 16 together, more than any LoRA slot of the model (slots: r8)" in out, out
+    assert "need rank 16 together (attention): no LoRA slot of the model holds that (slots: r8)" in out, out
     scaled = re.search(r"instead lora=\[\{'name': 'json', 'scale': 0\.5\}\] on the base -> (.*)$", out, re.M)
     assert scaled and scaled.group(1) == repr(offline(engine, prompt, "json", 48, scale=0.5)), out
     streamed = re.search(r"^4\. streaming \(model='json'\): (.*)\n +\((\d+) chunks\)", out, re.M)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_npc_tick_benchmark_runs_small_and_checks_every_answer(tmp_path):
     pytest.importorskip("fastapi")
     out = tmp_path / "npc_tick"
-    done = subprocess.run([sys.executable, "benchmarks/npc_tick.py", "--npcs", "2,3", "--threads", "1", "--ticks",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.npc_tick", "--npcs", "2,3", "--threads", "1", "--ticks",
                            "2", "--rounds", "1", "--skip-llama-cpp", "--out", str(out)], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
