@@ -94,6 +94,8 @@ class AdapterRegistry:
             except BaseException:
                 if not known:
                     del self._ids[key]
+                    if lora_id == self._next_id - 1:
+                        self._next_id = lora_id  # nothing saw the id: the next adapter takes it
                 raise
             if heads is not None:
                 self._heads[lora_id] = heads
