@@ -485,6 +485,36 @@ class LlmExecutor:
             raise InternalError("prefill produced no logits")
         return logits
 
+    def score(self, binding: Binding, tokens: Sequence[int], start: int, *, decode_steps: bool = False
+              ) -> np.ndarray:
+        """Appends ``tokens`` at positions ``start...`` like :meth:`prefill`, keeping the
+        logits at every position: ``(len(tokens), vocab)`` float32, row i the logits after
+        ``tokens[i]`` (what scoring a prompt reads). Runs the prefill signatures where they
+        return logits (``runtime export --prefill-logits``): the same chunks as a prefill;
+        else, with ``decode_steps``, one decode step per token (the decode signature's own
+        logits, len(tokens) runs); else ``FailedPreconditionError`` naming the export flag."""
+        if not tokens:
+            raise InvalidArgumentError("scoring needs at least one token")
+        if not self.spec.prefill_has_logits and not decode_steps:
+            raise FailedPreconditionError(
+                f"{self.model_path.name}: its prefill signatures return no logits, so a prompt's logprobs need one "
+                "decode step per token; export the model again with `runtime export --prefill-logits` (or allow "
+                "decode steps)")
+        self._check_position(start, len(tokens))
+        scored = np.empty((len(tokens), self.spec.vocab_size), np.float32)
+        lengths = self.spec.prefill_lengths if self.spec.prefill_has_logits else ()
+        pos, done = start, 0
+        for length in prefill_chunks(len(tokens), lengths, self.spec.kv_length - start):
+            chunk = list(tokens[done:done + length])
+            run = self._decode_run(binding, pos) if length == 1 else self._step_run(binding, "prefill", length, pos)
+            with self._lock:
+                self._check_open()
+                out = self._invoke(run, chunk, pos)
+            scored[done:done + len(chunk)] = out[: len(chunk)]  # type: ignore[index]
+            done += len(chunk)
+            pos += len(chunk)
+        return scored
+
     def verify(self, binding: Binding, tokens: Sequence[int], start: int) -> tuple[np.ndarray, np.ndarray]:
         """Runs ``tokens`` (the trunk's token and the drafts after it) at positions
         ``start...`` in one ``verify{L}`` run, L the shortest verify length that holds them;

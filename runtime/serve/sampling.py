@@ -42,13 +42,15 @@ class RequestSampler(Sampler):
         suppress = self.generated < self._min_tokens and self._stops.size
         if penalize or suppress:
             logits = logits.astype(np.float64)  # a copy: the caller's logits stay as they are
+        raw = logits
         if penalize:
             seen = np.unique(np.asarray(self._history, dtype=np.int64))
             values = logits[seen]
             logits[seen] = np.where(values > 0, values / self._penalty, values * self._penalty)
+        logits = self.adjust(logits)  # logit bias, presence and frequency penalties (the core's)
         if suppress:
             logits[self._stops] = _SUPPRESSED
-        token = self.pick(logits)
+        token = self.record(self.pick(logits))
         self.generated += 1
         if self._penalty != 1.0:
             self._history.append(token)
