@@ -227,3 +227,20 @@ def test_echo_runs_the_prefill_s_logits_or_names_what_to_export(model, prefill_l
     finally:
         stop_server(server, thread)
         engine.close()
+
+
+def test_the_tokenizer_endpoints_answer_what_lm_eval_s_remote_tokenizer_reads(served):
+    """GET /tokenizer_info, POST /tokenize {prompt, add_special_tokens} and messages, POST
+    /detokenize, exactly as lm-eval 0.4.13's RemoteTokenizer calls them."""
+    with urllib.request.urlopen(served.url + "/tokenizer_info", timeout=10) as response:
+        info = json.loads(response.read())
+    assert info["eos_token"] == "\n" and info["bos_token"] is None and info["chat_template"] == TEMPLATE
+    assert info["model_max_length"] == served.engine.spec.kv_length
+    answer = ok(served, "/tokenize", {"prompt": "hi\n", "add_special_tokens": False})
+    assert answer["tokens"] == [104, 105, 10] and answer["count"] == 3
+    assert ok(served, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})["tokens"] == [NEWLINE]
+    chat = ok(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True})
+    assert chat["tokens"] == [104, 105, 10] and chat["token_strs"] == ["h", "i", "\n"]
+    assert ok(served, "/detokenize", {"tokens": [104, 105]}) == {"prompt": "hi"}
+    status, body = served.call("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, key=None)
+    assert (status, body["error"]["param"]) == (400, "add_special_tokens")

@@ -326,6 +326,9 @@ class TokenizeBody(BaseModel):
     model: Text | None = Field(None, min_length=1, max_length=300)
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool | None = True  # messages: end with the assistant's turn opened
+    return_token_strs: bool | None = False
 
     def check(self) -> None:
         """Exactly one of ``prompt`` and ``messages``."""
