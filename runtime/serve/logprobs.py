@@ -37,24 +37,35 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
     """For each row ``i`` of ``logits`` ``(n, vocab)``, the logprob of ``tokens[i]`` under
-    it and its ``top`` most likely tokens."""
+    it and its ``top`` most likely tokens: ``logit - logsumexp(logits)`` in float64, the
+    full log-softmax never written out (a 512-token prompt at a 49,152-token vocabulary
+    is 25M values; only the few read are computed)."""
     entries: list[TokenLogprob] = []
     for start in range(0, len(tokens), _ROWS_AT_ONCE):
-        rows = log_softmax(logits[start:start + _ROWS_AT_ONCE])
-        for row, token in zip(rows, tokens[start:start + _ROWS_AT_ONCE]):
-            entries.append(_entry(row, int(token), top))
+        block = np.asarray(logits[start:start + _ROWS_AT_ONCE])
+        ids = np.asarray(tokens[start:start + _ROWS_AT_ONCE], dtype=np.int64)
+        rows = np.arange(len(ids))
+        peak = block.max(axis=1).astype(np.float64)
+        shifted = block.astype(np.float64)
+        shifted -= peak[:, None]
+        np.exp(shifted, out=shifted)
+        lse = peak + np.log(shifted.sum(axis=1))
+        # the float32 logits order as their float64 values do: the top ones are found on them
+        if top == 1:
+            best = block.argmax(axis=1)[:, None]
+        elif top > 1:
+            best = np.argpartition(-block, top - 1, axis=1)[:, :top] if top < block.shape[1] else np.broadcast_to(
+                np.arange(block.shape[1]), (len(ids), block.shape[1]))
+        else:
+            best = np.empty((len(ids), 0), dtype=np.int64)
+        chosen = block[rows, ids].astype(np.float64) - lse
+        best_values = block[rows[:, None], best].astype(np.float64) - lse[:, None]
+        for row, token in enumerate(ids.tolist()):
+            pairs = sorted(zip(best[row].tolist(), best_values[row].tolist()), key=lambda pair: (-pair[1], pair[0]))
+            if top and token not in best[row]:
+                pairs.append((token, float(chosen[row])))
+            entries.append(TokenLogprob(token, float(chosen[row]), tuple(pairs)))
     return entries
-
-
-def _entry(row: np.ndarray, token: int, top: int) -> TokenLogprob:
-    best: list[int] = []
-    if top:
-        best = np.argpartition(-row, top - 1)[:top].tolist() if top < row.size else list(range(row.size))
-        best.sort(key=lambda t: (-row[t], t))
-    pairs = [(t, float(row[t])) for t in best]
-    if top and token not in best:
-        pairs.append((token, float(row[token])))
-    return TokenLogprob(token, float(row[token]), tuple(pairs))
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob | None], text_of: Callable[[int], str],
