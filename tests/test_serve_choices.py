@@ -244,3 +244,18 @@ def test_the_tokenizer_endpoints_answer_what_lm_eval_s_remote_tokenizer_reads(se
     assert ok(served, "/detokenize", {"tokens": [104, 105]}) == {"prompt": "hi"}
     status, body = served.call("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, key=None)
     assert (status, body["error"]["param"]) == (400, "add_special_tokens")
+
+
+def test_a_stream_with_echo_sends_the_prompt_first_and_the_logprobs_when_the_choice_ends(served):
+    body = {"model": "uppercase", "prompt": "green tea\n", "max_tokens": 12, "temperature": 0, "echo": True,
+            "logprobs": 1}
+    request = urllib.request.Request(served.url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        chunks = [json.loads(line[6:]) for line in response.read().decode().splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    whole = ok(served, "/v1/completions", body)["choices"][0]
+    assert chunks[0]["choices"][0]["text"] == "green tea\n"
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == whole["text"]
+    assert [chunk["choices"][0]["logprobs"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["logprobs"] == whole["logprobs"]

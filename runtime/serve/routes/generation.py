@@ -1,6 +1,7 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: admission, one
-:class:`~runtime.serve.generation.GenerationJob` per request in the worker pool, and the
-answer whole or as server-sent events."""
+:class:`~runtime.serve.generation.GenerationJob` per choice of each prompt
+(:mod:`runtime.serve.choices`) in the worker pool, and the answer whole or as server-sent
+events (the choices' chunks by index)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtime.errors import NotFoundError, ResourceExhaustedError
+from runtime.errors import ResourceExhaustedError
 from runtime.serve.catalog import Lease
 from runtime.serve.error_handlers import as_api_error
 from runtime.serve.errors import ApiError, bad_request, model_not_found
