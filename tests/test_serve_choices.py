@@ -218,7 +218,8 @@ def test_echo_runs_the_prefill_s_logits_or_names_what_to_export(model, prefill_l
                                                          "echo": True, "logprobs": 1}, key=None)
         if not prefill_logits:
             assert (status, answer["error"]["param"]) == (400, "echo")
-            assert "--prefill-logits" in answer["error"]["message"] and "--score-by-decode" in answer["error"]["message"]
+            message = answer["error"]["message"]
+            assert all(flag in message for flag in ("--score-lengths", "--prefill-logits", "--score-by-decode"))
             return
         assert status == 200, answer
         reference = offline_logprobs(engine, prompt)

@@ -51,8 +51,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "list; more get 400 (default: 64)")
     parser.add_argument("--score-by-decode", action="store_true",
                         help="answer echo (a prompt's logprobs, what lm-eval's loglikelihood asks) on a model whose "
-                        "prefill returns no logits with one decode step per prompt token (slow on a real model: "
-                        "export it with --prefill-logits instead); without it such requests get 400")
+                        "prefill returns no logits and that has no score signatures with one decode step per prompt "
+                        "token (slow on a real model: export it with --score-lengths instead); without it such "
+                        "requests get 400")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 "
                         "(default: 1 MiB)")
     parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",

@@ -159,10 +159,11 @@ class Session:
         """Appends ``tokens`` (ids, or text when the engine has a tokenizer) to the context
         and returns the float32 logits after each of them, ``(len(tokens), vocab)``: row
         i holds the logits for the token after ``tokens[i]``, exactly as decoding them one
-        at a time would give (what a prompt's logprobs are read from). Needs a model whose
-        prefill signatures return logits (``runtime export --prefill-logits``); with
-        ``decode_steps`` any model, at one decode step per token. Else
-        ``FailedPreconditionError`` naming the export flag, before anything runs."""
+        at a time would give (what a prompt's logprobs are read from). Needs a model with
+        score signatures (``runtime export --score-lengths``) or prefill signatures that
+        return logits (``--prefill-logits``); with ``decode_steps`` any model, at one
+        decode step per token. Else ``FailedPreconditionError`` naming the export flags,
+        before anything runs."""
         if isinstance(tokens, str):
             if self._tokenizer is None:
                 raise FailedPreconditionError("a text prompt needs an engine with a tokenizer")

@@ -48,11 +48,12 @@ class ChoiceJobs:
                               f"than the server runs at once (--max-concurrent {limit})", param=field)
         engine = server.engine
         vocab = engine.spec.vocab_size
-        if body.echo_prompt and not engine.spec.prefill_has_logits and not server.settings.score_by_decode:
+        if body.echo_prompt and not engine.spec.can_score and not server.settings.score_by_decode:
             raise bad_request(
                 f"echo needs the logits at every prompt position, and model {server.settings.model_name!r} was "
-                "exported without them: export it again with `runtime export --prefill-logits`, or start the "
-                "server with --score-by-decode (one decode step per prompt token: slow on a real model)",
+                "exported without them: export it again with `runtime export --score-lengths 128,512` (or "
+                "--prefill-logits), or start the server with --score-by-decode (one decode step per prompt "
+                "token: slow on a real model)",
                 param="echo", code="scoring_unavailable")
         stops = body.stop_strings()
         stop_tokens = body.stop_tokens(engine.tokenizer.stop_token_ids)
