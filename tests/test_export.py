@@ -103,7 +103,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     (work / "out").mkdir()
     model, bundle = work / "out" / "tiny.tflite", work / "out" / "tiny.litertlm"
     done = cli("export", source, "--out", model, "--bundle", bundle, "--lora-ranks", "4", "--kv-length", "64",
-               "--prefill-lengths", "8", "--batch-sizes", "3", "--attention-windows", "16", "--jobs", "2",
+               "--prefill-lengths", "8", "--batch-sizes", "3", "--attention-windows", "16", "--score-lengths", "8",
+               "--jobs", "2",
                "--verbose", "--report", work / "report.json")
     assert done.returncode == 0, done.stderr
     return Exported(source, model, bundle, done)
@@ -177,6 +178,25 @@ def test_logits_match_float64_transformers_plain_and_with_peft(exported: Exporte
     all_linear = runtime_logits(exported.model, everywhere)
     assert np.max(np.abs(all_linear - transformers_logits(exported.source, everywhere))) <= 1e-4
     assert np.max(np.abs(all_linear - with_adapter)) > 0.1  # the MLP's LoRA counts
+
+
+def test_score_signatures_give_every_position_s_logits_while_prefill_computes_none(exported: Exported,
+                                                                                  tmp_path: Path) -> None:
+    """``--score-lengths 8``: ``score_8`` per slot returns the logits at all 8 positions (a
+    prompt of 24 tokens: three runs), equal to float64 transformers with and without a PEFT
+    adapter; the prefill signatures still return none."""
+    adapter = write_peft_adapter(exported.source, tmp_path / "adapter")
+    with Engine(exported.model) as engine:
+        assert engine.spec.can_score and not engine.spec.prefill_has_logits
+        assert {key for key in engine.spec.signatures if key.startswith("score")} == {
+            "score_8", "score_8_lora_r4", "score_8_lora_all_r4"}
+        for source in (None, adapter):
+            with engine.create_session(SessionConfig(lora_path=source)) as session:
+                before = engine.stats().invokes
+                got = session.score(TOKEN_IDS)
+                assert engine.stats().invokes - before == 3
+            expected = transformers_logits(exported.source, source)
+            assert np.max(np.abs(got[PROMPT_LEN - 1:] - expected)) <= 1e-4
 
 
 def test_the_bundle_carries_tokenizer_stop_tokens_and_chat_template(exported: Exported) -> None:

@@ -59,3 +59,33 @@ def test_non_finite_logits():
         greedy().sample(np.array([0.0, np.nan]))
     with pytest.raises(InvalidArgumentError):
         greedy().sample(np.array([]))
+
+
+def test_logit_bias_moves_the_greedy_choice():
+    assert Sampler(SamplerConfig(logit_bias={2: 0.2})).sample(LOGITS) == 2
+    assert Sampler(SamplerConfig(logit_bias=((1, -100.0),))).sample(LOGITS) == 2
+    assert SamplerConfig(logit_bias={3: 1.0, 0: 2.0}).logit_bias == ((0, 2.0), (3, 1.0))
+
+
+def test_presence_and_frequency_penalties_count_the_sampler_s_own_choices():
+    logits = np.array([1.0, 0.5, 0.0], np.float32)
+    # presence: once chosen, token 0 loses 0.6 and token 1 wins; then both are down by 0.6 once
+    sampler = Sampler(SamplerConfig(presence_penalty=0.6))
+    assert [sampler.sample(logits) for _ in range(3)] == [0, 1, 0]
+    # frequency: token 0 loses 0.3 per choice: 1.0, 0.7 (still first), 0.4 (token 1 now)
+    sampler = Sampler(SamplerConfig(frequency_penalty=0.3))
+    assert [sampler.sample(logits) for _ in range(3)] == [0, 0, 1]
+    # the caller's logits are never changed
+    np.testing.assert_array_equal(logits, [1.0, 0.5, 0.0])
+
+
+@pytest.mark.parametrize("config", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0),
+                                    dict(logit_bias={1: 101.0}), dict(logit_bias={-1: 1.0})])
+def test_bad_penalties_and_biases_are_refused(config):
+    with pytest.raises(InvalidArgumentError):
+        SamplerConfig(**config)
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_when_sampling():
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        Sampler(SamplerConfig(logit_bias={5: 1.0})).sample(LOGITS)

@@ -78,6 +78,11 @@ def test_the_page_asks_for_the_key_then_chats_with_an_adapter_as_the_api_streams
     expected = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
     assert shown == expected and expected
     assert text_of(browser, "#ttft").endswith(" ms") and float(text_of(browser, "#tokens")) > 1
+    # tokens/s is the server's decode pace (its timings), not the browser's arrival times,
+    # which bunch up: it cannot exceed what the engine decodes at alone by much
+    alone = max(client.completions.create(model="uppercase", prompt="my blue kite\n", temperature=0,
+                                          max_tokens=12).timings["predicted_per_second"] for _ in range(3))
+    assert 0 < float(text_of(browser, "#speed")) < 3 * alone
     WebDriverWait(browser, 10).until(lambda b: "KiB" in text_of(b, "#resident"))
     assert text_of(browser, "#resident").startswith("uppercase: ")
 

@@ -258,3 +258,44 @@ def test_set_adapters_refuses_what_is_not_lora_sources_and_keeps_the_old_ones(lo
             session.set_adapters(loras)
         assert session.lora_ids == before
         session.run_decode(1)
+
+
+@pytest.mark.parametrize("decode_steps", [False, True])
+def test_score_returns_the_logits_after_every_token(engine, weights, decode_steps):
+    """Scoring a prompt gives each position's logits, equal to the reference model's, and
+    leaves the session where a prefill would (the next decode step continues from it)."""
+    if not engine.spec.prefill_has_logits and not decode_steps:
+        with engine.create_session() as session:
+            with pytest.raises(FailedPreconditionError, match="--score-lengths 128,512. \(or --prefill-logits\)"):
+                session.score(PROMPT)
+            assert session.position == 0
+        return
+    with engine.create_session() as session:
+        got = session.score(PROMPT, decode_steps=decode_steps)
+        assert got.shape == (len(PROMPT), engine.spec.vocab_size) and got.dtype == np.float32
+        assert session.position == len(PROMPT)
+        after = session.run_decode(CONTINUATION[0])
+    expected = reference_logits(weights, PROMPT + CONTINUATION[:1])
+    np.testing.assert_allclose(got, expected[: len(PROMPT)], atol=TOL)
+    np.testing.assert_allclose(after, expected[len(PROMPT)], atol=TOL)
+
+
+def test_score_with_an_adapter_and_after_a_generation(engine, weights):
+    """The adapter applies to every scored position; a generation's pending token is
+    written first."""
+    deltas = adapter_deltas("torch_r4")
+    with engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4"))) as session:
+        result = session.generate(PROMPT, 2, stop_tokens=[])
+        got = session.score(CONTINUATION, decode_steps=True)
+    tokens = PROMPT + result.tokens + CONTINUATION
+    expected = reference_logits(weights, tokens, lora=deltas)[len(PROMPT) + 2:]
+    np.testing.assert_allclose(got, expected, atol=TOL)
+
+
+def test_score_refuses_what_does_not_fit(engine):
+    with engine.create_session() as session:
+        with pytest.raises(ResourceExhaustedError):
+            session.score([1] * (engine.spec.kv_length + 1), decode_steps=True)
+        with pytest.raises(InvalidArgumentError):
+            session.score([], decode_steps=True)
+        assert session.position == 0

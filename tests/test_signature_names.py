@@ -31,6 +31,8 @@ from runtime.util.signature_names import (
     ("verify4_lora_all_r8", SignatureName("verify", 4, lora_slot=LoraSlot(8, ALL_LINEAR))),
     ("verify4_attend128_lora_r8", SignatureName("verify", 4, window=128, lora_slot=LoraSlot(8))),
     ("prefill_32_attend128_lora_all_r8", SignatureName("prefill", 32, window=128, lora_slot=LoraSlot(8, ALL_LINEAR))),
+    ("score_512", SignatureName("score", 512)),
+    ("score_128_lora_dora_r8", SignatureName("score", 128, lora_slot=LoraSlot(8, DORA))),
 ])
 def test_names_round_trip(name, parts):
     assert SignatureName.parse(name) == parts

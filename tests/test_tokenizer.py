@@ -74,3 +74,14 @@ def test_bad_tokenizer_files(tmp_path):
         load_tokenizer(junk)
     with pytest.raises(NotFoundError):
         load_tokenizer(tmp_path / "missing.json")
+
+
+def test_special_tokens_read_as_the_vocabulary_spells_them(hf_json, sp_model):
+    hf = HfTokenizer(hf_json)
+    assert hf.token_text(hf.stop_token_ids[0]) == "</s>" and hf.decode(hf.stop_token_ids) == ""
+    assert hf.bos_token is None and hf.encode("hello", add_special_tokens=True) == hf.encode("hello")
+    sp = SentencePieceTokenizer(sp_model)
+    assert sp.token_text(2) == "</s>" and sp.bos_token == "<s>"
+    assert sp.encode("hello", add_special_tokens=True) == [1, *sp.encode("hello")]
+    byte = ByteTokenizer([10])
+    assert byte.token_text(10) == "\n" and byte.encode("hi", add_special_tokens=True) == [104, 105]

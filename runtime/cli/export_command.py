@@ -75,7 +75,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="verify{L} signatures (per LoRA slot and plain): L tokens at once with logits and final "
                         "hidden states at all L, which speculative decoding with an adapter's draft heads (Turbo "
                         "LoRA) needs (e.g. 4; default: none)")
-    parser.add_argument("--prefill-logits", action="store_true", help="prefill signatures also return logits")
+    parser.add_argument("--score-lengths", default="", metavar="L,L,...",
+                        help="score_{L} signatures (per LoRA slot and plain): prefills that also return the logits at "
+                        "all L positions, what a prompt's logprobs (the server's echo, lm-eval's loglikelihood) are "
+                        "read from, while plain prefills compute none (e.g. 128,512; default: none; each length costs "
+                        "export time like a prefill length per LoRA slot)")
+    parser.add_argument("--prefill-logits", action="store_true", help="prefill signatures also return logits (every "
+                        "prompt then pays for them; --score-lengths keeps generation's prefill without)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="worker processes lowering signatures side by side (default: one per core, as many as "
                         "--max-memory holds)")
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         attention_windows=parse_integers("--attention-windows", args.attention_windows),
         prefill_windows=parse_integers("--prefill-windows", args.prefill_windows),
         verify_lengths=parse_integers("--verify-lengths", args.verify_lengths),
+        score_lengths=parse_integers("--score-lengths", args.score_lengths),
     )
     targets = [path for _, *paths in outputs for path in paths if path is not None]
     check_targets(targets)

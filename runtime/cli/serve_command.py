@@ -47,6 +47,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "names localhost, 127.0.0.1, ::1 when --host is a loopback address, else any)")
     parser.add_argument("--max-concurrent", type=int, default=16, help="running requests beyond it get 429 "
                         "(default: 16)")
+    parser.add_argument("--max-prompts", type=int, default=64, help="prompts in one /v1/completions request's "
+                        "list; more get 400 (default: 64)")
+    parser.add_argument("--score-by-decode", action="store_true",
+                        help="answer echo (a prompt's logprobs, what lm-eval's loglikelihood asks) on a model whose "
+                        "prefill returns no logits and that has no score signatures with one decode step per prompt "
+                        "token (slow on a real model: export it with --score-lengths instead); without it such "
+                        "requests get 400")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 "
                         "(default: 1 MiB)")
     parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
@@ -108,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         allowed_hosts=None if hosts is None else tuple(HostPort.parse(h, "--allowed-hosts") for h in hosts),
         header_timeout_s=args.header_timeout,
         idle_timeout_s=args.idle_timeout,
+        max_prompts=args.max_prompts,
+        score_by_decode=args.score_by_decode,
     )
     downloads = DownloadPolicy.of(args.allow_download_from, args.max_download_bytes, args.download_timeout)
     tokenizer = ByteTokenizer(stop_token_ids=args.stop_token or ()) if args.byte_tokens else args.tokenizer

@@ -1,7 +1,10 @@
-"""Choosing the next token from logits: greedy, temperature, top-k and top-p, seeded."""
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p, seeded; OpenAI's
+``logit_bias``, ``presence_penalty`` and ``frequency_penalty`` applied first (the one place
+both of the server's endpoints and the engine's callers get them)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,13 +17,19 @@ class SamplerConfig:
     """How to pick a token. ``temperature == 0`` means greedy (argmax).
 
     ``top_k == 0`` and ``top_p == 1.0`` disable those filters; ``seed`` makes sampling
-    reproducible.
+    reproducible. OpenAI's semantics for the rest, applied to the logits before any of
+    that (greedy too): ``logit_bias`` adds ``(token, bias)`` pairs' bias (-100 ... 100) to
+    the token's logit; a token the sampler already chose ``c`` times has
+    ``c * frequency_penalty + (c > 0) * presence_penalty`` (each -2 ... 2) subtracted.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
@@ -29,6 +38,22 @@ class SamplerConfig:
             raise InvalidArgumentError(f"top_k={self.top_k}, expected >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p={self.top_p}, expected a value in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidArgumentError(f"{name}={value}, expected a value in [-2, 2]")
+        if isinstance(self.logit_bias, Mapping):  # {token: bias} is taken too, kept as sorted pairs
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        for token, bias in self.logit_bias:
+            if type(token) is not int or token < 0:
+                raise InvalidArgumentError(f"logit_bias: token {token!r} is not a token id (an integer >= 0)")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidArgumentError(f"logit_bias[{token}]={bias}, expected a value in [-100, 100]")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether logit bias or penalties change the logits before a pick."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class Sampler:
@@ -41,13 +66,42 @@ class Sampler:
     def __init__(self, config: SamplerConfig | None = None) -> None:
         self.config = config or SamplerConfig()
         self._rng = np.random.default_rng(self.config.seed)
+        self._counts: dict[int, int] = {}  # how often each token was chosen (for the penalties)
+        bias = self.config.logit_bias
+        self._bias_ids = np.array([token for token, _ in bias], dtype=np.int64)
+        self._bias_values = np.array([value for _, value in bias], dtype=np.float64)
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token id for a ``(vocab,)`` vector of logits."""
         logits = finite_logits(logits)
         if logits is None:
             raise InternalError("the model produced non-finite logits (NaN or Inf)")
-        return self.pick(logits)
+        return self.record(self.pick(self.adjust(logits)))
+
+    def adjust(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with the logit bias and the presence and frequency penalties of the
+        tokens chosen so far applied: a float64 copy, or ``logits`` themselves when
+        nothing applies."""
+        config = self.config
+        if not config.adjusts:
+            return logits
+        if self._bias_ids.size and self._bias_ids.max() >= logits.size:
+            raise InvalidArgumentError(f"logit_bias: token {int(self._bias_ids.max())} is outside the vocabulary "
+                                       f"[0, {logits.size})")
+        adjusted = logits.astype(np.float64)
+        if self._bias_ids.size:
+            adjusted[self._bias_ids] += self._bias_values
+        if self._counts and (config.presence_penalty or config.frequency_penalty):
+            seen = np.fromiter(self._counts, dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float64, count=len(self._counts))
+            adjusted[seen] -= counts * config.frequency_penalty + config.presence_penalty
+        return adjusted
+
+    def record(self, token: int) -> int:
+        """Counts ``token`` as chosen (what the penalties read); returns it."""
+        if self.config.presence_penalty or self.config.frequency_penalty:
+            self._counts[token] = self._counts.get(token, 0) + 1
+        return token
 
     def pick(self, logits: np.ndarray) -> int:
         """The next token id for a non-empty ``(vocab,)`` vector of finite logits, float32

@@ -11,6 +11,8 @@ from runtime.errors import InvalidArgumentError, NotFoundError
 
 # Special tokens that end a generation in common vocabularies.
 _STOP_TOKEN_TEXTS = ("</s>", "<|endoftext|>", "<eos>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+# Special tokens that begin a sequence in common vocabularies.
+_BOS_TOKEN_TEXTS = ("<|begin_of_text|>", "<s>", "<bos>")
 
 
 class Tokenizer(Protocol):
@@ -47,9 +49,13 @@ class ByteTokenizer:
         """The byte values that end a generation (e.g. ``10`` for a newline)."""
         return self._stop
 
-    def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of ``text``."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The UTF-8 bytes of ``text`` (bytes have no special tokens to add)."""
         return list(text.encode("utf-8"))
+
+    def token_text(self, token: int) -> str:
+        """The byte as text (a byte that is not whole UTF-8 alone: U+FFFD)."""
+        return self.decode([token])
 
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text; invalid UTF-8 sequences become U+FFFD."""
@@ -93,9 +99,19 @@ class HfTokenizer:
         """End-of-sequence tokens found in the vocabulary (or the ones given)."""
         return self._stop
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` (with ``add_special_tokens``, those the tokenizer's
+        post-processor adds, such as a beginning-of-sequence token)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_text(self, token: int) -> str:
+        """The token as the vocabulary spells it (special tokens too, e.g. ``<|im_end|>``)."""
+        return self._tokenizer.id_to_token(int(token)) or ""
+
+    @property
+    def bos_token(self) -> str | None:
+        """The text of the vocabulary's beginning-of-sequence token, if it has a common one."""
+        return next((text for text in _BOS_TOKEN_TEXTS if self._tokenizer.token_to_id(text) is not None), None)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped."""
@@ -132,9 +148,22 @@ class SentencePieceTokenizer:
         """The model's end-of-sequence id (or the ones given)."""
         return self._stop
 
-    def encode(self, text: str) -> list[int]:
-        """Piece ids of ``text``."""
-        return list(self._processor.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Piece ids of ``text`` (with ``add_special_tokens``, the beginning-of-sentence id
+        first, when the model has one)."""
+        ids = list(self._processor.encode(text))
+        bos = self._processor.bos_id()
+        return [bos, *ids] if add_special_tokens and bos >= 0 else ids
+
+    def token_text(self, token: int) -> str:
+        """The piece (special pieces too, e.g. ``</s>``)."""
+        return self._processor.id_to_piece(int(token))
+
+    @property
+    def bos_token(self) -> str | None:
+        """The beginning-of-sentence piece, if the model has one."""
+        bos = self._processor.bos_id()
+        return self._processor.id_to_piece(bos) if bos >= 0 else None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``."""

@@ -148,6 +148,34 @@ class Session:
         with self.reserve() as context:
             return self._prefill(context, tokens)
 
+    def score(self, tokens: str | Sequence[int], *, decode_steps: bool = False) -> np.ndarray:
+        """Appends ``tokens`` (ids, or text when the engine has a tokenizer) to the context
+        and returns the float32 logits after each of them, ``(len(tokens), vocab)``: row
+        i holds the logits for the token after ``tokens[i]``, exactly as decoding them one
+        at a time would give (what a prompt's logprobs are read from). Needs a model with
+        score signatures (``runtime export --score-lengths``) or prefill signatures that
+        return logits (``--prefill-logits``); with ``decode_steps`` any model, at one
+        decode step per token. Else ``FailedPreconditionError`` naming the export flags,
+        before anything runs."""
+        if isinstance(tokens, str):
+            if self._tokenizer is None:
+                raise FailedPreconditionError("a text prompt needs an engine with a tokenizer")
+            tokens = self._tokenizer.encode(tokens)
+        tokens = self._check_tokens(tokens)
+        if not tokens:
+            raise InvalidArgumentError("score needs at least one token")
+        with self.reserve() as context:
+            run = tokens if context.pending is None else [context.pending, *tokens]
+            needed = context.length + len(tokens)
+            if needed > self.kv_length:
+                raise ResourceExhaustedError(f"{context.length} tokens in context + {len(tokens)} to score = {needed} "
+                                             f"exceeds the KV cache of {self.kv_length} positions")
+            logits = self._resources.score(context, run, decode_steps)
+            context.position += len(run)
+            context.pending = None
+            self._counters.prompt_tokens += len(tokens)
+        return logits[len(run) - len(tokens):]
+
     def run_decode(self, token: int) -> np.ndarray:
         """Appends one token; returns float32 logits ``(vocab,)`` for the next."""
         if type(token) is not int or not 0 <= token < self._vocab:  # the fast check first

@@ -216,6 +216,7 @@ class Binding:
     prefill: dict[int, _Run] = field(default_factory=dict)
     decode_windows: dict[int, _Run] = field(default_factory=dict)  # by attention window
     verify: dict[int, _Run] = field(default_factory=dict)  # by verify length
+    score: dict[int, _Run] = field(default_factory=dict)  # by score length
     # Prefill and verify steps attending over a window of the cache, by (kind, length, window).
     step_windows: dict[tuple[str, int, int], _Run] = field(default_factory=dict)
 
@@ -415,6 +416,8 @@ class LlmExecutor:
                     self.spec.prefill(length, lora_slot, window), kv, lora_buffers)
         for window in self.spec.windows(lora_slot):
             binding.decode_windows[window] = self._run_args(self.spec.decode(lora_slot, window), kv, lora_buffers)
+        for length in self.spec.score_lengths(lora_slot):
+            binding.score[length] = self._run_args(self.spec.score(length, lora_slot), kv, lora_buffers)
         for length in self.spec.verify_lengths(lora_slot):
             binding.verify[length] = self._run_args(self.spec.verify(length, lora_slot), kv, lora_buffers)
             for window in self.spec.windows(lora_slot, kind=VERIFY, seq_len=length):
@@ -485,6 +488,46 @@ class LlmExecutor:
         if logits is None:
             raise InternalError("prefill produced no logits")
         return logits
+
+    def score(self, binding: Binding, tokens: Sequence[int], start: int, *, decode_steps: bool = False
+              ) -> np.ndarray:
+        """Appends ``tokens`` at positions ``start...`` like :meth:`prefill`, keeping the
+        logits at every position: ``(len(tokens), vocab)`` float32, row i the logits after
+        ``tokens[i]`` (what scoring a prompt reads). Runs, in order of preference, the
+        ``score_{L}`` signatures (``runtime export --score-lengths``: prefills that return
+        logits, beside plain prefills that do not), the prefill signatures where they
+        return logits (``--prefill-logits``), or with ``decode_steps`` one decode step per
+        token (the decode signature's own logits); else ``FailedPreconditionError`` naming
+        the export flags. Each plan chunks the tokens as a prefill does."""
+        if not tokens:
+            raise InvalidArgumentError("scoring needs at least one token")
+        if binding.score:
+            kind, lengths = "score", tuple(sorted(binding.score))
+        elif self.spec.prefill_has_logits:
+            kind, lengths = "prefill", self.spec.prefill_lengths
+        elif decode_steps:
+            kind, lengths = "decode", ()
+        else:
+            raise FailedPreconditionError(
+                f"{self.model_path.name}: it has no score signatures and its prefill signatures return no logits, so "
+                "a prompt's logprobs need one decode step per token; export the model again with `runtime export "
+                "--score-lengths 128,512` (or --prefill-logits), or allow decode steps")
+        self._check_position(start, len(tokens))
+        scored = np.empty((len(tokens), self.spec.vocab_size), np.float32)
+        pos, done = start, 0
+        for length in prefill_chunks(len(tokens), lengths, self.spec.kv_length - start):
+            chunk = list(tokens[done:done + length])
+            if length == 1:
+                run = self._decode_run(binding, pos)
+            else:
+                run = binding.score[length] if kind == "score" else self._step_run(binding, "prefill", length, pos)
+            with self._lock:
+                self._check_open()
+                out = self._invoke(run, chunk, pos)
+            scored[done:done + len(chunk)] = out[: len(chunk)]  # type: ignore[index]
+            done += len(chunk)
+            pos += len(chunk)
+        return scored
 
     def verify(self, binding: Binding, tokens: Sequence[int], start: int) -> tuple[np.ndarray, np.ndarray]:
         """Runs ``tokens`` (the trunk's token and the drafts after it) at positions

@@ -27,7 +27,7 @@ import numpy as np
 
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.util.signature_names import (
-    ALL_LINEAR, ATTENTION, DORA, VERIFY, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name,
+    ALL_LINEAR, ATTENTION, DORA, SCORE, VERIFY, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name,
 )
 from runtime.adapters.lora_util import DORA_SIDE, MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
 from runtime.util.tensor_spec import TensorSpec
@@ -51,7 +51,7 @@ class SignatureSpec:
     a batched decode runs ``rows`` sessions at once."""
 
     key: str
-    kind: str  # "prefill", "decode" or "verify"
+    kind: str  # "prefill", "decode", "verify" or "score"
     seq_len: int
     lora_slot: LoraSlot | None
     inputs: Mapping[str, TensorSpec]
@@ -108,6 +108,22 @@ class ModelSpec:
     def prefill_has_logits(self) -> bool:
         """Whether prefill signatures return logits (else the last token is decoded)."""
         return all(s.has_logits for s in self.signatures.values() if s.kind == "prefill")
+
+    def score_lengths(self, lora_slot: LoraSlot | None) -> tuple[int, ...]:
+        """The lengths of the ``score_{L}`` signatures for a rank slot (``None``: without
+        LoRA inputs), ascending; empty when the model was exported without them."""
+        return tuple(sorted(s.seq_len for s in self.signatures.values() if s.kind == SCORE and s.lora_slot == lora_slot))
+
+    def score(self, length: int, lora_slot: LoraSlot | None = None) -> SignatureSpec:
+        """The ``score_{length}`` signature for a rank slot."""
+        return self._find(SCORE, length, lora_slot)
+
+    @property
+    def can_score(self) -> bool:
+        """Whether a prompt's logits at every position come from one pass per chunk: the
+        model has ``score_{L}`` signatures (``runtime export --score-lengths``) or prefill
+        signatures that return logits (``--prefill-logits``)."""
+        return bool(self.score_lengths(None)) or self.prefill_has_logits
 
     @property
     def head_dim(self) -> int:
@@ -253,6 +269,8 @@ class ModelSpec:
         for spec in signatures.values():
             if spec.kind == VERIFY:
                 _check_verify(spec, signatures, decode.outputs[LOGITS].shape[-1], source)
+            elif spec.kind == SCORE:
+                _check_score(spec, signatures, decode.outputs[LOGITS].shape[-1], source)
         for spec in signatures.values():
             if spec.kind == "decode" and spec.lora_slot:
                 for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
@@ -306,7 +324,7 @@ def _signature(
             f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected [1, seq] int32"
         )
     seq_len = tokens.shape[1]
-    if named.kind == VERIFY and named.seq_len != seq_len:
+    if named.kind in (VERIFY, SCORE) and named.seq_len != seq_len:
         raise InvalidArgumentError(f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected "
                                    f"[1, {named.seq_len}] int32")
     lora_slot = _lora_slot(key, ins, source)
@@ -406,6 +424,23 @@ def _check_verify(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
     if hidden is None or len(hidden.shape) != 3 or hidden.shape[:2] != (1, length) or hidden.dtype != np.float32:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {HIDDEN!r} is "
                                    f"{_shape(hidden) if hidden else 'missing'}, expected [1, {length}, width] float32")
+    decode = next((s for s in signatures.values() if (s.kind, s.lora_slot, s.rows, s.window)
+                   == ("decode", spec.lora_slot, 1, None)), None)
+    if decode is None or decode.lora_inputs != spec.lora_inputs:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature with the same "
+                                   "LoRA inputs beside it")
+
+
+def _check_score(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], vocab: int, source: str) -> None:
+    """A ``score_{L}`` signature returns ``logits`` ``[1, L, vocab]`` float32, attends over
+    the whole cache, and takes the LoRA inputs of its slot's decode signature."""
+    length = spec.seq_len
+    logits = spec.outputs.get(LOGITS)
+    if logits is None or logits.shape != (1, length, vocab) or logits.dtype != np.float32:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} output 'logits' is "
+                                   f"{_shape(logits) if logits else 'missing'}, expected [1, {length}, {vocab}] float32")
+    if spec.window is not None:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r}: a score signature attends over the whole cache")
     decode = next((s for s in signatures.values() if (s.kind, s.lora_slot, s.rows, s.window)
                    == ("decode", spec.lora_slot, 1, None)), None)
     if decode is None or decode.lora_inputs != spec.lora_inputs:

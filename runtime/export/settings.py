@@ -97,6 +97,11 @@ class ExportSettings:
     # states at all L, what speculative decoding with an adapter's draft heads (Turbo LoRA)
     # checks drafts with. Empty: none (such adapters then load with heads=False only).
     verify_lengths: tuple[int, ...] = ()
+    # Token counts of the score signatures (``score_{L}[_lora_r{R}]``, one per LoRA slot and
+    # one plain): prefills of L tokens that also return the logits at all L positions, what a
+    # prompt's logprobs (the server's echo, lm-eval's loglikelihood) are read from, while the
+    # plain prefills still compute no logits. Empty: none (then only prefill_logits scores).
+    score_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_length, int) or self.kv_length < 2:
@@ -104,7 +109,7 @@ class ExportSettings:
         if self.prefill_lengths is None:  # frozen: set once, here
             object.__setattr__(self, "prefill_lengths", default_prefill_lengths(self.kv_length))
         for name in ("lora_ranks", "dora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks",
-                     "attention_windows", "prefill_windows", "verify_lengths"):
+                     "attention_windows", "prefill_windows", "verify_lengths", "score_lengths"):
             values = getattr(self, name)
             if values is None and name == "batch_lora_ranks":
                 continue
@@ -141,6 +146,9 @@ class ExportSettings:
         if any(length < 2 or length > self.kv_length for length in self.verify_lengths):
             raise InvalidArgumentError(f"verify_lengths={self.verify_lengths}: each must be in [2, kv_length="
                                        f"{self.kv_length}] (a verify checks the trunk's token and at least one draft)")
+        if any(length < 2 or length > self.kv_length for length in self.score_lengths):
+            raise InvalidArgumentError(f"score_lengths={self.score_lengths}: each must be in [2, kv_length="
+                                       f"{self.kv_length}] (a single token is scored by a decode step)")
         if any(size < 2 for size in self.batch_sizes):
             raise InvalidArgumentError(f"batch_sizes={self.batch_sizes}: a batch has at least 2 rows")
         stray = sorted(set(self.batch_lora_ranks or ()) - set(self.lora_ranks))

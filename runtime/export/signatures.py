@@ -23,7 +23,7 @@ from runtime.export.litert import kv_utils, lora_utils
 from runtime.export.mlp_lora import AllLinearStep, check_mlp_lora, is_standard_decoder
 from runtime.export.settings import ExportSettings
 from runtime.export.verify import VerifyStep
-from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, LoraSlot, SignatureName
+from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, SCORE, LoraSlot, SignatureName
 
 _KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
 
@@ -195,4 +195,23 @@ def verify_signatures(model: nn.Module, settings: ExportSettings) -> list[Signat
     return signatures
 
 
-SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures, verify_signatures)
+def score_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
+    """``score_{L}`` per score length, with each LoRA slot also ``score_{L}_lora_r{R}``
+    (``..._lora_all_r{R}``, ``..._lora_dora_r{R}``): the prefill step of that slot traced
+    with ``output_logits_on_prefill``, so that it returns the logits at all L positions
+    while the ``prefill_{L}`` signatures (without ``settings.prefill_logits``) compute none."""
+    if not settings.score_lengths:
+        return []
+    export_config = litert_converter.ExportConfig(output_logits_on_prefill=True,
+                                                  kvcache_layout=_KV_LAYOUTS[settings.kv_layout])
+    signatures = []
+    for slot in (None, *single_session_slots(model, settings)):
+        module, lora = session_step(model, slot, export_config)
+        for length in sorted(settings.score_lengths):
+            signatures.append(Signature(str(SignatureName(SCORE, length, lora_slot=slot)), module, 1,
+                                        session_inputs(model, settings, length, lora)))
+    return signatures
+
+
+SIGNATURE_SETS: tuple[SignatureSet, ...] = (decoder_signatures, batch_decode_signatures, verify_signatures,
+                                            score_signatures)

@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from runtime import Engine, SamplerConfig, Session, SessionConfig
-from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime.serve.logprobs import TokenLogprob, token_logprobs
 from runtime.serve.sampling import RequestSampler
 
 REPLACEMENT_CHARACTER = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
@@ -91,6 +92,10 @@ class GenerationRequest:
     stop_tokens: frozenset[int]  # tokens that end the generation (not part of the text)
     min_tokens: int = 0  # stop tokens cannot come before this many tokens
     repetition_penalty: float = 1.0
+    echo: bool = False  # score the prompt: its tokens' logprobs (then max_tokens may be 0)
+    logprobs: int | None = None  # record each token's logprob and this many top ones (None: no logprobs)
+    score_by_decode: bool = False  # echo on a model whose prefill returns no logits: a decode step per token
+    prompt_index: int = 0  # which of the request's prompts this is
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,17 @@ class Outcome:
     queue_wait_s: float  # from admission to the worker taking the request
     time_to_first_token_s: float | None  # from admission to the first token
     decode_tokens_per_s: float  # tokens after the first, per second
+    tokens: tuple[int, ...] = ()  # the generated tokens (a stop token included)
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the generated tokens, when asked for
+    prompt: tuple[int, ...] = ()  # the prompt's tokens, when echoed
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()  # of the echoed prompt's tokens (the first: None)
+    prompt_seconds: float = 0.0  # the prompt's prefill (or scoring) and the first token
+    prompt_index: int = 0  # which of the request's prompts it answers
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of the generated tokens' logprobs (what ``best_of`` ranks by)."""
+        return sum(entry.logprob for entry in self.logprobs)
 
 
 class _Cancelled(Exception):
@@ -143,6 +159,9 @@ class GenerationJob:
         self._max_tokens = 0
         self._queue_wait = 0.0
         self._token_times: list[float] = []
+        self._tokens: list[int] = []
+        self._prompt_logprobs: list[TokenLogprob | None] = []
+        self._started = 0.0  # when run() began
         self._assembler = TextAssembler(self._decode, request.stop)
         self._sampler: RequestSampler | None = None
 
@@ -159,8 +178,11 @@ class GenerationJob:
         # by Session.generate's own check, like any prompt too long for max_tokens).
         self._max_tokens = max(1, self._engine.spec.kv_length - len(self._prompt)) if max_tokens is None else max_tokens
         request = self.request
+        if self._max_tokens < 1 and not request.echo:
+            raise InvalidArgumentError("max_tokens=0 generates nothing: it needs echo")
         self._sampler = RequestSampler(request.sampler, prompt=self._prompt, stop_tokens=request.stop_tokens,
-                                       min_tokens=request.min_tokens, repetition_penalty=request.repetition_penalty)
+                                       min_tokens=request.min_tokens, repetition_penalty=request.repetition_penalty,
+                                       logprobs=request.logprobs)
         session = self._engine.create_session(SessionConfig(adapters=self.request.adapters))
         with self._state:
             if not self._closed:
@@ -171,13 +193,18 @@ class GenerationJob:
 
     def run(self) -> Outcome:
         """Generates on the prepared session, sending text as it comes; closes the job."""
+        self._started = time.perf_counter()
         try:
             if self._session is None:
                 raise FailedPreconditionError("run() before prepare()")
             try:
-                result = self._session.generate(self._prompt, self._max_tokens, sampler=self._sampler,
-                                                stop_tokens=sorted(self.request.stop_tokens), on_token=self._on_token)
-                finish_reason = "stop" if result.stop_reason == "stop_token" else "length"
+                if self.request.echo:
+                    finish_reason = self._echo(self._session)
+                else:
+                    result = self._session.generate(self._prompt, self._max_tokens, sampler=self._sampler,
+                                                    stop_tokens=sorted(self.request.stop_tokens),
+                                                    on_token=self._on_token)
+                    finish_reason = "stop" if result.stop_reason == "stop_token" else "length"
             except _StopString:
                 finish_reason = "stop"
             except _Cancelled:
@@ -196,7 +223,36 @@ class GenerationJob:
             time_to_first_token_s=times[0] - self._admitted if times else None,
             decode_tokens_per_s=(len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0]
             else 0.0,
+            tokens=tuple(self._tokens),
+            logprobs=tuple(self._sampler.logprobs) if self._sampler is not None else (),
+            prompt=tuple(self._prompt) if self.request.echo else (),
+            prompt_logprobs=tuple(self._prompt_logprobs),
+            prompt_seconds=(times[0] if times else time.perf_counter()) - self._started,
+            prompt_index=self.request.prompt_index,
         )
+
+    def _echo(self, session: Session) -> str:
+        """Scores the prompt (every position's logits: its tokens' logprobs), then
+        generates from the last position's logits as a generation would; the finish
+        reason. ``max_tokens`` 0: the prompt alone."""
+        prompt, max_tokens = self._prompt, self._max_tokens
+        if len(prompt) + max_tokens > session.kv_length:
+            raise ResourceExhaustedError(f"{len(prompt)} prompt tokens + {max_tokens} new tokens exceed the KV cache "
+                                         f"of {session.kv_length} positions")
+        logits = session.score(prompt, decode_steps=self.request.score_by_decode)
+        self._prompt_logprobs = [None, *token_logprobs(logits[:-1], prompt[1:], self.request.logprobs or 0)]
+        if max_tokens == 0:
+            return "length"
+        stops = self.request.stop_tokens
+        first = self._sampler.sample(logits[-1])  # type: ignore[union-attr]
+        self._on_token(first)
+        if first in stops:
+            return "stop"
+        if max_tokens == 1:
+            return "length"
+        result = session.generate([first], max_tokens - 1, sampler=self._sampler, stop_tokens=sorted(stops),
+                                  on_token=self._on_token)
+        return "stop" if result.stop_reason == "stop_token" else "length"
 
     def cancel(self) -> None:
         """Stops the generation before its next step (any thread; harmless when done)."""
@@ -216,6 +272,7 @@ class GenerationJob:
 
     def _on_token(self, token: int) -> None:
         self._token_times.append(time.perf_counter())
+        self._tokens.append(token)
         if len(self._token_times) == 1 and self._on_start is not None:
             self._on_start()
         if self._cancelled.is_set():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -15,24 +15,19 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from runtime import SamplerConfig
 from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.generation import Outcome
+from runtime.serve.logprobs import MAX_LOGPROBS
 
 MAX_SCALE = 100.0  # |scale| of one adapter in a blend; beyond it float32 weights lose all meaning
 MAX_BLEND = 8  # adapters in one request's lora list
 MAX_STOP = 4  # stop strings, as OpenAI allows
 DEFAULT_COMPLETION_TOKENS = 16  # max_tokens of /v1/completions when not given, as OpenAI and vLLM
+MAX_CHOICES = 128  # n and best_of (and --max-concurrent bounds n x prompts further)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 
 # Fields OpenAI defines that this server does not implement: accepted only at their
 # neutral value (or null), so that no request is silently answered differently.
 UNSUPPORTED = {
-    "n": (1,),
-    "best_of": (1,),
-    "echo": (False,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "suffix": ("",),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
@@ -93,6 +88,12 @@ class _GenerationBody(_Body):
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+    # OpenAI's choices and sampling adjustments
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS)
 
     def check(self) -> None:
         """Refuses unknown fields, fields this server does not implement (unless they have
@@ -116,11 +117,41 @@ class _GenerationBody(_Body):
         """How many tokens to generate at most (``None``: the rest of the context)."""
         return self.max_tokens
 
-    def sampler_config(self) -> SamplerConfig:
-        """Temperature (default 1), ``top_p``, ``top_k`` and ``seed`` for the core's sampler."""
+    def sampler_config(self, vocab_size: int, seed: int | None = None) -> SamplerConfig:
+        """Temperature (default 1), ``top_p``, ``top_k``, ``seed`` (or the one given: a
+        choice's own), the penalties and ``logit_bias`` (its keys token ids of the
+        vocabulary) for the core's sampler."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
+            if not 0 <= token < vocab_size:
+                raise bad_request(f"logit_bias: key {key!r:.40} is not a token id of the vocabulary [0, {vocab_size})",
+                                  param="logit_bias")
+            bias[token] = value
         return SamplerConfig(temperature=1.0 if self.temperature is None else self.temperature,
                              top_k=max(0, self.top_k or 0), top_p=1.0 if self.top_p is None else self.top_p,
-                             seed=self.seed)
+                             seed=self.seed if seed is None else seed, presence_penalty=self.presence_penalty or 0.0,
+                             frequency_penalty=self.frequency_penalty or 0.0, logit_bias=tuple(sorted(bias.items())))
+
+    @property
+    def choices(self) -> int:
+        """How many choices each prompt gets (``n``)."""
+        return self.n or 1
+
+    @property
+    def runs(self) -> int:
+        """How many generations each prompt runs (``best_of`` for completions, else ``n``)."""
+        return self.choices
+
+    @property
+    def logprob_count(self) -> int | None:
+        """How many top logprobs each token gets; ``None``: no logprobs."""
+        return None
+
+    @property
+    def echo_prompt(self) -> bool:
+        """Whether the prompt is scored and returned before the completion."""
+        return False
 
     def stop_tokens(self, eos: Iterable[int]) -> frozenset[int]:
         """The tokens that end the generation: the tokenizer's ``eos`` (unless
@@ -145,23 +176,63 @@ class _GenerationBody(_Body):
 class CompletionBody(_GenerationBody):
     """``POST /v1/completions``."""
 
-    prompt: Text | list[int] | list[Text]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt's logprobs alone
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+
+    def check(self) -> None:
+        """As every generation body; ``max_tokens`` 0 only with ``echo``; ``best_of`` at
+        least ``n`` and not streamed."""
+        super().check()
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens=0 generates nothing; it is allowed with echo: true (the prompt's "
+                              "logprobs alone)", param="max_tokens")
+        if self.best_of is not None:
+            if self.best_of < self.choices:
+                raise bad_request(f"best_of={self.best_of} must be at least n={self.choices}", param="best_of")
+            if self.stream and self.best_of > self.choices:
+                raise bad_request("best_of > n cannot be streamed (the best are known at the end)", param="best_of")
 
     @property
     def token_limit(self) -> int:
         """``max_tokens``, 16 when not given (as OpenAI and vLLM)."""
         return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
 
-    def prompt_value(self) -> str | tuple[int, ...]:
-        """The one prompt: text, or token ids."""
+    @property
+    def runs(self) -> int:
+        """``best_of`` (default ``n``): generations per prompt, the best ``n`` answered."""
+        return self.best_of or self.choices
+
+    @property
+    def logprob_count(self) -> int | None:
+        """``logprobs``: top logprobs per token (0: the token's own only)."""
+        return self.logprobs
+
+    @property
+    def echo_prompt(self) -> bool:
+        """``echo``."""
+        return bool(self.echo)
+
+    def prompt_values(self, limit: int) -> list[str | tuple[int, ...]]:
+        """The prompts, in order: each text or token ids (at most ``limit`` of them)."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
-        if prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise bad_request(f"prompt holds {len(prompt)} prompts; send one per request", param="prompt")
-            return prompt[0]
-        return tuple(prompt)
+            return [prompt]
+        if not prompt:
+            return [()]
+        if all(isinstance(p, int) for p in prompt):
+            return [tuple(prompt)]  # type: ignore[arg-type]
+        if len(prompt) > limit:
+            raise bad_request(f"prompt holds {len(prompt)} prompts; the server's --max-prompts is {limit}",
+                              param="prompt")
+        return [p if isinstance(p, str) else tuple(p) for p in prompt]  # type: ignore[misc]
+
+    def prompt_value(self) -> str | tuple[int, ...]:
+        """The one prompt: text, or token ids (a list of several is refused)."""
+        prompts = self.prompt_values(1)
+        return prompts[0]
 
 
 class ContentPart(BaseModel):
@@ -201,11 +272,24 @@ class ChatBody(_GenerationBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check(self) -> None:
+        """As every generation body; ``top_logprobs`` needs ``logprobs: true``."""
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 
     @property
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprob_count(self) -> int | None:
+        """With ``logprobs: true``, ``top_logprobs`` (default 0) per token; else ``None``."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class LoadAdapterBody(BaseModel):
@@ -242,6 +326,9 @@ class TokenizeBody(BaseModel):
     model: Text | None = Field(None, min_length=1, max_length=300)
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool | None = True  # messages: end with the assistant's turn opened
+    return_token_strs: bool | None = False
 
     def check(self) -> None:
         """Exactly one of ``prompt`` and ``messages``."""
@@ -294,6 +381,17 @@ def sse(data: dict | str) -> bytes:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """One choice of a request: its index among the choices, how its generation ended,
+    and its ``logprobs`` object (``None``: not asked for)."""
+
+    index: int
+    outcome: Outcome
+    logprobs: dict | None = None
+    echo: str = ""  # the prompt's text, before the completion's (echo)
+
+
+@dataclass(frozen=True)
 class Reply:
     """The response shapes of one request: a whole completion, or the chunks of a stream."""
 
@@ -306,48 +404,78 @@ class Reply:
         if not self.id:
             object.__setattr__(self, "id", f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}")
 
-    def whole(self, outcome: Outcome) -> dict:
-        """The non-streaming answer."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
-                      "finish_reason": outcome.finish_reason}
-        else:
-            choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(outcome)}
+    def whole(self, answers: Sequence[Answer], counted: Sequence[Outcome] = ()) -> dict:
+        """The non-streaming answer: every choice, the usage of every generation run
+        (``counted``; default: the answers') and the server's timings."""
+        choices = []
+        for answer in answers:
+            outcome = answer.outcome
+            if self.chat:
+                choices.append({"index": answer.index, "message": {"role": "assistant", "content": outcome.text},
+                                "logprobs": answer.logprobs, "finish_reason": outcome.finish_reason})
+            else:
+                choices.append({"index": answer.index, "text": answer.echo + outcome.text, "logprobs": answer.logprobs,
+                                "finish_reason": outcome.finish_reason})
+        outcomes = list(counted) or [answer.outcome for answer in answers]
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(outcomes), "timings": timings(outcomes)}
 
-    def opening(self) -> dict | None:
-        """The first chunk of a chat stream (the assistant's role); None for completions."""
-        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+    def opening(self, index: int = 0) -> dict | None:
+        """The first chunk of a chat stream's choice (the assistant's role); None for completions."""
+        return self._chunk({"role": "assistant", "content": ""}, None, index) if self.chat else None
 
-    def delta(self, text: str) -> dict:
+    def delta(self, text: str, index: int = 0) -> dict:
         """A chunk carrying more text."""
-        return self._chunk({"content": text} if self.chat else text, None)
+        return self._chunk({"content": text} if self.chat else text, None, index)
 
-    def closing(self, finish_reason: str) -> dict:
-        """The chunk with the finish reason."""
-        return self._chunk({} if self.chat else "", finish_reason)
+    def closing(self, finish_reason: str, index: int = 0, logprobs: dict | None = None) -> dict:
+        """The chunk with a choice's finish reason (and its logprobs, when asked for: all
+        of them at once, at the end)."""
+        return self._chunk({} if self.chat else "", finish_reason, index, logprobs)
 
-    def usage_chunk(self, outcome: Outcome) -> dict:
+    def usage_chunk(self, outcomes: Sequence[Outcome]) -> dict:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
-        return {**self._head(self._chunk_object), "choices": [], "usage": usage(outcome)}
+        return {**self._head(self._chunk_object), "choices": [], "usage": usage(outcomes),
+                "timings": timings(outcomes)}
 
     @property
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, content: dict | str, finish_reason: str | None) -> dict:
+    def _chunk(self, content: dict | str, finish_reason: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self._head(self._chunk_object), "choices": [choice]}
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(outcome: Outcome) -> dict:
-    """OpenAI's usage counts."""
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+def usage(outcomes: Outcome | Sequence[Outcome]) -> dict:
+    """OpenAI's usage counts: each prompt once (the choices of one prompt share it), the
+    tokens of every generation."""
+    outcomes = [outcomes] if isinstance(outcomes, Outcome) else list(outcomes)
+    prompt = sum({o.prompt_index: o.prompt_tokens for o in outcomes}.values())
+    completion = sum(o.completion_tokens for o in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def timings(outcomes: Sequence[Outcome]) -> dict:
+    """The server's own timings of a request, in llama-server's shape: the prompt's
+    tokens and milliseconds (prefill and first token), the generated tokens after the
+    first and their milliseconds, and tokens per second of each (the slowest choice's
+    pace when there are several)."""
+    prompt_n = sum(o.prompt_tokens for o in outcomes)
+    prompt_ms = sum(o.prompt_seconds for o in outcomes) * 1000
+    predicted_n = sum(max(0, o.completion_tokens - 1) for o in outcomes)
+    rates = [o.decode_tokens_per_s for o in outcomes if o.decode_tokens_per_s > 0]
+    per_second = min(rates) if rates else 0.0
+    predicted_ms = sum((o.completion_tokens - 1) / o.decode_tokens_per_s * 1000 for o in outcomes
+                       if o.decode_tokens_per_s > 0)
+    return {"prompt_n": prompt_n, "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_second": round(prompt_n / prompt_ms * 1000, 3) if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted_n, "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_second": round(per_second, 3)}

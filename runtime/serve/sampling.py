@@ -10,6 +10,7 @@ import numpy as np
 
 from runtime import Sampler, SamplerConfig
 from runtime.components.sampler import finite_logits
+from runtime.serve.logprobs import TokenLogprob, token_logprobs
 
 _SUPPRESSED = -1e30  # a stop token's logit before min_tokens: finite, so never sampled
 
@@ -25,8 +26,12 @@ class RequestSampler(Sampler):
     ``stop_tokens`` from being chosen."""
 
     def __init__(self, config: SamplerConfig, *, prompt: Sequence[int], stop_tokens: Collection[int],
-                 min_tokens: int = 0, repetition_penalty: float = 1.0) -> None:
+                 min_tokens: int = 0, repetition_penalty: float = 1.0, logprobs: int | None = None) -> None:
+        """``logprobs``: record each chosen token's logprob and this many top ones
+        (:attr:`logprobs`), from the model's logits as given; ``None``: record nothing."""
         super().__init__(config)
+        self._top = logprobs
+        self.logprobs: list[TokenLogprob] = []
         self._history = list(prompt) if repetition_penalty != 1.0 else []
         self._stops = np.array(sorted(stop_tokens), dtype=np.int64)
         self._min_tokens = min_tokens
@@ -40,15 +45,19 @@ class RequestSampler(Sampler):
             raise NonFiniteLogits
         penalize = self._penalty != 1.0 and self._history
         suppress = self.generated < self._min_tokens and self._stops.size
+        raw = logits
         if penalize or suppress:
             logits = logits.astype(np.float64)  # a copy: the caller's logits stay as they are
         if penalize:
             seen = np.unique(np.asarray(self._history, dtype=np.int64))
             values = logits[seen]
             logits[seen] = np.where(values > 0, values / self._penalty, values * self._penalty)
+        logits = self.adjust(logits)  # logit bias, presence and frequency penalties (the core's)
         if suppress:
             logits[self._stops] = _SUPPRESSED
-        token = self.pick(logits)
+        token = self.record(self.pick(logits))
+        if self._top is not None:
+            self.logprobs.extend(token_logprobs(raw[None], [token], self._top))
         self.generated += 1
         if self._penalty != 1.0:
             self._history.append(token)

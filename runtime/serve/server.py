@@ -42,8 +42,9 @@ class Server:
         self.admission.cancel_all()
         self.pool.shutdown(wait=True)
 
-    async def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        """A conversation as prompt text, by the model's chat template (off the event loop)."""
+    async def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """A conversation as prompt text, by the model's chat template (off the event loop),
+        ending with the assistant's turn opened when ``add_generation_prompt``."""
         template = self.engine.chat_template
         if template is None:
             raise bad_request(
@@ -51,4 +52,4 @@ class Server:
                 "--chat-template FILE (a Jinja2 template), or use /v1/completions", code="no_chat_template",
                 param="messages")
         rendered = [message.as_template_input(i) for i, message in enumerate(messages)]
-        return await run_in_threadpool(template.render, rendered)
+        return await run_in_threadpool(lambda: template.render(rendered, add_generation_prompt=add_generation_prompt))

@@ -32,6 +32,8 @@ class ServeSettings:
     allowed_hosts: tuple[HostPort, ...] | None = tuple(HostPort(name) for name in LOOPBACK_NAMES)
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 5.0
+    max_prompts: int = 64  # prompts in one /v1/completions request's list
+    score_by_decode: bool = False  # echo on a model whose prefill returns no logits: one decode step per token
 
     def __post_init__(self) -> None:
         if not self.model_name or ADAPTER_SEPARATOR in self.model_name:
@@ -40,6 +42,8 @@ class ServeSettings:
             raise InvalidArgumentError("the API key must not be empty")
         if type(self.max_concurrent) is not int or self.max_concurrent < 1:
             raise InvalidArgumentError(f"max_concurrent={self.max_concurrent!r}, expected an integer >= 1")
+        if type(self.max_prompts) is not int or self.max_prompts < 1:
+            raise InvalidArgumentError(f"max_prompts={self.max_prompts!r}, expected an integer >= 1")
         if type(self.max_body_bytes) is not int or self.max_body_bytes < 1024:
             raise InvalidArgumentError(f"max_body_bytes={self.max_body_bytes!r}, expected an integer >= 1024")
         for name in ("header_timeout_s", "idle_timeout_s"):

@@ -10,6 +10,8 @@ parses them with it):
 * ``verify{L}``: L tokens of one session at L consecutive positions, returning the logits
   and the final hidden states (the lm_head's input) at all L: the step of speculative
   decoding that checks a draft (Turbo LoRA);
+* ``score_{L}``: a prefill of L tokens that also returns the logits at all L positions:
+  what a prompt's logprobs (``echo``) are read from, beside the prefills that return none;
 * ``_attend{W}`` on a decode, a prefill or a verify: the step takes and attends over a
   cache of W positions only (a session's first W);
 * ``_lora_r{R}``: the signature takes LoRA inputs of rank R for the attention projections
@@ -29,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 _SIGNATURE = re.compile(
-    r"(?P<kind>prefill|decode)(?:_(?P<len>[1-9][0-9]*))?(?:_batch(?P<rows>[1-9][0-9]*))?"
+    r"(?P<kind>prefill|decode|score)(?:_(?P<len>[1-9][0-9]*))?(?:_batch(?P<rows>[1-9][0-9]*))?"
     r"(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora(?:(?P<all>_all)|(?P<dora>_dora))?_r(?P<rank>[1-9][0-9]*))?"
 )
 ATTENTION = "attention"  # LoRA on q/k/v/o
@@ -77,6 +79,7 @@ _VERIFY = re.compile(
     r"verify(?P<len>[1-9][0-9]*)(?:_attend(?P<window>[1-9][0-9]*))?(?:_lora(?P<all>_all)?_r(?P<rank>[1-9][0-9]*))?"
 )
 VERIFY = "verify"  # the kind of a verify{L} signature
+SCORE = "score"  # the kind of a score_{L} signature: a prefill that returns the logits at all L positions
 _ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 
 
@@ -84,7 +87,7 @@ _ROW_SUFFIX = re.compile(r"(?P<name>.+)_(?P<row>0|[1-9][0-9]*)")
 class SignatureName:
     """What a signature's name says about it.
 
-    ``kind``: ``"prefill"``, ``"decode"`` or ``"verify"``. ``seq_len``: a prefill's or a
+    ``kind``: ``"prefill"``, ``"decode"``, ``"verify"`` or ``"score"``. ``seq_len``: a prefill's or a
     verify's length (``None`` for
     a decode, or a bare ``prefill`` whose length only its inputs tell). ``rows``: sessions
     per run (B of ``decode_batch{B}``; 1 otherwise). ``window``: attends over the cache's

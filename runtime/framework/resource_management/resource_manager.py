@@ -172,6 +172,13 @@ class ResourceManager:
         with self.acquire_executor_with_context_handler(context) as binding:
             return binding.executor.verify(binding, tokens, context.position)
 
+    def score(self, context: ContextHandler, tokens: Sequence[int], decode_steps: bool = False) -> np.ndarray:
+        """``tokens`` appended to ``context`` at its position, by themselves (no prefix
+        cache: every position's logits are computed); the logits after each, ``(n, vocab)``.
+        (The caller advances the position.)"""
+        with Run(self, context) as binding:
+            return binding.executor.score(binding, tokens, context.position, decode_steps=decode_steps)
+
     def decode_alone(self, context: ContextHandler, token: int) -> np.ndarray:
         """One decode step of ``context`` by itself: the single-session path."""
         with self.acquire_executor_with_context_handler(context) as binding:

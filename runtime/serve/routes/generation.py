@@ -1,6 +1,7 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: admission, one
-:class:`~runtime.serve.generation.GenerationJob` per request in the worker pool, and the
-answer whole or as server-sent events."""
+:class:`~runtime.serve.generation.GenerationJob` per choice of each prompt
+(:mod:`runtime.serve.choices`) in the worker pool, and the answer whole or as server-sent
+events (the choices' chunks by index)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtime.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from runtime.errors import InvalidArgumentError, ResourceExhaustedError
 from runtime.serve.catalog import Lease
 from runtime.serve.error_handlers import as_api_error
 from runtime.serve.errors import ApiError, bad_request, model_not_found
-from runtime.serve.generation import GenerationJob, GenerationRequest, Outcome
+from runtime.serve.choices import ChoiceJobs
+from runtime.serve.generation import GenerationJob, Outcome
 from runtime.serve.protocol import ChatBody, CompletionBody, LoraWeight, Reply, sse
 from runtime.serve.sampling import NonFiniteLogits
 from runtime.serve.server import Server
@@ -41,64 +43,72 @@ def routes(server: Server) -> APIRouter:
 
 
 async def generate(server: Server, body: CompletionBody | ChatBody, request: Request) -> Response:
-    """Answers a completion or chat request, whole or as a stream of events. An error
-    before the first generated token is answered with its status, streaming or not."""
+    """Answers a completion or chat request, whole or as a stream of events: one job per
+    choice (``n``, ``best_of``) of each prompt, each its own session on the same
+    adapters, all admitted or none. An error before the first generated token is
+    answered with its status, streaming or not."""
     body.check()
     chat = isinstance(body, ChatBody)
-    prompt = await server.chat_prompt(body.messages) if chat else body.prompt_value()
+    prompts = [await server.chat_prompt(body.messages)] if chat else body.prompt_values(server.settings.max_prompts)
     weights = _blend(server, body.model, body.lora or [])
-    try:
-        lease = server.catalog.lease(name for name, _ in weights)
-    except NotFoundError as exc:
-        raise ApiError.from_status(exc, code="model_not_found", param="model") from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[object] = asyncio.Queue()
 
     def put(item: object) -> None:
         loop.call_soon_threadsafe(events.put_nowait, item)
 
-    def release() -> None:
-        lease.release()
-        server.admission.finish(job)
-
-    try:
-        _check_slot(server, lease, weights, body)
-        job = GenerationJob(
-            server.engine,
-            GenerationRequest(prompt, body.token_limit, body.sampler_config(), body.stop_strings(),
-                              lease.adapters(weights), body.stop_tokens(server.engine.tokenizer.stop_token_ids),
-                              body.min_tokens or 0, body.repetition_penalty or 1.0),
-            on_text=put if body.stream else None,
-            on_start=(lambda: put(_STARTED)) if body.stream else None,
-            on_close=release,
-        )
-        running = server.admission.admit(job)
-    except BaseException:
-        lease.release()
-        raise
-    server.metrics.admitted_with.observe(running)
-    run = _Run(server, job, body, weights)
-    try:
-        await loop.run_in_executor(server.pool, job.prepare)
-    except BaseException as exc:
-        server.pool.submit(job.close)  # off the loop: closing a session may wait for it
-        raise run.error(exc) from None
+    jobs = ChoiceJobs.admit(server, body, weights, prompts, put if body.stream else None, _STARTED,
+                            lambda lease, weights: _check_slot(server, lease, weights, body))
+    server.metrics.admitted_with.observe(server.admission.running)
+    runs = [_Run(server, job, body, weights) for job in jobs.jobs]
+    prepared = await asyncio.gather(*(loop.run_in_executor(server.pool, job.prepare) for job in jobs.jobs),
+                                    return_exceptions=True)
+    failed = next((result for result in prepared if isinstance(result, BaseException)), None)
+    if failed is not None:
+        for job in jobs.jobs:
+            server.pool.submit(job.close)  # off the loop: closing a session may wait for it
+        raise runs[0].error(failed) from None
     reply = Reply(chat=chat, model=body.model)
     if not body.stream:
-        outcome = await run.watching(request)
-        return JSONResponse(reply.whole(outcome))
+        outcomes = await _watching(server, runs, jobs, request)
+        answers, counted = jobs.answers(outcomes)
+        return JSONResponse(reply.whole(answers, counted))
 
-    def work() -> None:
+    def work(index: int, run: _Run) -> None:
         try:
-            put(run())
+            put((index, run()))
         except BaseException as exc:  # answered as the status, or reported in the stream
-            put(run.error(exc))
+            put((index, run.error(exc)))
 
-    server.pool.submit(work)
-    first = await _first_event(events, request, job)
+    for index, run in enumerate(runs):
+        server.pool.submit(work, index, run)
+    first = await _first_events(events, request, jobs)
     if isinstance(first, BaseException):
         raise first
-    return _EventStream(_stream(first, events, reply, body.include_usage), job)
+    return _EventStream(_stream(first, events, reply, body.include_usage, jobs), jobs)
+
+
+async def _watching(server: Server, runs: list[_Run], jobs: ChoiceJobs, request: Request) -> list[Outcome]:
+    """Runs every job in the pool; if the client disconnects first, cancels them at once.
+    One job's error cancels the others and is the answer."""
+    loop = asyncio.get_running_loop()
+    running = asyncio.gather(*(loop.run_in_executor(server.pool, run) for run in runs), return_exceptions=True)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if running not in done:
+            jobs.cancel()
+        results = await running
+    except BaseException:
+        jobs.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    for run, result in zip(runs, results):
+        if isinstance(result, BaseException):
+            jobs.cancel()
+            raise run.error(result) from None
+    return results
 
 
 _STARTED = object()  # in a stream's queue: the first token was generated
@@ -178,20 +188,32 @@ def _check_slot(server: Server, lease: Lease, weights: list[tuple[str, float]], 
         raise bad_request(exc.args[0], code="no_lora_slot", param="lora" if body.lora else "model") from None
 
 
-async def _first_event(events: asyncio.Queue, request: Request, job: GenerationJob) -> object:
-    """The first thing a streaming job reports: its first token, or its error (so that it
-    is answered with its status). If the client goes away first, the job is cancelled."""
-    waiting = asyncio.ensure_future(events.get())
+async def _first_events(events: asyncio.Queue, request: Request, jobs: ChoiceJobs) -> object:
+    """What the jobs of a stream report until each has generated its first token (or
+    ended): the events so far in order, or the first error (so that it is answered with
+    its status, every job cancelled). If the client goes away first, the jobs are
+    cancelled."""
+    pending, started = [], set()
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({waiting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        while len(started) < len(jobs.jobs):
+            waiting = asyncio.ensure_future(events.get())
+            await asyncio.wait({waiting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiting.done():
+                waiting.cancel()
+                jobs.cancel()
+                return ApiError(499, "the client closed the request", "invalid_request_error",
+                                "client_closed_request")
+            index, item = waiting.result()
+            if isinstance(item, BaseException):
+                jobs.cancel()
+                return item
+            started.add(index)
+            if item is not _STARTED:
+                pending.append((index, item))
     finally:
         watcher.cancel()
-    if not waiting.done():
-        waiting.cancel()
-        job.cancel()
-        return ApiError(499, "the client closed the request", "invalid_request_error", "client_closed_request")
-    return waiting.result()
+    return pending
 
 
 def _blend(server: Server, model: str, lora: Sequence[LoraWeight]) -> list[tuple[str, float]]:
@@ -217,38 +239,49 @@ def _blend(server: Server, model: str, lora: Sequence[LoraWeight]) -> list[tuple
     return weights
 
 
-async def _stream(first: object, events: asyncio.Queue, reply: Reply, include_usage: bool) -> AsyncIterator[bytes]:
-    """The server-sent events of one streaming request, as the worker produces them,
-    from the ``first`` event on."""
-    opening = reply.opening()
-    if opening is not None:
-        yield sse(opening)
-    pending = [first]
+async def _stream(first: list, events: asyncio.Queue, reply: Reply, include_usage: bool,
+                  jobs: ChoiceJobs) -> AsyncIterator[bytes]:
+    """The server-sent events of one streaming request, as the workers produce them, from
+    the ``first`` events on: each choice's text by its index, its closing chunk, then
+    the usage (if asked) and ``[DONE]``; an error ends the stream with its event."""
+    for index in range(len(jobs.jobs)):
+        opening = reply.opening(index)
+        if opening is not None:
+            yield sse(opening)
+        echo = jobs.echo_text(index)
+        if echo:
+            yield sse(reply.delta(echo, index))
+    pending, outcomes = list(first), {}
     while True:
         while not events.empty():  # what came meanwhile leaves in one write, each its own event
             pending.append(events.get_nowait())
-        texts = [item for item in pending if isinstance(item, str)]
-        if texts:
-            yield b"".join(sse(reply.delta(text)) for text in texts)
-        end = pending[-1]
-        if isinstance(end, Outcome):
-            yield sse(reply.closing(end.finish_reason))
+        chunks = []
+        for index, item in pending:
+            if isinstance(item, str):
+                chunks.append(sse(reply.delta(item, index)))
+            elif isinstance(item, Outcome):
+                outcomes[index] = item
+                chunks.append(sse(reply.closing(item.finish_reason, index, jobs.logprobs(index, item))))
+            elif isinstance(item, BaseException):
+                jobs.cancel()
+                yield b"".join(chunks) + sse(as_api_error(item).body())
+                yield sse("[DONE]")
+                return
+        if chunks:
+            yield b"".join(chunks)
+        if len(outcomes) == len(jobs.jobs):
             if include_usage:
-                yield sse(reply.usage_chunk(end))
-        elif isinstance(end, BaseException):
-            yield sse(as_api_error(end).body())
-        else:
-            pending = [await events.get()]
-            continue
-        yield sse("[DONE]")
-        return
+                yield sse(reply.usage_chunk([outcomes[i] for i in sorted(outcomes)]))
+            yield sse("[DONE]")
+            return
+        pending = [await events.get()]
 
 
 class _EventStream(StreamingResponse):
     """Server-sent events whose generation is cancelled however the response ends: sent
     whole, or abandoned because the client went away (even before the first event)."""
 
-    def __init__(self, events: AsyncIterator[bytes], job: GenerationJob) -> None:
+    def __init__(self, events: AsyncIterator[bytes], job: ChoiceJobs) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._job = job

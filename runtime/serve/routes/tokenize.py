@@ -1,4 +1,5 @@
-"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes."""
+"""``GET /tokenizer_info``, ``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes:
+what lm-eval's ``RemoteTokenizer`` (``tokenizer_backend=remote``) reads."""
 
 from __future__ import annotations
 
@@ -15,14 +16,23 @@ def routes(server: Server) -> APIRouter:
     router = APIRouter()
     tokenizer = server.engine.tokenizer
 
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return tokenizer_description(server)
+
     @router.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> dict:
         body.check()
         _check_model(server, body.model)
-        text = body.prompt if body.prompt is not None else await server.chat_prompt(body.messages)
-        tokens = await run_in_threadpool(tokenizer.encode, text)
+        if body.prompt is not None:
+            text, special = body.prompt, body.add_special_tokens is not False
+        else:
+            text = await server.chat_prompt(body.messages, body.add_generation_prompt is not False)
+            special = bool(body.add_special_tokens)
+        tokens = await run_in_threadpool(_encode, tokenizer, text, special)
+        strings = [_text_of(tokenizer)(token) for token in tokens] if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": server.engine.spec.kv_length, "tokens": list(tokens),
-                "token_strs": None}
+                "token_strs": strings}
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> dict:
@@ -34,6 +44,38 @@ def routes(server: Server) -> APIRouter:
         return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
 
     return router
+
+
+def tokenizer_description(server: Server) -> dict:
+    """The tokenizer's special tokens (as text), chat template and the longest context."""
+    tokenizer, template = server.engine.tokenizer, server.engine.chat_template
+    text_of = _text_of(tokenizer)
+    stops = tokenizer.stop_token_ids
+    eos = (template.eos_token if template is not None and template.eos_token else None) or (
+        text_of(stops[0]) if stops else None)
+    bos = (template.bos_token if template is not None and template.bos_token else None) or getattr(
+        tokenizer, "bos_token", None)
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": eos, "bos_token": bos, "pad_token": eos,
+            "unk_token": None, "chat_template": template.source if template is not None else None,
+            "model_max_length": server.engine.spec.kv_length, "vocab_size": server.engine.spec.vocab_size,
+            "stop_token_ids": list(stops)}
+
+
+def _text_of(tokenizer):
+    """One token's text as the vocabulary spells it (or as decoding it alone gives)."""
+    token_text = getattr(tokenizer, "token_text", None)
+    return token_text if token_text is not None else (lambda token: tokenizer.decode([token]))
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """``text``'s ids, with the tokenizer's special tokens when asked (a tokenizer that
+    takes no such option has none to add)."""
+    if not add_special_tokens:
+        return tokenizer.encode(text)
+    try:
+        return tokenizer.encode(text, add_special_tokens=True)
+    except TypeError:
+        return tokenizer.encode(text)
 
 
 def _check_model(server: Server, model: str | None) -> None:

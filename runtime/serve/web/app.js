@@ -166,6 +166,7 @@ async function send(text) {
   const started = performance.now();
   let first = null;
   let usage = null;
+  let timings = null;
   let answer = "";
   try {
     const response = await fetch(path, { method: "POST", headers: headers(true), body: JSON.stringify(body),
@@ -176,6 +177,7 @@ async function send(text) {
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage) usage = chunk.usage;
+      if (chunk.timings) timings = chunk.timings;
       const choice = chunk.choices[0];
       const delta = choice ? (state.chat ? choice.delta.content : choice.text) : "";
       if (delta) {
@@ -196,16 +198,18 @@ async function send(text) {
     $("send").disabled = false;
     $("stop").disabled = true;
     out.parentElement.dataset.state = "done";
-    showStats(started, first, ended, usage);
+    showStats(started, first, usage, timings);
   }
 }
 
-async function showStats(started, first, ended, usage) {
+// Tokens/s is the server's own decode pace (its timings: generated tokens after the first
+// over the time they took), not the browser's arrival times: deltas arrive in bursts, and
+// the last ones can come within a millisecond of the first.
+async function showStats(started, first, usage, timings) {
   $("ttft").textContent = first === null ? "–" : `${Math.round(first - started)} ms`;
   const tokens = usage ? usage.completion_tokens : null;
   $("tokens").textContent = tokens === null ? "–" : String(tokens);
-  $("speed").textContent = tokens > 1 && first !== null && ended > first
-    ? ((tokens - 1) / ((ended - first) / 1000)).toFixed(1) : "–";
+  $("speed").textContent = timings && timings.predicted_per_second > 0 ? timings.predicted_per_second.toFixed(1) : "–";
   const names = blend().map((entry) => entry.name);
   if (!names.length) {
     $("resident").textContent = "base model only";
