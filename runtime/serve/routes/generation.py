@@ -64,7 +64,7 @@ async def generate(server: Server, body: CompletionBody | ChatBody, request: Req
 
     try:
         _check_rank(server, lease, weights, body)
-        job = GenerationJob(
+        job = server.job_class(
             server.engine,
             GenerationRequest(prompt, body.token_limit, body.sampler_config(), body.stop_strings(),
                               lease.adapters(weights), body.stop_tokens(server.engine.tokenizer.stop_token_ids),
