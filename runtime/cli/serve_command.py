@@ -181,9 +181,7 @@ def _start_cluster(args: argparse.Namespace, settings, engine_settings):
             raise InvalidArgumentError("--ray-address goes with --replicas N")
         return None
     from runtime.serve.cluster import import_ray
-
-    import_ray()  # one line naming the extra if it is missing, before anything starts
-    from runtime.serve.cluster.launch import Cluster, ClusterOptions
+    from runtime.serve.cluster.launch import Cluster, ClusterOptions, check_reachable
     from runtime.serve.cluster.replica import ReplicaConfig
 
     options = ClusterOptions(args.replicas, args.ray_address, args.max_adapters_per_replica,
@@ -192,6 +190,9 @@ def _start_cluster(args: argparse.Namespace, settings, engine_settings):
                            tokenizer=None if args.tokenizer is None else str(args.tokenizer.resolve()),
                            byte_tokens=args.byte_tokens, stop_tokens=tuple(args.stop_token or ()),
                            draft_heads=not args.no_draft_heads)
+    if args.ray_address is not None:
+        check_reachable(args.ray_address)
+    import_ray()  # one line naming the extra if it is missing, before anything starts
     print(f"starting {args.replicas} replicas on "
           f"{f'the Ray cluster at {args.ray_address}' if args.ray_address else 'a local Ray'}", flush=True)
     return Cluster.start(options, config, args.threads)

@@ -236,13 +236,22 @@ class Forwarder:
             for key, family in families.items():
                 if key != "up":
                     family.add_metric([replica], float(report.get(key, 0)))
+        held = GaugeMetricFamily("runtime_replica_adapter_held", "1 for each adapter a replica holds",
+                                 labels=["replica", "adapter"])
+        for replica, (_, report) in sorted(reports.items()):
+            for name in report.get("adapters", ()):
+                held.add_metric([replica, name], 1.0)
         yield from families.values()
+        yield held
 
 
 _G, _C = GaugeMetricFamily, CounterMetricFamily
 # Per replica on /metrics: (the report's key, kind, series, help).
 _REPLICA_SERIES = (
     ("up", _G, "runtime_replica_up", "1 while the replica reports (every 0.5 s)"),
+    ("pid", _G, "runtime_replica_pid", "The replica's process id on its node"),
+    ("catalogue_version", _G, "runtime_replica_catalogue_version", "The version of the adapter catalogue the "
+     "replica has seen (each load or unload adds one)"),
     ("running", _G, "runtime_replica_running_requests", "Requests running on the replica (its queue)"),
     ("resident_sets", _G, "runtime_replica_adapter_sets", "Adapter sets (multiplexed ids) the replica holds, at "
      "most --max-adapters-per-replica"),

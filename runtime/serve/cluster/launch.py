@@ -72,7 +72,7 @@ class Cluster:
             root = str(Path(__file__).resolve().parents[3])
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         else:
-            _check_reachable(options.address)
+            check_reachable(options.address)
         ray, serve = import_ray()
         try:
             if options.address is None:
@@ -148,7 +148,7 @@ def _stop(ray, serve, options: ClusterOptions) -> None:
     ray.shutdown()
 
 
-def _check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     """``UnavailableError`` naming ``address`` unless a TCP connection to it opens."""
     if address == "auto":
         return

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -199,7 +200,7 @@ class EngineReplica:
             counts = dict(self._counts)
             running = self._running
         resident_sets = len(getattr(getattr(self, _MULTIPLEX_WRAPPER, None), "models", {}))
-        return {**counts, "running": running, "resident_sets": resident_sets,
+        return {**counts, "running": running, "pid": os.getpid(), "resident_sets": resident_sets,
                 "registered_adapters": len(stats.adapters), "resident_bytes": stats.resident_bytes,
                 "adapter_bytes": sum(adapter.tensor_bytes for adapter in stats.adapters),
                 "adapters": sorted(self._names())}

@@ -42,8 +42,9 @@ class ClusterState:
         return self._entries.get(name)
 
     def sync(self, replica: str, report: dict) -> tuple[int, dict[str, dict[str, str]]]:
-        """Keeps a replica's numbers; returns the catalogue's version and entries."""
-        self._reports[replica] = (time.time(), report)
+        """Keeps a replica's numbers; returns the catalogue's version and entries (which
+        the replica applies at once: its report shows that version from now on)."""
+        self._reports[replica] = (time.time(), {**report, "catalogue_version": self._version})
         return self._version, self._entries
 
     def reports(self) -> dict[str, tuple[float, dict]]:
