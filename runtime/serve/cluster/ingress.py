@@ -126,7 +126,7 @@ class RemoteJob:
         replica = None
         first_token = None
         try:
-            for item in response:
+            for item in _events(response):
                 kind = item[0]
                 if kind == "replica":
                     replica = item[1]
@@ -179,6 +179,12 @@ class _BeforeAnything(Exception):
     def __init__(self, error: StatusError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _events(response) -> Iterator[tuple]:
+    """The events of a replica's stream (which sends them in lists)."""
+    for batch in response:
+        yield from batch
 
 
 def _cancel(response) -> None:

@@ -11,8 +11,10 @@ a resident set or a running request uses it. Every half second the replica syncs
 catalogue (dropping what was unloaded or replaced) and reports its numbers.
 
 What a stream yields, in order: ``("replica", id, hit)``, then ``("start",)`` at the first
-generated token and ``("text", delta)`` as text comes, and last ``("outcome", Outcome)``;
-an error is raised (a status error of the runtime, as in one process).
+generated token and ``("text", delta)`` as text comes, and last ``("outcome", Outcome)``,
+as lists of these events (what came while the last list was on its way leaves as one: one
+item of Ray's stream per token costs ~0.6 ms); an error is raised (a status error of the
+runtime, as in one process).
 """
 
 from __future__ import annotations
@@ -172,17 +174,20 @@ class EngineReplica:
             self._counts["requests"] += 1
         worker = threading.Thread(target=work, name="replica-request", daemon=True)
         try:
-            yield ("replica", self.name, hit)
+            yield [("replica", self.name, hit)]
             worker.start()
             while True:
-                item = await events.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item[0] == "outcome":
-                    with self._lock:
-                        self._counts["generated_tokens"] += item[1].completion_tokens
-                yield item
-                if item[0] == "outcome":
+                batch = [await events.get()]
+                while not events.empty():  # what came meanwhile leaves as one item of the stream
+                    batch.append(events.get_nowait())
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item[0] == "outcome":
+                        with self._lock:
+                            self._counts["generated_tokens"] += item[1].completion_tokens
+                yield batch
+                if batch[-1][0] == "outcome":
                     return
         finally:
             job.cancel()  # the caller went away (or it ended): stop before the next step
