@@ -358,6 +358,24 @@ def test_a_file_changed_after_loading_is_refused_with_409(served):
     assert served.call("/v1/unload_lora_adapter", {"lora_name": "quiet"})[0] == 200
 
 
+@cluster
+def test_a_replica_checks_the_digest_of_what_it_loads(served):
+    """A file rewritten in place with its size and time kept passes the ingress's quick check
+    (device, inode, size, time); the replica loading it checks its SHA-256 and refuses (409)."""
+    twin = served.adapters / "twin.tflite"
+    shutil.copy(DEMO / "adapters" / "uppercase.tflite", twin)
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "twin", "lora_path": "twin.tflite"})[0] == 200
+    status = twin.stat()
+    other = (DEMO / "adapters" / "no_vowels.tflite").read_bytes()
+    assert len(other) == status.st_size
+    with open(twin, "r+b") as file:  # the same inode, size and modification time, other bytes
+        file.write(other)
+    os.utime(twin, ns=(status.st_atime_ns, status.st_mtime_ns))
+    status, body, _ = served.call("/v1/completions", {"model": "twin", "prompt": "hello world\n"})
+    assert status == 409 and "SHA-256" in body["error"]["message"], body
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "twin"})[0] == 200
+
+
 # -- faults ----------------------------------------------------------------------
 
 
