@@ -37,6 +37,9 @@ KEY = "cluster-key-0123"
 TEMPLATE = '{{ messages[-1].content + "\\n" }}'
 ADAPTERS = ("uppercase", "no_vowels", "json")
 PROMPTS = ("hello world\n", "the cat sat\n", "green tea\n")
+DEMO_ADAPTERS = tuple(DEMO / "adapters" / f"{name}.tflite" for name in ADAPTERS)
+TINY_MODEL = ROOT / "tests" / "models" / "gqa_default.tflite"  # random weights, rank slots 4 and 16
+TINY_ADAPTERS = tuple(ROOT / "tests" / "models" / "adapters" / f"{name}.tflite" for name in ("torch_r4", "litertlm_r4"))
 START_TIMEOUT_S = 180
 
 cluster = pytest.mark.cluster
@@ -49,18 +52,19 @@ def _environment() -> dict[str, str]:
 class ClusterServer:
     """``python -m runtime serve --replicas 2`` in a subprocess of its own session."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, model: Path = MODEL, adapters: tuple[Path, ...] = DEMO_ADAPTERS,
+                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2")) -> None:
         self.adapters = tmp / "adapters"
         self.adapters.mkdir()
-        for name in ADAPTERS:
-            shutil.copy(DEMO / "adapters" / f"{name}.tflite", self.adapters)
+        for path in adapters:
+            shutil.copy(path, self.adapters)
         template = tmp / "template.jinja"
         template.write_text(TEMPLATE)
         self.log = open(tmp / "server.log", "w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "runtime", "serve", "--model", str(MODEL), "--byte-tokens", "--stop-token", "10",
+            [sys.executable, "-m", "runtime", "serve", "--model", str(model), "--byte-tokens", *options,
              "--chat-template", str(template), "--adapters", str(self.adapters), "--served-model-name", "demo",
-             "--port", "0", "--api-key", KEY, "--replicas", "2", "--max-adapters-per-replica", "4"],
+             "--port", "0", "--api-key", KEY, "--max-adapters-per-replica", "4"],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=_environment(), start_new_session=True)
         self.url = ""
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -178,8 +182,12 @@ def served(tmp_path_factory):
     pytest.importorskip("ray", reason="needs the cluster extra: pip install -e '.[cluster]'")
     server = ClusterServer(tmp_path_factory.mktemp("cluster"))
     yield server
-    if server.process.poll() is None:  # the SIGTERM test did not run: stop it all the same
-        os.killpg(server.process.pid, signal.SIGTERM)
+    _stop(server)  # if the SIGTERM test did not
+
+
+def _stop(server: ClusterServer) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
         try:
             server.process.wait(60)
         except subprocess.TimeoutExpired:
@@ -270,6 +278,40 @@ def test_models_are_the_catalogue_of_one_process(served):
     status, body, _ = served.call("/v1/models")
     assert status == 200
     assert {model["id"] for model in body["data"]} == {"demo", *ADAPTERS}
+
+
+@cluster
+def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path):
+    """The tiny test model has a rank-16 slot: two rank-4 adapters blend, as one multiplexed set."""
+    pytest.importorskip("ray")
+    server = ClusterServer(tmp_path, TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
+    engine = Engine(TINY_MODEL, tokenizer=ByteTokenizer())
+    try:
+        prompt = [5, 17, 42]
+
+        def offline(loras) -> str:
+            sources = [LoraSource(path=TINY_ADAPTERS[0].parent / f"{name}.tflite", scale=scale) for name, scale in loras]
+            with engine.create_session(SessionConfig(loras=sources)) as session:
+                return session.generate(prompt, 6).text
+
+        blend = [("torch_r4", 0.6), ("litertlm_r4", -0.4)]
+        status, body, headers = server.call("/v1/completions", {
+            "model": "demo", "lora": [{"name": name, "scale": scale} for name, scale in blend], "prompt": prompt,
+            "max_tokens": 6, "temperature": 0})
+        assert status == 200 and headers["x-runtime-replica"], body
+        assert body["choices"][0]["text"] == offline(blend) != offline([])
+        status, body, _ = server.call("/v1/completions", {  # the same set, other scales: no new load
+            "model": "litertlm_r4", "lora": [{"name": "torch_r4", "scale": 0.5}], "prompt": prompt,
+            "max_tokens": 6, "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == offline([("litertlm_r4", 1.0), ("torch_r4", 0.5)])
+        deadline = time.monotonic() + 10
+        while list(server.replica_values("runtime_replica_adapter_sets").values()) != [1.0]:  # one set, both
+            assert time.monotonic() < deadline, server.metrics()
+            time.sleep(0.2)
+        assert sum(server.replica_values("runtime_replica_adapter_loads_total").values()) == 1
+    finally:
+        _stop(server)
+        engine.close()
 
 
 # -- affinity --------------------------------------------------------------------
