@@ -3,8 +3,9 @@
 Without ``--ray-address`` a local Ray is started with the server (on the loopback address,
 ``num_cpus`` enough for the replicas) and stopped with it: after the server exits, none of
 its processes is left. With ``--ray-address HOST:PORT`` the server joins that cluster (it
-must be reachable, and its authentication token set as Ray expects, ``RAY_AUTH_TOKEN``), and
-on exit removes only its own application and catalogue.
+must be reachable; with Ray's token authentication, ``RAY_AUTH_MODE=token`` and the cluster's
+token in ``RAY_AUTH_TOKEN`` or ``~/.ray/auth_token``), and on exit removes only its own
+application and catalogue.
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ class Cluster:
                 ray.init(address=options.address, namespace=NAMESPACE, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at --ray-address {options.address}" if options.address else "a local Ray"
-            raise UnavailableError(f"cannot start or join {where}: {' '.join(str(exc).split())[:300]}") from None
+            hint = (" (a cluster with token authentication, Ray's default, needs RAY_AUTH_MODE=token here and its "
+                    "token in RAY_AUTH_TOKEN or ~/.ray/auth_token)" if options.address else "")
+            raise UnavailableError(f"cannot start or join {where}: {' '.join(str(exc).split())[:300]}{hint}") from None
         try:
             serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
             state = ray.remote(ClusterState).options(name=STATE_ACTOR, namespace=NAMESPACE, num_cpus=0,
