@@ -33,6 +33,7 @@ CONNECT_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 20.0  # for the replicas to finish what they run and go
 # Ray's switch for a Ray on one machine: every address it uses stays on the loopback.
 _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_WORKER_NICENESS = "RAY_worker_niceness"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class Cluster:
         from ``config``, ``threads`` CPUs each) and waits until they are ready."""
         if options.address is None:
             os.environ[_LOCAL_ONLY] = "0"
+            # Ray starts its workers at nice 15; the replicas do the serving, not background work.
+            os.environ.setdefault(_WORKER_NICENESS, "0")
             # The replicas import the same runtime package as this process.
             root = str(Path(__file__).resolve().parents[3])
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
