@@ -23,6 +23,15 @@ streams as text (prompts are then random token ids; nothing stops a generation b
 rendered with that template: the prompts then begin alike (the template's system head),
 which both servers' prefix caches can reuse.
 
+``--replicas 1,2`` measures ``runtime serve --replicas N`` (the ``cluster`` extra; a local
+Ray per server, ``--threads`` per replica) for each N instead of one process, the engine
+alone and llama-server; ``--max-adapters-per-replica K`` bounds each replica's adapters,
+``--zipf S`` draws each request's adapter from Zipf(S) over the adapters instead of round
+robin, and a ``--warmup`` turn first lets the replicas tell Ray Serve's router what they
+hold. Each row then adds the adapter hit rate (requests whose replica held their adapter)
+and adapter loads per 1,000 requests, read from ``/metrics``, and the table the ratio of
+each replica count's tokens/s to the first's.
+
 The same workload against llama.cpp's ``llama-server`` (``--llama-server``, built by
 ``bash benchmarks/llama_cpp/build_server.sh``) runs with ``--gguf`` (the same weights)
 and one ``--gguf-lora`` per source adapter, in the same order: every client sends the
@@ -118,17 +127,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, default=HERE / "models" / "gguf" / "bench-f32.gguf")
     parser.add_argument("--gguf-lora", type=Path, action="append")
     parser.add_argument("--skip-llama-cpp", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serve_load")
+    parser.add_argument("--replicas", type=lambda text: [int(n) for n in text.split(",")],
+                        help="comma-separated replica counts: measure `runtime serve --replicas N` for each")
+    parser.add_argument("--max-adapters-per-replica", type=int, default=8)
+    parser.add_argument("--zipf", type=float, default=None, help="each request's adapter drawn from Zipf(S)")
+    parser.add_argument("--warmup", type=float, default=0.0, help="seconds of load before each server is measured")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the servers started below are stopped
+    if args.zipf is not None:
+        ZIPF.append(args.zipf)
 
     workload = build_workload(args)
     print(f"model {workload.model.name}: {len(workload.sources)} source adapters -> {args.adapters} served, "
           f"{len(workload.prompts)} prompts, {args.clients} clients x {args.seconds:.0f} s in {args.rounds} rounds, "
           f"max_tokens {args.max_tokens}", flush=True)
     folder, names = copy_adapters(workload, args.adapters)
-    targets = [OurServer(workload, args, folder, names), EngineAlone(workload, args, folder, names)]
-    llama = llama_setup(workload, args)
+    if args.out is None:
+        args.out = RESULTS / ("serve_load_replicas" if args.replicas else "serve_load")
+    if args.replicas:
+        targets = [OurServer(workload, args, folder, names, replicas=n) for n in args.replicas]
+        llama = "--replicas"
+    else:
+        targets = [OurServer(workload, args, folder, names), EngineAlone(workload, args, folder, names)]
+        llama = llama_setup(workload, args)
     if isinstance(llama, str):
         print(f"llama-server: skipped ({llama})", flush=True)
     else:
@@ -149,9 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  round {round_index + 1} {target.label}: {len(requests)} requests in {wall:.1f} s, "
                       f"{rates[-1][target.label]:.0f} tokens/s", flush=True)
     rows = [summarize(t.label, *collected[t.label], workload if t.checks else None) for t in targets]
+    for target, row in zip(targets, rows):
+        row.update({f"replica_{key}": value for key, value in getattr(target, "adapter_counts", {}).items()})
     for row in rows[1:]:
         ratios = [r[rows[0]["server"]] / r[row["server"]] for r in rates if r[row["server"]] > 0]
         row["ours_vs_this_tokens_per_s"] = statistics.median(ratios) if ratios else None
+        if args.replicas:  # each replica count against the first
+            row["ours_vs_this_tokens_per_s"] = 1 / row["ours_vs_this_tokens_per_s"] if ratios else None
     settings = _settings(workload, args, started)
     table = render(rows, settings, args, llama if isinstance(llama, str) else None)
     print(table)
@@ -316,36 +342,71 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 class OurServer:
-    """``python -m runtime serve`` in a subprocess, one adapter per request by name."""
+    """``python -m runtime serve`` in a subprocess, one adapter per request by name (with
+    ``replicas``: ``--replicas N`` on a local Ray, its adapter hits and loads counted)."""
 
     label = "runtime serve"
     checks = True  # its answers are compared with offline
 
-    def __init__(self, workload: Workload, args, folder: Path, names: list[str]) -> None:
+    def __init__(self, workload: Workload, args, folder: Path, names: list[str], replicas: int | None = None) -> None:
         self._workload, self._args, self._names = workload, args, names
         self._command = [sys.executable, "-m", "runtime", "serve", "--model", str(workload.model),
                          *workload.server_args, "--adapters", str(folder), "--port", "0",
                          "--max-concurrent", str(args.clients), "--threads", str(args.threads),
                          "--executors", str(args.executors), "--prefix-cache-mb", str(args.prefix_cache_mb)]
+        self._replicas = replicas
+        self.adapter_counts: dict[str, float] = {}
+        if replicas is not None:
+            self.label = f"runtime serve --replicas {replicas}"
+            self._command += ["--replicas", str(replicas),
+                              "--max-adapters-per-replica", str(args.max_adapters_per_replica)]
 
     def __enter__(self) -> OurServer:
         log = WORK / "runtime-serve.log"  # a file, not a pipe: a full pipe would stall the server
         with open(log, "w") as stderr:
             self._process = subprocess.Popen(self._command, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT)
-        line = self._process.stdout.readline()  # the address; nothing else is printed there
-        found = re.search(r"http://127\.0\.0\.1:\d+", line)
+        found = None
+        for line in self._process.stdout:  # the address ("starting N replicas" may come first)
+            found = re.search(r"http://127\.0\.0\.1:\d+", line)
+            if found is not None:
+                break
         if found is None:
             self._process.kill()
-            raise SystemExit(f"the server did not start: {line}{log.read_text()[-2000:]}")
+            raise SystemExit(f"the server did not start: {log.read_text()[-2000:]}")
         self._url = found.group(0)
         wait_healthy(self._url + "/health", self._process, log)
+        if self._args.warmup > 0:
+            drive(self._url, self._workload, self._args, self._args.warmup, [(name, None) for name in self._names])
+            time.sleep(2.0)  # the replicas' report of what they hold reaches the router
         return self
 
     def __exit__(self, *exc_info) -> None:
         stop_process(self._process)
 
     def run(self, seconds: float) -> tuple[list[Request], float]:
-        return drive(self._url, self._workload, self._args, seconds, [(name, None) for name in self._names])
+        before = self._replica_counts()
+        result = drive(self._url, self._workload, self._args, seconds, [(name, None) for name in self._names])
+        for key, value in self._replica_counts().items():
+            self.adapter_counts[key] = self.adapter_counts.get(key, 0.0) + value - before.get(key, 0.0)
+        counts = self.adapter_counts
+        if counts.get("requests"):
+            counts["adapter_hit_rate"] = counts.get("hits", 0.0) / max(1.0, counts["hits"] + counts.get("misses", 0))
+            counts["adapter_loads_per_1000_requests"] = 1000 * counts.get("loads", 0.0) / counts["requests"]
+        return result
+
+    def _replica_counts(self) -> dict[str, float]:
+        """The replicas' adapter hits, misses, loads and requests, summed, from /metrics."""
+        if self._replicas is None:
+            return {}
+        with urllib.request.urlopen(self._url + "/metrics", timeout=30) as response:
+            page = response.read().decode()
+        counts: dict[str, float] = {}
+        for key, series in (("hits", "runtime_replica_adapter_hits_total"),
+                            ("misses", "runtime_replica_adapter_misses_total"),
+                            ("loads", "runtime_replica_adapter_loads_total"),
+                            ("requests", "runtime_replica_requests_total")):
+            counts[key] = sum(float(value) for value in re.findall(rf"^{series}{{[^}}]*}} (\S+)$", page, re.M))
+        return counts
 
 
 class LlamaServer:
@@ -457,8 +518,16 @@ def llama_setup(workload: Workload, args) -> list[Path] | str:
     return loras
 
 
+ZIPF: list[float] = []  # --zipf S: [S] (each request's adapter drawn from Zipf(S)); empty: round robin
+
+
 def _pick(client: int, turn: int, adapters: int, prompts: int) -> tuple[int, int]:
-    """The adapter and prompt of a client's turn: each request on the next adapter."""
+    """The adapter and prompt of a client's turn: each request on the next adapter (or, with
+    --zipf, one drawn from Zipf over the adapters, seeded by client and turn)."""
+    if ZIPF:
+        weights = [1.0 / (rank + 1) ** ZIPF[0] for rank in range(adapters)]
+        adapter = random.Random(client * 1_000_003 + turn).choices(range(adapters), weights)[0]
+        return adapter, (client * 3 + turn) % prompts
     return (client + turn) % adapters, (client * 3 + turn) % prompts
 
 
@@ -518,8 +587,12 @@ def render(rows: list[dict], settings: dict, args, skipped: str | None) -> str:
         f"and --prefix-cache-mb {args.prefix_cache_mb:g}, "
         f"{settings['cpus']} CPUs of {settings['cpu']} (load average {settings['load_average_at_end']:.1f} at the "
         f"end), {settings['date']}. "
-        f"Each took {args.rounds} turns of {args.seconds / args.rounds:.0f} s, in alternating order; the last "
-        "column is runtime serve's tokens/s over this row's, the median of the turns' ratios.",
+        + ("Each replica count is its own server on a local Ray, with the thread(s) above per replica. "
+           if args.replicas else "")
+        + f"Each took {args.rounds} turns of {args.seconds / args.rounds:.0f} s, in alternating order; the last "
+        + ("column is this row's tokens/s over the first row's" if args.replicas
+           else "column is runtime serve's tokens/s over this row's")
+        + ", the median of the turns' ratios.",
         "",
         "| server | requests | errors | equal to offline | tokens/s | requests/s | TTFT p50 / p99 (ms) "
         "| inter-token p50 / p99 (ms) | runtime serve vs this |",
@@ -532,7 +605,16 @@ def render(rows: list[dict], settings: dict, args, skipped: str | None) -> str:
                      f"| {row['requests_per_s']:.1f} | {_ms(row['ttft_ms_p50'])} / {_ms(row['ttft_ms_p99'])} "
                      f"| {_ms(row['itl_ms_p50'])} / {_ms(row['itl_ms_p99'])} "
                      f"| {_ratio(row.get('ours_vs_this_tokens_per_s'))} |")
-    if skipped:
+    replicated = [row for row in rows if "replica_adapter_hit_rate" in row]
+    if replicated:
+        mix = f"Zipf({args.zipf:g})" if args.zipf is not None else "round robin"
+        lines += ["", f"Adapters: {mix} over {args.adapters}, --max-adapters-per-replica "
+                  f"{args.max_adapters_per_replica}, {args.warmup:g} s of warm-up first (not counted). Read from the "
+                  "replicas' counters on /metrics.", "",
+                  "| server | adapter hit rate | adapter loads per 1,000 requests |", "|---|---:|---:|"]
+        lines += [f"| {row['server']} | {100 * row['replica_adapter_hit_rate']:.1f}% "
+                  f"| {row['replica_adapter_loads_per_1000_requests']:.1f} |" for row in replicated]
+    if skipped and not args.replicas:
         lines += ["", f"llama-server: skipped ({skipped})."]
     lines += ["", "Command: `python3 -m benchmarks.serve_load " + " ".join(sys.argv[1:]) + "`", ""]
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from runtime.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     StatusError,
+    UnavailableError,
     UnimplementedError,
 )
 from runtime.framework.lora_source import LoraSource
@@ -64,5 +65,6 @@ __all__ = [
     "SessionStats",
     "StatusError",
     "Tokenizer",
+    "UnavailableError",
     "UnimplementedError",
 ]

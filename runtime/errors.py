@@ -60,6 +60,12 @@ class DataLossError(StatusError):
     code = "DATA_LOSS"
 
 
+class UnavailableError(StatusError, ConnectionError):
+    """A service the operation needs cannot be reached now (a replica, a cluster); retrying may work."""
+
+    code = "UNAVAILABLE"
+
+
 class InternalError(StatusError, RuntimeError):
     """A bug or an unexpected failure of an underlying library."""
 

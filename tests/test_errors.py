@@ -23,9 +23,11 @@ HIERARCHY = {
     runtime.DataLossError: ("DATA_LOSS", None),
     runtime.InternalError: ("INTERNAL", RuntimeError),
     runtime.PermissionDeniedError: ("PERMISSION_DENIED", PermissionError),
+    runtime.UnavailableError: ("UNAVAILABLE", ConnectionError),
 }
 # Built-ins a caller might catch; a class must be exactly the one mapped to it above.
-BUILTINS = (ValueError, LookupError, RuntimeError, NotImplementedError, PermissionError, OSError)
+BUILTINS = (ValueError, LookupError, RuntimeError, NotImplementedError, PermissionError, ConnectionError,
+            OSError)
 
 
 def test_the_table_covers_every_error_class_the_module_defines():

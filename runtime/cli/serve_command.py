@@ -81,25 +81,33 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="memory for the KV rows of recent prompts per adapter: a prompt beginning like a "
                         "cached one (a chat template's system prompt, earlier turns) prefills only the rest "
                         "(default: 64; 0: off)")
+    cluster = parser.add_argument_group("replicas (needs the cluster extra: pip install -e \".[cluster]\")")
+    cluster.add_argument("--replicas", type=int, metavar="N",
+                         help="run N engine replicas on Ray Serve behind this server, each request sent to a replica "
+                         "already holding its adapters (default: one engine in this process)")
+    cluster.add_argument("--ray-address", metavar="HOST:PORT",
+                         help="with --replicas: join this Ray cluster (default: start a local Ray, stopped with the "
+                         "server)")
+    cluster.add_argument("--max-adapters-per-replica", type=int, default=8, metavar="K",
+                         help="with --replicas: adapter sets one replica holds, the least recently used let go "
+                         "beyond it (default: 8)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Loads the model and the adapters, binds the address, serves until interrupted."""
-    try:
-        import uvicorn
+    try:  # the serve extra, checked before anything starts
+        import uvicorn  # noqa: F401
 
-        from runtime.serve.app import ServeSettings, create_app
-        from runtime.serve.catalog import AdapterCatalog
-        from runtime.serve.connection import uvicorn_config
+        from runtime.serve.app import ServeSettings
         from runtime.serve.download import DownloadPolicy
         from runtime.serve.hosts import LOOPBACK_NAMES, HostPort, is_loopback
     except ImportError as exc:
         raise FailedPreconditionError(
             f"serve needs the serve extra ({exc.name} is missing): pip install 'runtime[serve]'"
         ) from None
-    from runtime import ByteTokenizer, Engine, EngineSettings
+    from runtime import ByteTokenizer, EngineSettings
 
     if args.stop_token and not args.byte_tokens:
         raise InvalidArgumentError("--stop-token goes with --byte-tokens (a tokenizer brings its own stop tokens)")
@@ -126,21 +134,40 @@ def run(args: argparse.Namespace) -> int:
     engine_settings = EngineSettings(num_threads=args.threads, executors=args.executors,
                                      prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
                                      **weight_cache_settings(args))
+    cluster = _start_cluster(args, settings, engine_settings)
+    try:
+        return _serve(args, settings, engine_settings, tokenizer, chat_template, downloads, cluster)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def _serve(args, settings, engine_settings, tokenizer, chat_template, downloads, cluster) -> int:
+    import uvicorn
+
+    from runtime import Engine
+    from runtime.serve.app import create_app
+    from runtime.serve.catalog import AdapterCatalog
+    from runtime.serve.connection import uvicorn_config
+    from runtime.serve.hosts import is_loopback
+
     with Engine(args.model, engine_settings,
                 tokenizer=tokenizer, chat_template=chat_template) as engine:
-        catalog = AdapterCatalog(engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,
-                                 draft_heads=not args.no_draft_heads)
+        catalog = (cluster.catalog if cluster is not None else AdapterCatalog)(
+            engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,
+            draft_heads=not args.no_draft_heads)
         entries = catalog.scan(strict=args.strict_adapters)
         for skipped in catalog.skipped:
             print(f"warning: skipped adapter {skipped.file}: {skipped.reason}", file=sys.stderr, flush=True)
-        app = create_app(engine, catalog, settings)
+        app = create_app(engine, catalog, settings, extend=cluster.extend if cluster is not None else None)
         listener = _bind(args.host, args.port)
         host, port = listener.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"serving {settings.model_name} at http://{shown}:{port}/v1 "
               f"({len(entries)} adapters: {', '.join(e.name for e in entries) or 'none'}; "
               f"{'chat template' if engine.chat_template else 'no chat template'}; "
-              f"{'API key required' if settings.api_key else 'no API key'})", flush=True)
+              f"{'API key required' if settings.api_key else 'no API key'}"
+              f"{f'; {args.replicas} replicas' if cluster is not None else ''})", flush=True)
         if settings.api_key is None and not is_loopback(host):
             print(f"warning: listening on {host} without --api-key: anyone who can reach it can use it",
                   file=sys.stderr, flush=True)
@@ -154,6 +181,30 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass  # uvicorn shut down gracefully, then re-raised the Ctrl-C it had caught
     return 0
+
+
+def _start_cluster(args: argparse.Namespace, settings, engine_settings):
+    """With ``--replicas``: Ray (joined or started) and the engine replicas, ready; else ``None``."""
+    if args.replicas is None:
+        if args.ray_address is not None:
+            raise InvalidArgumentError("--ray-address goes with --replicas N")
+        return None
+    from runtime.serve.cluster import import_ray
+    from runtime.serve.cluster.launch import Cluster, ClusterOptions, check_reachable
+    from runtime.serve.cluster.replica import ReplicaConfig
+
+    options = ClusterOptions(args.replicas, args.ray_address, args.max_adapters_per_replica,
+                             settings.max_concurrent)
+    config = ReplicaConfig(str(args.model.resolve()), engine_settings,
+                           tokenizer=None if args.tokenizer is None else str(args.tokenizer.resolve()),
+                           byte_tokens=args.byte_tokens, stop_tokens=tuple(args.stop_token or ()),
+                           draft_heads=not args.no_draft_heads)
+    if args.ray_address is not None:
+        check_reachable(args.ray_address)
+    import_ray()  # one line naming the extra if it is missing, before anything starts
+    print(f"starting {args.replicas} replicas on "
+          f"{f'the Ray cluster at {args.ray_address}' if args.ray_address else 'a local Ray'}", flush=True)
+    return Cluster.start(options, config, args.threads)
 
 
 def _read_template(path: Path) -> str:

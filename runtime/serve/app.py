@@ -10,7 +10,7 @@ error is OpenAI-shaped JSON and leaves the server serving.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -27,8 +27,10 @@ from runtime.serve.settings import ServeSettings
 __all__ = ["ServeSettings", "create_app"]
 
 
-def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings) -> FastAPI:
-    """The ASGI application serving ``engine`` with the adapters of ``catalog``."""
+def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings, *,
+               extend: Callable[[FastAPI, Server], None] | None = None) -> FastAPI:
+    """The ASGI application serving ``engine`` with the adapters of ``catalog``;
+    ``extend`` changes the app and its server last (``--replicas`` makes it the ingress)."""
     server = Server(engine, catalog, settings)
 
     @asynccontextmanager
@@ -43,4 +45,6 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings)
     app.mount("/ui", page.files(), name="ui")
     install_error_handlers(app)
     app.add_middleware(Gate, settings=settings, metrics=server.metrics)
+    if extend is not None:
+        extend(app, server)
     return app

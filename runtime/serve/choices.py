@@ -103,7 +103,7 @@ class ChoiceJobs:
         try:
             if check is not None:
                 check(lease, weights)
-            job = GenerationJob(
+            job = server.job_class(
                 server.engine, _with_adapters(request, lease.adapters(weights)),
                 on_text=(lambda text: put((index, text))) if put is not None else None,
                 on_start=(lambda: put((index, started))) if put is not None else None,

@@ -13,6 +13,7 @@ from runtime.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     StatusError,
+    UnavailableError,
     UnimplementedError,
 )
 
@@ -26,6 +27,7 @@ _STATUS_OF = (
     (NotFoundError, 404, "not_found_error", "not_found"),
     (AlreadyExistsError, 409, "conflict_error", "already_exists"),
     (FailedPreconditionError, 409, "conflict_error", "conflict"),
+    (UnavailableError, 503, "server_error", "unavailable"),
 )
 
 

@@ -14,6 +14,7 @@ from runtime.errors import FailedPreconditionError
 from runtime.serve.admission import Admission
 from runtime.serve.catalog import AdapterCatalog
 from runtime.serve.errors import bad_request
+from runtime.serve.generation import GenerationJob
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import ChatMessage
 from runtime.serve.settings import ServeSettings
@@ -36,6 +37,8 @@ class Server:
         # whose request went away before they ran.
         self.pool = ThreadPoolExecutor(settings.max_concurrent + 1, thread_name_prefix="serve-request")
         self.metrics = ServerMetrics(engine, catalog, lambda: self.admission.running)
+        # What runs a generation: on this engine, or (with --replicas) forwarded to a replica.
+        self.job_class = GenerationJob
 
     def shutdown(self) -> None:
         """Cancels running generations and waits for the workers to finish."""

@@ -1,0 +1,171 @@
+"""Joining a Ray cluster (or starting a local one), deploying the engine replicas, stopping.
+
+Without ``--ray-address`` a local Ray is started with the server (on the loopback address,
+``num_cpus`` enough for the replicas) and stopped with it: after the server exits, none of
+its processes is left. With ``--ray-address HOST:PORT`` the server joins that cluster (it
+must be reachable; with Ray's token authentication, ``RAY_AUTH_MODE=token`` and the cluster's
+token in ``RAY_AUTH_TOKEN`` or ``~/.ray/auth_token``), and on exit removes only its own
+application and catalogue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from runtime.errors import InvalidArgumentError, UnavailableError
+from runtime.serve.cluster import import_ray
+from runtime.serve.cluster.ingress import Forwarder, ReplicaHeader
+from runtime.serve.cluster.replica import EngineReplica, ReplicaConfig
+from runtime.serve.cluster.state import STATE_ACTOR, ClusterCatalog, ClusterState
+from runtime.serve.server import Server
+
+NAMESPACE = "runtime"
+APPLICATION = "runtime"
+CONNECT_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 20.0  # for the replicas to finish what they run and go
+# Ray's switch for a Ray on one machine: every address it uses stays on the loopback.
+_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_WORKER_NICENESS = "RAY_worker_niceness"
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """``--replicas``, ``--ray-address`` and ``--max-adapters-per-replica``, checked."""
+
+    replicas: int
+    address: str | None = None
+    max_adapters: int = 8
+    max_ongoing: int = 16  # requests one replica takes at once (the server's --max-concurrent)
+
+    def __post_init__(self) -> None:
+        if type(self.replicas) is not int or self.replicas < 1:
+            raise InvalidArgumentError(f"--replicas {self.replicas!r}: expected an integer >= 1")
+        if type(self.max_adapters) is not int or self.max_adapters < 1:
+            raise InvalidArgumentError(f"--max-adapters-per-replica {self.max_adapters!r}: expected an integer >= 1")
+        if self.address is not None and not self.address.strip():
+            raise InvalidArgumentError("--ray-address must not be empty")
+
+
+class Cluster:
+    """Ray, the catalogue actor and the replicas of one server; :meth:`stop` undoes :meth:`start`."""
+
+    def __init__(self, ray, serve, options: ClusterOptions, state, handle) -> None:
+        self._ray = ray
+        self._serve = serve
+        self.options = options
+        self.state = state
+        self.handle = handle
+
+    @classmethod
+    def start(cls, options: ClusterOptions, config: ReplicaConfig, threads: int) -> Cluster:
+        """Joins or starts Ray, then deploys ``options.replicas`` engine replicas (built
+        from ``config``, ``threads`` CPUs each) and waits until they are ready."""
+        if options.address is None:
+            os.environ[_LOCAL_ONLY] = "0"
+            # Ray starts its workers at nice 15; the replicas do the serving, not background work.
+            os.environ.setdefault(_WORKER_NICENESS, "0")
+            # The replicas import the same runtime package as this process.
+            root = str(Path(__file__).resolve().parents[3])
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        else:
+            check_reachable(options.address)
+        ray, serve = import_ray()
+        try:
+            if options.address is None:
+                ray.init(num_cpus=max(os.cpu_count() or 1, options.replicas * threads), include_dashboard=False,
+                         namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=True)
+            else:
+                ray.init(address=options.address, namespace=NAMESPACE, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = f"the Ray cluster at --ray-address {options.address}" if options.address else "a local Ray"
+            hint = (" (a cluster with token authentication, Ray's default, needs RAY_AUTH_MODE=token here and its "
+                    "token in RAY_AUTH_TOKEN or ~/.ray/auth_token)" if options.address else "")
+            raise UnavailableError(f"cannot start or join {where}: {' '.join(str(exc).split())[:300]}{hint}") from None
+        try:
+            serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+            state = ray.remote(ClusterState).options(name=STATE_ACTOR, namespace=NAMESPACE, num_cpus=0,
+                                                     get_if_exists=True).remote()
+            config = ReplicaConfig(**{**config.__dict__, "state_actor": STATE_ACTOR, "namespace": NAMESPACE})
+            handle = serve.run(deployment(serve, options, threads).bind(config), name=APPLICATION,
+                               route_prefix=None)
+        except BaseException:
+            _stop(ray, serve, options)
+            raise
+        return cls(ray, serve, options, state, handle)
+
+    def catalog(self, *args, **kwargs) -> ClusterCatalog:
+        """The ingress's adapter catalogue, publishing to every replica."""
+        return ClusterCatalog(*args, publish=self._publish, **kwargs)
+
+    def extend(self, app: FastAPI, server: Server) -> None:
+        """Makes the app of one process the ingress: generations go to the replicas, each
+        answer names its replica, ``/metrics`` shows the replicas' numbers."""
+        forwarder = Forwarder(self.handle, server.catalog, server.catalog.digest, self._reports)
+        server.job_class = forwarder.job
+        server.metrics.registry.register(forwarder)
+        app.add_middleware(ReplicaHeader)
+
+    def stop(self) -> None:
+        """Removes the replicas (each finishing what it runs), then stops a local Ray."""
+        _stop(self._ray, self._serve, self.options)
+
+    def _publish(self, entries: dict[str, dict[str, str]]) -> None:
+        self._ray.get(self.state.publish.remote(entries))
+
+    def _reports(self) -> dict[str, tuple[float, dict]]:
+        return self._ray.get(self.state.reports.remote(), timeout=2)
+
+
+def deployment(serve, options: ClusterOptions, threads: int):
+    """The replicas' Ray Serve deployment: :class:`EngineReplica` with its multiplexed
+    loader bounded by ``options.max_adapters``."""
+    loader = serve.multiplexed(max_num_models_per_replica=options.max_adapters)(EngineReplica.load_adapter_set)
+    replica_class = type("EngineReplica", (EngineReplica,), {"load_adapter_set": loader})
+    return serve.deployment(replica_class, name="EngineReplica", num_replicas=options.replicas,
+                            ray_actor_options={"num_cpus": threads}, max_ongoing_requests=options.max_ongoing,
+                            health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+                            logging_config={"log_level": "WARNING"})
+
+
+def _stop(ray, serve, options: ClusterOptions) -> None:
+    def remove() -> None:
+        try:
+            if options.address is None:
+                serve.shutdown()
+            else:
+                serve.delete(APPLICATION)
+                ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+        except Exception as exc:  # stopping goes on: Ray itself is stopped below
+            print(f"warning: stopping the replicas: {exc}", file=sys.stderr, flush=True)
+
+    # Serve's own shutdown waits for its controller; if Ray's processes are gone already (a
+    # Ctrl-C reaches the whole process group) it would wait forever: Ray is stopped anyway.
+    remover = threading.Thread(target=remove, name="serve-shutdown", daemon=True)
+    remover.start()
+    remover.join(STOP_TIMEOUT_S)
+    ray.shutdown()
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """``UnavailableError`` naming ``address`` unless a TCP connection to it opens."""
+    if address == "auto":
+        return
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise InvalidArgumentError(f"--ray-address {address!r}: expected HOST:PORT (the head node's GCS address) "
+                                   "or 'auto'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise UnavailableError(f"--ray-address {address}: cannot reach the Ray cluster there "
+                               f"({exc.strerror or exc}); is `ray start --head` running, and the port open?") from None
+

@@ -1,0 +1,499 @@
+"""``runtime serve --replicas N`` (runtime.serve.cluster): the real command with a local Ray
+(2 CPUs, 2 engine replicas) on the bundled demo model, driven over HTTP like any client.
+
+Every greedy answer is compared with ``Session.generate`` offline on another engine of the
+same model. The tests that need Ray are marked ``cluster`` and skipped without it; the one
+about the missing extra runs everywhere. The module's last test stops the server with
+SIGTERM and checks that none of its processes (Ray's included) is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from runtime import ByteTokenizer, Engine, LoraSource, SessionConfig
+from runtime.serve.cluster.replica import adapter_set_id, parse_adapter_set_id
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = Path(str(resources.files("runtime") / "demo_assets"))
+MODEL = DEMO / "model.tflite"
+NEWLINE = 10
+KEY = "cluster-key-0123"
+TEMPLATE = '{{ messages[-1].content + "\\n" }}'
+ADAPTERS = ("uppercase", "no_vowels", "json")
+PROMPTS = ("hello world\n", "the cat sat\n", "green tea\n")
+DEMO_ADAPTERS = tuple(DEMO / "adapters" / f"{name}.tflite" for name in ADAPTERS)
+TINY_MODEL = ROOT / "tests" / "models" / "gqa_default.tflite"  # random weights, rank slots 4 and 16
+TINY_ADAPTERS = tuple(ROOT / "tests" / "models" / "adapters" / f"{name}.tflite" for name in ("torch_r4", "litertlm_r4"))
+START_TIMEOUT_S = 180
+
+cluster = pytest.mark.cluster
+
+
+def _environment() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+class ClusterServer:
+    """``python -m runtime serve --replicas 2`` in a subprocess of its own session."""
+
+    def __init__(self, tmp: Path, model: Path = MODEL, adapters: tuple[Path, ...] = DEMO_ADAPTERS,
+                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2")) -> None:
+        self.adapters = tmp / "adapters"
+        self.adapters.mkdir()
+        for path in adapters:
+            shutil.copy(path, self.adapters)
+        template = tmp / "template.jinja"
+        template.write_text(TEMPLATE)
+        self.log = open(tmp / "server.log", "w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "runtime", "serve", "--model", str(model), "--byte-tokens", *options,
+             "--chat-template", str(template), "--adapters", str(self.adapters), "--served-model-name", "demo",
+             "--port", "0", "--api-key", KEY, "--max-adapters-per-replica", "4"],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=_environment(), start_new_session=True)
+        self.url = ""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            found = re.search(r"at (http://\S+)/v1 ", line)
+            if found:
+                self.url = found.group(1)
+                break
+        if not self.url:
+            self.process.kill()
+            self.log.seek(0)
+            raise AssertionError(f"the server did not start: {''.join(lines)}{self.log.read()[-3000:]}")
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # drains stdout
+
+    def call(self, path: str, body: object = None, *, method: str | None = None,
+             timeout: float = 60) -> tuple[int, dict, dict]:
+        """Status, JSON body and headers of one request."""
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        request.add_header("Authorization", f"Bearer {KEY}")
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                status, payload, headers = response.status, response.read(), dict(response.headers)
+        except urllib.error.HTTPError as error:
+            status, payload, headers = error.code, error.read(), dict(error.headers)
+        try:
+            return status, json.loads(payload), headers
+        except json.JSONDecodeError:
+            return status, {"text": payload.decode(errors="replace")}, headers
+
+    def complete(self, model: str, prompt: str, **fields) -> tuple[str, str]:
+        """The text of a greedy completion and the replica that answered."""
+        status, body, headers = self.call("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 64,
+                                                               "temperature": 0, **fields})
+        assert status == 200, body
+        return body["choices"][0]["text"], headers["x-runtime-replica"]
+
+    def stream(self, body: dict, timeout: float = 60) -> tuple[str, list[dict], str]:
+        """A streaming completion: the replica header, every event's JSON, and the last line."""
+        request = urllib.request.Request(self.url + "/v1/completions", data=json.dumps({**body, "stream": True})
+                                         .encode())
+        request.add_header("Authorization", f"Bearer {KEY}")
+        request.add_header("Content-Type", "application/json")
+        events, last = [], ""
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            replica = response.headers.get("x-runtime-replica", "")
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                last = line[6:]
+                if last != "[DONE]":
+                    events.append(json.loads(last))
+        return replica, events, last
+
+    def metrics(self) -> str:
+        request = urllib.request.Request(self.url + "/metrics")
+        request.add_header("Authorization", f"Bearer {KEY}")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.read().decode()
+
+    def replica_values(self, name: str) -> dict[str, float]:
+        """One per-replica series of /metrics: replica -> value."""
+        found = {}
+        for line in self.metrics().splitlines():
+            hit = re.fullmatch(rf'{name}{{replica="([^"]+)"}} (\S+)', line)
+            if hit:
+                found[hit.group(1)] = float(hit.group(2))
+        return found
+
+    def live_replicas(self) -> dict[str, int]:
+        """Replicas reporting now -> their process id."""
+        up = self.replica_values("runtime_replica_up")
+        pids = self.replica_values("runtime_replica_pid")
+        return {replica: int(pids[replica]) for replica, value in up.items() if value == 1.0}
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    pytest.importorskip("ray", reason="needs the cluster extra: pip install -e '.[cluster]'")
+    server = ClusterServer(tmp_path_factory.mktemp("cluster"))
+    yield server
+    _stop(server)  # if the SIGTERM test did not
+
+
+def _stop(server: ClusterServer) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]))
+
+    def generate(prompt: str, loras=(), max_tokens: int = 64) -> str:
+        sources = [LoraSource(path=DEMO / "adapters" / f"{name}.tflite", scale=scale) for name, scale in loras]
+        with engine.create_session(SessionConfig(loras=sources)) as session:
+            result = session.generate(list(prompt.encode()), max_tokens, stop_tokens=[NEWLINE])
+        return bytes(token for token in result.tokens if token != NEWLINE).decode(errors="replace")
+
+    yield generate
+    engine.close()
+
+
+# -- without Ray -----------------------------------------------------------------
+
+
+def test_adapter_set_ids_are_sorted_and_read_back():
+    digests = {"b": "2" * 64, "a": "1" * 64}
+    assert adapter_set_id(digests) == f"a@{'1' * 64}+b@{'2' * 64}"
+    assert parse_adapter_set_id(adapter_set_id(digests)) == sorted(digests.items())
+    assert adapter_set_id({}) == "" and parse_adapter_set_id("") == []
+
+
+def test_replicas_without_the_extra_is_one_line_naming_it(tmp_path):
+    hide_ray = ("import sys; sys.modules['ray'] = None; from runtime.cli.main import main; "
+                f"sys.exit(main(['serve', '--model', {str(MODEL)!r}, '--byte-tokens', '--replicas', '2']))")
+    done = subprocess.run([sys.executable, "-c", hide_ray], capture_output=True, text=True, env=_environment(),
+                          timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'pip install -e ".[cluster]"' in lines[0], done.stderr
+
+
+def test_ray_address_without_replicas_is_refused():
+    done = subprocess.run([sys.executable, "-m", "runtime", "serve", "--model", str(MODEL), "--byte-tokens",
+                           "--ray-address", "127.0.0.1:1"], capture_output=True, text=True, env=_environment(),
+                          timeout=120)
+    assert done.returncode == 2 and "--ray-address goes with --replicas" in done.stderr
+
+
+@cluster
+def test_an_unreachable_ray_address_is_a_clear_error_naming_it():
+    pytest.importorskip("ray")
+    done = subprocess.run([sys.executable, "-m", "runtime", "serve", "--model", str(MODEL), "--byte-tokens",
+                           "--replicas", "2", "--ray-address", "127.0.0.1:9"], capture_output=True, text=True,
+                          env=_environment(), timeout=120)
+    assert done.returncode == 2
+    assert "--ray-address 127.0.0.1:9: cannot reach the Ray cluster" in done.stderr, done.stderr
+
+
+# -- answers ---------------------------------------------------------------------
+
+
+@cluster
+def test_greedy_answers_equal_offline(served, offline):
+    for prompt in PROMPTS:
+        for name in ADAPTERS:
+            assert served.complete(name, prompt)[0] == offline(prompt, [(name, 1.0)])
+        assert served.complete("demo", prompt)[0] == offline(prompt)
+        assert served.complete("demo::json", prompt)[0] == offline(prompt, [("json", 1.0)])
+        blend = [{"name": "uppercase", "scale": 0.5}]
+        assert served.complete("demo", prompt, lora=blend)[0] == offline(prompt, [("uppercase", 0.5)])
+
+
+@cluster
+def test_chat_and_streaming_equal_offline(served, offline):
+    status, body, headers = served.call("/v1/chat/completions", {
+        "model": "no_vowels", "messages": [{"role": "user", "content": "green tea"}], "temperature": 0})
+    assert status == 200 and headers["x-runtime-replica"]
+    assert body["choices"][0]["message"]["content"] == offline("green tea\n", [("no_vowels", 1.0)])
+    replica, events, last = served.stream({"model": "uppercase", "prompt": "the cat sat\n", "max_tokens": 64,
+                                           "temperature": 0})
+    assert replica and last == "[DONE]"
+    assert "".join(event["choices"][0]["text"] for event in events) == offline("the cat sat\n",
+                                                                              [("uppercase", 1.0)])
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@cluster
+def test_models_are_the_catalogue_of_one_process(served):
+    status, body, _ = served.call("/v1/models")
+    assert status == 200
+    assert {model["id"] for model in body["data"]} == {"demo", *ADAPTERS}
+
+
+@cluster
+def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path):
+    """The tiny test model has a rank-16 slot: two rank-4 adapters blend, as one multiplexed set."""
+    pytest.importorskip("ray")
+    server = ClusterServer(tmp_path, TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
+    engine = Engine(TINY_MODEL, tokenizer=ByteTokenizer())
+    try:
+        prompt = [5, 17, 42]
+
+        def offline(loras) -> str:
+            sources = [LoraSource(path=TINY_ADAPTERS[0].parent / f"{name}.tflite", scale=scale) for name, scale in loras]
+            with engine.create_session(SessionConfig(loras=sources)) as session:
+                return session.generate(prompt, 6).text
+
+        blend = [("torch_r4", 0.6), ("litertlm_r4", -0.4)]
+        status, body, headers = server.call("/v1/completions", {
+            "model": "demo", "lora": [{"name": name, "scale": scale} for name, scale in blend], "prompt": prompt,
+            "max_tokens": 6, "temperature": 0})
+        assert status == 200 and headers["x-runtime-replica"], body
+        assert body["choices"][0]["text"] == offline(blend) != offline([])
+        status, body, _ = server.call("/v1/completions", {  # the same set, other scales: no new load
+            "model": "litertlm_r4", "lora": [{"name": "torch_r4", "scale": 0.5}], "prompt": prompt,
+            "max_tokens": 6, "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == offline([("litertlm_r4", 1.0), ("torch_r4", 0.5)])
+        deadline = time.monotonic() + 10
+        while list(server.replica_values("runtime_replica_adapter_sets").values()) != [1.0]:  # one set, both
+            assert time.monotonic() < deadline, server.metrics()
+            time.sleep(0.2)
+        assert sum(server.replica_values("runtime_replica_adapter_loads_total").values()) == 1
+    finally:
+        _stop(server)
+        engine.close()
+
+
+# -- affinity --------------------------------------------------------------------
+
+
+@cluster
+def test_after_a_warm_up_each_adapters_requests_stay_on_one_replica(served):
+    names = [f"affine{i}" for i in range(3)]
+    for name, source in zip(names, ADAPTERS):  # adapters no replica holds yet
+        shutil.copy(DEMO / "adapters" / f"{source}.tflite", served.adapters / f"{name}.tflite")
+        assert served.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": f"{name}.tflite"})[0] == 200
+    for name in names:  # warm-up: one replica loads each, and tells the router
+        served.complete(name, "hello world\n")
+    time.sleep(2.0)
+    misses = sum(served.replica_values("runtime_replica_adapter_misses_total").values())
+    seen = {name: {served.complete(name, prompt)[1] for prompt in PROMPTS * 2} for name in names}
+    assert all(len(replicas) == 1 for replicas in seen.values()), seen
+    assert sum(served.replica_values("runtime_replica_adapter_misses_total").values()) == misses  # no new load
+    for name in names:
+        assert served.call("/v1/unload_lora_adapter", {"lora_name": name})[0] == 200
+
+
+# -- one catalogue ---------------------------------------------------------------
+
+
+@cluster
+def test_hot_load_and_unload_reach_every_replica(served, offline):
+    shutil.copy(DEMO / "adapters" / "uppercase.tflite", served.adapters / "shout.tflite")
+    before = _wait_for_one_catalogue_version(served)
+    status, body, _ = served.call("/v1/load_lora_adapter", {"lora_name": "shout", "lora_path": "shout.tflite"})
+    assert status == 200, body
+    version = _wait_for_one_catalogue_version(served, newer_than=before)
+    with ThreadPoolExecutor(6) as pool:  # a burst: both replicas may load it; each answers right
+        answers = list(pool.map(lambda prompt: served.complete("shout", prompt), PROMPTS * 2))
+    assert all(text == offline(prompt, [("uppercase", 1.0)]) for (text, _), prompt in zip(answers, PROMPTS * 2))
+    deadline = time.monotonic() + 10
+    while not _holding(served, "shout"):  # the replicas report every half second
+        assert time.monotonic() < deadline, "no replica reports holding the adapter it answered with"
+        time.sleep(0.2)
+    status, body, _ = served.call("/v1/unload_lora_adapter", {"lora_name": "shout"})
+    assert status == 200, body
+    _wait_for_one_catalogue_version(served, newer_than=version)
+    deadline = time.monotonic() + 10
+    while _holding(served, "shout"):
+        assert time.monotonic() < deadline, "a replica kept the unloaded adapter"
+        time.sleep(0.2)
+    status, body, _ = served.call("/v1/completions", {"model": "shout", "prompt": "hi\n"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def _wait_for_one_catalogue_version(served, newer_than: float = -1.0, seconds: float = 10) -> float:
+    """The catalogue version once every live replica has seen the same one, newer than ``newer_than``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        live = served.live_replicas()
+        versions = {value for replica, value in served.replica_values("runtime_replica_catalogue_version").items()
+                    if replica in live}
+        if len(live) == 2 and len(versions) == 1 and min(versions) > newer_than:
+            return versions.pop()
+        assert time.monotonic() < deadline, f"replicas at catalogue versions {versions}, live {live}"
+        time.sleep(0.2)
+
+
+def _holding(served, name: str) -> set[str]:
+    """The replicas that hold adapter ``name`` now."""
+    held = set()
+    for line in served.metrics().splitlines():
+        if line.startswith("runtime_replica_adapter_held{") and line.endswith(" 1.0"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            if labels["adapter"] == name:
+                held.add(labels["replica"])
+    return held
+
+
+@cluster
+def test_a_file_changed_after_loading_is_refused_with_409(served):
+    shutil.copy(DEMO / "adapters" / "no_vowels.tflite", served.adapters / "quiet.tflite")
+    status, body, _ = served.call("/v1/load_lora_adapter", {"lora_name": "quiet", "lora_path": "quiet.tflite"})
+    assert status == 200, body
+    assert served.complete("quiet", "hello world\n")[0]
+    time.sleep(0.01)
+    shutil.copy(DEMO / "adapters" / "json.tflite", served.adapters / "quiet.tflite")  # rewritten in place
+    for _ in range(4):
+        status, body, _ = served.call("/v1/completions", {"model": "quiet", "prompt": "hello world\n"})
+        assert status == 409 and "changed" in body["error"]["message"], body
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "quiet"})[0] == 200
+
+
+@cluster
+def test_a_replica_checks_the_digest_of_what_it_loads(served):
+    """A file rewritten in place with its size and time kept passes the ingress's quick check
+    (device, inode, size, time); the replica loading it checks its SHA-256 and refuses (409)."""
+    twin = served.adapters / "twin.tflite"
+    shutil.copy(DEMO / "adapters" / "uppercase.tflite", twin)
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "twin", "lora_path": "twin.tflite"})[0] == 200
+    status = twin.stat()
+    other = (DEMO / "adapters" / "no_vowels.tflite").read_bytes()
+    assert len(other) == status.st_size
+    with open(twin, "r+b") as file:  # the same inode, size and modification time, other bytes
+        file.write(other)
+    os.utime(twin, ns=(status.st_atime_ns, status.st_mtime_ns))
+    status, body, _ = served.call("/v1/completions", {"model": "twin", "prompt": "hello world\n"})
+    assert status == 409 and "SHA-256" in body["error"]["message"], body
+    assert served.call("/v1/unload_lora_adapter", {"lora_name": "twin"})[0] == 200
+
+
+# -- faults ----------------------------------------------------------------------
+
+
+@cluster
+def test_a_killed_replica_ends_its_streams_with_an_error_and_is_replaced(served, offline):
+    expected = offline("hello world\n", [("json", 1.0)])
+    body = {"model": "json", "prompt": "hello world\n", "max_tokens": 230, "ignore_eos": True, "temperature": 0}
+    for attempt in range(3):
+        before = served.live_replicas()
+        assert len(before) == 2, before
+        first = threading.Event()
+        results: list[object] = []
+
+        def one() -> None:
+            try:
+                replica, events, last = served.stream(body, timeout=60)
+                results.append((replica, events, last))
+            except Exception as exc:  # noqa: BLE001 - a broken stream is a failure below
+                results.append(exc)
+            finally:
+                first.set()
+
+        def watch_first() -> str:
+            request = urllib.request.Request(served.url + "/v1/completions",
+                                             data=json.dumps({**body, "stream": True}).encode())
+            request.add_header("Authorization", f"Bearer {KEY}")
+            request.add_header("Content-Type", "application/json")
+            response = urllib.request.urlopen(request, timeout=60)
+            replica = response.headers["x-runtime-replica"]
+            os.kill(before[replica], signal.SIGKILL)  # as soon as its first token came
+            lines = [raw.decode().strip() for raw in response]
+            results.append((replica, [json.loads(line[6:]) for line in lines if line.startswith("data: {")],
+                            [line for line in lines if line.startswith("data: ")][-1][6:]))
+            return replica
+
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(one) for _ in range(6)]
+            killed = pool.submit(watch_first).result(timeout=90)
+            for stream in streams:
+                stream.result(timeout=90)  # never a hang
+        broken = [result for result in results if isinstance(result, Exception)]
+        assert not broken, broken
+        cut = 0
+        for replica, events, last in results:
+            assert last == "[DONE]", "a stream ended without its end"  # never a silent cut
+            errors = [event for event in events if "error" in event]
+            if errors:
+                cut += 1
+                assert errors[0]["error"]["code"] == "unavailable" and replica == killed, errors
+            else:
+                text = "".join(event["choices"][0]["text"] for event in events if "choices" in event)
+                assert text.startswith(expected)
+        # New requests are answered at once (by the other replica)...
+        assert served.complete("json", "green tea\n")[0] == offline("green tea\n", [("json", 1.0)])
+        # ...and Ray Serve starts a new replica, which loads adapters on demand.
+        deadline = time.monotonic() + 90
+        while len(served.live_replicas()) < 2 or killed in served.live_replicas():
+            assert time.monotonic() < deadline, "the killed replica was not replaced"
+            time.sleep(0.5)
+        if cut:
+            break
+    assert cut, "no stream was running on the killed replica in three tries"
+    for name in ADAPTERS:
+        assert served.complete(name, "the cat sat\n")[0] == offline("the cat sat\n", [(name, 1.0)])
+
+
+@cluster
+def test_sigterm_drains_and_leaves_no_process(served):
+    """The module's last test: the server stops, and with it the local Ray it started."""
+    processes = _descendants(served.process.pid)
+    assert len(processes) >= 4, processes  # Ray's GCS and raylet, the controller, the replicas...
+    started = time.monotonic()
+    served.process.send_signal(signal.SIGTERM)
+    assert served.process.wait(60) == signal.SIGTERM  # Ray's driver exits with the signal's number, once stopped
+    deadline = time.monotonic() + 30
+    while left := [pid for pid in processes if _alive(pid)]:
+        assert time.monotonic() < deadline, f"processes left: {left}"
+        time.sleep(0.2)
+    print(f"stopped in {time.monotonic() - started:.1f} s")
