@@ -242,3 +242,33 @@ def test_the_library_is_built_once_and_reused(kernel_cache, rewritten):
     built = list((kernel_cache / "kernels").glob("decode_attention-*.so"))
     assert len(built) == 1
     assert not [p for p in (kernel_cache / "kernels").iterdir() if p.name.startswith(".build-")]
+
+
+@needs_cc
+def test_weights_stored_after_the_flatbuffer_are_brought_inside(tmp_path, kernel_cache):
+    """The quantizer stores some weights after the flatbuffer (offset and size in the
+    buffer table): the pass brings them inside; the rewritten model computes the same."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import _pack
+
+    model = schema.ModelT.InitFromPackedBuf(FIXTURES["gqa"].read_bytes(), 0)
+    largest = max(model.buffers, key=lambda buffer: 0 if buffer.data is None else len(buffer.data))
+    payload = np.asarray(largest.data, np.uint8).tobytes()
+    largest.data, largest.offset, largest.size = None, 1 << 40, len(payload)  # a placeholder of the same width
+    head = _pack(model)
+    largest.offset = -(-len(head) // 64) * 64
+    head = _pack(model)
+    external = tmp_path / "external.tflite"
+    external.write_bytes(head + bytes(largest.offset - len(head)) + payload)
+    data, counts = rewrite_decode_attention(external.read_bytes())
+    assert counts["decode"] == 2
+    rewritten = tmp_path / "rewritten.tflite"
+    rewritten.write_bytes(data)
+    original = NativeModel(external, num_threads=1, weight_cache=":memory:", name="external")
+    native = NativeModel(rewritten, num_threads=1, weight_cache=":memory:", name="native")
+    inputs = step_inputs(original, "decode", 20, seed=4)
+    want, got = run(original, "decode", inputs), run(native, "decode", inputs)
+    assert float(np.abs(want["logits"] - got["logits"]).max()) <= TOL
+    want_plain = run(NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa"), "decode", inputs)
+    assert np.array_equal(want_plain["logits"], want["logits"])  # the external copy is the same model

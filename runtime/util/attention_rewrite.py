@@ -16,8 +16,8 @@ positions the mask leaves open. Any other op between the two matmuls (a soft-cap
 scale) is refused, naming it: the chain is never half-understood.
 
 The model is rewritten through the wheel's flatbuffer schema (object API), every buffer's
-data 64-byte aligned (LiteRT hands a custom op only aligned tensors). Models whose
-weights lie outside the flatbuffer (over 2 GB) are refused.
+data 64-byte aligned (LiteRT hands a custom op only aligned tensors); data stored after the
+flatbuffer is brought inside it, so models of 2 GB and more are refused.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from runtime.errors import InvalidArgumentError
 
 DECODE_ATTENTION = "odml_runtime.decode_attention"
 ALIGNMENT = 64
+_FLATBUFFER_LIMIT = 2**31 - 2**24  # a flatbuffer's offsets are 32-bit; room for the tables
 _NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
 _FLOAT32 = schema.TensorType.FLOAT32
 
@@ -67,9 +68,15 @@ def rewrite_decode_attention(data: bytes) -> tuple[bytes, dict[str, int]]:
     if DECODE_ATTENTION in custom_codes(data):
         raise InvalidArgumentError(f"the model already runs {DECODE_ATTENTION}")
     model = schema.ModelT.InitFromPackedBuf(data, 0)
-    if any(buffer.offset > 1 for buffer in model.buffers or ()):
-        raise InvalidArgumentError("the model keeps its weights outside the flatbuffer (over 2 GB): the attention "
-                                   "kernel pass does not rewrite such files")
+    outside = 0
+    for buffer in model.buffers or ():
+        if buffer.offset > 1:  # data after the flatbuffer (the quantizer writes some so): brought inside
+            buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
+            outside += buffer.size
+            buffer.offset = buffer.size = 0
+    if outside and len(data) >= _FLATBUFFER_LIMIT:
+        raise InvalidArgumentError(f"the model is {len(data):,} bytes, its weights partly outside the flatbuffer: "
+                                   "the attention kernel pass writes one flatbuffer, at most 2 GB")
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
     if not keys:
         raise InvalidArgumentError("the model has no decode signature to rewrite")
