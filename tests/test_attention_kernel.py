@@ -6,6 +6,9 @@ Tests that run the kernel need a C compiler (cc or gcc) and skip, saying so, wit
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -234,6 +237,14 @@ def test_a_failing_run_raises_naming_the_op(rewritten, kernel_cache):
         run(model, "decode", inputs)
     run(model, "decode", inputs)
     model.close()
+
+
+@needs_cc
+def test_inspect_names_the_native_kernel(rewritten, kernel_cache):
+    done = subprocess.run([sys.executable, "-m", "runtime", "inspect", str(rewritten["gemma3"])], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "RUNTIME_CACHE": str(kernel_cache)})
+    assert done.returncode == 0, done.stderr
+    assert f"decode attention native kernel ({DECODE_ATTENTION}" in done.stdout
 
 
 @needs_cc
