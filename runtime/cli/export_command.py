@@ -63,8 +63,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=defaults.attention_kernel,
                         help="xnnpack (the default): standard ops; native: each decode signature's attention as one "
                         "custom op whose kernel the runtime compiles with the system C compiler at first open "
-                        "(0.57-0.80x the attention's time at SmolLM2's shapes with AVX2; reads only the positions in use; "
-                        "transposed KV layout, no --bundle; docs/kernels.md)")
+                        "(0.57-0.80x the attention's time at SmolLM2's shapes with AVX2; reads only the positions "
+                        "in use; transposed KV layout, no --bundle; docs/kernels.md)")
     parser.add_argument("--batch-sizes", default="", metavar="B,B,...",
                         help="batched decode signatures: B sessions step in one pass over the weights (e.g. 2,4,8)")
     parser.add_argument("--batch-lora-ranks", default=None, metavar="R,R,...",

@@ -130,7 +130,8 @@ def main() -> None:
             for name in (order if rnd % 2 == 0 else order[::-1]):
                 times[name].append(timed[name].ms(args.seconds))
         cache_mb = 2 * args.layers * G * span * D * 4 / 1e6
-        print(f"\n{span} positions (open 0..{pos}), {args.layers} layers, caches {cache_mb:.1f} MB, {args.rounds} rounds")
+        print(f"\n{span} positions (open 0..{pos}), {args.layers} layers, caches {cache_mb:.1f} MB, "
+              f"{args.rounds} rounds")
         print("| form | median ms | min | ratio to xnnpack min / median / max |")
         print("|---|---:|---:|---|")
         for name, ms in times.items():
