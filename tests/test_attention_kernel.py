@@ -283,3 +283,19 @@ def test_weights_stored_after_the_flatbuffer_are_brought_inside(tmp_path, kernel
     assert float(np.abs(want["logits"] - got["logits"]).max()) <= TOL
     want_plain = run(NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa"), "decode", inputs)
     assert np.array_equal(want_plain["logits"], want["logits"])  # the external copy is the same model
+
+
+@needs_cc
+def test_processes_building_at_once_each_get_a_whole_library(tmp_path):
+    """Three processes build into an empty cache at once: each loads a library that runs,
+    one file is left, no scratch."""
+    script = ("from runtime.executor import kernels\n"
+              "library = kernels.build_library()\n"
+              "print(bool(library.attention_run))\n")
+    env = {**os.environ, "RUNTIME_CACHE": str(tmp_path)}
+    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for _ in range(3)]
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0 and out.strip() == "True", err
+    assert [p.name.startswith("decode_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
