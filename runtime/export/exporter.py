@@ -155,14 +155,6 @@ class _Job:
         else:  # the workers convert their modules too
             module_files = yield from self._lower_in_workers()
         yield from self._finish(module_files, recipes)
-        if self.settings.attention_kernel == "native":
-            for precision, model_file in zip(self.precisions, self.model_files):
-                name = "rewrite decode attention (native kernel)" + (
-                    "" if len(self.precisions) == 1 else f" ({precision.quantize})")
-                with self.stage(name):
-                    rewritten, _ = rewrite_decode_attention(model_file.read_bytes())
-                    model_file.write_bytes(rewritten)
-                yield name
         for precision, model_file in zip(self.precisions, self.model_files):
             if precision.bundle_out is not None:
                 name = "write the bundle" + ("" if len(self.precisions) == 1 else f" ({precision.quantize})")
@@ -241,7 +233,10 @@ class _Job:
             float_file=floats[0] if floats else self.outputs.scratch(self.outputs.targets[0], ".f32.tflite"),
             quantized=tuple(finish.Quantized(precision.quantize, recipe, file)
                             for precision, file, recipe in zip(self.precisions, self.model_files, recipes)
-                            if recipe is not None))
+                            if recipe is not None),
+            rewrite_attention=tuple(("" if len(self.precisions) == 1 else f" ({precision.quantize})", file)
+                                    for precision, file in zip(self.precisions, self.model_files))
+            if self.settings.attention_kernel == "native" else ())
         self.watch.restart()
         for kind, payload in finish.finish_in_process(work):
             if kind == "stage":
