@@ -92,6 +92,7 @@ def test_inspect_model_and_adapter():
     assert model.returncode == 0
     assert "LoRA slots r4, r16" in model.stdout and "transposed layout" in model.stdout
     assert "base weights map present" in model.stdout
+    assert "decode attention xnnpack (standard ops)" in model.stdout
     assert "batched decode rows [2, 4] (LoRA slot r4), [2, 4] (LoRA slot r16)" in model.stdout
     assert "attention windows [16, 32]" in model.stdout and "prefill windows [16, 32]" in model.stdout
     assert "lora_atten_q_a_prime_weight_0" in model.stdout and "[LoRA]" in model.stdout

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -476,3 +477,28 @@ def test_several_quantizations_come_from_one_lowering_as_each_alone(exported: Ex
         assert alone.returncode == 0, alone.stderr
         assert (tmp_path / f"m-{name}.tflite").read_bytes() == (tmp_path / "alone" / f"{name}.tflite").read_bytes()
     assert (tmp_path / "m-int8.tflite").stat().st_size < (tmp_path / "m-f32.tflite").stat().st_size
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="no C compiler (cc or gcc) on PATH to build the attention kernel")
+def test_the_native_attention_kernel_gives_the_standard_exports_numbers(tmp_path: Path) -> None:
+    """--attention-kernel native at two precisions from one lowering: a stage of its own
+    per precision, the custom op in the decode signatures only, and a session's logits within
+    1e-5 of the same export in standard ops (greedy tokens the same)."""
+    from runtime.export.exporter import AlsoAt
+    from runtime.util.attention_rewrite import DECODE_ATTENTION, custom_codes
+
+    source = inspect_source(checkpoints.write_llama_directory(tmp_path / "llama"))
+    common = dict(kv_length=32, prefill_lengths=(8,), attention_windows=(16,), batch_sizes=(2,))
+    export(source, ExportSettings(**common), model_out=tmp_path / "standard.tflite", jobs=1)
+    report = export(source, ExportSettings(**common, attention_kernel="native"), model_out=tmp_path / "native.tflite",
+                    also=[AlsoAt("int8", tmp_path / "native-int8.tflite")], jobs=1)
+    stages = report.stage_seconds
+    assert "rewrite decode attention (native kernel) (none)" in stages
+    assert "rewrite decode attention (native kernel) (int8)" in stages
+    for name in ("native.tflite", "native-int8.tflite"):
+        assert custom_codes((tmp_path / name).read_bytes()) == {DECODE_ATTENTION}
+    standard, native = runtime_logits(tmp_path / "standard.tflite"), runtime_logits(tmp_path / "native.tflite")
+    assert np.abs(standard - native).max() <= 1e-5
+    assert (standard.argmax(-1) == native.argmax(-1)).all()
+    assert np.isfinite(runtime_logits(tmp_path / "native-int8.tflite")).all()

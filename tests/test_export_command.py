@@ -111,3 +111,14 @@ def test_bad_quantizations(tmp_path: Path, source: Path, quantize: str, out: str
     before = files(tmp_path)
     refused(export(source, "--out", tmp_path / out, "--quantize", quantize), match.replace("{tmp}", str(tmp_path)))
     assert files(tmp_path) == before
+
+
+def test_the_native_attention_kernel_with_a_bundle_or_the_default_layout(tmp_path: Path, source: Path) -> None:
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m.tflite", "--bundle", tmp_path / "m.litertlm",
+                   "--attention-kernel", "native"),
+            "--attention-kernel native with --bundle: a .litertlm bundle is for LiteRT-LM, which runs standard ops")
+    refused(export(source, "--bundle", tmp_path / "m.litertlm", "--attention-kernel", "native"), "with --bundle")
+    refused(export(source, "--out", tmp_path / "m.tflite", "--kv-layout", "default", "--attention-kernel", "native"),
+            "--attention-kernel native with --kv-layout default: the kernel reads the transposed layout only")
+    assert files(tmp_path) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from runtime.executor.weight_cache import default_max_bytes, survey, user_direct
 from runtime.adapters.adapter_data import AdapterData
 from runtime.adapters.adapter_formats import open_adapter
 from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
+from runtime.util.attention_rewrite import DECODE_ATTENTION, custom_codes
 from runtime.util.signature_names import LoraSlot
 from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
@@ -92,6 +94,14 @@ def _check_fit(adapter_path: Path, model_path: Path) -> int:
     return 0
 
 
+def _attention_form(path: Path) -> str:
+    """How the model's decode signatures compute attention (docs/kernels.md)."""
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        native = DECODE_ATTENTION in custom_codes(mapped)
+    return (f"native kernel ({DECODE_ATTENTION}: built with this machine's C compiler; this runtime only)" if native
+            else "xnnpack (standard ops)")
+
+
 def describe_model(path: Path, spec: ModelSpec) -> str:
     """A model's signatures and inputs, marking the LoRA inputs."""
     lines = [
@@ -102,6 +112,7 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
         f"  LoRA slots {', '.join(map(str, spec.slots)) or 'none'}",
         f"  base weights map {_weights_map(path)}",
+        f"  decode attention {_attention_form(path)}",
     ]
     slots = [None, *spec.slots]
     batched = {slot: spec.batch_sizes(slot) for slot in slots if spec.batch_sizes(slot)}

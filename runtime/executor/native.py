@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import InternalError, InvalidArgumentError, UnimplementedError
+from runtime.executor import kernels
+from runtime.util.attention_rewrite import custom_codes
 
 _P = ctypes.c_void_p
 _SIZE = ctypes.c_size_t
@@ -84,6 +86,20 @@ _FUNCTIONS: dict[str, tuple[type | None, list]] = {
     "LiteRtResetProfiler": (_STATUS, [_P]),
     "LiteRtGetNumProfilerEvents": (_STATUS, [_P, ctypes.POINTER(ctypes.c_int)]),
     "LiteRtGetProfilerEvents": (_STATUS, [_P, ctypes.c_int, _P]),
+    # A model's custom ops, read before it compiles, and their kernels (runtime.executor.kernels).
+    "LiteRtGetNumModelSubgraphs": (_STATUS, [_P, _OUT_SIZE]),
+    "LiteRtGetModelSubgraph": (_STATUS, [_P, _SIZE, _OUT_P]),
+    "LiteRtGetNumSubgraphOps": (_STATUS, [_P, _OUT_SIZE]),
+    "LiteRtGetSubgraphOp": (_STATUS, [_P, _SIZE, _OUT_P]),
+    "LiteRtGetCustomCode": (_STATUS, [_P, _OUT_STR]),
+    "LiteRtGetNumOpInputs": (_STATUS, [_P, _OUT_SIZE]),
+    "LiteRtGetOpInput": (_STATUS, [_P, _SIZE, _OUT_P]),
+    "LiteRtGetNumOpOutputs": (_STATUS, [_P, _OUT_SIZE]),
+    "LiteRtGetOpOutput": (_STATUS, [_P, _SIZE, _OUT_P]),
+    "LiteRtAddCustomOpKernelOption": (_STATUS, [_P, ctypes.c_char_p, ctypes.c_int, _P, _P]),
+    "LiteRtGetTensorBufferHostMemory": (_STATUS, [_P, _OUT_P]),
+    "LiteRtGetTensorBufferTensorType": (_STATUS, [_P, _P]),
+    "LiteRtGetTensorBufferSize": (_STATUS, [_P, _OUT_SIZE]),
 }
 
 # LiteRT's runtime options (a TOML payload) and the one this module sets: attaching its
@@ -297,6 +313,7 @@ class NativeModel:
         self._buffer = _model_bytes(model, name)
         self._env, self._model, self._options, self._compiled = _P(), _P(), _P(), _P()
         self._profiler = _P()
+        self._kernels: kernels.Registration | None = None
         try:
             lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
             status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
@@ -312,6 +329,10 @@ class NativeModel:
             lib.check(lib.lib.LiteRtCreateOpaqueOptions(_CPU_OPTIONS, copy, lib.free, ctypes.byref(cpu)),
                       "creating CPU options")
             lib.check(lib.lib.LiteRtAddOpaqueOptions(self._options, cpu), "adding CPU options")
+            # A model with custom ops (--attention-kernel native) gets their kernels, every node
+            # checked first; the operator table tells cheaply whether there are any.
+            if custom_codes(self._buffer):
+                self._kernels = kernels.attach(lib.lib, self._model, self._options, name)
             if profiling:
                 runtime = _P()
                 lib.check(lib.lib.LiteRtCreateOpaqueOptions(_RUNTIME_OPTIONS, lib.strdup(_PROFILING), lib.free,
@@ -399,6 +420,8 @@ class NativeModel:
                            len(prepared.outputs), prepared.outputs)
         if status:
             raise InternalError(_status_text(status))
+        if self._kernels is not None:
+            self._kernels.check()
 
     def start_profiling(self) -> None:
         """Drops the events recorded so far and records every op of the runs from now on

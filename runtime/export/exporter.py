@@ -14,8 +14,9 @@ from runtime.errors import InvalidArgumentError
 from runtime.export import budget, bundle, checkpoint, convert, families, finish, litert, lowering, projection_map
 from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_bytes, release_freed_memory
 from runtime.export.outputs import PendingOutputs
-from runtime.export.settings import QUANTIZATIONS, ExportSettings
+from runtime.export.settings import NATIVE_BUNDLE, QUANTIZATIONS, ExportSettings
 from runtime.export.source import Source
+from runtime.util.attention_rewrite import rewrite_decode_attention
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ def export(
             raise InvalidArgumentError(f"the {precision.quantize} export needs a model file, a bundle or both")
         if precision.quantize not in QUANTIZATIONS:
             raise InvalidArgumentError(f"quantize={precision.quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
+    if settings.attention_kernel == "native" and any(precision.bundle_out is not None for precision in precisions):
+        raise InvalidArgumentError(NATIVE_BUNDLE)
     if len({precision.quantize for precision in precisions}) < len(precisions):
         raise InvalidArgumentError(f"quantizations {', '.join(p.quantize for p in precisions)}: each at most once")
     targets = [path for precision in precisions for path in (precision.model_out, precision.bundle_out)
@@ -101,7 +104,11 @@ def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None
     convert.to_tflite_ops(module, context)
     flatbuffer = convert.serialize(module)
     recipe = litert.quantizer_recipe(settings.litert_quantize, model.config)
-    Path(out_path).write_bytes(flatbuffer if recipe is None else convert.quantize(flatbuffer, recipe, settings.quantize))
+    if recipe is not None:
+        flatbuffer = convert.quantize(flatbuffer, recipe, settings.quantize)
+    if settings.attention_kernel == "native":
+        flatbuffer, _ = rewrite_decode_attention(flatbuffer)
+    Path(out_path).write_bytes(flatbuffer)
 
 
 class _Job:
@@ -226,7 +233,10 @@ class _Job:
             float_file=floats[0] if floats else self.outputs.scratch(self.outputs.targets[0], ".f32.tflite"),
             quantized=tuple(finish.Quantized(precision.quantize, recipe, file)
                             for precision, file, recipe in zip(self.precisions, self.model_files, recipes)
-                            if recipe is not None))
+                            if recipe is not None),
+            rewrite_attention=tuple(("" if len(self.precisions) == 1 else f" ({precision.quantize})", file)
+                                    for precision, file in zip(self.precisions, self.model_files))
+            if self.settings.attention_kernel == "native" else ())
         self.watch.restart()
         for kind, payload in finish.finish_in_process(work):
             if kind == "stage":

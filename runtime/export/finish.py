@@ -1,7 +1,8 @@
 """The export's last stages, in a process of their own that imports neither torch nor
 litert-torch: the lowered modules merged (each weight stored once), the metadata added,
-the float flatbuffer serialized straight to its file, and each quantized precision made
-from that file.
+the float flatbuffer serialized straight to its file, each quantized precision made
+from that file, and with ``--attention-kernel native`` each output's decode attention
+rewritten into the runtime's custom op (after quantizing: the quantizer sees standard ops only).
 
 The exporter has imported torch, transformers and litert-torch (~1.2 GB resident before
 it holds any weight) and keeps them until it exits; the merged module and the quantizer's
@@ -20,6 +21,7 @@ from typing import Any
 
 from runtime.export import convert, spawned
 from runtime.export.measure import release_freed_memory
+from runtime.util.attention_rewrite import rewrite_decode_attention
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,9 @@ class Finish:
     metadata: dict[str, str]
     float_file: Path
     quantized: tuple[Quantized, ...] = ()
+    # (stage suffix, file) of each model whose decode attention is rewritten last
+    # (runtime.util.attention_rewrite); empty unless the export asked for the native kernel.
+    rewrite_attention: tuple[tuple[str, Path], ...] = ()
 
 
 def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
@@ -69,6 +74,14 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
         gc.collect()
         release_freed_memory()
         done(f"quantize ({quantized.quantization})")
+    del flatbuffer
+    for suffix, file in finish.rewrite_attention:
+        rewritten, _ = rewrite_decode_attention(file.read_bytes())
+        file.write_bytes(rewritten)
+        del rewritten
+        gc.collect()
+        release_freed_memory()
+        done(f"rewrite decode attention (native kernel){suffix}")
 
 
 def finish_in_process(finish: Finish) -> Iterator[tuple[str, Any]]:

@@ -17,6 +17,13 @@ QUANTIZATIONS = {
     "int4-block128": "dynamic_int4_block128",
 }
 KV_LAYOUTS = ("default", "transposed")
+# How decode signatures compute attention: "xnnpack" (standard ops, what LiteRT-LM runs) or
+# "native" (one custom op per layer, odml_runtime.decode_attention, whose kernel this
+# runtime compiles on the user's machine: docs/kernels.md).
+ATTENTION_KERNELS = ("xnnpack", "native")
+NATIVE_BUNDLE = ("--attention-kernel native with --bundle: a .litertlm bundle is for LiteRT-LM, which runs standard "
+                 "ops only (it has no kernel for the runtime's custom op); export the bundle with --attention-kernel "
+                 "xnnpack (the default)")
 
 
 def precision_name(quantize: str) -> str:
@@ -102,6 +109,9 @@ class ExportSettings:
     # prompt's logprobs (the server's echo, lm-eval's loglikelihood) are read from, while the
     # plain prefills still compute no logits. Empty: none (then only prefill_logits scores).
     score_lengths: tuple[int, ...] = ()
+    # A key of ATTENTION_KERNELS: "native" rewrites the decode signatures' attention into the
+    # runtime's custom op after conversion (transposed KV layout only; no .litertlm bundle).
+    attention_kernel: str = "xnnpack"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_length, int) or self.kv_length < 2:
@@ -161,6 +171,13 @@ class ExportSettings:
                 f"lora_targets={self.lora_targets!r}: expected one of {', '.join(LORA_TARGETS)}")
         if self.kv_layout not in KV_LAYOUTS:
             raise InvalidArgumentError(f"kv_layout={self.kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise InvalidArgumentError(
+                f"attention_kernel={self.attention_kernel!r}: expected one of {', '.join(ATTENTION_KERNELS)}")
+        if self.attention_kernel == "native" and self.kv_layout != "transposed":
+            raise InvalidArgumentError(
+                f"attention kernel native with kv_layout {self.kv_layout!r}: the kernel reads the transposed layout "
+                "only (K [1, G, T, D], V [1, G, D, T]); use kv_layout transposed or attention kernel xnnpack")
 
     @property
     def batch_ranks(self) -> tuple[int, ...]:

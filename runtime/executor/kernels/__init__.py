@@ -1,0 +1,270 @@
+"""Custom-op kernels of ours that run inside a LiteRT graph: compiled on this machine from
+the C source shipped beside this file, registered on a compiled model through LiteRT's C
+API (``LiteRtAddCustomOpKernelOption``), every node of theirs checked before the model
+compiles.
+
+Today one op: ``odml_runtime.decode_attention`` (``decode_attention.c``), which
+``runtime export --attention-kernel native`` (or ``tools/attention_kernel.py`` on an
+existing export) puts in place of each layer's decode attention
+(:mod:`runtime.util.attention_rewrite`). The library is built at first use with the
+system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
+named by the source's hash, the compiler's version and the flags, written under a
+temporary name and renamed (processes building at once each write their own and one
+rename wins); later opens load it. No binary is shipped.
+
+What LiteRT does with a custom op (2.3; benchmarks/experiments/kernel_probe/README.md):
+``Init`` per node at compile, ``GetOutputLayouts`` at a signature's first run, ``Run``
+per invoke on the thread that invoked, with buffer handles for the node's tensors; the
+status ``Run`` returns is ignored, so a failure is written to an error word in the
+context ``user_data`` points to (one per compiled model) and read after each run. A
+model whose op has no kernel opens and fails only at its signature's first run, so
+:func:`attach` refuses it at open instead, as it does a node whose shapes the kernel
+would misread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
+from runtime.util.attention_rewrite import DECODE_ATTENTION
+from runtime.util.cache_dir import runtime_cache_dir
+
+_P = ctypes.c_void_p
+_SOURCE = "decode_attention.c"
+# -O3 and the vector extensions this CPU has (never -march=native: the file is keyed by
+# these flags, so a cache directory shared by machines of other CPUs keeps one per set).
+_BASE_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi")
+# The error word's codes (decode_attention.c).
+_FAILURES = {1: "the op's inputs and outputs are not the 5 and 1 it takes",
+             2: "LiteRT gave no host memory or type for a tensor buffer",
+             3: "the tensors' shapes do not fit q [1, G, H, D], mask [T], K [1, G, T, D], V [1, G, D, T]",
+             4: "a tensor is not float32", 5: "no memory for the scores"}
+RE_EXPORT = "re-export with --attention-kernel xnnpack"
+
+
+class _Context(ctypes.Structure):
+    """What ``user_data`` points to (``Context`` in decode_attention.c)."""
+
+    _fields_ = [("error", ctypes.c_int64), ("host_memory", _P), ("tensor_type", _P), ("size", _P)]
+
+
+class _KernelStruct(ctypes.Structure):
+    """``LiteRtCustomOpKernel``: four function pointers, copied by the library."""
+
+    _fields_ = [("init", _P), ("get_output_layouts", _P), ("run", _P), ("destroy", _P)]
+
+
+@dataclass(frozen=True)
+class CustomNode:
+    """A CUSTOM op of a model: where it is, its code, and its inputs' and outputs' element
+    types and shapes as the library reads them (None: unranked)."""
+
+    subgraph: int
+    index: int
+    code: str
+    inputs: tuple
+    outputs: tuple
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The vector-extension flags for this CPU (Linux's /proc/cpuinfo; none elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    if {"avx512f", "avx2", "fma"} <= have:
+        return ("-mavx512f", "-mavx2", "-mfma")
+    if {"avx2", "fma"} <= have:
+        return ("-mavx2", "-mfma")
+    return ()
+
+
+def compiler() -> str | None:
+    """``$CC`` if set (a name on PATH or a path), else ``cc``, else ``gcc``, else None."""
+    chosen = os.environ.get("CC")
+    if chosen:
+        return shutil.which(chosen)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+_loaded: dict[str, ctypes.CDLL] = {}
+_versions: dict[str, str] = {}
+_build_lock = threading.Lock()
+
+
+def build_library() -> ctypes.CDLL:
+    """The kernels' library, built into the cache directory if it is not there yet.
+    ``FailedPreconditionError`` saying why when it cannot be built or loaded."""
+    cc = compiler()
+    if cc is None:
+        raise FailedPreconditionError("no C compiler (cc or gcc; $CC) on PATH to build it")
+    source = resources.files(__package__).joinpath(_SOURCE).read_bytes()
+    flags = (*_BASE_FLAGS, *isa_flags())
+    with _build_lock:
+        if cc not in _versions:
+            try:
+                done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise FailedPreconditionError(f"the C compiler {cc} does not run ({exc})") from None
+            _versions[cc] = (done.stdout or done.stderr).strip().splitlines()[0] if done.returncode == 0 else ""
+            if not _versions[cc]:
+                del _versions[cc]
+                raise FailedPreconditionError(f"the C compiler {cc} does not run ({cc} --version failed)")
+        key = hashlib.sha256(b"\0".join([source, _versions[cc].encode(), " ".join(flags).encode()])).hexdigest()[:16]
+        folder = runtime_cache_dir() / "kernels"
+        path = folder / f"decode_attention-{key}.so"
+        if str(path) in _loaded:
+            return _loaded[str(path)]
+        if not path.exists():
+            _compile(cc, flags, source, folder, path)
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise FailedPreconditionError(f"{path} does not load ({exc}); delete it to rebuild") from None
+        _loaded[str(path)] = library
+        return library
+
+
+def _compile(cc: str, flags: tuple[str, ...], source: bytes, folder: Path, path: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
+            c_file = Path(scratch) / _SOURCE
+            c_file.write_bytes(source)
+            built = Path(scratch) / path.name
+            command = [cc, *flags, str(c_file), "-o", str(built), "-lm"]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode:
+                first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
+                raise FailedPreconditionError(f"{' '.join(command[:1 + len(flags)])} failed: {first.strip()}")
+            os.replace(built, path)  # atomic: a process loading it sees the whole file or none
+    except OSError as exc:
+        raise FailedPreconditionError(f"cannot write the kernel library into {folder} ({exc})") from None
+    except subprocess.TimeoutExpired:
+        raise FailedPreconditionError(f"{cc} took more than 300 s to build the kernel") from None
+
+
+class Registration:
+    """The kernels registered on one compiled model: the structures the library was given
+    and the error word its runs write (:meth:`check` after each run)."""
+
+    def __init__(self, library: ctypes.CDLL, litert: ctypes.CDLL) -> None:
+        address = lambda function: ctypes.cast(function, _P).value  # noqa: E731
+        self.context = _Context(0, address(litert.LiteRtGetTensorBufferHostMemory),
+                                address(litert.LiteRtGetTensorBufferTensorType),
+                                address(litert.LiteRtGetTensorBufferSize))
+        self.kernel = _KernelStruct(address(library.attention_init), address(library.attention_layouts),
+                                    address(library.attention_run), address(library.attention_destroy))
+        self.name = DECODE_ATTENTION.encode()
+        self.library = library  # the code the addresses point into stays loaded
+
+    def add_to(self, litert: ctypes.CDLL, options: int) -> int:
+        """``LiteRtAddCustomOpKernelOption`` on ``options``; its status."""
+        return litert.LiteRtAddCustomOpKernelOption(options, self.name, 1, ctypes.byref(self.kernel),
+                                                    ctypes.addressof(self.context))
+
+    def check(self) -> None:
+        """``InternalError`` naming the op when a run's kernel failed (its output was NaN)."""
+        code = self.context.error
+        if code:
+            self.context.error = 0
+            raise InternalError(f"custom op {DECODE_ATTENTION!r} failed in this run: "
+                                f"{_FAILURES.get(code, f'code {code}')} (its output was NaN, never used)")
+
+
+def check_node(node: CustomNode) -> str | None:
+    """Why the decode-attention kernel would misread this node, or None."""
+    if len(node.inputs) != 5 or len(node.outputs) != 1:
+        return f"{len(node.inputs)} inputs and {len(node.outputs)} outputs (expected 5: q, mask, params, K, V; and 1)"
+    if any(t is None for t in (*node.inputs, *node.outputs)):
+        return "an unranked tensor (expected every shape known)"
+    if any(element != 1 for element, _ in (*node.inputs, *node.outputs)):
+        return "a tensor that is not float32"
+    (q, mask, params, k, v), (out,) = [s for _, s in node.inputs], [s for _, s in node.outputs]
+    if len(q) != 4 or q[0] != 1:
+        return f"q {list(q)} (expected [1, G, H, D])"
+    _, g, h, d = q
+    t = k[2] if len(k) == 4 else -1
+    if tuple(k) != (1, g, t, d) or tuple(v) != (1, g, d, t):
+        return f"K {list(k)}, V {list(v)} for q {list(q)} (expected K [1, {g}, T, {d}] and V [1, {g}, {d}, T])"
+    size = 1
+    for dim in mask:
+        size *= dim
+    if size != t or not mask or mask[-1] != t:
+        return f"mask {list(mask)} (expected {t} positions, the last axis)"
+    if tuple(params) != (4,):
+        return f"params {list(params)} (expected [4])"
+    if tuple(out) != tuple(q):
+        return f"output {list(out)} (expected q's shape {list(q)})"
+    return None
+
+
+def custom_nodes(litert: ctypes.CDLL, model: int) -> list[CustomNode]:
+    """Every CUSTOM op of a ``LiteRtModel`` handle, read through the C API."""
+    size, handle, text = ctypes.c_size_t(), _P(), ctypes.c_char_p()
+    raw = ctypes.create_string_buffer(256)
+
+    def tensor(op: int, index: int, getter) -> tuple | None:  # noqa: ANN001
+        getter(op, index, ctypes.byref(handle))
+        if litert.LiteRtGetRankedTensorType(handle, raw):
+            return None
+        element, rank = int.from_bytes(raw.raw[0:4], "little", signed=True), raw.raw[4] & 0x7F
+        return element, tuple(int.from_bytes(raw.raw[8 + 4 * k:12 + 4 * k], "little", signed=True)
+                              for k in range(min(rank, 8)))
+
+    nodes = []
+    litert.LiteRtGetNumModelSubgraphs(model, ctypes.byref(size))
+    for g in range(size.value):
+        subgraph, ops = _P(), ctypes.c_size_t()
+        litert.LiteRtGetModelSubgraph(model, g, ctypes.byref(subgraph))
+        litert.LiteRtGetNumSubgraphOps(subgraph, ctypes.byref(ops))
+        for i in range(ops.value):
+            op = _P()
+            litert.LiteRtGetSubgraphOp(subgraph, i, ctypes.byref(op))
+            if litert.LiteRtGetCustomCode(op, ctypes.byref(text)):  # a status: not a custom op
+                continue
+            counts = ctypes.c_size_t(), ctypes.c_size_t()
+            litert.LiteRtGetNumOpInputs(op, ctypes.byref(counts[0]))
+            litert.LiteRtGetNumOpOutputs(op, ctypes.byref(counts[1]))
+            nodes.append(CustomNode(g, i, text.value.decode(errors="replace"),
+                                    tuple(tensor(op, j, litert.LiteRtGetOpInput) for j in range(counts[0].value)),
+                                    tuple(tensor(op, j, litert.LiteRtGetOpOutput) for j in range(counts[1].value))))
+    return nodes
+
+
+def attach(litert: ctypes.CDLL, model: int, options: int, name: str) -> Registration:
+    """Checks every custom node of ``model`` (refusing, naming the op, subgraph and node
+    and what was expected, one the kernel would misread or an op it does not know),
+    builds or loads the kernel and registers it on ``options``."""
+    nodes = custom_nodes(litert, model)
+    for node in nodes:
+        where = f"{name}: custom op {node.code!r} (subgraph {node.subgraph}, node {node.index})"
+        if node.code != DECODE_ATTENTION:
+            raise InvalidArgumentError(f"{where}: this runtime has no kernel for it (it has {DECODE_ATTENTION!r})")
+        problem = check_node(node)
+        if problem:
+            raise InvalidArgumentError(f"{where}: {problem}; the kernel would misread it")
+    try:
+        library = build_library()
+    except FailedPreconditionError as exc:
+        raise FailedPreconditionError(
+            f"{name}: the model runs its decode attention in the custom op {DECODE_ATTENTION!r} "
+            f"(--attention-kernel native), whose kernel cannot be built here: {exc}; install a C compiler, "
+            f"or {RE_EXPORT}") from None
+    registration = Registration(library, litert)
+    status = registration.add_to(litert, options)
+    if status:
+        raise InternalError(f"{name}: registering the kernel of {DECODE_ATTENTION!r} failed (LiteRT status {status})")
+    return registration

@@ -1,0 +1,278 @@
+/* odml_runtime.decode_attention: one layer's decode attention over its KV caches in the
+ * transposed layout, a LiteRT custom op (ai-edge-litert 2.3's C API).
+ *
+ * Shipped as source and compiled on the user's machine at first use
+ * (runtime/executor/kernels/__init__.py); it links against nothing: the LiteRT functions it
+ * calls come as pointers in the context user_data points to, with the error word the
+ * runtime reads after each run (LiteRT ignores the status a kernel returns).
+ *
+ * Inputs: q [1, G, H, D] f32 (H query heads per KV group, already scaled), mask f32 of
+ * T elements (the graph's additive mask for this step: 0 where attended, -FLT_MAX where
+ * not), params f32 [4] (scale on q.k, logit soft-cap or 0, unused, unused),
+ * K [1, G, T, D] and V [1, G, D, T] (the caches after this step's update).
+ * Output [1, G, H, D]: softmax(q.K^T * scale + mask) . V^T, as the graph's
+ * BATCH_MATMUL -> ADD -> SOFTMAX -> BATCH_MATMUL computes it.
+ *
+ * Only the positions from the first to the last one the mask leaves open are read (a
+ * masked position contributes exp(-FLT_MAX) = 0 to the graph's softmax too), each K row
+ * and V row once for the H heads of its group. Where the mask leaves none open the graph's
+ * answer is every position with the mask added, which is what is computed then.
+ *
+ * The LiteRT types are declared here from their documented layout (the wheel ships no
+ * header): a tensor type is an int32 element type, then a layout of a 32-bit word whose
+ * low 7 bits are the rank, 8 int32 dimensions and 8 strides. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int Status; /* LiteRtStatus: 0 ok, 1 invalid argument, 3 runtime failure */
+typedef void *Buffer; /* LiteRtTensorBuffer */
+typedef struct { uint32_t bits; int32_t dims[8]; uint32_t strides[8]; } Layout;
+typedef struct { int32_t element; Layout layout; } TensorType;
+
+/* What user_data points to; runtime/executor/kernels/__init__.py declares the same. */
+typedef struct {
+  volatile int64_t error; /* 0, or the first failure's code (set here, read and reset by the runtime) */
+  Status (*host_memory)(Buffer, void **);
+  Status (*tensor_type)(Buffer, TensorType *);
+  Status (*size)(Buffer, size_t *);
+} Context;
+
+/* Failure codes written to the error word (the runtime names them). */
+enum { E_ARGUMENTS = 1, E_BUFFER = 2, E_SHAPES = 3, E_TYPES = 4, E_MEMORY = 5 };
+
+Status attention_init(void *user, const void *data, size_t size) { return 0; }
+Status attention_destroy(void *user) { return 0; }
+/* The output has q's layout. */
+Status attention_layouts(void *user, size_t n_in, const Layout *in, size_t n_out, Layout *out) {
+  if (n_in < 1 || n_out != 1) {
+    if (user) ((Context *)user)->error = E_ARGUMENTS;
+    return 1;
+  }
+  out[0] = in[0];
+  return 0;
+}
+
+static int rank(const TensorType *t) { return t->layout.bits & 0x7F; }
+static int64_t elements(const TensorType *t) {
+  int64_t n = 1;
+  for (int i = 0; i < rank(t); i++) n *= t->layout.dims[i];
+  return n;
+}
+
+#define MAX_STACK_SCORES 16384
+/* Vectorized with GCC vector types (16 floats: AVX-512 registers, or pairs
+ * of AVX2 ones, or four SSE ones, by the flags the build chose), exp as a polynomial (no libm call per
+ * score), and the heads of a group sharing each load of K and V. */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 load16(const float *p) { return *(const v16 *)p; }
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+/* A tree of halvings (4 shuffles and adds), not 16 dependent scalar adds. */
+static inline float hsum16(v16 a) {
+  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+static inline float hmax16(v16 a) {
+  float m = a[0];
+  for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+  return m;
+}
+/* exp(x) for x <= 0 (scores less their maximum): 2^n * p(r), r = x - n ln2 in
+ * [-ln2/2, ln2/2], p a degree-6 Taylor polynomial (relative error < 2e-7); below -87 it is 0. */
+static inline v16 exp16(v16 x) {
+  const i16v below = x < -87.0f; /* all ones where exp underflows: the result is 0 there */
+  const v16 xc = (v16)(((i16v)x & ~below) | ((i16v)((v16){0} - 87.0f) & below));
+  const v16 shift = (v16){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  v16 n = (xc * 1.44269504f + shift) - shift;
+  v16 r = xc - n * 0.693145752f - n * 1.42860677e-6f;
+  v16 p = (v16){0} + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  return (v16)((i16v)(p * (v16)bits) & ~below);
+}
+
+#define VPASS(HC)                                                                              \
+  static void vpass_##HC(const float *Vg, const float *scores, int T, int S, int D, int lo,     \
+                         int n, float *og) {                                                   \
+    int d = 0;                                                                                 \
+    for (; d + 4 <= D; d += 4) { /* 4 rows of V share each load of the scores */               \
+      const float *v0 = Vg + (size_t)d * T + lo, *v1 = v0 + T, *v2 = v1 + T, *v3 = v2 + T;     \
+      v16 a0[HC], a1[HC], a2[HC], a3[HC];                                                      \
+      for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (v16){0};                   \
+      int i = 0;                                                                               \
+      for (; i + 16 <= n; i += 16) {                                                           \
+        v16 x0 = load16(v0 + i), x1 = load16(v1 + i), x2 = load16(v2 + i), x3 = load16(v3 + i); \
+        for (int h = 0; h < HC; h++) {                                                         \
+          v16 p = load16(scores + h * S + lo + i);                                             \
+          a0[h] += p * x0; a1[h] += p * x1; a2[h] += p * x2; a3[h] += p * x3;                  \
+        }                                                                                      \
+      }                                                                                        \
+      for (int h = 0; h < HC; h++) {                                                           \
+        float s0 = hsum16(a0[h]), s1 = hsum16(a1[h]), s2 = hsum16(a2[h]), s3 = hsum16(a3[h]);  \
+        for (int j = i; j < n; j++) {                                                          \
+          float p = scores[h * S + lo + j];                                                    \
+          s0 += p * v0[j]; s1 += p * v1[j]; s2 += p * v2[j]; s3 += p * v3[j];                  \
+        }                                                                                      \
+        og[h * D + d] = s0; og[h * D + d + 1] = s1; og[h * D + d + 2] = s2; og[h * D + d + 3] = s3; \
+      }                                                                                        \
+    }                                                                                          \
+    for (; d < D; d++) {                                                                       \
+      const float *v = Vg + (size_t)d * T + lo;                                                \
+      for (int h = 0; h < HC; h++) {                                                           \
+        float s = 0.f;                                                                         \
+        for (int j = 0; j < n; j++) s += scores[h * S + lo + j] * v[j];                        \
+        og[h * D + d] = s;                                                                     \
+      }                                                                                        \
+    }                                                                                          \
+  }
+VPASS(1) VPASS(2) VPASS(3) VPASS(4) VPASS(5) VPASS(6) VPASS(7) VPASS(8)
+typedef void (*vpass_fn)(const float *, const float *, int, int, int, int, int, float *);
+static const vpass_fn VPASSES[9] = {0, vpass_1, vpass_2, vpass_3, vpass_4, vpass_5, vpass_6, vpass_7, vpass_8};
+
+#define KPASS(DC)                                                                              \
+  static void kpass_##DC(const float *qg, const float *Kg, int H, int lo, int hi, float scale, \
+                         float *scores, int S) {                                               \
+    enum { C = DC / 16 };                                                                      \
+    for (int t = lo; t <= hi; t++) { /* each K row read once, for all the group's heads */     \
+      const float *k0 = Kg + (size_t)t * DC;                                                   \
+      v16 kv[C];                                                                               \
+      for (int c = 0; c < C; c++) kv[c] = load16(k0 + 16 * c);                                 \
+      for (int h = 0; h < H; h++) {                                                            \
+        const float *qh = qg + h * DC;                                                         \
+        v16 e = load16(qh) * kv[0], f = load16(qh + 16) * kv[1];                               \
+        for (int c = 2; c < C; c += 2) {                                                       \
+          e += load16(qh + 16 * c) * kv[c];                                                    \
+          f += load16(qh + 16 * c + 16) * kv[c + 1];                                           \
+        }                                                                                      \
+        scores[h * S + t] = hsum16(e + f) * scale;                                             \
+      }                                                                                        \
+    }                                                                                          \
+  }
+KPASS(64) KPASS(128) KPASS(256)
+
+
+/* Dot products of the group's H heads with K rows lo..hi, any D. */
+static void kpass_any(const float *qg, const float *Kg, int H, int D, int lo, int hi, float scale, float *scores,
+                      int S) {
+  for (int t = lo; t <= hi; t++) {
+    const float *k = Kg + (size_t)t * D;
+    for (int h = 0; h < H; h++) {
+      const float *qh = qg + (size_t)h * D;
+      float acc = 0.f;
+      for (int d = 0; d < D; d++) acc += qh[d] * k[d];
+      scores[h * S + t] = acc * scale;
+    }
+  }
+}
+/* Probabilities times V rows, any H and D. */
+static void vpass_any(const float *Vg, const float *scores, int T, int S, int H, int D, int lo, int n, float *og) {
+  for (int d = 0; d < D; d++) {
+    const float *v = Vg + (size_t)d * T + lo;
+    for (int h = 0; h < H; h++) {
+      const float *p = scores + h * S + lo;
+      float acc = 0.f;
+      for (int i = 0; i < n; i++) acc += p[i] * v[i];
+      og[h * D + d] = acc;
+    }
+  }
+}
+
+static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
+  if (n_in != 5 || n_out != 1) return E_ARGUMENTS;
+  TensorType qt, mt, pt, kt, vt, ot;
+  float *q, *mask, *params, *K, *V, *o;
+  if (c->tensor_type(in[0], &qt) || c->tensor_type(in[1], &mt) || c->tensor_type(in[2], &pt) ||
+      c->tensor_type(in[3], &kt) || c->tensor_type(in[4], &vt) || c->tensor_type(out[0], &ot) ||
+      c->host_memory(in[0], (void **)&q) || c->host_memory(in[1], (void **)&mask) ||
+      c->host_memory(in[2], (void **)&params) || c->host_memory(in[3], (void **)&K) ||
+      c->host_memory(in[4], (void **)&V) || c->host_memory(out[0], (void **)&o))
+    return E_BUFFER;
+  /* float32 everywhere (kLiteRtElementTypeFloat32 = 1) */
+  if (qt.element != 1 || mt.element != 1 || pt.element != 1 || kt.element != 1 || vt.element != 1 || ot.element != 1)
+    return E_TYPES;
+  if (rank(&qt) != 4 || rank(&kt) != 4 || rank(&vt) != 4 || qt.layout.dims[0] != 1) return E_SHAPES;
+  const int G = qt.layout.dims[1], H = qt.layout.dims[2], D = qt.layout.dims[3], T = kt.layout.dims[2];
+  if (kt.layout.dims[0] != 1 || kt.layout.dims[1] != G || kt.layout.dims[3] != D || vt.layout.dims[0] != 1 ||
+      vt.layout.dims[1] != G || vt.layout.dims[2] != D || vt.layout.dims[3] != T || elements(&mt) != T ||
+      elements(&pt) != 4 || elements(&ot) != (int64_t)G * H * D || G < 1 || H < 1 || D < 1 || T < 1)
+    return E_SHAPES;
+  const float scale = params[0], cap = params[1];
+  int lo = 0, hi = T - 1;
+  while (lo < T && !(mask[lo] > -1e30f)) lo++;
+  if (lo == T) lo = 0; /* nothing open: every position, the mask added (the graph's answer) */
+  else
+    while (!(mask[hi] > -1e30f)) hi--;
+  const int n = hi - lo + 1;
+  const int S = T + 16 + ((T % 1024) < 16 ? 16 : 0); /* rows of scores off the 4 KB period (no aliasing) */
+  float stack_scores[MAX_STACK_SCORES + 64];
+  float *scores = (size_t)H * S <= MAX_STACK_SCORES + 64 ? stack_scores : malloc(sizeof(float) * H * S);
+  if (!scores) return E_MEMORY;
+  const int fast = D % 16 == 0 && H <= 8;
+  for (int g = 0; g < G; g++) {
+    const float *qg = q + (size_t)g * H * D;
+    const float *Kg = K + (size_t)g * T * D, *Vg = V + (size_t)g * D * T;
+    float *og = o + (size_t)g * H * D;
+    if (fast && D == 64) kpass_64(qg, Kg, H, lo, hi, scale, scores, S);
+    else if (fast && D == 128) kpass_128(qg, Kg, H, lo, hi, scale, scores, S);
+    else if (fast && D == 256) kpass_256(qg, Kg, H, lo, hi, scale, scores, S);
+    else kpass_any(qg, Kg, H, D, lo, hi, scale, scores, S);
+    for (int h = 0; h < H; h++) {
+      float *s = scores + h * S + lo;
+      if (cap > 0.f)
+        for (int i = 0; i < n; i++) s[i] = tanhf(s[i] / cap) * cap;
+      for (int i = 0; i < n; i++) s[i] += mask[lo + i];
+      float m = s[0];
+      int i = 0;
+      if (n >= 16) {
+        v16 mv = load16(s);
+        for (i = 16; i + 16 <= n; i += 16) {
+          v16 x = load16(s + i);
+          mv = (v16)(((i16v)x & (x > mv)) | ((i16v)mv & ~(x > mv)));
+        }
+        m = hmax16(mv);
+      }
+      for (; i < n; i++) m = s[i] > m ? s[i] : m;
+      v16 total = (v16){0};
+      i = 0;
+      for (; i + 16 <= n; i += 16) {
+        v16 e = exp16(load16(s + i) - m);
+        *(v16 *)(s + i) = e;
+        total += e;
+      }
+      float sum = hsum16(total);
+      for (; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
+      float inv = 1.f / sum;
+      for (i = 0; i < n; i++) s[i] *= inv;
+    }
+    if (fast) VPASSES[H](Vg, scores, T, S, D, lo, n, og);
+    else vpass_any(Vg, scores, T, S, H, D, lo, n, og);
+  }
+  if (scores != stack_scores) free(scores);
+  return 0;
+}
+
+/* Run: a failure is written to the error word and the output filled with NaN (never
+ * numbers that look right); the runtime raises naming the op after the run. */
+Status attention_run(void *user, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
+  Context *c = (Context *)user;
+  int code = attend(c, n_in, in, n_out, out);
+  if (code) {
+    if (!c->error) c->error = code;
+    float *o;
+    size_t bytes;
+    if (n_out >= 1 && !c->host_memory(out[0], (void **)&o) && !c->size(out[0], &bytes))
+      for (size_t i = 0; i < bytes / 4; i++) o[i] = __builtin_nanf("");
+    return 3;
+  }
+  return 0;
+}

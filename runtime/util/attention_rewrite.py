@@ -1,0 +1,205 @@
+"""The ``.tflite`` pass behind ``--attention-kernel native``: each layer's decode attention
+in the decode signatures becomes one custom op, ``odml_runtime.decode_attention``, whose
+kernel :mod:`runtime.executor.kernels` builds and registers when the model opens.
+
+What it rewrites, in every signature whose key starts with ``decode`` (single-row and
+batched: a batched signature has one chain per row and layer), in the transposed KV
+layout (K ``[1, G, T, D]``, V ``[1, G, D, T]``)::
+
+    BATCH_MATMUL(q, K, adj_y) -> [RESHAPE] -> ADD(mask) -> [RESHAPE] -> SOFTMAX -> BATCH_MATMUL(p, V, adj_y)
+
+becomes ``odml_runtime.decode_attention(q, mask, params, K, V)``, params a constant
+``[1, 0, 0, 0]`` (scale on q.k: the exports scale q before; no logit soft-cap). The
+mask is the graph's own additive mask for the step (causal, sliding window, attention
+window alike), so the op computes what the chain computed, and reads only the cache
+positions the mask leaves open. Any other op between the two matmuls (a soft-cap, a
+scale) is refused, naming it: the chain is never half-understood.
+
+The model is rewritten through the wheel's flatbuffer schema (object API), every buffer's
+data 64-byte aligned (LiteRT hands a custom op only aligned tensors); data stored after the
+flatbuffer is brought inside it, so models of 2 GB and more are refused.
+"""
+
+from __future__ import annotations
+
+import flatbuffers
+import numpy as np
+from ai_edge_litert import schema_py_generated as schema
+
+from runtime.errors import InvalidArgumentError
+
+DECODE_ATTENTION = "odml_runtime.decode_attention"
+ALIGNMENT = 64
+_FLATBUFFER_LIMIT = 2**31 - 2**24  # a flatbuffer's offsets are 32-bit; room for the tables
+_NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+_FLOAT32 = schema.TensorType.FLOAT32
+
+
+def custom_codes(model: bytes | memoryview | np.ndarray) -> set[str]:
+    """The custom op codes a ``.tflite``'s bytes name (its operator table only: cheap)."""
+    root = schema.Model.GetRootAs(model, 0)
+    codes = set()
+    for i in range(root.OperatorCodesLength()):
+        code = root.OperatorCodes(i)
+        if max(code.BuiltinCode(), code.DeprecatedBuiltinCode()) == schema.BuiltinOperator.CUSTOM:
+            codes.add((code.CustomCode() or b"").decode(errors="replace"))
+    return codes
+
+
+def _op_name(model: schema.ModelT, op: schema.OperatorT) -> str:
+    code = model.operatorCodes[op.opcodeIndex]
+    return _NAMES.get(max(code.builtinCode, code.deprecatedBuiltinCode), "?")
+
+
+def _shape(sub: schema.SubGraphT, index: int) -> tuple[int, ...]:
+    return tuple(int(d) for d in sub.tensors[index].shape)
+
+
+def _adj_y(op: schema.OperatorT) -> bool:
+    options = op.builtinOptions
+    return bool(options is not None and getattr(options, "adjY", False) and not getattr(options, "adjX", False))
+
+
+def rewrite_decode_attention(data: bytes) -> tuple[bytes, dict[str, int]]:
+    """``data`` (a ``.tflite``) with the decode signatures' attention rewritten; and the
+    layers rewritten per signature. ``InvalidArgumentError`` when the model cannot be
+    rewritten (no decode signature in the transposed layout, an attention chain of another
+    form, already rewritten, weights outside the flatbuffer), naming why."""
+    if DECODE_ATTENTION in custom_codes(data):
+        raise InvalidArgumentError(f"the model already runs {DECODE_ATTENTION}")
+    model = schema.ModelT.InitFromPackedBuf(data, 0)
+    outside = 0
+    for buffer in model.buffers or ():
+        if buffer.offset > 1:  # data after the flatbuffer (the quantizer writes some so): brought inside
+            buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
+            outside += buffer.size
+            buffer.offset = buffer.size = 0
+    if outside and len(data) >= _FLATBUFFER_LIMIT:
+        raise InvalidArgumentError(f"the model is {len(data):,} bytes, its weights partly outside the flatbuffer: "
+                                   "the attention kernel pass writes one flatbuffer, at most 2 GB")
+    keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
+    if not keys:
+        raise InvalidArgumentError("the model has no decode signature to rewrite")
+    code = schema.OperatorCodeT()
+    code.builtinCode, code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM, schema.BuiltinOperator.CUSTOM
+    code.customCode, code.version = DECODE_ATTENTION, 1
+    model.operatorCodes.append(code)
+    params = schema.BufferT()
+    params.data = np.frombuffer(np.array([1.0, 0.0, 0.0, 0.0], np.float32).tobytes(), np.uint8)
+    model.buffers.append(params)
+    counts = {}
+    done_subgraphs: dict[int, int] = {}
+    for sig in model.signatureDefs:
+        key = sig.signatureKey.decode()
+        if key not in keys:
+            continue
+        if sig.subgraphIndex not in done_subgraphs:
+            done_subgraphs[sig.subgraphIndex] = _rewrite_subgraph(model, sig, len(model.operatorCodes) - 1,
+                                                                  len(model.buffers) - 1)
+        counts[key] = done_subgraphs[sig.subgraphIndex]
+    if not any(counts.values()):
+        raise InvalidArgumentError("no decode attention in the transposed KV layout was found (K [1, G, T, D], "
+                                   "V [1, G, D, T]): export with --kv-layout transposed")
+    return _pack(model), counts
+
+
+def _rewrite_subgraph(model: schema.ModelT, sig: schema.SignatureDefT, custom_code: int, params_buffer: int) -> int:
+    key = sig.signatureKey.decode()
+    sub = model.subgraphs[sig.subgraphIndex]
+    outputs = set(int(i) for i in sub.outputs)
+    consumers: dict[int, list[int]] = {}
+    for j, op in enumerate(sub.operators):
+        for i in op.inputs:
+            consumers.setdefault(int(i), []).append(j)
+    tensor = schema.TensorT()
+    tensor.name, tensor.shape, tensor.type, tensor.buffer = b"odml_runtime_attention_params", [4], _FLOAT32, \
+        params_buffer
+    sub.tensors.append(tensor)
+    params_index = len(sub.tensors) - 1
+    drop, replace = set(), {}
+    for j, op in enumerate(sub.operators):
+        if _op_name(model, op) != "BATCH_MATMUL" or b"kv_cache_k" not in (sub.tensors[op.inputs[1]].name or b""):
+            continue
+        where = f"{key}: the attention at op {j}"
+        q_index, k_index = int(op.inputs[0]), int(op.inputs[1])
+        q, k = _shape(sub, q_index), _shape(sub, k_index)
+        if len(k) != 4 or len(q) != 4 or q[0] != 1 or k[0] != 1 or (q[1], q[3]) != (k[1], k[3]) or not _adj_y(op):
+            raise InvalidArgumentError(f"{where}: q {list(q)} by K {list(k)} is not the transposed layout's "
+                                       "decode attention (export with --kv-layout transposed)")
+        span = k[2]
+        chain, at, mask = [j], j, None
+        while True:
+            produced = int(sub.operators[at].outputs[0])
+            following = consumers.get(produced, [])
+            if len(following) != 1 or produced in outputs:
+                raise InvalidArgumentError(f"{where}: an intermediate result is used elsewhere")
+            at = following[0]
+            chain.append(at)
+            step = sub.operators[at]
+            name = _op_name(model, step)
+            if name == "BATCH_MATMUL":
+                break
+            if name == "ADD" and mask is None:
+                other = [int(i) for i in step.inputs if int(i) != produced]
+                if len(other) != 1 or sub.tensors[other[0]].type != _FLOAT32 \
+                        or int(np.prod(_shape(sub, other[0]))) != span or _shape(sub, other[0])[-1:] != (span,):
+                    raise InvalidArgumentError(f"{where}: the ADD after q.K is not a mask of {span} positions")
+                mask = other[0]
+            elif name == "SOFTMAX":
+                if step.builtinOptions is not None and getattr(step.builtinOptions, "beta", 1.0) != 1.0:
+                    raise InvalidArgumentError(f"{where}: a SOFTMAX with beta {step.builtinOptions.beta}")
+            elif name != "RESHAPE":
+                raise InvalidArgumentError(f"{where}: op {name} between the attention's matmuls is not one the "
+                                           f"kernel computes (use --attention-kernel xnnpack)")
+            if _shape(sub, int(step.outputs[0]))[-1:] != (span,):
+                raise InvalidArgumentError(f"{where}: {name} moves the positions axis")
+        last = sub.operators[chain[-1]]
+        v_index = int(last.inputs[1])
+        softmax = [i for i in chain if _op_name(model, sub.operators[i]) == "SOFTMAX"]
+        if mask is None or len(softmax) != 1 or _shape(sub, int(sub.operators[softmax[0]].outputs[0])) \
+                != _shape(sub, int(op.outputs[0])) or int(last.inputs[0]) != int(sub.operators[softmax[0]].outputs[0]):
+            raise InvalidArgumentError(f"{where}: not BATCH_MATMUL -> ADD mask -> SOFTMAX -> BATCH_MATMUL")
+        if b"kv_cache_v" not in (sub.tensors[v_index].name or b"") or _shape(sub, v_index) != (1, k[1], k[3], span) \
+                or not _adj_y(last) or _shape(sub, int(last.outputs[0])) != q:
+            raise InvalidArgumentError(f"{where}: the second matmul is not by the V cache [1, G, D, T]")
+        if any(sub.tensors[i].type != _FLOAT32 for i in (q_index, k_index, v_index, int(last.outputs[0]))):
+            raise InvalidArgumentError(f"{where}: not float32")
+        custom = schema.OperatorT()
+        custom.opcodeIndex = custom_code
+        custom.inputs = [q_index, mask, params_index, k_index, v_index]
+        custom.outputs = [int(last.outputs[0])]
+        custom.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
+        drop.update(chain[:-1])
+        replace[chain[-1]] = custom
+    sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]
+    return len(replace)
+
+
+def _pack(model: schema.ModelT) -> bytes:
+    builder = flatbuffers.Builder(1 << 20)
+    original = schema.BufferT.Pack
+    schema.BufferT.Pack = _pack_aligned
+    try:
+        builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    finally:
+        schema.BufferT.Pack = original
+    return bytes(builder.Output())
+
+
+def _pack_aligned(self: schema.BufferT, builder: flatbuffers.Builder) -> int:
+    """``BufferT.Pack`` with the data vector aligned to :data:`ALIGNMENT` bytes (the
+    builder pads the whole buffer to its largest alignment, so the data lies aligned in
+    the file, and in a file mapped at a page boundary)."""
+    data = None
+    if self.data is not None:
+        raw = np.asarray(self.data, np.uint8).tobytes()
+        builder.StartVector(1, len(raw), ALIGNMENT)
+        builder.head = builder.head - len(raw)
+        builder.Bytes[builder.head:builder.head + len(raw)] = raw
+        data = builder.EndVector()
+    schema.BufferStart(builder)
+    if data is not None:
+        schema.BufferAddData(builder, data)
+    schema.BufferAddOffset(builder, self.offset)
+    schema.BufferAddSize(builder, self.size)
+    return schema.BufferEnd(builder)

@@ -1,0 +1,301 @@
+"""``--attention-kernel native``: the committed fixtures' decode attention rewritten into
+``odml_runtime.decode_attention`` (runtime.util.attention_rewrite) at test time, run with
+the kernel the runtime compiles (runtime.executor.kernels), against the standard form.
+
+Tests that run the kernel need a C compiler (cc or gcc) and skip, saying so, without one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import MODELS
+from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
+from runtime.executor import kernels
+from runtime.executor.litert_executor import LlmExecutor
+from runtime.executor.native import HostBuffer, NativeModel
+from runtime.util.attention_rewrite import DECODE_ATTENTION, custom_codes, rewrite_decode_attention
+
+FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite"}
+needs_cc = pytest.mark.skipif(kernels.compiler() is None,
+                              reason="no C compiler (cc or gcc) on PATH to build the attention kernel")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache directory of this module's own: the kernel is built once, here."""
+    path = tmp_path_factory.mktemp("runtime_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RUNTIME_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def rewritten(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("native")
+    paths = {}
+    for name, source in FIXTURES.items():
+        data, counts = rewrite_decode_attention(source.read_bytes())
+        assert counts["decode"] == (3 if name == "gemma3" else 2)  # one op per layer
+        assert all(key.startswith("decode") for key in counts)
+        assert counts["decode_batch4_lora_r4" if name == "gqa" else "decode_batch4_lora_r8"] == 4 * counts["decode"]
+        paths[name] = folder / f"{name}.tflite"
+        paths[name].write_bytes(data)
+    return paths
+
+
+def run(model: NativeModel, key: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    sig = model.signatures[key]
+    ins = [HostBuffer(info) for info in sig.inputs.values()]
+    for buffer in ins:
+        buffer.write(inputs[buffer.info.name])
+    outs = [HostBuffer(info) for info in sig.outputs.values()]
+    model.run(model.prepare(sig.index, ins, outs))
+    return {buffer.info.name: buffer.array.copy() for buffer in outs}
+
+
+def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[str, np.ndarray]:
+    """Random caches (as a session would have filled them), small random LoRA inputs, a token."""
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for name, info in model.signatures[key].inputs.items():
+        if name == "input_pos":
+            inputs[name] = np.full(info.shape, position, info.dtype)
+        elif name in ("tokens", "token"):
+            inputs[name] = rng.integers(0, 200, info.shape).astype(info.dtype)
+        elif info.dtype == np.float32:
+            scale = 1.0 if name.startswith("kv_cache") else 0.05
+            inputs[name] = (scale * rng.standard_normal(info.shape)).astype(np.float32)
+        else:
+            inputs[name] = np.zeros(info.shape, info.dtype)
+    return inputs
+
+
+def test_the_pass_rewrites_decode_signatures_only(rewritten):
+    for name, path in rewritten.items():
+        assert custom_codes(path.read_bytes()) == {DECODE_ATTENTION}
+        assert custom_codes(FIXTURES[name].read_bytes()) == set()
+        with pytest.raises(InvalidArgumentError, match="already runs"):
+            rewrite_decode_attention(path.read_bytes())
+
+
+def test_the_default_layout_is_refused():
+    with pytest.raises(InvalidArgumentError, match="transposed KV layout"):
+        rewrite_decode_attention((MODELS / "gqa_default.tflite").read_bytes())
+
+
+@needs_cc
+@pytest.mark.parametrize("fixture", sorted(FIXTURES))
+def test_every_decode_signature_matches_the_standard_form(fixture, rewritten, kernel_cache):
+    """Every decode signature, single-row and batched, with and without attention windows,
+    at positions from 0 to the cache's last: logits and caches within 1e-5."""
+    original = NativeModel(FIXTURES[fixture], num_threads=1, weight_cache=":memory:", name="original")
+    native = NativeModel(rewritten[fixture], num_threads=1, weight_cache=":memory:", name="native")
+    keys = [key for key in original.signatures if key.startswith("decode")]
+    assert keys and set(keys) <= set(native.signatures)
+    for key in keys:
+        span = next(info.shape[2] for name, info in original.signatures[key].inputs.items()
+                    if name.startswith("kv_cache_k"))
+        for position in sorted({0, 1, 9, span // 2, span - 1}):
+            inputs = step_inputs(original, key, position, seed=position)
+            want, got = run(original, key, inputs), run(native, key, inputs)
+            for name in want:
+                assert np.isfinite(want[name]).all()
+                difference = float(np.abs(got[name] - want[name]).max())
+                assert difference <= TOL, f"{key} at {position}: {name} differs by {difference:.2e}"
+    original.close()
+    native.close()
+
+
+def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    binding = executor.bind(executor.create_kv_cache())
+    logits = executor.prefill(binding, prompt, 0)
+    tokens, every = [], []
+    for position in range(len(prompt), len(prompt) + steps):
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        logits = executor.decode(binding, token, position)
+        every.append(logits)
+    return tokens, every
+
+
+@needs_cc
+@pytest.mark.parametrize("fixture", sorted(FIXTURES))
+def test_a_generation_is_the_same(fixture, rewritten, kernel_cache):
+    """Greedy decoding through the attention windows (16, 32) to the cache's end: the same
+    tokens, and every step's logits within 1e-5."""
+    original, native = LlmExecutor(FIXTURES[fixture]), LlmExecutor(rewritten[fixture])
+    try:
+        prompt = [5, 17, 42, 99, 3]
+        steps = original.spec.kv_length - len(prompt) - 1
+        want_tokens, want = greedy(original, prompt, steps)
+        got_tokens, got = greedy(native, prompt, steps)
+        assert got_tokens == want_tokens
+        for position, (a, b) in enumerate(zip(want, got), start=len(prompt)):
+            assert float(np.abs(a - b).max()) <= TOL, f"step at position {position}"
+    finally:
+        original.close()
+        native.close()
+
+
+@needs_cc
+def test_sessions_in_threads_equal_alone(rewritten, kernel_cache):
+    """Four threads, each its own session on one executor's model and its own model, step
+    at once; each thread's logits equal the same steps run alone, bit for bit."""
+    executors = [LlmExecutor(rewritten["gqa"]) for _ in range(2)]
+    prompts = [[1 + i, 7, 30 + i] for i in range(4)]
+    alone = [greedy(executors[0], prompt, 40)[1] for prompt in prompts]
+    results: list = [None] * 4
+    errors = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = greedy(executors[i % 2], prompts[i], 40)[1]
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for i in range(4):
+        assert all(np.array_equal(a, b) for a, b in zip(alone[i], results[i])), f"session {i}"
+    for executor in executors:
+        executor.close()
+
+
+def test_no_compiler_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(FailedPreconditionError) as caught:
+        NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="gqa-native")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert DECODE_ATTENTION in message and "no C compiler" in message
+    assert "re-export with --attention-kernel xnnpack" in message
+    # The standard form opens as ever.
+    NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa").close()
+
+
+def test_a_compile_error_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch):
+    compiler = tmp_path / "bin" / "cc"
+    compiler.parent.mkdir()
+    compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'fake cc 1.0'; exit 0; fi\n"
+                        "echo 'decode_attention.c:1:1: error: no room' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(compiler))
+    with pytest.raises(FailedPreconditionError, match="failed: decode_attention.c:1:1: error: no room.*"
+                                                      "re-export with --attention-kernel xnnpack"):
+        LlmExecutor(rewritten["gqa"])
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # nothing half-written left to load
+
+
+def misfit(path: Path, out: Path) -> None:
+    """The first decode_attention node of ``path`` given the V cache as its K input too."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import _pack
+
+    model = schema.ModelT.InitFromPackedBuf(path.read_bytes(), 0)
+    custom = next(i for i, code in enumerate(model.operatorCodes) if code.customCode == DECODE_ATTENTION.encode())
+    for sub in model.subgraphs:
+        op = next((op for op in sub.operators if op.opcodeIndex == custom), None)
+        if op is not None:
+            op.inputs = [*op.inputs[:3], op.inputs[4], op.inputs[4]]
+            break
+    out.write_bytes(_pack(model))
+
+
+def test_a_node_of_wrong_shapes_is_refused_at_open(rewritten, tmp_path):
+    bad = tmp_path / "bad.tflite"
+    misfit(rewritten["gqa"], bad)
+    with pytest.raises(InvalidArgumentError, match=rf"bad: custom op '{DECODE_ATTENTION}' \(subgraph \d+, node \d+\): "
+                                                   r"K \[1, 2, 16, 64\], V \[1, 2, 16, 64\] .*expected K \[1, 2, T, 16\]"):
+        NativeModel(bad, num_threads=1, weight_cache=":memory:", name="bad")
+
+
+@needs_cc
+def test_a_failing_run_raises_naming_the_op(rewritten, kernel_cache):
+    """A run whose kernel fails (here: its error word set as the kernel sets it) raises,
+    naming the op; the next run is clean."""
+    model = NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="native")
+    inputs = step_inputs(model, "decode", 3, seed=1)
+    run(model, "decode", inputs)
+    model._kernels.context.error = 3
+    with pytest.raises(InternalError, match=rf"custom op '{DECODE_ATTENTION}' failed in this run: the tensors' shapes"):
+        run(model, "decode", inputs)
+    run(model, "decode", inputs)
+    model.close()
+
+
+@needs_cc
+def test_inspect_names_the_native_kernel(rewritten, kernel_cache):
+    done = subprocess.run([sys.executable, "-m", "runtime", "inspect", str(rewritten["gemma3"])], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "RUNTIME_CACHE": str(kernel_cache)})
+    assert done.returncode == 0, done.stderr
+    assert f"decode attention native kernel ({DECODE_ATTENTION}" in done.stdout
+
+
+@needs_cc
+def test_the_library_is_built_once_and_reused(kernel_cache, rewritten):
+    NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="native").close()
+    built = list((kernel_cache / "kernels").glob("decode_attention-*.so"))
+    assert len(built) == 1
+    assert not [p for p in (kernel_cache / "kernels").iterdir() if p.name.startswith(".build-")]
+
+
+@needs_cc
+def test_weights_stored_after_the_flatbuffer_are_brought_inside(tmp_path, kernel_cache):
+    """The quantizer stores some weights after the flatbuffer (offset and size in the
+    buffer table): the pass brings them inside; the rewritten model computes the same."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import _pack
+
+    model = schema.ModelT.InitFromPackedBuf(FIXTURES["gqa"].read_bytes(), 0)
+    largest = max(model.buffers, key=lambda buffer: 0 if buffer.data is None else len(buffer.data))
+    payload = np.asarray(largest.data, np.uint8).tobytes()
+    largest.data, largest.offset, largest.size = None, 1 << 40, len(payload)  # a placeholder of the same width
+    head = _pack(model)
+    largest.offset = -(-len(head) // 64) * 64
+    head = _pack(model)
+    external = tmp_path / "external.tflite"
+    external.write_bytes(head + bytes(largest.offset - len(head)) + payload)
+    data, counts = rewrite_decode_attention(external.read_bytes())
+    assert counts["decode"] == 2
+    rewritten = tmp_path / "rewritten.tflite"
+    rewritten.write_bytes(data)
+    original = NativeModel(external, num_threads=1, weight_cache=":memory:", name="external")
+    native = NativeModel(rewritten, num_threads=1, weight_cache=":memory:", name="native")
+    inputs = step_inputs(original, "decode", 20, seed=4)
+    want, got = run(original, "decode", inputs), run(native, "decode", inputs)
+    assert float(np.abs(want["logits"] - got["logits"]).max()) <= TOL
+    want_plain = run(NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa"), "decode", inputs)
+    assert np.array_equal(want_plain["logits"], want["logits"])  # the external copy is the same model
+
+
+@needs_cc
+def test_processes_building_at_once_each_get_a_whole_library(tmp_path):
+    """Three processes build into an empty cache at once: each loads a library that runs,
+    one file is left, no scratch."""
+    script = ("from runtime.executor import kernels\n"
+              "library = kernels.build_library()\n"
+              "print(bool(library.attention_run))\n")
+    env = {**os.environ, "RUNTIME_CACHE": str(tmp_path)}
+    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for _ in range(3)]
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0 and out.strip() == "True", err
+    assert [p.name.startswith("decode_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]

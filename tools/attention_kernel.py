@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""An existing export's decode attention rewritten into the runtime's custom op, as
+``runtime export --attention-kernel native`` writes it (no torch needed; docs/kernels.md)::
+
+    python3 tools/attention_kernel.py model.tflite --out model-native.tflite
+
+Every ``decode*`` signature's (single-row and batched) ``BATCH_MATMUL -> ADD mask ->
+SOFTMAX -> BATCH_MATMUL`` over the transposed KV caches becomes one
+``odml_runtime.decode_attention`` op per layer and row; prefill and verify signatures stay
+as they are. Prints the layers rewritten per signature and the time the pass took. The
+result runs in this runtime only (it compiles the kernel at first open); keep the original
+for LiteRT-LM and for machines without a C compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runtime.errors import StatusError
+from runtime.util.attention_rewrite import rewrite_decode_attention
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path, help="a .tflite export in the transposed KV layout")
+    parser.add_argument("--out", type=Path, required=True, help="the .tflite to write (not the input)")
+    args = parser.parse_args()
+    if args.out.resolve() == args.model.resolve():
+        parser.error("--out must differ from the model: keep the standard form beside the rewritten one")
+    start = time.perf_counter()
+    try:
+        data, counts = rewrite_decode_attention(args.model.read_bytes())
+    except (OSError, StatusError) as exc:
+        print(f"error: {args.model}: {exc}", file=sys.stderr)
+        return 1
+    seconds = time.perf_counter() - start
+    with tempfile.NamedTemporaryFile(dir=args.out.parent, prefix=f".{args.out.name}.", delete=False) as file:
+        file.write(data)
+    os.replace(file.name, args.out)
+    for key, layers in counts.items():
+        print(f"{key}: {layers} attention op(s)")
+    print(f"wrote {args.out} ({len(data):,} bytes) in {seconds:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
