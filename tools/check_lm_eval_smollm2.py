@@ -34,10 +34,10 @@ Command (from the repository root; needs the ``serve`` and ``eval`` extras and t
 
     python3 tools/check_lm_eval_smollm2.py [--model PATH] [--work-dir /tmp/DIR] [--threads N]
 
-Takes ~5-8 minutes on a shared 2-core machine: ~1 minute for the server to start and
-lm-eval's own start-up, ~136 scored requests at ~1-2 s each through the server and again
-offline. Writes ``benchmarks/results/lm_eval_smollm2.md`` and ``.json``; exits 1 when a check
-fails.
+Takes ~9-10 minutes on a shared 2-core machine (559 s on 2026-12-05: lm-eval 317 s with its
+own start-up, the offline engine 234 s): 168 scored requests (10 x 4 + 32 x 4), each a
+``score_512`` run, through the server and again offline. Writes
+``benchmarks/results/lm_eval_smollm2.md`` and ``.json``; exits 1 when a check fails.
 """
 
 from __future__ import annotations
