@@ -41,6 +41,9 @@ def main() -> int:
     seconds = time.perf_counter() - start
     with tempfile.NamedTemporaryFile(dir=args.out.parent, prefix=f".{args.out.name}.", delete=False) as file:
         file.write(data)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file.name, 0o666 & ~umask)  # a temporary file is private; the model is not
     os.replace(file.name, args.out)
     for key, layers in counts.items():
         print(f"{key}: {layers} attention op(s)")
