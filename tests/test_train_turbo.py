@@ -18,6 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
+
 import checkpoints  # noqa: E402
 from conftest import MODELS  # noqa: E402
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
@@ -155,6 +157,23 @@ def test_joint_training_writes_a_loadable_adapter(model: Path, data: Path, tmp_p
     with Engine(TRUNK) as engine:
         assert _generate(engine, LoraSource(path=out), PROMPTS[0])[0] == _generate(
             engine, LoraSource(path=out, heads=False), PROMPTS[0])[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_other_families_train(family: str, data: Path, tmp_path: Path) -> None:
+    """The tiny random model of each other family (tools/build_family_fixtures.py), with the
+    word-level tokenizer and its chat template: a few steps through every phase."""
+    from tools.build_family_fixtures import FAMILIES, build_hf_model
+
+    model = build_hf_model(next(spec for spec in FAMILIES if spec.name == family))
+    model.save_pretrained(tmp_path / "model")
+    checkpoints.write_tokenizer(tmp_path / "model", model.config.vocab_size)
+    out = tmp_path / "turbo"
+    assert main(["train-turbo", "--model", str(tmp_path / "model"), "--data", str(data), "--out", str(out),
+                 "--num-heads", "2", "--rank", "4", "--epochs", "1", "--head-steps", "6", "--threads", "1"]) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert [phase["steps"] for phase in record["phases"].values()] == [4, 6]
+    assert "medusa_head.1.linear.weight" in _tensors(out)
 
 
 def _refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
