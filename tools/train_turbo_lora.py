@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Train Turbo LoRA draft heads (Medusa-1 style) for SmolLM2-135M-Instruct, on CPU.
 
+For any exported family and your own examples, ``python -m runtime train-turbo`` does this
+and trains the LoRA too (docs/turbo-training.md); this tool reproduces the README's SmolLM2
+``order_json`` numbers.
+
 Needs torch, transformers 5 and peft (the ``export`` extra), the prepared model and a
 trained LoRA of ``tools/train_smollm2_adapters.py``::
 
