@@ -222,6 +222,15 @@ def test_bad_runs_are_refused_before_any_training(model: Path, data: Path, train
     assert not (tmp_path / "out").exists()
 
 
+def test_a_lora_of_another_model_is_refused_and_leaves_nothing(model: Path, data: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    other = MODELS / "families" / "qwen3" / "adapter"
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"),
+                            "--lora", str(other), *FLAGS])
+    assert f"{other}: peft cannot load this LoRA on {model}" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_resumed_run_must_be_given_the_same_settings(model: Path, data: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"

@@ -109,9 +109,19 @@ class _Training:
     # -- the run -------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """Every phase not done yet, then the output directory."""
+        """Every phase not done yet, then the output directory. A run that fails before its
+        first checkpoint leaves no ``out`` behind (a later run need not ``--resume``)."""
+        created = not self.run_spec.out.exists()
         self.checkpoint.mkdir(parents=True, exist_ok=True)
         (self.checkpoint / "run.json").write_text(json.dumps(self.run_spec.describe(), indent=2) + "\n")
+        try:
+            return self._phases()
+        except BaseException:
+            if created and not (self.checkpoint / "state.pt").exists():
+                shutil.rmtree(self.run_spec.out, ignore_errors=True)
+            raise
+
+    def _phases(self) -> dict[str, Any]:
         state = self._load_state()
         if state is not None:
             self.record = state["record"]
@@ -136,15 +146,17 @@ class _Training:
 
     def _lora(self, state: dict[str, Any] | None) -> Any:
         """The LoRA model: loaded when trained (or given), else trained from ``state``."""
-        from peft import LoraConfig, PeftModel, get_peft_model
+        from peft import PeftModel
 
         if (self.lora_dir / WEIGHTS_FILE).is_file():
-            return PeftModel.from_pretrained(self.base, str(self.lora_dir)).eval()
+            try:
+                return PeftModel.from_pretrained(self.base, str(self.lora_dir)).eval()
+            except Exception as exc:  # peft raises ValueError, KeyError, RuntimeError... for a LoRA of another model
+                first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+                raise InvalidArgumentError(f"{self.lora_dir}: peft cannot load this LoRA on {self.run_spec.model}: "
+                                           f"{first}") from None
         settings = self.settings
-        torch.manual_seed(settings.seed)
-        model = get_peft_model(self.base, LoraConfig(
-            r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-            target_modules=list(TARGET_MODULES[settings.targets])))
+        model = self._new_lora()
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         optimizer = torch.optim.AdamW(params.values(), lr=settings.lora_lr, weight_decay=0.0)
         steps = settings.epochs * math.ceil(len(self.train) / settings.batch)
@@ -234,18 +246,13 @@ class _Training:
 
     def _joint(self, state: dict[str, Any] | None) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
         """The LoRA and the heads trained together on the examples' own answers."""
-        from peft import LoraConfig, get_peft_model
-
         settings = self.settings
-        torch.manual_seed(settings.seed)
-        model = get_peft_model(self.base, LoraConfig(
-            r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-            target_modules=list(TARGET_MODULES[settings.targets])))
+        model = self._new_lora()
         heads = DraftHeadStack(settings.num_heads, self.lm_head.shape[1])
         vocab = np.unique(np.concatenate([np.asarray(answer) for _, answer in self.train]))
         projection = torch.from_numpy(np.ascontiguousarray(self.lm_head.numpy()[vocab]))
-        index = torch.full((int(self.lm_head.shape[0]),), -1, dtype=torch.long)
-        index[torch.from_numpy(vocab)] = torch.arange(len(vocab))
+        row_of = torch.full((int(self.lm_head.shape[0]),), -1, dtype=torch.long)  # token id -> projection row
+        row_of[torch.from_numpy(vocab)] = torch.arange(len(vocab))
         weights = torch.tensor([settings.head_weight * HEAD_DECAY ** k for k in range(settings.num_heads)])
         lora_params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         params = {**lora_params, **{f"medusa.{name}": p for name, p in heads.named_parameters()}}
@@ -253,12 +260,12 @@ class _Training:
                                        {"params": list(heads.parameters()), "lr": settings.head_lr}], weight_decay=0.0)
         steps = settings.epochs * math.ceil(len(self.train) / settings.batch)
 
-        def step(index_: int) -> tuple[float, list[float]]:
-            ids, mask, labels = self._batch(index_)
+        def step(index: int) -> tuple[float, list[float]]:
+            ids, mask, labels = self._batch(index)
             hidden = model.get_base_model().model(input_ids=ids, attention_mask=mask).last_hidden_state
             loss = self._answer_loss(hidden, labels)
             rows, targets = _joint_targets(hidden, labels, settings.num_heads)
-            mapped = torch.where(targets >= 0, index[targets.clamp(min=0)], -1)
+            mapped = torch.where(targets >= 0, row_of[targets.clamp(min=0)], -1)
             head_loss, top1 = cross_entropy_loss(heads, rows, mapped, projection, weights)
             optimizer.zero_grad(set_to_none=True)
             (loss + head_loss).backward()
@@ -272,6 +279,16 @@ class _Training:
         return heads.as_arrays(), vocab
 
     # -- shared pieces -------------------------------------------------------------
+
+    def _new_lora(self) -> Any:
+        """The base model with a new PEFT LoRA of the run's settings (seeded)."""
+        from peft import LoraConfig, get_peft_model
+
+        settings = self.settings
+        torch.manual_seed(settings.seed)
+        return get_peft_model(self.base, LoraConfig(
+            r=settings.rank, lora_alpha=settings.alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+            target_modules=list(TARGET_MODULES[settings.targets])))
 
     def _loop(self, phase: str, steps: int, step: Callable[[int], tuple[float, list[float]]],
               optimizer: torch.optim.Optimizer, rates: list[tuple[float, int]], params: dict[str, torch.Tensor],
