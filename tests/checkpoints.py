@@ -66,11 +66,13 @@ def write_llama_directory(directory: Path, *, tokenizer: bool = True) -> Path:
     return directory
 
 
-def write_tokenizer(directory: Path) -> None:
-    """tokenizer.json (whitespace-split words) and tokenizer_config.json with the template."""
+def write_tokenizer(directory: Path, vocab: int = VOCAB) -> None:
+    """tokenizer.json (whitespace-split words: :data:`WORDS`, then ``w{i}`` up to ``vocab``)
+    and tokenizer_config.json with the template."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="<unk>"))
+    words = WORDS + [f"w{i}" for i in range(VOCAB - 14, vocab - 14)]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens([AddedToken(word, special=True) for word in WORDS[:5]])
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -78,6 +80,35 @@ def write_tokenizer(directory: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE,
     }))
+
+
+def write_gqa_directory(directory: Path) -> Path:
+    """The tiny GQA model of ``tests/models/gqa_weights.npz`` (the one exported with verify
+    signatures in ``tests/models/turbo/``) as a Hugging Face Llama directory with a
+    word-level tokenizer of its 256 tokens and :data:`CHAT_TEMPLATE`."""
+    from safetensors.numpy import save_file
+
+    weights = np.load(Path(__file__).resolve().parent / "models" / "gqa_weights.npz")
+    config = {key.removeprefix("config."): weights[key].item() for key in weights if key.startswith("config.")}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config["vocab"],
+        "hidden_size": config["hidden"], "intermediate_size": config["intermediate"],
+        "num_hidden_layers": config["num_layers"], "num_attention_heads": config["num_heads"],
+        "num_key_value_heads": config["num_kv_groups"], "head_dim": config["head_dim"], "hidden_act": "silu",
+        "rms_norm_eps": config["rms_eps"], "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_base"]},
+        "max_position_embeddings": config["kv_cache_max_len"], "tie_word_embeddings": False, "bos_token_id": BOS,
+        "eos_token_id": EOS}))
+    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+             **{p: f"self_attn.{p}_proj" for p in "qkvo"}, **{p: f"mlp.{p}_proj" for p in ("gate", "up", "down")}}
+    state = {"model.embed_tokens.weight": weights["embedding"], "model.norm.weight": weights["final_norm"],
+             "lm_head.weight": weights["lm_head"]}
+    for i in range(config["num_layers"]):
+        state.update({f"model.layers.{i}.{hf_name}.weight": weights[f"layers.{i}.{name}"]
+                      for name, hf_name in names.items()})
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}, str(directory / "model.safetensors"))
+    write_tokenizer(directory, config["vocab"])
+    return directory
 
 
 def write_llama_gguf(path: Path) -> Path:

@@ -20,7 +20,7 @@ import pytest
 from conftest import MODEL_FILES, MODELS
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
 from runtime.engine.speculative import AcceptanceGate, SpeculationPolicy
-from runtime.errors import FailedPreconditionError
+from runtime.errors import FailedPreconditionError, ResourceExhaustedError
 
 TURBO = MODELS / "turbo"
 LAYOUTS = {"default": TURBO / "default.tflite", "transposed": TURBO / "transposed.tflite"}
@@ -239,3 +239,31 @@ def test_a_turbo_adapter_is_read_in_one_pass(monkeypatch):
         lora_id = engine.register_adapter(LoraSource(path=TURBO / "trained_heads"))
         assert engine.adapter(lora_id).draft_heads > 0
     assert opened == ["adapter_model.safetensors"]
+
+
+def test_hidden_states_are_the_lm_heads_input_along_the_tokens(engine):
+    """Session.hidden_states (what ``train-turbo --trunk`` trains heads on): verify runs, L
+    tokens at a time, whose states give the logits plain prefill and decode steps give."""
+    from runtime.util.output_projection import read_output_projection
+
+    lm_head = read_output_projection(LAYOUTS["default"], "verify4", "verify4")
+    prompt = OTHER_PROMPTS[1]  # 10 tokens: verify4 runs of 4, 4 and 2
+    source = LoraSource(path=TURBO / "trained_heads", heads=False)
+    with engine.create_session(SessionConfig(loras=[source])) as session:
+        session.run_prefill(prompt[:1])
+        states = session.hidden_states(prompt[1:])
+        assert states.shape == (9, 64) and session.position == 10
+    with engine.create_session(SessionConfig(loras=[source])) as session:
+        expected = [session.run_prefill(prompt[:2])] + [session.run_decode(token) for token in prompt[2:]]
+    np.testing.assert_allclose(states @ lm_head.T, np.asarray(expected), atol=1e-3)
+
+
+def test_hidden_states_need_verify_signatures_and_room():
+    with Engine(MODEL_FILES["default"]) as engine, engine.create_session() as session:
+        with pytest.raises(FailedPreconditionError, match="--verify-lengths"):
+            session.hidden_states([1, 2, 3])
+    with Engine(LAYOUTS["default"]) as engine, engine.create_session() as session:
+        session.run_prefill([7])
+        with pytest.raises(ResourceExhaustedError, match="do not fit the KV cache of 64"):
+            session.hidden_states(list(range(62)))  # the last verify4 run would take positions 61 ... 64
+        assert session.hidden_states(list(range(60))).shape == (60, 64)  # the last one 57 ... 60

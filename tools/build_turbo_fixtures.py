@@ -104,9 +104,8 @@ def greedy_states(model: Path, prompts: list[list[int]], steps: int) -> tuple[np
     runtime), and the final hidden state at every generated position: the lm_head is
     ``[256, 64]``, so each hidden state is recovered exactly from its logits (least
     squares). Returns (hidden ``[N, 64]``, future targets ``[N, NUM_HEADS]``, lm_head)."""
-    from train_turbo_lora import future_targets
-
     from runtime import Engine, LoraSource, SessionConfig
+    from runtime.export.draft_head_training import future_targets
     from runtime.util.output_projection import read_output_projection
 
     lm_head = read_output_projection(model, "verify4", str(model)).astype(np.float64)
@@ -128,7 +127,9 @@ def greedy_states(model: Path, prompts: list[list[int]], steps: int) -> tuple[np
 
 def build_adapters(out_dir: Path) -> None:
     """Writes the PEFT directories with draft heads (see the module notes)."""
-    from train_turbo_lora import head_top1, train_heads
+    from train_turbo_lora import train_heads
+
+    from runtime.export.draft_head_training import head_top1
 
     rng = np.random.default_rng(SEED)
     lora, config = _state(LORA_DIR)

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Train Turbo LoRA draft heads (Medusa-1 style) for SmolLM2-135M-Instruct, on CPU.
 
+For any exported family and your own examples, ``python -m runtime train-turbo`` does this
+and trains the LoRA too (docs/turbo-training.md); this tool reproduces the README's SmolLM2
+``order_json`` numbers.
+
 Needs torch, transformers 5 and peft (the ``export`` extra), the prepared model and a
 trained LoRA of ``tools/train_smollm2_adapters.py``::
 
@@ -46,8 +50,9 @@ from typing import Any
 import numpy as np
 
 TOOLS_DIR = Path(__file__).resolve().parent
-if str(TOOLS_DIR) not in sys.path:
-    sys.path.insert(0, str(TOOLS_DIR))
+for folder in (TOOLS_DIR, TOOLS_DIR.parent):  # the tasks beside it; the runtime of this checkout
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 HEADS_FILE = "adapter_model.safetensors"
 
@@ -67,104 +72,32 @@ def train_heads(hidden: np.ndarray, targets: np.ndarray, lm_head: np.ndarray, *,
     the cross-entropy runs over those ids only, as the runtime then drafts."""
     import torch
 
+    from runtime.export.draft_head_training import DraftHeadStack, cross_entropy_loss, regression_loss, restrict
+
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    count = targets.shape[1]
-    width = hidden.shape[1]
     h_all = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))
     lm_head, mapped = restrict(lm_head, targets, vocab)
-    t_all = torch.from_numpy(np.ascontiguousarray(np.where(targets >= 0, mapped, -1), np.int64))
-    head_weight = torch.from_numpy(np.ascontiguousarray(lm_head, np.float32))
-    weights = torch.zeros((count, width, width), requires_grad=True)
-    biases = torch.zeros((count, width), requires_grad=True)
-    optimizer = torch.optim.AdamW([weights, biases], lr=learning_rate, weight_decay=0.0)
+    t_all = torch.from_numpy(np.ascontiguousarray(mapped, np.int64))
+    projection = torch.from_numpy(np.ascontiguousarray(lm_head, np.float32))
+    heads = DraftHeadStack(targets.shape[1], hidden.shape[1])
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=learning_rate, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     if future is not None:
         f_all = torch.from_numpy(np.ascontiguousarray(future, np.float32))
         for _ in range(regress_steps):
             rows = torch.randint(0, len(h_all), (min(batch * 4, len(h_all)),), generator=generator)
-            h, t, f = h_all[rows], t_all[rows], f_all[rows]
-            loss = torch.zeros(())
-            for k in range(count):
-                keep = t[:, k] >= 0
-                out = h[keep] + torch.nn.functional.silu(h[keep] @ weights[k].T + biases[k])
-                loss = loss + ((out - f[keep, k]) ** 2).sum(-1).mean()
+            loss = regression_loss(heads, h_all[rows], t_all[rows], f_all[rows])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
     for _ in range(steps):
         rows = torch.randint(0, len(h_all), (min(batch, len(h_all)),), generator=generator)
-        h, t = h_all[rows], t_all[rows]
-        loss = torch.zeros(())
-        for k in range(count):
-            keep = t[:, k] >= 0
-            if not bool(keep.any()):
-                continue
-            z = h[keep] @ weights[k].T + biases[k]
-            logits = (h[keep] + torch.nn.functional.silu(z)) @ head_weight.T
-            loss = loss + torch.nn.functional.cross_entropy(logits, t[keep, k])
+        loss, _ = cross_entropy_loss(heads, h_all[rows], t_all[rows], projection)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return [(weights[k].detach().numpy().copy(), biases[k].detach().numpy().copy()) for k in range(count)]
-
-
-def restrict(lm_head: np.ndarray, targets: np.ndarray, vocab: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """The lm_head rows of ``vocab`` and ``targets`` as indices into it (-1 where a target
-    is not in ``vocab`` or absent); unchanged without ``vocab``."""
-    if vocab is None:
-        return lm_head, targets
-    index = {int(token): i for i, token in enumerate(vocab)}
-    mapped = np.vectorize(lambda t: index.get(int(t), -1), otypes=[np.int64])(targets) if targets.size else targets
-    return np.ascontiguousarray(lm_head[vocab]), mapped
-
-
-def head_top1(heads: list[tuple[np.ndarray, np.ndarray]], hidden: np.ndarray, targets: np.ndarray,
-              lm_head: np.ndarray, vocab: np.ndarray | None = None) -> list[float]:
-    """Per head, the fraction of positions (with a target) where its argmax (among
-    ``vocab``, as the runtime drafts) is the target; a target outside ``vocab`` is a miss."""
-    projection, mapped = restrict(lm_head, targets, vocab)
-    scores = []
-    for k, (weight, bias) in enumerate(heads):
-        keep = targets[:, k] >= 0
-        z = hidden[keep] @ weight.T + bias
-        rows = hidden[keep] + z / (1.0 + np.exp(-z))
-        predicted = np.concatenate([np.argmax(rows[i:i + 512] @ projection.T, axis=-1)
-                                    for i in range(0, len(rows), 512)] or [np.zeros(0, np.int64)])
-        scores.append(float(np.mean(predicted == mapped[keep, k])) if keep.any() else 0.0)
-    return scores
-
-
-def future_targets(tokens: np.ndarray, positions: np.ndarray, count: int) -> np.ndarray:
-    """For each position i of ``positions`` (whose hidden state predicts ``tokens[i+1]``),
-    the tokens head k must draft: ``tokens[i + k + 2]`` (-1 past the end)."""
-    out = np.full((len(positions), count), -1, np.int64)
-    for k in range(count):
-        ahead = positions + k + 2
-        inside = ahead < len(tokens)
-        out[inside, k] = tokens[ahead[inside]]
-    return out
-
-
-def save_turbo_adapter(lora_dir: Path, out_dir: Path, heads: list[tuple[np.ndarray, np.ndarray]],
-                       record: dict[str, Any] | None = None, vocab: np.ndarray | None = None) -> None:
-    """Writes ``lora_dir``'s PEFT adapter with ``heads`` (and the draft vocabulary
-    ``medusa_head.vocab``, if given) added, as ``out_dir``."""
-    from safetensors.numpy import load_file, save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(str(lora_dir / HEADS_FILE))
-    for k, (weight, bias) in enumerate(heads):
-        tensors[f"medusa_head.{k}.linear.weight"] = np.ascontiguousarray(weight, np.float32)
-        tensors[f"medusa_head.{k}.linear.bias"] = np.ascontiguousarray(bias, np.float32)
-    if vocab is not None:
-        tensors["medusa_head.vocab"] = np.ascontiguousarray(vocab, np.int32)
-    save_file(tensors, str(out_dir / HEADS_FILE))
-    config = json.loads((lora_dir / "adapter_config.json").read_text())
-    config.update(medusa_num_heads=len(heads), medusa_num_layers=1)
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if record is not None:
-        (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return heads.as_arrays()
 
 
 # --------------------------------------------------------------------------
@@ -230,6 +163,8 @@ def trunk_states(model: Any, sequences: list[tuple[list[int], list[int]]], count
     the end)."""
     import torch
 
+    from runtime.export.draft_head_training import future_targets
+
     hidden_rows, target_rows, future_rows = [], [], []
     head = model.get_output_embeddings().weight.detach().numpy()
     with torch.inference_mode():
@@ -252,6 +187,8 @@ def trunk_states(model: Any, sequences: list[tuple[list[int], list[int]]], count
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     import smollm2_tasks as tasks
+
+    from runtime.export.draft_head_training import head_top1, write_turbo_adapter
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--task", required=True, choices=sorted(tasks.TASKS))
@@ -313,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                   "LoRA frozen",
     }
     out_dir = args.out or lora_dir.parent / f"{args.task}-turbo"
-    save_turbo_adapter(lora_dir, out_dir, heads, record, vocab)
+    write_turbo_adapter(lora_dir, out_dir, heads, record, vocab)
     print(json.dumps(record, indent=2))
     print(f"wrote {out_dir}")
     return 0

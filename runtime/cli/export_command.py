@@ -13,8 +13,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from runtime.cli.options import import_export_module
 from runtime.cli.progress import progress_bar
-from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.errors import InvalidArgumentError
 from runtime.export.budget import GB, plan
 from runtime.export.outputs import check_targets
 from runtime.export.settings import (ATTENTION_KERNELS, KV_LAYOUTS, LORA_TARGETS, NATIVE_BUNDLE, QUANTIZATIONS,
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                 return progress_bar("export", unit="step", lines_off_terminal=True)(stages)
 
         with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
-            exporter = _import_exporter()
+            exporter = import_export_module("exporter", "export", "torch, litert-torch, transformers")
             # A terminated export (SIGTERM) unwinds like a failed one: its partial files are removed.
             # (Installed after the import: a library imported there may install its own.)
             signal.signal(signal.SIGTERM, _exit_on_termination)
@@ -212,16 +213,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _exit_on_termination(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def _import_exporter():  # noqa: ANN202  (the module, imported late: it pulls in torch)
-    """runtime.export.exporter; without the export extra a FailedPreconditionError saying so."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sources are local; never wait on the hub
-    try:
-        from runtime.export import exporter
-    except ImportError as exc:
-        raise FailedPreconditionError(
-            f"export needs the export extra (torch, litert-torch, transformers): pip install -e '.[export]' "
-            f"({exc})"
-        ) from None
-    return exporter

@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from runtime.cli import bench_command, convert_command, export_command, generate_command, inspect_command, serve_command
+from runtime.cli import (
+    bench_command, convert_command, export_command, generate_command, inspect_command, serve_command, train_turbo_command)
 from runtime.errors import StatusError
 
 USAGE_ERROR = 2
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_command.add_parser(commands)
     export_command.add_parser(commands)
     serve_command.add_parser(commands)
+    train_turbo_command.add_parser(commands)
     return parser
 
 

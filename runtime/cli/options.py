@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 from pathlib import Path
-
+from types import ModuleType
 from typing import Any
 
-from runtime.errors import InvalidArgumentError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError
 from runtime.executor.weight_cache import MAX_SIZE_ENV, WeightCacheDir, parse_size
 
 
@@ -42,3 +44,14 @@ def _size(text: str) -> int | None:
         return parse_size(text, "--weight-cache-max-size")
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def import_export_module(name: str, command: str, needs: str) -> ModuleType:
+    """``runtime.export.<name>``, imported when ``command`` needs it (it pulls in torch);
+    without the export extra a FailedPreconditionError naming ``needs`` and the install line."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # sources are local; never wait on the hub
+    try:
+        return importlib.import_module(f"runtime.export.{name}")
+    except ImportError as exc:
+        raise FailedPreconditionError(
+            f"{command} needs the export extra ({needs}): pip install -e \".[export]\" ({exc})") from None

@@ -189,6 +189,32 @@ class Session:
         finally:
             self._lock.release()
 
+    def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
+        """Appends ``tokens`` through the model's ``verify{L}`` signatures (L at a time);
+        returns the final hidden state after each, float32 ``(len(tokens), width)``: the
+        lm_head's input, what an adapter's draft heads read (``train-turbo --trunk`` trains
+        them on these). ``FailedPreconditionError`` when the model has no verify
+        signatures for the session's adapters, ``ResourceExhaustedError`` when the tokens
+        (with a verify run's padding) would not fit the KV cache."""
+        tokens = self._check_tokens(tokens)
+        with self.reserve() as context:
+            lengths = self._resources.spec.verify_lengths(self._resources.slot_for(context.blend))
+            if not lengths:
+                raise FailedPreconditionError("hidden states need verify signatures: export the model with "
+                                              "--verify-lengths")
+            length = lengths[-1]
+            self.write_pending(context)
+            last_run = context.position + (max(len(tokens) - 1, 0) // length) * length
+            if last_run + length > self.kv_length:
+                raise ResourceExhaustedError(f"{len(tokens)} tokens after {context.position} do not fit the KV "
+                                             f"cache of {self.kv_length} in verify{length} runs")
+            rows = []
+            for start in range(0, len(tokens), length):
+                chunk = tokens[start:start + length]
+                rows.append(self._resources.verify(context, chunk)[1])
+                context.position += len(chunk)
+            return np.concatenate(rows) if rows else np.zeros((0, self._resources.spec.hidden_size or 0), np.float32)
+
     def generate(
         self,
         prompt: str | Sequence[int],

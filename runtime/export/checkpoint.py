@@ -53,16 +53,21 @@ def load_model(source: Source) -> Any:
     return model.eval()
 
 
-def load_tokenizer(source: Source) -> TokenizerAssets:
-    """The source's tokenizer as a bundle carries it (stop tokens: its end-of-sequence
-    token; :func:`with_generation_stops` adds the model's)."""
+def load_hf_tokenizer(source: Source) -> Any:
+    """The source's transformers tokenizer (a GGUF file's converted one)."""
     from transformers import AutoTokenizer
 
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **extra)
+        return AutoTokenizer.from_pretrained(source.directory, local_files_only=True, **extra)
     except Exception as exc:  # transformers raises many kinds for unreadable tokenizer files
         raise InvalidArgumentError(f"{source.path}: the tokenizer cannot be read: {_first_line(exc)}") from None
+
+
+def load_tokenizer(source: Source) -> TokenizerAssets:
+    """The source's tokenizer as a bundle carries it (stop tokens: its end-of-sequence
+    token; :func:`with_generation_stops` adds the model's)."""
+    tokenizer = load_hf_tokenizer(source)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise InvalidArgumentError(

@@ -1,0 +1,95 @@
+"""The examples a Turbo adapter is trained on: ``{"instruction", "output"}`` records read from
+a JSON file (a list of records), a JSONL file (one record a line) or a directory of them.
+
+An optional ``"input"`` field (Alpaca's layout) is appended to the instruction after a blank
+line. Every refusal names the file, the line (JSONL) or item (JSON) and the field, so a user
+can fix a data set of thousands of lines without a debugger. Reads only the standard
+library: a bad file is refused before torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import InvalidArgumentError, NotFoundError
+
+SUFFIXES = (".json", ".jsonl")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training example: the user's message and the answer the adapter should give."""
+
+    instruction: str
+    output: str
+
+
+def read_examples(path: str | os.PathLike[str]) -> list[Example]:
+    """The examples of a ``.json`` / ``.jsonl`` file, or of every such file directly in a
+    directory (in name order); refuses a missing path, an empty data set and any malformed
+    record, naming where it is."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES)
+        if not files:
+            raise NotFoundError(f"{path}: no {' or '.join(SUFFIXES)} files in the directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise NotFoundError(f"{path}: no such file or directory (expected a .json or .jsonl file of "
+                            "{\"instruction\", \"output\"} records, or a directory of them)")
+    examples = [example for file in files for example in _read_file(file)]
+    if not examples:
+        raise InvalidArgumentError(f"{path}: no examples")
+    return examples
+
+
+def _read_file(file: Path) -> list[Example]:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"{file}: not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"{file}: cannot be read: {exc.strerror}") from None
+    if file.suffix == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                records.append((f"{file}: line {number}", _parse(line, f"{file}: line {number}")))
+    else:
+        document = _parse(text, str(file))
+        if not isinstance(document, list):
+            raise InvalidArgumentError(f"{file}: expected a JSON list of {{\"instruction\", \"output\"}} records "
+                                       f"(or a .jsonl file, one record a line), got a {type(document).__name__}")
+        records = [(f"{file}: item {index}", record) for index, record in enumerate(document)]
+    return [_example(record, where) for where, record in records]
+
+
+def _parse(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"{where}: not valid JSON: {exc}") from None
+
+
+def _example(record: Any, where: str) -> Example:
+    if not isinstance(record, dict):
+        raise InvalidArgumentError(f"{where}: expected an object with \"instruction\" and \"output\", got a "
+                                   f"{type(record).__name__}")
+    fields = {}
+    for name in ("instruction", "output"):
+        if name not in record:
+            raise InvalidArgumentError(f"{where}: field {name!r} is missing")
+        value = record[name]
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidArgumentError(f"{where}: field {name!r} must be a non-empty string, got {value!r:.60}")
+        fields[name] = value
+    extra = record.get("input", "")
+    if not isinstance(extra, str):
+        raise InvalidArgumentError(f"{where}: field 'input' must be a string, got {extra!r:.60}")
+    instruction = f"{fields['instruction']}\n\n{extra}" if extra.strip() else fields["instruction"]
+    return Example(instruction=instruction, output=fields["output"])

@@ -1,0 +1,121 @@
+"""What a ``train-turbo`` run is: its settings, its inputs and outputs, and the checks made
+before torch is imported (a bad flag, data file, model family or ``--out`` is refused in a
+second, and a resumed run must be the run its checkpoint was made by)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import InvalidArgumentError, NotFoundError
+from runtime.export.source import inspect_source
+from runtime.export.turbo_data import Example, read_examples
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+CHECKPOINT_DIR = "checkpoint"
+TARGET_MODULES = {
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "all-linear": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+@dataclass(frozen=True)
+class TurboSettings:
+    """Hyper-parameters of one training run (defaults: a narrow task on a laptop CPU)."""
+
+    num_heads: int = 5
+    rank: int = 16
+    alpha: int = 32
+    targets: str = "attention"  # a key of TARGET_MODULES
+    epochs: int = 3
+    batch: int = 4
+    seq_len: int = 256
+    lora_lr: float = 1e-3
+    head_lr: float = 3e-3
+    warmup_ratio: float = 0.1
+    head_steps: int = 1000
+    head_batch: int = 256
+    joint: bool = False
+    head_weight: float = 0.2
+    holdout: float = 0.1  # the share of examples kept out of training, for held-out top-1
+    seed: int = 0
+    threads: int = 2
+    checkpoint_every: int = 50
+    log_every: int = 10
+
+    def check(self) -> None:
+        """Refuses values no run can use, naming the flag."""
+        positive = {"--num-heads": self.num_heads, "--rank": self.rank, "--epochs": self.epochs,
+                    "--batch": self.batch, "--seq-len": self.seq_len, "--head-steps": self.head_steps,
+                    "--head-batch": self.head_batch, "--threads": self.threads,
+                    "--checkpoint-every": self.checkpoint_every, "--log-every": self.log_every}
+        for flag, value in positive.items():
+            if value < 1:
+                raise InvalidArgumentError(f"{flag} {value}: expected a positive integer")
+        for flag, rate in {"--lora-lr": self.lora_lr, "--head-lr": self.head_lr, "--alpha": self.alpha}.items():
+            if not rate > 0:
+                raise InvalidArgumentError(f"{flag} {rate}: expected a positive number")
+        for flag, share in {"--warmup-ratio": self.warmup_ratio, "--holdout": self.holdout}.items():
+            if not 0 <= share < 1:
+                raise InvalidArgumentError(f"{flag} {share}: expected a number in [0, 1)")
+        if self.head_weight < 0:
+            raise InvalidArgumentError(f"--head-weight {self.head_weight}: expected a number >= 0")
+        if self.targets not in TARGET_MODULES:
+            raise InvalidArgumentError(f"--targets {self.targets!r}: expected one of {', '.join(TARGET_MODULES)}")
+
+
+@dataclass(frozen=True)
+class TurboRun:
+    """What one run reads and writes."""
+
+    model: Path  # a Hugging Face model directory or GGUF file
+    data: Path  # a .json / .jsonl file or a directory of them
+    out: Path  # the Turbo adapter's PEFT directory
+    settings: TurboSettings
+    lora: Path | None = None  # an existing PEFT LoRA: heads only
+    trunk: Path | None = None  # an exported model the heads are trained on (its own hidden states)
+
+    def describe(self) -> dict[str, Any]:
+        """The run as JSON: what a resumed run must match."""
+        return {"model": str(self.model), "data": str(self.data), "lora": str(self.lora) if self.lora else None,
+                "trunk": str(self.trunk) if self.trunk else None, **dataclasses.asdict(self.settings)}
+
+
+def check_run(run: TurboRun, resume: bool) -> list[Example]:
+    """Everything that can be refused before torch loads a model: settings, the model's
+    family, the data, the LoRA directory, ``out`` (must not exist, unless ``resume``: then
+    it must hold this run's checkpoint). Returns the examples."""
+    run.settings.check()
+    if run.settings.joint and run.lora is not None:
+        raise InvalidArgumentError("--joint trains a new LoRA with the heads; --lora adds heads to an existing one: "
+                                   "give one of them")
+    if run.settings.joint and run.trunk is not None:
+        raise InvalidArgumentError("--trunk trains the heads on an exported model's hidden states, which --joint "
+                                   "(torch's states, the LoRA moving) cannot use: drop one of them")
+    inspect_source(run.model)
+    examples = read_examples(run.data)
+    if run.lora is not None:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (run.lora / name).is_file():
+                raise NotFoundError(f"--lora {run.lora}: no {name} (expected a PEFT LoRA directory)")
+    if run.trunk is not None and not run.trunk.is_file():
+        raise NotFoundError(f"--trunk {run.trunk}: no such file (expected an exported .tflite model)")
+    saved = run.out / CHECKPOINT_DIR / "run.json"
+    if resume:
+        if not saved.is_file():
+            raise NotFoundError(f"--out {run.out}: no checkpoint to resume ({saved} is missing)")
+        before = json.loads(saved.read_text())
+        changed = sorted(key for key in set(before) | set(run.describe())
+                         if before.get(key) != run.describe().get(key))
+        if changed:
+            raise InvalidArgumentError(f"--resume: the checkpoint in {run.out} was made with other settings "
+                                       f"({', '.join(f'{k}: {before.get(k)!r}' for k in changed)}); "
+                                       "give the same flags, or a new --out")
+    elif run.out.exists():
+        raise InvalidArgumentError(f"--out {run.out} exists: give a new directory, or --resume to continue the run "
+                                   "checkpointed there")
+    return examples

@@ -1,0 +1,249 @@
+"""``python -m runtime train-turbo`` (runtime/cli/train_turbo_command.py and the training in
+runtime/export/turbo_training.py) on the tiny GQA model whose export with verify signatures
+is committed (tests/models/turbo/): a few steps end to end, the output loaded by the
+runtime with its heads (greedy output unchanged by them), a resumed run equal to an
+uninterrupted one, heads trained on an exported trunk's own hidden states, and bad inputs
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
+
+import checkpoints  # noqa: E402
+from conftest import MODELS  # noqa: E402
+from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E402
+from runtime.cli import train_turbo_command  # noqa: E402
+from runtime.cli.main import main  # noqa: E402
+from runtime.engine.speculative import SpeculationPolicy  # noqa: E402
+from runtime.export.turbo_settings import TurboRun, TurboSettings, check_run  # noqa: E402
+
+pytestmark = pytest.mark.export
+TRUNK = MODELS / "turbo" / "default.tflite"  # the tiny GQA model: verify4 (3 drafts), LoRA slots r4 and r8
+LORA = MODELS / "peft" / "qkvo_r4"  # a rank-4 q/k/v/o LoRA of the same model
+FLAGS = ["--num-heads", "3", "--rank", "4", "--alpha", "8", "--epochs", "2", "--batch", "4", "--head-steps", "12",
+         "--head-batch", "64", "--lora-lr", "1e-2", "--holdout", "0.25", "--checkpoint-every", "3",
+         "--log-every", "2", "--threads", "1"]
+PROMPTS = [[1, 3, 30, 40, 50, 4], [1, 3, 120, 7, 4], [1, 3, 11, 10, 8, 7, 9, 6, 12, 4]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return checkpoints.write_gqa_directory(tmp_path_factory.mktemp("gqa") / "model")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 examples: three words, and the same words reversed."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "reverse.jsonl"
+    lines = []
+    for _ in range(16):
+        words = [f"w{rng.randrange(20, 200)}" for _ in range(3)]
+        lines.append(json.dumps({"instruction": " ".join(words), "output": " ".join(reversed(words)) + " ."}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(model: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run through the command line."""
+    out = tmp_path_factory.mktemp("runs") / "turbo"
+    assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]) == 0
+    return out
+
+
+def _generate(engine: Engine, source: LoraSource, prompt: list[int]):
+    with engine.create_session(SessionConfig(loras=[source])) as session:
+        return session.generate(prompt, max_new_tokens=24).tokens, session.stats().speculation
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def test_the_output_loads_with_its_heads_and_greedy_output_is_unchanged(trained: Path) -> None:
+    record = json.loads((trained / "training.json").read_text())
+    config = json.loads((trained / "adapter_config.json").read_text())
+    assert (config["medusa_num_heads"], config["r"], config["lora_alpha"]) == (3, 4, 8)
+    assert [phase["steps"] for phase in record["phases"].values()] == [6, 12]  # 12 examples / 4 x 2 epochs; heads
+    assert len(record["held_out_top1_per_head"]) == 3 and record["held_out_examples"] == 4
+    assert not (trained / "checkpoint").exists()
+    tensors = _tensors(trained)
+    assert tensors["medusa_head.0.linear.weight"].shape == (64, 64) and "medusa_head.vocab" in tensors
+    assert any("lora_B" in key and np.any(value) for key, value in tensors.items())  # the LoRA was trained
+    with Engine(TRUNK, EngineSettings(speculation=SpeculationPolicy(probe_verifies=10_000))) as engine:
+        for prompt in PROMPTS:
+            turbo, stats = _generate(engine, LoraSource(path=trained), prompt)
+            plain, plain_stats = _generate(engine, LoraSource(path=trained, heads=False), prompt)
+            assert turbo == plain
+            assert stats.verifies > 0 and plain_stats.verifies == 0  # registered with its draft heads
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(model: Path, data: Path, trained: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted in the LoRA's phase, resumed, interrupted in the heads', resumed: the
+    same adapter, bit for bit, as the run never interrupted."""
+    out = tmp_path / "turbo"
+    argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
+
+    def interrupt_at(line: str):
+        def log(text: str) -> None:
+            if text.startswith(line):
+                raise KeyboardInterrupt
+        return log
+
+    for stop in ("lora step 4/", "heads step 10/"):
+        with monkeypatch.context() as patch:
+            patch.setattr(train_turbo_command, "_log", interrupt_at(stop))
+            with pytest.raises(KeyboardInterrupt):
+                main(argv + (["--resume"] if out.exists() else []))
+        assert (out / "checkpoint" / "state.pt").is_file()
+    assert main(argv + ["--resume"]) == 0
+    resumed, uninterrupted = _tensors(out), _tensors(trained)
+    assert sorted(resumed) == sorted(uninterrupted)
+    for key, value in uninterrupted.items():
+        np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
+def test_heads_trained_on_the_exported_trunks_own_hidden_states(model: Path, data: Path, tmp_path: Path) -> None:
+    """--trunk: the exported model answers and its verify signature's hidden states train the
+    heads, here on an existing LoRA (--lora); those states are torch's, to float error."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS[2]
+    with Engine(TRUNK) as engine, engine.create_session(SessionConfig(loras=[LoraSource(path=LORA)])) as session:
+        session.run_prefill(prompt[:3])
+        exported = session.hidden_states(prompt[3:])  # 7 tokens: two verify4 runs
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(LORA)).eval()
+    with torch.inference_mode():
+        reference = peft_model.get_base_model().model(input_ids=torch.tensor([prompt])).last_hidden_state[0, 3:]
+    np.testing.assert_allclose(exported, reference.numpy(), atol=2e-4)
+
+    out = tmp_path / "turbo"
+    assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), "--lora", str(LORA),
+                 "--trunk", str(TRUNK), *FLAGS]) == 0
+    assert json.loads((out / "training.json").read_text())["run"]["trunk"] == str(TRUNK)
+    lora = {key: value for key, value in _tensors(LORA).items()}
+    written = _tensors(out)
+    for key, value in lora.items():
+        np.testing.assert_array_equal(written[key], value)  # the LoRA as given, heads added
+    with Engine(TRUNK) as engine:
+        for prompt in PROMPTS:
+            assert _generate(engine, LoraSource(path=out), prompt)[0] == _generate(
+                engine, LoraSource(path=out, heads=False), prompt)[0]
+
+
+def test_joint_training_writes_a_loadable_adapter(model: Path, data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "joint"
+    assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), "--joint",
+                 *FLAGS]) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert list(record["phases"]) == ["joint"] and len(record["phases"]["joint"]["log"][-1]["top1"]) == 3
+    with Engine(TRUNK) as engine:
+        assert _generate(engine, LoraSource(path=out), PROMPTS[0])[0] == _generate(
+            engine, LoraSource(path=out, heads=False), PROMPTS[0])[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_other_families_train(family: str, data: Path, tmp_path: Path) -> None:
+    """The tiny random model of each other family (tools/build_family_fixtures.py), with the
+    word-level tokenizer and its chat template: a few steps through every phase."""
+    from tools.build_family_fixtures import FAMILIES, build_hf_model
+
+    model = build_hf_model(next(spec for spec in FAMILIES if spec.name == family))
+    model.save_pretrained(tmp_path / "model")
+    checkpoints.write_tokenizer(tmp_path / "model", model.config.vocab_size)
+    out = tmp_path / "turbo"
+    assert main(["train-turbo", "--model", str(tmp_path / "model"), "--data", str(data), "--out", str(out),
+                 "--num-heads", "2", "--rank", "4", "--epochs", "1", "--head-steps", "6", "--threads", "1"]) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert [phase["steps"] for phase in record["phases"].values()] == [4, 6]
+    assert "medusa_head.1.linear.weight" in _tensors(out)
+
+
+def _refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    assert main(["train-turbo", *argv]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    ("a.jsonl", '{"instruction": "x", "output": "y"}\n{"instruction": "x"}\n', "a.jsonl: line 2: field 'output' is missing"),
+    ("b.jsonl", '{"instruction": "x", "output": "y"}\n\n{"instruction": 3, "output": "y"}\n',
+     "b.jsonl: line 3: field 'instruction' must be a non-empty string"),
+    ("c.jsonl", '{"instruction": "x", "output": "y"}\nnot json\n', "c.jsonl: line 2: not valid JSON"),
+    ("d.json", '[{"instruction": "x", "output": "y"}, ["x", "y"]]', "d.json: item 1: expected an object"),
+    ("e.json", '{"instruction": "x", "output": "y"}', "e.json: expected a JSON list"),
+    ("f.json", '[{"instruction": "x", "output": ""}]', "f.json: item 0: field 'output' must be a non-empty"),
+    ("g.json", "[]", "g.json: no examples"),
+])
+def test_bad_data_is_refused_naming_file_line_and_field(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                        name: str, text: str, expected: str) -> None:
+    (tmp_path / name).write_text(text)
+    err = _refusal(capsys, ["--model", str(model), "--data", str(tmp_path / name), "--out", str(tmp_path / "out")])
+    assert expected in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_runs_are_refused_before_any_training(model: Path, data: Path, trained: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    out = str(tmp_path / "out")
+    common = ["--model", str(model), "--data", str(data)]
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert "model_type 'gpt2') is not supported; supported: Llama" in _refusal(
+        capsys, ["--model", str(gpt2), "--data", str(data), "--out", out])
+    assert f"--out {trained} exists" in _refusal(capsys, [*common, "--out", str(trained)])
+    assert "no checkpoint to resume" in _refusal(capsys, [*common, "--out", str(trained), "--resume"])
+    assert "no such file or directory" in _refusal(capsys, ["--model", str(model), "--data", str(tmp_path / "none"),
+                                                             "--out", out])
+    assert "give one of them" in _refusal(capsys, [*common, "--out", out, "--joint", "--lora", str(LORA)])
+    assert "--lora" in _refusal(capsys, [*common, "--out", out, "--lora", str(tmp_path)])
+    assert "--num-heads 0: expected a positive integer" in _refusal(capsys, [*common, "--out", out, "--num-heads", "0"])
+    assert "--warmup-ratio 1.5" in _refusal(capsys, [*common, "--out", out, "--warmup-ratio", "1.5"])
+    no_verify = MODELS / "gqa_default.tflite"
+    assert "no verify signatures" in _refusal(capsys, [*common, "--out", out, "--trunk", str(no_verify)])
+    assert "checks 3 drafts; give --num-heads 3" in _refusal(capsys, [*common, "--out", out, "--trunk", str(TRUNK)])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_of_another_model_is_refused_and_leaves_nothing(model: Path, data: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    other = MODELS / "families" / "qwen3" / "adapter"
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"),
+                            "--lora", str(other), *FLAGS])
+    assert f"{other}: peft cannot load this LoRA on {model}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_resumed_run_must_be_given_the_same_settings(model: Path, data: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    spec = TurboRun(model=model, data=data, out=out, settings=TurboSettings(rank=4))
+    (out / "checkpoint" / "run.json").write_text(json.dumps(spec.describe()))
+    check_run(spec, resume=True)
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(out), "--resume", "--rank", "8"])
+    assert "other settings (rank: 4)" in err
+
+
+def test_without_the_export_extra_one_line_names_it(monkeypatch: pytest.MonkeyPatch, model: Path, data: Path,
+                                                   tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "runtime.export.turbo_training", None)  # its import fails as without torch
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out")])
+    assert 'pip install -e ".[export]"' in err and len(err.strip().splitlines()) == 1
