@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # ~3 minutes: lm-eval's own start-up per evaluation
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = pytest.importorskip("lm_eval.evaluator")  # a submodule: tests/lm_eval/ alone would import as a namespace package
 pytest.importorskip("uvicorn")
 
 from runtime import ByteTokenizer, Engine, LoraSource, SessionConfig  # noqa: E402
