@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -32,8 +33,9 @@ def test_a_run_lets_other_python_threads_work():
     spinner = threading.Thread(target=spin)
     spinner.start()
     during = []
+    deadline = time.monotonic() + 10  # a busy machine may leave the spinner without a core for a while
     try:
-        for _ in range(200):
+        while not sum(during) and time.monotonic() < deadline:
             before = spins[0]
             model.run(prepared)  # with the GIL held (as the wheel's own binding does) nothing spins here
             during.append(spins[0] - before)
@@ -41,7 +43,7 @@ def test_a_run_lets_other_python_threads_work():
         done.set()
         spinner.join()
         model.close()
-    assert sum(during) > 0
+    assert sum(during) > 0, f"no spin during any of {len(during)} runs"
 
 
 def test_executors_share_an_adapter_in_runs_at_the_same_time():
