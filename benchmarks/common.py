@@ -9,6 +9,7 @@ entry points, so that no script imports the one that imports it.
 from __future__ import annotations
 
 import datetime
+import json
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -49,3 +50,12 @@ def both(ours: Callable[[], Any], theirs: Callable[[], Any], round_index: int) -
         return mine, theirs()
     other = theirs()
     return ours(), other
+
+
+def write_result(out: Path, lines: list[str], data: dict[str, Any]) -> None:
+    """Writes a result as ``out.md`` (``lines``, a Markdown table and its command) and
+    ``out.json`` (``data``), making the folder, and prints the Markdown."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    print("\n".join(lines))

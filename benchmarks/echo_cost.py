@@ -15,14 +15,13 @@ medians, the ratio per round (min / median / max) and writes ``results/echo_cost
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, date_and_cpu
+from benchmarks.common import RESULTS, date_and_cpu, write_result
 from runtime import Engine, EngineSettings
 from runtime.serve.logprobs import token_logprobs
 
@@ -82,10 +81,7 @@ def main() -> None:
         "",
         f"Command: `python3 -m benchmarks.echo_cost {args.model} --tokens {args.tokens} --rounds {args.rounds}`",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, lines, summary)
 
 
 if __name__ == "__main__":

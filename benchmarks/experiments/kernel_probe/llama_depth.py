@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, date_and_cpu
+from benchmarks.common import RESULTS, date_and_cpu, write_result
 from runtime import Engine, EngineSettings
 
 MODELS = Path(os.environ.get("RUNTIME_CACHE") or Path.home() / ".cache" / "runtime") / "models" / "kv4096"
@@ -297,10 +297,7 @@ def main() -> None:
               "Ours time steps from the position given (each round moves the sessions on by the steps); "
               "llama.cpp's per-token figure averages the steps after a prompt of exactly that length.", "",
               f"Command: `{command}`"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, lines, result)
 
 
 if __name__ == "__main__":

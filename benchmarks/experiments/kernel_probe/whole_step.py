@@ -14,14 +14,13 @@ last position over its step at the first (what a long context costs).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, date_and_cpu
+from benchmarks.common import RESULTS, date_and_cpu, write_result
 from runtime import Engine, EngineSettings
 
 
@@ -79,10 +78,7 @@ def main() -> None:
               f"native {growth['native']:.2f}x.", "",
               f"Command: `python3 -m benchmarks.experiments.kernel_probe.whole_step {args.xnnpack} {args.native} "
               f"--positions {args.positions} --steps {args.steps} --rounds {args.rounds}`"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(lines))
+    write_result(args.out, lines, result)
 
 
 if __name__ == "__main__":
