@@ -22,7 +22,15 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # ~3 minutes: lm-eval's own start-up per evaluation
-lm_eval = pytest.importorskip("lm_eval.evaluator")  # a submodule: tests/lm_eval/ alone would import as a namespace package
+try:
+    lm_eval = pytest.importorskip("lm_eval.evaluator")  # a submodule: tests/lm_eval/ alone would import as a namespace package
+except TypeError as error:  # lm-eval installed, typing-extensions too old for it (the export extra's pin)
+    from importlib.metadata import version
+
+    raise RuntimeError(
+        f"lm-eval 0.4.13 needs typing-extensions>=4.13, this environment has {version('typing-extensions')} "
+        "(the export extra's litert-torch pins xdsl 0.28, which caps it below 4.13): "
+        "python3 -m pip install -e '.[eval]' again, or keep lm-eval in an environment of its own") from error
 pytest.importorskip("uvicorn")
 
 from runtime import ByteTokenizer, Engine, LoraSource, SessionConfig  # noqa: E402
