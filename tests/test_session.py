@@ -266,7 +266,7 @@ def test_score_returns_the_logits_after_every_token(engine, weights, decode_step
     leaves the session where a prefill would (the next decode step continues from it)."""
     if not engine.spec.prefill_has_logits and not decode_steps:
         with engine.create_session() as session:
-            with pytest.raises(FailedPreconditionError, match="--score-lengths 128,512. \(or --prefill-logits\)"):
+            with pytest.raises(FailedPreconditionError, match=r"--score-lengths 128,512. \(or --prefill-logits\)"):
                 session.score(PROMPT)
             assert session.position == 0
         return
