@@ -126,10 +126,13 @@ def map_file(path: str) -> np.ndarray:
 
 def open_one(path: str, keys: Sequence[str] | None, weight_cache: str, num_threads: int = 1) -> dict[str, Any]:
     """Opens ``path`` (all signatures, or the view of ``keys``) once; the steps (ms), the
-    view's patch time, and memory before and after."""
+    view's patch time, and memory before and after. ``keys`` starting with ``"sigonly"``:
+    only the signature table is cut, every subgraph stays listed."""
     before = memory()
     t = time.perf_counter()
-    view = views.subset_view(path, keys) if keys else None
+    cut = not (keys and keys[0] == "sigonly")
+    keys = [k for k in keys or () if k != "sigonly"]
+    view = views.subset_view(path, keys, cut_subgraphs=cut) if keys else None
     buffer = view.array if view else map_file(path)
     patch_ms = (time.perf_counter() - t) * 1e3
     opened = open_model(buffer, weight_cache, num_threads=num_threads)

@@ -26,6 +26,7 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
@@ -103,9 +104,11 @@ def check_no_subgraph_references(path: str) -> None:
                     raise ValueError(f"{path}: subgraph {g} op {o} may name another subgraph")
 
 
-def patch_signatures(buf: memoryview | mmap.mmap, keys: Sequence[str]) -> int:
+def patch_signatures(buf: memoryview | mmap.mmap, keys: Sequence[str], *, cut_subgraphs: bool = True) -> int:
     """Patches ``buf`` (a writable model) in place so that it holds only the signatures
-    ``keys`` (in that order) and their subgraphs; returns the bytes written."""
+    ``keys`` (in that order) and their subgraphs; returns the bytes written. Without
+    ``cut_subgraphs`` only the signature table is cut: every subgraph stays listed (do
+    subgraphs no signature names cost anything at open?)."""
     root = struct.unpack_from("<I", buf, 0)[0]
     sig_start, sig_tables = _vector(buf, root, _MODEL_SIGNATURES)
     sub_start, sub_tables = _vector(buf, root, _MODEL_SUBGRAPHS)
@@ -123,6 +126,8 @@ def patch_signatures(buf: memoryview | mmap.mmap, keys: Sequence[str]) -> int:
     if 0 in order:
         order.remove(0)
         order.insert(0, 0)
+    if not cut_subgraphs:
+        order = list(range(len(sub_tables)))
     written = 0
     for j, old in enumerate(order):
         slot = sub_start + 4 + 4 * j
@@ -143,14 +148,15 @@ def patch_signatures(buf: memoryview | mmap.mmap, keys: Sequence[str]) -> int:
     return written + 8
 
 
-def subset_view(path: str, keys: Sequence[str]) -> View:
-    """A private, patched mapping of ``path`` showing only the signatures ``keys``."""
+def subset_view(path: str, keys: Sequence[str], *, cut_subgraphs: bool = True) -> View:
+    """A private, patched mapping of ``path`` showing only the signatures ``keys`` (and,
+    with ``cut_subgraphs``, only their subgraphs)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    written = patch_signatures(mapping, keys)
+    written = patch_signatures(mapping, keys, cut_subgraphs=cut_subgraphs)
     return View(path, tuple(keys), mapping, np.frombuffer(mapping, np.uint8), written)
 
 
@@ -165,3 +171,31 @@ def subset_file(path: str, keys: Sequence[str], out: str) -> int:
     with open(out, "wb") as file:
         file.write(data)
     return len(data)
+
+
+_DTYPES = {schema.TensorType.FLOAT32: "float32", schema.TensorType.INT32: "int32", schema.TensorType.INT64: "int64",
+           schema.TensorType.FLOAT16: "float16", schema.TensorType.INT8: "int8", schema.TensorType.BOOL: "bool"}
+
+
+def signature_details(buf: memoryview | mmap.mmap | np.ndarray) -> dict[str, tuple[dict[str, dict], dict[str, dict]]]:
+    """Every signature's inputs and outputs (``{name: {"shape", "dtype"}}``) read from the
+    flatbuffer itself, the form ``NativeModel.signature_details`` returns: what a
+    ``ModelSpec`` can be built from before anything is compiled."""
+    root = schema.Model.GetRootAs(buf, 0)
+    out = {}
+    for i in range(root.SignatureDefsLength()):
+        sig = root.SignatureDefs(i)
+        sub = root.Subgraphs(sig.SubgraphIndex())
+
+        def described(count: int, item: Any) -> dict[str, dict]:
+            tensors = {}
+            for j in range(count):
+                entry = item(j)
+                tensor = sub.Tensors(entry.TensorIndex())
+                tensors[entry.Name().decode()] = {"shape": tuple(int(d) for d in tensor.ShapeAsNumpy()),
+                                                  "dtype": np.dtype(_DTYPES.get(tensor.Type(), "uint8"))}
+            return tensors
+
+        out[sig.SignatureKey().decode()] = (described(sig.InputsLength(), sig.Inputs),
+                                            described(sig.OutputsLength(), sig.Outputs))
+    return out
