@@ -68,7 +68,8 @@ def cmd_open(args: argparse.Namespace) -> None:
     from benchmarks.experiments.open_probe import steps
 
     import_ms = (time.perf_counter() - START) * 1e3
-    result = steps.open_one(args.model, _keys(args.variant), args.weight_cache, args.threads)
+    result = steps.open_one(args.model, _keys(args.variant), args.weight_cache, args.threads,
+                            [k for k in args.runs.split(",") if k])
     result["import_ms"] = import_ms
     print(json.dumps(result))
 
@@ -85,18 +86,21 @@ def cmd_compare(args: argparse.Namespace) -> None:
                                          "--weight-cache", args.weight_cache, "--threads", str(args.threads)]))
     print(f"{args.model}: {args.rounds} rounds, fresh process per open, warm page cache and weight cache; "
           f"load average (1 min) at round starts {min(loads):.2f}-{max(loads):.2f}")
-    names = ["view", "create_model", "compile", "destroy_model", "total"]
-    print("| variant | signatures | " + " | ".join(names) + " | RSS MiB | PSS anon MiB | total / all (per round) |")
+    names = ["view", "create_model", "compile", "destroy_model", "total", "cpu_create_model", "cpu_compile",
+             "cpu_total"]
+    print("| variant | signatures | " + " | ".join(f"{n} ms" for n in names)
+          + " | RSS MiB | PSS anon MiB | total / all (per round) | CPU total / all |")
     print("|---|---:|" + "---:|" * len(names) + "---:|---:|---|")
     base = runs[args.variant[0]]
     for variant, results in runs.items():
         med = {n: statistics.median(r["steps"][n] for r in results) for n in names}
         ratios = [r["steps"]["total"] / b["steps"]["total"] for r, b in zip(results, base)]
+        cpu = [r["steps"]["cpu_total"] / b["steps"]["cpu_total"] for r, b in zip(results, base)]
         rss = statistics.median(r["memory_after"]["rss"] for r in results)
         anon = statistics.median(r["memory_after"]["pss_anon"] for r in results)
         print(f"| {variant} | {results[0]['signatures']} | " + " | ".join(f"{med[n]:.1f}" for n in names)
               + f" | {rss:.0f} | {anon:.0f} | {min(ratios):.3f} / {statistics.median(ratios):.3f} / "
-              f"{max(ratios):.3f} |")
+              f"{max(ratios):.3f} | {statistics.median(cpu):.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "loads": loads}, indent=1))
 
@@ -190,6 +194,60 @@ def cmd_engine_child(args: argparse.Namespace) -> None:
     engine.close()
 
 
+_TIMED = ("LitertLmBundle", "weight_cache_file", "LlmExecutor", "_tokenizer", "_chat_template", "AdapterRegistry",
+          "ResourceManager", "ExecutorPool", "DecodeBatcher", "Speculation")
+
+
+def cmd_engine_parts(args: argparse.Namespace) -> None:
+    """Where ``Engine(...)`` spends its time: each callee of ``Engine.__init__`` wrapped
+    with a timer (in this process), the native open inside the executor timed apart, then
+    the first token (prefill of the chat prompt) and the second (one decode step)."""
+    import runtime.engine.engine as engine_module
+    import runtime.executor.litert_executor as executor_module
+    from runtime import EngineSettings
+
+    import_ms = (time.perf_counter() - START) * 1e3
+    import_cpu_ms = time.process_time() * 1e3  # the interpreter's own start included
+    spent: dict[str, float] = {}
+
+    def timed(name: str, function: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t, c = time.perf_counter(), time.process_time()
+            try:
+                return function(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+                spent[f"cpu_{name}"] = spent.get(f"cpu_{name}", 0.0) + (time.process_time() - c) * 1e3
+        return wrapper
+
+    for name in _TIMED:
+        setattr(engine_module, name, timed(name, getattr(engine_module, name)))
+    executor_module.NativeModel = timed("NativeModel", executor_module.NativeModel)
+    t, c = time.perf_counter(), time.process_time()
+    engine = engine_module.Engine(args.model, EngineSettings(num_threads=args.threads))
+    open_ms, open_cpu_ms = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
+    session = engine.create_session()
+    text = engine.chat_template.render([{"role": "user", "content": args.prompt}])
+    t = time.perf_counter()
+    ids = engine.tokenizer.encode(text)
+    encode_ms = (time.perf_counter() - t) * 1e3
+    t, c = time.perf_counter(), time.process_time()
+    first = int(session.run_prefill(ids).argmax())
+    first_ms, first_cpu_ms = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
+    t, c = time.perf_counter(), time.process_time()
+    session.run_decode(first)
+    second_ms, second_cpu_ms = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
+    print(json.dumps({"import_ms": import_ms, "import_cpu_ms": import_cpu_ms, "open_ms": open_ms,
+                      "open_cpu_ms": open_cpu_ms, "first_token_cpu_ms": first_cpu_ms,
+                      "second_token_cpu_ms": second_cpu_ms,
+                      "cpu_to_first_token_ms": time.process_time() * 1e3 - second_cpu_ms,
+                      "parts": spent, "encode_ms": encode_ms,
+                      "first_token_ms": first_ms, "second_token_ms": second_ms, "prompt_tokens": len(ids),
+                      "wall_to_first_token_ms": import_ms + open_ms + encode_ms + first_ms, "rss": _rss()}))
+    session.close()
+    engine.close()
+
+
 def _rss() -> float:
     with open("/proc/self/status") as file:
         return next(int(line.split()[1]) / 1024 for line in file if line.startswith("VmRSS"))
@@ -256,7 +314,7 @@ def main() -> None:
     """The subcommands."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("open", "compare", "groups", "groups-child", "engine", "engine-child", "cold"):
+    for name in ("open", "compare", "groups", "groups-child", "engine", "engine-child", "engine-parts", "cold"):
         p = sub.add_parser(name)
         p.add_argument("--model", required=True)
         p.add_argument("--threads", type=int, default=1)
@@ -266,18 +324,19 @@ def main() -> None:
             p.add_argument("--weight-cache", default=":memory:")
         if name in ("open",):
             p.add_argument("--variant", default="all")
+            p.add_argument("--runs", default="", help="signatures to run twice after the open (first-run cost)")
         if name == "compare":
             p.add_argument("--variant", action="append", required=True)
         if name in ("groups", "groups-child"):
             p.add_argument("--group", action="append", required=True)
-        if name in ("engine", "engine-child", "cold"):
+        if name in ("engine", "engine-child", "engine-parts", "cold"):
             p.add_argument("--keys", default="all")
             p.add_argument("--prompt", default="What is the capital of France?")
         if name == "cold":
             p.add_argument("--scratch", default=os.path.expanduser("~/.cache/runtime/models/open_probe"))
     args = parser.parse_args()
     {"open": cmd_open, "compare": cmd_compare, "groups": cmd_groups, "groups-child": cmd_groups_child,
-     "engine": cmd_engine, "engine-child": cmd_engine_child, "cold": cmd_cold}[args.command](args)
+     "engine": cmd_engine, "engine-child": cmd_engine_child, "engine-parts": cmd_engine_parts, "cold": cmd_cold}[args.command](args)
 
 
 if __name__ == "__main__":

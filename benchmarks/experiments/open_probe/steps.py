@@ -72,17 +72,18 @@ def open_model(buffer: np.ndarray, weight_cache: str, *, num_threads: int = 1, e
     library = _lib()
     lib, check = library.lib, library.check
     steps: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     handles: dict[str, ctypes.c_void_p] = {}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if env is None:
         handles["env"] = _P()
         check(lib.LiteRtCreateEnvironment(0, None, ctypes.byref(handles["env"])), "environment")
         env = handles["env"]
     steps["environment"] = time.perf_counter() - start
     model = handles["model"] = _P()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     check(lib.LiteRtCreateModelFromBuffer(env, buffer.ctypes.data, buffer.size, ctypes.byref(model)), "model")
-    steps["create_model"] = time.perf_counter() - t
+    steps["create_model"], cpu["create_model"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     options = handles["options"] = _P()
     check(lib.LiteRtCreateOptions(ctypes.byref(options)), "options")
@@ -93,10 +94,10 @@ def open_model(buffer: np.ndarray, weight_cache: str, *, num_threads: int = 1, e
                                         ctypes.byref(cpu)), "cpu options")
     check(lib.LiteRtAddOpaqueOptions(options, cpu), "add options")
     steps["options"] = time.perf_counter() - t
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     compiled = handles["compiled"] = _P()
     check(lib.LiteRtCreateCompiledModel(env, model, options, ctypes.byref(compiled)), "compile")
-    steps["compile"] = time.perf_counter() - t
+    steps["compile"], cpu["compile"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     count = _SIZE()
     check(lib.LiteRtGetNumModelSignatures(model, ctypes.byref(count)), "signatures")
@@ -112,7 +113,8 @@ def open_model(buffer: np.ndarray, weight_cache: str, *, num_threads: int = 1, e
         model.value = None
         library.return_freed_memory()
     steps["destroy_model"] = time.perf_counter() - t
-    steps["total"] = time.perf_counter() - start
+    steps["total"], cpu["total"] = time.perf_counter() - start, time.process_time() - cpu_start
+    steps.update({f"cpu_{k}": v for k, v in cpu.items()})
     return Opened({k: v * 1e3 for k, v in steps.items()}, handles, [buffer], count.value)
 
 
@@ -124,9 +126,11 @@ def map_file(path: str) -> np.ndarray:
         return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
 
 
-def open_one(path: str, keys: Sequence[str] | None, weight_cache: str, num_threads: int = 1) -> dict[str, Any]:
+def open_one(path: str, keys: Sequence[str] | None, weight_cache: str, num_threads: int = 1,
+             runs: Sequence[str] = ()) -> dict[str, Any]:
     """Opens ``path`` (all signatures, or the view of ``keys``) once; the steps (ms), the
-    view's patch time, and memory before and after. ``keys`` starting with ``"sigonly"``:
+    view's patch time, and memory before and after; with ``runs``, each of those signatures'
+    first and second run after a second open (:func:`first_runs`). ``keys`` starting with ``"sigonly"``:
     only the signature table is cut, every subgraph stays listed."""
     before = memory()
     t = time.perf_counter()
@@ -140,7 +144,34 @@ def open_one(path: str, keys: Sequence[str] | None, weight_cache: str, num_threa
     result = {"steps": {"view": patch_ms, **opened.steps}, "signatures": opened.signatures,
               "memory_before": before, "memory_after": after}
     opened.close()
+    if runs:
+        result["runs"] = first_runs(buffer, weight_cache, runs, num_threads)
+        result["memory_after_runs"] = memory()
     return result
+
+
+def first_runs(buffer: np.ndarray, weight_cache: str, keys: Sequence[str], num_threads: int = 1,
+               ) -> dict[str, list[float]]:
+    """Opens ``buffer`` again (as ``NativeModel``) and runs each signature of ``keys`` twice
+    on zeroed buffers (token 42): ms of the first run (the library allocates a signature's
+    tensors on its first run) and of the second."""
+    from runtime.executor.native import HostBuffer, NativeModel
+
+    model = NativeModel(memoryview(buffer), num_threads=num_threads, weight_cache=weight_cache, name="probe")
+    out: dict[str, list[float]] = {}
+    for key in keys:
+        sig = model.signatures[key]
+        ins = {k: HostBuffer(i) for k, i in sig.inputs.items()}
+        outs = {k: HostBuffer(i) for k, i in sig.outputs.items()}
+        ins["tokens"].write(np.full(ins["tokens"].info.shape, 42))
+        run = model.prepare(sig.index, list(ins.values()), list(outs.values()))
+        out[key] = []
+        for _ in range(2):
+            t = time.perf_counter()
+            model.run(run)
+            out[key].append((time.perf_counter() - t) * 1e3)
+    model.close()
+    return out
 
 
 def open_groups(path: str, groups: Sequence[Sequence[str]], weight_cache: str, num_threads: int = 1,
