@@ -72,7 +72,7 @@ def open_model(buffer: np.ndarray, weight_cache: str, *, num_threads: int = 1, e
     library = _lib()
     lib, check = library.lib, library.check
     steps: dict[str, float] = {}
-    cpu: dict[str, float] = {}
+    cpu_ms: dict[str, float] = {}
     handles: dict[str, ctypes.c_void_p] = {}
     start, cpu_start = time.perf_counter(), time.process_time()
     if env is None:
@@ -83,7 +83,7 @@ def open_model(buffer: np.ndarray, weight_cache: str, *, num_threads: int = 1, e
     model = handles["model"] = _P()
     t, c = time.perf_counter(), time.process_time()
     check(lib.LiteRtCreateModelFromBuffer(env, buffer.ctypes.data, buffer.size, ctypes.byref(model)), "model")
-    steps["create_model"], cpu["create_model"] = time.perf_counter() - t, time.process_time() - c
+    steps["create_model"], cpu_ms["create_model"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     options = handles["options"] = _P()
     check(lib.LiteRtCreateOptions(ctypes.byref(options)), "options")
@@ -97,7 +97,7 @@ def open_model(buffer: np.ndarray, weight_cache: str, *, num_threads: int = 1, e
     t, c = time.perf_counter(), time.process_time()
     compiled = handles["compiled"] = _P()
     check(lib.LiteRtCreateCompiledModel(env, model, options, ctypes.byref(compiled)), "compile")
-    steps["compile"], cpu["compile"] = time.perf_counter() - t, time.process_time() - c
+    steps["compile"], cpu_ms["compile"] = time.perf_counter() - t, time.process_time() - c
     t = time.perf_counter()
     count = _SIZE()
     check(lib.LiteRtGetNumModelSignatures(model, ctypes.byref(count)), "signatures")
@@ -113,8 +113,8 @@ def open_model(buffer: np.ndarray, weight_cache: str, *, num_threads: int = 1, e
         model.value = None
         library.return_freed_memory()
     steps["destroy_model"] = time.perf_counter() - t
-    steps["total"], cpu["total"] = time.perf_counter() - start, time.process_time() - cpu_start
-    steps.update({f"cpu_{k}": v for k, v in cpu.items()})
+    steps["total"], cpu_ms["total"] = time.perf_counter() - start, time.process_time() - cpu_start
+    steps.update({f"cpu_{k}": v for k, v in cpu_ms.items()})
     return Opened({k: v * 1e3 for k, v in steps.items()}, handles, [buffer], count.value)
 
 
