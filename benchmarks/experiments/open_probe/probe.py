@@ -320,14 +320,15 @@ def cmd_cold(args: argparse.Namespace) -> None:
                                        "--weight-cache", ":memory:"]),
     ]
     print(f"{args.model}, view {args.keys}; load average {load_average()}")
-    print("| open | create_model ms | compile ms | total ms | cache file MB after | RSS MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| open | create_model ms | compile ms | total ms | CPU total ms | cache file MB after | RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for label, argv in rows:
         r = _child(argv)
         path = argv[argv.index("--weight-cache") + 1]
         size = os.path.getsize(path) / 1e6 if os.path.exists(path) else 0.0
         print(f"| {label} | {r['steps']['create_model']:.1f} | {r['steps']['compile']:.1f} | "
-              f"{r['steps']['total']:.1f} | {size:.0f} | {r['memory_after']['rss']:.0f} |")
+              f"{r['steps']['total']:.1f} | {r['steps']['cpu_total']:.1f} | {size:.0f} | "
+              f"{r['memory_after']['rss']:.0f} |")
     for path in folder.iterdir():
         path.unlink()
     folder.rmdir()
