@@ -162,40 +162,48 @@ def _text_parts(args: argparse.Namespace) -> dict[str, Any]:
             "chat_template": ChatTemplate(llm.chat_template, bos_token=llm.bos_token, eos_token=llm.eos_token)}
 
 
+def _install_view(keys: list[str] | None) -> None:
+    """Wraps ``Engine``'s executor constructor (in this process) so that its model is a
+    private mapping showing only ``keys``; nothing when ``keys`` is None."""
+    import runtime.engine.engine as engine_module
+    from runtime.util.litertlm_bundle import LitertLmBundle
+
+    if not keys:
+        return
+    from benchmarks.experiments.open_probe import views
+
+    original = engine_module.LlmExecutor
+    views_made: list[Any] = []
+
+    def with_view(model: Any, settings: Any, *, name: str, weight_cache: Any) -> Any:
+        """The executor over a private mapping of the model (a bundle's model section or a
+        ``.tflite``), its signature table patched to ``keys``."""
+        import mmap
+
+        begin, end = 0, os.path.getsize(name)
+        if name.endswith(".litertlm"):
+            with LitertLmBundle(Path(name)) as bundle:
+                section = bundle.model_section()
+            begin, end = section.begin, section.end
+        fd = os.open(name, os.O_RDONLY)
+        mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        part = memoryview(mapping)[begin:end]
+        views.patch_signatures(part, keys)
+        views_made.append(mapping)
+        return original(part, settings, name=name, weight_cache=weight_cache)
+
+    engine_module.LlmExecutor = with_view
+
+
 def cmd_engine_child(args: argparse.Namespace) -> None:
     """``Engine`` open and first token in this process, the executor given a view when
     ``--keys`` names signatures: JSON on stdout."""
     keys = _keys(args.keys)
-    import runtime.engine.engine as engine_module
     from runtime import Engine, EngineSettings
-    from runtime.util.litertlm_bundle import LitertLmBundle
 
     import_ms = (time.perf_counter() - START) * 1e3
-    views_made = []
-    if keys:
-        from benchmarks.experiments.open_probe import views
-
-        original = engine_module.LlmExecutor
-
-        def with_view(model: Any, settings: Any, *, name: str, weight_cache: Any) -> Any:
-            """The executor over a private mapping of the model (a bundle's model section or a
-            ``.tflite``), its signature table patched to ``keys``."""
-            import mmap
-
-            begin, end = 0, os.path.getsize(name)
-            if name.endswith(".litertlm"):
-                with LitertLmBundle(Path(name)) as bundle:
-                    section = bundle.model_section()
-                begin, end = section.begin, section.end
-            fd = os.open(name, os.O_RDONLY)
-            mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            os.close(fd)
-            part = memoryview(mapping)[begin:end]
-            views.patch_signatures(part, keys)
-            views_made.append(mapping)
-            return original(part, settings, name=name, weight_cache=weight_cache)
-
-        engine_module.LlmExecutor = with_view
+    _install_view(keys)
     t = time.perf_counter()
     engine = Engine(args.model, EngineSettings(num_threads=args.threads), **_text_parts(args))
     open_ms = (time.perf_counter() - t) * 1e3
@@ -230,6 +238,7 @@ def cmd_engine_parts(args: argparse.Namespace) -> None:
     import_ms = (time.perf_counter() - START) * 1e3
     import_cpu_ms = time.process_time() * 1e3  # the interpreter's own start included
     spent: dict[str, float] = {}
+    _install_view(_keys(args.keys))
 
     def timed(name: str, function: Any) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
@@ -245,7 +254,7 @@ def cmd_engine_parts(args: argparse.Namespace) -> None:
         setattr(engine_module, name, timed(name, getattr(engine_module, name)))
     executor_module.NativeModel = timed("NativeModel", executor_module.NativeModel)
     t, c = time.perf_counter(), time.process_time()
-    engine = engine_module.Engine(args.model, EngineSettings(num_threads=args.threads))
+    engine = engine_module.Engine(args.model, EngineSettings(num_threads=args.threads), **_text_parts(args))
     open_ms, open_cpu_ms = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
     session = engine.create_session()
     text = engine.chat_template.render([{"role": "user", "content": args.prompt}])
