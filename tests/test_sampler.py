@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.components.sampler import Sampler, SamplerConfig, greedy
+from runtime.components.sampler import Sampler, SamplerConfig, greedy, top_ids
 from runtime.errors import InternalError, InvalidArgumentError
 
 LOGITS = np.array([0.1, 3.0, 2.9, -1.0, 0.0], np.float32)
@@ -89,3 +89,29 @@ def test_bad_penalties_and_biases_are_refused(config):
 def test_a_bias_outside_the_vocabulary_is_refused_when_sampling():
     with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
         Sampler(SamplerConfig(logit_bias={5: 1.0})).sample(LOGITS)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 50, 99, 100, 150])
+def test_top_ids_are_a_stable_sort_s_first_k(k):
+    values = np.random.default_rng(k).integers(0, 20, size=100).astype(np.float64)  # many equal values
+    np.testing.assert_array_equal(top_ids(values, k), np.argsort(-values, kind="stable")[:k])
+
+
+def test_top_p_over_a_large_vocabulary_keeps_the_best_first_prefix():
+    # 300 equally likely tokens hold almost all the mass; top-p 0.5 keeps the first 150 of
+    # them in id order (ties as a stable sort orders them), more than the 64 ordered first.
+    logits = np.full(8192, -30.0)
+    logits[1000:1300] = 0.0
+    sampler = Sampler(SamplerConfig(temperature=0.7, top_p=0.5, seed=3))
+    picks = np.array([sampler.sample(logits) for _ in range(1500)])
+    assert picks.min() >= 1000 and picks.max() < 1150
+    assert len(set(picks.tolist())) > 135
+
+
+def test_sampling_without_filters_follows_the_softmax_of_a_large_vocabulary():
+    logits = np.where(np.arange(49_152) % 1000 == 7, 0.0, -50.0)  # 50 likely tokens among SmolLM2's 49,152
+    logits[7] = np.log(10.0) * 0.7  # token 7: 10 times the others' probability at temperature 0.7
+    sampler = Sampler(SamplerConfig(temperature=0.7, seed=4))
+    picks = np.array([sampler.sample(logits) for _ in range(2000)])
+    assert set(picks.tolist()) <= {i for i in range(49_152) if i % 1000 == 7}
+    assert abs(np.mean(picks == 7) - 10 / 59) < 0.035  # 4 standard deviations

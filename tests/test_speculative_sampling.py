@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
+from scipy.stats import chi2_contingency  # the test extra has scipy: scikit-learn (lora-xs extra) needs it
 
 from conftest import MODELS
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
@@ -24,11 +26,15 @@ GENERATIONS = 2_000
 # the 3rd and 4th may be drafts kept (heads 0 and 1).
 NEW_TOKENS = 4
 # Temperature 1 with top-k 2: at most 2**4 outcomes, so 2,000 generations each estimate
-# the distribution well. Two runs of plain sampling with other seeds differ by a total
-# variation of 0.045 on average (0.083 at most in 5,000 simulated pairs); accepting every
-# draft gives 0.87, and resampling after a rejection without removing the draft 0.18.
+# the distribution well. The two histograms (plain sampling, speculative sampling; seeds apart)
+# go through a chi-square test of homogeneity, outcomes too rare for it pooled into one cell.
+# Under the null (the same distribution) the p-value is uniform, so a fixed set of seeds fails
+# a correct rule with probability ALPHA; a wrong rule gives p-values far below it (see the test).
 SAMPLING = {"temperature": 1.0, "top_k": 2}
-MAX_TOTAL_VARIATION = 0.11
+ALPHA = 1e-3
+# Expected count per cell (half an outcome's total: the samples are equal-sized) at least 5,
+# the textbook condition for the chi-square approximation.
+MIN_EXPECTED = 5
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +57,34 @@ def _generations(engine: Engine, heads: bool, seeds: range, prompt: list[int], s
         return outputs, session.stats().speculation
 
 
-def _total_variation(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> float:
-    """Total-variation distance between the empirical distributions of two equal-sized samples."""
+def _histograms(a: list[tuple[int, ...]], b: list[tuple[int, ...]]) -> np.ndarray:
+    """A ``2 x outcomes`` table of how often each outcome occurs in ``a`` and in ``b``, the
+    outcomes whose expected count per sample is below MIN_EXPECTED pooled into one last
+    column (left out if even the pool is that rare)."""
     counts_a, counts_b = Counter(a), Counter(b)
-    return sum(abs(counts_a[x] - counts_b[x]) for x in counts_a.keys() | counts_b.keys()) / (2 * len(a))
+    common, rare = [], np.zeros(2, dtype=np.int64)
+    for outcome in sorted(counts_a.keys() | counts_b.keys()):
+        row = np.array([counts_a[outcome], counts_b[outcome]])
+        if row.sum() / 2 >= MIN_EXPECTED:
+            common.append(row)
+        else:
+            rare += row
+    if rare.sum() / 2 >= MIN_EXPECTED:
+        common.append(rare)
+    return np.array(common).T
 
 
 def test_speculative_sampling_has_plain_samplings_distribution(engine):
     plain, plain_stats = _generations(engine, False, range(GENERATIONS), PROMPT, SAMPLING)
     turbo, turbo_stats = _generations(engine, True, range(10**6, 10**6 + GENERATIONS), PROMPT, SAMPLING)
-    distance = _total_variation(plain, turbo)
-    assert distance < MAX_TOTAL_VARIATION, distance
+    table = _histograms(plain, turbo)
+    assert table.shape[1] >= 4  # outcomes enough for the test to see a distribution
+    result = chi2_contingency(table, correction=False)
+    # Measured with these seeds: chi2 = 23.3 on 15 degrees of freedom, p = 0.079. A wrong accept
+    # rule in SpeculativeDecoder.run fails by far: keeping every draft gives chi2 = 3087 (16 dof,
+    # p below 1e-300), resampling from p after a rejection without removing the draft chi2 = 487
+    # (15 dof, p = 3e-94).
+    assert result.pvalue > ALPHA, (result.statistic, result.dof, result.pvalue, table)
     assert plain_stats.verifies == 0
     assert turbo_stats.drafted > 0 and turbo_stats.accepted[0] > 0  # the distribution was tested with drafts kept
     assert turbo_stats.acceptance_rate < 0.9  # and with drafts rejected

@@ -105,21 +105,51 @@ class Sampler:
 
     def pick(self, logits: np.ndarray) -> int:
         """The next token id for a non-empty ``(vocab,)`` vector of finite logits, float32
-        or float64 (greedy reads them as they are; sampling computes in float64)."""
+        or float64 (greedy reads them as they are; sampling computes in float64).
+
+        Sorts only what a filter needs: top-k orders its k tokens, top-p the best-first
+        prefix that holds its mass, and plain temperature sampling orders nothing (a sort of
+        a 49,152-token vocabulary costs about what an int8 SmolLM2 decode step does)."""
         config = self.config
         if config.temperature == 0.0 or config.top_k == 1:
             return int(np.argmax(logits))  # float32 to float64 keeps every value and so the argmax
         logits = logits.astype(np.float64, copy=False)
-        candidates = np.argsort(-logits, kind="stable")
-        if config.top_k:
-            candidates = candidates[: config.top_k]
-        scaled = logits[candidates] / config.temperature
-        probs = np.exp(scaled - scaled.max())
-        probs /= probs.sum()
+        pool = top_ids(logits, config.top_k) if 0 < config.top_k < logits.size else None  # best first
+        scaled = (logits if pool is None else logits[pool]) / config.temperature
+        weights = np.exp(scaled - scaled.max())
         if config.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), config.top_p) + 1)
-            candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
-        return int(candidates[self._rng.choice(len(candidates), p=probs)])
+            pool, weights = self._nucleus(logits, pool, weights)
+        index = self._rng.choice(weights.size, p=weights / weights.sum())
+        return int(index if pool is None else pool[index])
+
+    def _nucleus(self, logits: np.ndarray, pool: np.ndarray | None, weights: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """The smallest best-first prefix of the candidates (``pool``, best first, or every
+        token when ``None``; ``weights`` their unnormalised probabilities) whose
+        probability reaches top-p: the ids and their weights. Without a pool, the best 64
+        tokens are ordered first, then 8 times as many until they hold top-p's mass."""
+        total = weights.sum()
+        size = 64
+        while True:
+            ids = pool if pool is not None else top_ids(logits, min(size, logits.size))
+            kept = weights if pool is not None else weights[ids]
+            cumulative = np.cumsum(kept) / total
+            if pool is not None or cumulative[-1] >= self.config.top_p or ids.size == logits.size:
+                break
+            size *= 8
+        keep = int(np.searchsorted(cumulative, self.config.top_p) + 1)
+        return ids[:keep], kept[:keep]
+
+
+def top_ids(values: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest of ``values``, largest first, equal values in id order:
+    ``np.argsort(-values, kind="stable")[:k]`` without sorting the rest."""
+    if k >= values.size:
+        return np.argsort(-values, kind="stable")
+    kth = np.partition(values, values.size - k)[values.size - k]  # the k-th largest value
+    above = np.flatnonzero(values > kth)
+    ids = np.concatenate([above, np.flatnonzero(values == kth)[: k - above.size]])
+    return ids[np.argsort(-values[ids], kind="stable")]
 
 
 def finite_logits(logits: np.ndarray) -> np.ndarray | None:
