@@ -10,15 +10,16 @@ import pytest
 from conftest import MODEL_FILES
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.executor.litert_executor import LlmExecutor
+from runtime.executor.native import NativeModel
 from runtime.executor.model_spec import KV_LAYOUT_DEFAULT, KV_LAYOUT_TRANSPOSED, ModelSpec
 from runtime.util.signature_names import ALL_LINEAR, LoraSlot
 
 
 @pytest.fixture(scope="module")
 def details():
-    executor = LlmExecutor(MODEL_FILES["default"])
-    found = executor._model.signature_details()
-    executor.close()
+    model = NativeModel(MODEL_FILES["default"], num_threads=1, weight_cache=":memory:", name="default")
+    found = model.signature_details()
+    model.close()
     return found
 
 
