@@ -33,7 +33,9 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.batch_plan import DecodePlan
-from runtime.executor.native import HostBuffer, NativeModel, PageBlock, PreparedRun, ProfiledEvent, TensorInfo, tensor_info
+from runtime.executor.native import (
+    HostBuffer, NativeModel, PageBlock, PreparedRun, ProfiledEvent, TensorInfo, tensor_info,
+)
 from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCacheUse
 from runtime.util.model_view import ModelFile, signature_details, view_refusal
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs

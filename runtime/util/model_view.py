@@ -28,7 +28,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -308,7 +308,3 @@ class ModelFile:
         written = patch_signatures(data, keys, str(self.path))
         return ModelView(tuple(keys), data, written, mapping)
 
-
-def group_keys(groups: Mapping[str, Sequence[str]], names: Sequence[str]) -> tuple[str, ...]:
-    """The signature keys of the groups ``names``, in order, each once."""
-    return tuple(dict.fromkeys(key for name in names for key in groups[name]))
