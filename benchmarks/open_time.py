@@ -207,7 +207,7 @@ def table(data: dict[str, Any], command: str) -> list[str]:
             slot = (f"{_med(rows, 'first_slot_use_ms'):.0f} ({_med(rows, 'first_slot_use_cpu_ms'):.0f})"
                     if "first_slot_use_ms" in rows[0] else "-")
             where = "" if data["kinds"][model] == "engine" else " (NativeModel)"
-            lines.append(f"| {Path(model).name}{where} | {rows[0]['signatures']} | {mode} | "
+            lines.append(f"| {Path(model).parent.name}/{Path(model).name}{where} | {rows[0]['signatures']} | {mode} | "
                          f"{', '.join(groups) if len(groups) <= 3 else f'{len(groups)} groups'} | "
                          f"{_med(rows, 'open_ms'):.0f} | {_med(rows, 'open_cpu_ms'):.0f} | {ratio:.2f} | "
                          f"{generated} | {slot} |")

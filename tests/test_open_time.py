@@ -26,7 +26,7 @@ def test_the_table_has_a_row_per_model_and_mode():
             "kinds": {"/m/a.litertlm": "engine"}, "loads": [[3.0, 2.0, 1.0]], "threads": 1, "rounds": 1,
             "cpu": "a CPU", "date": "today"}
     lines = open_time.table(data, "python3 -m benchmarks.open_time --model /m/a.litertlm")
-    rows = [line for line in lines if line.startswith("| a.litertlm")]
-    assert rows == ["| a.litertlm | 4 | on-demand | plain | 100 | 50 | 0.50 | 900 | 400 | - |",
-                    "| a.litertlm | 4 | all | plain | 100 | 100 | 1.00 | 900 | 400 | - |"]
+    rows = [line for line in lines if line.startswith("| m/a.litertlm")]
+    assert rows == ["| m/a.litertlm | 4 | on-demand | plain | 100 | 50 | 0.50 | 900 | 400 | - |",
+                    "| m/a.litertlm | 4 | all | plain | 100 | 100 | 1.00 | 900 | 400 | - |"]
     assert "load average (1 min) 3.0-3.0" in lines[0]
