@@ -246,8 +246,9 @@ def _on_demand(tmp_path, name: str = "transposed", **settings) -> LlmExecutor:
     return LlmExecutor(path, ExecutorSettings(**settings), weight_cache=WeightCacheFile.for_model(tmp_path, path))
 
 
-def test_on_demand_opens_the_plain_group_and_compiles_a_slot_on_its_first_binding(tmp_path, weights):
-    executor = _on_demand(tmp_path)
+@pytest.mark.parametrize("name", ["transposed", "default"])  # default: composites, renumbered in its views
+def test_on_demand_opens_the_plain_group_and_compiles_a_slot_on_its_first_binding(tmp_path, weights, name):
+    executor = _on_demand(tmp_path, name)
     try:
         assert executor.compiled_groups == ("plain",)
         assert len(executor.spec.signatures) == 36  # the spec knows every signature all the same
@@ -322,15 +323,16 @@ def test_verify_steps_compile_their_group_when_first_run(tmp_path):
         whole.close()
 
 
-def test_models_that_cannot_be_viewed_and_compile_all_open_whole(tmp_path):
-    composite = _on_demand(tmp_path / "a", "default")  # STABLEHLO_COMPOSITE ops
+def test_models_that_cannot_be_viewed_and_compile_all_open_whole(tmp_path, monkeypatch):
     everything = _on_demand(tmp_path / "b", compile="all")
     in_memory = LlmExecutor(MODEL_FILES["transposed"])  # no weight cache file
+    monkeypatch.setattr(litert_executor, "view_refusal", lambda header, source: f"{source}: its ops ['WHILE'] ...")
+    refused = _on_demand(tmp_path / "a")  # as a model with control flow would be
     try:
-        for executor in (composite, everything, in_memory):
+        for executor in (refused, everything, in_memory):
             assert executor.compiled_groups == tuple(executor.spec.groups)
     finally:
-        for executor in (composite, everything, in_memory):
+        for executor in (refused, everything, in_memory):
             executor.close()
     with pytest.raises(InvalidArgumentError, match="compile='eager'"):
         ExecutorSettings(compile="eager")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import flatbuffers
 import numpy as np
 import pytest
+from ai_edge_litert import schema_py_generated as schema
 
 from conftest import MODEL_FILES, MODELS
 from runtime.errors import DataLossError, FailedPreconditionError, NotFoundError
@@ -16,11 +18,11 @@ from runtime.util.model_view import (
 )
 
 VIEWABLE = MODEL_FILES["transposed"]  # one subgraph per signature, no composites
-COMPOSITE = MODEL_FILES["default"]  # STABLEHLO_COMPOSITE ops name their decompositions' subgraphs
+COMPOSITE = MODEL_FILES["default"]  # STABLEHLO_COMPOSITE ops name their decompositions' subgraphs (12 of 48)
 
 
-@pytest.fixture(scope="module")
-def whole():
+@pytest.fixture(scope="module", name="whole")
+def whole_fixture():
     model = NativeModel(VIEWABLE, num_threads=1, weight_cache=":memory:", name="whole")
     yield model
     model.close()
@@ -46,10 +48,12 @@ def _run(model: NativeModel, key: str, seed: int) -> dict[str, np.ndarray]:
     return {name: buffer.array.copy() for name, buffer in zip(signature.outputs, outputs)}
 
 
-def test_a_view_runs_its_signatures_exactly_as_the_whole_model(whole):
+@pytest.mark.parametrize("path", [VIEWABLE, COMPOSITE], ids=["plain ops", "composites"])
+def test_a_view_runs_its_signatures_exactly_as_the_whole_model(path):
     keys = ["decode_lora_r16", "prefill_8", "decode_batch2_lora_r4"]  # not in the file's order
-    view = ModelFile(VIEWABLE).view(keys)
+    view = ModelFile(path).view(keys)
     viewed = NativeModel(view.data, num_threads=1, weight_cache=":memory:", name="view")
+    whole = NativeModel(path, num_threads=1, weight_cache=":memory:", name="whole")
     try:
         assert list(viewed.signatures) == keys
         assert [viewed.signatures[k].index for k in keys] == [0, 1, 2]
@@ -60,6 +64,7 @@ def test_a_view_runs_its_signatures_exactly_as_the_whole_model(whole):
                 np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{key} {name}")
     finally:
         viewed.close()
+        whole.close()
 
 
 def test_a_view_patches_a_private_copy_only():
@@ -99,15 +104,45 @@ def test_a_model_stored_inside_a_file_is_viewed_at_its_offset(tmp_path, whole):
         viewed.close()
 
 
-def test_models_whose_ops_name_subgraphs_are_refused_with_the_reason():
+def test_a_view_keeps_the_decompositions_its_composites_name_and_renumbers_them():
     header = ModelFile(COMPOSITE).header()
     assert subgraph_references(header) == ["STABLEHLO_COMPOSITE"]
-    assert "STABLEHLO_COMPOSITE" in view_refusal(header, str(COMPOSITE))
+    assert view_refusal(header) is None
+    original = schema.ModelT.InitFromPackedBuf(COMPOSITE.read_bytes(), 0)
+    viewed = schema.ModelT.InitFromPackedBuf(bytes(ModelFile(COMPOSITE).view(["decode", "prefill_8"]).data), 0)
+
+    def decompositions(model: schema.ModelT, subgraph: int) -> list[schema.SubGraphT]:
+        return [model.subgraphs[op.builtinOptions2.decompositionSubgraphIndex]
+                for op in model.subgraphs[subgraph].operators
+                if op.builtinOptions2Type == schema.BuiltinOptions2.StableHLOCompositeOptions]
+
+    def subgraph(model: schema.ModelT, key: str) -> int:
+        return next(sig.subgraphIndex for sig in model.signatureDefs if sig.signatureKey.decode() == key)
+
+    before = [sub for key in ("decode", "prefill_8") for sub in decompositions(original, subgraph(original, key))]
+    after = [sub for key in ("decode", "prefill_8") for sub in decompositions(viewed, subgraph(viewed, key))]
+    assert len(before) == len(after) >= 2
+    assert [(sub.name, len(sub.operators)) for sub in after] == [(sub.name, len(sub.operators)) for sub in before]
+    # The signatures' own subgraphs, then only the decompositions they name.
+    assert len(viewed.subgraphs) == 2 + len({id(sub) for sub in before}) < len(original.subgraphs)
+
+
+def test_models_with_control_flow_are_refused_with_the_reason(tmp_path):
+    model = schema.ModelT.InitFromPackedBuf(COMPOSITE.read_bytes(), 0)
+    for code in model.operatorCodes:  # the composites' code made a WHILE: a subgraph reference no view renumbers
+        if code.builtinCode == schema.BuiltinOperator.STABLEHLO_COMPOSITE:
+            code.builtinCode = code.deprecatedBuiltinCode = schema.BuiltinOperator.WHILE
+    builder = flatbuffers.Builder(1 << 20)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    path = tmp_path / "while.tflite"
+    path.write_bytes(bytes(builder.Output()))
+    assert subgraph_references(ModelFile(path).header()) == ["WHILE"]
+    assert "['WHILE']" in view_refusal(ModelFile(path).header(), str(path))
     assert view_refusal(ModelFile(VIEWABLE).header()) is None
-    with pytest.raises(ViewRefused, match="STABLEHLO_COMPOSITE") as caught:
-        ModelFile(COMPOSITE).view(["decode"])
+    with pytest.raises(ViewRefused, match="WHILE") as caught:
+        ModelFile(path).view(["decode"])
     assert isinstance(caught.value, FailedPreconditionError)
-    assert str(COMPOSITE) in str(caught.value)
+    assert str(path) in str(caught.value)
 
 
 def test_unknown_signatures_and_unreadable_files_are_refused(tmp_path):
@@ -133,8 +168,16 @@ def test_patching_bytes_in_memory_keeps_the_rest(whole):
     assert set(signature_details(data)) == {"verify4_lora_r8", "decode"}
 
 
-def test_the_committed_fixtures_that_carry_composites_are_known():
-    # The design's fallback is exercised by these: they open whole (see test_litert_executor).
-    for path in (COMPOSITE, Path("runtime/demo_assets/model.tflite"), Path("benchmarks/models/bench_f32.tflite")):
-        if path.exists():
-            assert view_refusal(ModelFile(path).header()) is not None
+@pytest.mark.parametrize("path", [Path("runtime/demo_assets/model.tflite"), Path("benchmarks/models/bench_f32.tflite")])
+def test_the_committed_fixtures_with_rms_norm_composites_view_as_they_run(path):
+    keys = list(signature_keys(ModelFile(path).header()))[:2]
+    whole = NativeModel(path, num_threads=1, weight_cache=":memory:", name="whole")
+    viewed = NativeModel(ModelFile(path).view(keys).data, num_threads=1, weight_cache=":memory:", name="view")
+    try:
+        for seed, key in enumerate(keys):
+            expected, got = _run(whole, key, seed), _run(viewed, key, seed)
+            for name in expected:
+                np.testing.assert_array_equal(got[name], expected[name], err_msg=f"{key} {name}")
+    finally:
+        viewed.close()
+        whole.close()

@@ -84,9 +84,8 @@ class EngineSettings:
     session first needs it: that first step pays its compile once (SmolLM2-135M: ~0.3 s of
     CPU for a slot's 6-8 signatures), other sessions keep running meanwhile. ``"all"``
     compiles every signature at open (the open costs ~30-43 ms of CPU per signature), for a
-    server that wants no first-use latency. Models that cannot compile in groups (ops that
-    name other subgraphs, weights packed in memory: ``weight_cache_dir=None``, ``profile_ops``)
-    open whole either way.
+    server that wants no first-use latency. Models that cannot compile in groups (control-flow ops,
+    weights packed in memory: ``weight_cache_dir=None``, ``profile_ops``) open whole either way.
     """
 
     num_threads: int = 1

@@ -303,7 +303,7 @@ class LlmExecutor:
     share the weight cache file the first one published (packed weights mapped, not packed
     again), and a session's buffers bind to whichever group runs (no copies). The spec is
     read from the file's header, not from compiled models. A model given as bytes, one
-    that cannot be viewed (ops naming other subgraphs), one whose weights are packed in
+    that cannot be viewed (control-flow ops naming other subgraphs), one whose weights are packed in
     memory (each group would pack its own copy) and one opened for op profiling are
     compiled whole, as with ``compile="all"``.
     """

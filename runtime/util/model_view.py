@@ -14,9 +14,14 @@ entry is rewriting one 32-bit offset (20-80 bytes written, well under a millisec
 ``buffers`` is left alone: buffer numbers do not change, so XNNPACK's weight cache file of
 the whole model serves every view (it finds packed weights by buffer number).
 
-Refused (:class:`ViewRefused`, with the reason): a model whose operator table has ops that
-name other subgraphs (composites' decompositions, control flow): a view would have to
-renumber those references too. Such a model is opened whole.
+A composite op (``STABLEHLO_COMPOSITE``: litert-torch's un-inlined ``odml.rms_norm``,
+``odml.scaled_dot_product_attention``) names the subgraph of its decomposition: the view
+keeps every subgraph the kept signatures' composites name (transitively), after the
+signatures' own, and rewrites each such op's ``decomposition_subgraph_index`` in place.
+Refused (:class:`ViewRefused`, with the reason): a model with control flow (``CALL``, ``IF``,
+``WHILE``, ``CALL_ONCE``, ``STABLEHLO_WHILE``: other fields name subgraphs there), and a
+composite whose index field is absent where its subgraph does not stay first. Such a model
+is opened whole.
 
 The same header also gives, without compiling anything, the signature keys
 (:func:`signature_keys`) and every signature's inputs and outputs
@@ -40,7 +45,9 @@ from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgume
 # Field numbers of the tflite schema's tables this module reads.
 _MODEL_OPERATOR_CODES, _MODEL_SUBGRAPHS, _MODEL_SIGNATURES = 1, 2, 7
 _CODE_DEPRECATED, _CODE_BUILTIN = 0, 3  # OperatorCode.deprecated_builtin_code (int8), .builtin_code (int32)
-_SUBGRAPH_TENSORS = 0
+_SUBGRAPH_TENSORS, _SUBGRAPH_OPERATORS = 0, 3
+_OP_OPCODE, _OP_OPTIONS_2 = 0, 12  # Operator.opcode_index, .builtin_options_2
+_COMPOSITE_DECOMPOSITION = 1  # StableHLOCompositeOptions.decomposition_subgraph_index
 _TENSOR_SHAPE, _TENSOR_TYPE = 0, 1
 _SIG_INPUTS, _SIG_OUTPUTS, _SIG_KEY, _SIG_SUBGRAPH = 0, 1, 2, 4
 _MAP_NAME, _MAP_TENSOR = 0, 1
@@ -49,6 +56,7 @@ _MAP_NAME, _MAP_TENSOR = 0, 1
 # STABLEHLO_COMPOSITE (the tflite schema's numbers).
 SUBGRAPH_OPS = {31: "CALL", 118: "IF", 119: "WHILE", 129: "CALL_ONCE", 199: "STABLEHLO_WHILE",
                 206: "STABLEHLO_COMPOSITE"}
+_COMPOSITE = 206  # the one of them a view renumbers
 # TensorType (the tflite schema's numbering) -> numpy dtype, for the types an LLM export uses.
 _TENSOR_TYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: np.dtype(np.int32), 3: np.dtype(np.uint8),
                  4: np.dtype(np.int64), 6: np.dtype(np.bool_), 7: np.dtype(np.int16), 9: np.dtype(np.int8)}
@@ -110,6 +118,11 @@ class _Reader:
         at = self.field(table, index)
         return struct.unpack_from("<" + fmt, self.buf, at)[0] if at else default
 
+    def table(self, table: int, index: int) -> int:
+        """A sub-table field's position, or 0 when absent."""
+        at = self.field(table, index)
+        return at + _U32.unpack_from(self.buf, at)[0] if at else 0
+
     def root(self) -> int:
         """The root table's position."""
         return _U32.unpack_from(self.buf, 0)[0]
@@ -151,12 +164,41 @@ def subgraph_references(buf: Any, source: str = "<model>") -> list[str]:
 
 
 def view_refusal(buf: Any, source: str = "<model>") -> str | None:
-    """Why the model cannot be viewed, or ``None`` when it can."""
-    references = subgraph_references(buf, source)
+    """Why the model cannot be viewed, or ``None`` when it can (composites are renumbered;
+    control flow is not)."""
+    references = sorted(set(subgraph_references(buf, source)) - {SUBGRAPH_OPS[_COMPOSITE]})
     if references:
-        return (f"{source}: its ops {sorted(set(references))} name other subgraphs, which a view would have to "
-                "renumber; its signatures compile together")
+        return (f"{source}: its ops {references} name other subgraphs, which a view does not renumber; its "
+                "signatures compile together")
     return None
+
+
+def _composite_fields(reader: _Reader, root: int, sub_tables: list[int], order: list[int],
+                      source: str) -> list[tuple[int, int]]:
+    """Appends to ``order`` every subgraph the composites of its subgraphs name
+    (transitively); returns each such op's ``(index field position or 0 when absent, index)``."""
+    codes = {i for i, code in enumerate(reader.tables(root, _MODEL_OPERATOR_CODES))
+             if max(reader.scalar(code, _CODE_DEPRECATED, "b"), reader.scalar(code, _CODE_BUILTIN, "i")) == _COMPOSITE}
+    fields: list[tuple[int, int]] = []
+    if not codes:
+        return fields
+    seen = set(order)
+    pending = list(order)
+    while pending:
+        for op in reader.tables(sub_tables[pending.pop()], _SUBGRAPH_OPERATORS):
+            if reader.scalar(op, _OP_OPCODE, "I") not in codes:
+                continue
+            options = reader.table(op, _OP_OPTIONS_2)
+            at = reader.field(options, _COMPOSITE_DECOMPOSITION) if options else 0
+            target = _I32.unpack_from(reader.buf, at)[0] if at else 0
+            if not 0 <= target < len(sub_tables):
+                raise DataLossError(f"{source}: a composite names subgraph {target} of {len(sub_tables)}")
+            fields.append((at, target))
+            if target not in seen:
+                seen.add(target)
+                order.append(target)
+                pending.append(target)
+    return fields
 
 
 def signature_details(buf: Any, keys: Sequence[str] | None = None, source: str = "<model>") -> Details:
@@ -232,7 +274,11 @@ def patch_signatures(buf: Any, keys: Sequence[str], source: str = "<model>") -> 
         if 0 in order:  # subgraph 0 first when kept: a signature may lack the field (the default 0)
             order.remove(0)
             order.insert(0, 0)
+        composites = _composite_fields(reader, root, sub_tables, order, source)
         new_index = {old: j for j, old in enumerate(order)}
+        for at, old in composites:
+            if not at and new_index[old]:
+                raise ViewRefused(f"{source}: a composite names subgraph 0 without an index field to renumber")
         for key, index, old in zip(keys, chosen, old_subgraphs):
             if new_index[old] and not reader.field(sig_tables[index], _SIG_SUBGRAPH):
                 raise ViewRefused(f"{source}: signature {key!r} has no subgraph_index field to renumber")
@@ -242,6 +288,10 @@ def patch_signatures(buf: Any, keys: Sequence[str], source: str = "<model>") -> 
             _U32.pack_into(buf, slot, sub_tables[old] - slot)
             written += 4
         _U32.pack_into(buf, sub_first - 4, len(order))
+        for at, old in composites:
+            if at and new_index[old] != old:
+                _I32.pack_into(buf, at, new_index[old])
+                written += 4
         for j, (index, old) in enumerate(zip(chosen, old_subgraphs)):
             slot = sig_first + 4 * j
             _U32.pack_into(buf, slot, sig_tables[index] - slot)
