@@ -83,10 +83,9 @@ def cmd_engine(args: argparse.Namespace) -> None:
     t, c = time.perf_counter(), time.process_time()
     engine = Engine(args.model, EngineSettings(num_threads=args.threads, compile=args.compile))
     open_ms, open_cpu_ms = (time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3
-    executor = engine._resources.pool.primary  # noqa: SLF001 - which groups compiled is what is measured
     result: dict[str, Any] = {"open_ms": open_ms, "open_cpu_ms": open_cpu_ms, "import_cpu_ms": import_cpu * 1e3,
                               "signatures": len(engine.spec.signatures), "groups": len(engine.spec.groups),
-                              "compiled_at_open": list(executor.compiled_groups)}
+                              "compiled_at_open": list(engine.stats().compiled_groups)}
     if args.adapter and engine.spec.slots:
         ids = list(range(100, 132))
         config = SessionConfig(loras=[LoraSource(path=args.adapter, heads=False)])
@@ -97,7 +96,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
                 session.run_prefill(ids)
                 times.append(((time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3))
         result.update(first_slot_use_ms=times[0][0] - times[1][0], first_slot_use_cpu_ms=times[0][1] - times[1][1],
-                      slot_prefill_ms=times[1][0], compiled_after_adapter=list(executor.compiled_groups))
+                      slot_prefill_ms=times[1][0], compiled_after_adapter=list(engine.stats().compiled_groups))
     engine.close()
     print(json.dumps(result))
 

@@ -182,13 +182,14 @@ def test_a_bundles_signature_groups_compile_over_views_of_its_model_section(tmp_
     for mode in ("on-demand", "all"):
         settings = EngineSettings(weight_cache_dir=tmp_path / mode, compile=mode)
         with Engine(bundle, settings) as engine:
-            executor = engine._resources.pool.primary
-            opened = executor.compiled_groups
+            opened = engine.stats().compiled_groups
             with engine.create_session() as plain, engine.create_session(
                     SessionConfig(lora_path=adapter_path("torch_r4"))) as adapted:
                 results[mode] = np.stack([plain.run_prefill(prompt), plain.run_decode(7),
                                           adapted.run_prefill(prompt), adapted.run_decode(7)])
-            results[mode, "groups"] = opened, executor.compiled_groups
-    assert results["on-demand", "groups"] == (("plain",), ("plain", "lora_r4"))
-    assert results["all", "groups"][0] == results["all", "groups"][1] and len(results["all", "groups"][0]) == 7
+            stats = engine.stats()
+            results[mode, "groups"] = opened, stats.compiled_groups, stats.group_compile.count
+    assert results["on-demand", "groups"] == (("plain",), ("plain", "lora_r4"), 1)
+    opened, after, compiles = results["all", "groups"]
+    assert opened == after and len(opened) == 7 and compiles == 0
     np.testing.assert_array_equal(results["on-demand"], results["all"])

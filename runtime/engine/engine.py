@@ -257,6 +257,8 @@ class Engine:
             speculation=self._speculation.counters.snapshot(),
             prefix_cache=self._resources.prefix_cache_stats(),
             weight_cache=None if self._weight_cache[0] is None else self._weight_cache[0].stats(self._weight_cache[1]),
+            compiled_groups=self._resources.pool.primary.compiled_groups,
+            group_compile=self._resources.pool.primary.group_compile.summary(),
         )
 
     def close(self) -> None:

@@ -37,6 +37,7 @@ from runtime.executor.native import (
     HostBuffer, NativeModel, PageBlock, PreparedRun, ProfiledEvent, TensorInfo, tensor_info,
 )
 from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCacheUse
+from runtime.util.latency import LatencyRecorder
 from runtime.util.model_view import ModelFile, signature_details, view_refusal
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
@@ -377,6 +378,7 @@ class LlmExecutor:
         self.invokes = 0  # signature runs so far, and the seconds spent inside them
         self.invoke_seconds = 0.0
         self._profiling = False  # whether the profiler records
+        self.group_compile = LatencyRecorder(window=64)  # compiling a signature group on its first need
 
     def _viewable(self, source: ModelFile | None, cache: WeightCacheUse) -> ModelFile | None:
         """``source`` when its signature groups are to compile apart, else ``None`` (the
@@ -434,8 +436,10 @@ class LlmExecutor:
                     cache.release()
                     self._check_open()
                 self._uses.append(cache)
+            seconds = time.perf_counter() - started
+            self.group_compile.record(seconds)
             log.debug("%s: compiled the signature group %r (%d signatures) in %.0f ms", self.model_path, group,
-                      len(self.spec.groups[group]), (time.perf_counter() - started) * 1e3)
+                      len(self.spec.groups[group]), seconds * 1e3)
             return compiled
 
     def _check_details(self, compiled: NativeModel, keys: Sequence[str]) -> None:
