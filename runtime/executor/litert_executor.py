@@ -452,6 +452,9 @@ class LlmExecutor:
             signature, described = self.spec.signatures[key], compiled.signatures[key]
             for side, expected, got in (("input", signature.inputs, described.inputs),
                                         ("output", signature.outputs, described.outputs)):
+                if list(expected) != list(got):
+                    raise InternalError(f"{self.model_path}: signature {key!r} {side}s compiled in the order "
+                                        f"{list(got)[:4]}..., its header says {list(expected)[:4]}...")
                 for name, spec in expected.items():
                     info = got.get(name)
                     if info is None or info.shape != spec.shape or info.dtype != spec.dtype:

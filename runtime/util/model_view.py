@@ -45,7 +45,7 @@ from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgume
 # Field numbers of the tflite schema's tables this module reads.
 _MODEL_OPERATOR_CODES, _MODEL_SUBGRAPHS, _MODEL_SIGNATURES = 1, 2, 7
 _CODE_DEPRECATED, _CODE_BUILTIN = 0, 3  # OperatorCode.deprecated_builtin_code (int8), .builtin_code (int32)
-_SUBGRAPH_TENSORS, _SUBGRAPH_OPERATORS = 0, 3
+_SUBGRAPH_TENSORS, _SUBGRAPH_INPUTS, _SUBGRAPH_OUTPUTS, _SUBGRAPH_OPERATORS = 0, 1, 2, 3
 _OP_OPCODE, _OP_OPTIONS_2 = 0, 12  # Operator.opcode_index, .builtin_options_2
 _COMPOSITE_DECOMPOSITION = 1  # StableHLOCompositeOptions.decomposition_subgraph_index
 _TENSOR_SHAPE, _TENSOR_TYPE = 0, 1
@@ -216,21 +216,30 @@ def signature_details(buf: Any, keys: Sequence[str] | None = None, source: str =
             if wanted is not None and key not in wanted:
                 continue
             sub = subgraphs[reader.scalar(sig, _SIG_SUBGRAPH, "i")]
-            first, count = reader.vector(sub, _SUBGRAPH_TENSORS)
-            tensors = (first, count)
-            details[key] = (_tensor_maps(reader, sig, _SIG_INPUTS, tensors, key, source),
-                            _tensor_maps(reader, sig, _SIG_OUTPUTS, tensors, key, source))
+            tensors = reader.vector(sub, _SUBGRAPH_TENSORS)
+            details[key] = (_tensor_maps(reader, sig, _SIG_INPUTS, tensors, _order(reader, sub, _SUBGRAPH_INPUTS),
+                                         key, source),
+                            _tensor_maps(reader, sig, _SIG_OUTPUTS, tensors, _order(reader, sub, _SUBGRAPH_OUTPUTS),
+                                         key, source))
         if wanted is not None and len(details) != len(wanted):
             raise NotFoundError(f"{source}: no signature {sorted(wanted - set(details))}; it has "
                                 f"{sorted(signature_keys(buf, source))}")
         return details
 
 
-def _tensor_maps(reader: _Reader, sig: int, index: int, tensors: tuple[int, int], key: str,
+def _order(reader: _Reader, sub: int, index: int) -> dict[int, int]:
+    """``{tensor number: its place}`` in a subgraph's inputs (or outputs) vector."""
+    first, count = reader.vector(sub, index)
+    return {number: place for place, number in enumerate(struct.unpack_from(f"<{count}i", reader.buf, first))}
+
+
+def _tensor_maps(reader: _Reader, sig: int, index: int, tensors: tuple[int, int], order: dict[int, int], key: str,
                  source: str) -> dict[str, dict[str, Any]]:
+    """A signature's inputs (or outputs) in the subgraph's order, as the library lists them
+    (the signature's own vector is sorted by name)."""
     buf = reader.buf
     first, count = tensors
-    out = {}
+    found = []
     for entry in reader.tables(sig, index):
         name = reader.string(entry, _MAP_NAME)
         number = reader.scalar(entry, _MAP_TENSOR, "I")
@@ -244,8 +253,8 @@ def _tensor_maps(reader: _Reader, sig: int, index: int, tensors: tuple[int, int]
         if kind not in _TENSOR_TYPES:
             raise InvalidArgumentError(f"{source}: signature {key!r} tensor {name!r} has tensor type {kind}, "
                                        f"expected one of {sorted(_TENSOR_TYPES)}")
-        out[name] = {"shape": tuple(shape), "dtype": _TENSOR_TYPES[kind]}
-    return out
+        found.append((order.get(number, len(order)), name, {"shape": tuple(shape), "dtype": _TENSOR_TYPES[kind]}))
+    return {name: detail for _, name, detail in sorted(found, key=lambda item: item[0])}
 
 
 def patch_signatures(buf: Any, keys: Sequence[str], source: str = "<model>") -> int:
