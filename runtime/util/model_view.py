@@ -203,8 +203,9 @@ def _composite_fields(reader: _Reader, root: int, sub_tables: list[int], order: 
 
 def signature_details(buf: Any, keys: Sequence[str] | None = None, source: str = "<model>") -> Details:
     """``{key: (inputs, outputs)}``, each ``{name: {"shape": tuple, "dtype": np.dtype}}`` in the
-    signature's order, read from the flatbuffer itself (``keys``: only those signatures):
-    what the library reports once a model compiled, before anything is compiled."""
+    order the library lists them (the subgraph's), read from the flatbuffer itself (``keys``:
+    only those signatures): what the library reports once a model compiled, before anything
+    is compiled (SmolLM2-135M: ~16 ms for 16 signatures, ~80 ms for 56, on a loaded box)."""
     with _checked(source):
         reader = _Reader(buf)
         root = reader.root()
