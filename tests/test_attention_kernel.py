@@ -18,9 +18,11 @@ import pytest
 from conftest import MODELS
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.executor import kernels
-from runtime.executor.litert_executor import LlmExecutor
+from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.native import HostBuffer, NativeModel
+from runtime.executor.weight_cache import WeightCacheFile
 from runtime.util.attention_rewrite import DECODE_ATTENTION, custom_codes, rewrite_decode_attention
+from runtime.util.signature_names import LoraSlot
 
 FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite"}
 needs_cc = pytest.mark.skipif(kernels.compiler() is None,
@@ -299,3 +301,35 @@ def test_processes_building_at_once_each_get_a_whole_library(tmp_path):
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0 and out.strip() == "True", err
     assert [p.name.startswith("decode_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
+
+
+@needs_cc
+def test_signature_groups_compiled_on_demand_get_the_kernel(rewritten, kernel_cache, tmp_path):
+    """The plain group (its decode runs the custom op) at open, a LoRA slot's group at its
+    first binding, each registering the kernel: the same logits as the model compiled whole."""
+    path = rewritten["gqa"]
+    on_demand = LlmExecutor(path, weight_cache=WeightCacheFile.for_model(tmp_path, path))
+    whole = LlmExecutor(path, ExecutorSettings(compile="all"))
+    try:
+        assert on_demand.compiled_groups == ("plain",)
+        prompt, steps = [5, 17, 42, 99, 3], 30
+        want_tokens, want = greedy(whole, prompt, steps)
+        got_tokens, got = greedy(on_demand, prompt, steps)
+        assert got_tokens == want_tokens
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(a, b)
+        slot = LoraSlot(4)
+        results = []
+        for executor in (on_demand, whole):
+            buffers = {name: executor.create_lora_buffer(slot, name) for name in executor.spec.slot_inputs(slot)}
+            for index, buffer in enumerate(buffers.values()):
+                buffer.write(np.full(buffer.info.shape, 0.01 * (index % 5), np.float32))
+            binding = executor.bind(executor.create_kv_cache(), buffers, slot)
+            executor.prefill(binding, prompt, 0)
+            results.append([executor.decode(binding, 7 + i, len(prompt) + i) for i in range(20)])
+        assert on_demand.compiled_groups == ("plain", "lora_r4")
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        on_demand.close()
+        whole.close()

@@ -200,3 +200,10 @@ def test_thread_and_executor_counts_must_be_integers(value):
         EngineSettings(num_threads=value)
     with pytest.raises(InvalidArgumentError, match="executors=.*expected an integer"):
         EngineSettings(executors=value)
+
+
+def test_compile_mode_is_checked():
+    assert EngineSettings().compile == "on-demand"
+    assert EngineSettings(compile="all").compile == "all"
+    with pytest.raises(InvalidArgumentError, match="compile='lazy', expected one of \\['on-demand', 'all'\\]"):
+        EngineSettings(compile="lazy")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, adapter_deltas, adapter_path
+from conftest import MODEL_FILES, MODELS, adapter_deltas, adapter_path
 from reference_model import reference_logits
 from runtime.components.lora import LoRA, plan_adapter
 from runtime.errors import (
@@ -16,7 +18,10 @@ from runtime.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from runtime.executor.litert_executor import Binding, ExecutorSettings, LlmExecutor, prefill_chunks
+from runtime.executor import litert_executor
+from runtime.executor.batch_plan import DecodeRow, plan_decode
+from runtime.executor.litert_executor import Binding, DecodeStep, ExecutorSettings, LlmExecutor, prefill_chunks
+from runtime.executor.weight_cache import WeightCacheFile
 from runtime.adapters.lora_data import LoraData
 from runtime.util.signature_names import LoraSlot
 
@@ -229,3 +234,173 @@ def test_every_prefill_plan_covers_its_tokens_within_the_cache():
 
 def test_no_prefill_lengths_means_decode_steps():
     assert prefill_chunks(3, (), 100) == [1, 1, 1]
+
+
+# -- compiling signature groups on demand ---------------------------------------------
+
+
+def _on_demand(tmp_path, name: str = "transposed", **settings) -> LlmExecutor:
+    """An executor of a committed model with a weight cache file in ``tmp_path`` (groups
+    compile apart only over a file: in memory each would pack its own weights)."""
+    path = MODEL_FILES[name] if name in MODEL_FILES else name
+    return LlmExecutor(path, ExecutorSettings(**settings), weight_cache=WeightCacheFile.for_model(tmp_path, path))
+
+
+@pytest.mark.parametrize("name", ["transposed", "default"])  # default: composites, renumbered in its views
+def test_on_demand_opens_the_plain_group_and_compiles_a_slot_on_its_first_binding(tmp_path, weights, name):
+    executor = _on_demand(tmp_path, name)
+    try:
+        assert executor.compiled_groups == ("plain",)
+        assert len(executor.spec.signatures) == 36  # the spec knows every signature all the same
+        seq = tokens(30, seed=11)
+        binding = executor.bind(executor.create_kv_cache())
+        expected = reference_logits(weights, seq)
+        np.testing.assert_allclose(executor.prefill(binding, seq[:20], 0), expected[19], atol=TOL)
+        for pos in range(20, 30):  # across the plain decode's windows (16, 32) and the whole cache
+            np.testing.assert_allclose(executor.decode(binding, seq[pos], pos), expected[pos], atol=TOL)
+        assert executor.compiled_groups == ("plain",)
+        lora_binding, deltas = bind_in_r16_slot(executor, "torch_r4")
+        assert executor.compiled_groups == ("plain", "lora_r16")
+        expected = reference_logits(weights, seq, lora=deltas)
+        np.testing.assert_allclose(executor.prefill(lora_binding, seq[:9], 0), expected[8], atol=TOL)
+        for pos in range(9, 20):
+            np.testing.assert_allclose(executor.decode(lora_binding, seq[pos], pos), expected[pos], atol=TOL)
+        # One published weight cache file serves both groups; nothing is left half-built.
+        assert len(list(tmp_path.glob("*.xnnpack"))) == 1
+        assert not list(tmp_path.glob("*.building"))
+    finally:
+        executor.close()
+    with pytest.raises(FailedPreconditionError):
+        executor.bind(executor.create_kv_cache())
+
+
+def test_a_batch_size_compiles_on_its_first_batch(tmp_path):
+    executor = _on_demand(tmp_path)
+    whole = LlmExecutor(MODEL_FILES["transposed"], ExecutorSettings(compile="all"))
+    try:
+        slot = LoraSlot(4)
+        results = {}
+        for name, each in (("on-demand", executor), ("all", whole)):
+            plan = plan_adapter(LoraData.create_from_file_path(adapter_path("torch_r4")),
+                                {slot: each.spec.slot_inputs(slot)})
+            lora = LoRA([(plan, 1.0)], slot, each.spec.slot_inputs(slot), lambda n: each.create_lora_buffer(slot, n))
+            bindings = [each.bind(each.create_kv_cache(), lora.buffers, slot) for _ in range(2)]
+            for binding, seed in zip(bindings, (1, 2)):
+                each.prefill(binding, tokens(5, seed), 0)
+            steps = [DecodeStep(binding, token, 5) for binding, token in zip(bindings, (7, 9))]
+            plan_ = plan_decode(each.spec, [DecodeRow(slot, 5), DecodeRow(slot, 5)])
+            assert [run.signature.key for run in plan_.runs] == ["decode_batch2_attend16_lora_r4"]
+            if each is executor:
+                assert executor.compiled_groups == ("plain", "lora_r4")
+            results[name] = each.run_decode_plan(plan_, steps)
+        assert executor.compiled_groups == ("plain", "lora_r4", "batch2_lora_r4")
+        for got, expected in zip(results["on-demand"], results["all"]):
+            np.testing.assert_array_equal(got, expected)
+    finally:
+        executor.close()
+        whole.close()
+
+
+def test_verify_steps_compile_their_group_when_first_run(tmp_path):
+    path = MODELS / "turbo" / "transposed.tflite"
+    executor = LlmExecutor(path, weight_cache=WeightCacheFile.for_model(tmp_path, path))
+    whole = LlmExecutor(path, ExecutorSettings(compile="all"))
+    try:
+        assert executor.compiled_groups == ("plain",)
+        seq = tokens(12, seed=5)
+        outputs = []
+        for each in (executor, whole):
+            binding = each.bind(each.create_kv_cache())
+            each.prefill(binding, seq[:6], 0)
+            outputs.append(each.verify(binding, seq[6:9], 6))  # a window's verify4 (positions 6..9 < 16)
+            outputs.append(each.verify(binding, seq[6:10], 14))  # past the window: the whole cache's
+        assert executor.compiled_groups == ("plain", "verify")
+        for got, expected in zip(outputs[:2], outputs[2:]):
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
+    finally:
+        executor.close()
+        whole.close()
+
+
+def test_models_that_cannot_be_viewed_and_compile_all_open_whole(tmp_path, monkeypatch):
+    everything = _on_demand(tmp_path / "b", compile="all")
+    in_memory = LlmExecutor(MODEL_FILES["transposed"])  # no weight cache file
+    monkeypatch.setattr(litert_executor, "view_refusal", lambda header, source: f"{source}: its ops ['WHILE'] ...")
+    refused = _on_demand(tmp_path / "a")  # as a model with control flow would be
+    try:
+        for executor in (refused, everything, in_memory):
+            assert executor.compiled_groups == tuple(executor.spec.groups)
+    finally:
+        for executor in (refused, everything, in_memory):
+            executor.close()
+    with pytest.raises(InvalidArgumentError, match="compile='eager'"):
+        ExecutorSettings(compile="eager")
+
+
+def test_concurrent_first_uses_of_a_group_compile_it_once(tmp_path, monkeypatch):
+    compiled: list[str] = []
+    real = litert_executor.NativeModel
+
+    def counted(*args, **kwargs):
+        compiled.append(kwargs["name"])
+        time.sleep(0.05)  # the first compile is still going when the others ask
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(litert_executor, "NativeModel", counted)
+    executor = _on_demand(tmp_path)
+    try:
+        barrier = threading.Barrier(4)
+        results: list[np.ndarray | BaseException] = []
+        seq = tokens(6, seed=9)
+
+        def first_use() -> None:
+            try:
+                barrier.wait()
+                binding, _ = bind_in_r16_slot(executor, "torch_r4")
+                results.append(executor.prefill(binding, seq, 0))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                results.append(exc)
+
+        threads = [threading.Thread(target=first_use) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert all(isinstance(result, np.ndarray) for result in results), results
+        assert len(results) == 4
+        for result in results[1:]:
+            np.testing.assert_array_equal(result, results[0])
+        assert sum("decode_lora_r16," in name or name.endswith("decode_lora_r16)") for name in compiled) == 1
+        assert executor.compiled_groups == ("plain", "lora_r16")
+    finally:
+        executor.close()
+
+
+def test_other_sessions_run_while_a_group_compiles(tmp_path, monkeypatch, weights):
+    real = litert_executor.NativeModel
+    compiling, release = threading.Event(), threading.Event()
+
+    def gated(*args, **kwargs):
+        if "lora_r16" in kwargs["name"]:
+            compiling.set()
+            release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(litert_executor, "NativeModel", gated)
+    executor = _on_demand(tmp_path)
+    try:
+        plain = executor.bind(executor.create_kv_cache())
+        slot_thread = threading.Thread(target=bind_in_r16_slot, args=(executor, "torch_r4"))
+        slot_thread.start()
+        assert compiling.wait(30)
+        seq = tokens(12, seed=2)
+        logits = executor.prefill(plain, seq, 0)  # while the slot's group is being compiled
+        assert executor.compiled_groups == ("plain",)
+        release.set()
+        slot_thread.join(60)
+        assert executor.compiled_groups == ("plain", "lora_r16")
+        np.testing.assert_allclose(logits, reference_logits(weights, seq)[-1], atol=TOL)
+    finally:
+        release.set()
+        executor.close()

@@ -172,3 +172,24 @@ def test_a_corrupt_llm_metadata_section_is_data_loss(tmp_path, chat_bundle_path)
     with pytest.raises(DataLossError, match="LlmMetadata section .* does not parse"):
         with Engine(path):
             pass
+
+
+def test_a_bundles_signature_groups_compile_over_views_of_its_model_section(tmp_path, hf_json):
+    # A model that can be viewed (no composites), at its section's offset inside the bundle.
+    bundle = build_bundle(tmp_path / "viewable.litertlm", MODEL_FILES["transposed"], hf_json)
+    prompt = [5, 17, 42, 200, 3, 99]
+    results = {}
+    for mode in ("on-demand", "all"):
+        settings = EngineSettings(weight_cache_dir=tmp_path / mode, compile=mode)
+        with Engine(bundle, settings) as engine:
+            opened = engine.stats().compiled_groups
+            with engine.create_session() as plain, engine.create_session(
+                    SessionConfig(lora_path=adapter_path("torch_r4"))) as adapted:
+                results[mode] = np.stack([plain.run_prefill(prompt), plain.run_decode(7),
+                                          adapted.run_prefill(prompt), adapted.run_decode(7)])
+            stats = engine.stats()
+            results[mode, "groups"] = opened, stats.compiled_groups, stats.group_compile.count
+    assert results["on-demand", "groups"] == (("plain",), ("plain", "lora_r4"), 1)
+    opened, after, compiles = results["all", "groups"]
+    assert opened == after and len(opened) == 7 and compiles == 0
+    np.testing.assert_array_equal(results["on-demand"], results["all"])

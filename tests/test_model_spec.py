@@ -10,15 +10,16 @@ import pytest
 from conftest import MODEL_FILES
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.executor.litert_executor import LlmExecutor
-from runtime.executor.model_spec import KV_LAYOUT_DEFAULT, KV_LAYOUT_TRANSPOSED, ModelSpec
+from runtime.executor.native import NativeModel
+from runtime.executor.model_spec import KV_LAYOUT_DEFAULT, KV_LAYOUT_TRANSPOSED, ModelSpec, signature_group
 from runtime.util.signature_names import ALL_LINEAR, LoraSlot
 
 
 @pytest.fixture(scope="module")
 def details():
-    executor = LlmExecutor(MODEL_FILES["default"])
-    found = executor._model.signature_details()
-    executor.close()
+    model = NativeModel(MODEL_FILES["default"], num_threads=1, weight_cache=":memory:", name="default")
+    found = model.signature_details()
+    model.close()
     return found
 
 
@@ -152,3 +153,27 @@ def test_dora_scale_inputs_are_checked_against_their_projection(details):
     partial["decode_lora_r4"][0]["lora_atten_q_m_prime_weight_0"] = {"shape": [fan_out], "dtype": "float32"}
     with pytest.raises(InvalidArgumentError, match="a DoRA slot is an all-linear slot with a scale per projection"):
         ModelSpec.from_details(partial, "m")
+
+
+def test_signatures_are_grouped_by_what_a_session_needs_together(details):
+    spec = ModelSpec.from_details(details, "m.tflite")
+    groups = spec.groups
+    assert list(groups)[0] == "plain"
+    assert sorted(key for keys in groups.values() for key in keys) == sorted(spec.signatures)  # a partition
+    assert set(groups["plain"]) == {"prefill_8", "prefill_32", "decode", "decode_attend16", "decode_attend32",
+                                    "prefill_8_attend16", "prefill_8_attend32", "prefill_32_attend32"}
+    assert all(key.endswith("_lora_r4") and "batch" not in key for key in groups["lora_r4"])
+    assert "decode_lora_r4" in groups["lora_r4"] and "decode_batch2_lora_r4" in groups["batch2_lora_r4"]
+    assert set(groups) == {"plain", "lora_r4", "lora_r16", "batch2_lora_r4", "batch4_lora_r4", "batch2_lora_r16",
+                           "batch4_lora_r16"}
+    assert spec.signatures["decode_batch4_attend16_lora_r16"].group == "batch4_lora_r16"
+
+
+@pytest.mark.parametrize(("kind", "rows", "slot", "group"), [
+    ("prefill", 1, None, "plain"), ("decode", 1, LoraSlot(8), "lora_r8"),
+    ("decode", 1, LoraSlot(16, ALL_LINEAR), "lora_all_r16"), ("verify", 1, None, "verify"),
+    ("verify", 1, LoraSlot(8), "verify_lora_r8"), ("score", 1, LoraSlot(4), "score_lora_r4"),
+    ("decode", 8, None, "batch8"), ("decode", 2, LoraSlot(8, ALL_LINEAR), "batch2_lora_all_r8"),
+])
+def test_group_names(kind, rows, slot, group):
+    assert signature_group(kind, rows, slot) == group

@@ -11,7 +11,7 @@ import pytest
 from conftest import MODEL_FILES, adapter_path
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import InvalidArgumentError, UnimplementedError
-from runtime.executor.native import HostBuffer, NativeModel, _tensor_info
+from runtime.executor.native import HostBuffer, NativeModel, _tensor_info, tensor_info
 
 
 def _decode_model() -> tuple[NativeModel, object]:
@@ -109,3 +109,20 @@ def test_a_file_that_is_no_model_is_refused_naming_it(tmp_path):
     path.write_bytes(b"not a flatbuffer at all" * 10)
     with pytest.raises(InvalidArgumentError, match="junk.tflite: cannot load the model"):
         NativeModel(path, num_threads=1, weight_cache=":memory:", name=str(path))
+
+
+@pytest.mark.parametrize("name", ["default", "transposed"])
+def test_a_tensor_type_made_from_a_shape_is_the_librarys_own(name):
+    # Buffers of a signature group not compiled yet are made from the spec; they must bind as
+    # the library's own would once the group compiles: the very same bytes.
+    model = NativeModel(MODEL_FILES[name], num_threads=1, weight_cache=":memory:", name=name)
+    try:
+        infos = [info for signature in model.signatures.values()
+                 for info in (*signature.inputs.values(), *signature.outputs.values())]
+        assert len(infos) > 500
+        for info in infos:
+            assert tensor_info(info.name, info.shape, info.dtype) == info
+    finally:
+        model.close()
+    with pytest.raises(InvalidArgumentError, match="tensor 'x': \\[2\\] complex64"):
+        tensor_info("x", (2,), np.complex64)

@@ -46,7 +46,9 @@ def engine():
 def test_a_fresh_engine_reports_nothing(engine):
     stats = engine.stats()
     assert isinstance(stats, EngineStats)
-    assert dataclasses.replace(stats, weight_cache=None) == engine_stats()  # the weight cache: tests/test_weight_cache.py
+    # The weight cache: tests/test_weight_cache.py; the signature groups open with the plain one.
+    assert dataclasses.replace(stats, weight_cache=None, compiled_groups=()) == engine_stats()
+    assert stats.compiled_groups == ("plain",) and stats.group_compile.count == 0
     assert stats.resident_bytes == 0
 
 

@@ -9,7 +9,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from runtime.cli.options import add_weight_cache_dir, weight_cache_settings
+from runtime.cli.options import add_compile_mode, add_weight_cache_dir, weight_cache_settings
 from runtime.components.sampler import SamplerConfig
 from runtime.components.tokenizer import ByteTokenizer, Tokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
@@ -62,6 +62,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int, default=1)
     add_weight_cache_dir(parser)
+    add_compile_mode(parser)
     parser.add_argument("--profile-ops", action="store_true",
                         help="record the generation's runs with LiteRT's op profiler and print where their time "
                         "went, op by op (the recorded runs are slower)")
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     max_new_tokens = default_max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     started = time.perf_counter()
     settings = EngineSettings(num_threads=args.threads, **weight_cache_settings(args),
-                              profile_ops=args.profile_ops)
+                              profile_ops=args.profile_ops, compile=args.compile)
     with Engine(args.model, settings, tokenizer=tokenizer) as engine:
         loaded = time.perf_counter()
         if args.prompt is not None and engine.tokenizer is None:

@@ -8,7 +8,7 @@ import socket
 import sys
 from pathlib import Path
 
-from runtime.cli.options import add_weight_cache_dir, weight_cache_settings
+from runtime.cli.options import add_compile_mode, add_weight_cache_dir, weight_cache_settings
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 
 API_KEY_VARIABLE = "RUNTIME_API_KEY"
@@ -75,6 +75,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="time limit of one whole download (default: 60)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per executor")
     add_weight_cache_dir(parser)
+    add_compile_mode(parser)
     parser.add_argument("--executors", type=int, default=1,
                         help="copies of the model running sessions in parallel (each costs the model's memory)")
     parser.add_argument("--prefix-cache-mb", type=float, default=64.0,
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
     engine_settings = EngineSettings(num_threads=args.threads, executors=args.executors,
                                      prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-                                     **weight_cache_settings(args))
+                                     compile=args.compile, **weight_cache_settings(args))
     cluster = _start_cluster(args, settings, engine_settings)
     try:
         return _serve(args, settings, engine_settings, tokenizer, chat_template, downloads, cluster)

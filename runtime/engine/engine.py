@@ -23,6 +23,7 @@ from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.op_profile import OpRecording, summarize
 from runtime.executor.weight_cache import IN_MEMORY, weight_cache_file
+from runtime.util.model_view import ModelFile
 from runtime.framework.lora_source import LoraSource
 from runtime.components.lora_manager import normalize_blend
 from runtime.framework.resource_management.adapter_registry import AdapterRegistry
@@ -58,16 +59,18 @@ class Engine:
         self.model_path = Path(model_path)
         self.settings = settings or EngineSettings()
         executor_settings = ExecutorSettings(num_threads=self.settings.num_threads,
-                                             profile_ops=self.settings.profile_ops)
+                                             profile_ops=self.settings.profile_ops, compile=self.settings.compile)
         bundled_tokenizer = None
         llm_metadata = None
         model: str | os.PathLike[str] | memoryview = self.model_path
         model_part = ""  # which model of the file, for the weight cache's name
+        source = None  # where the model lies in the file, for compiling signature groups over views of it
         if is_litertlm(self.model_path):
             with LitertLmBundle(self.model_path) as bundle:
                 section = bundle.model_section()
                 model = bundle.section_bytes(section)  # the mapping outlives the bundle while the view lives
                 model_part = f"litertlm section at {section.begin}"
+                source = ModelFile(self.model_path, section.begin, section.end)
                 bundled_tokenizer = bundle.tokenizer()
                 llm_metadata = bundle.llm_metadata()
         weight_cache = weight_cache_file(self.settings.weight_cache_dir, self.model_path, model_part,
@@ -76,7 +79,7 @@ class Engine:
         try:
             for _ in range(self.settings.executors):
                 executors.append(LlmExecutor(model, executor_settings, name=str(self.model_path),
-                                             weight_cache=weight_cache))
+                                             weight_cache=weight_cache, source=source))
             self.tokenizer = _tokenizer(tokenizer, bundled_tokenizer, llm_metadata)
             self.chat_template = _chat_template(chat_template, llm_metadata)
         except BaseException:
@@ -254,6 +257,8 @@ class Engine:
             speculation=self._speculation.counters.snapshot(),
             prefix_cache=self._resources.prefix_cache_stats(),
             weight_cache=None if self._weight_cache[0] is None else self._weight_cache[0].stats(self._weight_cache[1]),
+            compiled_groups=self._resources.pool.primary.compiled_groups,
+            group_compile=self._resources.pool.primary.group_compile.summary(),
         )
 
     def close(self) -> None:

@@ -56,6 +56,10 @@ class EngineStats:
     # model, size, last use, whether in use or their model is gone), its cap, and this
     # engine's file (None: weight_cache_dir=None).
     weight_cache: WeightCacheStats | None = None
+    # The signature groups compiled so far (EngineSettings.compile: the plain group at open,
+    # each other group at its first need), and how long those first-need compiles took.
+    compiled_groups: tuple[str, ...] = ()
+    group_compile: LatencySummary = LatencySummary(0, 0.0, 0.0)
 
     @property
     def resident_bytes(self) -> int:

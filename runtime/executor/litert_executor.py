@@ -14,10 +14,11 @@ in when another adapter takes that row, and batches of the same sessions copy no
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +33,21 @@ from runtime.errors import (
     ResourceExhaustedError,
 )
 from runtime.executor.batch_plan import DecodePlan
-from runtime.executor.native import HostBuffer, NativeModel, PageBlock, PreparedRun, ProfiledEvent
+from runtime.executor.native import (
+    HostBuffer, NativeModel, PageBlock, PreparedRun, ProfiledEvent, TensorInfo, tensor_info,
+)
 from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCacheUse
+from runtime.util.latency import LatencyRecorder
+from runtime.util.model_view import ModelFile, signature_details, view_refusal
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
-from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
+from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, PLAIN_GROUP, TOKENS, ModelSpec, SignatureSpec
+
+log = logging.getLogger(__name__)
+
+COMPILE_ON_DEMAND = "on-demand"  # the plain group at open, every other group when first needed
+COMPILE_ALL = "all"  # every signature at open (a model that cannot be viewed always opens so)
+COMPILE_MODES = (COMPILE_ON_DEMAND, COMPILE_ALL)
 
 
 @dataclass(frozen=True)
@@ -46,16 +57,23 @@ class ExecutorSettings:
     ``num_threads``: CPU threads for XNNPACK (0 lets the library choose).
     ``native_logs``: let the library print its INFO lines (it offers no switch for them,
     so by default file descriptor 2 is muted while a model loads or closes, and at exit).
-    ``profile_ops``: attach LiteRT's op profiler (:meth:`LlmExecutor.start_profiling`).
+    ``profile_ops``: attach LiteRT's op profiler (:meth:`LlmExecutor.start_profiling`);
+    such a model is compiled whole, so that every signature's ops are recorded.
+    ``compile``: ``"on-demand"`` compiles the plain signatures at open and each other group
+    of signatures (:attr:`ModelSpec.groups`: a LoRA slot's, verify, score, a batch size) when a
+    session first needs it; ``"all"`` compiles every signature at open. See :class:`LlmExecutor`.
     """
 
     num_threads: int = 1
     native_logs: bool = False
     profile_ops: bool = False
+    compile: str = COMPILE_ON_DEMAND
 
     def __post_init__(self) -> None:
         if self.num_threads < 0:
             raise InvalidArgumentError(f"num_threads={self.num_threads}, expected >= 0")
+        if self.compile not in COMPILE_MODES:
+            raise InvalidArgumentError(f"compile={self.compile!r}, expected one of {list(COMPILE_MODES)}")
 
 
 # What a run costs beside the positions it computes, counted in positions: at least one pass
@@ -189,6 +207,35 @@ class _Run:
     prepared: PreparedRun  # which also keeps every bound buffer alive
     caches: tuple[KvCache, ...]  # each row's KV cache, whose buffers of `cache_length` it binds
     cache_length: int
+    model: NativeModel  # the compiled model (the signature's group) it runs in
+
+
+class _LazyRuns(Mapping[Hashable, _Run]):
+    """Run arguments made when a step first needs them (which may compile the signature's
+    group): the keys are known when a binding is made. Thread-safe."""
+
+    def __init__(self, make: Callable[[Hashable], _Run], keys: Iterable[Hashable]) -> None:
+        self._make = make
+        self._keys = tuple(dict.fromkeys(keys))
+        self._runs: dict[Hashable, _Run] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, key: Hashable) -> _Run:
+        run = self._runs.get(key)
+        if run is None:
+            if key not in self._keys:
+                raise KeyError(key)
+            with self._lock:
+                run = self._runs.get(key)
+                if run is None:
+                    run = self._runs[key] = self._make(key)
+        return run
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 @dataclass
@@ -215,10 +262,11 @@ class Binding:
     decode: _Run  # attending over the whole cache
     prefill: dict[int, _Run] = field(default_factory=dict)
     decode_windows: dict[int, _Run] = field(default_factory=dict)  # by attention window
-    verify: dict[int, _Run] = field(default_factory=dict)  # by verify length
-    score: dict[int, _Run] = field(default_factory=dict)  # by score length
+    # These three are made on first use (their signatures' groups compile then).
+    verify: Mapping[int, _Run] = field(default_factory=dict)  # by verify length
+    score: Mapping[int, _Run] = field(default_factory=dict)  # by score length
     # Prefill and verify steps attending over a window of the cache, by (kind, length, window).
-    step_windows: dict[tuple[str, int, int], _Run] = field(default_factory=dict)
+    step_windows: Mapping[tuple[str, int, int], _Run] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -245,6 +293,20 @@ class LlmExecutor:
 
     All runs are serialized by an internal lock; buffers and bindings may be created
     from any thread. A run releases the GIL: executors run in parallel.
+
+    Compiling on demand (``ExecutorSettings.compile``, the default): LiteRT's open costs
+    about 30-43 ms of CPU per signature it is given (SmolLM2-135M), so the open compiles the
+    plain group only (:attr:`ModelSpec.groups`), as its own compiled model over a
+    copy-on-write view of the model file (:mod:`runtime.util.model_view`); every other
+    group compiles the same way when a step first needs one of its signatures (a session
+    bound to a LoRA slot, a verify or score step, a batch of B rows), under that group's
+    lock, while other sessions' runs go on. The views share the file's pages, the groups
+    share the weight cache file the first one published (packed weights mapped, not packed
+    again), and a session's buffers bind to whichever group runs (no copies). The spec is
+    read from the file's header, not from compiled models. A model given as bytes, one
+    that cannot be viewed (control-flow ops naming other subgraphs), one whose weights are packed in
+    memory (each group would pack its own copy) and one opened for op profiling are
+    compiled whole, as with ``compile="all"``.
     """
 
     def __init__(
@@ -254,11 +316,14 @@ class LlmExecutor:
         *,
         name: str | None = None,
         weight_cache: WeightCacheFile | None = None,
+        source: ModelFile | None = None,
     ) -> None:
         """``model``: a ``.tflite`` path, or the model's bytes or a view of them, e.g. a
         section of a mapped bundle (then ``name`` labels it).
         ``weight_cache``: the file that keeps XNNPACK's packed weights of this model
-        between runs (``None``: they are packed in memory at every open)."""
+        between runs (``None``: they are packed in memory at every open).
+        ``source``: where in a file ``model``'s bytes lie (a bundle's model section), so
+        that signature groups can compile over views of it; a path is its own source."""
         in_memory = isinstance(model, (bytes, memoryview))
         self.model_path = Path(name or "<in-memory model>") if in_memory else Path(model)
         self.settings = settings or ExecutorSettings()
@@ -266,29 +331,46 @@ class LlmExecutor:
             raise NotFoundError(f"{self.model_path}: no such model file")
         if not self.settings.native_logs:
             mute_native_logs_at_exit()
+        if source is None and not in_memory:
+            source = ModelFile(self.model_path)
         # XNNPACK packs each signature's weights for its kernels when the model loads; with a
         # weight cache it packs each weight once for all signatures (SmolLM2-135M f32 with 16
         # signatures: 0.4 GiB instead of 7.5 GiB). ":memory:" keeps that cache in memory.
         model_bytes = len(model) if in_memory else self.model_path.stat().st_size
-        with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(WeightCacheUse(IN_MEMORY))) as cache:
-            with self._native_logs():
-                self._model = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache.path,
-                                          name=str(self.model_path), profiling=self.settings.profile_ops)
-            try:
-                self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
-                # Token, position and logits buffers are shared by all sessions: runs are serialized.
-                self._io = {key: self._signature_io(key, signature)
-                            for key, signature in self.spec.signatures.items()}
-                # A KV cache's inputs per cache length (each window's and the whole cache's).
-                self._kv_infos = {self.spec.cache_length(signature): {
-                    spec.name: self._model.signatures[signature.key].inputs[spec.name] for spec in self.spec.kv_inputs}
-                    for signature in self.spec.signatures.values() if signature.rows == 1}
-            except BaseException:
-                self._model.close()
-                raise
-        self.weight_cache = cache  # the file the packed weights are mapped from, in use until close
+        self._model_bytes = model_bytes
+        self._weight_cache_file = weight_cache
+        self._models: dict[str, NativeModel] = {}  # by group; compiled whole: every group's is the one model
+        self._uses: list[WeightCacheUse] = []  # the weight cache files later groups opened from
+        self._io: dict[str, _SignatureIO] = {}  # by signature key, made when its group compiles
         self._lock = threading.Lock()
         self._closed = False
+        with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(WeightCacheUse(IN_MEMORY))) as cache:
+            self._source = self._viewable(source, cache)
+            try:
+                if self._source is not None:
+                    details = signature_details(self._source.header(), source=str(self.model_path))
+                    self.spec = ModelSpec.from_details(details, str(self.model_path))
+                    self._compile_group(PLAIN_GROUP, cache.path)
+                else:
+                    with self._native_logs():
+                        whole = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache.path,
+                                            name=str(self.model_path), profiling=self.settings.profile_ops)
+                    self._models[PLAIN_GROUP] = whole
+                    self.spec = ModelSpec.from_details(whole.signature_details(), str(self.model_path))
+                    for group in self.spec.groups:
+                        self._models[group] = whole
+                        self._add_io(group, whole)
+                # A KV cache's inputs per cache length (each window's and the whole cache's).
+                self._kv_infos = {self.spec.cache_length(signature): {
+                    spec.name: self._tensor_info(signature, spec.name) for spec in self.spec.kv_inputs}
+                    for signature in self.spec.signatures.values() if signature.rows == 1}
+            except BaseException:
+                for compiled in set(self._models.values()):
+                    compiled.close()
+                raise
+        self.weight_cache = cache  # the file the packed weights are mapped from, in use until close
+        # One lock per group not compiled yet: its first need compiles it once.
+        self._group_locks = {group: threading.Lock() for group in self.spec.groups if group not in self._models}
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
         self._stacked_lora: dict[tuple[int, LoraSlot], _StackedLora] = {}  # by (rows, slot), made when first run
         # The last batched run's key, bindings and arguments: consecutive steps of the same rows.
@@ -296,9 +378,108 @@ class LlmExecutor:
         self.invokes = 0  # signature runs so far, and the seconds spent inside them
         self.invoke_seconds = 0.0
         self._profiling = False  # whether the profiler records
+        self.group_compile = LatencyRecorder(window=64)  # compiling a signature group on its first need
 
-    def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
-        described = self._model.signatures[key]
+    def _viewable(self, source: ModelFile | None, cache: WeightCacheUse) -> ModelFile | None:
+        """``source`` when its signature groups are to compile apart, else ``None`` (the
+        model compiles whole: see the class)."""
+        if (source is None or self.settings.compile != COMPILE_ON_DEMAND or self.settings.profile_ops
+                or cache.path == IN_MEMORY):
+            return None
+        reason = view_refusal(source.header(), str(self.model_path))
+        if reason:
+            log.debug("compiling every signature at open: %s", reason)
+            return None
+        return source
+
+    @property
+    def compiled_groups(self) -> tuple[str, ...]:
+        """The signature groups compiled so far (:attr:`ModelSpec.groups`' names)."""
+        return tuple(group for group in self.spec.groups if group in self._models)
+
+    def _compile_group(self, group: str, weight_cache: str) -> NativeModel:
+        """Compiles ``group`` over a view of the model file naming XNNPACK's ``weight_cache``
+        and makes its signatures' token, position and logits buffers."""
+        keys = self.spec.groups[group]
+        view = self._source.view(keys)  # type: ignore[union-attr]
+        with self._native_logs():
+            compiled = NativeModel(view.data, num_threads=self.settings.num_threads, weight_cache=weight_cache,
+                                   name=f"{self.model_path} (signatures {', '.join(keys)})")
+        try:
+            self._check_details(compiled, keys)
+            self._add_io(group, compiled)
+        except BaseException:
+            compiled.close()
+            raise
+        with self._lock:
+            self._models[group] = compiled
+        return compiled
+
+    def _group_model(self, group: str) -> NativeModel:
+        """The compiled model of ``group``, compiled now if this is its first need (once,
+        however many threads ask at once; other groups' runs go on meanwhile)."""
+        compiled = self._models.get(group)
+        if compiled is not None:
+            return compiled
+        with self._group_locks[group]:
+            compiled = self._models.get(group)
+            if compiled is not None:
+                return compiled
+            self._check_open()
+            started = time.perf_counter()
+            # The file the plain group published: mapped, not written (if it went meanwhile, built again).
+            with self._weight_cache_file.open_for(self._model_bytes) as cache:  # type: ignore[union-attr]
+                compiled = self._compile_group(group, cache.path)
+            with self._lock:
+                if self._closed:  # closed while this group compiled
+                    compiled.close()
+                    cache.release()
+                    self._check_open()
+                self._uses.append(cache)
+            seconds = time.perf_counter() - started
+            self.group_compile.record(seconds)
+            log.debug("%s: compiled the signature group %r (%d signatures) in %.0f ms", self.model_path, group,
+                      len(self.spec.groups[group]), seconds * 1e3)
+            return compiled
+
+    def _check_details(self, compiled: NativeModel, keys: Sequence[str]) -> None:
+        """``InternalError`` unless the library describes the view's signatures ``keys`` as
+        the header read for the spec did (a view LiteRT misread would run wrong tensors)."""
+        if set(compiled.signatures) != set(keys):
+            raise InternalError(f"{self.model_path}: a view of signatures {list(keys)} compiled as "
+                                f"{sorted(compiled.signatures)}")
+        for key in keys:
+            signature, described = self.spec.signatures[key], compiled.signatures[key]
+            for side, expected, got in (("input", signature.inputs, described.inputs),
+                                        ("output", signature.outputs, described.outputs)):
+                if list(expected) != list(got):
+                    raise InternalError(f"{self.model_path}: signature {key!r} {side}s compiled in the order "
+                                        f"{list(got)[:4]}..., its header says {list(expected)[:4]}...")
+                for name, spec in expected.items():
+                    info = got.get(name)
+                    if info is None or info.shape != spec.shape or info.dtype != spec.dtype:
+                        found = f"{list(info.shape)} {info.dtype}" if info else "missing"
+                        raise InternalError(f"{self.model_path}: signature {key!r} {side} {name!r} compiled as "
+                                            f"{found}, its header says {spec.describe()}")
+
+    def _add_io(self, group: str, compiled: NativeModel) -> None:
+        """Token, position and logits buffers of ``group``'s signatures, shared by all
+        sessions (runs are serialized)."""
+        for key in self.spec.groups[group]:
+            self._io[key] = self._signature_io(key, self.spec.signatures[key], compiled)
+
+    def _tensor_info(self, signature: SignatureSpec, name: str, output: bool = False) -> TensorInfo:
+        """Input (or output) ``name`` of ``signature`` as the library describes it: from its
+        group's compiled model, or made from the spec before that group compiles."""
+        compiled = self._models.get(signature.group)
+        if compiled is not None:
+            described = compiled.signatures[signature.key]
+            return (described.outputs if output else described.inputs)[name]
+        spec = (signature.outputs if output else signature.inputs)[name]
+        return tensor_info(spec.name, spec.shape, spec.dtype)
+
+    def _signature_io(self, key: str, signature: SignatureSpec, compiled: NativeModel) -> _SignatureIO:
+        described = compiled.signatures[key]
         tokens = HostBuffer(described.inputs[TOKENS])
         positions = HostBuffer(described.inputs[INPUT_POS])
         logits = HostBuffer(described.outputs[LOGITS]) if signature.has_logits else None
@@ -331,7 +512,7 @@ class LlmExecutor:
                                               "profiler is not attached")
             if self._profiling:
                 raise FailedPreconditionError(f"{self.model_path}: its runs are being recorded already")
-            self._model.start_profiling()
+            self._models[PLAIN_GROUP].start_profiling()  # opened for profiling: compiled whole
             self._profiling = True
 
     def stop_profiling(self) -> list[ProfiledEvent]:
@@ -340,7 +521,7 @@ class LlmExecutor:
             if not self._profiling:
                 raise FailedPreconditionError(f"{self.model_path}: its runs are not being recorded")
             self._profiling = False
-            return self._model.stop_profiling()
+            return self._models[PLAIN_GROUP].stop_profiling()
 
     # -- buffers -------------------------------------------------------------------
 
@@ -398,7 +579,7 @@ class LlmExecutor:
         signature = self.spec.decode(slot)
         if name not in signature.lora_inputs:
             raise NotFoundError(f"LoRA slot {slot} has no LoRA input {name!r}")
-        return HostBuffer(self._model.signatures[signature.key].inputs[name])
+        return HostBuffer(self._tensor_info(signature, name))
 
     def bind(
         self, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None = None, lora_slot: LoraSlot | None = None
@@ -407,27 +588,31 @@ class LlmExecutor:
         if (lora_buffers is None) != (lora_slot is None):
             raise InvalidArgumentError("lora_buffers and lora_slot go together")
         self._check_open()
-        binding = Binding(self, kv, lora_slot, lora_buffers,
-                          self._run_args(self.spec.decode(lora_slot), kv, lora_buffers))
-        for length in self.spec.prefill_lengths:
-            binding.prefill[length] = self._run_args(self.spec.prefill(length, lora_slot), kv, lora_buffers)
-            for window in self.spec.windows(lora_slot, kind="prefill", seq_len=length):
-                binding.step_windows["prefill", length, window] = self._run_args(
-                    self.spec.prefill(length, lora_slot, window), kv, lora_buffers)
-        for window in self.spec.windows(lora_slot):
-            binding.decode_windows[window] = self._run_args(self.spec.decode(lora_slot, window), kv, lora_buffers)
-        for length in self.spec.score_lengths(lora_slot):
-            binding.score[length] = self._run_args(self.spec.score(length, lora_slot), kv, lora_buffers)
-        for length in self.spec.verify_lengths(lora_slot):
-            binding.verify[length] = self._run_args(self.spec.verify(length, lora_slot), kv, lora_buffers)
-            for window in self.spec.windows(lora_slot, kind=VERIFY, seq_len=length):
-                binding.step_windows[VERIFY, length, window] = self._run_args(
-                    self.spec.verify(length, lora_slot, window), kv, lora_buffers)
+        spec = self.spec
+
+        def made(signature: SignatureSpec) -> _Run:
+            return self._run_args(signature, kv, lora_buffers)
+
+        # The slot's prefill and decode steps now (their group compiles on the slot's first binding);
+        # verify and score steps, and windowed steps, when first run.
+        binding = Binding(self, kv, lora_slot, lora_buffers, made(spec.decode(lora_slot)))
+        binding.prefill = {length: made(spec.prefill(length, lora_slot)) for length in spec.prefill_lengths}
+        binding.decode_windows = {window: made(spec.decode(lora_slot, window)) for window in spec.windows(lora_slot)}
+        binding.score = _LazyRuns(lambda length: made(spec.score(length, lora_slot)), spec.score_lengths(lora_slot))
+        binding.verify = _LazyRuns(lambda length: made(spec.verify(length, lora_slot)), spec.verify_lengths(lora_slot))
+        steps = [("prefill", length, window) for length in spec.prefill_lengths
+                 for window in spec.windows(lora_slot, kind="prefill", seq_len=length)]
+        steps += [(VERIFY, length, window) for length in spec.verify_lengths(lora_slot)
+                  for window in spec.windows(lora_slot, kind=VERIFY, seq_len=length)]
+        binding.step_windows = _LazyRuns(
+            lambda step: made((spec.prefill if step[0] == "prefill" else spec.verify)(step[1], lora_slot, step[2])),
+            steps)
         return binding
 
     def _run_args(
         self, signature: SignatureSpec, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None
     ) -> _Run:
+        model = self._group_model(signature.group)
         io = self._io[signature.key]
         length = self.spec.cache_length(signature)
         inputs = {TOKENS: io.tokens, INPUT_POS: io.positions, **kv.at(length)}
@@ -446,7 +631,7 @@ class LlmExecutor:
             outputs[HIDDEN] = io.hidden
         ordered_inputs = [inputs[name] for name in io.input_order]
         ordered_outputs = [outputs[name] for name in io.output_order]
-        return _Run(signature, io, self._model.prepare(io.index, ordered_inputs, ordered_outputs), (kv,), length)
+        return _Run(signature, io, model.prepare(io.index, ordered_inputs, ordered_outputs), (kv,), length, model)
 
     # -- running -------------------------------------------------------------------
 
@@ -574,6 +759,8 @@ class LlmExecutor:
         an adapter, and padding rows, zero LoRA inputs; padding rows a scratch KV cache).
         """
         results: list[np.ndarray | BaseException | None] = [None] * len(steps)
+        for planned in plan.runs:  # a batch size's first run compiles its group, outside the run lock
+            self._group_model(planned.signature.group)
         for index in plan.overflow:
             try:
                 self._check_position(steps[index].position, 1)
@@ -625,6 +812,7 @@ class LlmExecutor:
             caches += [self._scratch_kv] * (signature.rows - len(caches))
         length = self.spec.cache_length(signature)
         kv_rows = [cache.at(length) for cache in caches]
+        model = self._models[signature.group]  # compiled before the run lock was taken
         io = self._io[signature.key]
         shared_inputs = {TOKENS: io.tokens, INPUT_POS: io.positions}
         if signature.lora_slot is not None:
@@ -634,7 +822,7 @@ class LlmExecutor:
         inputs = [shared_inputs[name] if name in shared_inputs else _row_buffer(signature, kv_rows, name)
                   for name in io.input_order]
         outputs = [io.logits if name == LOGITS else _row_buffer(signature, kv_rows, name) for name in io.output_order]
-        return _Run(signature, io, self._model.prepare(io.index, inputs, outputs), tuple(caches), length)
+        return _Run(signature, io, model.prepare(io.index, inputs, outputs), tuple(caches), length, model)
 
     def _fill_stacked_lora(self, signature: SignatureSpec,
                            adapters: Sequence[Mapping[str, HostBuffer] | None]) -> dict[str, HostBuffer]:
@@ -644,8 +832,7 @@ class LlmExecutor:
         slot, rows = signature.lora_slot, signature.rows
         stacked = self._stacked_lora.get((rows, slot))
         if stacked is None:
-            inputs = self._model.signatures[signature.key].inputs
-            buffers = {name: HostBuffer(inputs[name]) for name in signature.lora_inputs}
+            buffers = {name: HostBuffer(self._tensor_info(signature, name)) for name in signature.lora_inputs}
             stacked = self._stacked_lora[rows, slot] = _StackedLora(buffers)
         wanted = [*adapters, *[None] * (rows - len(adapters))]
         changed = range(rows) if stacked.rows is None else [
@@ -687,7 +874,7 @@ class LlmExecutor:
         logits = np.empty(io.logits_array.shape, np.float32) if io.logits_array is not None else None
         started = time.perf_counter()
         try:
-            self._model.run(run.prepared)
+            run.model.run(run.prepared)
         except InternalError as exc:
             raise InternalError(f"running {run.signature.key!r} failed: {exc.args[0]}") from None
         self.invoke_seconds += time.perf_counter() - started
@@ -716,8 +903,11 @@ class LlmExecutor:
                 return
             self._closed = True
             with self._native_logs():
-                self._model.close()
+                for compiled in set(self._models.values()):
+                    compiled.close()
                 self.weight_cache.release()
+                for use in self._uses:
+                    use.release()
                 self._last_batch = self._scratch_kv = None
                 self._stacked_lora.clear()
                 del self._io

@@ -44,6 +44,20 @@ KV_LAYOUT_TRANSPOSED = "transposed"  # k: [1, groups, kv_len, head_dim]; v: [1, 
 # What the interpreter reports for one signature: input and output details by name.
 SignatureDetails = tuple[Mapping[str, Mapping[str, Any]], Mapping[str, Mapping[str, Any]]]
 
+PLAIN_GROUP = "plain"  # every single-session prefill and decode without LoRA inputs, each window too
+
+
+def signature_group(kind: str, rows: int, lora_slot: LoraSlot | None) -> str:
+    """The group a signature compiles in (signatures a session needs together): ``plain``
+    (prefills and decode, their attention windows); per LoRA slot the same (``lora_r16``,
+    ``lora_all_r8``); ``verify`` and ``score`` per slot (``verify``, ``verify_lora_r16``);
+    a batched decode of B rows per slot (``batch8``, ``batch8_lora_r16``), windows with it."""
+    slot = lora_slot.suffix[1:] if lora_slot is not None else ""
+    base = f"batch{rows}" if rows > 1 else kind if kind in (VERIFY, SCORE) else ""
+    if not base:
+        return slot or PLAIN_GROUP
+    return f"{base}_{slot}" if slot else base
+
 
 @dataclass(frozen=True)
 class SignatureSpec:
@@ -73,6 +87,11 @@ class SignatureSpec:
         """Whether running it returns logits."""
         return LOGITS in self.outputs
 
+    @property
+    def group(self) -> str:
+        """The group it compiles in (:func:`signature_group`)."""
+        return signature_group(self.kind, self.rows, self.lora_slot)
+
     @cached_property
     def lora_inputs(self) -> dict[str, TensorSpec]:
         """The signature's LoRA inputs as one row takes them, by name (a batched
@@ -92,6 +111,16 @@ class ModelSpec:
     kv_length: int
     vocab_size: int
     num_layers: int
+
+    @cached_property
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """The signature keys by the group they compile in (:func:`signature_group`), the
+        plain group first: a partition of :attr:`signatures`. The executor compiles a group
+        when a session first needs one of its signatures; callers ask for signatures."""
+        groups: dict[str, list[str]] = {PLAIN_GROUP: []}
+        for key, spec in self.signatures.items():
+            groups.setdefault(spec.group, []).append(key)
+        return {name: tuple(keys) for name, keys in groups.items()}
 
     @property
     def prefill_lengths(self) -> tuple[int, ...]:

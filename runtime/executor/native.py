@@ -472,6 +472,22 @@ def _status_text(status: int) -> str:
     return f"LiteRT status {status}: {_STATUS_NAMES.get(status, 'see its log')}"
 
 
+def tensor_info(name: str, shape: Sequence[int], dtype: np.dtype) -> TensorInfo:
+    """A tensor's :class:`TensorInfo` made without the library (its ``LiteRtRankedTensorType``
+    written as :func:`_tensor_info` reads it: element type, rank, dimensions, no strides):
+    buffers for signatures of a model not compiled yet, bound once it is."""
+    elements = {np.dtype(v): k for k, v in _DTYPES.items()}
+    dtype = np.dtype(dtype)
+    if dtype not in elements or len(shape) > _MAX_RANK:
+        raise InvalidArgumentError(f"tensor {name!r}: {list(shape)} {dtype} has no LiteRT tensor type here "
+                                   f"(expected rank <= {_MAX_RANK} and one of {sorted(map(str, elements))})")
+    raw = bytearray(_TENSOR_TYPE_BYTES)
+    raw[0:4] = elements[dtype].to_bytes(4, "little", signed=True)
+    raw[4] = len(shape)
+    raw[8:8 + 4 * len(shape)] = np.asarray(shape, np.int32).tobytes()
+    return TensorInfo(name, tuple(int(d) for d in shape), dtype, bytes(raw))
+
+
 def _tensor_info(tensor: str, raw: bytes, model: str) -> TensorInfo:
     """Reads ``LiteRtRankedTensorType`` (element type, then the layout: rank in the low
     7 bits of a 32-bit word, then the dimensions as int32) and checks what it read."""
