@@ -14,6 +14,7 @@ in when another adapter takes that row, and batches of the same sessions copy no
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -37,6 +38,20 @@ from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCach
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
 from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, TOKENS, ModelSpec, SignatureSpec
+
+log = logging.getLogger(__name__)
+_noticed: set[str] = set()  # the notices given in this process: each once, however many opens
+_noticed_lock = threading.Lock()
+
+
+def _notice(message: str) -> None:
+    """Logs ``message`` as a warning (one line on stderr where logging is not configured),
+    once per process."""
+    with _noticed_lock:
+        if message in _noticed:
+            return
+        _noticed.add(message)
+    log.warning(message)
 
 
 @dataclass(frozen=True)
@@ -274,6 +289,8 @@ class LlmExecutor:
             with self._native_logs():
                 self._model = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache.path,
                                           name=str(self.model_path), profiling=self.settings.profile_ops)
+            if self._model.notice:  # after the native logs are let through again
+                _notice(self._model.notice)
             try:
                 self.spec = ModelSpec.from_details(self._model.signature_details(), str(self.model_path))
                 # Token, position and logits buffers are shared by all sessions: runs are serialized.
@@ -296,6 +313,12 @@ class LlmExecutor:
         self.invokes = 0  # signature runs so far, and the seconds spent inside them
         self.invoke_seconds = 0.0
         self._profiling = False  # whether the profiler records
+
+    @property
+    def attention_kernel(self) -> bool:
+        """Whether the decode signatures run their attention in the runtime's custom op
+        (docs/kernels.md): a model exported with it, on a machine where it builds."""
+        return self._model.attention_kernel
 
     def _signature_io(self, key: str, signature: SignatureSpec) -> _SignatureIO:
         described = self._model.signatures[key]

@@ -32,7 +32,7 @@ import numpy as np
 
 from runtime.errors import InternalError, InvalidArgumentError, UnimplementedError
 from runtime.executor import kernels
-from runtime.util.attention_rewrite import custom_codes
+from runtime.util.attention_rewrite import attention_forms, custom_codes, select_attention_form
 
 _P = ctypes.c_void_p
 _SIZE = ctypes.c_size_t
@@ -314,6 +314,24 @@ class NativeModel:
         self._env, self._model, self._options, self._compiled = _P(), _P(), _P(), _P()
         self._profiler = _P()
         self._kernels: kernels.Registration | None = None
+        # Whether decode attention runs in the runtime's custom op; and, for a model carrying
+        # both forms that runs the standard one here, the one line saying why and what it costs.
+        self.attention_kernel = False
+        self.notice: str | None = None
+        try:
+            forms = attention_forms(self._buffer)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{name}: {exc}") from None
+        library = None
+        if forms:  # both forms in the file: LiteRT is shown, and compiles, the one this machine runs
+            library, why = kernels.load_for_this_cpu()
+            self._buffer = _model_bytes(model, name, writable=True)
+            try:
+                select_attention_form(self._buffer, forms, op_form=library is not None)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{name}: {exc}") from None
+            if library is None:
+                self.notice = kernels.fallback_notice(name, why)
         try:
             lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
             status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
@@ -329,10 +347,12 @@ class NativeModel:
             lib.check(lib.lib.LiteRtCreateOpaqueOptions(_CPU_OPTIONS, copy, lib.free, ctypes.byref(cpu)),
                       "creating CPU options")
             lib.check(lib.lib.LiteRtAddOpaqueOptions(self._options, cpu), "adding CPU options")
-            # A model with custom ops (--attention-kernel native) gets their kernels, every node
-            # checked first; the operator table tells cheaply whether there are any.
-            if custom_codes(self._buffer):
+            # A model running custom ops (its op form, or --attention-kernel native) gets their
+            # kernels, every node checked first; the operator table tells cheaply whether a model
+            # of one form has any.
+            if library is not None or (not forms and custom_codes(self._buffer)):
                 self._kernels = kernels.attach(lib.lib, self._model, self._options, name)
+                self.attention_kernel = True
             if profiling:
                 runtime = _P()
                 lib.check(lib.lib.LiteRtCreateOpaqueOptions(_RUNTIME_OPTIONS, lib.strdup(_PROFILING), lib.free,
@@ -456,14 +476,24 @@ class NativeModel:
         self._buffer = None
 
 
-def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str) -> np.ndarray:
-    """The model's bytes as the library reads them; a file is mapped read-only, so only
-    the pages read are loaded."""
+def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str, *,
+                 writable: bool = False) -> np.ndarray:
+    """The model's bytes as the library reads them; a file is mapped, so only the pages
+    read are loaded. ``writable``: a file is mapped copy-on-write (a page written is the
+    process's own copy; the file and the others stay shared), bytes in memory are copied
+    (64-byte aligned, as a custom op's constants must be)."""
     if isinstance(model, (bytes, memoryview)):
-        return np.frombuffer(model, np.uint8)
+        if not writable:
+            return np.frombuffer(model, np.uint8)
+        source = np.frombuffer(model, np.uint8)
+        raw = np.empty(source.size + _ALIGNMENT, np.uint8)
+        copy = raw[-raw.ctypes.data % _ALIGNMENT:][:source.size]
+        copy[...] = source
+        return copy
     try:
         with open(model, "rb") as file:
-            return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+            access = mmap.ACCESS_COPY if writable else mmap.ACCESS_READ
+            return np.frombuffer(mmap.mmap(file.fileno(), 0, access=access), np.uint8)
     except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise InvalidArgumentError(f"{name}: cannot load the model ({exc})") from None
 

@@ -156,6 +156,33 @@ def _compile(cc: str, flags: tuple[str, ...], source: bytes, folder: Path, path:
         raise FailedPreconditionError(f"{cc} took more than 300 s to build the kernel") from None
 
 
+# What the standard form costs where the kernel would run (docs/kernels.md, SmolLM2-135M's
+# shapes, 1 thread): the attention's time over the kernel's at 128 / 1,024 / 4,096 positions
+# (medians 0.80x / 0.74x / 0.57x the other way round), and a whole int8 step at position 10
+# of a 4,096-position cache (47.0 ms against 10.7 ms).
+STANDARD_FORM_COST = ("its attention takes 1.25-1.75x the kernel's time and reads the whole cache at every step "
+                      "(a short session in a 4,096-position cache: ~4x a whole int8 step of SmolLM2-135M)")
+
+
+def load_for_this_cpu() -> tuple[ctypes.CDLL | None, str]:
+    """The kernels' library, built or loaded, where running it pays: this CPU has AVX2 and
+    FMA (without them its plain build is slower than XNNPACK at short caches) and it
+    builds and loads. Else ``None`` and why, as a clause."""
+    if not {"-mavx2", "-mfma"} <= set(isa_flags()):
+        return None, "this CPU lacks AVX2 and FMA, without which the kernel is slower than XNNPACK at short caches"
+    try:
+        return build_library(), ""
+    except FailedPreconditionError as exc:
+        return None, f"the kernel cannot be built here: {exc}"
+
+
+def fallback_notice(name: str, why: str) -> str:
+    """The one line saying that a model carrying both forms runs the standard one, why, and
+    what that costs."""
+    return (f"{name}: decode attention runs in its standard form (XNNPACK), not in {DECODE_ATTENTION}: {why}; "
+            f"{STANDARD_FORM_COST}")
+
+
 class Registration:
     """The kernels registered on one compiled model: the structures the library was given
     and the error word its runs write (:meth:`check` after each run)."""
