@@ -321,7 +321,7 @@ class NativeModel:
         try:
             forms = attention_forms(self._buffer)
         except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{name}: {exc}") from None
+            raise InvalidArgumentError(f"{name}: {exc.args[0]}") from None
         library = None
         if forms:  # both forms in the file: LiteRT is shown, and compiles, the one this machine runs
             library, why = kernels.load_for_this_cpu()
@@ -329,7 +329,7 @@ class NativeModel:
             try:
                 select_attention_form(self._buffer, forms, op_form=library is not None)
             except InvalidArgumentError as exc:
-                raise InvalidArgumentError(f"{name}: {exc}") from None
+                raise InvalidArgumentError(f"{name}: {exc.args[0]}") from None
             if library is None:
                 self.notice = kernels.fallback_notice(name, why)
         try:

@@ -4,8 +4,9 @@ API (``LiteRtAddCustomOpKernelOption``), every node of theirs checked before the
 compiles.
 
 Today one op: ``odml_runtime.decode_attention`` (``decode_attention.c``), which
-``runtime export --attention-kernel native`` (or ``tools/attention_kernel.py`` on an
-existing export) puts in place of each layer's decode attention
+``runtime export`` (or ``tools/attention_kernel.py`` on an existing export) puts beside
+each layer's decode attention in standard ops (``--attention-kernel auto``, the default:
+:func:`load_for_this_cpu` decides at open which form runs) or in its place (``native``)
 (:mod:`runtime.util.attention_rewrite`). The library is built at first use with the
 system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
 named by the source's hash, the compiler's version and the flags, written under a
@@ -49,7 +50,8 @@ _FAILURES = {1: "the op's inputs and outputs are not the 5 and 1 it takes",
              2: "LiteRT gave no host memory or type for a tensor buffer",
              3: "the tensors' shapes do not fit q [1, G, H, D], mask [T], K [1, G, T, D], V [1, G, D, T]",
              4: "a tensor is not float32", 5: "no memory for the scores"}
-RE_EXPORT = "re-export with --attention-kernel xnnpack"
+RE_EXPORT = ("re-export with --attention-kernel auto (the default: both forms, the standard one run where the kernel "
+             "cannot be) or xnnpack")
 
 
 class _Context(ctypes.Structure):
@@ -173,7 +175,7 @@ def load_for_this_cpu() -> tuple[ctypes.CDLL | None, str]:
     try:
         return build_library(), ""
     except FailedPreconditionError as exc:
-        return None, f"the kernel cannot be built here: {exc}"
+        return None, f"the kernel cannot be built here: {exc.args[0]}"
 
 
 def fallback_notice(name: str, why: str) -> str:
