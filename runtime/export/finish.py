@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 
 from runtime.export import convert, spawned
 from runtime.export.measure import release_freed_memory
-from runtime.util.attention_rewrite import rewrite_decode_attention
+from runtime.util.attention_rewrite import FLATBUFFER_LIMIT, rewrite_decode_attention
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,13 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
         done(f"quantize ({quantized.quantization})")
     del flatbuffer
     for rewrite in finish.rewrite_attention:
+        name = f"rewrite decode attention ({'both forms' if rewrite.keep_standard else 'native kernel'}){rewrite.suffix}"
+        if rewrite.keep_standard and rewrite.file.stat().st_size >= FLATBUFFER_LIMIT:
+            # The pass writes one flatbuffer (< 2 GB): a larger model keeps its standard form alone.
+            if rewrite.standard_copy is not None:
+                shutil.copyfile(rewrite.file, rewrite.standard_copy)
+            done(f"{name}: not done, the model is over 2 GB")
+            continue
         rewritten, _ = rewrite_decode_attention(rewrite.file.read_bytes(), keep_standard=rewrite.keep_standard)
         if rewrite.standard_copy is not None:
             os.replace(rewrite.file, rewrite.standard_copy)
@@ -98,7 +106,7 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
         del rewritten
         gc.collect()
         release_freed_memory()
-        done(f"rewrite decode attention ({'both forms' if rewrite.keep_standard else 'native kernel'}){rewrite.suffix}")
+        done(name)
 
 
 def finish_in_process(finish: Finish) -> Iterator[tuple[str, Any]]:

@@ -53,7 +53,7 @@ DECODE_ATTENTION = "odml_runtime.decode_attention"
 # {"op": DECODE_ATTENTION, "subgraphs": [[standard subgraph, its op form], ...]}.
 FORMS_METADATA = "odml_runtime.attention_forms"
 ALIGNMENT = 64
-_FLATBUFFER_LIMIT = 2**31 - 2**24  # a flatbuffer's offsets are 32-bit; room for the tables
+FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
 _NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
 _FLOAT32 = schema.TensorType.FLOAT32
 
@@ -99,7 +99,7 @@ def rewrite_decode_attention(data: bytes, *, keep_standard: bool = False) -> tup
             buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
             outside += buffer.size
             buffer.offset = buffer.size = 0
-    if outside and len(data) >= _FLATBUFFER_LIMIT:
+    if outside and len(data) >= FLATBUFFER_LIMIT:
         raise InvalidArgumentError(f"the model is {len(data):,} bytes, its weights partly outside the flatbuffer: "
                                    "the attention kernel pass writes one flatbuffer, at most 2 GB")
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
@@ -157,29 +157,34 @@ def _shallow_copy(sub: schema.SubGraphT) -> schema.SubGraphT:
 def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
     """The op form of each standard subgraph a model carrying both forms pairs (``{}``: the
     model carries one form). ``InvalidArgumentError`` when the entry is not as
-    :func:`rewrite_decode_attention` writes it."""
-    root = schema.Model.GetRootAs(model, 0)
-    for i in range(root.MetadataLength()):
-        entry = root.Metadata(i)
-        if entry.Name() != FORMS_METADATA.encode():
-            continue
-        where = f"its {FORMS_METADATA} metadata"
-        try:
-            data = root.Buffers(entry.Buffer()).DataAsNumpy()
-            described = json.loads(bytes(data))
-            pairs = {int(standard): int(op) for standard, op in described["subgraphs"]}
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise InvalidArgumentError(f"{where} does not read as pairs of subgraphs ({exc})") from None
-        if described.get("op") != DECODE_ATTENTION:
-            raise InvalidArgumentError(f"{where} names the op {described.get('op')!r}, this runtime has "
-                                       f"{DECODE_ATTENTION!r}")
-        count, first_op = root.SubgraphsLength(), min(pairs.values(), default=0)
-        if not pairs or max(pairs) >= first_op or max(pairs.values()) >= count \
-                or sorted(pairs.values()) != list(range(first_op, count)):
-            raise InvalidArgumentError(f"{where} pairs subgraphs {sorted(pairs.items())} of {count}: expected "
-                                       "the op forms to be the last subgraphs, one per standard one")
-        return pairs
-    return {}
+    :func:`rewrite_decode_attention` writes it. Bytes that do not read as a ``.tflite`` give
+    ``{}`` (LiteRT refuses them when they are loaded, naming its reason)."""
+    try:
+        if bytes(memoryview(model).cast("B")[4:8]) != b"TFL3":  # the file identifier
+            return {}
+        root = schema.Model.GetRootAs(model, 0)
+        entries = [root.Metadata(i) for i in range(root.MetadataLength())]
+        entry = next((entry for entry in entries if entry.Name() == FORMS_METADATA.encode()), None)
+    except (struct.error, IndexError, ValueError):
+        return {}
+    if entry is None:
+        return {}
+    where = f"its {FORMS_METADATA} metadata"
+    try:
+        data = root.Buffers(entry.Buffer()).DataAsNumpy()
+        described = json.loads(bytes(data))
+        pairs = {int(standard): int(op) for standard, op in described["subgraphs"]}
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise InvalidArgumentError(f"{where} does not read as pairs of subgraphs ({exc})") from None
+    if described.get("op") != DECODE_ATTENTION:
+        raise InvalidArgumentError(f"{where} names the op {described.get('op')!r}, this runtime has "
+                                   f"{DECODE_ATTENTION!r}")
+    count, first_op = root.SubgraphsLength(), min(pairs.values(), default=0)
+    if not pairs or max(pairs) >= first_op or max(pairs.values()) >= count \
+            or sorted(pairs.values()) != list(range(first_op, count)):
+        raise InvalidArgumentError(f"{where} pairs subgraphs {sorted(pairs.items())} of {count}: expected "
+                                   "the op forms to be the last subgraphs, one per standard one")
+    return pairs
 
 
 def select_attention_form(model: np.ndarray, forms: dict[int, int], op_form: bool) -> None:
