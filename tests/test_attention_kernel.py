@@ -351,6 +351,29 @@ def test_both_forms_share_every_weight(both):
             rewrite_decode_attention(data, keep_standard=True)
 
 
+@pytest.mark.parametrize("op_form", [True, False])
+def test_choosing_a_form_leaves_a_model_of_one_form(both, op_form):
+    """What LiteRT is given: the standard signatures, each decode one running its op form
+    (or its standard form), no op-form subgraph and no pairing left."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import select_attention_form
+
+    data = np.frombuffer(both["gqa"].read_bytes(), np.uint8).copy()
+    forms = attention_forms(data)
+    before = schema.Model.GetRootAs(data.tobytes(), 0)
+    operators = {index: before.Subgraphs(index).OperatorsLength() for index in range(before.SubgraphsLength())}
+    select_attention_form(data, forms, op_form)
+    model = schema.Model.GetRootAs(data.tobytes(), 0)
+    assert attention_forms(data) == {} and model.SubgraphsLength() == min(forms.values())
+    assert model.SignatureDefsLength() == before.SignatureDefsLength()
+    assert [model.Metadata(i).Name() for i in range(model.MetadataLength())] == [
+        before.Metadata(i).Name() for i in range(before.MetadataLength() - 1)]
+    for index in range(model.SubgraphsLength()):
+        expected = operators[forms[index]] if op_form and index in forms else operators[index]
+        assert model.Subgraphs(index).OperatorsLength() == expected
+
+
 def profiled_decode(executor: LlmExecutor) -> set[str]:
     """The ops one decode step of ``executor`` ran (LiteRT's profiler)."""
     binding = executor.bind(executor.create_kv_cache())

@@ -191,10 +191,11 @@ def select_attention_form(model: np.ndarray, forms: dict[int, int], op_form: boo
     """Makes the writable bytes ``model`` of a model carrying both ``forms`` (from
     :func:`attention_forms`) read as a model of one: the op forms in their standard
     subgraphs' places (``op_form``) or the standard forms left as they are; the op-form
-    subgraphs cut off the end of the subgraph vector either way. Writes its length and, for
-    the op form, one offset per paired subgraph: a few bytes, in place (a copy-on-write
-    mapping of the file copies the one page they are in). ``InvalidArgumentError`` when a
-    signature names an op-form subgraph or an offset cannot be patched."""
+    subgraphs cut off the end of the subgraph vector either way, and the pairing off the end
+    of the metadata vector (the result reads as a model of one form). Writes the two lengths
+    and, for the op form, one offset per paired subgraph: a few bytes, in place (a
+    copy-on-write mapping of the file copies the pages they are in). ``InvalidArgumentError``
+    when a signature names an op-form subgraph or the bytes cannot be patched so."""
     root = schema.Model.GetRootAs(model, 0)
     standard_count = min(forms.values())
     for i in range(root.SignatureDefsLength()):
@@ -214,6 +215,10 @@ def select_attention_form(model: np.ndarray, forms: dict[int, int], op_form: boo
                                            "cannot be chosen between in place")
             struct.pack_into("<I", view, entry, target - entry)
     struct.pack_into("<I", view, vector - 4, standard_count)
+    entries = root.MetadataLength()
+    if root.Metadata(entries - 1).Name() != FORMS_METADATA.encode():
+        raise InvalidArgumentError(f"the {FORMS_METADATA} entry is not the last of the model's metadata")
+    struct.pack_into("<I", view, table.Vector(table.Offset(16)) - 4, entries - 1)  # Model.metadata's length
 
 
 def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, custom_code: int,
