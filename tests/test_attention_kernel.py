@@ -1,11 +1,13 @@
-"""``--attention-kernel native``: the committed fixtures' decode attention rewritten into
-``odml_runtime.decode_attention`` (runtime.util.attention_rewrite) at test time, run with
-the kernel the runtime compiles (runtime.executor.kernels), against the standard form.
+"""The decode attention's custom-op form: the committed fixtures' decode attention rewritten
+into ``odml_runtime.decode_attention`` (runtime.util.attention_rewrite) at test time, in
+place (``--attention-kernel native``) or beside the standard form (``auto``, the default),
+run with the kernel the runtime compiles (runtime.executor.kernels), against the standard form.
 
 Tests that run the kernel need a C compiler (cc or gcc) and skip, saying so, without one."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -17,16 +19,20 @@ import pytest
 
 from conftest import MODELS
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
-from runtime.executor import kernels
+from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.native import HostBuffer, NativeModel
 from runtime.executor.weight_cache import WeightCacheFile
-from runtime.util.attention_rewrite import DECODE_ATTENTION, custom_codes, rewrite_decode_attention
+from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, attention_forms, custom_codes,
+                                            rewrite_decode_attention)
 from runtime.util.signature_names import LoraSlot
 
 FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite"}
 needs_cc = pytest.mark.skipif(kernels.compiler() is None,
                               reason="no C compiler (cc or gcc) on PATH to build the attention kernel")
+# Where the runtime runs the op form of a model of both forms: a compiler and AVX2 with FMA.
+needs_kernel = pytest.mark.skipif(kernels.compiler() is None or not {"-mavx2", "-mfma"} <= set(kernels.isa_flags()),
+                                  reason="the op form runs only with a C compiler on a CPU with AVX2 and FMA")
 TOL = 1e-5
 
 
@@ -48,6 +54,19 @@ def rewritten(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert counts["decode"] == (3 if name == "gemma3" else 2)  # one op per layer
         assert all(key.startswith("decode") for key in counts)
         assert counts["decode_batch4_lora_r4" if name == "gqa" else "decode_batch4_lora_r8"] == 4 * counts["decode"]
+        paths[name] = folder / f"{name}.tflite"
+        paths[name].write_bytes(data)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The fixtures with both forms in one file (what the export writes by default)."""
+    folder = tmp_path_factory.mktemp("both")
+    paths = {}
+    for name, source in FIXTURES.items():
+        data, counts = rewrite_decode_attention(source.read_bytes(), keep_standard=True)
+        assert counts["decode"] == (3 if name == "gemma3" else 2)
         paths[name] = folder / f"{name}.tflite"
         paths[name].write_bytes(data)
     return paths
@@ -184,7 +203,7 @@ def test_no_compiler_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch)
     message = str(caught.value)
     assert "\n" not in message
     assert DECODE_ATTENTION in message and "no C compiler" in message
-    assert "re-export with --attention-kernel xnnpack" in message
+    assert "re-export with --attention-kernel auto" in message
     # The standard form opens as ever.
     NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa").close()
 
@@ -198,7 +217,7 @@ def test_a_compile_error_refuses_the_model_at_open(rewritten, tmp_path, monkeypa
     monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(compiler))
     with pytest.raises(FailedPreconditionError, match="failed: decode_attention.c:1:1: error: no room.*"
-                                                      "re-export with --attention-kernel xnnpack"):
+                                                      "re-export with --attention-kernel auto"):
         LlmExecutor(rewritten["gqa"])
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # nothing half-written left to load
 
@@ -303,33 +322,254 @@ def test_processes_building_at_once_each_get_a_whole_library(tmp_path):
     assert [p.name.startswith("decode_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
 
 
+def lora_steps(executor: LlmExecutor, prompt: list[int], steps: int) -> list[np.ndarray]:
+    """Decode logits of ``steps`` steps on the rank-4 LoRA slot (fixed factors) after ``prompt``."""
+    slot = LoraSlot(4)
+    buffers = {name: executor.create_lora_buffer(slot, name) for name in executor.spec.slot_inputs(slot)}
+    for index, buffer in enumerate(buffers.values()):
+        buffer.write(np.full(buffer.info.shape, 0.01 * (index % 5), np.float32))
+    binding = executor.bind(executor.create_kv_cache(), buffers, slot)
+    executor.prefill(binding, prompt, 0)
+    return [executor.decode(binding, 7 + i, len(prompt) + i) for i in range(steps)]
+
+
+def assert_same_runs(on_demand: LlmExecutor, whole: LlmExecutor) -> None:
+    """The plain group at open, the LoRA slot's group at its first binding: greedy steps and
+    LoRA steps bit for bit those of ``whole``."""
+    assert on_demand.compiled_groups == ("plain",)
+    prompt = [5, 17, 42, 99, 3]
+    want_tokens, want = greedy(whole, prompt, 30)
+    got_tokens, got = greedy(on_demand, prompt, 30)
+    assert got_tokens == want_tokens
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(lora_steps(whole, prompt, 20), lora_steps(on_demand, prompt, 20)):
+        np.testing.assert_array_equal(a, b)
+    assert on_demand.compiled_groups == ("plain", "lora_r4")
+
+
 @needs_cc
 def test_signature_groups_compiled_on_demand_get_the_kernel(rewritten, kernel_cache, tmp_path):
-    """The plain group (its decode runs the custom op) at open, a LoRA slot's group at its
-    first binding, each registering the kernel: the same logits as the model compiled whole."""
+    """Each group compiled on demand registers the kernel: the same logits as the model compiled whole."""
     path = rewritten["gqa"]
     on_demand = LlmExecutor(path, weight_cache=WeightCacheFile.for_model(tmp_path, path))
     whole = LlmExecutor(path, ExecutorSettings(compile="all"))
     try:
-        assert on_demand.compiled_groups == ("plain",)
-        prompt, steps = [5, 17, 42, 99, 3], 30
-        want_tokens, want = greedy(whole, prompt, steps)
-        got_tokens, got = greedy(on_demand, prompt, steps)
-        assert got_tokens == want_tokens
-        for a, b in zip(want, got):
-            np.testing.assert_array_equal(a, b)
-        slot = LoraSlot(4)
-        results = []
-        for executor in (on_demand, whole):
-            buffers = {name: executor.create_lora_buffer(slot, name) for name in executor.spec.slot_inputs(slot)}
-            for index, buffer in enumerate(buffers.values()):
-                buffer.write(np.full(buffer.info.shape, 0.01 * (index % 5), np.float32))
-            binding = executor.bind(executor.create_kv_cache(), buffers, slot)
-            executor.prefill(binding, prompt, 0)
-            results.append([executor.decode(binding, 7 + i, len(prompt) + i) for i in range(20)])
-        assert on_demand.compiled_groups == ("plain", "lora_r4")
-        for a, b in zip(*results):
-            np.testing.assert_array_equal(a, b)
+        assert_same_runs(on_demand, whole)
     finally:
         on_demand.close()
         whole.close()
+
+
+# -- both forms in one file (--attention-kernel auto) ---------------------------------------
+
+
+def test_both_forms_share_every_weight(both):
+    """The op forms are appended subgraphs paired with every decode signature's subgraph,
+    no signature names them, and they share the standard subgraphs' weights and tensor
+    tables: the file grows by the operators only (a few percent of these tiny fixtures,
+    whose weights are small)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    for name, path in both.items():
+        data, standard = path.read_bytes(), FIXTURES[name].read_bytes()
+        model, original = schema.Model.GetRootAs(data, 0), schema.Model.GetRootAs(standard, 0)
+        forms = attention_forms(data)
+        keys = {model.SignatureDefs(i).SignatureKey().decode(): model.SignatureDefs(i).SubgraphIndex()
+                for i in range(model.SignatureDefsLength())}
+        assert sorted(forms) == sorted({index for key, index in keys.items() if key.startswith("decode")})
+        assert sorted(forms.values()) == list(range(original.SubgraphsLength(), model.SubgraphsLength()))
+        assert max(keys.values()) < original.SubgraphsLength()
+        assert model.BuffersLength() == original.BuffersLength() + 2  # the op's params and the pairing
+        for standard_index, op_index in forms.items():
+            a, b = model.Subgraphs(standard_index), model.Subgraphs(op_index)
+            assert b.TensorsLength() == a.TensorsLength() + 1
+            assert all(a.Tensors(i)._tab.Pos == b.Tensors(i)._tab.Pos for i in range(a.TensorsLength()))
+        assert len(data) - len(standard) < 0.06 * len(standard), (name, len(standard), len(data))
+        assert attention_forms(standard) == {} and attention_forms(rewrite_decode_attention(standard)[0]) == {}
+        with pytest.raises(InvalidArgumentError, match="already runs"):
+            rewrite_decode_attention(data, keep_standard=True)
+
+
+@pytest.mark.parametrize("op_form", [True, False])
+def test_choosing_a_form_leaves_a_model_of_one_form(both, op_form):
+    """What LiteRT is given: the standard signatures, each decode one running its op form
+    (or its standard form), no op-form subgraph and no pairing left."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import select_attention_form
+
+    data = np.frombuffer(both["gqa"].read_bytes(), np.uint8).copy()
+    forms = attention_forms(data)
+    before = schema.Model.GetRootAs(data.tobytes(), 0)
+    operators = {index: before.Subgraphs(index).OperatorsLength() for index in range(before.SubgraphsLength())}
+    select_attention_form(data, forms, op_form)
+    model = schema.Model.GetRootAs(data.tobytes(), 0)
+    assert attention_forms(data) == {} and model.SubgraphsLength() == min(forms.values())
+    assert model.SignatureDefsLength() == before.SignatureDefsLength()
+    assert [model.Metadata(i).Name() for i in range(model.MetadataLength())] == [
+        before.Metadata(i).Name() for i in range(before.MetadataLength() - 1)]
+    for index in range(model.SubgraphsLength()):
+        expected = operators[forms[index]] if op_form and index in forms else operators[index]
+        assert model.Subgraphs(index).OperatorsLength() == expected
+
+
+def profiled_decode(executor: LlmExecutor) -> set[str]:
+    """The ops one decode step of ``executor`` ran (LiteRT's profiler)."""
+    binding = executor.bind(executor.create_kv_cache())
+    executor.prefill(binding, [5, 17, 42], 0)
+    executor.start_profiling()
+    executor.decode(binding, 7, 3)
+    return {event.tag for event in executor.stop_profiling()}
+
+
+@pytest.fixture
+def notices(monkeypatch, caplog) -> pytest.LogCaptureFixture:
+    """The executor's notices of this test alone (they are given once per process)."""
+    monkeypatch.setattr(litert_executor, "_noticed", set())
+    caplog.set_level(logging.WARNING, logger=litert_executor.__name__)
+    return caplog
+
+
+@needs_kernel
+@pytest.mark.parametrize("fixture", sorted(FIXTURES))
+def test_the_op_form_runs_where_the_kernel_builds(fixture, both, kernel_cache, notices):
+    """A file of both forms, from a path or from bytes: the op runs (the profiler sees it and
+    no batch matmul over the caches), no notice, and a generation equal to the standard form's."""
+    profiled = ExecutorSettings(profile_ops=True)
+    for model in (both[fixture], both[fixture].read_bytes()):
+        executor = LlmExecutor(model, profiled, name="both")
+        try:
+            assert executor.attention_kernel
+            ops = profiled_decode(executor)
+            assert DECODE_ATTENTION in ops and not any("Batch Matrix Multiply" in op for op in ops), ops
+        finally:
+            executor.close()
+    assert not notices.records
+
+
+FALLBACKS = {
+    "no compiler": "the kernel cannot be built here: no C compiler",
+    "no AVX2": "this CPU lacks AVX2 and FMA",
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURES))
+@pytest.mark.parametrize("why", sorted(FALLBACKS))
+def test_without_the_kernel_the_standard_form_runs_with_one_notice(fixture, why, both, tmp_path, monkeypatch,
+                                                                   notices):
+    """No compiler (CC names a missing one, the kernel cache is empty) or a CPU without AVX2
+    and FMA: the file of both forms runs its standard form, saying so once in one line with
+    why and what it costs; the greedy tokens are those of the op form (or of the standard
+    file where the kernel cannot run here), every step's logits within 1e-5."""
+    kernel_here = kernels.load_for_this_cpu()[0] is not None
+    reference = LlmExecutor(both[fixture] if kernel_here else FIXTURES[fixture])
+    assert reference.attention_kernel == kernel_here
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "empty"))
+    if why == "no compiler":
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    else:
+        monkeypatch.setattr(kernels, "isa_flags", lambda: ())
+    standard = [LlmExecutor(both[fixture], ExecutorSettings(profile_ops=True)) for _ in range(2)]
+    try:
+        assert not any(executor.attention_kernel for executor in standard)
+        ops = profiled_decode(standard[0])
+        assert DECODE_ATTENTION not in ops and any("Batch Matrix Multiply" in op for op in ops), ops
+        assert len(notices.records) == 1  # two opens, one notice
+        notice = notices.records[0].getMessage()
+        assert "\n" not in notice and notice.startswith(f"{both[fixture]}: decode attention runs in its standard form")
+        assert FALLBACKS[why] in notice and "1.25-1.75x the kernel's time" in notice
+        prompt = [5, 17, 42, 99, 3]
+        steps = reference.spec.kv_length - len(prompt) - 1
+        want_tokens, want = greedy(reference, prompt, steps)
+        got_tokens, got = greedy(standard[1], prompt, steps)
+        assert got_tokens == want_tokens
+        for position, (a, b) in enumerate(zip(want, got), start=len(prompt)):
+            assert float(np.abs(a - b).max()) <= TOL, f"step at position {position}"
+    finally:
+        for executor in (reference, *standard):
+            executor.close()
+    assert not (tmp_path / "empty" / "kernels").exists() or not list((tmp_path / "empty" / "kernels").glob("*.so"))
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_kernel), False], ids=["kernel", "no kernel"])
+def test_groups_compiled_on_demand_run_the_form_chosen_at_open(kernel, both, rewritten, kernel_cache, tmp_path,
+                                                               monkeypatch, notices):
+    """A file of both forms opened with a weight cache (signature groups compiled over views):
+    the form is chosen once, at open, and every group runs it: bit for bit the op-only file
+    compiled whole where the kernel runs, the standard file where it does not (one notice)."""
+    if not kernel:
+        monkeypatch.setattr(kernels, "isa_flags", lambda: ())
+    path = both["gqa"]
+    on_demand = LlmExecutor(path, weight_cache=WeightCacheFile.for_model(tmp_path, path))
+    whole = LlmExecutor(rewritten["gqa"] if kernel else FIXTURES["gqa"], ExecutorSettings(compile="all"))
+    try:
+        assert on_demand.attention_kernel == kernel
+        assert_same_runs(on_demand, whole)
+    finally:
+        on_demand.close()
+        whole.close()
+    assert len(notices.records) == (0 if kernel else 1)
+
+
+@needs_kernel
+def test_either_form_reuses_the_weight_cache_of_the_other(both, tmp_path, monkeypatch, kernel_cache):
+    """The two forms share every weight: XNNPACK's packed weights written by one form's open
+    serve the other's, with the same numbers."""
+    directory = tmp_path / "weights"
+    directory.mkdir()
+    logits = []
+    for kernel in (True, False, True):
+        with monkeypatch.context() as patch:
+            if not kernel:
+                patch.setattr(kernels, "isa_flags", lambda: ())
+            executor = LlmExecutor(both["gqa"], weight_cache=WeightCacheFile.for_model(directory, both["gqa"]))
+        try:
+            assert executor.attention_kernel == kernel
+            logits.append(greedy(executor, [5, 17, 42], 30)[1])
+        finally:
+            executor.close()
+        assert len(list(directory.glob("*.xnnpack"))) == 1
+    assert all(np.array_equal(a, b) for a, b in zip(logits[0], logits[2]))
+    assert max(float(np.abs(a - b).max()) for a, b in zip(logits[0], logits[1])) <= TOL
+
+
+@needs_kernel
+def test_a_broken_op_node_in_a_file_of_both_forms_is_refused_naming_the_op(both, tmp_path, kernel_cache):
+    """The kernel builds, but an op-form node would be misread: refused at open naming the
+    op (never the standard form instead: the file is broken, not the machine)."""
+    bad = tmp_path / "bad.tflite"
+    misfit(both["gqa"], bad)
+    assert attention_forms(bad.read_bytes())
+    with pytest.raises(InvalidArgumentError, match=rf"bad.tflite: custom op '{DECODE_ATTENTION}' \(subgraph \d+, "
+                                                   r"node \d+\): K \[1, 2, 16, 64\], V \[1, 2, 16, 64\]"):
+        LlmExecutor(bad)
+
+
+def test_a_pairing_that_does_not_read_is_refused_naming_it(both, tmp_path):
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import _pack
+
+    model = schema.ModelT.InitFromPackedBuf(both["gqa"].read_bytes(), 0)
+    entry = next(entry for entry in model.metadata if entry.name == FORMS_METADATA.encode())
+    model.buffers[entry.buffer].data = np.frombuffer(b'{"op": "odml_runtime.decode_attention", '
+                                                     b'"subgraphs": [[1, 2]]}', np.uint8)
+    bad = tmp_path / "bad.tflite"
+    bad.write_bytes(_pack(model))
+    with pytest.raises(InvalidArgumentError, match=rf"bad.tflite: its {FORMS_METADATA} metadata pairs subgraphs "
+                                                   r"\[\(1, 2\)\] of 57: expected the op forms to be the last"):
+        LlmExecutor(bad)
+
+
+@needs_kernel
+def test_inspect_says_which_form_runs(both, kernel_cache, tmp_path):
+    for env, runs in (({}, "the native kernel"), ({"CC": str(tmp_path / "no-such-cc"),
+                                                     "RUNTIME_CACHE": str(tmp_path / "empty")}, "xnnpack")):
+        done = subprocess.run([sys.executable, "-m", "runtime", "inspect", str(both["gqa"])], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "RUNTIME_CACHE": str(kernel_cache), **env})
+        assert done.returncode == 0, done.stderr
+        assert f"decode attention in both forms, xnnpack (standard ops) and native kernel ({DECODE_ATTENTION}" \
+            in done.stdout
+        assert f"this machine runs {runs}\n" in done.stdout
+        assert ("decode attention runs in its standard form" in done.stderr) == (runs == "xnnpack")

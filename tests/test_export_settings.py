@@ -18,6 +18,17 @@ def test_defaults_and_recipe_names() -> None:
     assert ExportSettings(lora_ranks=(16, 8), batch_sizes=(2,), batch_lora_ranks=(8,)).batch_ranks == (8,)
 
 
+@pytest.mark.parametrize("kernel, layout, op_form", [
+    ("auto", "transposed", True), ("auto", "default", False), ("native", "transposed", True),
+    ("xnnpack", "transposed", False), ("xnnpack", "default", False),
+])
+def test_which_exports_get_the_attention_op_form(kernel: str, layout: str, op_form: bool) -> None:
+    """By default (auto) the op form goes beside the standard one where the kernel reads the
+    layout (transposed); the default layout keeps the standard form alone."""
+    assert ExportSettings().attention_kernel == "auto"
+    assert ExportSettings(attention_kernel=kernel, kv_layout=layout).op_form is op_form
+
+
 @pytest.mark.parametrize("kv_length, lengths", [
     (1024, (32, 128, 512)), (4096, (32, 128, 512)), (512, (32, 128)), (256, (32, 128)), (64, (32,)), (16, (8,)),
     (2, (1,)),

@@ -264,7 +264,8 @@ def build_family(spec: FamilySpec, out_dir: Path) -> dict[str, Any]:
         adapters["adapter_dora"] = ALL_LINEAR_TARGETS
         peft_models["adapter_dora"] = add_adapter(model, spec.seed + 3000, ALL_LINEAR_TARGETS, dora=True)
     settings = ExportSettings(lora_ranks=(LORA_SLOT,), dora_ranks=(LORA_SLOT,) if dora else (), kv_length=64,
-                              prefill_lengths=(16,), lora_targets="attention" if spec.name in NO_ALL_LINEAR else None)
+                              prefill_lengths=(16,), lora_targets="attention" if spec.name in NO_ALL_LINEAR else None,
+                              attention_kernel="xnnpack")  # fixtures in standard ops: tests derive the op forms
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)

@@ -63,7 +63,8 @@ FED_TOKENS = 28  # teacher-forced after the prompt: past the 16-position window 
 TOLERANCE = 1e-4
 LORA_SLOT = 8
 EXPORT = dict(lora_ranks=(LORA_SLOT,), kv_length=64, prefill_lengths=(16,), batch_sizes=(2, 4),
-              attention_windows=(16,), prefill_windows=(16,))
+              attention_windows=(16,), prefill_windows=(16,),
+              attention_kernel="xnnpack")  # fixtures in standard ops: tests derive the op forms
 # The adapters, by directory name: their target modules and seed offset.
 ADAPTERS = {"adapter": (TARGETS, 1), "adapter_b": (TARGETS, 2), "adapter_all_linear": (ALL_LINEAR_TARGETS, 3),
             "adapter_all_linear_b": (ALL_LINEAR_TARGETS, 4)}

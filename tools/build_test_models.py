@@ -256,7 +256,8 @@ def export_settings(cfg: TinyGqaConfig, *, kv_layout: str, prefill_logits: bool,
     return ExportSettings(lora_ranks=tuple(cfg.lora_ranks), lora_targets="attention", kv_length=cfg.kv_cache_max_len,
                           prefill_lengths=tuple(cfg.prefill_seq_lens), quantize=quantize, kv_layout=kv_layout,
                           prefill_logits=prefill_logits, batch_sizes=tuple(cfg.batch_sizes),
-                          attention_windows=tuple(cfg.attention_windows), prefill_windows=tuple(cfg.prefill_windows))
+                          attention_windows=tuple(cfg.attention_windows), prefill_windows=tuple(cfg.prefill_windows),
+                          attention_kernel="xnnpack")  # fixtures in standard ops: tests derive the op forms
 
 
 def litert_model_config(cfg: TinyGqaConfig) -> Any:

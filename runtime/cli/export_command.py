@@ -62,10 +62,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="transposed (the default) is faster here and what Google's LiteRT-LM engine reads; "
                         "default is litert-torch's own layout; this runtime runs both")
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=defaults.attention_kernel,
-                        help="xnnpack (the default): standard ops; native: each decode signature's attention as one "
-                        "custom op whose kernel the runtime compiles with the system C compiler at first open "
-                        "(0.57-0.80x the attention's time at SmolLM2's shapes with AVX2; reads only the positions "
-                        "in use; transposed KV layout, no --bundle; docs/kernels.md)")
+                        help="auto (the default): each decode signature's attention in standard ops and, beside "
+                        "them in the same file sharing every weight, as one custom op per layer whose kernel the "
+                        "runtime compiles with the system C compiler at first open (0.57-0.80x the attention's time "
+                        "at SmolLM2's shapes with AVX2; reads only the positions in use); the runtime runs the op "
+                        "where the kernel builds on a CPU with AVX2 and FMA, else the standard ops, saying so; "
+                        "bundles and --kv-layout default get standard ops only. xnnpack: standard ops only. native: "
+                        "the custom op only (opens only where the kernel builds; transposed KV layout, no --bundle). "
+                        "docs/kernels.md")
     parser.add_argument("--batch-sizes", default="", metavar="B,B,...",
                         help="batched decode signatures: B sessions step in one pass over the weights (e.g. 2,4,8)")
     parser.add_argument("--batch-lora-ranks", default=None, metavar="R,R,...",

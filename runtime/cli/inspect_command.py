@@ -16,7 +16,7 @@ from runtime.executor.weight_cache import default_max_bytes, survey, user_direct
 from runtime.adapters.adapter_data import AdapterData
 from runtime.adapters.adapter_formats import open_adapter
 from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
-from runtime.util.attention_rewrite import DECODE_ATTENTION, custom_codes
+from runtime.util.attention_rewrite import DECODE_ATTENTION, attention_forms, custom_codes
 from runtime.util.signature_names import LoraSlot
 from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_weights import ModelWeights
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.file} is neither a LoRA adapter ({adapter_error}) nor a model this "
                 f"runtime can run ({model_error})"
             ) from None
-        print(describe_model(args.file, executor.spec))
+        print(describe_model(args.file, executor.spec, executor.attention_kernel))
         executor.close()
         return 0
     with adapter:
@@ -94,16 +94,21 @@ def _check_fit(adapter_path: Path, model_path: Path) -> int:
     return 0
 
 
-def _attention_form(path: Path) -> str:
-    """How the model's decode signatures compute attention (docs/kernels.md)."""
+def _attention_form(path: Path, kernel_runs: bool) -> str:
+    """How the model's decode signatures compute attention (docs/kernels.md), and which
+    form runs here (``kernel_runs``: the runtime's op)."""
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        native = DECODE_ATTENTION in custom_codes(mapped)
-    return (f"native kernel ({DECODE_ATTENTION}: built with this machine's C compiler; this runtime only)" if native
-            else "xnnpack (standard ops)")
+        both, native = bool(attention_forms(mapped)), DECODE_ATTENTION in custom_codes(mapped)
+    kernel = f"native kernel ({DECODE_ATTENTION}: built with this machine's C compiler; this runtime only)"
+    if both:
+        return (f"in both forms, xnnpack (standard ops) and {kernel}; this machine runs "
+                f"{'the native kernel' if kernel_runs else 'xnnpack'}")
+    return kernel if native else "xnnpack (standard ops)"
 
 
-def describe_model(path: Path, spec: ModelSpec) -> str:
-    """A model's signatures and inputs, marking the LoRA inputs."""
+def describe_model(path: Path, spec: ModelSpec, kernel_runs: bool = False) -> str:
+    """A model's signatures and inputs, marking the LoRA inputs; ``kernel_runs``: whether
+    its decode attention runs in the runtime's op on this machine."""
     lines = [
         f"model {path} ({path.stat().st_size:,} bytes)",
         f"  layers {spec.num_layers}, vocab {spec.vocab_size}, KV cache {spec.kv_length} positions "
@@ -112,7 +117,7 @@ def describe_model(path: Path, spec: ModelSpec) -> str:
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
         f"  LoRA slots {', '.join(map(str, spec.slots)) or 'none'}",
         f"  base weights map {_weights_map(path)}",
-        f"  decode attention {_attention_form(path)}",
+        f"  decode attention {_attention_form(path, kernel_runs)}",
     ]
     slots = [None, *spec.slots]
     batched = {slot: spec.batch_sizes(slot) for slot in slots if spec.batch_sizes(slot)}

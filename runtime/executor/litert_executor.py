@@ -38,6 +38,8 @@ from runtime.executor.native import (
 )
 from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCacheUse
 from runtime.util.latency import LatencyRecorder
+from runtime.executor import kernels
+from runtime.util.attention_rewrite import attention_forms
 from runtime.util.model_view import ModelFile, signature_details, view_refusal
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
@@ -48,6 +50,19 @@ log = logging.getLogger(__name__)
 COMPILE_ON_DEMAND = "on-demand"  # the plain group at open, every other group when first needed
 COMPILE_ALL = "all"  # every signature at open (a model that cannot be viewed always opens so)
 COMPILE_MODES = (COMPILE_ON_DEMAND, COMPILE_ALL)
+
+_noticed: set[str] = set()  # the notices given in this process: each once, however many opens
+_noticed_lock = threading.Lock()
+
+
+def _notice(message: str) -> None:
+    """Logs ``message`` as a warning (one line on stderr where logging is not configured),
+    once per process."""
+    with _noticed_lock:
+        if message in _noticed:
+            return
+        _noticed.add(message)
+    log.warning(message)
 
 
 @dataclass(frozen=True)
@@ -346,8 +361,14 @@ class LlmExecutor:
         self._closed = False
         with (weight_cache.open_for(model_bytes) if weight_cache else nullcontext(WeightCacheUse(IN_MEMORY))) as cache:
             self._source = self._viewable(source, cache)
+            # A viewed model carrying both forms of decode attention: the form this machine runs,
+            # chosen once for every group (a model opened whole chooses inside NativeModel).
+            self._op_form: bool | None = None
+            notice = None
             try:
                 if self._source is not None:
+                    if attention_forms(self._source.header()):
+                        self._op_form, notice = kernels.attention_form_here(str(self.model_path))
                     details = signature_details(self._source.header(), source=str(self.model_path))
                     self.spec = ModelSpec.from_details(details, str(self.model_path))
                     self._compile_group(PLAIN_GROUP, cache.path)
@@ -356,6 +377,7 @@ class LlmExecutor:
                         whole = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache.path,
                                             name=str(self.model_path), profiling=self.settings.profile_ops)
                     self._models[PLAIN_GROUP] = whole
+                    notice = whole.notice
                     self.spec = ModelSpec.from_details(whole.signature_details(), str(self.model_path))
                     for group in self.spec.groups:
                         self._models[group] = whole
@@ -368,6 +390,8 @@ class LlmExecutor:
                 for compiled in set(self._models.values()):
                     compiled.close()
                 raise
+        if notice:  # after the native logs are let through again
+            _notice(notice)
         self.weight_cache = cache  # the file the packed weights are mapped from, in use until close
         # One lock per group not compiled yet: its first need compiles it once.
         self._group_locks = {group: threading.Lock() for group in self.spec.groups if group not in self._models}
@@ -393,6 +417,12 @@ class LlmExecutor:
         return source
 
     @property
+    def attention_kernel(self) -> bool:
+        """Whether the decode signatures run their attention in the runtime's custom op
+        (docs/kernels.md): a model exported with it, on a machine where it builds."""
+        return self._models[PLAIN_GROUP].attention_kernel
+
+    @property
     def compiled_groups(self) -> tuple[str, ...]:
         """The signature groups compiled so far (:attr:`ModelSpec.groups`' names)."""
         return tuple(group for group in self.spec.groups if group in self._models)
@@ -401,10 +431,11 @@ class LlmExecutor:
         """Compiles ``group`` over a view of the model file naming XNNPACK's ``weight_cache``
         and makes its signatures' token, position and logits buffers."""
         keys = self.spec.groups[group]
-        view = self._source.view(keys)  # type: ignore[union-attr]
+        view = self._source.view(keys, attention_op_form=self._op_form)  # type: ignore[union-attr]
         with self._native_logs():
             compiled = NativeModel(view.data, num_threads=self.settings.num_threads, weight_cache=weight_cache,
-                                   name=f"{self.model_path} (signatures {', '.join(keys)})")
+                                   name=f"{self.model_path} (signatures {', '.join(keys)})",
+                                   custom_ops=self._op_form)
         try:
             self._check_details(compiled, keys)
             self._add_io(group, compiled)

@@ -32,7 +32,7 @@ import numpy as np
 
 from runtime.errors import InternalError, InvalidArgumentError, UnimplementedError
 from runtime.executor import kernels
-from runtime.util.attention_rewrite import custom_codes
+from runtime.util.attention_rewrite import attention_forms, custom_codes, select_attention_form
 
 _P = ctypes.c_void_p
 _SIZE = ctypes.c_size_t
@@ -301,12 +301,17 @@ class NativeModel:
     that release the GIL. ``run`` may be called from any thread, one run at a time."""
 
     def __init__(self, model: str | os.PathLike[str] | bytes | memoryview, *, num_threads: int, weight_cache: str,
-                 name: str, profiling: bool = False) -> None:
+                 name: str, profiling: bool = False, custom_ops: bool | None = None) -> None:
         """``model``: a ``.tflite`` path (mapped read-only), or the model's bytes or a
         read-only view of them; kept while the model is open, as the library reads it in
         place. ``num_threads``: XNNPACK's threads (0: the library's default).
         ``weight_cache``: XNNPACK's packed-weight cache (a file, or ``":memory:"``).
         ``profiling``: attach LiteRT's profiler (:meth:`start_profiling`).
+        ``custom_ops``: whether the model runs its custom ops (their kernels attached), for
+        bytes whose form the caller already chose (a view: a model carrying both forms of
+        decode attention lists the op in its operator table either way); ``None``: the
+        model's bytes tell, and a model carrying both forms is shown to LiteRT in the form
+        this machine runs.
         ``InvalidArgumentError`` naming ``name`` when the library cannot load it."""
         lib = _lib()
         self._lib = lib
@@ -314,6 +319,24 @@ class NativeModel:
         self._env, self._model, self._options, self._compiled = _P(), _P(), _P(), _P()
         self._profiler = _P()
         self._kernels: kernels.Registration | None = None
+        # Whether decode attention runs in the runtime's custom op; and, for a model carrying
+        # both forms that runs the standard one here, the one line saying why and what it costs.
+        self.attention_kernel = False
+        self.notice: str | None = None
+        if custom_ops is None:  # the model's own bytes tell
+            try:
+                forms = attention_forms(self._buffer)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{name}: {exc.args[0]}") from None
+            if forms:  # both forms in the file: LiteRT is shown, and compiles, the one this machine runs
+                custom_ops, self.notice = kernels.attention_form_here(name)
+                self._buffer = _model_bytes(model, name, writable=True)
+                try:
+                    select_attention_form(self._buffer, forms, op_form=custom_ops)
+                except InvalidArgumentError as exc:
+                    raise InvalidArgumentError(f"{name}: {exc.args[0]}") from None
+            else:  # one form: the operator table tells cheaply whether it has custom ops
+                custom_ops = bool(custom_codes(self._buffer))
         try:
             lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
             status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
@@ -329,10 +352,11 @@ class NativeModel:
             lib.check(lib.lib.LiteRtCreateOpaqueOptions(_CPU_OPTIONS, copy, lib.free, ctypes.byref(cpu)),
                       "creating CPU options")
             lib.check(lib.lib.LiteRtAddOpaqueOptions(self._options, cpu), "adding CPU options")
-            # A model with custom ops (--attention-kernel native) gets their kernels, every node
-            # checked first; the operator table tells cheaply whether there are any.
-            if custom_codes(self._buffer):
+            # A model running custom ops (its op form, or --attention-kernel native) gets their
+            # kernels, every node checked first.
+            if custom_ops:
                 self._kernels = kernels.attach(lib.lib, self._model, self._options, name)
+                self.attention_kernel = True
             if profiling:
                 runtime = _P()
                 lib.check(lib.lib.LiteRtCreateOpaqueOptions(_RUNTIME_OPTIONS, lib.strdup(_PROFILING), lib.free,
@@ -456,14 +480,24 @@ class NativeModel:
         self._buffer = None
 
 
-def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str) -> np.ndarray:
-    """The model's bytes as the library reads them; a file is mapped read-only, so only
-    the pages read are loaded."""
+def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str, *,
+                 writable: bool = False) -> np.ndarray:
+    """The model's bytes as the library reads them; a file is mapped, so only the pages
+    read are loaded. ``writable``: a file is mapped copy-on-write (a page written is the
+    process's own copy; the file and the others stay shared), bytes in memory are copied
+    (64-byte aligned, as a custom op's constants must be)."""
     if isinstance(model, (bytes, memoryview)):
-        return np.frombuffer(model, np.uint8)
+        if not writable:
+            return np.frombuffer(model, np.uint8)
+        source = np.frombuffer(model, np.uint8)
+        raw = np.empty(source.size + _ALIGNMENT, np.uint8)
+        copy = raw[-raw.ctypes.data % _ALIGNMENT:][:source.size]
+        copy[...] = source
+        return copy
     try:
         with open(model, "rb") as file:
-            return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+            access = mmap.ACCESS_COPY if writable else mmap.ACCESS_READ
+            return np.frombuffer(mmap.mmap(file.fileno(), 0, access=access), np.uint8)
     except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise InvalidArgumentError(f"{name}: cannot load the model ({exc})") from None
 

@@ -106,8 +106,8 @@ def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None
     recipe = litert.quantizer_recipe(settings.litert_quantize, model.config)
     if recipe is not None:
         flatbuffer = convert.quantize(flatbuffer, recipe, settings.quantize)
-    if settings.attention_kernel == "native":
-        flatbuffer, _ = rewrite_decode_attention(flatbuffer)
+    if settings.op_form:
+        flatbuffer, _ = rewrite_decode_attention(flatbuffer, keep_standard=settings.attention_kernel == "auto")
     Path(out_path).write_bytes(flatbuffer)
 
 
@@ -122,6 +122,11 @@ class _Job:
         # Each precision's .tflite: its model output, or a scratch file its bundle is made from.
         self.model_files = [outputs.temporary(p.model_out) if p.model_out else outputs.scratch(p.bundle_out, ".tflite")
                             for p in precisions]
+        # Each bundle's .tflite, in standard ops: its model file, or the scratch file the model
+        # file's standard form is moved to before it gets the custom-op form (auto).
+        self.bundle_models = [outputs.scratch(p.bundle_out, ".standard.tflite")
+                              if p.bundle_out and p.model_out and settings.op_form else model_file
+                              for p, model_file in zip(precisions, self.model_files)]
         self.tokenizer: checkpoint.TokenizerAssets | None = None
         # The litert-torch decoder from its build until lowering takes it.
         self.decoder: Any = None
@@ -155,7 +160,7 @@ class _Job:
         else:  # the workers convert their modules too
             module_files = yield from self._lower_in_workers()
         yield from self._finish(module_files, recipes)
-        for precision, model_file in zip(self.precisions, self.model_files):
+        for precision, model_file in zip(self.precisions, self.bundle_models):
             if precision.bundle_out is not None:
                 name = "write the bundle" + ("" if len(self.precisions) == 1 else f" ({precision.quantize})")
                 with self.stage(name):
@@ -234,9 +239,13 @@ class _Job:
             quantized=tuple(finish.Quantized(precision.quantize, recipe, file)
                             for precision, file, recipe in zip(self.precisions, self.model_files, recipes)
                             if recipe is not None),
-            rewrite_attention=tuple(("" if len(self.precisions) == 1 else f" ({precision.quantize})", file)
-                                    for precision, file in zip(self.precisions, self.model_files))
-            if self.settings.attention_kernel == "native" else ())
+            rewrite_attention=tuple(
+                finish.AttentionRewrite("" if len(self.precisions) == 1 else f" ({precision.quantize})", file,
+                                        keep_standard=self.settings.attention_kernel == "auto",
+                                        standard_copy=None if bundle_model == file else bundle_model)
+                for precision, file, bundle_model in zip(self.precisions, self.model_files, self.bundle_models)
+                if precision.model_out is not None)
+            if self.settings.op_form else ())
         self.watch.restart()
         for kind, payload in finish.finish_in_process(work):
             if kind == "stage":

@@ -1,8 +1,9 @@
 """The export's last stages, in a process of their own that imports neither torch nor
 litert-torch: the lowered modules merged (each weight stored once), the metadata added,
 the float flatbuffer serialized straight to its file, each quantized precision made
-from that file, and with ``--attention-kernel native`` each output's decode attention
-rewritten into the runtime's custom op (after quantizing: the quantizer sees standard ops only).
+from that file, and each ``.tflite``'s decode attention given the runtime's custom-op form
+beside its standard one (``--attention-kernel auto``) or in its place (``native``), after
+quantizing: the quantizer sees standard ops only.
 
 The exporter has imported torch, transformers and litert-torch (~1.2 GB resident before
 it holds any weight) and keeps them until it exits; the merged module and the quantizer's
@@ -13,6 +14,8 @@ exporter quantizing (3.78 GB) to a worker (1.9 GB)."""
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ from typing import Any
 
 from runtime.export import convert, spawned
 from runtime.export.measure import release_freed_memory
-from runtime.util.attention_rewrite import rewrite_decode_attention
+from runtime.util.attention_rewrite import FLATBUFFER_LIMIT, rewrite_decode_attention
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,19 @@ class Quantized:
 
 
 @dataclass(frozen=True)
+class AttentionRewrite:
+    """A model file whose decode attention gets the custom-op form (runtime.util.attention_rewrite):
+    ``keep_standard`` beside the standard form, else in its place; ``standard_copy``: where the
+    file in standard ops goes first (a bundle's model, made from it), or None. ``suffix``
+    ends the stage's name."""
+
+    suffix: str
+    file: Path
+    keep_standard: bool
+    standard_copy: Path | None = None
+
+
+@dataclass(frozen=True)
 class Finish:
     """What the finishing process makes: the modules in ``module_files`` (MLIR bytecode,
     converted to TFLite ops) merged, with ``metadata`` (name -> text) in the flatbuffer,
@@ -44,9 +60,9 @@ class Finish:
     metadata: dict[str, str]
     float_file: Path
     quantized: tuple[Quantized, ...] = ()
-    # (stage suffix, file) of each model whose decode attention is rewritten last
-    # (runtime.util.attention_rewrite); empty unless the export asked for the native kernel.
-    rewrite_attention: tuple[tuple[str, Path], ...] = ()
+    # The models whose decode attention gets its custom-op form, last; empty with
+    # --attention-kernel xnnpack or the default KV layout.
+    rewrite_attention: tuple[AttentionRewrite, ...] = ()
 
 
 def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
@@ -75,13 +91,22 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
         release_freed_memory()
         done(f"quantize ({quantized.quantization})")
     del flatbuffer
-    for suffix, file in finish.rewrite_attention:
-        rewritten, _ = rewrite_decode_attention(file.read_bytes())
-        file.write_bytes(rewritten)
+    for rewrite in finish.rewrite_attention:
+        name = f"rewrite decode attention ({'both forms' if rewrite.keep_standard else 'native kernel'}){rewrite.suffix}"
+        if rewrite.keep_standard and rewrite.file.stat().st_size >= FLATBUFFER_LIMIT:
+            # The pass writes one flatbuffer (< 2 GB): a larger model keeps its standard form alone.
+            if rewrite.standard_copy is not None:
+                shutil.copyfile(rewrite.file, rewrite.standard_copy)
+            done(f"{name}: not done, the model is over 2 GB")
+            continue
+        rewritten, _ = rewrite_decode_attention(rewrite.file.read_bytes(), keep_standard=rewrite.keep_standard)
+        if rewrite.standard_copy is not None:
+            os.replace(rewrite.file, rewrite.standard_copy)
+        rewrite.file.write_bytes(rewritten)
         del rewritten
         gc.collect()
         release_freed_memory()
-        done(f"rewrite decode attention (native kernel){suffix}")
+        done(name)
 
 
 def finish_in_process(finish: Finish) -> Iterator[tuple[str, Any]]:

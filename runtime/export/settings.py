@@ -17,13 +17,15 @@ QUANTIZATIONS = {
     "int4-block128": "dynamic_int4_block128",
 }
 KV_LAYOUTS = ("default", "transposed")
-# How decode signatures compute attention: "xnnpack" (standard ops, what LiteRT-LM runs) or
-# "native" (one custom op per layer, odml_runtime.decode_attention, whose kernel this
-# runtime compiles on the user's machine: docs/kernels.md).
-ATTENTION_KERNELS = ("xnnpack", "native")
+# How decode signatures compute attention (docs/kernels.md): "auto" (the default) writes both
+# forms, the standard ops and one custom op per layer (odml_runtime.decode_attention, whose
+# kernel this runtime compiles on the user's machine) sharing every weight, the runtime
+# choosing at open; "xnnpack" the standard ops only (what LiteRT-LM runs); "native" the
+# custom op only (a model that opens only where the kernel builds).
+ATTENTION_KERNELS = ("auto", "xnnpack", "native")
 NATIVE_BUNDLE = ("--attention-kernel native with --bundle: a .litertlm bundle is for LiteRT-LM, which runs standard "
                  "ops only (it has no kernel for the runtime's custom op); export the bundle with --attention-kernel "
-                 "xnnpack (the default)")
+                 "auto (the default: the bundle gets the standard form) or xnnpack")
 
 
 def precision_name(quantize: str) -> str:
@@ -109,9 +111,11 @@ class ExportSettings:
     # prompt's logprobs (the server's echo, lm-eval's loglikelihood) are read from, while the
     # plain prefills still compute no logits. Empty: none (then only prefill_logits scores).
     score_lengths: tuple[int, ...] = ()
-    # A key of ATTENTION_KERNELS: "native" rewrites the decode signatures' attention into the
-    # runtime's custom op after conversion (transposed KV layout only; no .litertlm bundle).
-    attention_kernel: str = "xnnpack"
+    # A key of ATTENTION_KERNELS: "auto" adds to each .tflite the decode signatures' attention
+    # as the runtime's custom op beside the standard form (transposed KV layout; a .litertlm
+    # bundle, and the default layout, get the standard form only); "native" replaces the
+    # standard form with it (transposed KV layout only; no .litertlm bundle); "xnnpack" neither.
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_length, int) or self.kv_length < 2:
@@ -178,6 +182,12 @@ class ExportSettings:
             raise InvalidArgumentError(
                 f"attention kernel native with kv_layout {self.kv_layout!r}: the kernel reads the transposed layout "
                 "only (K [1, G, T, D], V [1, G, D, T]); use kv_layout transposed or attention kernel xnnpack")
+
+    @property
+    def op_form(self) -> bool:
+        """Whether the .tflite files get the decode attention's custom-op form: ``native``,
+        and ``auto`` in the transposed KV layout (the only one the kernel reads)."""
+        return self.attention_kernel == "native" or (self.attention_kernel == "auto" and self.kv_layout == "transposed")
 
     @property
     def batch_ranks(self) -> tuple[int, ...]:

@@ -15,12 +15,32 @@ window alike), so the op computes what the chain computed, and reads only the ca
 positions the mask leaves open. Any other op between the two matmuls (a soft-cap, a
 scale) is refused, naming it: the chain is never half-understood.
 
+Two ways to write it (:func:`rewrite_decode_attention`):
+
+* **both forms** (``keep_standard``, ``--attention-kernel auto``, the export's default): every
+  signature keeps its standard subgraph, and each rewritten decode subgraph gets an op-form
+  copy appended after all the model's subgraphs, which no signature names. The copy shares
+  the standard subgraph's tensor tables and unchanged operator tables (one flatbuffer table
+  each, referenced from both), and every weight buffer: the file grows by the new operators
+  and the two subgraph vectors, not by the weights. A metadata entry
+  (:data:`FORMS_METADATA`) pairs each standard subgraph with its op form.
+  :func:`select_attention_form` then makes, in place and in a few bytes, the view a runtime
+  opens: the op forms in the standard subgraphs' places, or the standard forms alone; either
+  way the op-form subgraphs are cut off the subgraph vector, so LiteRT never compiles the
+  form not chosen, and a reader that knows nothing of this (LiteRT-LM, the classic
+  interpreter) runs the standard form.
+* **the op form only** (``--attention-kernel native``): the decode subgraphs rewritten in place.
+
 The model is rewritten through the wheel's flatbuffer schema (object API), every buffer's
 data 64-byte aligned (LiteRT hands a custom op only aligned tensors); data stored after the
 flatbuffer is brought inside it, so models of 2 GB and more are refused.
 """
 
 from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
 
 import flatbuffers
 import numpy as np
@@ -29,8 +49,11 @@ from ai_edge_litert import schema_py_generated as schema
 from runtime.errors import InvalidArgumentError
 
 DECODE_ATTENTION = "odml_runtime.decode_attention"
+# The metadata entry of a model carrying both forms: its buffer holds JSON,
+# {"op": DECODE_ATTENTION, "subgraphs": [[standard subgraph, its op form], ...]}.
+FORMS_METADATA = "odml_runtime.attention_forms"
 ALIGNMENT = 64
-_FLATBUFFER_LIMIT = 2**31 - 2**24  # a flatbuffer's offsets are 32-bit; room for the tables
+FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
 _NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
 _FLOAT32 = schema.TensorType.FLOAT32
 
@@ -60,11 +83,13 @@ def _adj_y(op: schema.OperatorT) -> bool:
     return bool(options is not None and getattr(options, "adjY", False) and not getattr(options, "adjX", False))
 
 
-def rewrite_decode_attention(data: bytes) -> tuple[bytes, dict[str, int]]:
+def rewrite_decode_attention(data: bytes, *, keep_standard: bool = False) -> tuple[bytes, dict[str, int]]:
     """``data`` (a ``.tflite``) with the decode signatures' attention rewritten; and the
-    layers rewritten per signature. ``InvalidArgumentError`` when the model cannot be
-    rewritten (no decode signature in the transposed layout, an attention chain of another
-    form, already rewritten, weights outside the flatbuffer), naming why."""
+    layers rewritten per signature. ``keep_standard``: both forms in the file (the op forms
+    appended, sharing every weight and tensor; see the module), else the op form only.
+    ``InvalidArgumentError`` when the model cannot be rewritten (no decode signature in the
+    transposed layout, an attention chain of another form, already rewritten, weights
+    outside the flatbuffer), naming why."""
     if DECODE_ATTENTION in custom_codes(data):
         raise InvalidArgumentError(f"the model already runs {DECODE_ATTENTION}")
     model = schema.ModelT.InitFromPackedBuf(data, 0)
@@ -74,7 +99,7 @@ def rewrite_decode_attention(data: bytes) -> tuple[bytes, dict[str, int]]:
             buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
             outside += buffer.size
             buffer.offset = buffer.size = 0
-    if outside and len(data) >= _FLATBUFFER_LIMIT:
+    if outside and len(data) >= FLATBUFFER_LIMIT:
         raise InvalidArgumentError(f"the model is {len(data):,} bytes, its weights partly outside the flatbuffer: "
                                    "the attention kernel pass writes one flatbuffer, at most 2 GB")
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
@@ -87,25 +112,120 @@ def rewrite_decode_attention(data: bytes) -> tuple[bytes, dict[str, int]]:
     params = schema.BufferT()
     params.data = np.frombuffer(np.array([1.0, 0.0, 0.0, 0.0], np.float32).tobytes(), np.uint8)
     model.buffers.append(params)
+    custom_code, params_buffer = len(model.operatorCodes) - 1, len(model.buffers) - 1
     counts = {}
     done_subgraphs: dict[int, int] = {}
+    pairs: dict[int, int] = {}  # standard subgraph -> its op form (keep_standard)
     for sig in model.signatureDefs:
         key = sig.signatureKey.decode()
         if key not in keys:
             continue
-        if sig.subgraphIndex not in done_subgraphs:
-            done_subgraphs[sig.subgraphIndex] = _rewrite_subgraph(model, sig, len(model.operatorCodes) - 1,
-                                                                  len(model.buffers) - 1)
-        counts[key] = done_subgraphs[sig.subgraphIndex]
+        index = sig.subgraphIndex
+        if index not in done_subgraphs:
+            standard = model.subgraphs[index]
+            target = _shallow_copy(standard) if keep_standard else standard
+            done_subgraphs[index] = _rewrite_subgraph(model, target, key, custom_code, params_buffer)
+            if keep_standard and done_subgraphs[index]:
+                model.subgraphs.append(target)
+                pairs[index] = len(model.subgraphs) - 1
+        counts[key] = done_subgraphs[index]
     if not any(counts.values()):
         raise InvalidArgumentError("no decode attention in the transposed KV layout was found (K [1, G, T, D], "
                                    "V [1, G, D, T]): export with --kv-layout transposed")
+    if keep_standard:
+        forms = schema.BufferT()
+        forms.data = np.frombuffer(json.dumps({"op": DECODE_ATTENTION, "subgraphs": sorted(pairs.items())}).encode(),
+                                   np.uint8)
+        model.buffers.append(forms)
+        entry = schema.MetadataT()
+        entry.name, entry.buffer = FORMS_METADATA, len(model.buffers) - 1
+        model.metadata = [*(model.metadata or ()), entry]
     return _pack(model), counts
 
 
-def _rewrite_subgraph(model: schema.ModelT, sig: schema.SignatureDefT, custom_code: int, params_buffer: int) -> int:
-    key = sig.signatureKey.decode()
-    sub = model.subgraphs[sig.subgraphIndex]
+def _shallow_copy(sub: schema.SubGraphT) -> schema.SubGraphT:
+    """A subgraph with the same tensor and operator objects in lists of its own (packed
+    once each, :func:`_pack`, so both subgraphs refer to the same tables)."""
+    copy = schema.SubGraphT()
+    copy.tensors, copy.operators = list(sub.tensors), list(sub.operators)
+    copy.inputs, copy.outputs = sub.inputs, sub.outputs
+    copy.name = (sub.name or b"") + b"__" + DECODE_ATTENTION.encode()
+    copy.debugMetadataIndex = sub.debugMetadataIndex
+    return copy
+
+
+def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
+    """The op form of each standard subgraph a model carrying both forms pairs (``{}``: the
+    model carries one form). ``InvalidArgumentError`` when the entry is not as
+    :func:`rewrite_decode_attention` writes it. Bytes that do not read as a ``.tflite`` give
+    ``{}`` (LiteRT refuses them when they are loaded, naming its reason)."""
+    try:
+        if bytes(memoryview(model).cast("B")[4:8]) != b"TFL3":  # the file identifier
+            return {}
+        root = schema.Model.GetRootAs(model, 0)
+        entries = [root.Metadata(i) for i in range(root.MetadataLength())]
+        entry = next((entry for entry in entries if entry.Name() == FORMS_METADATA.encode()), None)
+    except (struct.error, IndexError, ValueError):
+        return {}
+    if entry is None:
+        return {}
+    where = f"its {FORMS_METADATA} metadata"
+    try:
+        data = root.Buffers(entry.Buffer()).DataAsNumpy()
+        described = json.loads(bytes(data))
+        pairs = {int(standard): int(op) for standard, op in described["subgraphs"]}
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise InvalidArgumentError(f"{where} does not read as pairs of subgraphs ({exc})") from None
+    if described.get("op") != DECODE_ATTENTION:
+        raise InvalidArgumentError(f"{where} names the op {described.get('op')!r}, this runtime has "
+                                   f"{DECODE_ATTENTION!r}")
+    count, first_op = root.SubgraphsLength(), min(pairs.values(), default=0)
+    if not pairs or max(pairs) >= first_op or max(pairs.values()) >= count \
+            or sorted(pairs.values()) != list(range(first_op, count)):
+        raise InvalidArgumentError(f"{where} pairs subgraphs {sorted(pairs.items())} of {count}: expected "
+                                   "the op forms to be the last subgraphs, one per standard one")
+    return pairs
+
+
+def select_attention_form(model: np.ndarray, forms: dict[int, int], op_form: bool) -> None:
+    """Makes the writable bytes ``model`` of a model carrying both ``forms`` (from
+    :func:`attention_forms`) read as a model of one: the op forms in their standard
+    subgraphs' places (``op_form``) or the standard forms left as they are; the op-form
+    subgraphs cut off the end of the subgraph vector either way, and the pairing off the end
+    of the metadata vector (the result reads as a model of one form). Writes the two lengths
+    and, for the op form, one offset per paired subgraph: a few bytes, in place (a
+    copy-on-write mapping of the file copies the pages they are in). ``InvalidArgumentError``
+    when a signature names an op-form subgraph or the bytes cannot be patched so."""
+    root = schema.Model.GetRootAs(model, 0)
+    standard_count = min(forms.values())
+    for i in range(root.SignatureDefsLength()):
+        signature = root.SignatureDefs(i)
+        if signature.SubgraphIndex() >= standard_count:
+            raise InvalidArgumentError(f"signature {signature.SignatureKey().decode()!r} runs subgraph "
+                                       f"{signature.SubgraphIndex()}, an op form of {FORMS_METADATA}")
+    table = root._tab
+    vector = table.Vector(table.Offset(8))  # Model.subgraphs: the first element, its length 4 bytes before
+    view = memoryview(model).cast("B")
+    if op_form:
+        for standard, op in forms.items():
+            entry, op_entry = vector + 4 * standard, vector + 4 * op
+            target = op_entry + struct.unpack_from("<I", view, op_entry)[0]  # where the op form's table lies
+            if not 0 < target - entry < 2**32:
+                raise InvalidArgumentError(f"subgraph {op}'s table lies before the subgraph vector: the two forms "
+                                           "cannot be chosen between in place")
+            struct.pack_into("<I", view, entry, target - entry)
+    struct.pack_into("<I", view, vector - 4, standard_count)
+    entries = root.MetadataLength()
+    if root.Metadata(entries - 1).Name() != FORMS_METADATA.encode():
+        raise InvalidArgumentError(f"the {FORMS_METADATA} entry is not the last of the model's metadata")
+    struct.pack_into("<I", view, table.Vector(table.Offset(16)) - 4, entries - 1)  # Model.metadata's length
+
+
+def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, custom_code: int,
+                      params_buffer: int) -> int:
+    """Rewrites ``sub`` (the subgraph of signature ``key``) in place: its operators list
+    replaced, a params tensor appended; the tensor and operator objects it shares with
+    another subgraph left as they are. The number of layers rewritten."""
     outputs = set(int(i) for i in sub.outputs)
     consumers: dict[int, list[int]] = {}
     for j, op in enumerate(sub.operators):
@@ -177,13 +297,28 @@ def _rewrite_subgraph(model: schema.ModelT, sig: schema.SignatureDefT, custom_co
 
 def _pack(model: schema.ModelT) -> bytes:
     builder = flatbuffers.Builder(1 << 20)
-    original = schema.BufferT.Pack
+    originals = schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack
     schema.BufferT.Pack = _pack_aligned
+    # A tensor or operator object in two subgraphs (both forms) is packed once, its table shared.
+    schema.TensorT.Pack, schema.OperatorT.Pack = _packed_once(originals[1]), _packed_once(originals[2])
     try:
         builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     finally:
-        schema.BufferT.Pack = original
+        schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack = originals
     return bytes(builder.Output())
+
+
+def _packed_once(pack: Callable[[object, flatbuffers.Builder], int]) -> Callable[[object, flatbuffers.Builder], int]:
+    """``pack`` remembering each object's table per builder (by identity: the objects live
+    in the model being packed for as long as the builder does)."""
+    tables: dict[tuple[int, int], int] = {}
+
+    def packed(self: object, builder: flatbuffers.Builder) -> int:
+        key = (id(builder), id(self))
+        if key not in tables:
+            tables[key] = pack(self, builder)
+        return tables[key]
+    return packed
 
 
 def _pack_aligned(self: schema.BufferT, builder: flatbuffers.Builder) -> int:

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
+from runtime.util.attention_rewrite import attention_forms, select_attention_form
 
 # Field numbers of the tflite schema's tables this module reads.
 _MODEL_OPERATOR_CODES, _MODEL_SUBGRAPHS, _MODEL_SIGNATURES = 1, 2, 7
@@ -361,10 +362,19 @@ class ModelFile:
         """The model's bytes, mapped read-only (only the pages read are loaded)."""
         return self._map(private=False)[1]
 
-    def view(self, keys: Sequence[str]) -> ModelView:
+    def view(self, keys: Sequence[str], *, attention_op_form: bool | None = None) -> ModelView:
         """A copy-on-write mapping of the model showing only the signatures ``keys``;
-        :class:`ViewRefused` when the model cannot be viewed."""
+        :class:`ViewRefused` when the model cannot be viewed. ``attention_op_form``: for a
+        model carrying both forms of decode attention, the form shown (``True``: the custom
+        op's; ``False``: the standard one; ``None``: the model is shown as it is)."""
         mapping, data = self._map(private=True)
+        if attention_op_form is not None:
+            try:
+                forms = attention_forms(data)
+                if forms:
+                    select_attention_form(np.frombuffer(data, np.uint8), forms, op_form=attention_op_form)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{self.path}: {exc.args[0]}") from None
         written = patch_signatures(data, keys, str(self.path))
         return ModelView(tuple(keys), data, written, mapping)
 

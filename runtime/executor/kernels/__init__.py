@@ -4,8 +4,9 @@ API (``LiteRtAddCustomOpKernelOption``), every node of theirs checked before the
 compiles.
 
 Today one op: ``odml_runtime.decode_attention`` (``decode_attention.c``), which
-``runtime export --attention-kernel native`` (or ``tools/attention_kernel.py`` on an
-existing export) puts in place of each layer's decode attention
+``runtime export`` (or ``tools/attention_kernel.py`` on an existing export) puts beside
+each layer's decode attention in standard ops (``--attention-kernel auto``, the default:
+:func:`attention_form_here` decides at open which form runs) or in its place (``native``)
 (:mod:`runtime.util.attention_rewrite`). The library is built at first use with the
 system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
 named by the source's hash, the compiler's version and the flags, written under a
@@ -49,7 +50,8 @@ _FAILURES = {1: "the op's inputs and outputs are not the 5 and 1 it takes",
              2: "LiteRT gave no host memory or type for a tensor buffer",
              3: "the tensors' shapes do not fit q [1, G, H, D], mask [T], K [1, G, T, D], V [1, G, D, T]",
              4: "a tensor is not float32", 5: "no memory for the scores"}
-RE_EXPORT = "re-export with --attention-kernel xnnpack"
+RE_EXPORT = ("re-export with --attention-kernel auto (the default: both forms, the standard one run where the kernel "
+             "cannot be) or xnnpack")
 
 
 class _Context(ctypes.Structure):
@@ -154,6 +156,37 @@ def _compile(cc: str, flags: tuple[str, ...], source: bytes, folder: Path, path:
         raise FailedPreconditionError(f"cannot write the kernel library into {folder} ({exc})") from None
     except subprocess.TimeoutExpired:
         raise FailedPreconditionError(f"{cc} took more than 300 s to build the kernel") from None
+
+
+# What the standard form costs where the kernel would run (docs/kernels.md, SmolLM2-135M's
+# shapes, 1 thread): the attention's time over the kernel's at 128 / 1,024 / 4,096 positions
+# (medians 0.80x / 0.74x / 0.57x the other way round), and a whole int8 step at position 10
+# of a 4,096-position cache (47.0 ms against 10.7 ms).
+STANDARD_FORM_COST = ("its attention takes 1.25-1.75x the kernel's time and reads the whole cache at every step "
+                      "(a short session in a 4,096-position cache: ~4x a whole int8 step of SmolLM2-135M)")
+
+
+def load_for_this_cpu() -> tuple[ctypes.CDLL | None, str]:
+    """The kernels' library, built or loaded, where running it pays: this CPU has AVX2 and
+    FMA (without them its plain build is slower than XNNPACK at short caches) and it
+    builds and loads. Else ``None`` and why, as a clause."""
+    if not {"-mavx2", "-mfma"} <= set(isa_flags()):
+        return None, "this CPU lacks AVX2 and FMA, without which the kernel is slower than XNNPACK at short caches"
+    try:
+        return build_library(), ""
+    except FailedPreconditionError as exc:
+        return None, f"the kernel cannot be built here: {exc.args[0]}"
+
+
+def attention_form_here(name: str) -> tuple[bool, str | None]:
+    """For the model ``name`` carrying both forms of decode attention: whether this machine
+    runs its op form (:func:`load_for_this_cpu`), and otherwise the one line saying that
+    the standard form runs, why, and what that costs."""
+    library, why = load_for_this_cpu()
+    if library is not None:
+        return True, None
+    return False, (f"{name}: decode attention runs in its standard form (XNNPACK), not in {DECODE_ATTENTION}: "
+                   f"{why}; {STANDARD_FORM_COST}")
 
 
 class Registration:
