@@ -335,8 +335,6 @@ class NativeModel:
                     select_attention_form(self._buffer, forms, op_form=custom_ops)
                 except InvalidArgumentError as exc:
                     raise InvalidArgumentError(f"{name}: {exc.args[0]}") from None
-            else:  # one form: the operator table tells cheaply whether it has custom ops
-                custom_ops = bool(custom_codes(self._buffer))
         try:
             lib.check(lib.lib.LiteRtCreateEnvironment(0, None, ctypes.byref(self._env)), "creating an environment")
             status = lib.lib.LiteRtCreateModelFromBuffer(self._env, self._buffer.ctypes.data, self._buffer.size,
@@ -353,8 +351,9 @@ class NativeModel:
                       "creating CPU options")
             lib.check(lib.lib.LiteRtAddOpaqueOptions(self._options, cpu), "adding CPU options")
             # A model running custom ops (its op form, or --attention-kernel native) gets their
-            # kernels, every node checked first.
-            if custom_ops:
+            # kernels, every node checked first; the operator table of a model of one form tells
+            # cheaply whether it has any (read once LiteRT has accepted the bytes as a model).
+            if custom_ops or (custom_ops is None and custom_codes(self._buffer)):
                 self._kernels = kernels.attach(lib.lib, self._model, self._options, name)
                 self.attention_kernel = True
             if profiling:
