@@ -60,6 +60,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import importlib.util
+import itertools
 import json
 import os
 import random
@@ -70,14 +72,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, date_and_cpu
+from benchmarks.common import RESULTS, date_and_cpu, write_result
 from benchmarks.serve_load import default_llama_server, free_port, stop_process, wait_healthy, llama_setup, write_id_tokenizer
-from runtime import Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig
+from runtime import ChatTemplate, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -87,6 +92,7 @@ BENCH_MODEL = HERE / "models" / "bench_f32.tflite"
 BENCH_ROLES = [f"{HERE / 'models' / 'peft_r8_a'}", f"{HERE / 'models' / 'peft_r8_b'}",
                f"{HERE / 'models' / 'peft_r8_a'}:0.5"]
 ROLES = ("planner", "decider", "dialogue")
+Chain = Generator[list[int], Any, None]  # an NPC's prompts: sent each call's GenerationResult, yields the next prompt
 OBSERVATION, CARRIED, FROM_PREVIOUS = 6, 4, 8  # prompt parts, in tokens
 # llama-server's OpenMP threads wait for work spinning by default: with -t 2 on a 2-core box
 # they took the cores from the NPC clients and from its own HTTP thread (2026-12-05, 8 NPCs:
@@ -133,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=BENCH_MODEL)
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: one whose token i is 't{i}')")
+    parser.add_argument("--chat-template", type=Path, help="Jinja chat template: prompts are examples/npc_tick.py's "
+                        "(each role's task instruction around the previous answer's words), not seeded token ids")
     parser.add_argument("--role", action="append", help="PATH[:SCALE] of the planner, decider, dialogue (x3)")
     parser.add_argument("--max-tokens", default="16,4,16", help="tokens per call of each role")
     parser.add_argument("--npcs", default="8,16,32")
@@ -180,17 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"model": _shown(workload.model), "roles": [{"role": r.name, "adapter": _shown(r.source),
                                                            "scale": r.scale, "max_tokens": r.max_tokens}
                                                           for r in workload.roles],
+                "chat_template": _shown(args.chat_template) if args.chat_template else None,
                 "npcs": npc_counts, "threads": thread_counts, "ticks": args.ticks, "rounds": args.rounds,
                 "stagger_ms": args.stagger_ms, "llama_server": None if isinstance(loras, str) else {
                     "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras], "omp_wait_policy": OMP_WAIT_POLICY},
                 "llama_server_skipped": loras if isinstance(loras, str) else None,
                 "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()[0],
                 "cpus": os.cpu_count(), **started}
-    table = render(rows, settings)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(table)
-    args.out.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
+    write_result(args.out, render(rows, settings), {"settings": settings, "rows": rows})
     plot(rows, settings, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.md')}, .json and .png")
     ours = [row for row in rows if row["side"] != "llama-server"]
@@ -215,27 +220,84 @@ def build_workload(args: argparse.Namespace, npcs: int) -> Workload:
         vocab = probe.spec.vocab_size
     tokenizer = args.tokenizer or write_id_tokenizer(vocab, WORK / f"ids_{vocab}.json")
     workload = Workload(args.model, roles, tokenizer)
-    heads = [[random.Random(f"head/{r}").randrange(3, vocab) for _ in range(3)] for r in range(3)]
+    chain = chat_chain(args.chat_template, tokenizer) if args.chat_template else token_chain(vocab)
     with Engine(args.model, EngineSettings(num_threads=1), tokenizer=HfTokenizer(tokenizer)) as engine:
         sessions = [engine.create_session(SessionConfig(loras=[LoraSource(path=r.source, scale=r.scale)]))
                     for r in roles]
         for npc in range(npcs):
-            line: list[int] = []
+            steps = chain(npc)
+            previous = None
             for tick in range(args.ticks):
-                rng = random.Random(f"npc/{npc}/{tick}")
-                previous = [rng.randrange(3, vocab) for _ in range(OBSERVATION)] + line[-CARRIED:]
                 for index, role in enumerate(roles):
-                    prompt = heads[index] + (previous if index == 0 else previous[-FROM_PREVIOUS:])
+                    prompt = steps.send(previous)
                     sessions[index].reset()
                     result = sessions[index].generate(prompt, max_new_tokens=role.max_tokens, stop_tokens=[])
                     key = (npc, tick, index)
                     workload.prompts[key], workload.expected[key] = prompt, list(result.tokens)
                     workload.expected_text[key] = result.text
-                    previous = list(result.tokens)
-                line = previous
+                    previous = result
         for session in sessions:
             session.close()
     return workload
+
+
+def token_chain(vocab: int) -> Callable[[int], Chain]:
+    """The seeded token-id prompts: a generator per NPC that is sent each call's result (None
+    first) and yields the next call's prompt (role ``i``'s 3-token head, then the tick's
+    observation and the NPC's last line, or the previous answer's last ids)."""
+    heads = [[random.Random(f"head/{r}").randrange(3, vocab) for _ in range(3)] for r in range(3)]
+
+    def npc_chain(npc: int) -> Chain:
+        line: list[int] = []
+        result = yield  # primed by the first send(None)
+        for tick in itertools.count():
+            rng = random.Random(f"npc/{npc}/{tick}")
+            previous = [rng.randrange(3, vocab) for _ in range(OBSERVATION)] + line[-CARRIED:]
+            for index in range(3):
+                result = yield heads[index] + (previous if index == 0 else previous[-FROM_PREVIOUS:])
+                previous = list(result.tokens)
+            line = previous
+
+    return _primed(npc_chain)
+
+
+def chat_chain(template_path: Path, tokenizer_path: Path) -> Callable[[int], Chain]:
+    """examples/npc_tick.py's prompts as token ids: each role's task instruction through the chat
+    template, its input the previous answer's words (the tick's event and the NPC's last line
+    for the planner). Same protocol as :func:`token_chain`."""
+    example = _load_example("npc_tick")
+    template, tokenizer = ChatTemplate(template_path.read_text()), HfTokenizer(tokenizer_path)
+
+    def npc_chain(npc: int) -> Chain:
+        last_line = ""
+        result = yield
+        for tick in itertools.count():
+            text = example.words_of(example.EVENTS[(npc + tick) % len(example.EVENTS)] + " " + last_line, 5)
+            for role in example.ROLES:
+                message = example.CHAT_TEMPLATES[role].format(text=text)
+                result = yield tokenizer.encode(template.render([{"role": "user", "content": message}]))
+                text = example.words_of(result.text)
+            last_line = result.text
+
+    return _primed(npc_chain)
+
+
+def _primed(npc_chain: Callable[[int], Chain]) -> Callable[[int], Chain]:
+    """``npc_chain`` with each generator run to its first ``yield``, ready for ``send(None)``."""
+
+    def start(npc: int) -> Chain:
+        steps = npc_chain(npc)
+        next(steps)
+        return steps
+    return start
+
+
+def _load_example(name: str) -> ModuleType:
+    """``examples/NAME.py`` as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # -- driving the NPCs ----------------------------------------------------------------
@@ -464,13 +526,15 @@ def summarize(runs: dict[tuple[str, int, int], list[Run]]) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], settings: dict) -> str:
+def render(rows: list[dict], settings: dict) -> list[str]:
     roles = ", ".join(f"{r['role']} `{Path(r['adapter']).name}`" + (f" x{r['scale']:g}" if r["scale"] != 1 else "")
                       + f" ({r['max_tokens']} tokens)" for r in settings["roles"])
     lines = [
         "# NPC tick: planner -> decider -> dialogue adapters per NPC, NPCs out of step",
         "",
-        f"Model `{settings['model']}`; roles {roles}; {settings['ticks']} ticks per NPC per run, "
+        f"Model `{settings['model']}`; roles {roles}; prompts: " + (
+            f"examples/npc_tick.py's, through `{Path(settings['chat_template']).name}`" if settings.get("chat_template")
+            else "seeded token ids") + f"; {settings['ticks']} ticks per NPC per run, "
         f"{settings['rounds']} rounds after an untimed one, sides in alternating order; NPC i starts "
         f"{settings['stagger_ms']:g} ms x i late; greedy, end-of-sequence ignored. {settings['cpus']} CPUs of "
         f"{settings['cpu']} (load average {settings['load_average_at_start']:.1f} at the start, "
@@ -498,8 +562,8 @@ def render(rows: list[dict], settings: dict) -> str:
         llama = settings["llama_server"]
         lines += ["", f"llama-server: `{llama['gguf']}` with " + ", ".join(f"`{Path(p).name}`" for p in llama["loras"])
                   + f", OMP_WAIT_POLICY={llama['omp_wait_policy']}."]
-    lines += ["", "Command: `python3 -m benchmarks.npc_tick " + " ".join(sys.argv[1:]) + "`", ""]
-    return "\n".join(lines)
+    lines += ["", "Command: `python3 -m benchmarks.npc_tick " + " ".join(sys.argv[1:]) + "`"]
+    return lines
 
 
 def plot(rows: list[dict], settings: dict, out: Path) -> None:
