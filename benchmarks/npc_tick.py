@@ -209,22 +209,32 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"  {threads} thread(s), {npcs:>2} NPCs, round {round_index}, {side.label:<14} "
                                   f"{len(run.ticks) / run.wall:7.1f} ticks/s, p99 {_pct(run.ticks, 99) * 1e3:7.1f} ms, "
                                   f"{run.equal}/{run.calls} equal, {len(run.errors)} errors", flush=True)
+        # written after every thread count, so a run cut short keeps what it measured
+        rows = write_report(args, workload, loras, runs, thread_counts[:thread_counts.index(threads) + 1],
+                            {**started, "load_average_at_start": load_at_start})
+    ours = [row for row in rows if row["side"] != "llama-server"]
+    return 0 if all(row["errors"] == 0 and row["equal"] == row["calls"] for row in ours) else 1
+
+
+def write_report(args: argparse.Namespace, workload: Workload, loras: list[Path] | str,
+                 runs: dict[tuple[str, int, int], list[Run]], thread_counts: list[int], started: dict) -> list[dict]:
+    """The table, the JSON and the plot of what ``runs`` holds (``thread_counts`` measured so
+    far) at ``args.out``; returns the rows."""
     rows = summarize(runs)
     settings = {"model": _shown(workload.model), "roles": [{"role": r.name, "adapter": _shown(r.source),
                                                            "scale": r.scale, "max_tokens": r.max_tokens}
                                                           for r in workload.roles],
                 "chat_template": _shown(args.chat_template) if args.chat_template else None,
-                "npcs": npc_counts, "threads": thread_counts, "ticks": args.ticks, "rounds": args.rounds,
+                "npcs": [int(n) for n in args.npcs.split(",")], "threads": thread_counts, "ticks": args.ticks,
+                "rounds": args.rounds,
                 "stagger_ms": args.stagger_ms, "llama_server": None if isinstance(loras, str) else {
                     "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras], "omp_wait_policy": OMP_WAIT_POLICY},
                 "llama_server_skipped": loras if isinstance(loras, str) else None,
-                "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()[0],
-                "cpus": os.cpu_count(), **started}
+                "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **started}
     write_result(args.out, render(rows, settings), {"settings": settings, "rows": rows})
     plot(rows, settings, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.md')}, .json and .png")
-    ours = [row for row in rows if row["side"] != "llama-server"]
-    return 0 if all(row["errors"] == 0 and row["equal"] == row["calls"] for row in ours) else 1
+    return rows
 
 
 # -- the workload ------------------------------------------------------------------
