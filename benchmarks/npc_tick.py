@@ -17,8 +17,8 @@ NPC's previous line for the planner, the last 8 ids of the previous answer for t
 the dialogue (with ``--chat-template``: ``examples/npc_tick.py``'s prompts instead, each role's
 task instruction around the previous answer's words). The chains are computed once offline
 (``Session.generate``, one session at a time) and every side then sends exactly those prompts:
-the answers of every side are compared with the offline ones, token ids up to the tokenizer's
-first stop token (ours bit for bit expected; llama.cpp's counted). NPC ``i`` starts
+the answers of every side are compared with the offline ones, token ids up to the offline
+answer's first stop token (ours bit for bit expected; llama.cpp's counted). NPC ``i`` starts
 ``--stagger-ms`` x i after the first, and each NPC is a thread of its own (HTTP: one keep-alive
 connection per NPC), so calls of different NPCs and adapters overlap as a game's would.
 
@@ -134,13 +134,17 @@ class Workload:
     prompts: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # (npc, tick, role) -> ids
     expected: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # -> offline answer ids
     expected_text: dict[tuple[int, int, int], str] = field(default_factory=dict)
-    stops: frozenset[int] = frozenset()  # the tokenizer's stop tokens: token answers are compared up to the first
+    stops: frozenset[int] = frozenset()  # the tokenizer's stop tokens: an answer ends at the first
 
-    def answer(self, tokens: list[int]) -> list[int]:
-        """``tokens`` up to the first stop token: the answer a user sees (every side generates
-        past it, end-of-sequence ignored, but what follows is no answer)."""
-        end = next((i for i, token in enumerate(tokens) if token in self.stops), len(tokens))
-        return tokens[:end]
+    def equal(self, tokens: list[int], key: tuple[int, int, int]) -> bool:
+        """Whether ``tokens`` begin with the offline answer up to its first stop token: the
+        answer a user sees. Every side generates past it (end-of-sequence ignored), but what
+        follows is no answer, and llama-server's ``ignore_eos`` bans the end-of-generation
+        tokens outright (ours emits them and goes on), so past that point the two differ by
+        construction."""
+        expected = self.expected[key]
+        end = next((i for i, token in enumerate(expected) if token in self.stops), len(expected))
+        return tokens[:end] == expected[:end]
 
     @property
     def sources(self) -> list[Path]:
@@ -354,8 +358,8 @@ def drive(side, workload: Workload, npcs: int, ticks: int, stagger_ms: float) ->
                 key = (npc, tick, index)
                 try:
                     answer = call(index, workload.prompts[key])
-                    equal = (workload.answer(answer) == workload.answer(workload.expected[key])
-                             if isinstance(answer, list) else answer == workload.expected_text[key])
+                    equal = (workload.equal(answer, key) if isinstance(answer, list)
+                             else answer == workload.expected_text[key])
                     error = None
                 except Exception as exc:  # counted, and the chain goes on with the offline prompts
                     equal, error = False, f"{type(exc).__name__}: {exc}"[:200]
@@ -575,7 +579,7 @@ def render(rows: list[dict], settings: dict) -> list[str]:
         f"{settings['cpu']} (load average {settings['load_average_at_start']:.1f} at the start, "
         f"{settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
         "ticks/s: the median over the rounds (in brackets: each round's); tick latency: percentiles over every tick of every round; "
-        "equal: answers equal to the offline chain (token ids up to the first stop token; runtime serve: the whole "
+        "equal: answers equal to the offline chain (token ids up to its first stop token; runtime serve: the whole "
         "text); vs llama-server: this side's "
         "ticks/s over llama-server's, the median of the rounds' ratios; steps/run: the engine's decode steps "
         "per run of the model (above 1: steps of several NPCs, whatever their adapters, batched).",
@@ -587,7 +591,7 @@ def render(rows: list[dict], settings: dict) -> list[str]:
     for row in sorted(rows, key=lambda r: (r["threads"], r["npcs"], r["side"])):
         ratio = row.get("vs_llama_server_ticks_per_s")
         steps = row.get("steps_per_decode_run")
-        by_round = ", ".join(f"{rate:.0f}" for rate in row["ticks_per_s_by_round"])
+        by_round = ", ".join(f"{rate:.1f}" for rate in row["ticks_per_s_by_round"])
         lines.append(f"| {row['threads']} | {row['npcs']} | {row['side']} | {row['ticks_per_s']:.1f} ({by_round}) "
                      f"| {row['tick_ms_p50']:.1f} | {row['tick_ms_p99']:.1f} | {row['equal']}/{row['calls']} "
                      f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} "
