@@ -573,12 +573,14 @@ def headline(results: dict, folder: Path) -> str:
 
 def is_summary_row(target: Target) -> bool:
     """Whether a headline row belongs in the README's short table: one thread's plain decode
-    beside llama.cpp, eight sessions at once, serving, the NPC tick, and Turbo LoRA on its task."""
+    beside llama.cpp, eight sessions at once, serving, the NPC tick at one thread, and Turbo LoRA on
+    its task."""
     if target.met is None:
         return False
     one_thread_decode = target.target.startswith("decode") and target.where.endswith(("1 thread, base", "1 thread, ours f32", "1 thread, ours int8"))
-    return one_thread_decode or target.target.startswith(("8 sessions", "runtime serve", "Turbo LoRA, `order_json`",
-                                                          "NPC ticks/s"))
+    one_thread_npc = target.target.startswith("NPC ticks/s") and ", 1 thread," in target.where
+    return one_thread_decode or one_thread_npc or target.target.startswith(("8 sessions", "runtime serve",
+                                                                            "Turbo LoRA, `order_json`"))
 
 
 def summary(results: dict, folder: Path) -> str:

@@ -46,10 +46,15 @@ import os
 import sys
 import time
 import urllib.request
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from local_server import runtime_serve
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "runtime" / "demo_assets"
@@ -57,7 +62,7 @@ DEMO_TASKS = ROOT / "tests" / "lm_eval"
 OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
-def demo_server():
+def demo_server() -> AbstractContextManager[str]:
     """``python -m runtime serve`` on the demo model and its adapters (see the docstring)."""
     return runtime_serve("--model", str(DEMO / "model.tflite"), "--served-model-name", "demo", "--byte-tokens",
                          "--stop-token", "10", "--adapters", str(DEMO / "adapters"), "--score-by-decode")
@@ -69,7 +74,7 @@ def served_models(base_url: str) -> list[str]:
         return [entry["id"] for entry in json.load(response)["data"]]
 
 
-def task_manager(tasks: list[str], include_path: Path | None):
+def task_manager(tasks: list[str], include_path: Path | None) -> TaskManager:
     """lm-eval's index of tasks: ``include_path``'s alone when it defines every one of
     ``tasks`` (indexing lm-eval's own thousands of task files takes 10-40 s), else both."""
     from lm_eval.tasks import TaskManager
@@ -81,7 +86,7 @@ def task_manager(tasks: list[str], include_path: Path | None):
     return TaskManager(include_path=str(include_path) if include_path else None)
 
 
-def evaluate(base_url: str, model: str, tasks: list[str], manager, limit: int | None, max_length: int,
+def evaluate(base_url: str, model: str, tasks: list[str], manager: TaskManager, limit: int | None, max_length: int,
              concurrent: int) -> dict[str, dict[str, float]]:
     """lm-eval's ``local-completions`` on ``model`` (a served name), the tasks looked up in
     ``manager`` (:func:`task_manager`), ``concurrent`` requests in flight: ``{task: {metric: value}}``."""
@@ -111,6 +116,7 @@ def table(scores: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: scores every model asked for, prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--base-url", help="a running server's /v1 URL (default: start one on the demo model)")
     parser.add_argument("--models", help="served names to score, comma-separated (default: every one listed)")
@@ -137,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextmanager
-def _given(base_url: str):
+def _given(base_url: str) -> Iterator[str]:
+    """A server the user started: its URL as given, nothing to stop."""
     yield base_url.rstrip("/")
 
 
