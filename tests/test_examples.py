@@ -1,10 +1,9 @@
 """The scripts in examples/ run on the demo model as a user runs them (a subprocess each,
-``python examples/X.py`` from the repository root), each in under 20 s (evaluate.py, whose
-lm-eval start-up alone takes 5-12 s on a shared box, in under 120 s and marked slow), and
-what they print means something: NPC answers equal fresh offline sessions, the translator's
-pinned hot-load is refused on a wrong digest and accepted on the right one, the client streams
-tokens and gets the answers the engine gives offline, lm-eval's table shows the uppercase
-adapter's skill on its generation task and on no other adapter."""
+``python examples/X.py`` from the repository root), each in under 20 s, and what they print
+means something: NPC answers equal fresh offline sessions, the translator's pinned hot-load
+is refused on a wrong digest and accepted on the right one, the client streams tokens and
+gets the answers the engine gives offline, lm-eval's table shows the uppercase adapter's
+skill on its generation task and on no other adapter."""
 
 from __future__ import annotations
 
@@ -26,9 +25,9 @@ NEWLINE = 10
 LIMIT_S = 20.0
 
 
-def run_example(name: str, *args: str, limit_s: float = LIMIT_S) -> str:
+def run_example(name: str, *args: str) -> str:
     """Runs ``examples/name`` as ``python examples/name ARGS`` from the repository root;
-    its stdout. Fails past ``limit_s``."""
+    its stdout. Fails past LIMIT_S."""
     # this checkout's runtime first, whatever is installed; the caller's path after it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     began = time.monotonic()
@@ -36,7 +35,7 @@ def run_example(name: str, *args: str, limit_s: float = LIMIT_S) -> str:
                           text=True, timeout=120)
     seconds = time.monotonic() - began
     assert done.returncode == 0, done.stderr
-    assert seconds < limit_s, f"{name} took {seconds:.1f} s"
+    assert seconds < LIMIT_S, f"{name} took {seconds:.1f} s"
     return done.stdout
 
 
@@ -116,14 +115,13 @@ def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(en
     assert "'deleted': True}; adapters now ['json', 'uppercase']" in out, out
 
 
-@pytest.mark.slow  # lm-eval's start-up (it imports torch and datasets) alone took 5-12 s on the shared box
 def test_evaluate_scores_each_adapter_with_lm_eval_through_the_server():
     try:
         pytest.importorskip("lm_eval.evaluator")  # the eval extra (tests/lm_eval/ alone imports as a namespace)
     except TypeError:  # lm-eval beside the export extra's typing-extensions: tests/test_serve_lm_eval.py says why
         pytest.skip("lm-eval cannot import here (typing-extensions older than 4.13)")
     pytest.importorskip("fastapi")
-    out = run_example("evaluate.py", "--models", "demo,uppercase", limit_s=120.0)
+    out = run_example("evaluate.py", "--models", "demo,uppercase")
     header = re.search(r"^model +demo_choice acc +demo_uppercase exact_match$", out, re.M)
     assert header, out
     rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out[header.end():].strip().splitlines()}
