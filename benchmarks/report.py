@@ -370,8 +370,8 @@ def _size(register_row: dict) -> float:
 def all_targets(results: dict, folder: Path) -> list[Target]:
     """Every target of the report: the model sets' (``results``), then those of the runs
     whose results lie in ``folder`` (serving, Turbo LoRA, Gemma 3)."""
-    return [*targets(results), *serve_targets(folder), *turbo_targets(folder), *turbo_task_targets(folder),
-            *gemma3_targets(folder)]
+    return [*targets(results), *serve_targets(folder), *npc_targets(folder), *turbo_targets(folder),
+            *turbo_task_targets(folder), *gemma3_targets(folder)]
 
 
 def file_source(path: Path, result: dict) -> str:
@@ -573,13 +573,15 @@ def headline(results: dict, folder: Path) -> str:
 
 def is_summary_row(target: Target) -> bool:
     """Whether a headline row belongs in the README's short table: one thread's plain decode
-    beside llama.cpp, eight sessions at once, serving, and Turbo LoRA on its task (greedy on
-    ``order_json``, sampled on the worked example's; the rest is on the benchmarks page)."""
+    beside llama.cpp, eight sessions at once, serving, the NPC tick at one thread, and Turbo LoRA
+    on its task (greedy on ``order_json``, sampled on the worked example's; the rest is on the
+    benchmarks page)."""
     if target.met is None:
         return False
     one_thread_decode = target.target.startswith("decode") and target.where.endswith(("1 thread, base", "1 thread, ours f32", "1 thread, ours int8"))
-    return one_thread_decode or target.target.startswith(("8 sessions", "runtime serve", "Turbo LoRA, `order_json`",
-                                                          "Turbo LoRA trained on its task (entities), sampled"))
+    one_thread_npc = target.target.startswith("NPC ticks/s") and ", 1 thread," in target.where
+    return one_thread_decode or one_thread_npc or target.target.startswith(
+        ("8 sessions", "runtime serve", "Turbo LoRA, `order_json`", "Turbo LoRA trained on its task (entities), sampled"))
 
 
 def summary(results: dict, folder: Path) -> str:
@@ -937,6 +939,38 @@ def serve_targets(folder: Path) -> list[Target]:
                    "every answer equal to offline",
                    f"SmolLM2-135M f32, {settings['clients']} streaming clients, {settings['adapters']} adapters",
                    measured, met, file_source(path, settings), headline=True)]
+
+
+def npc_targets(folder: Path) -> list[Target]:
+    """The NPC tick at real size (``npc_tick_smollm2.json``, written beside the report by
+    ``benchmarks/npc_tick.py``): at 16 NPCs, per side of ours and thread count, ticks/s at least
+    2x llama-server's (the median of the rounds' ratios), p99 tick latency below its p99, and
+    every answer of ours equal to the offline chain with no error (llama-server's equal
+    answers are shown: its q8_0 weights are not our int8 ones)."""
+    path = folder / "npc_tick_smollm2.json"
+    if not path.exists():
+        return []
+    result = json.loads(path.read_text())
+    rows, settings = result["rows"], result["settings"]
+    source = file_source(path, settings)
+    out = []
+    for row in sorted(rows, key=lambda r: (r["threads"], r["side"])):
+        theirs = next((r for r in rows if r["side"] == "llama-server" and r["threads"] == row["threads"]
+                       and r["npcs"] == row["npcs"]), None)
+        if row["npcs"] != 16 or row["side"] == "llama-server" or theirs is None:
+            continue
+        ratio = row["vs_llama_server_ticks_per_s"]
+        met = (ratio >= 2.0 and row["tick_ms_p99"] < theirs["tick_ms_p99"] and row["errors"] == 0
+               and row["equal"] == row["calls"])
+        measured = (f"{ratio:.2f}x ({row['ticks_per_s']:.1f} vs {theirs['ticks_per_s']:.1f} ticks/s), p99 "
+                    f"{row['tick_ms_p99'] / 1e3:.2f} vs {theirs['tick_ms_p99'] / 1e3:.2f} s, equal {row['equal']}/"
+                    f"{row['calls']} (llama-server {theirs['equal']}/{theirs['calls']}), load "
+                    f"{settings['load_average_at_start']:.0f}-{settings['load_average_at_end']:.0f}")
+        where = (f"SmolLM2-135M int8, {row['side']}, {row['threads']} thread{'s' if row['threads'] > 1 else ''}, "
+                 "3 trained adapters")
+        out.append(Target("NPC ticks/s at 16 NPCs >= 2x llama-server's, p99 tick latency lower, answers equal",
+                          where, measured, met, source, headline=True))
+    return out
 
 
 def turbo_targets(folder: Path) -> list[Target]:

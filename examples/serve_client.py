@@ -51,17 +51,15 @@ import hashlib
 import http.server
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import openai
+from local_server import runtime_serve
 from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,39 +68,15 @@ DEMO = ROOT / "runtime" / "demo_assets"
 
 @contextmanager
 def demo_server(folder: Path):
-    """``python -m runtime serve`` on the demo model and a free loopback port; yields its
-    base URL and stops it (Ctrl-C, as a user would) at the end."""
+    """``python -m runtime serve`` on the demo model, the ``uppercase`` and ``json`` adapters
+    copied into ``folder/adapters``; yields its base URL and stops it at the end."""
     adapters = folder / "adapters"
     adapters.mkdir()
     for name in ("uppercase", "json"):
         shutil.copyfile(DEMO / "adapters" / f"{name}.tflite", adapters / f"{name}.tflite")
-    command = [sys.executable, "-m", "runtime", "serve", "--model", str(DEMO / "model.tflite"), "--byte-tokens",
-               "--stop-token", "10", "--adapters", str(adapters), "--port", "0",
-               "--allow-download-from", "127.0.0.1"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        line = process.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:\d+/v1", line)
-        if not found:
-            raise SystemExit(f"error: the server did not start: {line!r}")
-        url = found.group(0)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        print(f"started: {' '.join(['python', *command[1:]])}\n  -> {line.strip()}")
+    with runtime_serve("--model", str(DEMO / "model.tflite"), "--byte-tokens", "--stop-token", "10",
+                       "--adapters", str(adapters), "--allow-download-from", "127.0.0.1") as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @contextmanager

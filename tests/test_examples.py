@@ -1,8 +1,9 @@
 """The scripts in examples/ run on the demo model as a user runs them (a subprocess each,
-``python examples/X.py`` from the repository root), each in under 20 s, and what they
-print means something: NPC answers equal fresh offline sessions, the translator's pinned
-hot-load is refused on a wrong digest and accepted on the right one, the client streams
-tokens and gets the answers the engine gives offline."""
+``python examples/X.py`` from the repository root), each in under 20 s, and what they print
+means something: NPC answers equal fresh offline sessions, the translator's pinned hot-load
+is refused on a wrong digest and accepted on the right one, the client streams tokens and
+gets the answers the engine gives offline, lm-eval's table shows the uppercase adapter's
+skill on its generation task and on no other adapter."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ LIMIT_S = 20.0
 def run_example(name: str, *args: str) -> str:
     """Runs ``examples/name`` as ``python examples/name ARGS`` from the repository root;
     its stdout. Fails past LIMIT_S."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's runtime, whatever is installed
+    # this checkout's runtime first, whatever is installed; the caller's path after it
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     began = time.monotonic()
     done = subprocess.run([sys.executable, f"examples/{name}", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -111,3 +113,19 @@ def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(en
     assert "'id': 'hot_no_vowels'" in out and "'healthy': True" in out, out
     assert f"model='hot_no_vowels' 'hello world' -> {offline(engine, prompt, 'no_vowels', 48)!r}" in out, out
     assert "'deleted': True}; adapters now ['json', 'uppercase']" in out, out
+
+
+def test_evaluate_scores_each_adapter_with_lm_eval_through_the_server():
+    try:
+        pytest.importorskip("lm_eval.evaluator")  # the eval extra (tests/lm_eval/ alone imports as a namespace)
+    except TypeError:  # lm-eval beside the export extra's typing-extensions: tests/test_serve_lm_eval.py says why
+        pytest.skip("lm-eval cannot import here (typing-extensions older than 4.13)")
+    pytest.importorskip("fastapi")
+    out = run_example("evaluate.py", "--models", "demo,uppercase")
+    header = re.search(r"^model +demo_choice acc +demo_uppercase exact_match$", out, re.M)
+    assert header, out
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in out[header.end():].strip().splitlines()}
+    assert set(rows) == {"demo", "uppercase"}, out
+    # The generation task is the uppercase adapter's skill: all of it there, none elsewhere.
+    assert [rows["demo"][1], rows["uppercase"][1]] == [0.0, 1.0], out
+    assert all(0.0 <= choice <= 1.0 for choice, _ in rows.values()), out

@@ -120,7 +120,7 @@ def test_the_summary_rows_are_headline_rows():
     headline = {tuple(row[:4]) for row in
                 _rows(_between(ROOT / "docs" / "benchmarks.md", report.HEADLINE_BEGIN, report.HEADLINE_END))}
     summary = _rows(_between(ROOT / "README.md", report.SUMMARY_BEGIN, report.SUMMARY_END))
-    assert 4 <= len(summary) <= 12
+    assert 4 <= len(summary) <= 16  # the README stays short: one table, a row per headline target kind
     assert all(tuple(row) in headline for row in summary)
 
 

@@ -20,7 +20,7 @@ too (PEFT's ``target_modules="all-linear"`` for this model). Each adapter is an 
 PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``) under
 ``$RUNTIME_CACHE/adapters/smollm2/<task>/`` (all-linear: ``<task>-all-linear/``), with
 ``training.json`` (hyper-parameters, loss curve, seconds) beside it. Fixed seeds; 2 torch
-threads.
+threads (``--threads``).
 """
 
 from __future__ import annotations
@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     train_parser.add_argument("--steps", type=int, help="optimizer steps (default: STEPS of the task)")
     train_parser.add_argument("--targets", choices=sorted(TARGET_MODULES), default="attention",
                               help="the projections LoRA is trained on (default: attention)")
+    train_parser.add_argument("--threads", type=int, default=TrainConfig.threads,
+                              help=f"torch threads (default: {TrainConfig.threads}; 1 on a box busy with other work, "
+                              "where two threads wait for each other at every operation)")
     args = parser.parse_args(argv)
 
     model_dir = prepare(tasks.hf_model_dir())
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(model_dir)
         return 0
     for name in args.task or list(tasks.TASKS):
-        cfg = TrainConfig(steps=args.steps or STEPS[name], targets=args.targets)
+        cfg = TrainConfig(steps=args.steps or STEPS[name], targets=args.targets, threads=args.threads)
         train(tasks.TASKS[name], model_dir, tasks.adapter_dir(name, args.targets), cfg)
     return 0
 
