@@ -397,7 +397,7 @@ def test_choosing_a_form_leaves_a_model_of_one_form(both, op_form):
     (or its standard form), no op-form subgraph and no pairing left."""
     from ai_edge_litert import schema_py_generated as schema
 
-    from runtime.util.attention_rewrite import select_attention_form
+    from runtime.util.model_view import select_attention_form
 
     data = np.frombuffer(both["gqa"].read_bytes(), np.uint8).copy()
     forms = attention_forms(data)

@@ -32,7 +32,8 @@ import numpy as np
 
 from runtime.errors import InternalError, InvalidArgumentError, UnimplementedError
 from runtime.executor import kernels
-from runtime.util.attention_rewrite import attention_forms, custom_codes, select_attention_form
+from runtime.util.attention_rewrite import attention_forms, custom_codes
+from runtime.util.model_view import select_attention_form
 
 _P = ctypes.c_void_p
 _SIZE = ctypes.c_size_t

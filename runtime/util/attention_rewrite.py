@@ -24,7 +24,7 @@ Two ways to write it (:func:`rewrite_decode_attention`):
   each, referenced from both), and every weight buffer: the file grows by the new operators
   and the two subgraph vectors, not by the weights. A metadata entry
   (:data:`FORMS_METADATA`) pairs each standard subgraph with its op form.
-  :func:`select_attention_form` then makes, in place and in a few bytes, the view a runtime
+  :func:`runtime.util.model_view.select_attention_form` then makes, in place and in a few bytes, the view a runtime
   opens: the op forms in the standard subgraphs' places, or the standard forms alone; either
   way the op-form subgraphs are cut off the subgraph vector, so LiteRT never compiles the
   form not chosen, and a reader that knows nothing of this (LiteRT-LM, the classic
@@ -185,40 +185,6 @@ def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
         raise InvalidArgumentError(f"{where} pairs subgraphs {sorted(pairs.items())} of {count}: expected "
                                    "the op forms to be the last subgraphs, one per standard one")
     return pairs
-
-
-def select_attention_form(model: np.ndarray, forms: dict[int, int], op_form: bool) -> None:
-    """Makes the writable bytes ``model`` of a model carrying both ``forms`` (from
-    :func:`attention_forms`) read as a model of one: the op forms in their standard
-    subgraphs' places (``op_form``) or the standard forms left as they are; the op-form
-    subgraphs cut off the end of the subgraph vector either way, and the pairing off the end
-    of the metadata vector (the result reads as a model of one form). Writes the two lengths
-    and, for the op form, one offset per paired subgraph: a few bytes, in place (a
-    copy-on-write mapping of the file copies the pages they are in). ``InvalidArgumentError``
-    when a signature names an op-form subgraph or the bytes cannot be patched so."""
-    root = schema.Model.GetRootAs(model, 0)
-    standard_count = min(forms.values())
-    for i in range(root.SignatureDefsLength()):
-        signature = root.SignatureDefs(i)
-        if signature.SubgraphIndex() >= standard_count:
-            raise InvalidArgumentError(f"signature {signature.SignatureKey().decode()!r} runs subgraph "
-                                       f"{signature.SubgraphIndex()}, an op form of {FORMS_METADATA}")
-    table = root._tab
-    vector = table.Vector(table.Offset(8))  # Model.subgraphs: the first element, its length 4 bytes before
-    view = memoryview(model).cast("B")
-    if op_form:
-        for standard, op in forms.items():
-            entry, op_entry = vector + 4 * standard, vector + 4 * op
-            target = op_entry + struct.unpack_from("<I", view, op_entry)[0]  # where the op form's table lies
-            if not 0 < target - entry < 2**32:
-                raise InvalidArgumentError(f"subgraph {op}'s table lies before the subgraph vector: the two forms "
-                                           "cannot be chosen between in place")
-            struct.pack_into("<I", view, entry, target - entry)
-    struct.pack_into("<I", view, vector - 4, standard_count)
-    entries = root.MetadataLength()
-    if root.Metadata(entries - 1).Name() != FORMS_METADATA.encode():
-        raise InvalidArgumentError(f"the {FORMS_METADATA} entry is not the last of the model's metadata")
-    struct.pack_into("<I", view, table.Vector(table.Offset(16)) - 4, entries - 1)  # Model.metadata's length
 
 
 def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, custom_code: int,

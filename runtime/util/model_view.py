@@ -41,10 +41,11 @@ from typing import Any
 import numpy as np
 
 from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
-from runtime.util.attention_rewrite import attention_forms, select_attention_form
+from runtime.util.attention_rewrite import FORMS_METADATA, attention_forms
 
 # Field numbers of the tflite schema's tables this module reads.
-_MODEL_OPERATOR_CODES, _MODEL_SUBGRAPHS, _MODEL_SIGNATURES = 1, 2, 7
+_MODEL_OPERATOR_CODES, _MODEL_SUBGRAPHS, _MODEL_METADATA, _MODEL_SIGNATURES = 1, 2, 6, 7
+_METADATA_NAME = 0
 _CODE_DEPRECATED, _CODE_BUILTIN = 0, 3  # OperatorCode.deprecated_builtin_code (int8), .builtin_code (int32)
 _SUBGRAPH_TENSORS, _SUBGRAPH_INPUTS, _SUBGRAPH_OUTPUTS, _SUBGRAPH_OPERATORS = 0, 1, 2, 3
 _OP_OPCODE, _OP_OPTIONS_2 = 0, 12  # Operator.opcode_index, .builtin_options_2
@@ -315,6 +316,38 @@ def patch_signatures(buf: Any, keys: Sequence[str], source: str = "<model>") -> 
         return written + 8
 
 
+def select_attention_form(model: Any, forms: dict[int, int], op_form: bool) -> None:
+    """Makes the writable bytes ``model`` of a model carrying both ``forms`` of decode
+    attention (:func:`runtime.util.attention_rewrite.attention_forms`) read as a model of
+    one: the op forms in their standard subgraphs' places (``op_form``) or the standard forms
+    left as they are; the op-form subgraphs cut off the end of the subgraph vector either way,
+    and the pairing off the end of the metadata vector. Writes the two lengths and, for the
+    op form, one offset per paired subgraph: a few bytes, in place (a copy-on-write mapping
+    copies the pages they are in). ``InvalidArgumentError`` when a signature names an op-form
+    subgraph or the bytes cannot be patched so."""
+    reader = _Reader(model)
+    root = reader.root()
+    standard_count = min(forms.values())
+    for key, subgraph in signature_keys(model).items():
+        if subgraph >= standard_count:
+            raise InvalidArgumentError(f"signature {key!r} runs subgraph {subgraph}, an op form of {FORMS_METADATA}")
+    first, _ = reader.vector(root, _MODEL_SUBGRAPHS)
+    if op_form:
+        for standard, op in forms.items():
+            entry, op_entry = first + 4 * standard, first + 4 * op
+            target = op_entry + _U32.unpack_from(model, op_entry)[0]  # where the op form's table lies
+            if not 0 < target - entry < 2**32:
+                raise InvalidArgumentError(f"subgraph {op}'s table lies before the subgraph vector: the two forms "
+                                           "cannot be chosen between in place")
+            _U32.pack_into(model, entry, target - entry)
+    _U32.pack_into(model, first - 4, standard_count)
+    entries = reader.tables(root, _MODEL_METADATA)
+    if not entries or reader.string(entries[-1], _METADATA_NAME) != FORMS_METADATA:
+        raise InvalidArgumentError(f"the {FORMS_METADATA} entry is not the last of the model's metadata")
+    metadata_first, _ = reader.vector(root, _MODEL_METADATA)
+    _U32.pack_into(model, metadata_first - 4, len(entries) - 1)
+
+
 @dataclass
 class ModelView:
     """A private, patched mapping of a model showing only :attr:`keys`: :attr:`data` is what
@@ -372,7 +405,7 @@ class ModelFile:
             try:
                 forms = attention_forms(data)
                 if forms:
-                    select_attention_form(np.frombuffer(data, np.uint8), forms, op_form=attention_op_form)
+                    select_attention_form(data, forms, op_form=attention_op_form)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"{self.path}: {exc.args[0]}") from None
         written = patch_signatures(data, keys, str(self.path))
