@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import mmap
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from runtime.components.lora import dora_output_scales, plan_adapter
 from runtime.errors import InvalidArgumentError, StatusError
-from runtime.executor.litert_executor import LlmExecutor
+from runtime.executor import kernels
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.weight_cache import default_max_bytes, survey, user_directory
 from runtime.adapters.adapter_data import AdapterData
@@ -19,6 +19,7 @@ from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lo
 from runtime.util.attention_rewrite import DECODE_ATTENTION, attention_forms, custom_codes
 from runtime.util.signature_names import LoraSlot
 from runtime.adapters.lora_xs import LoraXsFactors
+from runtime.util.model_view import ModelFile, signature_details
 from runtime.util.model_weights import ModelWeights
 
 
@@ -60,14 +61,13 @@ def run(args: argparse.Namespace) -> int:
         adapter = open_adapter(args.file)
     except StatusError as adapter_error:
         try:
-            executor = LlmExecutor(args.file)
+            model = _read_model(args.file)
         except StatusError as model_error:
             raise InvalidArgumentError(
                 f"{args.file} is neither a LoRA adapter ({adapter_error}) nor a model this "
                 f"runtime can run ({model_error})"
             ) from None
-        print(describe_model(args.file, executor.spec, executor.attention_kernel))
-        executor.close()
+        print(describe_model(args.file, *model))
         return 0
     with adapter:
         print(describe_adapter(adapter))
@@ -75,40 +75,53 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_fit(adapter_path: Path, model_path: Path) -> int:
-    executor = LlmExecutor(model_path)
-    try:
-        spec = executor.spec
-        lora_xs = LoraXsFactors(lambda: ModelWeights.open(model_path, str(model_path)))
-        with open_adapter(adapter_path, head_dim=spec.head_dim, lora_xs=lora_xs) as adapter:
-            print(describe_adapter(adapter))
-            plan = plan_adapter(adapter, spec.lora_slots)
-            touched = sorted({projection for _, projection in plan.pairs}, key=PROJECTIONS.index)
-            print(f"fits {model_path}: touches {'/'.join(touched)}; rank {plan.rank} goes in slot "
-                  f"{spec.slot_for(LoraSlot(plan.rank, plan.targets))}")
-            if plan.dora is not None:
-                scales = np.concatenate(list(dora_output_scales(plan).values()))
-                print(f"DoRA: magnitudes on {len(plan.pairs)} projections; output scales m / ||W + s B A|| from the "
-                      f"model's weights in [{scales.min():.4f}, {scales.max():.4f}] at scale 1")
-    finally:
-        executor.close()
+    spec = _read_model(model_path)[0]
+    lora_xs = LoraXsFactors(lambda: ModelWeights.open(model_path, str(model_path)))
+    with open_adapter(adapter_path, head_dim=spec.head_dim, lora_xs=lora_xs) as adapter:
+        print(describe_adapter(adapter))
+        plan = plan_adapter(adapter, spec.lora_slots)
+        touched = sorted({projection for _, projection in plan.pairs}, key=PROJECTIONS.index)
+        print(f"fits {model_path}: touches {'/'.join(touched)}; rank {plan.rank} goes in slot "
+              f"{spec.slot_for(LoraSlot(plan.rank, plan.targets))}")
+        if plan.dora is not None:
+            scales = np.concatenate(list(dora_output_scales(plan).values()))
+            print(f"DoRA: magnitudes on {len(plan.pairs)} projections; output scales m / ||W + s B A|| from the "
+                  f"model's weights in [{scales.min():.4f}, {scales.max():.4f}] at scale 1")
     return 0
 
 
-def _attention_form(path: Path, kernel_runs: bool) -> str:
-    """How the model's decode signatures compute attention (docs/kernels.md), and which
-    form runs here (``kernel_runs``: the runtime's op)."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        both, native = bool(attention_forms(mapped)), DECODE_ATTENTION in custom_codes(mapped)
+def _read_model(path: Path) -> tuple[ModelSpec, str]:
+    """A model's spec and how its decode attention runs here (:func:`_attention_form`), read
+    from the file's header as :class:`~runtime.executor.litert_executor.LlmExecutor` reads it:
+    nothing is compiled, so inspecting a model costs milliseconds, not an open."""
+    header = ModelFile(path).header()
+    if bytes(header[4:8]) != b"TFL3":
+        raise InvalidArgumentError(f"{path}: not a .tflite model (no TFL3 file identifier at byte 4)")
+    spec = ModelSpec.from_details(signature_details(header, source=str(path)), str(path))
+    return spec, _attention_form(path, header)
+
+
+def _attention_form(path: Path, header: memoryview) -> str:
+    """How the model's decode signatures compute attention (docs/kernels.md), and which form
+    this machine runs: a file of both forms runs the op where :func:`kernels.attention_form_here`
+    says so; a file of the op alone runs it where the kernel builds (else it cannot open)."""
+    both, native = bool(attention_forms(header)), DECODE_ATTENTION in custom_codes(header)
     kernel = f"native kernel ({DECODE_ATTENTION}: built with this machine's C compiler; this runtime only)"
     if both:
+        op_form, notice = kernels.attention_form_here(str(path))
+        if notice:  # why not the op, and what that costs, as opening the model would say
+            print(notice, file=sys.stderr)
         return (f"in both forms, xnnpack (standard ops) and {kernel}; this machine runs "
-                f"{'the native kernel' if kernel_runs else 'xnnpack'}")
-    return kernel if native else "xnnpack (standard ops)"
+                f"{'the native kernel' if op_form else 'xnnpack'}")
+    if native:
+        kernels.build_library()  # the open's refusal, naming why, where it cannot be built
+        return kernel
+    return "xnnpack (standard ops)"
 
 
-def describe_model(path: Path, spec: ModelSpec, kernel_runs: bool = False) -> str:
-    """A model's signatures and inputs, marking the LoRA inputs; ``kernel_runs``: whether
-    its decode attention runs in the runtime's op on this machine."""
+def describe_model(path: Path, spec: ModelSpec, attention: str) -> str:
+    """A model's signatures and inputs, marking the LoRA inputs; ``attention``: how its
+    decode attention runs on this machine (:func:`_read_model`)."""
     lines = [
         f"model {path} ({path.stat().st_size:,} bytes)",
         f"  layers {spec.num_layers}, vocab {spec.vocab_size}, KV cache {spec.kv_length} positions "
@@ -117,7 +130,7 @@ def describe_model(path: Path, spec: ModelSpec, kernel_runs: bool = False) -> st
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
         f"  LoRA slots {', '.join(map(str, spec.slots)) or 'none'}",
         f"  base weights map {_weights_map(path)}",
-        f"  decode attention {_attention_form(path, kernel_runs)}",
+        f"  decode attention {attention}",
     ]
     slots = [None, *spec.slots]
     batched = {slot: spec.batch_sizes(slot) for slot in slots if spec.batch_sizes(slot)}
