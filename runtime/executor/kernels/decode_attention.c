@@ -101,6 +101,12 @@ static inline v16 exp16(v16 x) {
   return (v16)((i16v)(p * (v16)bits) & ~below);
 }
 
+/* How far ahead the passes ask for cache lines (floats): the hardware's prefetcher stops at
+ * each 4 KB page, and a block of 16 K rows of 64 is one page. Measured at SmolLM2's shapes
+ * (benchmarks/experiments/kernel_probe/kernel_bench.c): the cold caches read at 60% of a
+ * plain read loop's rate without, 80-90% with. */
+#define K_PREFETCH 2048
+#define V_PREFETCH 256
 #define VPASS(HC)                                                                              \
   static void vpass_##HC(const float *Vg, const float *scores, int T, int S, int D, int lo,     \
                          int n, float *og) {                                                   \
@@ -111,6 +117,8 @@ static inline v16 exp16(v16 x) {
       for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (v16){0};                   \
       int i = 0;                                                                               \
       for (; i + 16 <= n; i += 16) {                                                           \
+        __builtin_prefetch(v0 + i + V_PREFETCH); __builtin_prefetch(v1 + i + V_PREFETCH);       \
+        __builtin_prefetch(v2 + i + V_PREFETCH); __builtin_prefetch(v3 + i + V_PREFETCH);       \
         v16 x0 = load16(v0 + i), x1 = load16(v1 + i), x2 = load16(v2 + i), x3 = load16(v3 + i); \
         for (int h = 0; h < HC; h++) {                                                         \
           v16 p = load16(scores + h * S + lo + i);                                             \
@@ -139,11 +147,47 @@ VPASS(1) VPASS(2) VPASS(3) VPASS(4) VPASS(5) VPASS(6) VPASS(7) VPASS(8)
 typedef void (*vpass_fn)(const float *, const float *, int, int, int, int, int, float *);
 static const vpass_fn VPASSES[9] = {0, vpass_1, vpass_2, vpass_3, vpass_4, vpass_5, vpass_6, vpass_7, vpass_8};
 
+/* The sums of 16 vectors' lanes as one vector (lane j: the sum of a[j]'s lanes), by a tree
+ * of interleaving halvings: 30 shuffles and 15 adds for 16 sums, where 16 separate
+ * reductions take 64 of each and 16 scalar stores. */
+static inline v16 sums16(const v16 *a) {
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; i++)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
 #define KPASS(DC)                                                                              \
   static void kpass_##DC(const float *qg, const float *Kg, int H, int lo, int hi, float scale, \
                          float *scores, int S) {                                               \
     enum { C = DC / 16 };                                                                      \
-    for (int t = lo; t <= hi; t++) { /* each K row read once, for all the group's heads */     \
+    int t = lo;                                                                                \
+    /* 16 positions at a time: their K rows (in L1 after the first head) dotted with each    \
+     * head, the 16 sums reduced together and stored as one vector */                         \
+    for (; t + 16 <= hi + 1; t += 16) {                                                        \
+      const float *kb = Kg + (size_t)t * DC;                                                   \
+      for (int h = 0; h < H; h++) {                                                            \
+        const float *qh = qg + h * DC;                                                         \
+        v16 acc[16];                                                                           \
+        for (int j = 0; j < 16; j++) {                                                         \
+          const float *k0 = kb + (size_t)j * DC;                                               \
+          if (h == 0)                                                                          \
+            for (int c = 0; c < C; c++) __builtin_prefetch(k0 + K_PREFETCH + 16 * c);          \
+          v16 e = load16(qh) * load16(k0);                                                     \
+          for (int c = 1; c < C; c++) e += load16(qh + 16 * c) * load16(k0 + 16 * c);          \
+          acc[j] = e;                                                                          \
+        }                                                                                      \
+        *(v16 *)(scores + h * S + t) = sums16(acc) * scale;                                    \
+      }                                                                                        \
+    }                                                                                          \
+    for (; t <= hi; t++) { /* the last positions: each K row once for all the heads */         \
       const float *k0 = Kg + (size_t)t * DC;                                                   \
       v16 kv[C];                                                                               \
       for (int c = 0; c < C; c++) kv[c] = load16(k0 + 16 * c);                                 \

@@ -1,0 +1,86 @@
+/* The decode-attention kernel alone, on cold caches, against a plain read of the bytes it reads.
+ *
+ * Built and run by kernel_bench.py (the runtime's compiler and flags); by hand:
+ *   cc -O3 -mavx512f -mavx2 -mfma -DKERNEL='"runtime/executor/kernels/decode_attention.c"' \
+ *      benchmarks/experiments/kernel_probe/kernel_bench.c -o /tmp/kernel_bench -lm
+ *   /tmp/kernel_bench SPAN POSITION [ROUNDS]   -> "kernel_ms read_ms" (best of ROUNDS)
+ *
+ * 30 layers at SmolLM2-135M's shapes (3 KV groups x 3 query heads x 64), each its own K and V
+ * cache of SPAN positions in the transposed layout, the mask open up to POSITION. Before
+ * every timed round 1 GiB is read, so that the caches come from memory as they do in a decode
+ * step (the weights pass through the CPU's caches between two steps' attention). The read
+ * loop reads exactly the bytes the kernel reads (positions 0..POSITION of every K and V row). */
+#include <float.h>
+#include <stdio.h>
+#include <time.h>
+#include KERNEL
+
+typedef struct { float *data; TensorType type; size_t bytes; } Fake; /* a LiteRT tensor buffer's stand-in */
+static Status host_memory(Buffer b, void **p) { *p = ((Fake *)b)->data; return 0; }
+static Status tensor_type(Buffer b, TensorType *t) { *t = ((Fake *)b)->type; return 0; }
+static Status size(Buffer b, size_t *s) { *s = ((Fake *)b)->bytes; return 0; }
+
+static Fake *tensor(int rank, const int *dims) {
+  Fake *f = calloc(1, sizeof(Fake));
+  size_t n = 1;
+  f->type.element = 1;
+  f->type.layout.bits = rank;
+  for (int i = 0; i < rank; i++) n *= (size_t)(f->type.layout.dims[i] = dims[i]);
+  f->bytes = n * 4;
+  f->data = aligned_alloc(64, (n * 4 + 63) / 64 * 64);
+  for (size_t i = 0; i < n; i++) f->data[i] = (float)((i * 2654435761u) % 1000) / 1000.f - 0.5f;
+  return f;
+}
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 3) { fprintf(stderr, "usage: %s SPAN POSITION [ROUNDS]\n", argv[0]); return 2; }
+  enum { L = 30, G = 3, H = 3, D = 64 };
+  const int T = atoi(argv[1]), pos = atoi(argv[2]), rounds = argc > 3 ? atoi(argv[3]) : 15;
+  Context context = {0, host_memory, tensor_type, size};
+  const int qd[4] = {1, G, H, D}, kd[4] = {1, G, T, D}, vd[4] = {1, G, D, T}, md[1] = {T}, pd[1] = {4};
+  Fake *q = tensor(4, qd), *mask = tensor(1, md), *params = tensor(1, pd), *out = tensor(4, qd);
+  for (int i = 0; i < T; i++) mask->data[i] = i <= pos ? 0.f : -FLT_MAX;
+  params->data[0] = 0.125f, params->data[1] = 0.f;
+  Buffer in[L][5], outs[1] = {out};
+  for (int l = 0; l < L; l++) {
+    in[l][0] = q, in[l][1] = mask, in[l][2] = params, in[l][3] = tensor(4, kd), in[l][4] = tensor(4, vd);
+  }
+  const size_t flush_n = (size_t)1 << 28;
+  float *flush = malloc(flush_n * 4), sink = 0;
+  for (size_t i = 0; i < flush_n; i++) flush[i] = 1;
+  double kernel = 1e9, read = 1e9;
+  for (int r = 0; r < rounds; r++) {
+    for (size_t i = 0; i < flush_n; i += 16) sink += flush[i];
+    double t0 = now();
+    for (int l = 0; l < L; l++) {
+      if (attention_run(&context, 5, in[l], 1, outs)) { fprintf(stderr, "kernel failed: %lld\n", (long long)context.error); return 1; }
+      sink += out->data[0];
+    }
+    double t = now() - t0;
+    kernel = t < kernel ? t : kernel;
+    for (size_t i = 0; i < flush_n; i += 16) sink += flush[i];
+    t0 = now();
+    for (int l = 0; l < L; l++) {
+      const float *K = ((Fake *)in[l][3])->data, *V = ((Fake *)in[l][4])->data;
+      v16 a = {0}, b = {0};
+      for (int g = 0; g < G; g++)
+        for (size_t i = (size_t)g * T * D; i + 32 <= (size_t)g * T * D + (size_t)(pos + 1) * D; i += 32)
+          a += load16(K + i), b += load16(K + i + 16);
+      for (int row = 0; row < G * D; row++)
+        for (int i = 0; i + 32 <= pos + 1; i += 32)
+          a += load16(V + (size_t)row * T + i), b += load16(V + (size_t)row * T + i + 16);
+      sink += hsum16(a + b);
+    }
+    t = now() - t0;
+    read = t < read ? t : read;
+  }
+  printf("%.4f %.4f\n", kernel * 1e3, read * 1e3);
+  fprintf(stderr, "(%g)\n", sink);
+  return 0;
+}
