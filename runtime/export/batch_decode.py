@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export.families.common import causal_mask
 from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: gemma3_steps.py
 from runtime.export.dora import check_dora, fused_qkv_scale, scaled_linear
 from runtime.export.litert import bmm_4d, kv_utils, rotary_position_embedding
@@ -138,7 +139,7 @@ class BatchDecode(nn.Module):
         cos, sin = config.build_rope(input_pos, n_elem, attn_config.rotary_base)  # [1, B * T, n/2]
         rope = (cos.reshape(batch, 1, length, -1), sin.reshape(batch, 1, length, -1))  # [B, heads, T, n/2]
         span = self._span(kv_cache)
-        mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :span].reshape(batch, 1, length, span)
+        mask = causal_mask(input_pos, span).reshape(batch, 1, length, span)
         masks = [mask[row:row + 1] for row in range(batch)]  # each row's, sliced once for all layers
         updated: dict[str, torch.Tensor] = {}
         for layer, block in enumerate(model.transformer_blocks):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export.families.common import causal_mask
 from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: gemma3_steps.py
 from runtime.export.litert import attention, export_config as export_cfg, kv_utils, model_builder
 from runtime.export.litert import rotary_position_embedding, sdpa_with_kv_update
@@ -175,7 +176,7 @@ class AllLinearStep(nn.Module):
             x = x * config.embedding_scale
         rope = config.build_rope(input_pos, int(attn_config.rotary_percentage * attn_config.head_dim),
                                  attn_config.rotary_base)
-        mask = model.mask_cache.index_select(2, input_pos)[:, :, :, :kv_cache.get_max_seq_len()]
+        mask = causal_mask(input_pos, kv_cache.get_max_seq_len())[None, None]
         entries = []
         for layer, block in enumerate(model.transformer_blocks):
             x_norm = block.pre_atten_norm(x)

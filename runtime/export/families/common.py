@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import torch
@@ -163,6 +164,15 @@ def rope_from_table(
     if scaling != 1.0:
         cos, sin = cos * scaling, sin * scaling
     return cos.unsqueeze(0), sin.unsqueeze(0)
+
+
+def causal_mask(input_pos: torch.Tensor, span: int) -> torch.Tensor:
+    """The additive causal mask ``[T, span]`` of queries at ``input_pos`` over the cache's
+    first ``span`` positions: 0 up to each query's position, -inf after. Computed in the graph
+    from the positions, where litert-torch's mask is a ``[kv_length, kv_length]`` float32
+    constant rows are gathered from (64 MiB in the file at 4,096 positions)."""
+    positions = torch.arange(span, dtype=input_pos.dtype)
+    return torch.where(positions[None, :] > input_pos[:, None], -math.inf, 0.0)
 
 
 def load_weights(model: nn.Module, hf_model: Any, names: loading.ModelLoader.TensorNames) -> None:

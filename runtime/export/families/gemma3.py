@@ -26,8 +26,8 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.families.common import (
-    attention_config, decoder_config, gated_feed_forward, head_dim_of, load_weights, rms_norm, rope_from_table,
-    rope_table,
+    attention_config, causal_mask, decoder_config, gated_feed_forward, head_dim_of, load_weights, rms_norm,
+    rope_from_table, rope_table,
 )
 from runtime.export.litert import attention, builder, cfg, kv_utils, lora_utils
 from runtime.export.litert import export_config as export_cfg
@@ -92,11 +92,7 @@ class Gemma3Decoder(nn.Module):
         self.final_norm = builder.build_norm(config.embedding_dim, config.final_norm_config)
         self.layer_types = layer_types
         self.rope_tables = rope_tables
-        kv_length = config.max_seq_len
-        future = torch.triu(torch.ones(kv_length, kv_length, dtype=torch.bool), diagonal=1)
-        self.register_buffer("causal_mask", torch.zeros(kv_length, kv_length).masked_fill(future, -math.inf),
-                             persistent=False)
-        self.register_buffer("kv_positions", torch.arange(kv_length, dtype=torch.int32), persistent=False)
+        self.register_buffer("kv_positions", torch.arange(config.max_seq_len, dtype=torch.int32), persistent=False)
 
     @torch.inference_mode()
     def forward(
@@ -142,7 +138,7 @@ class Gemma3Decoder(nn.Module):
         """Per attention type, the additive mask ``[T, span]`` of queries at ``input_pos``
         over the cache's first ``span`` positions: causal, and on sliding-window layers
         positions ``sliding_window`` or more behind the query masked too."""
-        causal = self.causal_mask.index_select(0, input_pos)[:, :span]
+        causal = causal_mask(input_pos, span)
         masks = {}
         for kind in self.rope_tables:
             window = self.config.block_config(self.layer_types.index(kind)).attn_config.sliding_window_size
