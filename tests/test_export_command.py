@@ -94,6 +94,15 @@ def test_prefill_longer_than_the_kv_cache_and_no_output(tmp_path: Path, source: 
     refused(export(source), "give --out MODEL.tflite, --bundle MODEL.litertlm or both")
 
 
+def test_the_kv_length_defaults_to_the_models_context(tmp_path: Path, source: Path) -> None:
+    """The test checkpoint states 256 positions (max_position_embeddings): without --kv-length
+    the cache is that long, so a longer prefill is refused naming it."""
+    refused(export(source, "--out", tmp_path / "m.tflite", "--prefill-lengths", "8,300"),
+            "prefill_lengths [300] exceed kv_length=256")
+    refused(export(source, "--out", tmp_path / "m.tflite", "--prefill-windows", "nonsense"),
+            "--prefill-windows 'nonsense': expected comma-separated integers")
+
+
 def test_a_memory_budget_the_model_cannot_fit_and_bad_jobs(tmp_path: Path, source: Path) -> None:
     refused(export(source, "--out", tmp_path / "m.tflite", "--max-memory", "0.5"),
             "needs about 2.3 GB to export, more than the 0.5 GB of --max-memory")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.errors import InvalidArgumentError
-from runtime.export.settings import QUANTIZATIONS, ExportSettings
+from runtime.export.settings import QUANTIZATIONS, ExportSettings, default_kv_length
 
 
 def test_defaults_and_recipe_names() -> None:
@@ -27,6 +27,20 @@ def test_which_exports_get_the_attention_op_form(kernel: str, layout: str, op_fo
     layout (transposed); the default layout keeps the standard form alone."""
     assert ExportSettings().attention_kernel == "auto"
     assert ExportSettings(attention_kernel=kernel, kv_layout=layout).op_form is op_form
+
+
+@pytest.mark.parametrize("context, kv_length", [(8192, 4096), (131072, 4096), (2048, 2048), (256, 256), (None, 4096)])
+def test_the_default_kv_length_is_the_models_context_up_to_4096(context: int | None, kv_length: int) -> None:
+    assert default_kv_length(context) == kv_length
+
+
+@pytest.mark.parametrize("settings, windows", [
+    ({}, (1024,)), ({"kv_length": 2048}, (1024,)), ({"kv_length": 1024}, ()), ({"kv_length": 256}, ()),
+    ({"kv_length": 4096, "prefill_lengths": (2048,)}, ()), ({"kv_length": 4096, "prefill_windows": ()}, ()),
+    ({"kv_length": 4096, "prefill_windows": (128,)}, (128,)),
+])
+def test_a_cache_longer_than_1024_gets_a_prefill_window_of_1024_unless_told(settings: dict, windows: tuple) -> None:
+    assert ExportSettings(**settings).prefill_windows == windows
 
 
 @pytest.mark.parametrize("kv_length, lengths", [

@@ -24,6 +24,21 @@ def test_a_gguf_file(tmp_path: Path) -> None:
     assert (source.model_type, source.gguf_file, source.directory) == ("llama", "tiny.gguf", tmp_path)
 
 
+def test_the_context_length_a_source_states(tmp_path: Path) -> None:
+    """What `runtime export`'s default KV length comes from: config.json's max_position_embeddings
+    (a multimodal config's text_config's), a GGUF file's {architecture}.context_length."""
+    assert inspect_source(write_llama_gguf(tmp_path / "tiny.gguf")).context_length == 256
+    directory = write_llama_directory(tmp_path / "llama", tokenizer=False)
+    assert inspect_source(directory).context_length == 256
+    config = json.loads((directory / "config.json").read_text())
+    del config["max_position_embeddings"]
+    for stated, expected in (({}, None), ({"max_position_embeddings": 0}, None),
+                             ({"max_position_embeddings": "8192"}, None),
+                             ({"text_config": {"max_position_embeddings": 32768}}, 32768)):
+        (directory / "config.json").write_text(json.dumps({**config, **stated}))
+        assert inspect_source(directory).context_length == expected, stated
+
+
 def test_missing_path_and_missing_config(tmp_path: Path) -> None:
     with pytest.raises(NotFoundError, match="no such file or directory"):
         inspect_source(tmp_path / "nothing")

@@ -18,8 +18,9 @@ from runtime.cli.progress import progress_bar
 from runtime.errors import InvalidArgumentError
 from runtime.export.budget import GB, plan
 from runtime.export.outputs import check_targets
-from runtime.export.settings import (ATTENTION_KERNELS, KV_LAYOUTS, LORA_TARGETS, NATIVE_BUNDLE, QUANTIZATIONS,
-                                     ExportSettings, precision_name)
+from runtime.export.settings import (ATTENTION_KERNELS, DEFAULT_PREFILL_WINDOW, KV_LAYOUTS, LORA_TARGETS,
+                                     MAX_DEFAULT_KV_LENGTH, NATIVE_BUNDLE, QUANTIZATIONS, ExportSettings,
+                                     default_kv_length, precision_name)
 from runtime.export.source import inspect_source, supported_architectures
 from runtime.util.native_logs import muted_native_logs
 
@@ -50,7 +51,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="DoRA slots for PEFT use_dora adapters, e.g. 8: all-linear slots whose projections also "
                         "take an output scale, in prefill, decode and attention-window signatures (Llama, Qwen2, "
                         "Qwen3; default: none)")
-    parser.add_argument("--kv-length", type=int, default=defaults.kv_length, help="KV-cache positions")
+    parser.add_argument("--kv-length", type=int, default=None,
+                        help=f"KV-cache positions: the longest context a session holds (default: the model's "
+                        f"context, up to {MAX_DEFAULT_KV_LENGTH:,})")
     parser.add_argument("--prefill-lengths", default=None, metavar="L,L,...",
                         help="prefill signature lengths (default: 32, 128 and 512, those up to half --kv-length)")
     parser.add_argument("--quantize", default=defaults.quantize, metavar="Q[,Q,...]",
@@ -78,10 +81,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="extra decode signatures (single and batched) attending over the cache's first W "
                         "positions only: faster while a session is short (e.g. 128,512); with --verify-lengths "
                         "also verify{L} signatures attending over W")
-    parser.add_argument("--prefill-windows", default="", metavar="W,W,...",
+    parser.add_argument("--prefill-windows", default=None, metavar="W,W,...",
                         help="extra prefill signatures (every prefill length up to W) attending over the cache's "
                         "first W positions only: a prompt's chunks ending below W do not pay for the whole cache "
-                        "(e.g. 128; each window costs export time like a prefill length per LoRA slot)")
+                        f"(each window costs export time like a prefill length per LoRA slot). Default: "
+                        f"{DEFAULT_PREFILL_WINDOW} where the KV length is longer; 'none' for no windows")
     parser.add_argument("--verify-lengths", default="", metavar="L,L,...",
                         help="verify{L} signatures (per LoRA slot and plain): L tokens at once with logits and final "
                         "hidden states at all L, which speculative decoding with an adapter's draft heads (Turbo "
@@ -150,11 +154,12 @@ def run(args: argparse.Namespace) -> int:
                                    "--attention-kernel xnnpack")
     outputs = [(quantize, output_path("--out", args.out, quantize, quantizations),
                 output_path("--bundle", args.bundle, quantize, quantizations)) for quantize in quantizations]
+    source = inspect_source(args.source)
     settings = ExportSettings(
         lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
         lora_targets=args.lora_targets,
         dora_ranks=parse_integers("--dora-ranks", args.dora_ranks),
-        kv_length=args.kv_length,
+        kv_length=default_kv_length(source.context_length) if args.kv_length is None else args.kv_length,
         prefill_lengths=None if args.prefill_lengths is None
         else parse_integers("--prefill-lengths", args.prefill_lengths),
         quantize=quantizations[0],
@@ -164,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
         batch_lora_ranks=None if args.batch_lora_ranks is None
         else parse_integers("--batch-lora-ranks", args.batch_lora_ranks),
         attention_windows=parse_integers("--attention-windows", args.attention_windows),
-        prefill_windows=parse_integers("--prefill-windows", args.prefill_windows),
+        prefill_windows=None if args.prefill_windows is None
+        else () if args.prefill_windows.strip().lower() == "none"
+        else parse_integers("--prefill-windows", args.prefill_windows),
         verify_lengths=parse_integers("--verify-lengths", args.verify_lengths),
         score_lengths=parse_integers("--score-lengths", args.score_lengths),
         attention_kernel=args.attention_kernel,
@@ -173,7 +180,6 @@ def run(args: argparse.Namespace) -> int:
     check_targets(targets)
     if args.report is not None and not args.report.parent.is_dir():
         raise InvalidArgumentError(f"--report {args.report}: the directory {args.report.parent} does not exist")
-    source = inspect_source(args.source)
     max_memory = None if args.max_memory is None else int(args.max_memory * GB)
     plan(source.parameters, args.jobs, max_memory)  # a model that cannot fit is refused before torch is imported
     # torch and the converter log natively (fd 2) and through Python (import-time warnings,

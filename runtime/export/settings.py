@@ -34,6 +34,29 @@ def precision_name(quantize: str) -> str:
 
 
 LORA_TARGETS = ("attention", "all-linear")
+# The KV length an export has unless told otherwise: the model's own context, up to this. A
+# session pays for the positions it has filled, not for the whole cache, where decode attention
+# runs in the runtime's op (docs/kernels.md); the cache's memory is the whole length's.
+MAX_DEFAULT_KV_LENGTH = 4096
+
+
+# The prefill window an export with a longer cache gets unless told otherwise: prefill attends
+# in standard ops over every position its signature spans, so without it a prompt's first
+# chunks in a 4,096-position cache take 1.5-3x their time in a 1,024 one (SmolLM2-135M).
+DEFAULT_PREFILL_WINDOW = 1024
+
+
+def default_prefill_windows(kv_length: int, prefill_lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """The prefill windows of an export that asks for none: :data:`DEFAULT_PREFILL_WINDOW`
+    where the cache is longer and a prefill length fits in it, else none."""
+    fits = kv_length > DEFAULT_PREFILL_WINDOW and min(prefill_lengths, default=kv_length) <= DEFAULT_PREFILL_WINDOW
+    return (DEFAULT_PREFILL_WINDOW,) if fits else ()
+
+
+def default_kv_length(context_length: int | None) -> int:
+    """The KV length of an export of a model made for ``context_length`` positions (None:
+    unknown) when none is asked for: that context, up to :data:`MAX_DEFAULT_KV_LENGTH`."""
+    return min(context_length or MAX_DEFAULT_KV_LENGTH, MAX_DEFAULT_KV_LENGTH)
 # The prefill lengths an export has unless told otherwise: those up to half the KV length.
 STANDARD_PREFILL_LENGTHS = (32, 128, 512)
 
@@ -74,10 +97,11 @@ class ExportSettings:
     # signatures ("..._lora_dora_r{R}"; Llama, Qwen2, Qwen3). Empty: none. A DoRA session runs
     # alone, never in a batched signature.
     dora_ranks: tuple[int, ...] = ()
-    # KV-cache positions: the longest context a session can hold.
-    kv_length: int = 1024
+    # KV-cache positions: the longest context a session can hold. `runtime export` gives
+    # default_kv_length(the model's context) when --kv-length is not set.
+    kv_length: int = MAX_DEFAULT_KV_LENGTH
     # Token counts of the prefill signatures (a prompt is cut into chunks of these); None:
-    # default_prefill_lengths(kv_length), (32, 128, 512) for the default KV length.
+    # default_prefill_lengths(kv_length), (32, 128, 512) for a KV length of 1,024 or more.
     prefill_lengths: tuple[int, ...] | None = None
     # A key of QUANTIZATIONS: "none" keeps float32 weights, "int8" is dynamic-range int8.
     quantize: str = "none"
@@ -99,8 +123,9 @@ class ExportSettings:
     # Spans of the cache that extra prefill signatures attend over (each < kv_length), for
     # the prefill lengths up to each: a chunk of T tokens ending below W attends over W
     # positions, not kv_length (a prompt's first chunks: a short prompt does not pay for
-    # the whole cache). Each window costs export time like a prefill length per slot.
-    prefill_windows: tuple[int, ...] = ()
+    # the whole cache). Each window costs export time like a prefill length per slot. None:
+    # default_prefill_windows(kv_length, prefill_lengths), (1024,) for a longer cache.
+    prefill_windows: tuple[int, ...] | None = None
     # Token counts of the verify signatures (``verify{L}[_lora_r{R}]``, one per LoRA slot
     # and one plain): L tokens at L consecutive positions returning logits and final hidden
     # states at all L, what speculative decoding with an adapter's draft heads (Turbo LoRA)
@@ -122,6 +147,8 @@ class ExportSettings:
             raise InvalidArgumentError(f"kv_length={self.kv_length!r}: expected an integer >= 2")
         if self.prefill_lengths is None:  # frozen: set once, here
             object.__setattr__(self, "prefill_lengths", default_prefill_lengths(self.kv_length))
+        if self.prefill_windows is None and isinstance(self.prefill_lengths, tuple):
+            object.__setattr__(self, "prefill_windows", default_prefill_windows(self.kv_length, self.prefill_lengths))
         for name in ("lora_ranks", "dora_ranks", "prefill_lengths", "batch_sizes", "batch_lora_ranks",
                      "attention_windows", "prefill_windows", "verify_lengths", "score_lengths"):
             values = getattr(self, name)

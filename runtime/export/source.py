@@ -40,6 +40,9 @@ class Source:
     gguf_file: str | None
     # The number of weights (from the files' headers): what the export's memory scales with.
     parameters: int
+    # The longest context the checkpoint was made for (config.json's max_position_embeddings,
+    # a GGUF file's {architecture}.context_length); None where the source does not say.
+    context_length: int | None = None
 
     @property
     def directory(self) -> Path:
@@ -89,7 +92,11 @@ def _inspect_directory(path: Path) -> Source:
     if not weights:
         raise NotFoundError(f"{path}: no *.safetensors weights (other weight formats are not read)")
     parameters = sum(_safetensors_parameters(file) for file in weights)
-    return Source(path=path, model_type=model_type, gguf_file=None, parameters=parameters)
+    text_config = config.get("text_config")  # multimodal checkpoints (Gemma 3) keep the text model's apart
+    context = config.get("max_position_embeddings", text_config.get("max_position_embeddings")
+                         if isinstance(text_config, dict) else None)
+    return Source(path=path, model_type=model_type, gguf_file=None, parameters=parameters,
+                  context_length=_positive_int(context))
 
 
 def _safetensors_parameters(file: Path) -> int:
@@ -123,7 +130,13 @@ def _inspect_gguf(path: Path) -> Source:
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: {supported_architectures()}"
         )
     parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
-    return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters)
+    return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters,
+                  context_length=_positive_int(fields.get(f"{architecture}.context_length")))
+
+
+def _positive_int(value: object) -> int | None:
+    """``value`` when it is a positive integer (a context length as a source states it), else None."""
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _contents(field: object) -> object:
