@@ -23,6 +23,7 @@ from runtime.executor.batch_plan import DecodeRow, plan_decode
 from runtime.executor.litert_executor import Binding, DecodeStep, ExecutorSettings, LlmExecutor, prefill_chunks
 from runtime.executor.weight_cache import WeightCacheFile, survey
 from runtime.adapters.lora_data import LoraData
+from runtime.util.model_view import ModelFile
 from runtime.util.signature_names import LoraSlot
 
 TOL = 1e-4
@@ -428,18 +429,18 @@ def test_prepare_compiles_a_group_once_before_any_step_needs_it(tmp_path, weight
 
 
 def test_closing_while_a_group_compiles_drops_the_compiled_group(tmp_path, monkeypatch):
-    real = litert_executor.NativeModel
-    compiling, release = threading.Event(), threading.Event()
-    compiled = []
+    # The gate is the group's view, made before the compile proper: the compile (and close,
+    # which mutes the library's logs the same way) hold the lock of fd 2 while they run.
+    real = ModelFile.view
+    viewing, release = threading.Event(), threading.Event()
 
-    def gated(*args, **kwargs):
-        if "lora_r16" in kwargs["name"]:
-            compiling.set()
+    def gated(model_file: ModelFile, keys, **kwargs):
+        if "decode_lora_r16" in keys:
+            viewing.set()
             release.wait(30)
-        compiled.append(real(*args, **kwargs))
-        return compiled[-1]
+        return real(model_file, keys, **kwargs)
 
-    monkeypatch.setattr(litert_executor, "NativeModel", gated)
+    monkeypatch.setattr(ModelFile, "view", gated)
     executor = _on_demand(tmp_path)
     outcome: list[BaseException | None] = []
 
@@ -453,7 +454,7 @@ def test_closing_while_a_group_compiles_drops_the_compiled_group(tmp_path, monke
     thread = threading.Thread(target=prepare)
     thread.start()
     try:
-        assert compiling.wait(30)
+        assert viewing.wait(30)
         executor.close()  # while the group compiles
     finally:
         release.set()
