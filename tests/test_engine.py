@@ -9,13 +9,12 @@ from collections.abc import Callable
 
 import pytest
 
-from conftest import MODEL_FILES, adapter_path
+from conftest import MODEL_FILES, adapter_path, gate_group_view
 from runtime import Engine, EngineSettings, LoraSource, Lru, OnlyActive, SessionConfig
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from runtime.executor import litert_executor
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.weight_cache import survey
-from runtime.util.model_view import ModelFile
 
 
 def test_register_unload_and_sessions():
@@ -314,22 +313,13 @@ def test_a_request_racing_the_background_compile_waits_for_it(tmp_path, monkeypa
 
 
 def test_closing_during_a_background_compile_is_clean(tmp_path, monkeypatch, caplog):
-    # The gate is the group's view, made before the compile proper: the compile and the
-    # executor's close hold the lock of the muted fd 2 while they run.
-    real_view, real_close = ModelFile.view, LlmExecutor.close
-    viewing, release = threading.Event(), threading.Event()
-
-    def gated(model_file: ModelFile, keys, **kwargs):
-        if "decode_lora_r4" in keys:
-            viewing.set()
-            release.wait(60)
-        return real_view(model_file, keys, **kwargs)
+    viewing, release = gate_group_view(monkeypatch, "decode_lora_r4")
+    real_close = LlmExecutor.close
 
     def closed_then_compiled(executor: LlmExecutor) -> None:
         real_close(executor)
         release.set()  # the gated compile goes on after its executor closed
 
-    monkeypatch.setattr(ModelFile, "view", gated)
     monkeypatch.setattr(LlmExecutor, "close", closed_then_compiled)
     engine = Engine(MODEL_FILES["transposed"], EngineSettings(weight_cache_dir=tmp_path))
     try:

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, MODELS, adapter_deltas, adapter_path
+from conftest import MODEL_FILES, MODELS, adapter_deltas, adapter_path, gate_group_view
 from reference_model import reference_logits
 from runtime.components.lora import LoRA, plan_adapter
 from runtime.errors import (
@@ -23,7 +23,6 @@ from runtime.executor.batch_plan import DecodeRow, plan_decode
 from runtime.executor.litert_executor import Binding, DecodeStep, ExecutorSettings, LlmExecutor, prefill_chunks
 from runtime.executor.weight_cache import WeightCacheFile, survey
 from runtime.adapters.lora_data import LoraData
-from runtime.util.model_view import ModelFile
 from runtime.util.signature_names import LoraSlot
 
 TOL = 1e-4
@@ -429,18 +428,7 @@ def test_prepare_compiles_a_group_once_before_any_step_needs_it(tmp_path, weight
 
 
 def test_closing_while_a_group_compiles_drops_the_compiled_group(tmp_path, monkeypatch):
-    # The gate is the group's view, made before the compile proper: the compile (and close,
-    # which mutes the library's logs the same way) hold the lock of fd 2 while they run.
-    real = ModelFile.view
-    viewing, release = threading.Event(), threading.Event()
-
-    def gated(model_file: ModelFile, keys, **kwargs):
-        if "decode_lora_r16" in keys:
-            viewing.set()
-            release.wait(30)
-        return real(model_file, keys, **kwargs)
-
-    monkeypatch.setattr(ModelFile, "view", gated)
+    viewing, release = gate_group_view(monkeypatch, "decode_lora_r16")
     executor = _on_demand(tmp_path)
     outcome: list[BaseException | None] = []
 
