@@ -315,13 +315,14 @@ class LlmExecutor:
     copy-on-write view of the model file (:mod:`runtime.util.model_view`); every other
     group compiles the same way when a step first needs one of its signatures (a session
     bound to a LoRA slot, a verify or score step, a batch of B rows), or earlier when
-    :meth:`prepare` asks, under that group's lock, while other sessions' runs go on. The views share the file's pages, the groups
-    share the weight cache file the first one published (packed weights mapped, not packed
-    again), and a session's buffers bind to whichever group runs (no copies). The spec is
-    read from the file's header, not from compiled models. A model given as bytes, one
-    that cannot be viewed (control-flow ops naming other subgraphs), one whose weights are packed in
-    memory (each group would pack its own copy) and one opened for op profiling are
-    compiled whole, as with ``compile="all"``.
+    :meth:`prepare` asks, under that group's lock, while other sessions' runs go on. The
+    views share the file's pages, the groups share the weight cache file the first one
+    published (packed weights mapped, not packed again), and a session's buffers bind to
+    whichever group runs (no copies). The spec is read from the file's header, not from
+    compiled models. A model given as bytes, one that cannot be viewed (control-flow ops
+    naming other subgraphs), one whose weights are packed in memory (each group would pack
+    its own copy) and one opened for op profiling are compiled whole, as with
+    ``compile="all"``.
     """
 
     def __init__(
