@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,3 +129,23 @@ def make_resource_manager(model: Path):
     registry = AdapterRegistry(spec.lora_slots, pool.primary.create_lora_buffer, head_dim=spec.head_dim,
                                base_weights=lambda: ModelWeights.open(model, str(model)))
     return ResourceManager(pool, registry)
+
+
+def gate_group_view(monkeypatch, signature: str) -> tuple[threading.Event, threading.Event]:
+    """Makes the compile of the signature group holding ``signature`` stop before it starts
+    (in its view of the model file) until the second event is set; the first is set when it
+    gets there. The view, not the compile proper: a compile, like an executor's close, holds
+    the lock of the muted fd 2 while it runs."""
+    from runtime.util.model_view import ModelFile
+
+    real = ModelFile.view
+    viewing, release = threading.Event(), threading.Event()
+
+    def gated(model_file: ModelFile, keys, **kwargs):
+        if signature in keys:
+            viewing.set()
+            release.wait(60)
+        return real(model_file, keys, **kwargs)
+
+    monkeypatch.setattr(ModelFile, "view", gated)
+    return viewing, release

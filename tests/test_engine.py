@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Callable
+
 import pytest
 
-from conftest import MODEL_FILES, adapter_path
+from conftest import MODEL_FILES, adapter_path, gate_group_view
 from runtime import Engine, EngineSettings, LoraSource, Lru, OnlyActive, SessionConfig
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from runtime.executor.litert_executor import LlmExecutor
+from runtime.executor.weight_cache import survey
 
 
 def test_register_unload_and_sessions():
@@ -195,3 +202,129 @@ def test_the_engine_answers_for_one_adapter():
         engine.unload_adapter(lora_id)
         with pytest.raises(NotFoundError):
             engine.adapter(lora_id)
+
+
+# -- signature groups compiled ahead of an adapter's first request --------------------
+
+
+def _eventually(condition: Callable[[], bool], limit_s: float = 60.0) -> bool:
+    """Polls ``condition`` until it holds or ``limit_s`` passes (a bound, not a timing)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _compile_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("runtime-group-compile")]
+
+
+def _count_prepares(monkeypatch) -> list[str]:
+    """The groups ``LlmExecutor.prepare`` is asked for from now on."""
+    asked: list[str] = []
+    real = LlmExecutor.prepare
+
+    def counted(executor: LlmExecutor, group: str) -> None:
+        asked.append(group)
+        real(executor, group)
+
+    monkeypatch.setattr(LlmExecutor, "prepare", counted)
+    return asked
+
+
+def test_registering_an_adapter_compiles_its_slots_group_in_the_background(tmp_path, monkeypatch):
+    asked = _count_prepares(monkeypatch)
+    with Engine(MODEL_FILES["transposed"], EngineSettings(weight_cache_dir=tmp_path)) as engine:
+        assert engine.stats().compiled_groups == ("plain",)
+        r4 = engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+        # No request: the rank-4 slot's group compiles by itself.
+        assert _eventually(lambda: "lora_r4" in engine.stats().compiled_groups), engine.stats().compiled_groups
+        assert engine.stats().compiled_groups == ("plain", "lora_r4")
+        engine.register_adapter(LoraSource(path=adapter_path("litertlm_r4")))  # its slot is compiled: nothing to do
+        with pytest.raises(InvalidArgumentError, match="rank 32 exceeds every LoRA slot"):
+            engine.register_adapter(LoraSource(path=adapter_path("torch_r32")))  # refused as before
+        with engine.create_session(SessionConfig(adapters={r4: 1.0})) as session:
+            session.run_prefill([5, 17, 42])
+        stats = engine.stats()
+    assert stats.compiled_groups == ("plain", "lora_r4") and stats.group_compile.count == 1
+    assert asked == ["lora_r4"]
+    assert not _compile_threads()
+
+
+def test_a_request_racing_the_background_compile_waits_for_it(tmp_path, monkeypatch):
+    compiling, release = gate_group_view(monkeypatch, "decode_lora_r4")
+    with Engine(MODEL_FILES["transposed"], EngineSettings(weight_cache_dir=tmp_path)) as engine:
+        (executor,) = engine._resources.pool.executors
+        # Counts who asks for the group's lock: the background compile holds it, the request waits on it.
+        lock, arrived = executor._group_locks["lora_r4"], []
+
+        class Counted:
+            def __enter__(self) -> None:
+                arrived.append(threading.current_thread().name)
+                lock.acquire()
+
+            def __exit__(self, *exc_info: object) -> None:
+                lock.release()
+
+        monkeypatch.setitem(executor._group_locks, "lora_r4", Counted())
+        r4 = engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+        assert compiling.wait(60)
+        results: list[object] = []
+
+        def request() -> None:
+            try:
+                with engine.create_session(SessionConfig(adapters={r4: 1.0})) as session:
+                    results.append(session.run_prefill([5, 17, 42]))
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                results.append(exc)
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        try:
+            assert _eventually(lambda: len(arrived) == 2), arrived  # the request waits while the group compiles
+        finally:
+            release.set()
+            thread.join(60)
+        assert len(results) == 1 and not isinstance(results[0], BaseException), results
+        stats = engine.stats()
+    assert arrived[0].startswith("runtime-group-compile") and arrived[1] == thread.name
+    assert stats.compiled_groups == ("plain", "lora_r4") and stats.group_compile.count == 1  # compiled once
+
+
+def test_closing_during_a_background_compile_is_clean(tmp_path, monkeypatch, caplog):
+    viewing, release = gate_group_view(monkeypatch, "decode_lora_r4")
+    real_close = LlmExecutor.close
+
+    def closed_then_compiled(executor: LlmExecutor) -> None:
+        real_close(executor)
+        release.set()  # the gated compile goes on after its executor closed
+
+    monkeypatch.setattr(LlmExecutor, "close", closed_then_compiled)
+    engine = Engine(MODEL_FILES["transposed"], EngineSettings(weight_cache_dir=tmp_path))
+    try:
+        engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+        assert viewing.wait(60)
+        with caplog.at_level(logging.DEBUG, logger="runtime.engine.engine"):
+            engine.close()  # joins the background compile
+    finally:
+        release.set()
+        engine.close()
+    assert not _compile_threads()
+    assert any("'lora_r4' was not compiled ahead" in record.getMessage() and "closed" in record.getMessage()
+               for record in caplog.records), caplog.text
+    (published,) = survey(tmp_path).entries  # the group's compile let go of the weight cache file too
+    assert not published.in_use
+
+
+def test_with_compile_all_registering_compiles_nothing(tmp_path, monkeypatch):
+    asked = _count_prepares(monkeypatch)
+    with Engine(MODEL_FILES["transposed"], EngineSettings(weight_cache_dir=tmp_path, compile="all")) as engine:
+        opened = engine.stats().compiled_groups
+        engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+        engine.register_adapter(LoraSource(path=adapter_path("torch_r16")))
+        assert not _compile_threads()
+        stats = engine.stats()
+    assert stats.compiled_groups == opened == tuple(engine.spec.groups) and stats.group_compile.count == 0
+    assert asked == []

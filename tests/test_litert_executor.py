@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, MODELS, adapter_deltas, adapter_path
+from conftest import MODEL_FILES, MODELS, adapter_deltas, adapter_path, gate_group_view
 from reference_model import reference_logits
 from runtime.components.lora import LoRA, plan_adapter
 from runtime.errors import (
@@ -21,7 +21,7 @@ from runtime.errors import (
 from runtime.executor import litert_executor
 from runtime.executor.batch_plan import DecodeRow, plan_decode
 from runtime.executor.litert_executor import Binding, DecodeStep, ExecutorSettings, LlmExecutor, prefill_chunks
-from runtime.executor.weight_cache import WeightCacheFile
+from runtime.executor.weight_cache import WeightCacheFile, survey
 from runtime.adapters.lora_data import LoraData
 from runtime.util.signature_names import LoraSlot
 
@@ -404,3 +404,51 @@ def test_other_sessions_run_while_a_group_compiles(tmp_path, monkeypatch, weight
     finally:
         release.set()
         executor.close()
+
+
+def test_prepare_compiles_a_group_once_before_any_step_needs_it(tmp_path, weights):
+    executor = _on_demand(tmp_path)
+    try:
+        executor.prepare("plain")  # compiled at open: nothing to do
+        assert executor.compiled_groups == ("plain",) and executor.group_compile.summary().count == 0
+        executor.prepare("lora_r16")
+        assert executor.compiled_groups == ("plain", "lora_r16")
+        binding, deltas = bind_in_r16_slot(executor, "torch_r4")  # binds in the prepared group
+        seq = tokens(6, seed=4)
+        np.testing.assert_allclose(executor.prefill(binding, seq, 0), reference_logits(weights, seq, lora=deltas)[-1],
+                                   atol=TOL)
+        executor.prepare("lora_r16")
+        assert executor.group_compile.summary().count == 1
+        with pytest.raises(NotFoundError, match="no signature group 'lora_r64'"):
+            executor.prepare("lora_r64")
+    finally:
+        executor.close()
+    with pytest.raises(FailedPreconditionError, match="closed"):
+        executor.prepare("batch2_lora_r4")
+
+
+def test_closing_while_a_group_compiles_drops_the_compiled_group(tmp_path, monkeypatch):
+    viewing, release = gate_group_view(monkeypatch, "decode_lora_r16")
+    executor = _on_demand(tmp_path)
+    outcome: list[BaseException | None] = []
+
+    def prepare() -> None:
+        try:
+            executor.prepare("lora_r16")
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=prepare)
+    thread.start()
+    try:
+        assert viewing.wait(30)
+        executor.close()  # while the group compiles
+    finally:
+        release.set()
+        thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], FailedPreconditionError), outcome
+    assert executor.compiled_groups == ("plain",)
+    # The weight cache file is no longer held by this process: the group's use went with it.
+    (entry,) = survey(tmp_path).entries
+    assert not entry.in_use

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from runtime.cli.options import add_compile_mode, add_weight_cache_dir, weight_cache_settings
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from runtime.util.native_logs import print_to_stderr
 
 API_KEY_VARIABLE = "RUNTIME_API_KEY"
 SWITCH_INTERVAL_S = 0.0005
@@ -159,7 +160,7 @@ def _serve(args, settings, engine_settings, tokenizer, chat_template, downloads,
             draft_heads=not args.no_draft_heads)
         entries = catalog.scan(strict=args.strict_adapters)
         for skipped in catalog.skipped:
-            print(f"warning: skipped adapter {skipped.file}: {skipped.reason}", file=sys.stderr, flush=True)
+            print_to_stderr(f"warning: skipped adapter {skipped.file}: {skipped.reason}")
         app = create_app(engine, catalog, settings, extend=cluster.extend if cluster is not None else None)
         listener = _bind(args.host, args.port)
         host, port = listener.getsockname()[:2]
@@ -170,8 +171,7 @@ def _serve(args, settings, engine_settings, tokenizer, chat_template, downloads,
               f"{'API key required' if settings.api_key else 'no API key'}"
               f"{f'; {args.replicas} replicas' if cluster is not None else ''})", flush=True)
         if settings.api_key is None and not is_loopback(host):
-            print(f"warning: listening on {host} without --api-key: anyone who can reach it can use it",
-                  file=sys.stderr, flush=True)
+            print_to_stderr(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
         # The event loop sends each token as soon as it gets the GIL from the threads that
         # generate; with the default 5 ms switch interval tokens would leave in bursts.
         sys.setswitchinterval(SWITCH_INTERVAL_S)

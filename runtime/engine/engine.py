@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, To
 from runtime.engine.session import Session, SessionRegistry, check_token_ids
 from runtime.engine.speculative import Speculation
 from runtime.engine.stats import AdapterStats, EngineStats
-from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError, StatusError
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.op_profile import OpRecording, summarize
@@ -34,6 +36,8 @@ from runtime.util.litertlm_bundle import LitertLmBundle, LlmMetadata, is_litertl
 from runtime.util.model_weights import ModelWeights
 from runtime.util.output_projection import read_output_projection
 from runtime.util.signature_names import LoraSlot
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -108,6 +112,9 @@ class Engine:
             lambda: read_output_projection(model, self._verify_key(), str(self.model_path)),
         )
         self._sessions = SessionRegistry(self._speculation)
+        # Compiles registered adapters' signature groups ahead of their first request, one at a
+        # time (its thread starts with the first such compile, and close joins it).
+        self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runtime-group-compile")
         self._closed = False
         self._lock = threading.Lock()
 
@@ -122,9 +129,30 @@ class Engine:
 
     def register_adapter(self, source: LoraSource) -> int:
         """Registers an adapter (parse and check only: no buffers until a session runs
-        it) and returns its id; the same adapter again returns the same id."""
+        it) and returns its id; the same adapter again returns the same id.
+
+        With ``compile="on-demand"``, the signature group of the LoRA slot the adapter runs
+        in (:meth:`slot_for` it alone) starts compiling in the background unless it is
+        compiled already, so that the adapter's first request finds it compiled (a request
+        arriving meanwhile waits for that compile) and registering does not wait for it."""
         self._check_open()
-        return self._resources.assign_lora_id(source)
+        lora_id = self._resources.assign_lora_id(source)
+        self._prepare_slot(lora_id)
+        return lora_id
+
+    def _prepare_slot(self, lora_id: int) -> None:
+        """Starts compiling, in the background, the signature group of the LoRA slot that
+        adapter ``lora_id`` runs in alone, on the executors that have not compiled it.
+        Never raises: an adapter no slot runs is left to its first session to refuse."""
+        try:
+            group = self.spec.decode(self.slot_for({lora_id: 1.0})).group
+        except StatusError as exc:  # no slot runs it, or the engine closed meanwhile
+            log.debug("adapter %d: no signature group to compile ahead of its first request: %s", lora_id, exc)
+            return
+        executors = [executor for executor in self._resources.pool.executors if group not in executor.compiled_groups]
+        with self._lock:
+            if executors and not self._closed:
+                self._compiles.submit(_prepare_group, group, executors)
 
     def unload_adapter(self, lora_id: int) -> None:
         """Unregisters an adapter no live session uses and frees its buffers."""
@@ -267,9 +295,12 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+        self._compiles.shutdown(wait=False, cancel_futures=True)  # compiles not started yet never start
         for session in self._sessions.snapshot():
             session.close()
         self._resources.close()
+        # A compile under way finds its executor closed and drops its group; no thread outlives the engine.
+        self._compiles.shutdown(wait=True)
 
     def __enter__(self) -> Engine:
         return self
@@ -280,6 +311,21 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise FailedPreconditionError(f"{self.model_path}: the engine is closed")
+
+
+def _prepare_group(group: str, executors: Sequence[LlmExecutor]) -> None:
+    """Compiles signature group ``group`` on each of ``executors`` (the engine's background
+    step). A failure is logged, not raised: the group's first use compiles it again, and
+    raises then as it would have."""
+    for executor in executors:
+        try:
+            executor.prepare(group)
+        except FailedPreconditionError as exc:  # the engine closed meanwhile
+            log.debug("the signature group %r was not compiled ahead: %s", group, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - no caller to raise to; its first use raises it
+            log.warning("compiling the signature group %r ahead of its first request failed: %s", group, exc)
+            return
 
 
 def _tokenizer(

@@ -57,7 +57,8 @@ class EngineStats:
     # engine's file (None: weight_cache_dir=None).
     weight_cache: WeightCacheStats | None = None
     # The signature groups compiled so far (EngineSettings.compile: the plain group at open,
-    # each other group at its first need), and how long those first-need compiles took.
+    # each other group at its first need or, for a registered adapter's slot, in the
+    # background), and how long those compiles after the open took.
     compiled_groups: tuple[str, ...] = ()
     group_compile: LatencySummary = LatencySummary(0, 0.0, 0.0)
 

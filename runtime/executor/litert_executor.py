@@ -314,14 +314,15 @@ class LlmExecutor:
     plain group only (:attr:`ModelSpec.groups`), as its own compiled model over a
     copy-on-write view of the model file (:mod:`runtime.util.model_view`); every other
     group compiles the same way when a step first needs one of its signatures (a session
-    bound to a LoRA slot, a verify or score step, a batch of B rows), under that group's
-    lock, while other sessions' runs go on. The views share the file's pages, the groups
-    share the weight cache file the first one published (packed weights mapped, not packed
-    again), and a session's buffers bind to whichever group runs (no copies). The spec is
-    read from the file's header, not from compiled models. A model given as bytes, one
-    that cannot be viewed (control-flow ops naming other subgraphs), one whose weights are packed in
-    memory (each group would pack its own copy) and one opened for op profiling are
-    compiled whole, as with ``compile="all"``.
+    bound to a LoRA slot, a verify or score step, a batch of B rows), or earlier when
+    :meth:`prepare` asks, under that group's lock, while other sessions' runs go on. The
+    views share the file's pages, the groups share the weight cache file the first one
+    published (packed weights mapped, not packed again), and a session's buffers bind to
+    whichever group runs (no copies). The spec is read from the file's header, not from
+    compiled models. A model given as bytes, one that cannot be viewed (control-flow ops
+    naming other subgraphs), one whose weights are packed in memory (each group would pack
+    its own copy) and one opened for op profiling are compiled whole, as with
+    ``compile="all"``.
     """
 
     def __init__(
@@ -371,7 +372,8 @@ class LlmExecutor:
                         self._op_form, notice = kernels.attention_form_here(str(self.model_path))
                     details = signature_details(self._source.header(), source=str(self.model_path))
                     self.spec = ModelSpec.from_details(details, str(self.model_path))
-                    self._compile_group(PLAIN_GROUP, cache.path)
+                    self._models[PLAIN_GROUP], io = self._compile_group(PLAIN_GROUP, cache.path)
+                    self._io.update(io)
                 else:
                     with self._native_logs():
                         whole = NativeModel(model, num_threads=self.settings.num_threads, weight_cache=cache.path,
@@ -381,7 +383,7 @@ class LlmExecutor:
                     self.spec = ModelSpec.from_details(whole.signature_details(), str(self.model_path))
                     for group in self.spec.groups:
                         self._models[group] = whole
-                        self._add_io(group, whole)
+                        self._io.update(self._group_io(group, whole))
                 # A KV cache's inputs per cache length (each window's and the whole cache's).
                 self._kv_infos = {self.spec.cache_length(signature): {
                     spec.name: self._tensor_info(signature, spec.name) for spec in self.spec.kv_inputs}
@@ -427,9 +429,10 @@ class LlmExecutor:
         """The signature groups compiled so far (:attr:`ModelSpec.groups`' names)."""
         return tuple(group for group in self.spec.groups if group in self._models)
 
-    def _compile_group(self, group: str, weight_cache: str) -> NativeModel:
-        """Compiles ``group`` over a view of the model file naming XNNPACK's ``weight_cache``
-        and makes its signatures' token, position and logits buffers."""
+    def _compile_group(self, group: str, weight_cache: str) -> tuple[NativeModel, dict[str, _SignatureIO]]:
+        """Compiles ``group`` over a view of the model file naming XNNPACK's ``weight_cache``;
+        the compiled model and its signatures' token, position and logits buffers, which
+        the caller adds to the executor's."""
         keys = self.spec.groups[group]
         view = self._source.view(keys, attention_op_form=self._op_form)  # type: ignore[union-attr]
         with self._native_logs():
@@ -438,13 +441,24 @@ class LlmExecutor:
                                    custom_ops=self._op_form)
         try:
             self._check_details(compiled, keys)
-            self._add_io(group, compiled)
+            return compiled, self._group_io(group, compiled)
         except BaseException:
             compiled.close()
             raise
-        with self._lock:
-            self._models[group] = compiled
-        return compiled
+
+    def prepare(self, group: str) -> None:
+        """Compiles the signature group ``group`` (a name of :attr:`ModelSpec.groups`) now,
+        unless it is compiled already, so that the first step needing it does not wait for
+        it (the engine calls it in the background when an adapter is registered). As with a
+        step's first need: once however many threads ask (a step arriving meanwhile waits
+        for this compile), and other groups' runs go on. ``NotFoundError`` for a group the
+        model does not have; ``FailedPreconditionError`` when the executor is closed, also
+        when it was closed while the group compiled (the compiled model is then dropped)."""
+        if group not in self.spec.groups:
+            raise NotFoundError(f"{self.model_path}: no signature group {group!r} (groups: "
+                                f"{', '.join(self.spec.groups)})")
+        self._check_open()
+        self._group_model(group)
 
     def _group_model(self, group: str) -> NativeModel:
         """The compiled model of ``group``, compiled now if this is its first need (once,
@@ -460,13 +474,14 @@ class LlmExecutor:
             started = time.perf_counter()
             # The file the plain group published: mapped, not written (if it went meanwhile, built again).
             with self._weight_cache_file.open_for(self._model_bytes) as cache:  # type: ignore[union-attr]
-                compiled = self._compile_group(group, cache.path)
-            with self._lock:
-                if self._closed:  # closed while this group compiled
-                    compiled.close()
-                    cache.release()
-                    self._check_open()
-                self._uses.append(cache)
+                compiled, io = self._compile_group(group, cache.path)
+                with self._lock:
+                    if self._closed:  # closed while this group compiled: raising releases the file's use
+                        compiled.close()
+                        self._check_open()
+                    self._models[group] = compiled
+                    self._io.update(io)
+                    self._uses.append(cache)
             seconds = time.perf_counter() - started
             self.group_compile.record(seconds)
             log.debug("%s: compiled the signature group %r (%d signatures) in %.0f ms", self.model_path, group,
@@ -493,11 +508,10 @@ class LlmExecutor:
                         raise InternalError(f"{self.model_path}: signature {key!r} {side} {name!r} compiled as "
                                             f"{found}, its header says {spec.describe()}")
 
-    def _add_io(self, group: str, compiled: NativeModel) -> None:
-        """Token, position and logits buffers of ``group``'s signatures, shared by all
-        sessions (runs are serialized)."""
-        for key in self.spec.groups[group]:
-            self._io[key] = self._signature_io(key, self.spec.signatures[key], compiled)
+    def _group_io(self, group: str, compiled: NativeModel) -> dict[str, _SignatureIO]:
+        """Token, position and logits buffers of ``group``'s signatures by key, shared by
+        all sessions (runs are serialized)."""
+        return {key: self._signature_io(key, self.spec.signatures[key], compiled) for key in self.spec.groups[group]}
 
     def _tensor_info(self, signature: SignatureSpec, name: str, output: bool = False) -> TensorInfo:
         """Input (or output) ``name`` of ``signature`` as the library describes it: from its

@@ -44,6 +44,15 @@ def muted_native_logs(*, keep_python_stderr: bool = False) -> Iterator[None]:
             os.close(devnull)
 
 
+def print_to_stderr(text: str) -> None:
+    """Prints the line ``text`` to ``sys.stderr`` once no :func:`muted_native_logs` block
+    runs in any thread (one points file descriptor 2 at /dev/null meanwhile, and a line
+    written then is lost: an engine compiles a registered adapter's signature group in the
+    background, muted, while the command goes on)."""
+    with _mute_lock:
+        print(text, file=sys.stderr, flush=True)
+
+
 def mute_native_logs_at_exit() -> None:
     """Mutes file descriptor 2 when the interpreter exits, after ``atexit`` handlers
     registered later (pytest's summary, for one) have run. Idempotent."""
