@@ -50,6 +50,24 @@ def is_standard_decoder(model: nn.Module) -> bool:
         for block in model.transformer_blocks)
 
 
+class CausalMaskStep(nn.Module):
+    """A prefill or decode step of litert-torch's ``DecoderOnlyModel`` ``model`` by its own
+    forward (LoRA, if any, in litert-torch's form), given the causal mask computed from the
+    positions (:func:`causal_mask`): left to itself it gathers rows of a ``[kv_length,
+    kv_length]`` float32 table, 64 MiB in the file at 4,096 positions."""
+
+    def __init__(self, model: nn.Module, export_config: export_cfg.ExportConfig) -> None:
+        super().__init__()
+        self.model = model
+        self.export_config = export_config
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_cache: kv_utils.KVCache,
+                lora: object = None) -> dict[str, object]:
+        mask = causal_mask(input_pos, kv_cache.get_max_seq_len())[None, None]
+        return self.model(tokens, input_pos, kv_cache, mask=mask, lora=lora, export_config=self.export_config)
+
+
 def check_mlp_lora(model: nn.Module) -> None:
     """Raises ``UnimplementedError`` unless ``model`` is litert-torch's decoder whose blocks
     are standard, or Gemma 3's own decoder, and whose feed-forward is gated with separate

@@ -19,8 +19,8 @@ from runtime.errors import UnimplementedError
 from runtime.export.dora import DoraStep, check_dora
 from runtime.export.gemma3_steps import all_linear_step, batch_decode_step
 from runtime.export.litert import converter as litert_converter
-from runtime.export.litert import kv_utils, lora_utils
-from runtime.export.mlp_lora import AllLinearStep, check_mlp_lora, is_standard_decoder
+from runtime.export.litert import kv_utils, lora_utils, model_builder
+from runtime.export.mlp_lora import AllLinearStep, CausalMaskStep, check_mlp_lora, is_standard_decoder
 from runtime.export.settings import ExportSettings
 from runtime.export.verify import VerifyStep
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, SCORE, LoraSlot, SignatureName
@@ -78,7 +78,7 @@ def session_step(model: nn.Module, slot: LoraSlot | None, export_config: litert_
     LoRA inputs) and what builds the sample ``lora`` input that fixes its LoRA inputs'
     names and shapes (``{}`` without a slot)."""
     if slot is None:
-        return litert_converter.ExportableModule(model, export_config=export_config).eval(), dict
+        return _own_step(model, export_config), dict
     if slot.targets == DORA:
         module = DoraStep(model, slot.rank, export_config).eval()
     elif slot.targets == ALL_LINEAR:
@@ -87,9 +87,16 @@ def session_step(model: nn.Module, slot: LoraSlot | None, export_config: litert_
         # litert-torch's own LoRA step costs 6 ops more per layer (mlp_lora.lora_attention)
         module = AllLinearStep(model, slot.rank, export_config, mlp=False).eval()
     else:
-        return litert_converter.ExportableModule(model, export_config=export_config).eval(), lambda: {
-            "lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
+        return _own_step(model, export_config), lambda: {"lora": lora_utils.LoRA.zeros(slot.rank, model.config)}
     return module, lambda: {"lora": module.sample_lora()}
+
+
+def _own_step(model: nn.Module, export_config: litert_converter.ExportConfig) -> nn.Module:
+    """The step ``model``'s own forward takes: litert-torch's decoder given its causal mask
+    (:class:`CausalMaskStep`), a decoder of this package's (Gemma 3's) as it is."""
+    if isinstance(model, model_builder.DecoderOnlyModel):
+        return CausalMaskStep(model, export_config).eval()
+    return litert_converter.ExportableModule(model, export_config=export_config).eval()
 
 
 def decoder_signatures(model: nn.Module, settings: ExportSettings) -> list[Signature]:
