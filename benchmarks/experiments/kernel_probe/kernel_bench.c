@@ -15,13 +15,15 @@
 #include <time.h>
 #include KERNEL
 
-/* The read loop's vectors are the build's register width (16 floats with AVX-512, else 8),
- * its own and not the kernel's: a vector wider than the registers is split by GCC at a cost
- * that would make the loop, and so the share column, lie. */
-#ifdef __AVX512F__
+/* The read loop's vectors are the build's register width (16 floats with AVX-512, 8 with
+ * AVX2, else 4), its own and not the kernel's: a vector wider than the registers is split by
+ * GCC at a cost that would make the loop, and so the share column, lie. */
+#if defined(__AVX512F__)
 #define RW 16
-#else
+#elif defined(__AVX__)
 #define RW 8
+#else
+#define RW 4
 #endif
 typedef float rv __attribute__((vector_size(RW * 4), aligned(4)));
 
