@@ -186,8 +186,9 @@ def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray]) -> tuple[np.ndarr
     callbacks = _HOST(host), _TYPE(tensor_type), _SIZE(size)
     context = kernels._Context(0, *(ctypes.cast(c, ctypes.c_void_p).value for c in callbacks))
     handles = (ctypes.c_void_p * 6)(*range(1, 7))
-    status = _RUN(ctypes.cast(library.attention_run, ctypes.c_void_p).value)(
-        ctypes.addressof(context), 5, ctypes.addressof(handles), 1, ctypes.addressof(handles) + 5 * ctypes.sizeof(ctypes.c_void_p))
+    attention_run = _RUN(ctypes.cast(library.attention_run, ctypes.c_void_p).value)
+    outputs = ctypes.addressof(handles) + 5 * ctypes.sizeof(ctypes.c_void_p)
+    status = attention_run(ctypes.addressof(context), 5, ctypes.addressof(handles), 1, outputs)
     assert (status == 0) == (context.error == 0)
     return arrays[5], context.error
 
