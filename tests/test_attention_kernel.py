@@ -7,6 +7,7 @@ Tests that run the kernel need a C compiler (cc or gcc) and skip, saying so, wit
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import subprocess
@@ -133,6 +134,113 @@ def test_every_decode_signature_matches_the_standard_form(fixture, rewritten, ke
                 assert difference <= TOL, f"{key} at {position}: {name} differs by {difference:.2e}"
     original.close()
     native.close()
+
+
+# -- the kernel alone, each build this CPU runs ---------------------------------------------
+
+# The builds of the kernel this CPU can run: its own flags (the runtime's build), AVX2 alone
+# (its 8-float vectors; the runtime's build on AVX2-only CPUs, built here on an AVX-512 one
+# through build_library's isa argument) and none (4-float vectors).
+_HERE = kernels.isa_flags()
+ISA_BUILDS = [pytest.param(_HERE, id="this cpu"),
+              pytest.param(("-mavx2", "-mfma"), id="avx2", marks=pytest.mark.skipif(
+                  not {"-mavx2", "-mfma"} <= set(_HERE), reason="this CPU lacks AVX2 and FMA")),
+              pytest.param((), id="plain")]
+
+
+class _Layout(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_uint32), ("dims", ctypes.c_int32 * 8), ("strides", ctypes.c_uint32 * 8)]
+
+
+class _TensorType(ctypes.Structure):
+    _fields_ = [("element", ctypes.c_int32), ("layout", _Layout)]
+
+
+_HOST = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_TensorType))
+_SIZE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t))
+_RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                        ctypes.c_void_p)
+
+
+def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray]) -> tuple[np.ndarray, int]:
+    """The library's ``attention_run`` on float32 ``arrays`` (q, mask, params, K, V; the
+    output last), each buffer handle its index + 1: the output and the error word."""
+    arrays = [np.ascontiguousarray(a, np.float32) for a in arrays]
+
+    def host(handle, out):  # noqa: ANN001, ANN202
+        out[0] = arrays[handle - 1].ctypes.data
+        return 0
+
+    def tensor_type(handle, out):  # noqa: ANN001, ANN202
+        array = arrays[handle - 1]
+        out[0].element, out[0].layout.bits = 1, array.ndim
+        for i, dim in enumerate(array.shape):
+            out[0].layout.dims[i] = dim
+        return 0
+
+    def size(handle, out):  # noqa: ANN001, ANN202
+        out[0] = arrays[handle - 1].nbytes
+        return 0
+
+    callbacks = _HOST(host), _TYPE(tensor_type), _SIZE(size)
+    context = kernels._Context(0, *(ctypes.cast(c, ctypes.c_void_p).value for c in callbacks))
+    handles = (ctypes.c_void_p * 6)(*range(1, 7))
+    attention_run = _RUN(ctypes.cast(library.attention_run, ctypes.c_void_p).value)
+    outputs = ctypes.addressof(handles) + 5 * ctypes.sizeof(ctypes.c_void_p)
+    status = attention_run(ctypes.addressof(context), 5, ctypes.addressof(handles), 1, outputs)
+    assert (status == 0) == (context.error == 0)
+    return arrays[5], context.error
+
+
+def reference(q, mask, params, K, V) -> np.ndarray:  # noqa: ANN001
+    """The graph's BATCH_MATMUL -> (soft-cap) -> ADD mask -> SOFTMAX -> BATCH_MATMUL in float64."""
+    scores = np.einsum("ghd,gtd->ght", q[0].astype(np.float64), K[0].astype(np.float64)) * float(params[0])
+    if params[1] > 0:
+        scores = np.tanh(scores / params[1]) * params[1]
+    scores = scores + mask.reshape(-1).astype(np.float64)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("ght,gdt->ghd", weights, V[0].astype(np.float64))[None]
+
+
+# (G, H, D, T, the open positions [first, last] or None, soft-cap): the head sizes of the fast
+# paths (64: SmolLM2, 128: Llama, 256: Gemma) and of the general ones (16, 24; H > 8), open
+# spans that leave tails of every vector width, a sliding window, one position, none.
+KERNEL_CASES = [(2, 3, 64, 300, (0, 250), 0.0), (3, 3, 64, 4096, (0, 4000), 0.0), (2, 4, 128, 300, (40, 290), 0.0),
+                (1, 2, 256, 100, (0, 99), 30.0), (2, 8, 64, 37, (5, 5), 0.0), (2, 1, 64, 64, None, 0.0),
+                (2, 5, 128, 53, (3, 52), 0.0), (2, 3, 16, 70, (0, 68), 0.0), (2, 9, 24, 50, (10, 40), 0.0)]
+
+
+@pytest.fixture(scope="module")
+def builds_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The builds of other flags in a cache of their own (kernel_cache holds the runtime's one)."""
+    return tmp_path_factory.mktemp("isa_builds")
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", ISA_BUILDS)
+def test_each_build_of_the_kernel_computes_attention(isa, builds_cache, monkeypatch):
+    """Each vector width the kernel is built for (16, 8 and 4 floats), called directly at
+    real models' head sizes, against the graph's computation in float64: within 1e-5."""
+    monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
+    library = kernels.build_library(isa)
+    rng = np.random.default_rng(7)
+    for G, H, D, T, open_, cap in KERNEL_CASES:
+        q = (rng.standard_normal((1, G, H, D)) / np.sqrt(D)).astype(np.float32)
+        mask = np.full(T, -np.finfo(np.float32).max, np.float32)
+        if open_:
+            mask[open_[0]:open_[1] + 1] = 0.0
+        params = np.array([1.0, cap, 0.0, 0.0], np.float32)
+        K = (2 * rng.standard_normal((1, G, T, D))).astype(np.float32)
+        V = rng.standard_normal((1, G, D, T)).astype(np.float32)
+        got, error = run_kernel(library, [q, mask, params, K, V, np.zeros((1, G, H, D), np.float32)])
+        assert error == 0
+        difference = float(np.abs(got - reference(q, mask, params, K, V)).max())
+        assert difference <= TOL, f"G {G} H {H} D {D} T {T} open {open_} cap {cap}: differs by {difference:.2e}"
+    # A failing run: shapes it would misread give the error word and NaN, never numbers.
+    got, error = run_kernel(library, [q, mask[:-1], params, K, V, np.zeros((1, G, H, D), np.float32)])
+    assert error == 3 and np.isnan(got).all()
 
 
 def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:

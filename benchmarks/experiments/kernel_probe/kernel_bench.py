@@ -2,11 +2,13 @@
 for work on the kernel itself: this checkout's source and, beside it, another version.
 
     python3 -m benchmarks.experiments.kernel_probe.kernel_bench [--baseline REV] [--span 4096] \
-        [--positions 1000,2000,3000,4095] [--rounds 5]
+        [--positions 1000,2000,3000,4095] [--rounds 5] [--flags=-mavx2,-mfma]
 
 Builds ``kernel_bench.c`` around ``runtime/executor/kernels/decode_attention.c`` (and around
 the file as it is at git revision ``--baseline``, e.g. ``HEAD``) with the compiler and flags
-the runtime builds the kernel with, then runs each build in alternating rounds per position
+the runtime builds the kernel with (or the ISA flags ``--flags`` gives, comma-separated:
+``--flags=-mavx2,-mfma`` measures the AVX2 build on an AVX-512 machine; ``--flags=`` the plain
+one), then runs each build in alternating rounds per position
 (each run: best of 15 calls of 30 layers at SmolLM2-135M's shapes, 1 GiB read before each).
 Prints ms per 30 layers, the read loop's GB/s and each build's time as a share of the read
 loop's (100%: the kernel reads as fast as a loop that only reads).
@@ -28,12 +30,12 @@ SOURCE = ROOT / "runtime" / "executor" / "kernels" / "decode_attention.c"
 LAYERS, GROUPS, HEAD_DIM = 30, 3, 64
 
 
-def build(source: Path, out: Path) -> Path:
-    """The harness around ``source``, built as the runtime builds the kernel."""
+def build(source: Path, out: Path, flags: tuple[str, ...]) -> Path:
+    """The harness around ``source``, built as the runtime builds the kernel, with ``flags``."""
     cc = kernels.compiler()
     if cc is None:
         raise SystemExit("no C compiler (cc or gcc; $CC)")
-    subprocess.run([cc, "-O3", "-fno-math-errno", *kernels.isa_flags(), f'-DKERNEL="{source}"', str(HARNESS), "-o", str(out), "-lm"],
+    subprocess.run([cc, "-O3", "-fno-math-errno", *flags, f'-DKERNEL="{source}"', str(HARNESS), "-o", str(out), "-lm"],
                    check=True)
     return out
 
@@ -51,15 +53,17 @@ def main() -> None:
     parser.add_argument("--span", type=int, default=4096, help="positions in each cache")
     parser.add_argument("--positions", default="1000,2000,3000,4095")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--flags", help="ISA flags, comma-separated, instead of this CPU's (kernels.isa_flags())")
     args = parser.parse_args()
+    flags = kernels.isa_flags() if args.flags is None else tuple(f for f in args.flags.split(",") if f)
     with tempfile.TemporaryDirectory() as scratch:
-        builds = {"this checkout": build(SOURCE, Path(scratch) / "current")}
+        builds = {"this checkout": build(SOURCE, Path(scratch) / "current", flags)}
         if args.baseline:
             old = Path(scratch) / "baseline.c"
             old.write_bytes(subprocess.run(["git", "show", f"{args.baseline}:{SOURCE.relative_to(ROOT)}"], cwd=ROOT,
                                            capture_output=True, check=True).stdout)
-            builds[args.baseline] = build(old, Path(scratch) / "baseline")
-        print(f"flags {' '.join(kernels.isa_flags()) or '(none)'}; {args.rounds} alternating rounds; medians")
+            builds[args.baseline] = build(old, Path(scratch) / "baseline", flags)
+        print(f"flags {' '.join(flags) or '(none)'}; {args.rounds} alternating rounds; medians")
         print("| position | MB read | read loop ms (GB/s) | " + " | ".join(f"{name} ms (share of read rate)"
                                                                     for name in builds) + " |")
         print("|---:|---:|---:|" + "---:|" * len(builds))

@@ -14,6 +14,7 @@ The rewritten graph is opened once per build of the kernel:
 - ``runtime``: the flags the runtime chooses on this CPU (``-O3`` and the vector
   extensions /proc/cpuinfo lists);
 - ``native``: ``-O3 -march=native`` (what the probe used; never shipped);
+- ``avx2``: ``-O3 -mavx2 -mfma`` (the runtime's build on a CPU with AVX2 but not AVX-512);
 - ``plain``: ``-O3`` alone (SSE2 on x86-64: what a CPU without AVX2 gets).
 
 The mask leaves positions 0..pos open (``--pos -1``: all, as the graph form reads them).
@@ -39,7 +40,7 @@ from . import attention_bench
 from .graph import Graph
 
 G, H, D = 3, 3, 64
-BUILDS = {"runtime": None, "native": ("-march=native",), "plain": ()}
+BUILDS = {"runtime": None, "native": ("-march=native",), "avx2": ("-mavx2", "-mfma"), "plain": ()}
 
 
 def build(span: int, layers: int) -> bytes:

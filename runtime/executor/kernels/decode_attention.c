@@ -62,49 +62,68 @@ static int64_t elements(const TensorType *t) {
 }
 
 #define MAX_STACK_SCORES 16384
-/* Vectorized with GCC vector types (16 floats: AVX-512 registers, or pairs
- * of AVX2 ones, or four SSE ones, by the flags the build chose), exp as a polynomial (no libm call per
- * score), and the heads of a group sharing each load of K and V. */
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+/* Vectorized with GCC vector types of the build's register width, W floats: 16 where the
+ * flags the build chose give AVX-512, 8 with AVX2, else 4 (SSE, NEON). A vector wider than
+ * the registers is not split well: with 16 floats on AVX2, GCC kept the V pass's
+ * accumulators on the stack and moved their halves through general registers (vpass_3's
+ * inner loop: 399 instructions, 302 of them on the stack, against 26 and none at 8 floats),
+ * and the kernel ran at a third of a read loop's rate. exp is a polynomial (no libm call per
+ * score), and the heads of a group share each load of K and V. */
+#if defined(__AVX512F__)
+#define W 16
+#elif defined(__AVX__)
+#define W 8
+#else
+#define W 4
+#endif
+typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
-static inline v16 load16(const float *p) { return *(const v16 *)p; }
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-/* A tree of halvings (4 shuffles and adds), not 16 dependent scalar adds. */
-static inline float hsum16(v16 a) {
+static inline vf loadv(const float *p) { return *(const vf *)p; }
+/* A tree of halvings, not W dependent scalar adds. */
+static inline float hsumv(vf a) {
+#if W == 16
   v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif W == 8
+  v8 b = a;
+#endif
+#if W >= 8
   v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+#else
+  v4 c = a;
+#endif
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
-static inline float hmax16(v16 a) {
+static inline float hmaxv(vf a) {
   float m = a[0];
-  for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m;
+  for (int i = 1; i < W; i++) m = a[i] > m ? a[i] : m;
   return m;
 }
 /* exp(x) for x <= 0 (scores less their maximum): 2^n * p(r), r = x - n ln2 in
  * [-ln2/2, ln2/2], p a degree-6 Taylor polynomial (relative error < 2e-7); below -87 it is 0. */
-static inline v16 exp16(v16 x) {
-  const i16v below = x < -87.0f; /* all ones where exp underflows: the result is 0 there */
-  const v16 xc = (v16)(((i16v)x & ~below) | ((i16v)((v16){0} - 87.0f) & below));
-  const v16 shift = (v16){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  v16 n = (xc * 1.44269504f + shift) - shift;
-  v16 r = xc - n * 0.693145752f - n * 1.42860677e-6f;
-  v16 p = (v16){0} + 1.f / 720.f;
+static inline vf expv(vf x) {
+  const vi below = x < -87.0f; /* all ones where exp underflows: the result is 0 there */
+  const vf xc = (vf)(((vi)x & ~below) | ((vi)((vf){0} - 87.0f) & below));
+  const vf shift = (vf){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  vf n = (xc * 1.44269504f + shift) - shift;
+  vf r = xc - n * 0.693145752f - n * 1.42860677e-6f;
+  vf p = (vf){0} + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  return (v16)((i16v)(p * (v16)bits) & ~below);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return (vf)((vi)(p * (vf)bits) & ~below);
 }
 
 /* How far ahead the passes ask for cache lines (floats): the hardware's prefetcher stops at
- * each 4 KB page, and a block of 16 K rows of 64 is one page. Measured at SmolLM2's shapes
- * (benchmarks/experiments/kernel_probe/kernel_bench.c): the cold caches read at 60% of a
- * plain read loop's rate without, 80-90% with. */
+ * each 4 KB page, 16 K rows of 64 floats. Measured at SmolLM2's shapes
+ * (benchmarks/experiments/kernel_probe/kernel_bench.c, AVX-512 build): the cold caches read at
+ * 60% of a plain read loop's rate without, 80-90% with. */
 #define K_PREFETCH 2048
 #define V_PREFETCH 256
 #define VPASS(HC)                                                                              \
@@ -113,20 +132,20 @@ static inline v16 exp16(v16 x) {
     int d = 0;                                                                                 \
     for (; d + 4 <= D; d += 4) { /* 4 rows of V share each load of the scores */               \
       const float *v0 = Vg + (size_t)d * T + lo, *v1 = v0 + T, *v2 = v1 + T, *v3 = v2 + T;     \
-      v16 a0[HC], a1[HC], a2[HC], a3[HC];                                                      \
-      for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (v16){0};                   \
+      vf a0[HC], a1[HC], a2[HC], a3[HC];                                                       \
+      for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (vf){0};                    \
       int i = 0;                                                                               \
-      for (; i + 16 <= n; i += 16) {                                                           \
+      for (; i + W <= n; i += W) {                                                             \
         __builtin_prefetch(v0 + i + V_PREFETCH); __builtin_prefetch(v1 + i + V_PREFETCH);       \
         __builtin_prefetch(v2 + i + V_PREFETCH); __builtin_prefetch(v3 + i + V_PREFETCH);       \
-        v16 x0 = load16(v0 + i), x1 = load16(v1 + i), x2 = load16(v2 + i), x3 = load16(v3 + i); \
+        vf x0 = loadv(v0 + i), x1 = loadv(v1 + i), x2 = loadv(v2 + i), x3 = loadv(v3 + i);     \
         for (int h = 0; h < HC; h++) {                                                         \
-          v16 p = load16(scores + h * S + lo + i);                                             \
+          vf p = loadv(scores + h * S + lo + i);                                               \
           a0[h] += p * x0; a1[h] += p * x1; a2[h] += p * x2; a3[h] += p * x3;                  \
         }                                                                                      \
       }                                                                                        \
       for (int h = 0; h < HC; h++) {                                                           \
-        float s0 = hsum16(a0[h]), s1 = hsum16(a1[h]), s2 = hsum16(a2[h]), s3 = hsum16(a3[h]);  \
+        float s0 = hsumv(a0[h]), s1 = hsumv(a1[h]), s2 = hsumv(a2[h]), s3 = hsumv(a3[h]);      \
         for (int j = i; j < n; j++) {                                                          \
           float p = scores[h * S + lo + j];                                                    \
           s0 += p * v0[j]; s1 += p * v1[j]; s2 += p * v2[j]; s3 += p * v3[j];                  \
@@ -147,11 +166,13 @@ VPASS(1) VPASS(2) VPASS(3) VPASS(4) VPASS(5) VPASS(6) VPASS(7) VPASS(8)
 typedef void (*vpass_fn)(const float *, const float *, int, int, int, int, int, float *);
 static const vpass_fn VPASSES[9] = {0, vpass_1, vpass_2, vpass_3, vpass_4, vpass_5, vpass_6, vpass_7, vpass_8};
 
-/* The sums of 16 vectors' lanes as one vector (lane j: the sum of a[j]'s lanes), by a tree
- * of interleaving halvings: 30 shuffles and 15 adds for 16 sums, where 16 separate
- * reductions take 64 of each and 16 scalar stores. */
-static inline v16 sums16(const v16 *a) {
-  v16 b[8], c[4], d[2];
+/* The sums of W vectors' lanes as one vector (lane j: the sum of a[j]'s lanes), by a tree
+ * of interleaving halvings: 2(W-1) shuffles and W-1 adds for W sums, where W separate
+ * reductions take 4W of each (at 16) and W scalar stores. Below 16 the shuffles within
+ * 128-bit lanes come first and the one crossing them (AVX2's slow kind) last. */
+static inline vf sumsv(const vf *a) {
+#if W == 16
+  vf b[8], c[4], d[2];
   for (int i = 0; i < 8; i++)
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -163,42 +184,59 @@ static inline v16 sums16(const v16 *a) {
            __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif W == 8
+  vf b[4], c[2]; /* b[i]: a[2i]'s partial sums in the even lanes, a[2i+1]'s in the odd ones */
+  for (int i = 0; i < 4; i++)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  for (int i = 0; i < 2; i++) /* c[i]: a[4i..4i+3]'s sums over each 128-bit half */
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+  vf b[2];
+  for (int i = 0; i < 2; i++)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 4, 1, 5) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 6, 3, 7);
+  return __builtin_shufflevector(b[0], b[1], 0, 1, 4, 5) + __builtin_shufflevector(b[0], b[1], 2, 3, 6, 7);
+#endif
 }
 #define KPASS(DC)                                                                              \
   static void kpass_##DC(const float *qg, const float *Kg, int H, int lo, int hi, float scale, \
                          float *scores, int S) {                                               \
-    enum { C = DC / 16 };                                                                      \
+    enum { C = DC / W };                                                                       \
     int t = lo;                                                                                \
-    /* 16 positions at a time: their K rows (in L1 after the first head) dotted with each    \
-     * head, the 16 sums reduced together and stored as one vector */                         \
-    for (; t + 16 <= hi + 1; t += 16) {                                                        \
+    /* W positions at a time: their K rows (in L1 after the first head) dotted with each     \
+     * head, the W sums reduced together and stored as one vector */                          \
+    for (; t + W <= hi + 1; t += W) {                                                          \
       const float *kb = Kg + (size_t)t * DC;                                                   \
       for (int h = 0; h < H; h++) {                                                            \
         const float *qh = qg + h * DC;                                                         \
-        v16 acc[16];                                                                           \
-        for (int j = 0; j < 16; j++) {                                                         \
+        vf acc[W];                                                                             \
+        for (int j = 0; j < W; j++) {                                                          \
           const float *k0 = kb + (size_t)j * DC;                                               \
-          if (h == 0)                                                                          \
-            for (int c = 0; c < C; c++) __builtin_prefetch(k0 + K_PREFETCH + 16 * c);          \
-          v16 e = load16(qh) * load16(k0);                                                     \
-          for (int c = 1; c < C; c++) e += load16(qh + 16 * c) * load16(k0 + 16 * c);          \
+          if (h == 0) /* one per 64-byte line */                                               \
+            for (int l = 0; l < DC / 16; l++) __builtin_prefetch(k0 + K_PREFETCH + 16 * l);    \
+          vf e = loadv(qh) * loadv(k0);                                                        \
+          for (int c = 1; c < C; c++) e += loadv(qh + W * c) * loadv(k0 + W * c);              \
           acc[j] = e;                                                                          \
         }                                                                                      \
-        *(v16 *)(scores + h * S + t) = sums16(acc) * scale;                                    \
+        *(vf *)(scores + h * S + t) = sumsv(acc) * scale;                                      \
       }                                                                                        \
     }                                                                                          \
     for (; t <= hi; t++) { /* the last positions: each K row once for all the heads */         \
       const float *k0 = Kg + (size_t)t * DC;                                                   \
-      v16 kv[C];                                                                               \
-      for (int c = 0; c < C; c++) kv[c] = load16(k0 + 16 * c);                                 \
+      vf kv[C];                                                                                \
+      for (int c = 0; c < C; c++) kv[c] = loadv(k0 + W * c);                                   \
       for (int h = 0; h < H; h++) {                                                            \
         const float *qh = qg + h * DC;                                                         \
-        v16 e = load16(qh) * kv[0], f = load16(qh + 16) * kv[1];                               \
+        vf e = loadv(qh) * kv[0], f = loadv(qh + W) * kv[1];                                   \
         for (int c = 2; c < C; c += 2) {                                                       \
-          e += load16(qh + 16 * c) * kv[c];                                                    \
-          f += load16(qh + 16 * c + 16) * kv[c + 1];                                           \
+          e += loadv(qh + W * c) * kv[c];                                                      \
+          f += loadv(qh + W * c + W) * kv[c + 1];                                              \
         }                                                                                      \
-        scores[h * S + t] = hsum16(e + f) * scale;                                             \
+        scores[h * S + t] = hsumv(e + f) * scale;                                              \
       }                                                                                        \
     }                                                                                          \
   }
@@ -277,23 +315,23 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
       for (int i = 0; i < n; i++) s[i] += mask[lo + i];
       float m = s[0];
       int i = 0;
-      if (n >= 16) {
-        v16 mv = load16(s);
-        for (i = 16; i + 16 <= n; i += 16) {
-          v16 x = load16(s + i);
-          mv = (v16)(((i16v)x & (x > mv)) | ((i16v)mv & ~(x > mv)));
+      if (n >= W) {
+        vf mv = loadv(s);
+        for (i = W; i + W <= n; i += W) {
+          vf x = loadv(s + i);
+          mv = (vf)(((vi)x & (x > mv)) | ((vi)mv & ~(x > mv)));
         }
-        m = hmax16(mv);
+        m = hmaxv(mv);
       }
       for (; i < n; i++) m = s[i] > m ? s[i] : m;
-      v16 total = (v16){0};
+      vf total = (vf){0};
       i = 0;
-      for (; i + 16 <= n; i += 16) {
-        v16 e = exp16(load16(s + i) - m);
-        *(v16 *)(s + i) = e;
+      for (; i + W <= n; i += W) {
+        vf e = expv(loadv(s + i) - m);
+        *(vf *)(s + i) = e;
         total += e;
       }
-      float sum = hsum16(total);
+      float sum = hsumv(total);
       for (; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
       float inv = 1.f / sum;
       for (i = 0; i < n; i++) s[i] *= inv;
