@@ -106,16 +106,15 @@ _versions: dict[str, str] = {}
 _build_lock = threading.Lock()
 
 
-def build_library(isa: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """The kernels' library, built into the cache directory if it is not there yet, with
-    this CPU's vector-extension flags (:func:`isa_flags`) or ``isa`` (tests build the AVX2
-    form on an AVX-512 machine). ``FailedPreconditionError`` saying why when it cannot be
-    built or loaded."""
+def build_library() -> ctypes.CDLL:
+    """The kernels' library, built with this CPU's vector-extension flags (:func:`isa_flags`)
+    into the cache directory if it is not there yet. ``FailedPreconditionError`` saying why
+    when it cannot be built or loaded."""
     cc = compiler()
     if cc is None:
         raise FailedPreconditionError("no C compiler (cc or gcc; $CC) on PATH to build it")
     source = resources.files(__package__).joinpath(_SOURCE).read_bytes()
-    flags = (*_BASE_FLAGS, *(isa_flags() if isa is None else isa))
+    flags = (*_BASE_FLAGS, *isa_flags())
     with _build_lock:
         if cc not in _versions:
             try:
