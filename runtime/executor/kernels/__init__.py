@@ -159,12 +159,12 @@ def _compile(cc: str, flags: tuple[str, ...], source: bytes, folder: Path, path:
         raise FailedPreconditionError(f"{cc} took more than 300 s to build the kernel") from None
 
 
-# What the standard form costs where the kernel would run (docs/kernels.md, SmolLM2-135M's
-# shapes, 1 thread): the attention's time over the kernel's at 128 / 1,024 / 4,096 positions
-# (medians 0.80x / 0.74x / 0.57x the other way round), and a whole int8 step at position 10
-# of a 4,096-position cache (47.0 ms against 10.7 ms).
-STANDARD_FORM_COST = ("its attention takes 1.25-1.75x the kernel's time and reads the whole cache at every step "
-                      "(a short session in a 4,096-position cache: ~4x a whole int8 step of SmolLM2-135M)")
+# What the standard form costs where the kernel would run (SmolLM2-135M's shapes, 1 thread;
+# benchmarks/experiments/kernel_probe/RESULTS.md section 6): the attention's time over the
+# kernel's at 128 / 1,024 / 4,096 positions (0.50x / 0.34x / 0.38x the other way round), and a
+# whole int8 step at position 10 of a 4,096-position cache (44.8 ms against 7.8 ms; docs/kernels.md).
+STANDARD_FORM_COST = ("its attention takes 2-3x the kernel's time and reads the whole cache at every step "
+                      "(a short session in a 4,096-position cache: ~5x a whole int8 step of SmolLM2-135M)")
 
 
 def load_for_this_cpu() -> tuple[ctypes.CDLL | None, str]:
