@@ -38,12 +38,16 @@ LORA_TARGETS = ("attention", "all-linear")
 # session pays for the positions it has filled, not for the whole cache, where decode attention
 # runs in the runtime's op (docs/kernels.md); the cache's memory is the whole length's.
 MAX_DEFAULT_KV_LENGTH = 4096
-
-
 # The prefill window an export with a longer cache gets unless told otherwise: prefill attends
 # in standard ops over every position its signature spans, so without it a prompt's first
-# chunks in a 4,096-position cache take 1.5-3x their time in a 1,024 one (SmolLM2-135M).
+# chunks in a 4,096-position cache take 1.5-4.5x their time in a 1,024 one (SmolLM2-135M).
 DEFAULT_PREFILL_WINDOW = 1024
+
+
+def default_kv_length(context_length: int | None) -> int:
+    """The KV length of an export of a model made for ``context_length`` positions (None:
+    unknown) when none is asked for: that context, up to :data:`MAX_DEFAULT_KV_LENGTH`."""
+    return min(context_length or MAX_DEFAULT_KV_LENGTH, MAX_DEFAULT_KV_LENGTH)
 
 
 def default_prefill_windows(kv_length: int, prefill_lengths: tuple[int, ...]) -> tuple[int, ...]:
@@ -53,10 +57,6 @@ def default_prefill_windows(kv_length: int, prefill_lengths: tuple[int, ...]) ->
     return (DEFAULT_PREFILL_WINDOW,) if fits else ()
 
 
-def default_kv_length(context_length: int | None) -> int:
-    """The KV length of an export of a model made for ``context_length`` positions (None:
-    unknown) when none is asked for: that context, up to :data:`MAX_DEFAULT_KV_LENGTH`."""
-    return min(context_length or MAX_DEFAULT_KV_LENGTH, MAX_DEFAULT_KV_LENGTH)
 # The prefill lengths an export has unless told otherwise: those up to half the KV length.
 STANDARD_PREFILL_LENGTHS = (32, 128, 512)
 
