@@ -256,7 +256,10 @@ class ConcurrencyRig:
         if position + steps + 1 > sessions[0].kv_length:
             raise InvalidArgumentError(f"{position} prompt tokens and {steps + 1} steps exceed the KV cache of "
                                        f"{sessions[0].kv_length} positions")
-        barrier = threading.Barrier(len(sessions) + 1)
+        # The clock starts when every session is ready, before any is let go (the barrier's
+        # action runs then): read after the barrier, a session might have stepped already.
+        started: list[float] = []
+        barrier = threading.Barrier(len(sessions) + 1, action=lambda: started.append(time.perf_counter()))
 
         def drive(session: Session) -> None:
             session.reset()
@@ -270,10 +273,9 @@ class ConcurrencyRig:
         for t in threads:
             t.start()
         barrier.wait()
-        start = time.perf_counter()
         for t in threads:
             t.join()
-        return len(sessions) * (steps + 1) / (time.perf_counter() - start)
+        return len(sessions) * (steps + 1) / (time.perf_counter() - started[0])
 
     def lone_step(self, steps: int) -> tuple[float, float]:
         """Seconds per step of one session decoding ``steps + 1`` steps, and of them the
