@@ -335,7 +335,7 @@ def misfit(path: Path, out: Path) -> None:
     """The first decode_attention node of ``path`` given the V cache as its K input too."""
     from ai_edge_litert import schema_py_generated as schema
 
-    from runtime.util.attention_rewrite import _pack
+    from runtime.util.flatbuffer_model import pack as _pack
 
     model = schema.ModelT.InitFromPackedBuf(path.read_bytes(), 0)
     custom = next(i for i, code in enumerate(model.operatorCodes) if code.customCode == DECODE_ATTENTION.encode())
@@ -391,7 +391,7 @@ def test_weights_stored_after_the_flatbuffer_are_brought_inside(tmp_path, kernel
     buffer table): the pass brings them inside; the rewritten model computes the same."""
     from ai_edge_litert import schema_py_generated as schema
 
-    from runtime.util.attention_rewrite import _pack
+    from runtime.util.flatbuffer_model import pack as _pack
 
     model = schema.ModelT.InitFromPackedBuf(FIXTURES["gqa"].read_bytes(), 0)
     largest = max(model.buffers, key=lambda buffer: 0 if buffer.data is None else len(buffer.data))
@@ -658,7 +658,7 @@ def test_a_broken_op_node_in_a_file_of_both_forms_is_refused_naming_the_op(both,
 def test_a_pairing_that_does_not_read_is_refused_naming_it(both, tmp_path):
     from ai_edge_litert import schema_py_generated as schema
 
-    from runtime.util.attention_rewrite import _pack
+    from runtime.util.flatbuffer_model import pack as _pack
 
     model = schema.ModelT.InitFromPackedBuf(both["gqa"].read_bytes(), 0)
     entry = next(entry for entry in model.metadata if entry.name == FORMS_METADATA.encode())

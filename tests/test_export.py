@@ -493,6 +493,32 @@ def test_several_quantizations_come_from_one_lowering_as_each_alone(exported: Ex
     assert (tmp_path / "m-int8.tflite").stat().st_size < (tmp_path / "m-f32.tflite").stat().st_size
 
 
+def test_float16_caches_keep_the_float32_exports_tokens_and_the_bundle_keeps_float32(tmp_path: Path) -> None:
+    """--kv-cache-dtype float16 with both attention forms and a bundle: the model file's
+    every cache float16 (one stage after quantizing), its greedy tokens those of the float32
+    export, logits within 1% of their range; the bundle's model keeps float32 caches."""
+    from runtime.util.litertlm_bundle import LitertLmBundle
+    from runtime.util.model_view import signature_details
+
+    source = inspect_source(checkpoints.write_llama_directory(tmp_path / "llama"))
+    common = dict(kv_length=32, prefill_lengths=(8,), attention_windows=(16,))
+    export(source, ExportSettings(**common), model_out=tmp_path / "f32.tflite", jobs=1)
+    report = export(source, ExportSettings(**common, kv_cache_dtype="float16"), model_out=tmp_path / "f16.tflite",
+                    bundle_out=tmp_path / "f16.litertlm", jobs=1)
+    assert "KV caches to float16, rewrite decode attention (both forms)" in report.stage_seconds
+
+    def cache_types(model: bytes) -> set[str]:
+        return {str(np.dtype(detail["dtype"])) for inputs, outputs in signature_details(model).values()
+                for name, detail in [*inputs.items(), *outputs.items()] if name.startswith("kv_cache_")}
+
+    assert cache_types((tmp_path / "f16.tflite").read_bytes()) == {"float16"}
+    with LitertLmBundle(tmp_path / "f16.litertlm") as bundle:
+        assert cache_types(bytes(bundle.section_bytes(bundle.model_section()))) == {"float32"}
+    want, got = runtime_logits(tmp_path / "f32.tflite"), runtime_logits(tmp_path / "f16.tflite")
+    assert (want.argmax(-1) == got.argmax(-1)).all()
+    assert np.abs(want - got).max() <= 0.01 * np.ptp(want)
+
+
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="no C compiler (cc or gcc) on PATH to build the attention kernel")
 def test_the_native_attention_kernel_gives_the_standard_exports_numbers(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from runtime.cli.progress import progress_bar
 from runtime.errors import InvalidArgumentError
 from runtime.export.budget import GB, plan
 from runtime.export.outputs import check_targets
-from runtime.export.settings import (ATTENTION_KERNELS, DEFAULT_PREFILL_WINDOW, KV_LAYOUTS, LORA_TARGETS,
+from runtime.export.settings import (ATTENTION_KERNELS, DEFAULT_PREFILL_WINDOW, KV_CACHE_DTYPES, KV_LAYOUTS, LORA_TARGETS,
                                      MAX_DEFAULT_KV_LENGTH, NATIVE_BUNDLE, QUANTIZATIONS, ExportSettings,
                                      default_kv_length, precision_name)
 from runtime.export.source import inspect_source, supported_architectures
@@ -64,6 +64,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=defaults.kv_layout,
                         help="transposed (the default) is faster here and what Google's LiteRT-LM engine reads; "
                         "default is litert-torch's own layout; this runtime runs both")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
+                        help="the KV caches' element type: float32 (the default), or float16 (llama.cpp's "
+                        "default): half the bytes a long session's attention reads per step, rows rounded to "
+                        "float16 when written; where the attention kernel cannot run, the standard form converts "
+                        "the whole cache every step (slower than float32 there); a --bundle keeps float32 caches. "
+                        "docs/kernels.md")
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=defaults.attention_kernel,
                         help="auto (the default): each decode signature's attention in standard ops and, beside "
                         "them in the same file sharing every weight, as one custom op per layer whose kernel the "
@@ -175,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         verify_lengths=parse_integers("--verify-lengths", args.verify_lengths),
         score_lengths=parse_integers("--score-lengths", args.score_lengths),
         attention_kernel=args.attention_kernel,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     targets = [path for _, *paths in outputs for path in paths if path is not None]
     check_targets(targets)

@@ -16,7 +16,9 @@ from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_b
 from runtime.export.outputs import PendingOutputs
 from runtime.export.settings import NATIVE_BUNDLE, QUANTIZATIONS, ExportSettings
 from runtime.export.source import Source
-from runtime.util.attention_rewrite import rewrite_decode_attention
+from runtime.util import flatbuffer_model
+from runtime.util.attention_rewrite import rewrite_attention
+from runtime.util.kv_cache_precision import kv_caches_to_float16
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,13 @@ def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None
     recipe = litert.quantizer_recipe(settings.litert_quantize, model.config)
     if recipe is not None:
         flatbuffer = convert.quantize(flatbuffer, recipe, settings.quantize)
-    if settings.op_form:
-        flatbuffer, _ = rewrite_decode_attention(flatbuffer, keep_standard=settings.attention_kernel == "auto")
+    if settings.graph_passes:
+        model = flatbuffer_model.unpack(flatbuffer)
+        if settings.kv_cache_dtype == "float16":
+            kv_caches_to_float16(model)
+        if settings.op_form:
+            rewrite_attention(model, keep_standard=settings.attention_kernel == "auto")
+        flatbuffer = flatbuffer_model.pack(model)
     Path(out_path).write_bytes(flatbuffer)
 
 
@@ -122,10 +129,11 @@ class _Job:
         # Each precision's .tflite: its model output, or a scratch file its bundle is made from.
         self.model_files = [outputs.temporary(p.model_out) if p.model_out else outputs.scratch(p.bundle_out, ".tflite")
                             for p in precisions]
-        # Each bundle's .tflite, in standard ops: its model file, or the scratch file the model
-        # file's standard form is moved to before it gets the custom-op form (auto).
+        # Each bundle's .tflite, in standard ops with float32 caches: its model file, or the
+        # scratch file the model file is moved to before its graph passes (float16 caches,
+        # the custom-op form).
         self.bundle_models = [outputs.scratch(p.bundle_out, ".standard.tflite")
-                              if p.bundle_out and p.model_out and settings.op_form else model_file
+                              if p.bundle_out and p.model_out and settings.graph_passes else model_file
                               for p, model_file in zip(precisions, self.model_files)]
         self.tokenizer: checkpoint.TokenizerAssets | None = None
         # The litert-torch decoder from its build until lowering takes it.
@@ -239,13 +247,15 @@ class _Job:
             quantized=tuple(finish.Quantized(precision.quantize, recipe, file)
                             for precision, file, recipe in zip(self.precisions, self.model_files, recipes)
                             if recipe is not None),
-            rewrite_attention=tuple(
-                finish.AttentionRewrite("" if len(self.precisions) == 1 else f" ({precision.quantize})", file,
-                                        keep_standard=self.settings.attention_kernel == "auto",
-                                        standard_copy=None if bundle_model == file else bundle_model)
+            graph_passes=tuple(
+                finish.GraphPasses("" if len(self.precisions) == 1 else f" ({precision.quantize})", file,
+                                   kv_cache_float16=self.settings.kv_cache_dtype == "float16",
+                                   attention=None if not self.settings.op_form else finish.BOTH_FORMS
+                                   if self.settings.attention_kernel == "auto" else finish.NATIVE_KERNEL,
+                                   standard_copy=None if bundle_model == file else bundle_model)
                 for precision, file, bundle_model in zip(self.precisions, self.model_files, self.bundle_models)
                 if precision.model_out is not None)
-            if self.settings.op_form else ())
+            if self.settings.graph_passes else ())
         self.watch.restart()
         for kind, payload in finish.finish_in_process(work):
             if kind == "stage":

@@ -1,9 +1,10 @@
 """The export's last stages, in a process of their own that imports neither torch nor
 litert-torch: the lowered modules merged (each weight stored once), the metadata added,
 the float flatbuffer serialized straight to its file, each quantized precision made
-from that file, and each ``.tflite``'s decode attention given the runtime's custom-op form
-beside its standard one (``--attention-kernel auto``) or in its place (``native``), after
-quantizing: the quantizer sees standard ops only.
+from that file, and each ``.tflite``'s KV caches stored in float16 (``--kv-cache-dtype
+float16``) and its decode attention given the runtime's custom-op form beside its standard
+one (``--attention-kernel auto``) or in its place (``native``), after quantizing: the
+quantizer sees float32 caches and standard ops only.
 
 The exporter has imported torch, transformers and litert-torch (~1.2 GB resident before
 it holds any weight) and keeps them until it exits; the merged module and the quantizer's
@@ -24,8 +25,13 @@ from typing import Any
 
 from runtime.export import convert, spawned
 from runtime.export.measure import release_freed_memory
-from runtime.util.attention_rewrite import FLATBUFFER_LIMIT, rewrite_decode_attention
+from runtime.errors import InvalidArgumentError
+from runtime.util import flatbuffer_model
+from runtime.util.attention_rewrite import rewrite_attention
+from runtime.util.flatbuffer_model import FLATBUFFER_LIMIT
+from runtime.util.kv_cache_precision import kv_caches_to_float16
 
+BOTH_FORMS, NATIVE_KERNEL = "both forms", "native kernel"  # GraphPasses.attention
 
 @dataclass(frozen=True)
 class Quantized:
@@ -38,16 +44,26 @@ class Quantized:
 
 
 @dataclass(frozen=True)
-class AttentionRewrite:
-    """A model file whose decode attention gets the custom-op form (runtime.util.attention_rewrite):
-    ``keep_standard`` beside the standard form, else in its place; ``standard_copy``: where the
-    file in standard ops goes first (a bundle's model, made from it), or None. ``suffix``
-    ends the stage's name."""
+class GraphPasses:
+    """The passes over a model file's graph after quantizing, in one read and one write:
+    its KV caches stored in float16 (``kv_cache_float16``, runtime.util.kv_cache_precision),
+    then its decode attention given the custom-op form (runtime.util.attention_rewrite)
+    beside the standard form (``attention`` "both forms"), in its place ("native kernel"), or
+    not (None). ``standard_copy``: where the file as quantized goes first (a bundle's model,
+    made from it: standard ops, float32 caches), or None. ``suffix`` ends the stage's name."""
 
     suffix: str
     file: Path
-    keep_standard: bool
+    kv_cache_float16: bool
+    attention: str | None
     standard_copy: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """The stage's name."""
+        done = ["KV caches to float16"] * self.kv_cache_float16
+        done += [f"rewrite decode attention ({self.attention})"] * (self.attention is not None)
+        return ", ".join(done) + self.suffix
 
 
 @dataclass(frozen=True)
@@ -60,9 +76,9 @@ class Finish:
     metadata: dict[str, str]
     float_file: Path
     quantized: tuple[Quantized, ...] = ()
-    # The models whose decode attention gets its custom-op form, last; empty with
-    # --attention-kernel xnnpack or the default KV layout.
-    rewrite_attention: tuple[AttentionRewrite, ...] = ()
+    # The models given float16 caches or their decode attention's custom-op form, last;
+    # empty with float32 caches and --attention-kernel xnnpack or the default KV layout.
+    graph_passes: tuple[GraphPasses, ...] = ()
 
 
 def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
@@ -91,22 +107,28 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
         release_freed_memory()
         done(f"quantize ({quantized.quantization})")
     del flatbuffer
-    for rewrite in finish.rewrite_attention:
-        name = f"rewrite decode attention ({'both forms' if rewrite.keep_standard else 'native kernel'}){rewrite.suffix}"
-        if rewrite.keep_standard and rewrite.file.stat().st_size >= FLATBUFFER_LIMIT:
-            # The pass writes one flatbuffer (< 2 GB): a larger model keeps its standard form alone.
-            if rewrite.standard_copy is not None:
-                shutil.copyfile(rewrite.file, rewrite.standard_copy)
-            done(f"{name}: not done, the model is over 2 GB")
+    for passes in finish.graph_passes:
+        if passes.file.stat().st_size >= FLATBUFFER_LIMIT:
+            if passes.kv_cache_float16:
+                raise InvalidArgumentError(f"{passes.file.name}: {passes.file.stat().st_size:,} bytes; float16 KV "
+                                           "caches are written by a pass that makes one flatbuffer, at most 2 GB")
+            # The attention pass likewise: a larger model keeps its standard form alone.
+            if passes.standard_copy is not None:
+                shutil.copyfile(passes.file, passes.standard_copy)
+            done(f"{passes.name}: not done, the model is over 2 GB")
             continue
-        rewritten, _ = rewrite_decode_attention(rewrite.file.read_bytes(), keep_standard=rewrite.keep_standard)
-        if rewrite.standard_copy is not None:
-            os.replace(rewrite.file, rewrite.standard_copy)
-        rewrite.file.write_bytes(rewritten)
-        del rewritten
+        model = flatbuffer_model.unpack(passes.file.read_bytes())
+        if passes.kv_cache_float16:
+            kv_caches_to_float16(model)
+        if passes.attention is not None:
+            rewrite_attention(model, keep_standard=passes.attention == BOTH_FORMS)
+        if passes.standard_copy is not None:
+            os.replace(passes.file, passes.standard_copy)
+        passes.file.write_bytes(flatbuffer_model.pack(model))
+        del model
         gc.collect()
         release_freed_memory()
-        done(name)
+        done(passes.name)
 
 
 def finish_in_process(finish: Finish) -> Iterator[tuple[str, Any]]:

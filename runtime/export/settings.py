@@ -23,6 +23,7 @@ KV_LAYOUTS = ("default", "transposed")
 # choosing at open; "xnnpack" the standard ops only (what LiteRT-LM runs); "native" the
 # custom op only (a model that opens only where the kernel builds).
 ATTENTION_KERNELS = ("auto", "xnnpack", "native")
+KV_CACHE_DTYPES = ("float32", "float16")
 NATIVE_BUNDLE = ("--attention-kernel native with --bundle: a .litertlm bundle is for LiteRT-LM, which runs standard "
                  "ops only (it has no kernel for the runtime's custom op); export the bundle with --attention-kernel "
                  "auto (the default: the bundle gets the standard form) or xnnpack")
@@ -141,6 +142,11 @@ class ExportSettings:
     # bundle, and the default layout, get the standard form only); "native" replaces the
     # standard form with it (transposed KV layout only; no .litertlm bundle); "xnnpack" neither.
     attention_kernel: str = "auto"
+    # A key of KV_CACHE_DTYPES: the element type of every signature's KV caches. "float16"
+    # halves the bytes a long session's attention reads per step (llama.cpp's default),
+    # rows rounded to float16 once, when written (runtime.util.kv_cache_precision); the
+    # graph still computes in float32. A .litertlm bundle keeps float32 caches.
+    kv_cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_length, int) or self.kv_length < 2:
@@ -205,6 +211,9 @@ class ExportSettings:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise InvalidArgumentError(
                 f"attention_kernel={self.attention_kernel!r}: expected one of {', '.join(ATTENTION_KERNELS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgumentError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_kernel == "native" and self.kv_layout != "transposed":
             raise InvalidArgumentError(
                 f"attention kernel native with kv_layout {self.kv_layout!r}: the kernel reads the transposed layout "
@@ -215,6 +224,12 @@ class ExportSettings:
         """Whether the .tflite files get the decode attention's custom-op form: ``native``,
         and ``auto`` in the transposed KV layout (the only one the kernel reads)."""
         return self.attention_kernel == "native" or (self.attention_kernel == "auto" and self.kv_layout == "transposed")
+
+    @property
+    def graph_passes(self) -> bool:
+        """Whether the .tflite files get a pass over their graph after quantizing: the
+        attention's op form (:attr:`op_form`), float16 caches, or both."""
+        return self.op_form or self.kv_cache_dtype == "float16"
 
     @property
     def batch_ranks(self) -> tuple[int, ...]:

@@ -31,29 +31,25 @@ Two ways to write it (:func:`rewrite_decode_attention`):
   interpreter) runs the standard form.
 * **the op form only** (``--attention-kernel native``): the decode subgraphs rewritten in place.
 
-The model is rewritten through the wheel's flatbuffer schema (object API), every buffer's
-data 64-byte aligned (LiteRT hands a custom op only aligned tensors); data stored after the
-flatbuffer is brought inside it, so models of 2 GB and more are refused.
+The model is rewritten through the wheel's flatbuffer schema (object API,
+:mod:`runtime.util.flatbuffer_model`: buffers aligned, models of 2 GB and more refused).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 
-import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import InvalidArgumentError
+from runtime.util import flatbuffer_model
 
 DECODE_ATTENTION = "odml_runtime.decode_attention"
 # The metadata entry of a model carrying both forms: its buffer holds JSON,
 # {"op": DECODE_ATTENTION, "subgraphs": [[standard subgraph, its op form], ...]}.
 FORMS_METADATA = "odml_runtime.attention_forms"
-ALIGNMENT = 64
-FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
 _NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
 _FLOAT32 = schema.TensorType.FLOAT32
 
@@ -84,24 +80,23 @@ def _adj_y(op: schema.OperatorT) -> bool:
 
 
 def rewrite_decode_attention(data: bytes, *, keep_standard: bool = False) -> tuple[bytes, dict[str, int]]:
-    """``data`` (a ``.tflite``) with the decode signatures' attention rewritten; and the
-    layers rewritten per signature. ``keep_standard``: both forms in the file (the op forms
-    appended, sharing every weight and tensor; see the module), else the op form only.
+    """``data`` (a ``.tflite``) with the decode signatures' attention rewritten
+    (:func:`rewrite_attention`); and the layers rewritten per signature."""
+    model = flatbuffer_model.unpack(data)
+    counts = rewrite_attention(model, keep_standard=keep_standard)
+    return flatbuffer_model.pack(model), counts
+
+
+def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> dict[str, int]:
+    """Rewrites ``model`` (a ``.tflite`` in object form, :mod:`runtime.util.flatbuffer_model`)
+    in place: the decode signatures' attention as the custom op; the layers rewritten per
+    signature. ``keep_standard``: both forms in the file (the op forms appended, sharing every
+    weight and tensor; see the module), else the op form only. Caches in float16
+    (:mod:`runtime.util.kv_cache_precision`, run before) are read by the op as they are.
     ``InvalidArgumentError`` when the model cannot be rewritten (no decode signature in the
-    transposed layout, an attention chain of another form, already rewritten, weights
-    outside the flatbuffer), naming why."""
-    if DECODE_ATTENTION in custom_codes(data):
+    transposed layout, an attention chain of another form, already rewritten), naming why."""
+    if any(code.customCode == DECODE_ATTENTION.encode() for code in model.operatorCodes or ()):
         raise InvalidArgumentError(f"the model already runs {DECODE_ATTENTION}")
-    model = schema.ModelT.InitFromPackedBuf(data, 0)
-    outside = 0
-    for buffer in model.buffers or ():
-        if buffer.offset > 1:  # data after the flatbuffer (the quantizer writes some so): brought inside
-            buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
-            outside += buffer.size
-            buffer.offset = buffer.size = 0
-    if outside and len(data) >= FLATBUFFER_LIMIT:
-        raise InvalidArgumentError(f"the model is {len(data):,} bytes, its weights partly outside the flatbuffer: "
-                                   "the attention kernel pass writes one flatbuffer, at most 2 GB")
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
     if not keys:
         raise InvalidArgumentError("the model has no decode signature to rewrite")
@@ -140,7 +135,7 @@ def rewrite_decode_attention(data: bytes, *, keep_standard: bool = False) -> tup
         entry = schema.MetadataT()
         entry.name, entry.buffer = FORMS_METADATA, len(model.buffers) - 1
         model.metadata = [*(model.metadata or ()), entry]
-    return _pack(model), counts
+    return counts
 
 
 def _shallow_copy(sub: schema.SubGraphT) -> schema.SubGraphT:
@@ -187,6 +182,18 @@ def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
     return pairs
 
 
+def _stored(model: schema.ModelT, sub: schema.SubGraphT, index: int, consumers: dict[int, list[int]],
+            producers: dict[int, int]) -> tuple[int, int | None]:
+    """The cache the op reads for the matmul operand ``index``: a float16 cache's, where
+    ``index`` is its conversion to float32 read by that matmul alone, with the converting
+    op (which the op form drops); else ``index`` itself and None."""
+    j = producers.get(index)
+    if j is None or len(consumers.get(index, ())) != 1 or _op_name(model, sub.operators[j]) != "DEQUANTIZE":
+        return index, None
+    source = int(sub.operators[j].inputs[0])
+    return (source, j) if sub.tensors[source].type == schema.TensorType.FLOAT16 else (index, None)
+
+
 def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, custom_code: int,
                       params_buffer: int) -> int:
     """Rewrites ``sub`` (the subgraph of signature ``key``) in place: its operators list
@@ -194,9 +201,12 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
     another subgraph left as they are. The number of layers rewritten."""
     outputs = set(int(i) for i in sub.outputs)
     consumers: dict[int, list[int]] = {}
+    producers: dict[int, int] = {}
     for j, op in enumerate(sub.operators):
         for i in op.inputs:
             consumers.setdefault(int(i), []).append(j)
+        for i in op.outputs:
+            producers[int(i)] = j
     tensor = schema.TensorT()
     tensor.name, tensor.shape, tensor.type, tensor.buffer = b"odml_runtime_attention_params", [4], _FLOAT32, \
         params_buffer
@@ -250,57 +260,15 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
             raise InvalidArgumentError(f"{where}: the second matmul is not by the V cache [1, G, D, T]")
         if any(sub.tensors[i].type != _FLOAT32 for i in (q_index, k_index, v_index, int(last.outputs[0]))):
             raise InvalidArgumentError(f"{where}: not float32")
+        (k_cache, k_convert), (v_cache, v_convert) = (_stored(model, sub, i, consumers, producers)
+                                                      for i in (k_index, v_index))
         custom = schema.OperatorT()
         custom.opcodeIndex = custom_code
-        custom.inputs = [q_index, mask, params_index, k_index, v_index]
+        custom.inputs = [q_index, mask, params_index, k_cache, v_cache]
         custom.outputs = [int(last.outputs[0])]
         custom.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
         drop.update(chain[:-1])
+        drop.update(j for j in (k_convert, v_convert) if j is not None)
         replace[chain[-1]] = custom
     sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]
     return len(replace)
-
-
-def _pack(model: schema.ModelT) -> bytes:
-    builder = flatbuffers.Builder(1 << 20)
-    originals = schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack
-    schema.BufferT.Pack = _pack_aligned
-    # A tensor or operator object in two subgraphs (both forms) is packed once, its table shared.
-    schema.TensorT.Pack, schema.OperatorT.Pack = _packed_once(originals[1]), _packed_once(originals[2])
-    try:
-        builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    finally:
-        schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack = originals
-    return bytes(builder.Output())
-
-
-def _packed_once(pack: Callable[[object, flatbuffers.Builder], int]) -> Callable[[object, flatbuffers.Builder], int]:
-    """``pack`` remembering each object's table per builder (by identity: the objects live
-    in the model being packed for as long as the builder does)."""
-    tables: dict[tuple[int, int], int] = {}
-
-    def packed(self: object, builder: flatbuffers.Builder) -> int:
-        key = (id(builder), id(self))
-        if key not in tables:
-            tables[key] = pack(self, builder)
-        return tables[key]
-    return packed
-
-
-def _pack_aligned(self: schema.BufferT, builder: flatbuffers.Builder) -> int:
-    """``BufferT.Pack`` with the data vector aligned to :data:`ALIGNMENT` bytes (the
-    builder pads the whole buffer to its largest alignment, so the data lies aligned in
-    the file, and in a file mapped at a page boundary)."""
-    data = None
-    if self.data is not None:
-        raw = np.asarray(self.data, np.uint8).tobytes()
-        builder.StartVector(1, len(raw), ALIGNMENT)
-        builder.head = builder.head - len(raw)
-        builder.Bytes[builder.head:builder.head + len(raw)] = raw
-        data = builder.EndVector()
-    schema.BufferStart(builder)
-    if data is not None:
-        schema.BufferAddData(builder, data)
-    schema.BufferAddOffset(builder, self.offset)
-    schema.BufferAddSize(builder, self.size)
-    return schema.BufferEnd(builder)

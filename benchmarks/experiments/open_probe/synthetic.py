@@ -24,7 +24,7 @@ from pathlib import Path
 import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
-from runtime.util.attention_rewrite import _pack_aligned
+from runtime.util.flatbuffer_model import pack_aligned as _pack_aligned
 
 
 def replicate(source: bytes, total: int) -> bytes:

@@ -41,6 +41,7 @@ from runtime.util.attention_rewrite import DECODE_ATTENTION
 from runtime.util.cache_dir import runtime_cache_dir
 
 _P = ctypes.c_void_p
+_FLOAT32, _FLOAT16 = 1, 10  # LiteRtElementType: the caches' types the kernel reads (q and the rest: float32)
 _SOURCE = "decode_attention.c"
 # -O3 and the vector extensions this CPU has (never -march=native: the file is keyed by
 # these flags, so a cache directory shared by machines of other CPUs keeps one per set).
@@ -163,8 +164,11 @@ def _compile(cc: str, flags: tuple[str, ...], source: bytes, folder: Path, path:
 # benchmarks/experiments/kernel_probe/RESULTS.md section 6): the attention's time over the
 # kernel's at 128 / 1,024 / 4,096 positions (0.50x / 0.34x / 0.38x the other way round), and a
 # whole int8 step at position 10 of a 4,096-position cache (44.8 ms against 7.8 ms; docs/kernels.md).
+# With float16 caches the standard form also converts the whole cache to float32 at every step:
+# SmolLM2-135M f32 at 4,096 positions, 113 ms a step against 69 with float32 caches (docs/kernels.md).
 STANDARD_FORM_COST = ("its attention takes 2-3x the kernel's time and reads the whole cache at every step "
-                      "(a short session in a 4,096-position cache: ~5x a whole int8 step of SmolLM2-135M)")
+                      "(a short session in a 4,096-position cache: ~5x a whole int8 step of SmolLM2-135M; "
+                      "float16 caches are converted whole at every step, ~1.6x a float32 cache's step)")
 
 
 def load_for_this_cpu() -> tuple[ctypes.CDLL | None, str]:
@@ -224,8 +228,12 @@ def check_node(node: CustomNode) -> str | None:
         return f"{len(node.inputs)} inputs and {len(node.outputs)} outputs (expected 5: q, mask, params, K, V; and 1)"
     if any(t is None for t in (*node.inputs, *node.outputs)):
         return "an unranked tensor (expected every shape known)"
-    if any(element != 1 for element, _ in (*node.inputs, *node.outputs)):
-        return "a tensor that is not float32"
+    (q_type, mask_type, params_type, k_type, v_type), (out_type,) = [e for e, _ in node.inputs], \
+        [e for e, _ in node.outputs]
+    if any(element != _FLOAT32 for element in (q_type, mask_type, params_type, out_type)):
+        return "q, mask, params or the output not float32"
+    if k_type != v_type or k_type not in (_FLOAT32, _FLOAT16):
+        return "K and V not both float32 or both float16"
     (q, mask, params, k, v), (out,) = [s for _, s in node.inputs], [s for _, s in node.outputs]
     if len(q) != 4 or q[0] != 1:
         return f"q {list(q)} (expected [1, G, H, D])"
