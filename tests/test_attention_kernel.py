@@ -140,11 +140,13 @@ def test_every_decode_signature_matches_the_standard_form(fixture, rewritten, ke
 
 # The builds of the kernel this CPU can run: its own flags (the runtime's build), AVX2 alone
 # (its 8-float vectors; the runtime's build on AVX2-only CPUs, built here on an AVX-512 one
-# as isa_flags gives them to such a CPU) and none (4-float vectors).
+# as isa_flags gives them to such a CPU), AVX2 without F16C (float16 caches converted lane by
+# lane, as where /proc/cpuinfo does not list it) and none (4-float vectors).
 _HERE = kernels.isa_flags()
+_AVX2 = pytest.mark.skipif(not {"-mavx2", "-mfma", "-mf16c"} <= set(_HERE), reason="this CPU lacks AVX2, FMA, F16C")
 ISA_BUILDS = [pytest.param(_HERE, id="this cpu"),
-              pytest.param(("-mavx2", "-mfma"), id="avx2", marks=pytest.mark.skipif(
-                  not {"-mavx2", "-mfma"} <= set(_HERE), reason="this CPU lacks AVX2 and FMA")),
+              pytest.param(("-mavx2", "-mfma", "-mf16c"), id="avx2", marks=_AVX2),
+              pytest.param(("-mavx2", "-mfma"), id="avx2 without f16c", marks=_AVX2),
               pytest.param((), id="plain")]
 
 
@@ -163,10 +165,15 @@ _RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c
                         ctypes.c_void_p)
 
 
+# LiteRtElementType (TfLiteType's numbering) of the arrays given to the kernel.
+_ELEMENTS = {np.dtype(np.float32): 1, np.dtype(np.float16): 10}
+
+
 def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray]) -> tuple[np.ndarray, int]:
-    """The library's ``attention_run`` on float32 ``arrays`` (q, mask, params, K, V; the
-    output last), each buffer handle its index + 1: the output and the error word."""
-    arrays = [np.ascontiguousarray(a, np.float32) for a in arrays]
+    """The library's ``attention_run`` on float32 or float16 ``arrays`` (q, mask, params, K,
+    V; the output last), each buffer handle its index + 1, typed as its dtype: the output
+    and the error word."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
 
     def host(handle, out):  # noqa: ANN001, ANN202
         out[0] = arrays[handle - 1].ctypes.data
@@ -174,7 +181,7 @@ def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray]) -> tuple[np.ndarr
 
     def tensor_type(handle, out):  # noqa: ANN001, ANN202
         array = arrays[handle - 1]
-        out[0].element, out[0].layout.bits = 1, array.ndim
+        out[0].element, out[0].layout.bits = _ELEMENTS[array.dtype], array.ndim
         for i, dim in enumerate(array.shape):
             out[0].layout.dims[i] = dim
         return 0
@@ -219,10 +226,12 @@ def builds_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @needs_cc
+@pytest.mark.parametrize("caches", [np.float32, np.float16], ids=["f32 caches", "f16 caches"])
 @pytest.mark.parametrize("isa", ISA_BUILDS)
-def test_each_build_of_the_kernel_computes_attention(isa, builds_cache, monkeypatch):
+def test_each_build_of_the_kernel_computes_attention(isa, caches, builds_cache, monkeypatch):
     """Each vector width the kernel is built for (16, 8 and 4 floats), called directly at
-    real models' head sizes, against the graph's computation in float64: within 1e-5."""
+    real models' head sizes with float32 or float16 K and V, against the graph's computation
+    in float64 from the same values: within 1e-5."""
     monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
     monkeypatch.setattr(kernels, "isa_flags", lambda: isa)  # the flags a CPU of that kind gets
     library = kernels.build_library()
@@ -233,8 +242,8 @@ def test_each_build_of_the_kernel_computes_attention(isa, builds_cache, monkeypa
         if open_:
             mask[open_[0]:open_[1] + 1] = 0.0
         params = np.array([1.0, cap, 0.0, 0.0], np.float32)
-        K = (2 * rng.standard_normal((1, G, T, D))).astype(np.float32)
-        V = rng.standard_normal((1, G, D, T)).astype(np.float32)
+        K = (2 * rng.standard_normal((1, G, T, D))).astype(caches)
+        V = rng.standard_normal((1, G, D, T)).astype(caches)
         got, error = run_kernel(library, [q, mask, params, K, V, np.zeros((1, G, H, D), np.float32)])
         assert error == 0
         difference = float(np.abs(got - reference(q, mask, params, K, V)).max())
@@ -242,6 +251,10 @@ def test_each_build_of_the_kernel_computes_attention(isa, builds_cache, monkeypa
     # A failing run: shapes it would misread give the error word and NaN, never numbers.
     got, error = run_kernel(library, [q, mask[:-1], params, K, V, np.zeros((1, G, H, D), np.float32)])
     assert error == 3 and np.isnan(got).all()
+    # K and V of different types are refused.
+    for k, v in ((K.astype(np.float32), V.astype(np.float16)), (K.astype(np.float16), V.astype(np.float32))):
+        got, error = run_kernel(library, [q, mask, params, k, v, np.zeros((1, G, H, D), np.float32)])
+        assert error == 4 and np.isnan(got).all()
 
 
 def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:

@@ -2,16 +2,17 @@
 for work on the kernel itself: this checkout's source and, beside it, another version.
 
     python3 -m benchmarks.experiments.kernel_probe.kernel_bench [--baseline REV] [--span 4096] \
-        [--positions 1000,2000,3000,4095] [--rounds 5] [--flags=-mavx2,-mfma]
+        [--positions 1000,2000,3000,4095] [--rounds 5] [--flags=-mavx2,-mfma,-mf16c] [--dtype f32,f16]
 
 Builds ``kernel_bench.c`` around ``runtime/executor/kernels/decode_attention.c`` (and around
 the file as it is at git revision ``--baseline``, e.g. ``HEAD``) with the compiler and flags
 the runtime builds the kernel with (or the ISA flags ``--flags`` gives, comma-separated:
-``--flags=-mavx2,-mfma`` measures the AVX2 build on an AVX-512 machine; ``--flags=`` the plain
-one), then runs each build in alternating rounds per position
+``--flags=-mavx2,-mfma,-mf16c`` measures the AVX2 build on an AVX-512 machine; ``--flags=`` the
+plain one), then runs each build on caches of each ``--dtype`` (f32, f16 or both) in
+alternating rounds per position
 (each run: best of 15 calls of 30 layers at SmolLM2-135M's shapes, 1 GiB read before each).
-Prints ms per 30 layers, the read loop's GB/s and each build's time as a share of the read
-loop's (100%: the kernel reads as fast as a loop that only reads).
+Prints ms per 30 layers, the read loop's GB/s over that cache type's bytes and each build's
+time as a share of the read loop's (100%: the kernel reads as fast as a loop that only reads).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[3]
 HARNESS = Path(__file__).with_name("kernel_bench.c")
 SOURCE = ROOT / "runtime" / "executor" / "kernels" / "decode_attention.c"
 LAYERS, GROUPS, HEAD_DIM = 30, 3, 64
+BYTES = {"f32": 4, "f16": 2}  # a cache element's
 
 
 def build(source: Path, out: Path, flags: tuple[str, ...]) -> Path:
@@ -40,9 +42,10 @@ def build(source: Path, out: Path, flags: tuple[str, ...]) -> Path:
     return out
 
 
-def run(binary: Path, span: int, position: int) -> tuple[float, float]:
-    """(kernel ms, read-loop ms) of one run."""
-    done = subprocess.run([str(binary), str(span), str(position)], capture_output=True, text=True, check=True)
+def run(binary: Path, span: int, position: int, dtype: str) -> tuple[float, float]:
+    """(kernel ms, read-loop ms) of one run on caches of ``dtype``."""
+    done = subprocess.run([str(binary), str(span), str(position), "15", dtype], capture_output=True, text=True,
+                          check=True)
     kernel_ms, read_ms = (float(x) for x in done.stdout.split())
     return kernel_ms, read_ms
 
@@ -54,7 +57,11 @@ def main() -> None:
     parser.add_argument("--positions", default="1000,2000,3000,4095")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--flags", help="ISA flags, comma-separated, instead of this CPU's (kernels.isa_flags())")
+    parser.add_argument("--dtype", default="f32", help="the caches' element type: f32, f16 or both, comma-separated")
     args = parser.parse_args()
+    dtypes = args.dtype.split(",")
+    if not dtypes or not set(dtypes) <= set(BYTES):
+        parser.error(f"--dtype {args.dtype}: expected f32, f16 or f32,f16")
     flags = kernels.isa_flags() if args.flags is None else tuple(f for f in args.flags.split(",") if f)
     with tempfile.TemporaryDirectory() as scratch:
         builds = {"this checkout": build(SOURCE, Path(scratch) / "current", flags)}
@@ -64,22 +71,24 @@ def main() -> None:
                                            capture_output=True, check=True).stdout)
             builds[args.baseline] = build(old, Path(scratch) / "baseline", flags)
         print(f"flags {' '.join(flags) or '(none)'}; {args.rounds} alternating rounds; medians")
-        print("| position | MB read | read loop ms (GB/s) | " + " | ".join(f"{name} ms (share of read rate)"
-                                                                    for name in builds) + " |")
-        print("|---:|---:|---:|" + "---:|" * len(builds))
+        print("| position | caches | MB read | read loop ms (GB/s) | "
+              + " | ".join(f"{name} ms (share of read rate)" for name in builds) + " |")
+        print("|---:|---|---:|---:|" + "---:|" * len(builds))
+        runs = [(name, dtype) for dtype in dtypes for name in builds]
         for position in (int(p) for p in args.positions.split(",")):
-            kernel_ms: dict[str, list[float]] = {name: [] for name in builds}
-            read_ms: list[float] = []
+            kernel_ms: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
+            read_ms: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
             for round_ in range(args.rounds):
-                for name in (list(builds) if round_ % 2 == 0 else list(reversed(builds))):
-                    k, r = run(builds[name], args.span, position)
-                    kernel_ms[name].append(k)
-                    read_ms.append(r)
-            mb = 2 * LAYERS * GROUPS * HEAD_DIM * 4 * (position + 1) / 1e6
-            read = statistics.median(read_ms)
-            cells = " | ".join(f"{statistics.median(ms):.2f} ({100 * read / statistics.median(ms):.0f}%)"
-                               for ms in kernel_ms.values())
-            print(f"| {position} | {mb:.1f} | {read:.2f} ({mb / read:.1f}) | {cells} |")
+                for name, dtype in (runs if round_ % 2 == 0 else list(reversed(runs))):
+                    k, r = run(builds[name], args.span, position, dtype)
+                    kernel_ms[name, dtype].append(k)
+                    read_ms[dtype].append(r)
+            for dtype in dtypes:
+                mb = 2 * LAYERS * GROUPS * HEAD_DIM * BYTES[dtype] * (position + 1) / 1e6
+                read = statistics.median(read_ms[dtype])
+                cells = " | ".join(f"{statistics.median(kernel_ms[name, dtype]):.2f} "
+                                   f"({100 * read / statistics.median(kernel_ms[name, dtype]):.0f}%)" for name in builds)
+                print(f"| {position} | {dtype} | {mb:.1f} | {read:.2f} ({mb / read:.1f}) | {cells} |")
 
 
 if __name__ == "__main__":

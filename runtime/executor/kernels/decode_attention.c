@@ -9,7 +9,8 @@
  * Inputs: q [1, G, H, D] f32 (H query heads per KV group, already scaled), mask f32 of
  * T elements (the graph's additive mask for this step: 0 where attended, -FLT_MAX where
  * not), params f32 [4] (scale on q.k, logit soft-cap or 0, unused, unused),
- * K [1, G, T, D] and V [1, G, D, T] (the caches after this step's update).
+ * K [1, G, T, D] and V [1, G, D, T] (the caches after this step's update), both f32 or both
+ * f16 (read as f32: f16 caches halve the bytes read at long contexts; every sum is f32).
  * Output [1, G, H, D]: softmax(q.K^T * scale + mask) . V^T, as the graph's
  * BATCH_MATMUL -> ADD -> SOFTMAX -> BATCH_MATMUL computes it.
  *
@@ -25,6 +26,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 typedef int Status; /* LiteRtStatus: 0 ok, 1 invalid argument, 3 runtime failure */
 typedef void *Buffer; /* LiteRtTensorBuffer */
@@ -82,6 +86,25 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
 static inline vf loadv(const float *p) { return *(const vf *)p; }
+/* float16 caches where the compiler has _Float16 (GCC 12 on x86; an older one builds the
+ * float32 kernel alone, which refuses them). */
+#ifdef __FLT16_MAX__
+#define F16_CACHES 1
+typedef _Float16 vh __attribute__((vector_size(2 * W), aligned(2)));
+/* W halves as W floats: one vcvtph2ps where the build has it (AVX-512's for 16, F16C's for 8);
+ * else GCC converts lane by lane (GCC 12 does so even with F16C, a scalar vcvtph2ps a lane). */
+static inline vf loadh(const _Float16 *p) {
+#if W == 16
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif W == 8 && defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+  return __builtin_convertvector(*(const vh *)p, vf);
+#endif
+}
+#else
+#define F16_CACHES 0
+#endif
 /* A tree of halvings, not W dependent scalar adds. */
 static inline float hsumv(vf a) {
 #if W == 16
@@ -120,25 +143,29 @@ static inline vf expv(vf x) {
   return (vf)((vi)(p * (vf)bits) & ~below);
 }
 
-/* How far ahead the passes ask for cache lines (floats): the hardware's prefetcher stops at
+/* How far ahead the passes ask for cache lines, in bytes: the hardware's prefetcher stops at
  * each 4 KB page, 16 K rows of 64 floats. Measured at SmolLM2's shapes
  * (benchmarks/experiments/kernel_probe/kernel_bench.c, AVX-512 build): the cold caches read at
- * 60% of a plain read loop's rate without, 80-90% with. */
-#define K_PREFETCH 2048
-#define V_PREFETCH 256
-#define VPASS(HC)                                                                              \
-  static void vpass_##HC(const float *Vg, const float *scores, int T, int S, int D, int lo,     \
-                         int n, float *og) {                                                   \
+ * 60% of a plain read loop's rate without, 80-90% with (f32; 2048 and 256 floats ahead). */
+#define K_AHEAD 8192
+#define V_AHEAD 1024
+/* The passes over one cache element type ET, read W at a time as floats by LOAD (KPASS,
+ * VPASS, PASSES); the scores and q stay float. */
+#define VPASS(HC, E, ET, LOAD)                                                                 \
+  static void vpass_##E##_##HC(const ET *Vg, const float *scores, int T, int S, int D, int lo,  \
+                               int n, float *og) {                                             \
     int d = 0;                                                                                 \
     for (; d + 4 <= D; d += 4) { /* 4 rows of V share each load of the scores */               \
-      const float *v0 = Vg + (size_t)d * T + lo, *v1 = v0 + T, *v2 = v1 + T, *v3 = v2 + T;     \
+      const ET *v0 = Vg + (size_t)d * T + lo, *v1 = v0 + T, *v2 = v1 + T, *v3 = v2 + T;        \
       vf a0[HC], a1[HC], a2[HC], a3[HC];                                                       \
       for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (vf){0};                    \
       int i = 0;                                                                               \
       for (; i + W <= n; i += W) {                                                             \
-        __builtin_prefetch(v0 + i + V_PREFETCH); __builtin_prefetch(v1 + i + V_PREFETCH);       \
-        __builtin_prefetch(v2 + i + V_PREFETCH); __builtin_prefetch(v3 + i + V_PREFETCH);       \
-        vf x0 = loadv(v0 + i), x1 = loadv(v1 + i), x2 = loadv(v2 + i), x3 = loadv(v3 + i);     \
+        __builtin_prefetch((const char *)(v0 + i) + V_AHEAD);                                  \
+        __builtin_prefetch((const char *)(v1 + i) + V_AHEAD);                                  \
+        __builtin_prefetch((const char *)(v2 + i) + V_AHEAD);                                  \
+        __builtin_prefetch((const char *)(v3 + i) + V_AHEAD);                                  \
+        vf x0 = LOAD(v0 + i), x1 = LOAD(v1 + i), x2 = LOAD(v2 + i), x3 = LOAD(v3 + i);         \
         for (int h = 0; h < HC; h++) {                                                         \
           vf p = loadv(scores + h * S + lo + i);                                               \
           a0[h] += p * x0; a1[h] += p * x1; a2[h] += p * x2; a3[h] += p * x3;                  \
@@ -154,7 +181,7 @@ static inline vf expv(vf x) {
       }                                                                                        \
     }                                                                                          \
     for (; d < D; d++) {                                                                       \
-      const float *v = Vg + (size_t)d * T + lo;                                                \
+      const ET *v = Vg + (size_t)d * T + lo;                                                   \
       for (int h = 0; h < HC; h++) {                                                           \
         float s = 0.f;                                                                         \
         for (int j = 0; j < n; j++) s += scores[h * S + lo + j] * v[j];                        \
@@ -162,9 +189,6 @@ static inline vf expv(vf x) {
       }                                                                                        \
     }                                                                                          \
   }
-VPASS(1) VPASS(2) VPASS(3) VPASS(4) VPASS(5) VPASS(6) VPASS(7) VPASS(8)
-typedef void (*vpass_fn)(const float *, const float *, int, int, int, int, int, float *);
-static const vpass_fn VPASSES[9] = {0, vpass_1, vpass_2, vpass_3, vpass_4, vpass_5, vpass_6, vpass_7, vpass_8};
 
 /* The sums of W vectors' lanes as one vector (lane j: the sum of a[j]'s lanes), by a tree
  * of interleaving halvings: 2(W-1) shuffles and W-1 adds for W sums, where W separate
@@ -202,33 +226,34 @@ static inline vf sumsv(const vf *a) {
   return __builtin_shufflevector(b[0], b[1], 0, 1, 4, 5) + __builtin_shufflevector(b[0], b[1], 2, 3, 6, 7);
 #endif
 }
-#define KPASS(DC)                                                                              \
-  static void kpass_##DC(const float *qg, const float *Kg, int H, int lo, int hi, float scale, \
-                         float *scores, int S) {                                               \
+#define KPASS(DC, E, ET, LOAD)                                                                 \
+  static void kpass_##E##_##DC(const float *qg, const ET *Kg, int H, int lo, int hi,           \
+                               float scale, float *scores, int S) {                            \
     enum { C = DC / W };                                                                       \
     int t = lo;                                                                                \
     /* W positions at a time: their K rows (in L1 after the first head) dotted with each     \
      * head, the W sums reduced together and stored as one vector */                          \
     for (; t + W <= hi + 1; t += W) {                                                          \
-      const float *kb = Kg + (size_t)t * DC;                                                   \
+      const ET *kb = Kg + (size_t)t * DC;                                                      \
       for (int h = 0; h < H; h++) {                                                            \
         const float *qh = qg + h * DC;                                                         \
         vf acc[W];                                                                             \
         for (int j = 0; j < W; j++) {                                                          \
-          const float *k0 = kb + (size_t)j * DC;                                               \
+          const ET *k0 = kb + (size_t)j * DC;                                                  \
           if (h == 0) /* one per 64-byte line */                                               \
-            for (int l = 0; l < DC / 16; l++) __builtin_prefetch(k0 + K_PREFETCH + 16 * l);    \
-          vf e = loadv(qh) * loadv(k0);                                                        \
-          for (int c = 1; c < C; c++) e += loadv(qh + W * c) * loadv(k0 + W * c);              \
+            for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                                \
+              __builtin_prefetch((const char *)k0 + K_AHEAD + 64 * l);                         \
+          vf e = loadv(qh) * LOAD(k0);                                                         \
+          for (int c = 1; c < C; c++) e += loadv(qh + W * c) * LOAD(k0 + W * c);               \
           acc[j] = e;                                                                          \
         }                                                                                      \
         *(vf *)(scores + h * S + t) = sumsv(acc) * scale;                                      \
       }                                                                                        \
     }                                                                                          \
     for (; t <= hi; t++) { /* the last positions: each K row once for all the heads */         \
-      const float *k0 = Kg + (size_t)t * DC;                                                   \
+      const ET *k0 = Kg + (size_t)t * DC;                                                      \
       vf kv[C];                                                                                \
-      for (int c = 0; c < C; c++) kv[c] = loadv(k0 + W * c);                                   \
+      for (int c = 0; c < C; c++) kv[c] = LOAD(k0 + W * c);                                    \
       for (int h = 0; h < H; h++) {                                                            \
         const float *qh = qg + h * DC;                                                         \
         vf e = loadv(qh) * kv[0], f = loadv(qh + W) * kv[1];                                   \
@@ -240,48 +265,72 @@ static inline vf sumsv(const vf *a) {
       }                                                                                        \
     }                                                                                          \
   }
-KPASS(64) KPASS(128) KPASS(256)
-
-
-/* Dot products of the group's H heads with K rows lo..hi, any D. */
-static void kpass_any(const float *qg, const float *Kg, int H, int D, int lo, int hi, float scale, float *scores,
-                      int S) {
-  for (int t = lo; t <= hi; t++) {
-    const float *k = Kg + (size_t)t * D;
-    for (int h = 0; h < H; h++) {
-      const float *qh = qg + (size_t)h * D;
-      float acc = 0.f;
-      for (int d = 0; d < D; d++) acc += qh[d] * k[d];
-      scores[h * S + t] = acc * scale;
-    }
+/* Dot products of the group's H heads with K rows lo..hi, any D; probabilities times V rows,
+ * any H and D. Then the K pass and the V pass of one group, the fast ones where D and H allow. */
+#define PASSES(E, ET, LOAD)                                                                    \
+  KPASS(64, E, ET, LOAD) KPASS(128, E, ET, LOAD) KPASS(256, E, ET, LOAD)                       \
+  VPASS(1, E, ET, LOAD) VPASS(2, E, ET, LOAD) VPASS(3, E, ET, LOAD) VPASS(4, E, ET, LOAD)      \
+  VPASS(5, E, ET, LOAD) VPASS(6, E, ET, LOAD) VPASS(7, E, ET, LOAD) VPASS(8, E, ET, LOAD)      \
+  static void (*const vpasses_##E[9])(const ET *, const float *, int, int, int, int, int, float *) = { \
+      0, vpass_##E##_1, vpass_##E##_2, vpass_##E##_3, vpass_##E##_4, vpass_##E##_5, vpass_##E##_6, \
+      vpass_##E##_7, vpass_##E##_8};                                                           \
+  static void kpass_##E##_any(const float *qg, const ET *Kg, int H, int D, int lo, int hi,     \
+                              float scale, float *scores, int S) {                             \
+    for (int t = lo; t <= hi; t++) {                                                           \
+      const ET *k = Kg + (size_t)t * D;                                                        \
+      for (int h = 0; h < H; h++) {                                                            \
+        const float *qh = qg + (size_t)h * D;                                                  \
+        float acc = 0.f;                                                                       \
+        for (int d = 0; d < D; d++) acc += qh[d] * k[d];                                       \
+        scores[h * S + t] = acc * scale;                                                       \
+      }                                                                                        \
+    }                                                                                          \
+  }                                                                                            \
+  static void vpass_##E##_any(const ET *Vg, const float *scores, int T, int S, int H, int D,   \
+                              int lo, int n, float *og) {                                      \
+    for (int d = 0; d < D; d++) {                                                              \
+      const ET *v = Vg + (size_t)d * T + lo;                                                   \
+      for (int h = 0; h < H; h++) {                                                            \
+        const float *p = scores + h * S + lo;                                                  \
+        float acc = 0.f;                                                                       \
+        for (int i = 0; i < n; i++) acc += p[i] * v[i];                                        \
+        og[h * D + d] = acc;                                                                   \
+      }                                                                                        \
+    }                                                                                          \
+  }                                                                                            \
+  static inline void kpass_##E(int fast, const float *qg, const ET *Kg, int H, int D, int lo,  \
+                               int hi, float scale, float *scores, int S) {                    \
+    if (fast && D == 64) kpass_##E##_64(qg, Kg, H, lo, hi, scale, scores, S);                  \
+    else if (fast && D == 128) kpass_##E##_128(qg, Kg, H, lo, hi, scale, scores, S);           \
+    else if (fast && D == 256) kpass_##E##_256(qg, Kg, H, lo, hi, scale, scores, S);           \
+    else kpass_##E##_any(qg, Kg, H, D, lo, hi, scale, scores, S);                              \
+  }                                                                                            \
+  static inline void vpass_##E(int fast, const ET *Vg, const float *scores, int T, int S,      \
+                               int H, int D, int lo, int n, float *og) {                       \
+    if (fast) vpasses_##E[H](Vg, scores, T, S, D, lo, n, og);                                  \
+    else vpass_##E##_any(Vg, scores, T, S, H, D, lo, n, og);                                   \
   }
-}
-/* Probabilities times V rows, any H and D. */
-static void vpass_any(const float *Vg, const float *scores, int T, int S, int H, int D, int lo, int n, float *og) {
-  for (int d = 0; d < D; d++) {
-    const float *v = Vg + (size_t)d * T + lo;
-    for (int h = 0; h < H; h++) {
-      const float *p = scores + h * S + lo;
-      float acc = 0.f;
-      for (int i = 0; i < n; i++) acc += p[i] * v[i];
-      og[h * D + d] = acc;
-    }
-  }
-}
+PASSES(f32, float, loadv)
+#if F16_CACHES
+PASSES(f16, _Float16, loadh)
+#endif
 
 static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
   if (n_in != 5 || n_out != 1) return E_ARGUMENTS;
   TensorType qt, mt, pt, kt, vt, ot;
-  float *q, *mask, *params, *K, *V, *o;
+  float *q, *mask, *params, *o;
+  void *K, *V;
   if (c->tensor_type(in[0], &qt) || c->tensor_type(in[1], &mt) || c->tensor_type(in[2], &pt) ||
       c->tensor_type(in[3], &kt) || c->tensor_type(in[4], &vt) || c->tensor_type(out[0], &ot) ||
       c->host_memory(in[0], (void **)&q) || c->host_memory(in[1], (void **)&mask) ||
       c->host_memory(in[2], (void **)&params) || c->host_memory(in[3], (void **)&K) ||
       c->host_memory(in[4], (void **)&V) || c->host_memory(out[0], (void **)&o))
     return E_BUFFER;
-  /* float32 everywhere (kLiteRtElementTypeFloat32 = 1) */
-  if (qt.element != 1 || mt.element != 1 || pt.element != 1 || kt.element != 1 || vt.element != 1 || ot.element != 1)
+  /* float32 (kLiteRtElementTypeFloat32 = 1) but for the caches, float32 or float16 (10) both */
+  if (qt.element != 1 || mt.element != 1 || pt.element != 1 || ot.element != 1 || kt.element != vt.element ||
+      (kt.element != 1 && !(F16_CACHES && kt.element == 10)))
     return E_TYPES;
+  const int half = kt.element == 10;
   if (rank(&qt) != 4 || rank(&kt) != 4 || rank(&vt) != 4 || qt.layout.dims[0] != 1) return E_SHAPES;
   const int G = qt.layout.dims[1], H = qt.layout.dims[2], D = qt.layout.dims[3], T = kt.layout.dims[2];
   if (kt.layout.dims[0] != 1 || kt.layout.dims[1] != G || kt.layout.dims[3] != D || vt.layout.dims[0] != 1 ||
@@ -302,12 +351,13 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
   const int fast = D % 16 == 0 && H <= 8;
   for (int g = 0; g < G; g++) {
     const float *qg = q + (size_t)g * H * D;
-    const float *Kg = K + (size_t)g * T * D, *Vg = V + (size_t)g * D * T;
+    const size_t at = (size_t)g * T * D; /* the group's first element of K and of V */
     float *og = o + (size_t)g * H * D;
-    if (fast && D == 64) kpass_64(qg, Kg, H, lo, hi, scale, scores, S);
-    else if (fast && D == 128) kpass_128(qg, Kg, H, lo, hi, scale, scores, S);
-    else if (fast && D == 256) kpass_256(qg, Kg, H, lo, hi, scale, scores, S);
-    else kpass_any(qg, Kg, H, D, lo, hi, scale, scores, S);
+#if F16_CACHES
+    if (half) kpass_f16(fast, qg, (const _Float16 *)K + at, H, D, lo, hi, scale, scores, S);
+    else
+#endif
+      kpass_f32(fast, qg, (const float *)K + at, H, D, lo, hi, scale, scores, S);
     for (int h = 0; h < H; h++) {
       float *s = scores + h * S + lo;
       if (cap > 0.f)
@@ -336,8 +386,11 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
       float inv = 1.f / sum;
       for (i = 0; i < n; i++) s[i] *= inv;
     }
-    if (fast) VPASSES[H](Vg, scores, T, S, D, lo, n, og);
-    else vpass_any(Vg, scores, T, S, H, D, lo, n, og);
+#if F16_CACHES
+    if (half) vpass_f16(fast, (const _Float16 *)V + at, scores, T, S, H, D, lo, n, og);
+    else
+#endif
+      vpass_f32(fast, (const float *)V + at, scores, T, S, H, D, lo, n, og);
   }
   if (scores != stack_scores) free(scores);
   return 0;
