@@ -184,12 +184,25 @@ def run(model: NativeModel, key: str, inputs: dict[str, np.ndarray]) -> dict[str
     return {buffer.info.name: buffer.array.copy() for buffer in outs}
 
 
+def within(got: np.ndarray, want: np.ndarray) -> bool:
+    """Float32 outputs (logits) within 1e-3, float16 ones (caches) within 1e-5 and two
+    float16 steps of each value. The op and XNNPACK sum in other orders (1e-6 apart, as
+    with float32 caches), and a row rounded to float16 after that may round a step apart
+    (5e-4 relative), which the next layers carry: not 1e-5 as between float32 forms, but
+    far below what a misread cache gives (differences of the values' own size)."""
+    assert got.dtype == want.dtype
+    if want.dtype == np.float16:
+        return bool((np.abs(got.astype(np.float32) - want.astype(np.float32))
+                     <= 1e-5 + 2 * np.spacing(np.abs(want)).astype(np.float32)).all())
+    return float(np.abs(got - want).max()) <= 1e-3
+
+
 @needs_kernel
 @pytest.mark.parametrize("fixture", ["gqa", "gemma3"])
 def test_the_kernel_reads_float16_caches_as_the_standard_form_does(fixture, half, tmp_path, kernel_cache):
     """The op form over float16 caches against the standard form over the same caches (its
     DEQUANTIZE to float32 dropped, the kernel converting as it reads): every decode
-    signature, single-row and batched, windows and not, logits and caches within 1e-5."""
+    signature, single-row and batched, windows and not (see :func:`within`)."""
     native_path = tmp_path / "native.tflite"
     counts = to_float16(FIXTURES[fixture], native_path, attention="native")
     assert counts["decode"] == (6 if fixture == "gemma3" else 4)  # K and V per layer
@@ -204,8 +217,7 @@ def test_the_kernel_reads_float16_caches_as_the_standard_form_does(fixture, half
                 inputs = step_inputs(standard, key, position, seed=position)
                 want, got = run(standard, key, inputs), run(native, key, inputs)
                 for name in want:
-                    difference = float(np.abs(got[name].astype(np.float32) - want[name].astype(np.float32)).max())
-                    assert difference <= 1e-5, f"{key} at {position}: {name} differs by {difference:.2e}"
+                    assert within(got[name], want[name]), f"{key} at {position}: {name}"
     finally:
         standard.close()
         native.close()
@@ -222,7 +234,7 @@ def test_a_file_of_both_forms_with_float16_caches_runs_the_op_form(half, tmp_pat
         want_tokens, want = greedy(standard, prompt, 40)
         got_tokens, got = greedy(chosen, prompt, 40)
         assert got_tokens == want_tokens
-        assert max(float(np.abs(a - b).max()) for a, b in zip(want, got)) <= 1e-5
+        assert all(within(b, a) for a, b in zip(want, got))
     finally:
         standard.close()
         chosen.close()

