@@ -4,6 +4,8 @@ the standard form and in the attention kernel's op form."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -72,6 +74,13 @@ def test_every_signatures_caches_become_float16_and_nothing_else(fixture, half):
                 else:
                     assert np.dtype(changed["dtype"]) == np.dtype(detail["dtype"]), f"{key}: {name}"
     assert caches > 0
+
+
+def test_inspect_names_the_caches_type(half):
+    done = subprocess.run([sys.executable, "-m", "runtime", "inspect", str(half["gqa"])], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "(transposed layout, float16, 16,384 bytes per session)" in done.stdout  # float32: 32,768
 
 
 def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:

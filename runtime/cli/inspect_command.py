@@ -125,7 +125,8 @@ def describe_model(path: Path, spec: ModelSpec, attention: str) -> str:
     lines = [
         f"model {path} ({path.stat().st_size:,} bytes)",
         f"  layers {spec.num_layers}, vocab {spec.vocab_size}, KV cache {spec.kv_length} positions "
-        f"({spec.kv_layout} layout, {spec.kv_cache_bytes:,} bytes per session)",
+        f"({spec.kv_layout} layout, {'/'.join(sorted({str(c.dtype) for c in spec.kv_inputs}))}, "
+        f"{spec.kv_cache_bytes:,} bytes per session)",
         f"  prefill lengths {list(spec.prefill_lengths)}"
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
         f"  LoRA slots {', '.join(map(str, spec.slots)) or 'none'}",
