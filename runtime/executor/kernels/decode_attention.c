@@ -143,12 +143,21 @@ static inline vf expv(vf x) {
   return (vf)((vi)(p * (vf)bits) & ~below);
 }
 
-/* How far ahead the passes ask for cache lines, in bytes: the hardware's prefetcher stops at
- * each 4 KB page, 16 K rows of 64 floats. Measured at SmolLM2's shapes
+/* How far ahead the passes ask for cache lines, in bytes (the same bytes, so the same time,
+ * ahead for f16 caches where memory sets the pace): the hardware's prefetcher stops at each
+ * 4 KB page, 16 K rows of 64 floats. Measured at SmolLM2's shapes
  * (benchmarks/experiments/kernel_probe/kernel_bench.c, AVX-512 build): the cold caches read at
- * 60% of a plain read loop's rate without, 80-90% with (f32; 2048 and 256 floats ahead). */
+ * 60% of a plain read loop's rate without, 80-90% with (f32; 2048 and 256 floats ahead). With
+ * f16 caches K_AHEAD 4096 or 16384 and V_AHEAD 512 or 2048 changed nothing beyond the noise. */
 #define K_AHEAD 8192
 #define V_AHEAD 1024
+/* Where the V pass asks for the line of row v at position i. f32: V_AHEAD bytes on in the row.
+ * f16: the same position in the row 4 on, the next block's: each row's open span is half as
+ * long, so the first V_AHEAD bytes of each, which the f32 way never asks for ahead, are twice
+ * the share (SmolLM2's shapes, AVX-512 build: 2.85 -> 2.25 ms at position 1000, 8.35 -> 7.95
+ * at 4095). */
+#define V_PREFETCH_f32(v, i, T) __builtin_prefetch((const char *)((v) + (i)) + V_AHEAD)
+#define V_PREFETCH_f16(v, i, T) __builtin_prefetch((v) + (i) + 4 * (size_t)(T))
 /* The passes over one cache element type ET, read W at a time as floats by LOAD (KPASS,
  * VPASS, PASSES); the scores and q stay float. */
 #define VPASS(HC, E, ET, LOAD)                                                                 \
@@ -161,10 +170,8 @@ static inline vf expv(vf x) {
       for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (vf){0};                    \
       int i = 0;                                                                               \
       for (; i + W <= n; i += W) {                                                             \
-        __builtin_prefetch((const char *)(v0 + i) + V_AHEAD);                                  \
-        __builtin_prefetch((const char *)(v1 + i) + V_AHEAD);                                  \
-        __builtin_prefetch((const char *)(v2 + i) + V_AHEAD);                                  \
-        __builtin_prefetch((const char *)(v3 + i) + V_AHEAD);                                  \
+        V_PREFETCH_##E(v0, i, T); V_PREFETCH_##E(v1, i, T);                                   \
+        V_PREFETCH_##E(v2, i, T); V_PREFETCH_##E(v3, i, T);                                   \
         vf x0 = LOAD(v0 + i), x1 = LOAD(v1 + i), x2 = LOAD(v2 + i), x3 = LOAD(v3 + i);         \
         for (int h = 0; h < HC; h++) {                                                         \
           vf p = loadv(scores + h * S + lo + i);                                               \
