@@ -140,8 +140,8 @@ def test_every_decode_signature_matches_the_standard_form(fixture, rewritten, ke
 
 # The builds of the kernel this CPU can run: its own flags (the runtime's build), AVX2 alone
 # (its 8-float vectors; the runtime's build on AVX2-only CPUs, built here on an AVX-512 one
-# as isa_flags gives them to such a CPU), AVX2 without F16C (float16 caches converted lane by
-# lane, as where /proc/cpuinfo does not list it) and none (4-float vectors).
+# as isa_flags gives them to such a CPU), AVX2 without F16C (float16 caches converted in
+# integer steps, as where /proc/cpuinfo does not list it) and none (4-float vectors).
 _HERE = kernels.isa_flags()
 _AVX2 = pytest.mark.skipif(not {"-mavx2", "-mfma", "-mf16c"} <= set(_HERE), reason="this CPU lacks AVX2, FMA, F16C")
 ISA_BUILDS = [pytest.param(_HERE, id="this cpu"),

@@ -82,7 +82,7 @@ class CustomNode:
 def isa_flags() -> tuple[str, ...]:
     """The vector-extension flags for this CPU (Linux's /proc/cpuinfo; none elsewhere):
     AVX-512 or AVX2, with FMA, and F16C where listed beside them (every AVX2 CPU has it: its
-    vcvtph2ps reads float16 caches 8 at a time; without it they are converted lane by lane)."""
+    vcvtph2ps reads float16 caches 8 at a time; without it they take integer steps)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

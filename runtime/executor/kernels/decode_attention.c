@@ -90,16 +90,25 @@ static inline vf loadv(const float *p) { return *(const vf *)p; }
  * float32 kernel alone, which refuses them). */
 #ifdef __FLT16_MAX__
 #define F16_CACHES 1
-typedef _Float16 vh __attribute__((vector_size(2 * W), aligned(2)));
-/* W halves as W floats: one vcvtph2ps where the build has it (AVX-512's for 16, F16C's for 8);
- * else GCC converts lane by lane (GCC 12 does so even with F16C, a scalar vcvtph2ps a lane). */
+typedef uint16_t vu __attribute__((vector_size(2 * W), aligned(2), may_alias));
+/* W halves as W floats: one vcvtph2ps where the build has it (AVX-512's for 16, F16C's for 8).
+ * Else in integer steps on the bits (GCC converts a vector of _Float16 lane by lane, by a
+ * library call a lane without F16C: the plain build ran 22x slower than on f32 caches):
+ * exponent and mantissa moved into place and rebased; Inf and NaN get the top exponent;
+ * zero and subnormals, a normal with its exponent one up less 2^-14, which renormalizes. */
 static inline vf loadh(const _Float16 *p) {
 #if W == 16
   return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 #elif W == 8 && defined(__F16C__)
   return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 #else
-  return __builtin_convertvector(*(const vh *)p, vf);
+  const vi h = __builtin_convertvector(*(const vu *)p, vi), top = (vi){0} + (0x7c00 << 13);
+  vi o = (h & 0x7fff) << 13;
+  const vi e = o & top, tiny = e == 0;
+  o += (127 - 15) << 23;
+  o += (e == top) & ((128 - 16) << 23);
+  const vi renormalized = (vi)((vf)(o + (1 << 23)) - (vf)((vi){0} + (113 << 23)));
+  return (vf)(((o & ~tiny) | (renormalized & tiny)) | ((h & 0x8000) << 16));
 #endif
 }
 #else
@@ -143,12 +152,21 @@ static inline vf expv(vf x) {
   return (vf)((vi)(p * (vf)bits) & ~below);
 }
 
-/* How far ahead the passes ask for cache lines, in bytes: the hardware's prefetcher stops at
- * each 4 KB page, 16 K rows of 64 floats. Measured at SmolLM2's shapes
+/* How far ahead the passes ask for cache lines, in bytes (the same bytes, so the same time,
+ * ahead for f16 caches where memory sets the pace): the hardware's prefetcher stops at each
+ * 4 KB page, 16 K rows of 64 floats. Measured at SmolLM2's shapes
  * (benchmarks/experiments/kernel_probe/kernel_bench.c, AVX-512 build): the cold caches read at
- * 60% of a plain read loop's rate without, 80-90% with (f32; 2048 and 256 floats ahead). */
+ * 60% of a plain read loop's rate without, 80-90% with (f32; 2048 and 256 floats ahead). With
+ * f16 caches K_AHEAD 4096 or 16384 and V_AHEAD 512 or 2048 changed nothing beyond the noise. */
 #define K_AHEAD 8192
 #define V_AHEAD 1024
+/* Where the V pass asks for the line of row v at position i. f32: V_AHEAD bytes on in the row.
+ * f16: the same position in the row 4 on, the next block's: each row's open span is half as
+ * long, so the first V_AHEAD bytes of each, which the f32 way never asks for ahead, are twice
+ * the share (SmolLM2's shapes, AVX-512 build: 2.85 -> 2.25 ms at position 1000, 8.35 -> 7.95
+ * at 4095). */
+#define V_PREFETCH_f32(v, i, T) __builtin_prefetch((const char *)((v) + (i)) + V_AHEAD)
+#define V_PREFETCH_f16(v, i, T) __builtin_prefetch((v) + (i) + 4 * (size_t)(T))
 /* The passes over one cache element type ET, read W at a time as floats by LOAD (KPASS,
  * VPASS, PASSES); the scores and q stay float. */
 #define VPASS(HC, E, ET, LOAD)                                                                 \
@@ -161,10 +179,8 @@ static inline vf expv(vf x) {
       for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (vf){0};                    \
       int i = 0;                                                                               \
       for (; i + W <= n; i += W) {                                                             \
-        __builtin_prefetch((const char *)(v0 + i) + V_AHEAD);                                  \
-        __builtin_prefetch((const char *)(v1 + i) + V_AHEAD);                                  \
-        __builtin_prefetch((const char *)(v2 + i) + V_AHEAD);                                  \
-        __builtin_prefetch((const char *)(v3 + i) + V_AHEAD);                                  \
+        V_PREFETCH_##E(v0, i, T); V_PREFETCH_##E(v1, i, T);                                   \
+        V_PREFETCH_##E(v2, i, T); V_PREFETCH_##E(v3, i, T);                                   \
         vf x0 = LOAD(v0 + i), x1 = LOAD(v1 + i), x2 = LOAD(v2 + i), x3 = LOAD(v3 + i);         \
         for (int h = 0; h < HC; h++) {                                                         \
           vf p = loadv(scores + h * S + lo + i);                                               \
@@ -226,7 +242,11 @@ static inline vf sumsv(const vf *a) {
   return __builtin_shufflevector(b[0], b[1], 0, 1, 4, 5) + __builtin_shufflevector(b[0], b[1], 2, 3, 6, 7);
 #endif
 }
-#define KPASS(DC, E, ET, LOAD)                                                                 \
+/* KEEP 1: the K pass converts each block's rows once for all the heads, not once per head
+ * (f16 at SmolLM2's shapes, position 1000: 8.4 -> 5.1 ms in the AVX2 build without F16C, 5%
+ * less with AVX-512, no change with AVX2 and F16C); 0 for f32, whose rows are in L1 after the
+ * first head, keeps the code it had. */
+#define KPASS(DC, E, ET, LOAD, KEEP)                                                           \
   static void kpass_##E##_##DC(const float *qg, const ET *Kg, int H, int lo, int hi,           \
                                float scale, float *scores, int S) {                            \
     enum { C = DC / W };                                                                       \
@@ -235,16 +255,20 @@ static inline vf sumsv(const vf *a) {
      * head, the W sums reduced together and stored as one vector */                          \
     for (; t + W <= hi + 1; t += W) {                                                          \
       const ET *kb = Kg + (size_t)t * DC;                                                      \
+      vf kept[W][C];                                                                           \
       for (int h = 0; h < H; h++) {                                                            \
         const float *qh = qg + h * DC;                                                         \
         vf acc[W];                                                                             \
         for (int j = 0; j < W; j++) {                                                          \
           const ET *k0 = kb + (size_t)j * DC;                                                  \
-          if (h == 0) /* one per 64-byte line */                                               \
+          if (h == 0) { /* one per 64-byte line */                                             \
             for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                                \
               __builtin_prefetch((const char *)k0 + K_AHEAD + 64 * l);                         \
-          vf e = loadv(qh) * LOAD(k0);                                                         \
-          for (int c = 1; c < C; c++) e += loadv(qh + W * c) * LOAD(k0 + W * c);               \
+            if (KEEP)                                                                          \
+              for (int c = 0; c < C; c++) kept[j][c] = LOAD(k0 + W * c);                       \
+          }                                                                                    \
+          vf e = loadv(qh) * (KEEP ? kept[j][0] : LOAD(k0));                                   \
+          for (int c = 1; c < C; c++) e += loadv(qh + W * c) * (KEEP ? kept[j][c] : LOAD(k0 + W * c)); \
           acc[j] = e;                                                                          \
         }                                                                                      \
         *(vf *)(scores + h * S + t) = sumsv(acc) * scale;                                      \
@@ -267,8 +291,8 @@ static inline vf sumsv(const vf *a) {
   }
 /* Dot products of the group's H heads with K rows lo..hi, any D; probabilities times V rows,
  * any H and D. Then the K pass and the V pass of one group, the fast ones where D and H allow. */
-#define PASSES(E, ET, LOAD)                                                                    \
-  KPASS(64, E, ET, LOAD) KPASS(128, E, ET, LOAD) KPASS(256, E, ET, LOAD)                       \
+#define PASSES(E, ET, LOAD, KEEP)                                                              \
+  KPASS(64, E, ET, LOAD, KEEP) KPASS(128, E, ET, LOAD, KEEP) KPASS(256, E, ET, LOAD, KEEP)     \
   VPASS(1, E, ET, LOAD) VPASS(2, E, ET, LOAD) VPASS(3, E, ET, LOAD) VPASS(4, E, ET, LOAD)      \
   VPASS(5, E, ET, LOAD) VPASS(6, E, ET, LOAD) VPASS(7, E, ET, LOAD) VPASS(8, E, ET, LOAD)      \
   static void (*const vpasses_##E[9])(const ET *, const float *, int, int, int, int, int, float *) = { \
@@ -310,9 +334,9 @@ static inline vf sumsv(const vf *a) {
     if (fast) vpasses_##E[H](Vg, scores, T, S, D, lo, n, og);                                  \
     else vpass_##E##_any(Vg, scores, T, S, H, D, lo, n, og);                                   \
   }
-PASSES(f32, float, loadv)
+PASSES(f32, float, loadv, 0)
 #if F16_CACHES
-PASSES(f16, _Float16, loadh)
+PASSES(f16, _Float16, loadh, 1)
 #endif
 
 static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
@@ -330,7 +354,9 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
   if (qt.element != 1 || mt.element != 1 || pt.element != 1 || ot.element != 1 || kt.element != vt.element ||
       (kt.element != 1 && !(F16_CACHES && kt.element == 10)))
     return E_TYPES;
+#if F16_CACHES
   const int half = kt.element == 10;
+#endif
   if (rank(&qt) != 4 || rank(&kt) != 4 || rank(&vt) != 4 || qt.layout.dims[0] != 1) return E_SHAPES;
   const int G = qt.layout.dims[1], H = qt.layout.dims[2], D = qt.layout.dims[3], T = kt.layout.dims[2];
   if (kt.layout.dims[0] != 1 || kt.layout.dims[1] != G || kt.layout.dims[3] != D || vt.layout.dims[0] != 1 ||
