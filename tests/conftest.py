@@ -10,9 +10,14 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+
+if TYPE_CHECKING:  # annotations only: the helpers below import runtime when called
+    from runtime.executor.litert_executor import LlmExecutor
+    from runtime.executor.native import NativeModel
 
 # Engines keep packed weights in the user's cache directory by default: the tests' engines,
 # and the commands they start, keep theirs in a directory of the session instead.
@@ -149,3 +154,29 @@ def gate_group_view(monkeypatch, signature: str) -> tuple[threading.Event, threa
 
     monkeypatch.setattr(ModelFile, "view", gated)
     return viewing, release
+
+
+def run_signature(model: NativeModel, key: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One run of signature ``key`` on ``inputs`` (by name): its outputs, copied."""
+    from runtime.executor.native import HostBuffer
+
+    sig = model.signatures[key]
+    ins = [HostBuffer(info) for info in sig.inputs.values()]
+    for buffer in ins:
+        buffer.write(inputs[buffer.info.name])
+    outs = [HostBuffer(info) for info in sig.outputs.values()]
+    model.run(model.prepare(sig.index, ins, outs))
+    return {buffer.info.name: buffer.array.copy() for buffer in outs}
+
+
+def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """A prompt prefilled, then ``steps`` greedy decode steps: the tokens and each step's logits."""
+    binding = executor.bind(executor.create_kv_cache())
+    logits = executor.prefill(binding, prompt, 0)
+    tokens, every = [], []
+    for position in range(len(prompt), len(prompt) + steps):
+        token = int(np.argmax(logits))
+        tokens.append(token)
+        logits = executor.decode(binding, token, position)
+        every.append(logits)
+    return tokens, every

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MODELS
+from conftest import MODELS, greedy, run_signature
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
-from runtime.executor.native import HostBuffer, NativeModel
+from runtime.executor.native import NativeModel
 from runtime.executor.weight_cache import WeightCacheFile
 from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, attention_forms, custom_codes,
                                             rewrite_decode_attention)
@@ -73,16 +73,6 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def run(model: NativeModel, key: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sig = model.signatures[key]
-    ins = [HostBuffer(info) for info in sig.inputs.values()]
-    for buffer in ins:
-        buffer.write(inputs[buffer.info.name])
-    outs = [HostBuffer(info) for info in sig.outputs.values()]
-    model.run(model.prepare(sig.index, ins, outs))
-    return {buffer.info.name: buffer.array.copy() for buffer in outs}
-
-
 def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[str, np.ndarray]:
     """Random caches (as a session would have filled them), small random LoRA inputs, a token."""
     rng = np.random.default_rng(seed)
@@ -127,7 +117,7 @@ def test_every_decode_signature_matches_the_standard_form(fixture, rewritten, ke
                     if name.startswith("kv_cache_k"))
         for position in sorted({0, 1, 9, span // 2, span - 1}):
             inputs = step_inputs(original, key, position, seed=position)
-            want, got = run(original, key, inputs), run(native, key, inputs)
+            want, got = run_signature(original, key, inputs), run_signature(native, key, inputs)
             for name in want:
                 assert np.isfinite(want[name]).all()
                 difference = float(np.abs(got[name] - want[name]).max())
@@ -257,18 +247,6 @@ def test_each_build_of_the_kernel_computes_attention(isa, caches, builds_cache, 
         assert error == 4 and np.isnan(got).all()
 
 
-def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    binding = executor.bind(executor.create_kv_cache())
-    logits = executor.prefill(binding, prompt, 0)
-    tokens, every = [], []
-    for position in range(len(prompt), len(prompt) + steps):
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        logits = executor.decode(binding, token, position)
-        every.append(logits)
-    return tokens, every
-
-
 @needs_cc
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))
 def test_a_generation_is_the_same(fixture, rewritten, kernel_cache):
@@ -374,11 +352,11 @@ def test_a_failing_run_raises_naming_the_op(rewritten, kernel_cache):
     naming the op; the next run is clean."""
     model = NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="native")
     inputs = step_inputs(model, "decode", 3, seed=1)
-    run(model, "decode", inputs)
+    run_signature(model, "decode", inputs)
     model._kernels.context.error = 3
     with pytest.raises(InternalError, match=rf"custom op '{DECODE_ATTENTION}' failed in this run: the tensors' shapes"):
-        run(model, "decode", inputs)
-    run(model, "decode", inputs)
+        run_signature(model, "decode", inputs)
+    run_signature(model, "decode", inputs)
     model.close()
 
 
@@ -422,9 +400,9 @@ def test_weights_stored_after_the_flatbuffer_are_brought_inside(tmp_path, kernel
     original = NativeModel(external, num_threads=1, weight_cache=":memory:", name="external")
     native = NativeModel(rewritten, num_threads=1, weight_cache=":memory:", name="native")
     inputs = step_inputs(original, "decode", 20, seed=4)
-    want, got = run(original, "decode", inputs), run(native, "decode", inputs)
+    want, got = run_signature(original, "decode", inputs), run_signature(native, "decode", inputs)
     assert float(np.abs(want["logits"] - got["logits"]).max()) <= TOL
-    want_plain = run(NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa"), "decode", inputs)
+    want_plain = run_signature(NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa"), "decode", inputs)
     assert np.array_equal(want_plain["logits"], want["logits"])  # the external copy is the same model
 
 

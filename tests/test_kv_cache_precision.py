@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, MODELS
+from conftest import MODEL_FILES, MODELS, greedy, run_signature
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import InvalidArgumentError
 from runtime.executor import kernels
 from runtime.executor.litert_executor import LlmExecutor
-from runtime.executor.native import HostBuffer, NativeModel
+from runtime.executor.native import NativeModel
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import rewrite_attention, rewrite_decode_attention
 from runtime.util.kv_cache_precision import kv_caches_to_float16
@@ -81,17 +81,6 @@ def test_inspect_names_the_caches_type(half):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "(transposed layout, float16, 16,384 bytes per session)" in done.stdout  # float32: 32,768
-
-
-def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    binding = executor.bind(executor.create_kv_cache())
-    logits = executor.prefill(binding, prompt, 0)
-    tokens, every = [], []
-    for position in range(len(prompt), len(prompt) + steps):
-        tokens.append(int(np.argmax(logits)))
-        logits = executor.decode(binding, tokens[-1], position)
-        every.append(logits)
-    return tokens, every
 
 
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))
@@ -183,16 +172,6 @@ def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[
     return inputs
 
 
-def run(model: NativeModel, key: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sig = model.signatures[key]
-    ins = [HostBuffer(info) for info in sig.inputs.values()]
-    for buffer in ins:
-        buffer.write(inputs[buffer.info.name])
-    outs = [HostBuffer(info) for info in sig.outputs.values()]
-    model.run(model.prepare(sig.index, ins, outs))
-    return {buffer.info.name: buffer.array.copy() for buffer in outs}
-
-
 def within(got: np.ndarray, want: np.ndarray) -> bool:
     """Float32 outputs (logits) within 1e-3, float16 ones (caches) within 1e-5 and two
     float16 steps of each value. The op and XNNPACK sum in other orders (1e-6 apart, as
@@ -224,7 +203,7 @@ def test_the_kernel_reads_float16_caches_as_the_standard_form_does(fixture, half
                         if name.startswith("kv_cache_k"))
             for position in sorted({0, 9, span - 1}):
                 inputs = step_inputs(standard, key, position, seed=position)
-                want, got = run(standard, key, inputs), run(native, key, inputs)
+                want, got = run_signature(standard, key, inputs), run_signature(native, key, inputs)
                 for name in want:
                     assert within(got[name], want[name]), f"{key} at {position}: {name}"
     finally:
