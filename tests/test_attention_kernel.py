@@ -24,8 +24,8 @@ from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.native import HostBuffer, NativeModel
 from runtime.executor.weight_cache import WeightCacheFile
-from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, attention_forms, custom_codes,
-                                            rewrite_decode_attention)
+from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, LORA_DELTA, attention_forms,
+                                            custom_codes, rewrite_decode_attention)
 from runtime.util.signature_names import LoraSlot
 
 FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite"}
@@ -102,7 +102,7 @@ def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[
 
 def test_the_pass_rewrites_decode_signatures_only(rewritten):
     for name, path in rewritten.items():
-        assert custom_codes(path.read_bytes()) == {DECODE_ATTENTION}
+        assert custom_codes(path.read_bytes()) == {DECODE_ATTENTION, LORA_DELTA}  # both fixtures have LoRA slots
         assert custom_codes(FIXTURES[name].read_bytes()) == set()
         with pytest.raises(InvalidArgumentError, match="already runs"):
             rewrite_decode_attention(path.read_bytes())
@@ -375,10 +375,12 @@ def test_a_failing_run_raises_naming_the_op(rewritten, kernel_cache):
     model = NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="native")
     inputs = step_inputs(model, "decode", 3, seed=1)
     run(model, "decode", inputs)
-    model._kernels.context.error = 3
-    with pytest.raises(InternalError, match=rf"custom op '{DECODE_ATTENTION}' failed in this run: the tensors' shapes"):
+    contexts = {name: context for name, context, _ in model._kernels.ops}
+    for op, words in ((DECODE_ATTENTION, "the tensors' shapes do not fit q"), (LORA_DELTA, "the tensors' shapes do not fit x")):
+        contexts[op].error = 3
+        with pytest.raises(InternalError, match=rf"custom op '{op}' failed in this run: {words}"):
+            run(model, "decode", inputs)
         run(model, "decode", inputs)
-    run(model, "decode", inputs)
     model.close()
 
 
@@ -393,7 +395,7 @@ def test_inspect_names_the_native_kernel(rewritten, kernel_cache):
 @needs_cc
 def test_the_library_is_built_once_and_reused(kernel_cache, rewritten):
     NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="native").close()
-    built = list((kernel_cache / "kernels").glob("decode_attention-*.so"))
+    built = list((kernel_cache / "kernels").glob("kernels-*.so"))
     assert len(built) == 1
     assert not [p for p in (kernel_cache / "kernels").iterdir() if p.name.startswith(".build-")]
 
@@ -441,7 +443,7 @@ def test_processes_building_at_once_each_get_a_whole_library(tmp_path):
     for process in processes:
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0 and out.strip() == "True", err
-    assert [p.name.startswith("decode_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
+    assert [p.name.startswith("kernels-") for p in (tmp_path / "kernels").iterdir()] == [True]
 
 
 def lora_steps(executor: LlmExecutor, prompt: list[int], steps: int) -> list[np.ndarray]:
