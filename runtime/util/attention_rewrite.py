@@ -15,6 +15,11 @@ window alike), so the op computes what the chain computed, and reads only the ca
 positions the mask leaves open. Any other op between the two matmuls (a soft-cap, a
 scale) is refused, naming it: the chain is never half-understood.
 
+The same subgraphs' LoRA deltas, ``BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)`` whose right
+operands are the signature's adapter inputs (which XNNPACK packs again at every step),
+become ``odml_runtime.lora_delta(x, A, B)`` (:func:`_rewrite_lora`), matched as strictly:
+a matmul by an adapter input in any other arrangement is refused, naming it.
+
 Two ways to write it (:func:`rewrite_decode_attention`):
 
 * **both forms** (``keep_standard``, ``--attention-kernel auto``, the export's default): every

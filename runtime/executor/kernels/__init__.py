@@ -3,13 +3,15 @@ the C source shipped beside this file, registered on a compiled model through Li
 API (``LiteRtAddCustomOpKernelOption``), every node of theirs checked before the model
 compiles.
 
-Today one op: ``odml_runtime.decode_attention`` (``decode_attention.c``), which
-``runtime export`` (or ``tools/attention_kernel.py`` on an existing export) puts beside
-each layer's decode attention in standard ops (``--attention-kernel auto``, the default:
-:func:`attention_form_here` decides at open which form runs) or in its place (``native``)
-(:mod:`runtime.util.attention_rewrite`). The library is built at first use with the
+Two ops, compiled into one library: ``odml_runtime.decode_attention``
+(``decode_attention.c``), which ``runtime export`` (or ``tools/attention_kernel.py`` on an
+existing export) puts beside each layer's decode attention in standard ops
+(``--attention-kernel auto``, the default: :func:`attention_form_here` decides at open which
+form runs) or in its place (``native``) (:mod:`runtime.util.attention_rewrite`); and
+``odml_runtime.lora_delta`` (``lora_delta.c``), which the same pass puts in the op form in
+place of each decode LoRA delta's two matmuls. The library is built at first use with the
 system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
-named by the source's hash, the compiler's version and the flags, written under a
+named by the sources' hash, the compiler's version and the flags, written under a
 temporary name and renamed (processes building at once each write their own and one
 rename wins); later opens load it. No binary is shipped.
 
