@@ -303,7 +303,8 @@ def test_each_build_of_the_kernel_computes_attention(isa, caches, builds_cache, 
 # (8, 16) and off it (4, 3); outputs leaving tails of every vector width (192 = 12 x 16,
 # 1536, 37); several rows by one adapter (a [2, 3, in] x).
 LORA_CASES = [((1, 576), (576, 8), (8, 576)), ((1, 576), (576, 8), (8, 192)), ((1, 1536), (1536, 8), (8, 576)),
-              ((1, 64), (64, 4), (4, 32)), ((8, 1, 576), (8, 576, 8), (8, 8, 1536)), ((2, 1, 64), (2, 64, 16), (2, 16, 64)),
+              ((1, 64), (64, 4), (4, 32)), ((8, 1, 576), (8, 576, 8), (8, 8, 1536)),
+              ((2, 1, 64), (2, 64, 16), (2, 16, 64)),
               ((3, 1, 50), (3, 50, 3), (3, 3, 37)), ((2, 3, 40), (40, 8), (8, 37))]
 
 
@@ -449,7 +450,8 @@ def test_a_failing_run_raises_naming_the_op(rewritten, kernel_cache):
     inputs = step_inputs(model, "decode", 3, seed=1)
     run(model, "decode", inputs)
     contexts = {name: context for name, context, _ in model._kernels.ops}
-    for op, words in ((DECODE_ATTENTION, "the tensors' shapes do not fit q"), (LORA_DELTA, "the tensors' shapes do not fit x")):
+    for op, words in ((DECODE_ATTENTION, "the tensors' shapes do not fit q"),
+                      (LORA_DELTA, "the tensors' shapes do not fit x")):
         contexts[op].error = 3
         with pytest.raises(InternalError, match=rf"custom op '{op}' failed in this run: {words}"):
             run(model, "decode", inputs)

@@ -3,12 +3,12 @@
 sessions with distinct rank-8 adapters stepping together, to time the LoRA-delta op.
 
     python3 -m benchmarks.experiments.lora_delta.bench BEFORE.tflite,AFTER.tflite [--rounds 9] [--steps 32] \
-        [--batch-steps 16] [--rows 8]
+        [--batch-steps 16] [--rows 8] [--targets attention|all-linear]
 
 Every export opens in one Engine (1 thread); each round times, per export (the order of the
 exports alternating between rounds), ``steps`` decode steps of a plain session and of a
-session with a random rank-``--rank`` adapter of the export's slot (attention-only or
-all-linear, whatever the slot holds) from an empty context, then ``batch-steps`` steps of
+session with a random rank-``--rank`` adapter on the projections of ``--targets`` (in the
+cheapest slot holding it) from an empty context, then ``batch-steps`` steps of
 ``rows`` such sessions together (``Engine.decode_together``: the batched signature, each
 cache bound as its own signature's input and output). Prints the medians over the rounds,
 each export's adapter step over its plain step, and the exports' ratios to the first, each
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks.measure import random_adapter_files
 from runtime import Engine, EngineSettings, SessionConfig
+from runtime.util.signature_names import ATTENTION, LORA_TARGETS
 
 
 def main() -> int:
@@ -36,6 +37,7 @@ def main() -> int:
     parser.add_argument("--batch-steps", type=int, default=16)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--targets", choices=LORA_TARGETS, default=ATTENTION, help="the adapters' projections")
     args = parser.parse_args()
     if args.rows < 1:
         parser.error("--rows: expected 1 or more")
@@ -46,7 +48,7 @@ def main() -> int:
         engine = Engine(model, EngineSettings(num_threads=1, batch_wait_s=None))
         engines[model] = engine
         (folder / str(n)).mkdir()
-        paths = random_adapter_files(engine, folder / str(n), args.rows, args.rank)
+        paths = random_adapter_files(engine, folder / str(n), args.rows, args.rank, targets=args.targets)
         sessions[model] = {"plain": engine.create_session(SessionConfig()),
                            "adapter": engine.create_session(SessionConfig(lora_path=paths[0])),
                            "rows": [engine.create_session(SessionConfig(lora_path=p)) for p in paths]}
@@ -80,8 +82,8 @@ def main() -> int:
     first = models[0]
     for model in models:
         plain, adapter = median[model, "plain"], median[model, "adapter"]
-        line = (f"{model.name}: plain {plain:.2f}  rank-{args.rank} {adapter:.2f} ({adapter / plain:.3f}x plain "
-                f"[{paired((model, 'adapter'), (model, 'plain')):.3f}])  "
+        line = (f"{model.name}: plain {plain:.2f}  {args.targets} r{args.rank} {adapter:.2f} "
+                f"({adapter / plain:.3f}x plain [{paired((model, 'adapter'), (model, 'plain')):.3f}])  "
                 f"{args.rows} rows together {median[model, 'batch']:.2f}")
         if model != first:
             line += "  vs first: " + "  ".join(f"{kind} {median[model, kind] / median[first, kind]:.3f} "
