@@ -107,14 +107,11 @@ def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> d
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
     if not keys:
         raise InvalidArgumentError("the model has no decode signature to rewrite")
-    code = schema.OperatorCodeT()
-    code.builtinCode, code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM, schema.BuiltinOperator.CUSTOM
-    code.customCode, code.version = DECODE_ATTENTION, 1
-    model.operatorCodes.append(code)
+    custom_code = _custom_code(model, DECODE_ATTENTION)
     params = schema.BufferT()
     params.data = np.frombuffer(np.array([1.0, 0.0, 0.0, 0.0], np.float32).tobytes(), np.uint8)
     model.buffers.append(params)
-    custom_code, params_buffer = len(model.operatorCodes) - 1, len(model.buffers) - 1
+    params_buffer = len(model.buffers) - 1
     counts = {}
     done_subgraphs: dict[int, int] = {}
     pairs: dict[int, int] = {}  # standard subgraph -> its op form (keep_standard)
@@ -285,7 +282,7 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
 def _custom_code(model: schema.ModelT, name: str) -> int:
     """The index of the custom op code ``name`` in ``model``, appended where missing."""
     for i, code in enumerate(model.operatorCodes):
-        if code.customCode == name.encode():
+        if code.customCode in (name, name.encode()):  # str where appended here, bytes where read
             return i
     code = schema.OperatorCodeT()
     code.builtinCode, code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM, schema.BuiltinOperator.CUSTOM
@@ -294,14 +291,14 @@ def _custom_code(model: schema.ModelT, name: str) -> int:
     return len(model.operatorCodes) - 1
 
 
-def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> int:
+def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None:
     """Rewrites in place each LoRA delta of ``sub`` (signature ``key``), the pair
     ``BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)`` whose right operands are the signature's
     adapter inputs (``..._a_prime_weight_L`` [in, r] or [N, in, r], and its ``_b_`` twin
     [r, out] or [N, r, out]), as one ``odml_runtime.lora_delta(x, A, B)``: XNNPACK packs
     such dynamic operands again at every step, the op reads them as they are. A matmul by
     an adapter input that is not such a pair (transposed, h read elsewhere, other shapes or
-    types) is refused, naming it. The number of deltas rewritten."""
+    types) is refused, naming it."""
     inputs = set(int(i) for i in sub.inputs)
     outputs = set(int(i) for i in sub.outputs)
     consumers: dict[int, list[int]] = {}
@@ -345,4 +342,3 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> int:
         drop.add(j)
         replace[following[0]] = custom
     sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]
-    return len(replace)
