@@ -24,7 +24,7 @@ from runtime.bench import decode_loop
 from runtime.errors import InvalidArgumentError
 from runtime.adapters.lora_util import Convention, parse_lora_input_name
 from runtime.adapters.lora_writer import LoraWeights, write_lora_file
-from runtime.util.signature_names import LoraSlot
+from runtime.util.signature_names import ATTENTION, LoraSlot
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -107,10 +107,12 @@ def bench_cold_switch(model: str | os.PathLike[str], sources: Sequence[LoraSourc
     return results
 
 
-def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, seed: int = 0) -> list[Path]:
-    """``count`` distinct random adapter files that fit ``engine``'s model at ``rank``."""
+def random_adapter_files(engine: Engine, folder: Path, count: int, rank: int, seed: int = 0,
+                         targets: str = ATTENTION) -> list[Path]:
+    """``count`` distinct random adapter files that fit ``engine``'s model at ``rank``, on the
+    projections of ``targets`` (:class:`LoraSlot`)."""
     spec = engine.spec
-    slot = spec.slot_inputs(spec.slot_for(LoraSlot(rank)))
+    slot = spec.slot_inputs(spec.slot_for(LoraSlot(rank, targets)))
     shapes = {}
     for name, tensor in slot.items():
         parsed = parse_lora_input_name(name)

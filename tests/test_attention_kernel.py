@@ -24,8 +24,9 @@ from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
 from runtime.executor.native import NativeModel
 from runtime.executor.weight_cache import WeightCacheFile
-from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, attention_forms, custom_codes,
-                                            rewrite_decode_attention)
+from runtime.util import flatbuffer_model
+from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, LORA_DELTA, _op_name, attention_forms,
+                                            custom_codes, rewrite_decode_attention)
 from runtime.util.signature_names import LoraSlot
 
 FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite"}
@@ -92,10 +93,48 @@ def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[
 
 def test_the_pass_rewrites_decode_signatures_only(rewritten):
     for name, path in rewritten.items():
-        assert custom_codes(path.read_bytes()) == {DECODE_ATTENTION}
+        assert custom_codes(path.read_bytes()) == {DECODE_ATTENTION, LORA_DELTA}  # both fixtures have LoRA slots
         assert custom_codes(FIXTURES[name].read_bytes()) == set()
         with pytest.raises(InvalidArgumentError, match="already runs"):
             rewrite_decode_attention(path.read_bytes())
+
+
+def test_the_op_form_runs_every_decode_lora_delta_as_the_op(rewritten):
+    """In every decode signature with a LoRA slot, each projection's delta is one lora_delta
+    op (two matmuls before) and no matmul by an adapter input is left; prefill keeps them."""
+    for name, path in rewritten.items():
+        model = flatbuffer_model.unpack(path.read_bytes())
+        original = flatbuffer_model.unpack(FIXTURES[name].read_bytes())
+        for sig in model.signatureDefs:
+            key = sig.signatureKey.decode()
+            if "_lora_" not in key:
+                continue
+            sub, before = model.subgraphs[sig.subgraphIndex], original.subgraphs[sig.subgraphIndex]
+            adapters = lambda graph, op: any(b"_prime_weight" in (graph.tensors[i].name or b"")  # noqa: E731
+                                             for i in op.inputs)
+            by_adapter = sum(1 for op in before.operators if _op_name(original, op) == "BATCH_MATMUL"
+                             and adapters(before, op))
+            ops = sum(1 for op in sub.operators if model.operatorCodes[op.opcodeIndex].customCode
+                      in (LORA_DELTA, LORA_DELTA.encode()))
+            left = sum(1 for op in sub.operators if _op_name(model, op) == "BATCH_MATMUL" and adapters(sub, op))
+            if key.startswith("decode"):
+                assert by_adapter and (ops, left) == (by_adapter // 2, 0), key
+            else:
+                assert (ops, left) == (0, by_adapter), key
+
+
+def test_a_lora_delta_of_another_form_is_refused_naming_it():
+    """x.A multiplied by anything but its own B input: the pass refuses the model, naming
+    the signature and the delta, rather than rewrite half of it."""
+    model = flatbuffer_model.unpack(FIXTURES["gqa"].read_bytes())
+    sig = next(sig for sig in model.signatureDefs if sig.signatureKey == b"decode_lora_r4")
+    sub = model.subgraphs[sig.subgraphIndex]
+    b_input = next(sub.tensors[i] for i in sub.inputs if b"atten_q_b_prime_weight_0" in sub.tensors[i].name)
+    b_input.name = b_input.name.replace(b"atten_q_b", b"atten_x_b")
+    with pytest.raises(InvalidArgumentError, match=r"decode_lora_r4: the LoRA delta at op \d+ "
+                                                   r"\(decode_lora_r4_lora_atten_q_a_prime_weight_0\): x.A is not "
+                                                   "multiplied by its B input next"):
+        rewrite_decode_attention(flatbuffer_model.pack(model))
 
 
 def test_the_default_layout_is_refused():
@@ -159,10 +198,11 @@ _RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c
 _ELEMENTS = {np.dtype(np.float32): 1, np.dtype(np.float16): 10}
 
 
-def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray]) -> tuple[np.ndarray, int]:
-    """The library's ``attention_run`` on float32 or float16 ``arrays`` (q, mask, params, K,
-    V; the output last), each buffer handle its index + 1, typed as its dtype: the output
-    and the error word."""
+def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray], function: str = "attention_run") \
+        -> tuple[np.ndarray, int]:
+    """The library's ``function`` on float32 or float16 ``arrays`` (the op's inputs, for
+    attention q, mask, params, K, V; the output last), each buffer handle its index + 1,
+    typed as its dtype: the output and the error word."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
 
     def host(handle, out):  # noqa: ANN001, ANN202
@@ -182,12 +222,13 @@ def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray]) -> tuple[np.ndarr
 
     callbacks = _HOST(host), _TYPE(tensor_type), _SIZE(size)
     context = kernels._Context(0, *(ctypes.cast(c, ctypes.c_void_p).value for c in callbacks))
-    handles = (ctypes.c_void_p * 6)(*range(1, 7))
-    attention_run = _RUN(ctypes.cast(library.attention_run, ctypes.c_void_p).value)
-    outputs = ctypes.addressof(handles) + 5 * ctypes.sizeof(ctypes.c_void_p)
-    status = attention_run(ctypes.addressof(context), 5, ctypes.addressof(handles), 1, outputs)
+    count = len(arrays) - 1
+    handles = (ctypes.c_void_p * (count + 1))(*range(1, count + 2))
+    kernel_run = _RUN(ctypes.cast(getattr(library, function), ctypes.c_void_p).value)
+    outputs = ctypes.addressof(handles) + count * ctypes.sizeof(ctypes.c_void_p)
+    status = kernel_run(ctypes.addressof(context), count, ctypes.addressof(handles), 1, outputs)
     assert (status == 0) == (context.error == 0)
-    return arrays[5], context.error
+    return arrays[count], context.error
 
 
 def reference(q, mask, params, K, V) -> np.ndarray:  # noqa: ANN001
@@ -245,6 +286,39 @@ def test_each_build_of_the_kernel_computes_attention(isa, caches, builds_cache, 
     for k, v in ((K.astype(np.float32), V.astype(np.float16)), (K.astype(np.float16), V.astype(np.float32))):
         got, error = run_kernel(library, [q, mask, params, k, v, np.zeros((1, G, H, D), np.float32)])
         assert error == 4 and np.isnan(got).all()
+
+
+# (x, A, B) shapes as the graphs have them: a single-row decode's [1, in] by [in, r] by
+# [r, out] and a batch's [N, 1, in] by [N, in, r] by [N, r, out]; ranks on the 8-float path
+# (8, 16) and off it (4, 3); outputs leaving tails of every vector width (192 = 12 x 16,
+# 1536, 37); several rows by one adapter (a [2, 3, in] x).
+LORA_CASES = [((1, 576), (576, 8), (8, 576)), ((1, 576), (576, 8), (8, 192)), ((1, 1536), (1536, 8), (8, 576)),
+              ((1, 64), (64, 4), (4, 32)), ((8, 1, 576), (8, 576, 8), (8, 8, 1536)),
+              ((2, 1, 64), (2, 64, 16), (2, 16, 64)),
+              ((3, 1, 50), (3, 50, 3), (3, 3, 37)), ((2, 3, 40), (40, 8), (8, 37))]
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", ISA_BUILDS)
+def test_each_build_of_the_lora_kernel_computes_the_delta(isa, builds_cache, monkeypatch):
+    """``lora_run`` of each build called directly at the graphs' shapes, against x.A.B in
+    float64 from the same values: within 1e-5 (relative to the delta's largest value)."""
+    monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
+    monkeypatch.setattr(kernels, "isa_flags", lambda: isa)
+    library = kernels.build_library()
+    rng = np.random.default_rng(11)
+    for x_shape, a_shape, b_shape in LORA_CASES:
+        x, A, B = (rng.standard_normal(shape).astype(np.float32) for shape in (x_shape, a_shape, b_shape))
+        want = x.astype(np.float64) @ A.astype(np.float64) @ B.astype(np.float64)
+        got, error = run_kernel(library, [x, A, B, np.zeros(want.shape, np.float32)], "lora_run")
+        assert error == 0
+        difference = float(np.abs(got - want).max() / np.abs(want).max())
+        assert difference <= TOL, f"x {x_shape} A {a_shape} B {b_shape}: differs by {difference:.2e}"
+    # Shapes it would misread (A's rows not x's width) give the error word and NaN, never numbers.
+    got, error = run_kernel(library, [x[..., :-1].copy(), A, B, np.zeros(want.shape, np.float32)], "lora_run")
+    assert error == 3 and np.isnan(got).all()
+    got, error = run_kernel(library, [x.astype(np.float16), A, B, np.zeros(want.shape, np.float32)], "lora_run")
+    assert error == 4 and np.isnan(got).all()
 
 
 @needs_cc
@@ -353,10 +427,13 @@ def test_a_failing_run_raises_naming_the_op(rewritten, kernel_cache):
     model = NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="native")
     inputs = step_inputs(model, "decode", 3, seed=1)
     run_signature(model, "decode", inputs)
-    model._kernels.context.error = 3
-    with pytest.raises(InternalError, match=rf"custom op '{DECODE_ATTENTION}' failed in this run: the tensors' shapes"):
+    contexts = {name: context for name, context, _ in model._kernels.ops}
+    for op, words in ((DECODE_ATTENTION, "the tensors' shapes do not fit q"),
+                      (LORA_DELTA, "the tensors' shapes do not fit x")):
+        contexts[op].error = 3
+        with pytest.raises(InternalError, match=rf"custom op '{op}' failed in this run: {words}"):
+            run_signature(model, "decode", inputs)
         run_signature(model, "decode", inputs)
-    run_signature(model, "decode", inputs)
     model.close()
 
 
@@ -371,7 +448,7 @@ def test_inspect_names_the_native_kernel(rewritten, kernel_cache):
 @needs_cc
 def test_the_library_is_built_once_and_reused(kernel_cache, rewritten):
     NativeModel(rewritten["gqa"], num_threads=1, weight_cache=":memory:", name="native").close()
-    built = list((kernel_cache / "kernels").glob("decode_attention-*.so"))
+    built = list((kernel_cache / "kernels").glob("kernels-*.so"))
     assert len(built) == 1
     assert not [p for p in (kernel_cache / "kernels").iterdir() if p.name.startswith(".build-")]
 
@@ -419,7 +496,7 @@ def test_processes_building_at_once_each_get_a_whole_library(tmp_path):
     for process in processes:
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0 and out.strip() == "True", err
-    assert [p.name.startswith("decode_attention-") for p in (tmp_path / "kernels").iterdir()] == [True]
+    assert [p.name.startswith("kernels-") for p in (tmp_path / "kernels").iterdir()] == [True]
 
 
 def lora_steps(executor: LlmExecutor, prompt: list[int], steps: int) -> list[np.ndarray]:

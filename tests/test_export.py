@@ -135,13 +135,14 @@ def test_the_report_times_every_stage_and_signature_and_the_peak_memory(exported
 
 
 def test_the_command_writes_both_outputs_and_nothing_else(exported: Exported) -> None:
-    from runtime.util.attention_rewrite import DECODE_ATTENTION, attention_forms, custom_codes
+    from runtime.util.attention_rewrite import DECODE_ATTENTION, LORA_DELTA, attention_forms, custom_codes
     from runtime.util.litertlm_bundle import LitertLmBundle
 
     assert sorted(p.name for p in exported.model.parent.iterdir()) == ["tiny.litertlm", "tiny.tflite"]
-    # By default the .tflite carries both forms of decode attention; the bundle, for LiteRT-LM, standard ops only.
+    # By default the .tflite carries both forms of decode attention (the op form's LoRA deltas as
+    # the op too: the export has slots); the bundle, for LiteRT-LM, standard ops only.
     assert attention_forms(exported.model.read_bytes()) and custom_codes(exported.model.read_bytes()) == {
-        DECODE_ATTENTION}
+        DECODE_ATTENTION, LORA_DELTA}
     with LitertLmBundle(exported.bundle) as bundle:
         section = bundle.section_bytes(bundle.model_section())
         assert custom_codes(section) == set() and attention_forms(section) == {}

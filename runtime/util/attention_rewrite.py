@@ -15,6 +15,11 @@ window alike), so the op computes what the chain computed, and reads only the ca
 positions the mask leaves open. Any other op between the two matmuls (a soft-cap, a
 scale) is refused, naming it: the chain is never half-understood.
 
+The same subgraphs' LoRA deltas, ``BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)`` whose right
+operands are the signature's adapter inputs (which XNNPACK packs again at every step),
+become ``odml_runtime.lora_delta(x, A, B)`` (:func:`_rewrite_lora`), matched as strictly:
+a matmul by an adapter input in any other arrangement is refused, naming it.
+
 Two ways to write it (:func:`rewrite_decode_attention`):
 
 * **both forms** (``keep_standard``, ``--attention-kernel auto``, the export's default): every
@@ -47,6 +52,8 @@ from runtime.errors import InvalidArgumentError
 from runtime.util import flatbuffer_model
 
 DECODE_ATTENTION = "odml_runtime.decode_attention"
+# The op form's LoRA deltas (:func:`_rewrite_lora`): BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B).
+LORA_DELTA = "odml_runtime.lora_delta"
 # The metadata entry of a model carrying both forms: its buffer holds JSON,
 # {"op": DECODE_ATTENTION, "subgraphs": [[standard subgraph, its op form], ...]}.
 FORMS_METADATA = "odml_runtime.attention_forms"
@@ -95,19 +102,16 @@ def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> d
     (:mod:`runtime.util.kv_cache_precision`, run before) are read by the op as they are.
     ``InvalidArgumentError`` when the model cannot be rewritten (no decode signature in the
     transposed layout, an attention chain of another form, already rewritten), naming why."""
-    if any(code.customCode == DECODE_ATTENTION.encode() for code in model.operatorCodes or ()):
-        raise InvalidArgumentError(f"the model already runs {DECODE_ATTENTION}")
+    if any(code.customCode in (DECODE_ATTENTION.encode(), LORA_DELTA.encode()) for code in model.operatorCodes or ()):
+        raise InvalidArgumentError(f"the model already runs {DECODE_ATTENTION} or {LORA_DELTA}")
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
     if not keys:
         raise InvalidArgumentError("the model has no decode signature to rewrite")
-    code = schema.OperatorCodeT()
-    code.builtinCode, code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM, schema.BuiltinOperator.CUSTOM
-    code.customCode, code.version = DECODE_ATTENTION, 1
-    model.operatorCodes.append(code)
+    custom_code = _custom_code(model, DECODE_ATTENTION)
     params = schema.BufferT()
     params.data = np.frombuffer(np.array([1.0, 0.0, 0.0, 0.0], np.float32).tobytes(), np.uint8)
     model.buffers.append(params)
-    custom_code, params_buffer = len(model.operatorCodes) - 1, len(model.buffers) - 1
+    params_buffer = len(model.buffers) - 1
     counts = {}
     done_subgraphs: dict[int, int] = {}
     pairs: dict[int, int] = {}  # standard subgraph -> its op form (keep_standard)
@@ -271,4 +275,70 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
         drop.update(j for j in (k_convert, v_convert) if j is not None)
         replace[chain[-1]] = custom
     sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]
+    _rewrite_lora(model, sub, key)
     return len(replace)
+
+
+def _custom_code(model: schema.ModelT, name: str) -> int:
+    """The index of the custom op code ``name`` in ``model``, appended where missing."""
+    for i, code in enumerate(model.operatorCodes):
+        if code.customCode in (name, name.encode()):  # str where appended here, bytes where read
+            return i
+    code = schema.OperatorCodeT()
+    code.builtinCode, code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM, schema.BuiltinOperator.CUSTOM
+    code.customCode, code.version = name, 1
+    model.operatorCodes.append(code)
+    return len(model.operatorCodes) - 1
+
+
+def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None:
+    """Rewrites in place each LoRA delta of ``sub`` (signature ``key``), the pair
+    ``BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)`` whose right operands are the signature's
+    adapter inputs (``..._a_prime_weight_L`` [in, r] or [N, in, r], and its ``_b_`` twin
+    [r, out] or [N, r, out]), as one ``odml_runtime.lora_delta(x, A, B)``: XNNPACK packs
+    such dynamic operands again at every step, the op reads them as they are. A matmul by
+    an adapter input that is not such a pair (transposed, h read elsewhere, other shapes or
+    types) is refused, naming it."""
+    inputs = set(int(i) for i in sub.inputs)
+    outputs = set(int(i) for i in sub.outputs)
+    consumers: dict[int, list[int]] = {}
+    for j, op in enumerate(sub.operators):
+        for i in op.inputs:
+            consumers.setdefault(int(i), []).append(j)
+    adapter = lambda index: index in inputs and b"_a_prime_weight" in (sub.tensors[index].name or b"")  # noqa: E731
+    code, drop, replace = None, set(), {}
+    for j, op in enumerate(sub.operators):
+        if _op_name(model, op) != "BATCH_MATMUL" or not adapter(int(op.inputs[1])):
+            continue
+        x_index, a_index, h_index = int(op.inputs[0]), int(op.inputs[1]), int(op.outputs[0])
+        a_name = sub.tensors[a_index].name
+        where = f"{key}: the LoRA delta at op {j} ({a_name.decode(errors='replace')})"
+        following = consumers.get(h_index, [])
+        if len(following) != 1 or h_index in outputs:
+            raise InvalidArgumentError(f"{where}: x.A is read elsewhere than by one matmul")
+        second = sub.operators[following[0]]
+        b_index = int(second.inputs[1]) if len(second.inputs) == 2 else -1
+        if _op_name(model, second) != "BATCH_MATMUL" or int(second.inputs[0]) != h_index or b_index not in inputs \
+                or sub.tensors[b_index].name != a_name.replace(b"_a_prime_weight", b"_b_prime_weight"):
+            raise InvalidArgumentError(f"{where}: x.A is not multiplied by its B input next")
+        if any(o.builtinOptions is not None and (getattr(o.builtinOptions, "adjX", False)
+                                                  or getattr(o.builtinOptions, "adjY", False)) for o in (op, second)):
+            raise InvalidArgumentError(f"{where}: a transposed operand")
+        out_index = int(second.outputs[0])
+        if any(sub.tensors[i].type != _FLOAT32 for i in (x_index, a_index, b_index, h_index, out_index)):
+            raise InvalidArgumentError(f"{where}: not float32")
+        x, a, b, h, out = (_shape(sub, i) for i in (x_index, a_index, b_index, h_index, out_index))
+        batched = len(a) == 3 and len(x) == 3 and a[0] == x[0] and b[:1] == (x[0],)
+        if not (len(a) == 2 or batched) or len(b) != len(a) or a[-2] != x[-1] or b[-2] != a[-1] \
+                or h != (*x[:-1], a[-1]) or out != (*x[:-1], b[-1]):
+            raise InvalidArgumentError(f"{where}: x {list(x)} by A {list(a)} by B {list(b)} is not "
+                                       "[..., in] by [in, r] by [r, out] (or [N, M, in] by [N, in, r] by [N, r, out])")
+        if code is None:
+            code = _custom_code(model, LORA_DELTA)
+        custom = schema.OperatorT()
+        custom.opcodeIndex = code
+        custom.inputs, custom.outputs = [x_index, a_index, b_index], [out_index]
+        custom.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
+        drop.add(j)
+        replace[following[0]] = custom
+    sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]

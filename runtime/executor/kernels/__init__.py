@@ -3,13 +3,15 @@ the C source shipped beside this file, registered on a compiled model through Li
 API (``LiteRtAddCustomOpKernelOption``), every node of theirs checked before the model
 compiles.
 
-Today one op: ``odml_runtime.decode_attention`` (``decode_attention.c``), which
-``runtime export`` (or ``tools/attention_kernel.py`` on an existing export) puts beside
-each layer's decode attention in standard ops (``--attention-kernel auto``, the default:
-:func:`attention_form_here` decides at open which form runs) or in its place (``native``)
-(:mod:`runtime.util.attention_rewrite`). The library is built at first use with the
+Two ops, compiled into one library: ``odml_runtime.decode_attention``
+(``decode_attention.c``), which ``runtime export`` (or ``tools/attention_kernel.py`` on an
+existing export) puts beside each layer's decode attention in standard ops
+(``--attention-kernel auto``, the default: :func:`attention_form_here` decides at open which
+form runs) or in its place (``native``) (:mod:`runtime.util.attention_rewrite`); and
+``odml_runtime.lora_delta`` (``lora_delta.c``), which the same pass puts in the op form in
+place of each decode LoRA delta's two matmuls. The library is built at first use with the
 system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
-named by the source's hash, the compiler's version and the flags, written under a
+named by the sources' hash, the compiler's version and the flags, written under a
 temporary name and renamed (processes building at once each write their own and one
 rename wins); later opens load it. No binary is shipped.
 
@@ -37,12 +39,13 @@ from importlib import resources
 from pathlib import Path
 
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
-from runtime.util.attention_rewrite import DECODE_ATTENTION
+from runtime.util.attention_rewrite import DECODE_ATTENTION, LORA_DELTA
 from runtime.util.cache_dir import runtime_cache_dir
 
 _P = ctypes.c_void_p
 _FLOAT32, _FLOAT16 = 1, 10  # LiteRtElementType: the caches' types the kernel reads (q and the rest: float32)
-_SOURCE = "decode_attention.c"
+# Compiled together into one library (one build, one load, one cache entry for both ops).
+_SOURCES = ("decode_attention.c", "lora_delta.c")
 # -O3 and the vector extensions this CPU has (never -march=native: the file is keyed by
 # these flags, so a cache directory shared by machines of other CPUs keeps one per set).
 _BASE_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi")
@@ -51,6 +54,11 @@ _FAILURES = {1: "the op's inputs and outputs are not the 5 and 1 it takes",
              2: "LiteRT gave no host memory or type for a tensor buffer",
              3: "the tensors' shapes do not fit q [1, G, H, D], mask [T], K [1, G, T, D], V [1, G, D, T]",
              4: "a tensor is not float32 (K and V: both float32 or both float16)", 5: "no memory for the scores"}
+_LORA_FAILURES = {1: "the op's inputs and outputs are not the 3 and 1 it takes",
+                  2: "LiteRT gave no host memory or type for a tensor buffer",
+                  3: "the tensors' shapes do not fit x [..., in] by A [in, r] and B [r, out] "
+                     "(or x [N, M, in] by A [N, in, r] and B [N, r, out])",
+                  4: "a tensor is not float32"}
 RE_EXPORT = ("re-export with --attention-kernel auto (the default: both forms, the standard one run where the kernel "
              "cannot be) or xnnpack")
 
@@ -118,7 +126,7 @@ def build_library() -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise FailedPreconditionError("no C compiler (cc or gcc; $CC) on PATH to build it")
-    source = resources.files(__package__).joinpath(_SOURCE).read_bytes()
+    sources = [resources.files(__package__).joinpath(name).read_bytes() for name in _SOURCES]
     flags = (*_BASE_FLAGS, *isa_flags())
     with _build_lock:
         if cc not in _versions:
@@ -130,13 +138,13 @@ def build_library() -> ctypes.CDLL:
             if not _versions[cc]:
                 del _versions[cc]
                 raise FailedPreconditionError(f"the C compiler {cc} does not run ({cc} --version failed)")
-        key = hashlib.sha256(b"\0".join([source, _versions[cc].encode(), " ".join(flags).encode()])).hexdigest()[:16]
+        key = hashlib.sha256(b"\0".join([*sources, _versions[cc].encode(), " ".join(flags).encode()])).hexdigest()[:16]
         folder = runtime_cache_dir() / "kernels"
-        path = folder / f"decode_attention-{key}.so"
+        path = folder / f"kernels-{key}.so"
         if str(path) in _loaded:
             return _loaded[str(path)]
         if not path.exists():
-            _compile(cc, flags, source, folder, path)
+            _compile(cc, flags, sources, folder, path)
         try:
             library = ctypes.CDLL(str(path))
         except OSError as exc:
@@ -145,14 +153,15 @@ def build_library() -> ctypes.CDLL:
         return library
 
 
-def _compile(cc: str, flags: tuple[str, ...], source: bytes, folder: Path, path: Path) -> None:
+def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path, path: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
-            c_file = Path(scratch) / _SOURCE
-            c_file.write_bytes(source)
+            c_files = [Path(scratch) / name for name in _SOURCES]
+            for c_file, source in zip(c_files, sources):
+                c_file.write_bytes(source)
             built = Path(scratch) / path.name
-            command = [cc, *flags, str(c_file), "-o", str(built), "-lm"]
+            command = [cc, *flags, *map(str, c_files), "-o", str(built), "-lm"]
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if done.returncode:
                 first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
@@ -200,34 +209,42 @@ def attention_form_here(name: str) -> tuple[bool, str | None]:
 
 class Registration:
     """The kernels registered on one compiled model: the structures the library was given
-    and the error word its runs write (:meth:`check` after each run)."""
+    and, per op, the error word its runs write (:meth:`check` after each run)."""
 
     def __init__(self, library: ctypes.CDLL, litert: ctypes.CDLL) -> None:
         address = lambda function: ctypes.cast(function, _P).value  # noqa: E731
-        self.context = _Context(0, address(litert.LiteRtGetTensorBufferHostMemory),
-                                address(litert.LiteRtGetTensorBufferTensorType),
-                                address(litert.LiteRtGetTensorBufferSize))
-        self.kernel = _KernelStruct(address(library.attention_init), address(library.attention_layouts),
-                                    address(library.attention_run), address(library.attention_destroy))
-        self.name = DECODE_ATTENTION.encode()
+        accessors = (address(litert.LiteRtGetTensorBufferHostMemory), address(litert.LiteRtGetTensorBufferTensorType),
+                     address(litert.LiteRtGetTensorBufferSize))
+        # One context per op, so a failure names the op whose run wrote it.
+        self.ops = [(name, _Context(0, *accessors), _KernelStruct(*(address(getattr(library, f"{prefix}_{part}"))
+                                                                   for part in ("init", "layouts", "run", "destroy"))))
+                    for name, prefix in ((DECODE_ATTENTION, "attention"), (LORA_DELTA, "lora"))]
         self.library = library  # the code the addresses point into stays loaded
 
     def add_to(self, litert: ctypes.CDLL, options: int) -> int:
-        """``LiteRtAddCustomOpKernelOption`` on ``options``; its status."""
-        return litert.LiteRtAddCustomOpKernelOption(options, self.name, 1, ctypes.byref(self.kernel),
-                                                    ctypes.addressof(self.context))
+        """``LiteRtAddCustomOpKernelOption`` on ``options`` for each op; the first failing status."""
+        for name, context, kernel in self.ops:
+            status = litert.LiteRtAddCustomOpKernelOption(options, name.encode(), 1, ctypes.byref(kernel),
+                                                          ctypes.addressof(context))
+            if status:
+                return status
+        return 0
 
     def check(self) -> None:
         """``InternalError`` naming the op when a run's kernel failed (its output was NaN)."""
-        code = self.context.error
-        if code:
-            self.context.error = 0
-            raise InternalError(f"custom op {DECODE_ATTENTION!r} failed in this run: "
-                                f"{_FAILURES.get(code, f'code {code}')} (its output was NaN, never used)")
+        for name, context, _ in self.ops:
+            code = context.error
+            if code:
+                context.error = 0
+                failures = _FAILURES if name == DECODE_ATTENTION else _LORA_FAILURES
+                raise InternalError(f"custom op {name!r} failed in this run: "
+                                    f"{failures.get(code, f'code {code}')} (its output was NaN, never used)")
 
 
 def check_node(node: CustomNode) -> str | None:
-    """Why the decode-attention kernel would misread this node, or None."""
+    """Why the kernel of the node's op would misread this node, or None."""
+    if node.code == LORA_DELTA:
+        return _check_lora_node(node)
     if len(node.inputs) != 5 or len(node.outputs) != 1:
         return f"{len(node.inputs)} inputs and {len(node.outputs)} outputs (expected 5: q, mask, params, K, V; and 1)"
     if any(t is None for t in (*node.inputs, *node.outputs)):
@@ -254,6 +271,24 @@ def check_node(node: CustomNode) -> str | None:
         return f"params {list(params)} (expected [4])"
     if tuple(out) != tuple(q):
         return f"output {list(out)} (expected q's shape {list(q)})"
+    return None
+
+
+def _check_lora_node(node: CustomNode) -> str | None:
+    """Why the LoRA-delta kernel would misread this node (lora_delta.c's shapes), or None."""
+    if len(node.inputs) != 3 or len(node.outputs) != 1:
+        return f"{len(node.inputs)} inputs and {len(node.outputs)} outputs (expected 3: x, A, B; and 1)"
+    if any(t is None for t in (*node.inputs, *node.outputs)):
+        return "an unranked tensor (expected every shape known)"
+    if any(element != _FLOAT32 for element, _ in (*node.inputs, *node.outputs)):
+        return "x, A, B or the output not float32"
+    (x, a, b), (out,) = [s for _, s in node.inputs], [s for _, s in node.outputs]
+    expected = "x [..., in], A [in, r], B [r, out]; or x [N, M, in], A [N, in, r], B [N, r, out]"
+    if not x or len(a) not in (2, 3) or len(b) != len(a) or a[-2] != x[-1] or b[-2] != a[-1] \
+            or (len(a) == 3 and (len(x) != 3 or a[0] != x[0] or b[0] != x[0])):
+        return f"x {list(x)}, A {list(a)}, B {list(b)} (expected {expected})"
+    if tuple(out) != (*x[:-1], b[-1]):
+        return f"output {list(out)} (expected {[*x[:-1], b[-1]]})"
     return None
 
 
@@ -297,8 +332,9 @@ def attach(litert: ctypes.CDLL, model: int, options: int, name: str) -> Registra
     nodes = custom_nodes(litert, model)
     for node in nodes:
         where = f"{name}: custom op {node.code!r} (subgraph {node.subgraph}, node {node.index})"
-        if node.code != DECODE_ATTENTION:
-            raise InvalidArgumentError(f"{where}: this runtime has no kernel for it (it has {DECODE_ATTENTION!r})")
+        if node.code not in (DECODE_ATTENTION, LORA_DELTA):
+            raise InvalidArgumentError(f"{where}: this runtime has no kernel for it (it has {DECODE_ATTENTION!r} "
+                                       f"and {LORA_DELTA!r})")
         problem = check_node(node)
         if problem:
             raise InvalidArgumentError(f"{where}: {problem}; the kernel would misread it")

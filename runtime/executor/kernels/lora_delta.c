@@ -1,0 +1,149 @@
+/* odml_runtime.lora_delta: one projection's LoRA delta, x . A . B, a LiteRT custom op
+ * (ai-edge-litert 2.3's C API), compiled into the same library as decode_attention.c
+ * (runtime/executor/kernels/__init__.py builds both sources into one file).
+ *
+ * Why an op: the graph computes the delta as BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)
+ * whose right operands are signature inputs (the adapter's weights), so XNNPACK packs both
+ * of them again at every step; a rank-r delta is only r * (in + out) multiply-adds a row.
+ *
+ * Inputs: x f32, A f32, B f32; output f32. Either
+ *   A [in, r], B [r, out]: x any rank, its last axis `in`, every row by the same A and B
+ *     (a single-row decode's x [1, in]); the output x's shape with `out` last;
+ *   or A [N, in, r], B [N, r, out], x [N, M, in]: row n by its own A and B (a batched
+ *     decode's stacked adapters); the output [N, M, out].
+ * Per row: h = x . A (r sums over in, float32), then out = h . B.
+ *
+ * The context, the buffer accessors and the failure protocol are decode_attention.c's
+ * (declared again here: each source compiles alone). */
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int Status;
+typedef void *Buffer;
+typedef struct { uint32_t bits; int32_t dims[8]; uint32_t strides[8]; } Layout;
+typedef struct { int32_t element; Layout layout; } TensorType;
+typedef struct {
+  volatile int64_t error;
+  Status (*host_memory)(Buffer, void **);
+  Status (*tensor_type)(Buffer, TensorType *);
+  Status (*size)(Buffer, size_t *);
+} Context;
+enum { E_ARGUMENTS = 1, E_BUFFER = 2, E_SHAPES = 3, E_TYPES = 4 };
+
+#if defined(__AVX512F__)
+#define W 16
+#elif defined(__AVX__)
+#define W 8
+#else
+#define W 4
+#endif
+typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+static int rank(const Layout *l) { return l->bits & 0x7F; }
+
+Status lora_init(void *user, const void *data, size_t size) { return 0; }
+Status lora_destroy(void *user) { return 0; }
+/* The output: x's layout with B's last axis in place of x's. */
+Status lora_layouts(void *user, size_t n_in, const Layout *in, size_t n_out, Layout *out) {
+  if (n_in != 3 || n_out != 1 || rank(&in[0]) < 1 || rank(&in[2]) < 2) {
+    if (user) ((Context *)user)->error = E_ARGUMENTS;
+    return 1;
+  }
+  out[0] = in[0];
+  out[0].dims[rank(&in[0]) - 1] = in[2].dims[rank(&in[2]) - 1];
+  return 0;
+}
+
+/* h[0..r) = x . A for A [in, r] row-major: each x[i] scales A's row i. Where r is a multiple
+ * of 8, 8 lanes of h at a time (one AVX register; r is 4-64 in practice, under one AVX-512
+ * register's 16 floats at 8), four rows of A in flight so the adds do not wait on each other. */
+static void down(const float *x, const float *A, int in, int r, float *h) {
+  if (r % 8 == 0) {
+    for (int k = 0; k < r; k += 8) {
+      v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+      int i = 0;
+      for (; i + 4 <= in; i += 4) {
+        const float *row = A + (size_t)i * r + k;
+        a0 += x[i] * *(const v8 *)row;
+        a1 += x[i + 1] * *(const v8 *)(row + r);
+        a2 += x[i + 2] * *(const v8 *)(row + 2 * r);
+        a3 += x[i + 3] * *(const v8 *)(row + 3 * r);
+      }
+      for (; i < in; i++) a0 += x[i] * *(const v8 *)(A + (size_t)i * r + k);
+      *(v8 *)(h + k) = (a0 + a1) + (a2 + a3);
+    }
+    return;
+  }
+  for (int k = 0; k < r; k++) h[k] = 0.f;
+  for (int i = 0; i < in; i++)
+    for (int k = 0; k < r; k++) h[k] += x[i] * A[(size_t)i * r + k];
+}
+
+/* o[0..out) = h . B for B [r, out] row-major: W outputs at a time, the r rows of B each
+ * scaled by its h[k]. */
+static void up(const float *h, const float *B, int r, int out, float *o) {
+  int j = 0;
+  for (; j + W <= out; j += W) {
+    vf acc = h[0] * *(const vf *)(B + j);
+    for (int k = 1; k < r; k++) acc += h[k] * *(const vf *)(B + (size_t)k * out + j);
+    *(vf *)(o + j) = acc;
+  }
+  for (; j < out; j++) {
+    float s = 0.f;
+    for (int k = 0; k < r; k++) s += h[k] * B[(size_t)k * out + j];
+    o[j] = s;
+  }
+}
+
+#define MAX_RANK 1024
+static int delta(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
+  if (n_in != 3 || n_out != 1) return E_ARGUMENTS;
+  TensorType xt, at, bt, ot;
+  float *x, *A, *B, *o;
+  if (c->tensor_type(in[0], &xt) || c->tensor_type(in[1], &at) || c->tensor_type(in[2], &bt) ||
+      c->tensor_type(out[0], &ot) || c->host_memory(in[0], (void **)&x) || c->host_memory(in[1], (void **)&A) ||
+      c->host_memory(in[2], (void **)&B) || c->host_memory(out[0], (void **)&o))
+    return E_BUFFER;
+  if (xt.element != 1 || at.element != 1 || bt.element != 1 || ot.element != 1) return E_TYPES;
+  const int xr = rank(&xt.layout), ar = rank(&at.layout);
+  if (xr < 1 || (ar != 2 && ar != 3) || rank(&bt.layout) != ar || rank(&ot.layout) != xr) return E_SHAPES;
+  const int *xd = xt.layout.dims, *ad = at.layout.dims, *bd = bt.layout.dims, *od = ot.layout.dims;
+  const int n_in_ = xd[xr - 1], r = ad[ar - 1], n_out_ = bd[ar - 1];
+  int64_t rows = 1;
+  for (int i = 0; i < xr - 1; i++) {
+    if (od[i] != xd[i]) return E_SHAPES;
+    rows *= xd[i];
+  }
+  const int N = ar == 3 ? ad[0] : 1;
+  if (N < 1) return E_SHAPES;
+  if (ad[ar - 2] != n_in_ || bd[ar - 2] != r || od[xr - 1] != n_out_ || r < 1 || r > MAX_RANK || n_in_ < 1 ||
+      n_out_ < 1 || (ar == 3 && (xr != 3 || xd[0] != N || bd[0] != N)))
+    return E_SHAPES;
+  const int64_t per = rows / N; /* rows of x by each adapter */
+  float h[MAX_RANK] __attribute__((aligned(32)));
+  for (int n = 0; n < N; n++) {
+    const float *An = A + (size_t)n * n_in_ * r, *Bn = B + (size_t)n * r * n_out_;
+    for (int64_t m = 0; m < per; m++) {
+      const int64_t row = n * per + m;
+      down(x + row * n_in_, An, n_in_, r, h);
+      up(h, Bn, r, n_out_, o + row * n_out_);
+    }
+  }
+  return 0;
+}
+
+/* Run: as decode_attention.c's, a failure writes the error word and NaN outputs. */
+Status lora_run(void *user, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
+  Context *c = (Context *)user;
+  int code = delta(c, n_in, in, n_out, out);
+  if (code) {
+    if (!c->error) c->error = code;
+    float *o;
+    size_t bytes;
+    if (n_out >= 1 && !c->host_memory(out[0], (void **)&o) && !c->size(out[0], &bytes))
+      for (size_t i = 0; i < bytes / 4; i++) o[i] = __builtin_nanf("");
+    return 3;
+  }
+  return 0;
+}
