@@ -30,15 +30,20 @@ def muted_native_logs(*, keep_python_stderr: bool = False) -> Iterator[None]:
         saved = os.dup(2)
         devnull = os.open(os.devnull, os.O_WRONLY)
         python_stderr = sys.stderr
+        ours = None  # the stream this block gave sys.stderr, if any: only it is closed here
         try:
             os.dup2(devnull, 2)
             if keep_python_stderr:
-                sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
+                ours = sys.stderr = os.fdopen(os.dup(saved), "w", buffering=1)
             yield
         finally:
-            if sys.stderr is not python_stderr:
-                sys.stderr.close()
-                sys.stderr = python_stderr
+            # sys.stderr may have been swapped meanwhile by another thread (a test runner
+            # capturing output while an engine compiles in the background): that stream is
+            # theirs, left as it is; closing it broke their next write.
+            if ours is not None:
+                if sys.stderr is ours:
+                    sys.stderr = python_stderr
+                ours.close()
             os.dup2(saved, 2)
             os.close(saved)
             os.close(devnull)
