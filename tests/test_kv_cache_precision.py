@@ -19,7 +19,7 @@ from runtime.executor import kernels
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.native import NativeModel
 from runtime.util import flatbuffer_model
-from runtime.util.attention_rewrite import rewrite_attention, rewrite_decode_attention
+from runtime.util.attention_rewrite import attention_forms, rewrite_attention, rewrite_decode_attention
 from runtime.util.kv_cache_precision import kv_caches_to_float16
 from runtime.util.model_view import signature_details
 
@@ -237,3 +237,41 @@ def test_bad_models_are_refused_naming_why(half):
     adapter = MODELS / "adapters" / "torch_r4.tflite"
     with pytest.raises(InvalidArgumentError, match="no kv_cache_"):
         kv_caches_to_float16(flatbuffer_model.unpack(adapter.read_bytes()))
+
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "attention_kernel.py"
+
+
+def test_the_tool_makes_an_exports_both_forms_again_with_float16_caches(half, tmp_path, kernel_cache):
+    """``tools/attention_kernel.py --kv-cache-dtype float16`` on a file of both forms (what
+    the export writes by default): float16 caches, both forms again, the same tokens and
+    logits as the float16 model made from the standard file."""
+    both_f32 = tmp_path / "both.tflite"
+    both_f32.write_bytes(rewrite_decode_attention(FIXTURES["gqa"].read_bytes(), keep_standard=True)[0])
+    out = tmp_path / "both16.tflite"
+    done = subprocess.run([sys.executable, str(TOOL), str(both_f32), "--out", str(out), "--kv-cache-dtype", "float16"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "carried both forms: its op form was made again" in done.stdout
+    details = signature_details(out.read_bytes())
+    assert {str(np.dtype(detail["dtype"])) for inputs, _ in details.values() for name, detail in inputs.items()
+            if name.startswith("kv_cache_")} == {"float16"}
+    assert attention_forms(out.read_bytes())
+    made, direct = LlmExecutor(out), LlmExecutor(half["gqa"])
+    try:
+        want_tokens, want = greedy(direct, [5, 17, 42, 99, 3], 40)
+        got_tokens, got = greedy(made, [5, 17, 42, 99, 3], 40)
+        assert got_tokens == want_tokens and all(within(b, a) for a, b in zip(want, got))
+    finally:
+        made.close()
+        direct.close()
+
+
+def test_the_tool_refuses_a_file_whose_op_form_replaced_the_standard_one(tmp_path):
+    native = tmp_path / "native.tflite"
+    native.write_bytes(rewrite_decode_attention(FIXTURES["gqa"].read_bytes())[0])
+    done = subprocess.run([sys.executable, str(TOOL), str(native), "--out", str(tmp_path / "out.tflite")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "in place of the standard form (--attention-kernel native): re-export it" \
+        in done.stderr
+    assert not (tmp_path / "out.tflite").exists()

@@ -142,6 +142,37 @@ def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> d
     return counts
 
 
+def standard_form_only(model: schema.ModelT) -> bool:
+    """Makes ``model`` (object form) of both forms a model of its standard form alone, in
+    place: the op-form subgraphs, their pairing metadata and the ops' codes removed, so
+    that :func:`rewrite_attention` can make the op form again (with this version's pass,
+    or after :mod:`runtime.util.kv_cache_precision`). Whether it carried both forms.
+    ``InvalidArgumentError`` for a model whose op form replaced the standard one (nothing
+    to go back to: re-export it)."""
+    ours = {DECODE_ATTENTION.encode(), LORA_DELTA.encode()}
+    entry = next((e for e in model.metadata or () if e.name in (FORMS_METADATA, FORMS_METADATA.encode())), None)
+    if entry is None:
+        if any(code.customCode in ours or code.customCode in (DECODE_ATTENTION, LORA_DELTA)
+               for code in model.operatorCodes or ()):
+            raise InvalidArgumentError(f"the model runs {DECODE_ATTENTION} in place of the standard form "
+                                       "(--attention-kernel native): re-export it")
+        return False
+    pairs = json.loads(bytes(np.asarray(model.buffers[entry.buffer].data, np.uint8)))["subgraphs"]
+    model.subgraphs = model.subgraphs[:min(op for _, op in pairs)]
+    model.metadata = [e for e in model.metadata if e is not entry]
+    kept = [i for i, code in enumerate(model.operatorCodes)
+            if code.customCode not in ours and code.customCode not in (DECODE_ATTENTION, LORA_DELTA)]
+    renumbered = {old: new for new, old in enumerate(kept)}
+    model.operatorCodes = [model.operatorCodes[i] for i in kept]
+    for sub in model.subgraphs:
+        for op in sub.operators:
+            if op.opcodeIndex not in renumbered:
+                raise InvalidArgumentError(f"a standard subgraph runs {DECODE_ATTENTION} or {LORA_DELTA}: "
+                                           "not a file of both forms as the export writes it")
+            op.opcodeIndex = renumbered[op.opcodeIndex]
+    return True
+
+
 def _shallow_copy(sub: schema.SubGraphT) -> schema.SubGraphT:
     """A subgraph with the same tensor and operator objects in lists of its own (packed
     once each, :func:`_pack`, so both subgraphs refer to the same tables)."""
