@@ -232,7 +232,7 @@ def test_bad_models_are_refused_naming_why(half):
     with pytest.raises(InvalidArgumentError, match=r"signature 'prefill_8', input 'kv_cache_k_0': a FLOAT16 cache"):
         kv_caches_to_float16(flatbuffer_model.unpack(half["gqa"].read_bytes()))
     rewritten, _ = rewrite_decode_attention(FIXTURES["gqa"].read_bytes())
-    with pytest.raises(InvalidArgumentError, match="already the custom op"):
+    with pytest.raises(InvalidArgumentError, match="already runs the runtime.s custom ops"):
         kv_caches_to_float16(flatbuffer_model.unpack(rewritten))
     adapter = MODELS / "adapters" / "torch_r4.tflite"
     with pytest.raises(InvalidArgumentError, match="no kv_cache_"):

@@ -33,6 +33,7 @@ from runtime.util.kv_cache_precision import kv_caches_to_float16
 
 BOTH_FORMS, NATIVE_KERNEL = "both forms", "native kernel"  # GraphPasses.attention
 
+
 @dataclass(frozen=True)
 class Quantized:
     """A quantized precision: ``quantization`` (its key, for stage names and errors),

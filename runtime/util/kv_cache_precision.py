@@ -20,9 +20,9 @@ and its form drops the ``DEQUANTIZE``; the standard form keeps it (XNNPACK's mat
 float32), converting the whole cache at each step: where the kernel cannot run, a float16
 cache costs more than a float32 one.
 
-A reader of the cache tensor other than the update (a graph that reads it before writing) is
-given a ``DEQUANTIZE`` the same way. A cache that is not float32, or not updated by a
-``DYNAMIC_UPDATE_SLICE`` whose operand it is, is refused naming it.
+A cache that is not float32, or is read by anything but the one ``DYNAMIC_UPDATE_SLICE``
+writing into it (every export of this runtime writes before it reads), is refused naming
+the signature and input: the graph is never half converted.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import InvalidArgumentError
+from runtime.util.attention_rewrite import DECODE_ATTENTION, LORA_DELTA
 
 KV_CACHE_PREFIX = "kv_cache_"
 _FLOAT32, _FLOAT16 = schema.TensorType.FLOAT32, schema.TensorType.FLOAT16
@@ -44,9 +45,12 @@ def kv_caches_to_float16(model: schema.ModelT) -> dict[str, int]:
     are float16 (see the module); the caches converted per signature.
     ``InvalidArgumentError`` naming the signature and tensor when a cache is not float32 or
     is not written by a ``DYNAMIC_UPDATE_SLICE``; ``model`` is left unchanged then."""
-    if any(code.customCode == b"odml_runtime.decode_attention" for code in model.operatorCodes or ()):
-        raise InvalidArgumentError("the model's decode attention is already the custom op: store the caches in "
-                                   "float16 before that pass")
+    custom = {code.customCode.decode() if isinstance(code.customCode, bytes) else code.customCode
+              for code in model.operatorCodes or () if code.customCode}
+    if custom & {DECODE_ATTENTION, LORA_DELTA}:
+        raise InvalidArgumentError("the model already runs the runtime's custom ops: store the caches in float16 "
+                                   "before that pass (attention_rewrite.standard_form_only takes a file of both "
+                                   "forms back to its standard form)")
     plans: dict[int, list[tuple[int, int, list[int]]]] = {}
     counts = {}
     for sig in model.signatureDefs or ():
