@@ -180,3 +180,23 @@ def greedy(executor: LlmExecutor, prompt: list[int], steps: int) -> tuple[list[i
         logits = executor.decode(binding, token, position)
         every.append(logits)
     return tokens, every
+
+
+def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[str, np.ndarray]:
+    """Inputs of one run of signature ``key``: random caches in their own type (float32 or
+    float16, as a session would have filled them), small random float32 inputs (LoRA), a
+    token, the position."""
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for name, info in model.signatures[key].inputs.items():
+        if name == "input_pos":
+            inputs[name] = np.full(info.shape, position, info.dtype)
+        elif name in ("tokens", "token"):
+            inputs[name] = rng.integers(0, 200, info.shape).astype(info.dtype)
+        elif name.startswith("kv_cache"):
+            inputs[name] = rng.standard_normal(info.shape).astype(info.dtype)
+        elif info.dtype == np.float32:
+            inputs[name] = (0.05 * rng.standard_normal(info.shape)).astype(np.float32)
+        else:
+            inputs[name] = np.zeros(info.shape, info.dtype)
+    return inputs

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MODELS, greedy, run_signature
+from conftest import MODELS, greedy, run_signature, step_inputs
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
@@ -72,23 +72,6 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         paths[name] = folder / f"{name}.tflite"
         paths[name].write_bytes(data)
     return paths
-
-
-def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[str, np.ndarray]:
-    """Random caches (as a session would have filled them), small random LoRA inputs, a token."""
-    rng = np.random.default_rng(seed)
-    inputs = {}
-    for name, info in model.signatures[key].inputs.items():
-        if name == "input_pos":
-            inputs[name] = np.full(info.shape, position, info.dtype)
-        elif name in ("tokens", "token"):
-            inputs[name] = rng.integers(0, 200, info.shape).astype(info.dtype)
-        elif info.dtype == np.float32:
-            scale = 1.0 if name.startswith("kv_cache") else 0.05
-            inputs[name] = (scale * rng.standard_normal(info.shape)).astype(np.float32)
-        else:
-            inputs[name] = np.zeros(info.shape, info.dtype)
-    return inputs
 
 
 def test_the_pass_rewrites_decode_signatures_only(rewritten):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, MODELS, greedy, run_signature
+from conftest import MODEL_FILES, MODELS, greedy, run_signature, step_inputs
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import InvalidArgumentError
 from runtime.executor import kernels
@@ -151,25 +151,6 @@ def test_batched_sessions_and_the_prefix_cache_run_on_float16_caches(half):
         for prompt, tokens in zip(prompts, alone):
             with original.create_session(SessionConfig()) as session:
                 assert session.generate(prompt, 12).tokens == tokens
-
-
-def step_inputs(model: NativeModel, key: str, position: int, seed: int) -> dict[str, np.ndarray]:
-    """Random float16 caches, small random LoRA inputs, a token."""
-    rng = np.random.default_rng(seed)
-    inputs = {}
-    for name, info in model.signatures[key].inputs.items():
-        if name == "input_pos":
-            inputs[name] = np.full(info.shape, position, info.dtype)
-        elif name in ("tokens", "token"):
-            inputs[name] = rng.integers(0, 200, info.shape).astype(info.dtype)
-        elif name.startswith("kv_cache"):
-            assert info.dtype == np.float16
-            inputs[name] = rng.standard_normal(info.shape).astype(np.float16)
-        elif info.dtype == np.float32:
-            inputs[name] = (0.05 * rng.standard_normal(info.shape)).astype(np.float32)
-        else:
-            inputs[name] = np.zeros(info.shape, info.dtype)
-    return inputs
 
 
 def within(got: np.ndarray, want: np.ndarray) -> bool:
