@@ -51,6 +51,16 @@ def adapter_path(name: str) -> Path:
     return ADAPTERS / f"{name}.tflite"
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A runtime cache directory of the test module's own (RUNTIME_CACHE while it runs): the
+    native kernels are built once there for the module."""
+    path = tmp_path_factory.mktemp("runtime_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RUNTIME_CACHE", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def adapter_manifest() -> dict:
     return json.loads((ADAPTERS / "MANIFEST.json").read_text())

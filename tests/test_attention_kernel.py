@@ -39,15 +39,6 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache directory of this module's own: the kernel is built once, here."""
-    path = tmp_path_factory.mktemp("runtime_cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RUNTIME_CACHE", str(path))
-        yield path
-
-
-@pytest.fixture(scope="module")
 def rewritten(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("native")
     paths = {}

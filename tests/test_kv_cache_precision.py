@@ -50,14 +50,6 @@ def half(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-@pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("runtime_cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RUNTIME_CACHE", str(path))
-        yield path
-
-
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))
 def test_every_signatures_caches_become_float16_and_nothing_else(fixture, half):
     before, after = signature_details(FIXTURES[fixture].read_bytes()), signature_details(half[fixture].read_bytes())
