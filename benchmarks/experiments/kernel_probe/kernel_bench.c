@@ -1,7 +1,7 @@
 /* The decode-attention kernel alone, on cold caches, against a plain read of the bytes it reads.
  *
  * Built and run by kernel_bench.py (the runtime's compiler and flags, or --flags); by hand:
- *   cc -O3 -mavx512f -mavx2 -mfma -DKERNEL='"runtime/executor/kernels/decode_attention.c"' \
+ *   cc -O3 -mavx512f -mavx2 -mfma -DKERNEL="\"$PWD/runtime/executor/kernels/decode_attention.c\"" \
  *      benchmarks/experiments/kernel_probe/kernel_bench.c -o /tmp/kernel_bench -lm
  *   /tmp/kernel_bench SPAN POSITION [ROUNDS [f32|f16]]   -> "kernel_ms read_ms" (best of ROUNDS)
  *

@@ -42,6 +42,14 @@ def build(source: Path, out: Path, flags: tuple[str, ...]) -> Path:
     return out
 
 
+def revision_file(revision: str, path: Path, missing_ok: bool = False) -> bytes:
+    """``path`` as it is at git ``revision`` (b"" when it is not there and ``missing_ok``)."""
+    done = subprocess.run(["git", "show", f"{revision}:{path.relative_to(ROOT)}"], cwd=ROOT, capture_output=True)
+    if done.returncode and not missing_ok:
+        raise SystemExit(f"--baseline {revision}: {done.stderr.decode().strip()}")
+    return done.stdout if done.returncode == 0 else b""
+
+
 def run(binary: Path, span: int, position: int, dtype: str) -> tuple[float, float]:
     """(kernel ms, read-loop ms) of one run on caches of ``dtype``."""
     done = subprocess.run([str(binary), str(span), str(position), "15", dtype], capture_output=True, text=True,
@@ -67,8 +75,10 @@ def main() -> None:
         builds = {"this checkout": build(SOURCE, Path(scratch) / "current", flags)}
         if args.baseline:
             old = Path(scratch) / "baseline.c"
-            old.write_bytes(subprocess.run(["git", "show", f"{args.baseline}:{SOURCE.relative_to(ROOT)}"], cwd=ROOT,
-                                           capture_output=True, check=True).stdout)
+            old.write_bytes(revision_file(args.baseline, SOURCE))
+            header = SOURCE.with_name("kernel_api.h")  # the header the source includes (none before it existed)
+            if text := revision_file(args.baseline, header, missing_ok=True):
+                (Path(scratch) / header.name).write_bytes(text)
             builds[args.baseline] = build(old, Path(scratch) / "baseline", flags)
         print(f"flags {' '.join(flags) or '(none)'}; {args.rounds} alternating rounds; medians")
         print("| position | caches | MB read | read loop ms (GB/s) | "

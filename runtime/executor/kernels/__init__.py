@@ -44,12 +44,14 @@ from runtime.util.cache_dir import runtime_cache_dir
 
 _P = ctypes.c_void_p
 _FLOAT32, _FLOAT16 = 1, 10  # LiteRtElementType: the caches' types the kernel reads (q and the rest: float32)
-# Compiled together into one library (one build, one load, one cache entry for both ops).
+# Compiled together into one library (one build, one load, one cache entry for both ops),
+# with the header both include (the LiteRT types, the context, the failure protocol).
 _SOURCES = ("decode_attention.c", "lora_delta.c")
+_HEADERS = ("kernel_api.h",)
 # -O3 and the vector extensions this CPU has (never -march=native: the file is keyed by
 # these flags, so a cache directory shared by machines of other CPUs keeps one per set).
 _BASE_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi")
-# The error word's codes (decode_attention.c).
+# The error word's codes (kernel_api.h's), per op.
 _FAILURES = {1: "the op's inputs and outputs are not the 5 and 1 it takes",
              2: "LiteRT gave no host memory or type for a tensor buffer",
              3: "the tensors' shapes do not fit q [1, G, H, D], mask [T], K [1, G, T, D], V [1, G, D, T]",
@@ -64,7 +66,7 @@ RE_EXPORT = ("re-export with --attention-kernel auto (the default: both forms, t
 
 
 class _Context(ctypes.Structure):
-    """What ``user_data`` points to (``Context`` in decode_attention.c)."""
+    """What ``user_data`` points to (``Context`` in kernel_api.h)."""
 
     _fields_ = [("error", ctypes.c_int64), ("host_memory", _P), ("tensor_type", _P), ("size", _P)]
 
@@ -126,7 +128,7 @@ def build_library() -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise FailedPreconditionError("no C compiler (cc or gcc; $CC) on PATH to build it")
-    sources = [resources.files(__package__).joinpath(name).read_bytes() for name in _SOURCES]
+    sources = [resources.files(__package__).joinpath(name).read_bytes() for name in (*_SOURCES, *_HEADERS)]
     flags = (*_BASE_FLAGS, *isa_flags())
     with _build_lock:
         if cc not in _versions:
@@ -157,9 +159,9 @@ def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
+            for name, source in zip((*_SOURCES, *_HEADERS), sources):
+                (Path(scratch) / name).write_bytes(source)
             c_files = [Path(scratch) / name for name in _SOURCES]
-            for c_file, source in zip(c_files, sources):
-                c_file.write_bytes(source)
             built = Path(scratch) / path.name
             command = [cc, *flags, *map(str, c_files), "-o", str(built), "-lm"]
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -19,32 +19,14 @@
  * and V row once for the H heads of its group. Where the mask leaves none open the graph's
  * answer is every position with the mask added, which is what is computed then.
  *
- * The LiteRT types are declared here from their documented layout (the wheel ships no
- * header): a tensor type is an int32 element type, then a layout of a 32-bit word whose
- * low 7 bits are the rank, 8 int32 dimensions and 8 strides. */
+ * The LiteRT types, the context and the failure protocol are kernel_api.h's. */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-
-typedef int Status; /* LiteRtStatus: 0 ok, 1 invalid argument, 3 runtime failure */
-typedef void *Buffer; /* LiteRtTensorBuffer */
-typedef struct { uint32_t bits; int32_t dims[8]; uint32_t strides[8]; } Layout;
-typedef struct { int32_t element; Layout layout; } TensorType;
-
-/* What user_data points to; runtime/executor/kernels/__init__.py declares the same. */
-typedef struct {
-  volatile int64_t error; /* 0, or the first failure's code (set here, read and reset by the runtime) */
-  Status (*host_memory)(Buffer, void **);
-  Status (*tensor_type)(Buffer, TensorType *);
-  Status (*size)(Buffer, size_t *);
-} Context;
-
-/* Failure codes written to the error word (the runtime names them). */
-enum { E_ARGUMENTS = 1, E_BUFFER = 2, E_SHAPES = 3, E_TYPES = 4, E_MEMORY = 5 };
+#include "kernel_api.h"
 
 Status attention_init(void *user, const void *data, size_t size) { return 0; }
 Status attention_destroy(void *user) { return 0; }
@@ -58,7 +40,7 @@ Status attention_layouts(void *user, size_t n_in, const Layout *in, size_t n_out
   return 0;
 }
 
-static int rank(const TensorType *t) { return t->layout.bits & 0x7F; }
+static int rank(const TensorType *t) { return layout_rank(&t->layout); }
 static int64_t elements(const TensorType *t) {
   int64_t n = 1;
   for (int i = 0; i < rank(t); i++) n *= t->layout.dims[i];
@@ -66,23 +48,9 @@ static int64_t elements(const TensorType *t) {
 }
 
 #define MAX_STACK_SCORES 16384
-/* Vectorized with GCC vector types of the build's register width, W floats: 16 where the
- * flags the build chose give AVX-512, 8 with AVX2, else 4 (SSE, NEON). A vector wider than
- * the registers is not split well: with 16 floats on AVX2, GCC kept the V pass's
- * accumulators on the stack and moved their halves through general registers (vpass_3's
- * inner loop: 399 instructions, 302 of them on the stack, against 26 and none at 8 floats),
- * and the kernel ran at a third of a read loop's rate. exp is a polynomial (no libm call per
+/* Vectorized with kernel_api.h's W-float vectors: exp is a polynomial (no libm call per
  * score), and the heads of a group share each load of K and V. */
-#if defined(__AVX512F__)
-#define W 16
-#elif defined(__AVX__)
-#define W 8
-#else
-#define W 4
-#endif
-typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
 static inline vf loadv(const float *p) { return *(const vf *)p; }
@@ -422,18 +390,8 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
   return 0;
 }
 
-/* Run: a failure is written to the error word and the output filled with NaN (never
- * numbers that look right); the runtime raises naming the op after the run. */
+/* Run: a failure goes to the error word, the output to NaN (kernel_api.h's failed). */
 Status attention_run(void *user, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
-  Context *c = (Context *)user;
-  int code = attend(c, n_in, in, n_out, out);
-  if (code) {
-    if (!c->error) c->error = code;
-    float *o;
-    size_t bytes;
-    if (n_out >= 1 && !c->host_memory(out[0], (void **)&o) && !c->size(out[0], &bytes))
-      for (size_t i = 0; i < bytes / 4; i++) o[i] = __builtin_nanf("");
-    return 3;
-  }
-  return 0;
+  int code = attend((Context *)user, n_in, in, n_out, out);
+  return code ? failed((Context *)user, code, n_out, out) : 0;
 }

@@ -13,45 +13,19 @@
  *     decode's stacked adapters); the output [N, M, out].
  * Per row: h = x . A (r sums over in, float32), then out = h . B.
  *
- * The context, the buffer accessors and the failure protocol are decode_attention.c's
- * (declared again here: each source compiles alone). */
-#include <stddef.h>
-#include <stdint.h>
-
-typedef int Status;
-typedef void *Buffer;
-typedef struct { uint32_t bits; int32_t dims[8]; uint32_t strides[8]; } Layout;
-typedef struct { int32_t element; Layout layout; } TensorType;
-typedef struct {
-  volatile int64_t error;
-  Status (*host_memory)(Buffer, void **);
-  Status (*tensor_type)(Buffer, TensorType *);
-  Status (*size)(Buffer, size_t *);
-} Context;
-enum { E_ARGUMENTS = 1, E_BUFFER = 2, E_SHAPES = 3, E_TYPES = 4 };
-
-#if defined(__AVX512F__)
-#define W 16
-#elif defined(__AVX__)
-#define W 8
-#else
-#define W 4
-#endif
-typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
-static int rank(const Layout *l) { return l->bits & 0x7F; }
+ * The LiteRT types, the context and the failure protocol are kernel_api.h's. */
+#include "kernel_api.h"
 
 Status lora_init(void *user, const void *data, size_t size) { return 0; }
 Status lora_destroy(void *user) { return 0; }
 /* The output: x's layout with B's last axis in place of x's. */
 Status lora_layouts(void *user, size_t n_in, const Layout *in, size_t n_out, Layout *out) {
-  if (n_in != 3 || n_out != 1 || rank(&in[0]) < 1 || rank(&in[2]) < 2) {
+  if (n_in != 3 || n_out != 1 || layout_rank(&in[0]) < 1 || layout_rank(&in[2]) < 2) {
     if (user) ((Context *)user)->error = E_ARGUMENTS;
     return 1;
   }
   out[0] = in[0];
-  out[0].dims[rank(&in[0]) - 1] = in[2].dims[rank(&in[2]) - 1];
+  out[0].dims[layout_rank(&in[0]) - 1] = in[2].dims[layout_rank(&in[2]) - 1];
   return 0;
 }
 
@@ -106,8 +80,8 @@ static int delta(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer
       c->host_memory(in[2], (void **)&B) || c->host_memory(out[0], (void **)&o))
     return E_BUFFER;
   if (xt.element != 1 || at.element != 1 || bt.element != 1 || ot.element != 1) return E_TYPES;
-  const int xr = rank(&xt.layout), ar = rank(&at.layout);
-  if (xr < 1 || (ar != 2 && ar != 3) || rank(&bt.layout) != ar || rank(&ot.layout) != xr) return E_SHAPES;
+  const int xr = layout_rank(&xt.layout), ar = layout_rank(&at.layout);
+  if (xr < 1 || (ar != 2 && ar != 3) || layout_rank(&bt.layout) != ar || layout_rank(&ot.layout) != xr) return E_SHAPES;
   const int *xd = xt.layout.dims, *ad = at.layout.dims, *bd = bt.layout.dims, *od = ot.layout.dims;
   const int n_in_ = xd[xr - 1], r = ad[ar - 1], n_out_ = bd[ar - 1];
   int64_t rows = 1;
@@ -133,17 +107,8 @@ static int delta(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer
   return 0;
 }
 
-/* Run: as decode_attention.c's, a failure writes the error word and NaN outputs. */
+/* Run: a failure goes to the error word, the output to NaN (kernel_api.h's failed). */
 Status lora_run(void *user, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
-  Context *c = (Context *)user;
-  int code = delta(c, n_in, in, n_out, out);
-  if (code) {
-    if (!c->error) c->error = code;
-    float *o;
-    size_t bytes;
-    if (n_out >= 1 && !c->host_memory(out[0], (void **)&o) && !c->size(out[0], &bytes))
-      for (size_t i = 0; i < bytes / 4; i++) o[i] = __builtin_nanf("");
-    return 3;
-  }
-  return 0;
+  int code = delta((Context *)user, n_in, in, n_out, out);
+  return code ? failed((Context *)user, code, n_out, out) : 0;
 }

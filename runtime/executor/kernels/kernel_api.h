@@ -1,0 +1,61 @@
+/* What every kernel of runtime/executor/kernels shares: the LiteRT types its callbacks take
+ * (ai-edge-litert 2.3's C API), the context user_data points to, the failure protocol, and
+ * the vector width of the build. Included by each source (each compiles alone too: the
+ * benchmarks' harness includes decode_attention.c by path).
+ *
+ * The LiteRT types are declared here from their documented layout (the wheel ships no
+ * header): a tensor type is an int32 element type, then a layout of a 32-bit word whose
+ * low 7 bits are the rank, 8 int32 dimensions and 8 strides. */
+#ifndef ODML_RUNTIME_KERNEL_API_H
+#define ODML_RUNTIME_KERNEL_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int Status;   /* LiteRtStatus: 0 ok, 1 invalid argument, 3 runtime failure */
+typedef void *Buffer; /* LiteRtTensorBuffer */
+typedef struct { uint32_t bits; int32_t dims[8]; uint32_t strides[8]; } Layout;
+typedef struct { int32_t element; Layout layout; } TensorType;
+
+/* What user_data points to; runtime/executor/kernels/__init__.py declares the same. */
+typedef struct {
+  volatile int64_t error; /* 0, or the first failure's code (set here, read and reset by the runtime) */
+  Status (*host_memory)(Buffer, void **);
+  Status (*tensor_type)(Buffer, TensorType *);
+  Status (*size)(Buffer, size_t *);
+} Context;
+
+/* Failure codes written to the error word (the runtime names them, per op). */
+enum { E_ARGUMENTS = 1, E_BUFFER = 2, E_SHAPES = 3, E_TYPES = 4, E_MEMORY = 5 };
+
+static inline int layout_rank(const Layout *l) { return l->bits & 0x7F; }
+
+/* A failed run: LiteRT ignores the status a kernel returns, so the code goes to the error
+ * word (the first failure's stays) and the output is filled with NaN, never numbers that
+ * look right; the runtime raises naming the op after the run. */
+static inline Status failed(Context *c, int code, size_t n_out, Buffer *out) {
+  if (!c->error) c->error = code;
+  float *o;
+  size_t bytes;
+  if (n_out >= 1 && !c->host_memory(out[0], (void **)&o) && !c->size(out[0], &bytes))
+    for (size_t i = 0; i < bytes / 4; i++) o[i] = __builtin_nanf("");
+  return 3;
+}
+
+/* GCC vector types of the build's register width, W floats: 16 where the flags the build
+ * chose give AVX-512, 8 with AVX2, else 4 (SSE, NEON). A vector wider than the registers is
+ * not split well: with 16 floats on AVX2, GCC kept decode attention's V-pass accumulators
+ * on the stack and moved their halves through general registers (its inner loop: 399
+ * instructions, 302 of them on the stack, against 26 and none at 8 floats), and the kernel
+ * ran at a third of a read loop's rate. */
+#if defined(__AVX512F__)
+#define W 16
+#elif defined(__AVX__)
+#define W 8
+#else
+#define W 4
+#endif
+typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+#endif
