@@ -23,9 +23,7 @@ standard ops.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,24 +51,22 @@ def main() -> int:
         made_again = standard_form_only(model)
         caches = kv_caches_to_float16(model) if args.kv_cache_dtype == "float16" else {}
         counts = rewrite_attention(model, keep_standard=args.attention_kernel == "auto")
-        data = flatbuffer_model.pack(model)
     except (OSError, StatusError) as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
         return 1
+    try:
+        written = flatbuffer_model.write(model, args.out)
+    except OSError as exc:
+        print(f"error: {args.out}: {exc}", file=sys.stderr)
+        return 1
     seconds = time.perf_counter() - start
-    with tempfile.NamedTemporaryFile(dir=args.out.parent, prefix=f".{args.out.name}.", delete=False) as file:
-        file.write(data)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(file.name, 0o666 & ~umask)  # a temporary file is private; the model is not
-    os.replace(file.name, args.out)
     if made_again:
         print(f"{args.model} carried both forms: its op form was made again")
     if caches:
         print(f"KV caches stored in float16: {sum(caches.values())} in {len(caches)} signatures")
     for key, layers in counts.items():
         print(f"{key}: {layers} attention op(s)")
-    print(f"wrote {args.out} ({len(data):,} bytes) in {seconds:.2f} s")
+    print(f"wrote {args.out} ({written:,} bytes) in {seconds:.2f} s")
     return 0
 
 

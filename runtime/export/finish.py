@@ -125,7 +125,7 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
             rewrite_attention(model, keep_standard=passes.attention == BOTH_FORMS)
         if passes.standard_copy is not None:
             os.replace(passes.file, passes.standard_copy)
-        passes.file.write_bytes(flatbuffer_model.pack(model))
+        flatbuffer_model.write(model, passes.file)
         del model
         gc.collect()
         release_freed_memory()

@@ -1,0 +1,80 @@
+"""A model's object form packed back (runtime.util.flatbuffer_model): the bytes, the file
+written whole or not at all, a builder sized once."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+
+import numpy as np
+import pytest
+
+from conftest import MODELS
+from runtime.util import flatbuffer_model
+from runtime.util.attention_rewrite import rewrite_attention
+from runtime.util.kv_cache_precision import kv_caches_to_float16
+
+# The passes' fixtures: both attention forms where the caches lie transposed, float16 caches in all.
+SOURCES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite",
+           "default layout": MODELS / "gqa_default.tflite"}
+
+
+def rewritten(name: str) -> flatbuffer_model.schema.ModelT:
+    model = flatbuffer_model.unpack(SOURCES[name].read_bytes())
+    kv_caches_to_float16(model)
+    if name != "default layout":
+        rewrite_attention(model, keep_standard=True)
+    return model
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_write_puts_the_packed_bytes_in_the_file_and_the_builder_never_grows(name, tmp_path, monkeypatch):
+    model = rewritten(name)
+    sizes = []
+    builder = flatbuffer_model.flatbuffers.Builder
+
+    class Recorded(builder):
+        def growByteBuffer(self):  # noqa: N802 (flatbuffers' name)
+            sizes.append(len(self.Bytes))
+            super().growByteBuffer()
+
+    monkeypatch.setattr(flatbuffer_model.flatbuffers, "Builder", Recorded)
+    out = tmp_path / "out.tflite"
+    written = flatbuffer_model.write(model, out)
+    assert sizes == []  # sized once: a builder that grows holds two copies of the model meanwhile
+    assert out.read_bytes() == flatbuffer_model.pack(model) and written == out.stat().st_size
+    assert os.listdir(tmp_path) == ["out.tflite"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # a model file, not a private temporary one
+
+
+def test_a_failed_write_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    model = rewritten("gqa")
+    out = tmp_path / "model.tflite"
+    out.write_bytes(b"the model before")
+    real = tempfile.NamedTemporaryFile
+
+    def full_disk(*args, **kwargs):
+        file = real(*args, **kwargs)
+
+        def write(data):
+            file.file.write(bytes(data)[:1000])
+            raise OSError(28, "No space left on device")
+        file.write = write
+        return file
+
+    monkeypatch.setattr(flatbuffer_model.tempfile, "NamedTemporaryFile", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        flatbuffer_model.write(model, out)
+    assert out.read_bytes() == b"the model before" and os.listdir(tmp_path) == ["model.tflite"]
+
+
+def test_buffers_are_packed_from_their_arrays_and_lists_alike(tmp_path):
+    model = flatbuffer_model.unpack(SOURCES["gqa"].read_bytes())
+    as_lists = flatbuffer_model.unpack(SOURCES["gqa"].read_bytes())
+    for buffer in as_lists.buffers:
+        if buffer.data is not None:
+            buffer.data = np.asarray(buffer.data).tolist()
+    assert flatbuffer_model.pack(as_lists) == flatbuffer_model.pack(model)
