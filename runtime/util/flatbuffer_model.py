@@ -4,7 +4,8 @@ rewrite a model's graph (:mod:`runtime.util.attention_rewrite`,
 
 Packed with every buffer's data 64-byte aligned (LiteRT hands a custom op only aligned
 tensors; XNNPACK reads weights in place), and a tensor or operator object that two
-subgraphs share packed once, its table referenced from both. Data the quantizer stored
+subgraphs share packed once, its table referenced from both, and equal quantization
+parameters once (the quantizer repeats them in every subgraph). Data the quantizer stored
 after the flatbuffer is brought inside it, so models of 2 GB and more are refused.
 
 Memory: the object form's buffers are views of the bytes read, and the packed model is
@@ -72,14 +73,17 @@ def write(model: schema.ModelT, path: Path) -> int:
 def _packed(model: schema.ModelT) -> memoryview:
     """The packed model: a view of its builder's bytes."""
     builder = flatbuffers.Builder(_packed_size(model))
-    originals = schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack
+    originals = (schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack,
+                 schema.QuantizationParametersT.Pack)
     schema.BufferT.Pack = pack_aligned
     # A tensor or operator object in two subgraphs (both forms) is packed once, its table shared.
     schema.TensorT.Pack, schema.OperatorT.Pack = _packed_once(originals[1]), _packed_once(originals[2])
+    schema.QuantizationParametersT.Pack = _packed_once_per_content(originals[3])
     try:
         builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     finally:
-        schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack = originals
+        (schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack,
+         schema.QuantizationParametersT.Pack) = originals
     return memoryview(builder.Bytes)[builder.Head():]
 
 
@@ -98,6 +102,27 @@ def _packed_once(pack: Callable[[object, flatbuffers.Builder], int]) -> Callable
 
     def packed(self: object, builder: flatbuffers.Builder) -> int:
         key = (id(builder), id(self))
+        if key not in tables:
+            tables[key] = pack(self, builder)
+        return tables[key]
+    return packed
+
+
+def _packed_once_per_content(pack: Callable[[object, flatbuffers.Builder], int]
+                             ) -> Callable[[object, flatbuffers.Builder], int]:
+    """``QuantizationParametersT.Pack`` sharing one table among equal parameters. The
+    quantizer gives every subgraph's tensors their own per-channel scales and zero points,
+    equal across the signatures that share a weight: SmolLM2's int8 export of
+    ``tools/build_smollm2.py`` (91 subgraphs) carried 170 MB of copies beside 135 MB of
+    weights. Parameters with details (blockwise, custom) are packed as they are."""
+    tables: dict[tuple, int] = {}
+
+    def packed(self: schema.QuantizationParametersT, builder: flatbuffers.Builder) -> int:
+        if self.details is not None:
+            return pack(self, builder)
+        key = (id(builder), self.quantizedDimension,
+               *(None if v is None else (len(v), np.asarray(v).tobytes())
+                 for v in (self.min, self.max, self.scale, self.zeroPoint)))
         if key not in tables:
             tables[key] = pack(self, builder)
         return tables[key]
