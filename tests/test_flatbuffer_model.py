@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +118,21 @@ def test_equal_quantization_parameters_are_stored_once_and_the_model_runs_the_sa
                   for name, info in signature.inputs.items()}
         first, second = (run_signature(model, key, inputs) for model in models)
         assert first.keys() == second.keys() and all(np.array_equal(first[n], second[n]) for n in first)
+
+
+def test_models_packed_from_several_threads_at_once_are_packed_as_alone():
+    """Packing patches the schema's classes for its duration: two packs at once must not see
+    each other's (or the original) packers."""
+    models = [rewritten(name) for name in SOURCES]
+    alone = [flatbuffer_model.pack(model) for model in models]
+    results: dict[int, bytes] = {}
+
+    def pack(index: int) -> None:
+        results[index] = flatbuffer_model.pack(models[index % len(models)])
+
+    threads = [threading.Thread(target=pack, args=(i,)) for i in range(3 * len(models))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(results[i] == alone[i % len(models)] for i in range(len(threads)))

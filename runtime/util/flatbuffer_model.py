@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from runtime.errors import InvalidArgumentError
 
 ALIGNMENT = 64
 FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
+_schema_patch_lock = threading.Lock()
 
 
 def unpack(data: bytes) -> schema.ModelT:
@@ -58,32 +60,38 @@ def write(model: schema.ModelT, path: Path) -> int:
     beside it, then renamed: a failure leaves ``path`` as it was. Returns the bytes written."""
     packed = _packed(model)
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
+        temporary = Path(file.name)
         try:
             file.write(packed)
         except BaseException:
-            os.unlink(file.name)
+            temporary.unlink()
             raise
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(file.name, 0o666 & ~umask)  # a temporary file is private; the model is not
-    os.replace(file.name, path)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # a temporary file is private; the model is not
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     return len(packed)
 
 
 def _packed(model: schema.ModelT) -> memoryview:
     """The packed model: a view of its builder's bytes."""
     builder = flatbuffers.Builder(_packed_size(model))
-    originals = (schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack,
-                 schema.QuantizationParametersT.Pack)
-    schema.BufferT.Pack = pack_aligned
-    # A tensor or operator object in two subgraphs (both forms) is packed once, its table shared.
-    schema.TensorT.Pack, schema.OperatorT.Pack = _packed_once(originals[1]), _packed_once(originals[2])
-    schema.QuantizationParametersT.Pack = _packed_once_per_content(originals[3])
-    try:
-        builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    finally:
-        (schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack,
-         schema.QuantizationParametersT.Pack) = originals
+    with _schema_patch_lock:  # the schema's classes are patched while packing: one model at a time
+        originals = (schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack,
+                     schema.QuantizationParametersT.Pack)
+        schema.BufferT.Pack = pack_aligned
+        # A tensor or operator object in two subgraphs (both forms) is packed once, its table shared.
+        schema.TensorT.Pack, schema.OperatorT.Pack = _packed_once(originals[1]), _packed_once(originals[2])
+        schema.QuantizationParametersT.Pack = _packed_once_per_content(originals[3])
+        try:
+            builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+        finally:
+            (schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack,
+             schema.QuantizationParametersT.Pack) = originals
     return memoryview(builder.Bytes)[builder.Head():]
 
 
@@ -120,7 +128,7 @@ def _packed_once_per_content(pack: Callable[[object, flatbuffers.Builder], int]
     def packed(self: schema.QuantizationParametersT, builder: flatbuffers.Builder) -> int:
         if self.details is not None:
             return pack(self, builder)
-        key = (id(builder), self.quantizedDimension,
+        key = (self.quantizedDimension,
                *(None if v is None else (len(v), np.asarray(v).tobytes())
                  for v in (self.min, self.max, self.scale, self.zeroPoint)))
         if key not in tables:
