@@ -38,9 +38,9 @@ def test_write_puts_the_packed_bytes_in_the_file_and_the_builder_never_grows(nam
     builder = flatbuffer_model.flatbuffers.Builder
 
     class Recorded(builder):
-        def growByteBuffer(self):  # noqa: N802 (flatbuffers' name)
+        def GrowByteBuffer(self):  # noqa: N802 (flatbuffers' name)
             sizes.append(len(self.Bytes))
-            super().growByteBuffer()
+            super().GrowByteBuffer()
 
     monkeypatch.setattr(flatbuffer_model.flatbuffers, "Builder", Recorded)
     out = tmp_path / "out.tflite"
