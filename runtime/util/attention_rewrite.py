@@ -18,7 +18,11 @@ scale) is refused, naming it: the chain is never half-understood.
 The same subgraphs' LoRA deltas, ``BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)`` whose right
 operands are the signature's adapter inputs (which XNNPACK packs again at every step),
 become ``odml_runtime.lora_delta(x, A, B)`` (:func:`_rewrite_lora`), matched as strictly:
-a matmul by an adapter input in any other arrangement is refused, naming it.
+a matmul by an adapter input in any other arrangement is refused, naming it. And in the
+batched decode subgraphs, each float32 ``FULLY_CONNECTED`` over 2 rows or more becomes
+``odml_runtime.linear_rows(x, W)`` (:func:`_rewrite_linear`), which reads each weight once
+for 8 rows where XNNPACK's float32 GEMM takes 7 a pass; one of another form (a bias, an
+activation, quantized weights) stays as it is, which computes the same.
 
 Two ways to write it (:func:`rewrite_decode_attention`):
 
@@ -54,6 +58,10 @@ from runtime.util import flatbuffer_model
 DECODE_ATTENTION = "odml_runtime.decode_attention"
 # The op form's LoRA deltas (:func:`_rewrite_lora`): BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B).
 LORA_DELTA = "odml_runtime.lora_delta"
+# The op form's float32 linear layers over a batch's rows (:func:`_rewrite_linear`).
+LINEAR_ROWS = "odml_runtime.linear_rows"
+# Every op of ours the op form may run.
+OUR_OPS = (DECODE_ATTENTION, LORA_DELTA, LINEAR_ROWS)
 # The metadata entry of a model carrying both forms: its buffer holds JSON,
 # {"op": DECODE_ATTENTION, "subgraphs": [[standard subgraph, its op form], ...]}.
 FORMS_METADATA = "odml_runtime.attention_forms"
@@ -102,8 +110,8 @@ def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> d
     (:mod:`runtime.util.kv_cache_precision`, run before) are read by the op as they are.
     ``InvalidArgumentError`` when the model cannot be rewritten (no decode signature in the
     transposed layout, an attention chain of another form, already rewritten), naming why."""
-    if any(code.customCode in (DECODE_ATTENTION.encode(), LORA_DELTA.encode()) for code in model.operatorCodes or ()):
-        raise InvalidArgumentError(f"the model already runs {DECODE_ATTENTION} or {LORA_DELTA}")
+    if any(_ours(code) for code in model.operatorCodes or ()):
+        raise InvalidArgumentError(f"the model already runs one of {', '.join(OUR_OPS)}")
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
     if not keys:
         raise InvalidArgumentError("the model has no decode signature to rewrite")
@@ -149,28 +157,31 @@ def standard_form_only(model: schema.ModelT) -> bool:
     or after :mod:`runtime.util.kv_cache_precision`). Whether it carried both forms.
     ``InvalidArgumentError`` for a model whose op form replaced the standard one (nothing
     to go back to: re-export it)."""
-    ours = {DECODE_ATTENTION.encode(), LORA_DELTA.encode()}
     entry = next((e for e in model.metadata or () if e.name in (FORMS_METADATA, FORMS_METADATA.encode())), None)
     if entry is None:
-        if any(code.customCode in ours or code.customCode in (DECODE_ATTENTION, LORA_DELTA)
-               for code in model.operatorCodes or ()):
+        if any(_ours(code) for code in model.operatorCodes or ()):
             raise InvalidArgumentError(f"the model runs {DECODE_ATTENTION} in place of the standard form "
                                        "(--attention-kernel native): re-export it")
         return False
     pairs = json.loads(bytes(np.asarray(model.buffers[entry.buffer].data, np.uint8)))["subgraphs"]
     model.subgraphs = model.subgraphs[:min(op for _, op in pairs)]
     model.metadata = [e for e in model.metadata if e is not entry]
-    kept = [i for i, code in enumerate(model.operatorCodes)
-            if code.customCode not in ours and code.customCode not in (DECODE_ATTENTION, LORA_DELTA)]
+    kept = [i for i, code in enumerate(model.operatorCodes) if not _ours(code)]
     renumbered = {old: new for new, old in enumerate(kept)}
     model.operatorCodes = [model.operatorCodes[i] for i in kept]
     for sub in model.subgraphs:
         for op in sub.operators:
             if op.opcodeIndex not in renumbered:
-                raise InvalidArgumentError(f"a standard subgraph runs {DECODE_ATTENTION} or {LORA_DELTA}: "
+                raise InvalidArgumentError(f"a standard subgraph runs one of {', '.join(OUR_OPS)}: "
                                            "not a file of both forms as the export writes it")
             op.opcodeIndex = renumbered[op.opcodeIndex]
     return True
+
+
+def _ours(code: schema.OperatorCodeT) -> bool:
+    """Whether an operator code is one of :data:`OUR_OPS` (str where appended here, bytes where read)."""
+    name = code.customCode.decode(errors="replace") if isinstance(code.customCode, bytes) else code.customCode
+    return name in OUR_OPS
 
 
 def _shallow_copy(sub: schema.SubGraphT) -> schema.SubGraphT:
@@ -307,6 +318,7 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
         replace[chain[-1]] = custom
     sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]
     _rewrite_lora(model, sub, key)
+    _rewrite_linear(model, sub)
     return len(replace)
 
 
@@ -373,3 +385,35 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None
         drop.add(j)
         replace[following[0]] = custom
     sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]
+
+
+def _rewrite_linear(model: schema.ModelT, sub: schema.SubGraphT) -> None:
+    """Replaces in place each ``FULLY_CONNECTED`` of ``sub`` over 2 rows or more whose input,
+    weights and output are float32, whose weights are constant (unquantized, ``[N, K]``) and
+    which has no bias and no fused activation, by ``odml_runtime.linear_rows(x, W)``, which
+    computes the same product reading W once for up to 8 rows (linear_rows.c). Single rows (a
+    decode of one session) keep XNNPACK's GEMM, which is at the memory floor there, and so
+    does any linear of another form."""
+    code = None
+    for j, op in enumerate(sub.operators):
+        if _op_name(model, op) != "FULLY_CONNECTED" or len(op.inputs) < 2 or (len(op.inputs) > 2 and op.inputs[2] >= 0):
+            continue
+        options = op.builtinOptions
+        if options is not None and getattr(options, "fusedActivationFunction", 0):
+            continue
+        x_index, w_index, out_index = int(op.inputs[0]), int(op.inputs[1]), int(op.outputs[0])
+        x, w, out = (_shape(sub, i) for i in (x_index, w_index, out_index))
+        weights = sub.tensors[w_index]
+        stored = model.buffers[weights.buffer].data if 0 < weights.buffer < len(model.buffers) else None
+        constant = stored is not None and len(stored) > 0
+        if not constant or weights.quantization is not None and weights.quantization.scale is not None \
+                or any(sub.tensors[i].type != _FLOAT32 for i in (x_index, w_index, out_index)) \
+                or len(w) != 2 or not x or x[-1] != w[1] or out != (*x[:-1], w[0]) or int(np.prod(x[:-1])) < 2:
+            continue
+        if code is None:
+            code = _custom_code(model, LINEAR_ROWS)
+        custom = schema.OperatorT()
+        custom.opcodeIndex = code
+        custom.inputs, custom.outputs = [x_index, w_index], [out_index]
+        custom.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
+        sub.operators[j] = custom

@@ -31,7 +31,7 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.attention_rewrite import DECODE_ATTENTION, LORA_DELTA
+from runtime.util.attention_rewrite import OUR_OPS
 
 KV_CACHE_PREFIX = "kv_cache_"
 _FLOAT32, _FLOAT16 = schema.TensorType.FLOAT32, schema.TensorType.FLOAT16
@@ -47,7 +47,7 @@ def kv_caches_to_float16(model: schema.ModelT) -> dict[str, int]:
     is not written by a ``DYNAMIC_UPDATE_SLICE``; ``model`` is left unchanged then."""
     custom = {code.customCode.decode() if isinstance(code.customCode, bytes) else code.customCode
               for code in model.operatorCodes or () if code.customCode}
-    if custom & {DECODE_ATTENTION, LORA_DELTA}:
+    if custom & set(OUR_OPS):
         raise InvalidArgumentError("the model already runs the runtime's custom ops: store the caches in float16 "
                                    "before that pass (attention_rewrite.standard_form_only takes a file of both "
                                    "forms back to its standard form)")

@@ -3,14 +3,15 @@ the C source shipped beside this file, registered on a compiled model through Li
 API (``LiteRtAddCustomOpKernelOption``), every node of theirs checked before the model
 compiles.
 
-Two ops, compiled into one library: ``odml_runtime.decode_attention``
+Three ops, compiled into one library: ``odml_runtime.decode_attention``
 (``decode_attention.c``), which ``runtime export`` (or ``tools/attention_kernel.py`` on an
 existing export) puts beside each layer's decode attention in standard ops
 (``--attention-kernel auto``, the default: :func:`attention_form_here` decides at open which
-form runs) or in its place (``native``) (:mod:`runtime.util.attention_rewrite`); and
+form runs) or in its place (``native``) (:mod:`runtime.util.attention_rewrite`);
 ``odml_runtime.lora_delta`` (``lora_delta.c``), which the same pass puts in the op form in
-place of each decode LoRA delta's two matmuls. The library is built at first use with the
-system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
+place of each decode LoRA delta's two matmuls; and ``odml_runtime.linear_rows``
+(``linear_rows.c``), in place of the batched decode signatures' float32 linear layers. The
+library is built at first use with the system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
 named by the sources' hash, the compiler's version and the flags, written under a
 temporary name and renamed (processes building at once each write their own and one
 rename wins); later opens load it. No binary is shipped.
@@ -39,14 +40,14 @@ from importlib import resources
 from pathlib import Path
 
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
-from runtime.util.attention_rewrite import DECODE_ATTENTION, LORA_DELTA
+from runtime.util.attention_rewrite import DECODE_ATTENTION, LINEAR_ROWS, LORA_DELTA, OUR_OPS
 from runtime.util.cache_dir import runtime_cache_dir
 
 _P = ctypes.c_void_p
 _FLOAT32, _FLOAT16 = 1, 10  # LiteRtElementType: the caches' types the kernel reads (q and the rest: float32)
 # Compiled together into one library (one build, one load, one cache entry for both ops),
 # with the header both include (the LiteRT types, the context, the failure protocol).
-_SOURCES = ("decode_attention.c", "lora_delta.c")
+_SOURCES = ("decode_attention.c", "lora_delta.c", "linear_rows.c")
 _HEADERS = ("kernel_api.h",)
 # -O3 and the vector extensions this CPU has (never -march=native: the file is keyed by
 # these flags, so a cache directory shared by machines of other CPUs keeps one per set).
@@ -61,6 +62,13 @@ _LORA_FAILURES = {1: "the op's inputs and outputs are not the 3 and 1 it takes",
                   3: "the tensors' shapes do not fit x [..., in] by A [in, r] and B [r, out] "
                      "(or x [N, M, in] by A [N, in, r] and B [N, r, out])",
                   4: "a tensor is not float32"}
+_LINEAR_FAILURES = {1: "the op's inputs and outputs are not the 2 and 1 it takes",
+                    2: "LiteRT gave no host memory or type for a tensor buffer",
+                    3: "the tensors' shapes do not fit x [..., K] by W [N, K] into [..., N]",
+                    4: "a tensor is not float32"}
+# Per op: the prefix of its callbacks in the library, and what its error codes mean.
+_KERNELS = {DECODE_ATTENTION: ("attention", _FAILURES), LORA_DELTA: ("lora", _LORA_FAILURES),
+            LINEAR_ROWS: ("linear", _LINEAR_FAILURES)}
 RE_EXPORT = ("re-export with --attention-kernel auto (the default: both forms, the standard one run where the kernel "
              "cannot be) or xnnpack")
 
@@ -220,7 +228,7 @@ class Registration:
         # One context per op, so a failure names the op whose run wrote it.
         self.ops = [(name, _Context(0, *accessors), _KernelStruct(*(address(getattr(library, f"{prefix}_{part}"))
                                                                    for part in ("init", "layouts", "run", "destroy"))))
-                    for name, prefix in ((DECODE_ATTENTION, "attention"), (LORA_DELTA, "lora"))]
+                    for name, (prefix, _) in _KERNELS.items()]
         self.library = library  # the code the addresses point into stays loaded
 
     def add_to(self, litert: ctypes.CDLL, options: int) -> int:
@@ -238,7 +246,7 @@ class Registration:
             code = context.error
             if code:
                 context.error = 0
-                failures = _FAILURES if name == DECODE_ATTENTION else _LORA_FAILURES
+                failures = _KERNELS[name][1]
                 raise InternalError(f"custom op {name!r} failed in this run: "
                                     f"{failures.get(code, f'code {code}')} (its output was NaN, never used)")
 
@@ -247,6 +255,8 @@ def check_node(node: CustomNode) -> str | None:
     """Why the kernel of the node's op would misread this node, or None."""
     if node.code == LORA_DELTA:
         return _check_lora_node(node)
+    if node.code == LINEAR_ROWS:
+        return _check_linear_node(node)
     if len(node.inputs) != 5 or len(node.outputs) != 1:
         return f"{len(node.inputs)} inputs and {len(node.outputs)} outputs (expected 5: q, mask, params, K, V; and 1)"
     if any(t is None for t in (*node.inputs, *node.outputs)):
@@ -294,6 +304,20 @@ def _check_lora_node(node: CustomNode) -> str | None:
     return None
 
 
+def _check_linear_node(node: CustomNode) -> str | None:
+    """Why the linear kernel would misread this node (linear_rows.c's shapes), or None."""
+    if len(node.inputs) != 2 or len(node.outputs) != 1:
+        return f"{len(node.inputs)} inputs and {len(node.outputs)} outputs (expected 2: x, W; and 1)"
+    if any(t is None for t in (*node.inputs, *node.outputs)):
+        return "an unranked tensor (expected every shape known)"
+    if any(element != _FLOAT32 for element, _ in (*node.inputs, *node.outputs)):
+        return "x, W or the output not float32"
+    (x, w), (out,) = [s for _, s in node.inputs], [s for _, s in node.outputs]
+    if not x or len(w) != 2 or w[1] != x[-1] or tuple(out) != (*x[:-1], w[0]):
+        return f"x {list(x)}, W {list(w)}, output {list(out)} (expected x [..., K], W [N, K], output [..., N])"
+    return None
+
+
 def custom_nodes(litert: ctypes.CDLL, model: int) -> list[CustomNode]:
     """Every CUSTOM op of a ``LiteRtModel`` handle, read through the C API."""
     size, handle, text = ctypes.c_size_t(), _P(), ctypes.c_char_p()
@@ -334,9 +358,9 @@ def attach(litert: ctypes.CDLL, model: int, options: int, name: str) -> Registra
     nodes = custom_nodes(litert, model)
     for node in nodes:
         where = f"{name}: custom op {node.code!r} (subgraph {node.subgraph}, node {node.index})"
-        if node.code not in (DECODE_ATTENTION, LORA_DELTA):
-            raise InvalidArgumentError(f"{where}: this runtime has no kernel for it (it has {DECODE_ATTENTION!r} "
-                                       f"and {LORA_DELTA!r})")
+        if node.code not in OUR_OPS:
+            raise InvalidArgumentError(f"{where}: this runtime has no kernel for it (it has "
+                                       f"{', '.join(map(repr, OUR_OPS))})")
         problem = check_node(node)
         if problem:
             raise InvalidArgumentError(f"{where}: {problem}; the kernel would misread it")

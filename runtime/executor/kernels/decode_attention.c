@@ -316,13 +316,6 @@ PASSES(f16, _Float16, loadh, 1)
  * 0.26 / 0.29 / 0.38 -> 0.17 / 0.22 / 0.33 ms (f32), 0.36 / 0.40 / 0.24 -> 0.18 / 0.21 / 0.18
  * (f16); unchanged from 128 on, where the passes' own prefetching takes over. */
 #define SHORT_SPAN 256 /* bytes of a row's open span */
-/* GCC -O3 deletes a loop of nothing but __builtin_prefetch (it has no effect the program can
- * see): on x86 the instruction is asked for in an asm the compiler keeps. */
-#if defined(__x86_64__) || defined(__i386__)
-#define PREFETCH_NOW(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
-#else
-#define PREFETCH_NOW(p) __builtin_prefetch(p)
-#endif
 static void prefetch_short_span(const void *K, const void *V, size_t bytes, int G, int T, int D, int lo, int n) {
   const size_t span = (size_t)n * bytes;
   if (span > SHORT_SPAN) return;
