@@ -4,6 +4,7 @@ repository imports itself back through others (docs/architecture.md draws the fl
 from __future__ import annotations
 
 import ast
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +37,16 @@ def module_name(path: Path) -> str:
 
 
 def python_files(folder: str) -> Iterator[Path]:
-    yield from sorted((ROOT / folder).rglob("*.py"))
+    """The project's Python files under ``folder``: not those git ignores (in a checkout), such
+    as the virtual environment and the sources the llama.cpp benchmark's setup.sh fetches."""
+    ignored: list[Path] = []
+    if (ROOT / ".git").exists():
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--others", "--ignored", "--exclude-standard",
+                                 "--directory", "--", folder], capture_output=True, text=True, timeout=60)
+        ignored = [ROOT / line.rstrip("/") for line in listed.stdout.splitlines()] if listed.returncode == 0 else []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if not any(path.is_relative_to(place) for place in ignored):
+            yield path
 
 
 def imports(path: Path) -> set[str]:
