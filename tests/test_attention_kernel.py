@@ -117,6 +117,24 @@ def test_the_op_form_runs_the_batches_linear_layers_as_the_op(rewritten):
                 assert (len(ops), left) == (0, len(linears)), key
 
 
+def test_a_linear_of_another_form_keeps_xnnpack():
+    """A batched FULLY_CONNECTED the kernel does not compute (a fused activation, a bias, int8
+    weights) stays as it is in the op form, which computes the same; its neighbours are taken."""
+    model = flatbuffer_model.unpack(FIXTURES["gqa"].read_bytes())
+    sig = next(sig for sig in model.signatureDefs if sig.signatureKey == b"decode_batch4_lora_r4")
+    sub = model.subgraphs[sig.subgraphIndex]
+    linears = [op for op in sub.operators if _op_name(model, op) == "FULLY_CONNECTED"]
+    activated, weights_int8 = linears[0], linears[1]
+    activated.builtinOptions.fusedActivationFunction = 1  # RELU
+    sub.tensors[weights_int8.inputs[1]].type = 9  # INT8
+    out = flatbuffer_model.unpack(rewrite_decode_attention(flatbuffer_model.pack(model))[0])
+    rewritten = next(out.subgraphs[s.subgraphIndex] for s in out.signatureDefs if s.signatureKey == sig.signatureKey)
+    left = [op for op in rewritten.operators if _op_name(out, op) == "FULLY_CONNECTED"]
+    assert sorted(int(op.inputs[1]) for op in left) == sorted(int(op.inputs[1]) for op in (activated, weights_int8))
+    assert sum(1 for op in rewritten.operators if out.operatorCodes[op.opcodeIndex].customCode
+               in (LINEAR_ROWS, LINEAR_ROWS.encode())) == len(linears) - 2
+
+
 def test_a_lora_delta_of_another_form_is_refused_naming_it():
     """x.A multiplied by anything but its own B input: the pass refuses the model, naming
     the signature and the delta, rather than rewrite half of it."""
