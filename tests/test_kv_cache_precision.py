@@ -145,18 +145,19 @@ def test_batched_sessions_and_the_prefix_cache_run_on_float16_caches(half):
                 assert session.generate(prompt, 12).tokens == tokens
 
 
-def within(got: np.ndarray, want: np.ndarray, batched: bool = False) -> bool:
+def within(got: np.ndarray, want: np.ndarray, linear_op: bool = False) -> bool:
     """Float32 outputs (logits) within 1e-3, float16 ones (caches) within 1e-5 and two
     float16 steps of each value. The op and XNNPACK sum in other orders (1e-6 apart, as
     with float32 caches), and a row rounded to float16 after that may round a step apart
     (5e-4 relative), which the next layers carry: not 1e-5 as between float32 forms, but
     far below what a misread cache gives (differences of the values' own size).
-    ``batched``: a batch's step, whose linear layers run as the op too (linear_rows: every
-    projection's sums in another order, so more rows round a step apart and the layers after
-    carry more of them; up to 31 steps of a small value, 5.2e-4 of the caches' largest on the
-    fixtures): every output within 1e-3 of its largest value, two float16 steps there."""
+    ``linear_op``: a step whose linear layers run as the op too (linear_rows, every decode
+    signature of the op form: every projection's sums in another order, so more rows round a
+    step apart and the layers after carry more of them; up to 31 steps of a small value, 5.2e-4
+    of the caches' largest on the fixtures): every output within 1e-3 of its largest value, two
+    float16 steps there."""
     assert got.dtype == want.dtype
-    if batched:
+    if linear_op:
         scale = max(1.0, float(np.abs(want.astype(np.float32)).max()))
         return float(np.abs(got.astype(np.float32) - want.astype(np.float32)).max()) <= 1e-3 * scale
     if want.dtype == np.float16:
@@ -185,8 +186,7 @@ def test_the_kernel_reads_float16_caches_as_the_standard_form_does(fixture, half
                 inputs = step_inputs(standard, key, position, seed=position)
                 want, got = run_signature(standard, key, inputs), run_signature(native, key, inputs)
                 for name in want:
-                    batched = key.startswith("decode_batch")
-                    assert within(got[name], want[name], batched), f"{key} at {position}: {name}"
+                    assert within(got[name], want[name], linear_op=True), f"{key} at {position}: {name}"
     finally:
         standard.close()
         native.close()

@@ -8,8 +8,8 @@ export`` writes it (no torch needed; docs/kernels.md)::
 Every ``decode*`` signature's (single-row and batched) ``BATCH_MATMUL -> ADD mask ->
 SOFTMAX -> BATCH_MATMUL`` over the transposed KV caches becomes one
 ``odml_runtime.decode_attention`` op per layer and row, each LoRA delta's two matmuls
-one ``odml_runtime.lora_delta``, and each float32 linear layer of a batched decode signature
-one ``odml_runtime.linear_rows``; prefill and verify signatures stay as they are. ``auto``
+one ``odml_runtime.lora_delta``, and each float32 linear layer one
+``odml_runtime.linear_rows``; prefill and verify signatures stay as they are. ``auto``
 (the default, as the export's): the op form is added beside the standard one, sharing every
 weight, and the runtime runs the op where its kernel builds, else the standard form.
 ``native``: the op form replaces the standard one (the file opens only where the kernel

@@ -10,7 +10,7 @@ existing export) puts beside each layer's decode attention in standard ops
 form runs) or in its place (``native``) (:mod:`runtime.util.attention_rewrite`);
 ``odml_runtime.lora_delta`` (``lora_delta.c``), which the same pass puts in the op form in
 place of each decode LoRA delta's two matmuls; and ``odml_runtime.linear_rows``
-(``linear_rows.c``), in place of the batched decode signatures' float32 linear layers. The
+(``linear_rows.c``), in place of the decode signatures' float32 linear layers. The
 library is built at first use with the system C compiler (``$CC``, else ``cc``, else ``gcc``) into the runtime's cache directory,
 named by the sources' hash, the compiler's version and the flags, written under a
 temporary name and renamed (processes building at once each write their own and one

@@ -5,7 +5,8 @@
  * Why an op: a batched decode step multiplies a handful of rows (one per session) by every
  * weight of the model, and XNNPACK's float32 GEMM takes at most 7 rows per pass over the
  * weights on AVX-512 (its 7x16 tile): 8 rows read all 538 MB of SmolLM2-135M's weights twice,
- * the second pass for one row. Here each pass over W serves up to 8 rows (MAX_ROWS).
+ * the second pass for one row. Here each pass over W serves up to 8 rows (MAX_ROWS), and a row
+ * is computed the same way whatever rows are beside it (a batch's rows equal them alone).
  *
  * Inputs: x f32 [..., K], W f32 [N, K] (a FULLY_CONNECTED's weights as the file stores them,
  * no bias, no activation); output f32 [..., N]. The rows of x are taken MAX_ROWS at a time.
