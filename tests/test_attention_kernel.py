@@ -222,8 +222,8 @@ _RUN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c
 _ELEMENTS = {np.dtype(np.float32): 1, np.dtype(np.float16): 10}
 
 
-def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray], function: str = "attention_run") \
-        -> tuple[np.ndarray, int]:
+def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray], function: str = "attention_run",
+               threads: int = 1) -> tuple[np.ndarray, int]:
     """The library's ``function`` on float32 or float16 ``arrays`` (the op's inputs, for
     attention q, mask, params, K, V; the output last), each buffer handle its index + 1,
     typed as its dtype: the output and the error word."""
@@ -245,7 +245,7 @@ def run_kernel(library: ctypes.CDLL, arrays: list[np.ndarray], function: str = "
         return 0
 
     callbacks = _HOST(host), _TYPE(tensor_type), _SIZE(size)
-    context = kernels._Context(0, *(ctypes.cast(c, ctypes.c_void_p).value for c in callbacks))
+    context = kernels._Context(0, *(ctypes.cast(c, ctypes.c_void_p).value for c in callbacks), threads)
     count = len(arrays) - 1
     handles = (ctypes.c_void_p * (count + 1))(*range(1, count + 2))
     kernel_run = _RUN(ctypes.cast(getattr(library, function), ctypes.c_void_p).value)
@@ -354,6 +354,9 @@ def test_each_build_of_the_matrix_kernels_computes_the_product(op, isa, builds_c
         assert error == 0
         difference = float(np.abs(got - want).max() / np.abs(want).max())
         assert difference <= TOL, f"{op} {shapes}: differs by {difference:.2e}"
+        for threads in (2, 3):  # the engine's threads share the work, never the numbers
+            again, error = run_kernel(library, [*operands, np.zeros(want.shape, np.float32)], function, threads)
+            assert error == 0 and np.array_equal(again, got), (op, shapes, threads)
     # Shapes it would misread (the second operand's rows not x's width) give the error word and
     # NaN, never numbers; so does x in float16.
     x, second, *rest = operands

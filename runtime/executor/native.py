@@ -355,7 +355,7 @@ class NativeModel:
             # kernels, every node checked first; the operator table of a model of one form tells
             # cheaply whether it has any (read once LiteRT has accepted the bytes as a model).
             if custom_ops or (custom_ops is None and custom_codes(self._buffer)):
-                self._kernels = kernels.attach(lib.lib, self._model, self._options, name)
+                self._kernels = kernels.attach(lib.lib, self._model, self._options, name, num_threads)
                 self.attention_kernel = True
             if profiling:
                 runtime = _P()

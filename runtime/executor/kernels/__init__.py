@@ -52,6 +52,9 @@ _HEADERS = ("kernel_api.h",)
 # -O3 and the vector extensions this CPU has (never -march=native: the file is keyed by
 # these flags, so a cache directory shared by machines of other CPUs keeps one per set).
 _BASE_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi")
+# OpenMP for linear_rows's threads where the compiler has it (GCC's libgomp); the library is
+# built without it where it does not, and runs the op on one thread.
+_OPENMP = "-fopenmp"
 # The error word's codes (kernel_api.h's), per op.
 _FAILURES = {1: "the op's inputs and outputs are not the 5 and 1 it takes",
              2: "LiteRT gave no host memory or type for a tensor buffer",
@@ -76,7 +79,8 @@ RE_EXPORT = ("re-export with --attention-kernel auto (the default: both forms, t
 class _Context(ctypes.Structure):
     """What ``user_data`` points to (``Context`` in kernel_api.h)."""
 
-    _fields_ = [("error", ctypes.c_int64), ("host_memory", _P), ("tensor_type", _P), ("size", _P)]
+    _fields_ = [("error", ctypes.c_int64), ("host_memory", _P), ("tensor_type", _P), ("size", _P),
+                ("threads", ctypes.c_int64)]
 
 
 class _KernelStruct(ctypes.Structure):
@@ -148,13 +152,20 @@ def build_library() -> ctypes.CDLL:
             if not _versions[cc]:
                 del _versions[cc]
                 raise FailedPreconditionError(f"the C compiler {cc} does not run ({cc} --version failed)")
-        key = hashlib.sha256(b"\0".join([*sources, _versions[cc].encode(), " ".join(flags).encode()])).hexdigest()[:16]
+        key = hashlib.sha256(b"\0".join([*sources, _versions[cc].encode(), " ".join(flags).encode(),
+                                          _OPENMP.encode()])).hexdigest()[:16]
         folder = runtime_cache_dir() / "kernels"
         path = folder / f"kernels-{key}.so"
         if str(path) in _loaded:
             return _loaded[str(path)]
         if not path.exists():
-            _compile(cc, flags, sources, folder, path)
+            try:
+                _compile(cc, (*flags, _OPENMP), sources, folder, path)
+            except FailedPreconditionError:  # no OpenMP with this compiler: one thread
+                _compile(cc, flags, sources, folder, path)
+        # libgomp's threads wait for work spinning by default, taking the core from XNNPACK's
+        # between the op's runs: passive waiting unless the process chose (read when it loads).
+        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
         try:
             library = ctypes.CDLL(str(path))
         except OSError as exc:
@@ -221,12 +232,13 @@ class Registration:
     """The kernels registered on one compiled model: the structures the library was given
     and, per op, the error word its runs write (:meth:`check` after each run)."""
 
-    def __init__(self, library: ctypes.CDLL, litert: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, litert: ctypes.CDLL, threads: int = 1) -> None:
         address = lambda function: ctypes.cast(function, _P).value  # noqa: E731
         accessors = (address(litert.LiteRtGetTensorBufferHostMemory), address(litert.LiteRtGetTensorBufferTensorType),
                      address(litert.LiteRtGetTensorBufferSize))
-        # One context per op, so a failure names the op whose run wrote it.
-        self.ops = [(name, _Context(0, *accessors), _KernelStruct(*(address(getattr(library, f"{prefix}_{part}"))
+        # One context per op, so a failure names the op whose run wrote it; ``threads`` the ops
+        # may run on (linear_rows's product), the engine's num_threads.
+        self.ops = [(name, _Context(0, *accessors, threads), _KernelStruct(*(address(getattr(library, f"{prefix}_{part}"))
                                                                    for part in ("init", "layouts", "run", "destroy"))))
                     for name, (prefix, _) in _KERNELS.items()]
         self.library = library  # the code the addresses point into stays loaded
@@ -351,10 +363,11 @@ def custom_nodes(litert: ctypes.CDLL, model: int) -> list[CustomNode]:
     return nodes
 
 
-def attach(litert: ctypes.CDLL, model: int, options: int, name: str) -> Registration:
+def attach(litert: ctypes.CDLL, model: int, options: int, name: str, num_threads: int = 1) -> Registration:
     """Checks every custom node of ``model`` (refusing, naming the op, subgraph and node
     and what was expected, one the kernel would misread or an op it does not know),
-    builds or loads the kernel and registers it on ``options``."""
+    builds or loads the kernel and registers it on ``options``, its ops to run on
+    ``num_threads`` threads as XNNPACK does (0: as many as this process may use)."""
     nodes = custom_nodes(litert, model)
     for node in nodes:
         where = f"{name}: custom op {node.code!r} (subgraph {node.subgraph}, node {node.index})"
@@ -371,7 +384,8 @@ def attach(litert: ctypes.CDLL, model: int, options: int, name: str) -> Registra
             f"{name}: the model runs its decode attention in the custom op {DECODE_ATTENTION!r} "
             f"(--attention-kernel native), whose kernel cannot be built here: {exc}; install a C compiler, "
             f"or {RE_EXPORT}") from None
-    registration = Registration(library, litert)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    registration = Registration(library, litert, num_threads or usable)
     status = registration.add_to(litert, options)
     if status:
         raise InternalError(f"{name}: registering the kernel of {DECODE_ATTENTION!r} failed (LiteRT status {status})")

@@ -23,6 +23,7 @@ typedef struct {
   Status (*host_memory)(Buffer, void **);
   Status (*tensor_type)(Buffer, TensorType *);
   Status (*size)(Buffer, size_t *);
+  int64_t threads; /* the threads an op may run on (the engine's num_threads) */
 } Context;
 
 /* Failure codes written to the error word (the runtime names them, per op). */
