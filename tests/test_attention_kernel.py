@@ -366,6 +366,24 @@ def test_each_build_of_the_matrix_kernels_computes_the_product(op, isa, builds_c
 
 
 @needs_cc
+def test_a_compiler_without_openmp_gives_a_one_thread_library(tmp_path, monkeypatch):
+    """Where the compiler refuses OpenMP's flag the library is built without it, and the linear
+    op asked for 2 threads runs on one, with the same numbers."""
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_OPENMP", "-fno-such-option-anywhere")
+    library = kernels.build_library()
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((8, 1, 576)).astype(np.float32), rng.standard_normal((960, 576)).astype(np.float32)
+    got, error = run_kernel(library, [x, w, np.zeros((8, 1, 960), np.float32)], "linear_run", threads=2)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert error == 0 and float(np.abs(got - want).max() / np.abs(want).max()) <= TOL
+    built = list((tmp_path / "kernels").glob("*.so"))
+    assert len(built) == 1
+    listed = subprocess.run(["nm", "-D", str(built[0])], capture_output=True, text=True)
+    assert listed.returncode != 0 or "GOMP_parallel" not in listed.stdout
+
+
+@needs_cc
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))
 def test_a_generation_is_the_same(fixture, rewritten, kernel_cache):
     """Greedy decoding through the attention windows (16, 32) to the cache's end: the same

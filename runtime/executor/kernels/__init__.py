@@ -163,9 +163,6 @@ def build_library() -> ctypes.CDLL:
                 _compile(cc, (*flags, _OPENMP), sources, folder, path)
             except FailedPreconditionError:  # no OpenMP with this compiler: one thread
                 _compile(cc, flags, sources, folder, path)
-        # libgomp's threads wait for work spinning by default, taking the core from XNNPACK's
-        # between the op's runs: passive waiting unless the process chose (read when it loads).
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")
         try:
             library = ctypes.CDLL(str(path))
         except OSError as exc:

@@ -140,10 +140,11 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
  * contiguous share of W's rows: every output is computed as on one thread, so the numbers do
  * not depend on the count. Why threads here: LiteRT gives a custom op none, and with 2 XNNPACK
  * threads its second thread spins while the op runs on the first, so a one-thread op took
- * SmolLM2 f32's step from 23 to 44 ms (2 threads, the shared AVX-512 Xeon); on both threads,
- * OpenMP waiting passively (kernels/__init__.py sets OMP_WAIT_POLICY before the library
- * loads), 23.1 ms against XNNPACK's 22.5. Matrices under PARALLEL_MIN floats stay on one
- * thread (waking the other costs more than it saves there). Built without OpenMP, one thread. */
+ * SmolLM2 f32's step from 23 to 44 ms (2 threads, the shared AVX-512 Xeon). On both threads
+ * (OpenMP, libgomp's defaults) the step is 0.94-0.98x XNNPACK's in three runs of 9 alternating
+ * rounds (a thread pool of ours beside XNNPACK's on 2 cores: each wakes or spins while the other
+ * works; OMP_WAIT_POLICY=passive measured the same). Matrices under PARALLEL_MIN floats stay on
+ * one thread (waking the other costs more than it saves there). Built without OpenMP, one thread. */
 #define PARALLEL_MIN (64 * 1024)
 static void product_on_threads(const float *x, int64_t rows, int K, const float *w, int N, float *y, int threads) {
 #ifdef _OPENMP
