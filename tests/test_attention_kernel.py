@@ -127,7 +127,7 @@ def test_the_op_form_runs_the_decode_linear_layers_as_the_op(rewritten):
 
 
 def test_a_linear_of_another_form_keeps_xnnpack():
-    """A batched FULLY_CONNECTED the kernel does not compute (a fused activation, a bias, int8
+    """A batched FULLY_CONNECTED the kernel does not compute (here a fused activation, int8
     weights) stays as it is in the op form, which computes the same; its neighbours are taken."""
     model = flatbuffer_model.unpack(FIXTURES["gqa"].read_bytes())
     sig = next(sig for sig in model.signatureDefs if sig.signatureKey == b"decode_batch4_lora_r4")

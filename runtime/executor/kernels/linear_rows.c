@@ -112,8 +112,6 @@ static void single(const float *x, int64_t rows, int K, const float *w, int n, i
   }
 }
 
-/* y = x . W^T for rows of x: OUTS rows of W at a time, each taken by every MAX_ROWS rows of x
- * in turn (past 8 rows the block is read again from L1, not from memory). */
 /* y = x . W^T for rows of x, rows n0 .. n1 of W: OUTS rows of W at a time, each taken by every
  * MAX_ROWS rows of x in turn (past 8 rows the block is read again from L1, not from memory). */
 static void product(const float *x, int64_t rows, int K, const float *w, int n0, int n1, int N, float *y) {
