@@ -4,6 +4,7 @@ in turn, NPCs out of step; ticks/s and tick latency of the engine, of ``runtime 
 llama.cpp's ``llama-server`` with per-request LoRA, on the same prompts and adapters.
 
     python3 -m benchmarks.npc_tick [--model M] [--npcs 8,16,32] [--threads 1,2] [--ticks 4] [--rounds 2]
+        [--prefix-cache-mb 64]
         [--role PATH[:SCALE] --role ... --role ...] [--max-tokens 16,4,16]
         [--llama-server PATH --gguf BASE.gguf --gguf-lora A.gguf ...] [--skip-llama-cpp] [--skip-serve]
         [--out benchmarks/results/npc_tick]
@@ -26,9 +27,13 @@ Sides, each on ``--threads`` CPU threads, alternating order round by round:
 
 - ``engine``: one ``Engine`` in this process, three sessions per NPC (one per role); on a
   model with batched decode signatures the overlapping steps of different adapters run
-  together;
+  together; its prefix cache of ``--prefix-cache-mb`` (64, as ``examples/npc_tick.py`` and
+  ``runtime serve`` default to: a role's prompts begin alike, and a call prefills only what
+  its prompt does not share with an earlier one of its adapter; llama-server reuses a slot's
+  previous prompt the same way);
 - ``runtime serve``: ``python -m runtime serve`` as a subprocess, ``/v1/completions`` with the
-  token ids as the prompt, the role's adapter as ``lora: [{"name", "scale"}]``;
+  token ids as the prompt, the role's adapter as ``lora: [{"name", "scale"}]``, the same
+  ``--prefix-cache-mb``;
 - ``llama-server`` (``bash benchmarks/llama_cpp/build_server.sh`` builds it and the GGUF files):
   ``--parallel`` as many slots as NPCs, an f32 KV cache, flash attention off, every GGUF
   adapter loaded with ``--lora-init-without-apply`` and chosen per request with its ``lora``
@@ -135,6 +140,7 @@ class Workload:
     expected: dict[tuple[int, int, int], list[int]] = field(default_factory=dict)  # -> offline answer ids
     expected_text: dict[tuple[int, int, int], str] = field(default_factory=dict)
     stops: frozenset[int] = frozenset()  # the tokenizer's stop tokens: an answer ends at the first
+    prefix_cache_mb: float = 64.0  # ours: memory for the KV rows of recent prompts (0: off)
 
     def equal(self, tokens: list[int], key: tuple[int, int, int]) -> bool:
         """Whether ``tokens`` begin with the offline answer up to its first stop token: the
@@ -183,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-serve", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "npc_tick")
+    parser.add_argument("--prefix-cache-mb", type=float, default=64.0,
+                        help="our prefix cache, the engine's and runtime serve's (0: off; 64: the example's and "
+                             "runtime serve's default)")
     args = parser.parse_args(argv)
+    if not 0 <= args.prefix_cache_mb < 1 << 40:  # NaN and infinity too
+        parser.error(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
     npc_counts = [int(n) for n in args.npcs.split(",")]
     thread_counts = [int(t) for t in args.threads.split(",")]
     started, load_at_start = date_and_cpu(), os.getloadavg()[0]
@@ -231,7 +242,7 @@ def write_report(args: argparse.Namespace, workload: Workload, loras: list[Path]
                 "chat_template": _shown(args.chat_template) if args.chat_template else None,
                 "npcs": [int(n) for n in args.npcs.split(",")], "threads": thread_counts, "ticks": args.ticks,
                 "rounds": args.rounds,
-                "stagger_ms": args.stagger_ms, "llama_server": None if isinstance(loras, str) else {
+                "stagger_ms": args.stagger_ms, "prefix_cache_mb": args.prefix_cache_mb, "llama_server": None if isinstance(loras, str) else {
                     "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras], "omp_wait_policy": OMP_WAIT_POLICY},
                 "llama_server_skipped": loras if isinstance(loras, str) else None,
                 "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **started}
@@ -258,7 +269,8 @@ def build_workload(args: argparse.Namespace, npcs: int) -> Workload:
     with Engine(args.model) as probe:
         vocab = probe.spec.vocab_size
     tokenizer = args.tokenizer or write_id_tokenizer(vocab, WORK / f"ids_{vocab}.json")
-    workload = Workload(args.model, roles, tokenizer, stops=frozenset(HfTokenizer(tokenizer).stop_token_ids))
+    workload = Workload(args.model, roles, tokenizer, stops=frozenset(HfTokenizer(tokenizer).stop_token_ids),
+                        prefix_cache_mb=args.prefix_cache_mb)
     chain = chat_chain(args.chat_template, tokenizer) if args.chat_template else token_chain(vocab)
     with Engine(args.model, EngineSettings(num_threads=1), tokenizer=HfTokenizer(tokenizer)) as engine:
         sessions = [engine.create_session(SessionConfig(loras=[LoraSource(path=r.source, scale=r.scale)]))
@@ -390,7 +402,9 @@ class EngineSide:
         self._workload, self._threads = workload, threads
 
     def __enter__(self) -> EngineSide:
-        self._engine = Engine(self._workload.model, EngineSettings(num_threads=self._threads),
+        settings = EngineSettings(num_threads=self._threads,
+                                  prefix_cache_bytes=int(self._workload.prefix_cache_mb * 2**20))
+        self._engine = Engine(self._workload.model, settings,
                               tokenizer=HfTokenizer(self._workload.tokenizer_path))
         self._ids = [self._engine.register_adapter(LoraSource(path=role.source)) for role in self._workload.roles]
         return self
@@ -465,7 +479,7 @@ class ServeSide(HttpSide):
         self._command = [sys.executable, "-m", "runtime", "serve", "--model", str(workload.model),
                          "--tokenizer", str(workload.tokenizer_path), "--adapters", str(folder), "--port", "0",
                          "--served-model-name", "base", "--max-concurrent", str(npcs), "--threads", str(threads),
-                         "--idle-timeout", "300"]
+                         "--idle-timeout", "300", "--prefix-cache-mb", str(workload.prefix_cache_mb)]
 
     def __enter__(self) -> ServeSide:
         log = WORK / "runtime-serve.log"
@@ -575,7 +589,8 @@ def render(rows: list[dict], settings: dict) -> list[str]:
             f"examples/npc_tick.py's, through `{Path(settings['chat_template']).name}`" if settings.get("chat_template")
             else "seeded token ids") + f"; {settings['ticks']} ticks per NPC per run, "
         f"{settings['rounds']} rounds after an untimed one, sides in alternating order; NPC i starts "
-        f"{settings['stagger_ms']:g} ms x i late; greedy, end-of-sequence ignored. {settings['cpus']} CPUs of "
+        f"{settings['stagger_ms']:g} ms x i late; greedy, end-of-sequence ignored; ours with a prefix cache of "
+        f"{settings.get('prefix_cache_mb', 0):g} MB (0: none). {settings['cpus']} CPUs of "
         f"{settings['cpu']} (load average {settings['load_average_at_start']:.1f} at the start, "
         f"{settings['load_average_at_end']:.1f} at the end), {settings['date']}. "
         "ticks/s: the median over the rounds (in brackets: each round's); tick latency: percentiles over every tick of every round; "
