@@ -128,18 +128,30 @@ static inline vf expv(vf x) {
  * f16 caches K_AHEAD 4096 or 16384 and V_AHEAD 512 or 2048 changed nothing beyond the noise. */
 #define K_AHEAD 8192
 #define V_AHEAD 1024
-/* Where the V pass asks for the line of row v at position i. f32: V_AHEAD bytes on in the row.
- * f16: the same position in the row 4 on, the next block's: each row's open span is half as
- * long, so the first V_AHEAD bytes of each, which the f32 way never asks for ahead, are twice
- * the share (SmolLM2's shapes, AVX-512 build: 2.85 -> 2.25 ms at position 1000, 8.35 -> 7.95
+/* Where the V pass asks for the line of row v at position i. f32: V_AHEAD bytes on along the
+ * open spans of the block's rows taken one after another, so that near a row's end it asks for
+ * the start of the span of the row 4 on (the next block's, or the next group's first block),
+ * ahead_blocks blocks and ahead_at positions on (v_ahead). Asking simply V_AHEAD bytes on in
+ * the row, as before, fetched masked positions past a short span and never the next rows'
+ * first lines (kernel_bench, SmolLM2's shapes, with the K pass asking only for its span's
+ * rows: span 1,024 at positions 40 / 128 / 500 / 1,000 0.59 / 1.07 / 2.50 / 4.22 -> 0.52 /
+ * 0.73 / 2.12 / 3.76 ms; span 4,096 at 128 / 3,000 1.13 / 11.5 -> 0.81 / 10.6). f16: the same
+ * position in the row 4 on: each row's open span is half as long, so the first V_AHEAD bytes
+ * of each are twice the share (AVX-512 build: 2.85 -> 2.25 ms at position 1000, 8.35 -> 7.95
  * at 4095). */
-#define V_PREFETCH_f32(v, i, T) __builtin_prefetch((const char *)((v) + (i)) + V_AHEAD)
-#define V_PREFETCH_f16(v, i, T) __builtin_prefetch((v) + (i) + 4 * (size_t)(T))
+static inline size_t v_ahead(int i, int n, int T, int ahead_blocks, int ahead_at) {
+  const int at = i + ahead_at;
+  return at < n ? (size_t)ahead_blocks * 4 * T + at : (size_t)(ahead_blocks + 1) * 4 * T + at - n;
+}
+#define V_PREFETCH_f32(v, i, T, n) __builtin_prefetch((v) + v_ahead(i, n, T, ahead_blocks, ahead_at))
+#define V_PREFETCH_f16(v, i, T, n) __builtin_prefetch((v) + (i) + 4 * (size_t)(T))
 /* The passes over one cache element type ET, read W at a time as floats by LOAD (KPASS,
  * VPASS, PASSES); the scores and q stay float. */
 #define VPASS(HC, E, ET, LOAD)                                                                 \
   static void vpass_##E##_##HC(const ET *Vg, const float *scores, int T, int S, int D, int lo,  \
                                int n, float *og) {                                             \
+    const int ahead_blocks = V_AHEAD / 4 / n, ahead_at = V_AHEAD / 4 % n; /* f32's (v_ahead) */ \
+    (void)ahead_blocks, (void)ahead_at;                                                        \
     int d = 0;                                                                                 \
     for (; d + 4 <= D; d += 4) { /* 4 rows of V share each load of the scores */               \
       const ET *v0 = Vg + (size_t)d * T + lo, *v1 = v0 + T, *v2 = v1 + T, *v3 = v2 + T;        \
@@ -147,8 +159,8 @@ static inline vf expv(vf x) {
       for (int h = 0; h < HC; h++) a0[h] = a1[h] = a2[h] = a3[h] = (vf){0};                    \
       int i = 0;                                                                               \
       for (; i + W <= n; i += W) {                                                             \
-        V_PREFETCH_##E(v0, i, T); V_PREFETCH_##E(v1, i, T);                                   \
-        V_PREFETCH_##E(v2, i, T); V_PREFETCH_##E(v3, i, T);                                   \
+        V_PREFETCH_##E(v0, i, T, n); V_PREFETCH_##E(v1, i, T, n);                             \
+        V_PREFETCH_##E(v2, i, T, n); V_PREFETCH_##E(v3, i, T, n);                             \
         vf x0 = LOAD(v0 + i), x1 = LOAD(v1 + i), x2 = LOAD(v2 + i), x3 = LOAD(v3 + i);         \
         for (int h = 0; h < HC; h++) {                                                         \
           vf p = loadv(scores + h * S + lo + i);                                               \
@@ -229,9 +241,10 @@ static inline vf sumsv(const vf *a) {
         vf acc[W];                                                                             \
         for (int j = 0; j < W; j++) {                                                          \
           const ET *k0 = kb + (size_t)j * DC;                                                  \
-          if (h == 0) { /* one per 64-byte line */                                             \
-            for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                                \
-              __builtin_prefetch((const char *)k0 + K_AHEAD + 64 * l);                         \
+          if (h == 0) { /* one per 64-byte line, of the span's rows only */                    \
+            if (t + j + K_AHEAD / (DC * (int)sizeof(ET)) <= hi)                                \
+              for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                              \
+                __builtin_prefetch((const char *)k0 + K_AHEAD + 64 * l);                       \
             if (KEEP)                                                                          \
               for (int c = 0; c < C; c++) kept[j][c] = LOAD(k0 + W * c);                       \
           }                                                                                    \
