@@ -65,6 +65,18 @@ def test_concurrent_callers_share_batches_and_each_gets_its_own_result():
         assert len({item // 1000 for item in batch}) == len(batch)
 
 
+def test_callers_stepping_back_to_back_get_every_result_in_order():
+    """No delay anywhere: a caller is back with its next step while the leader of its last
+    batch may still be waking the others; no step may miss its wake, run twice or take
+    another's result."""
+    recorder = Recorder()
+    scheduler = BatchScheduler(recorder, BatchPolicy(max_batch=4, max_wait_s=0.0005))
+    results = drive(scheduler, callers=8, steps=300)
+    for caller, got in results.items():
+        assert got == [(caller * 1000 + s) ** 2 for s in range(300)]
+    assert sum(len(b) for b in recorder.batches) == 8 * 300
+
+
 def test_batches_never_exceed_max_batch():
     recorder = Recorder(delay=0.003)
     scheduler = BatchScheduler(recorder, BatchPolicy(max_batch=3, max_wait_s=0.2))
