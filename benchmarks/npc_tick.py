@@ -241,8 +241,8 @@ def write_report(args: argparse.Namespace, workload: Workload, loras: list[Path]
                                                           for r in workload.roles],
                 "chat_template": _shown(args.chat_template) if args.chat_template else None,
                 "npcs": [int(n) for n in args.npcs.split(",")], "threads": thread_counts, "ticks": args.ticks,
-                "rounds": args.rounds,
-                "stagger_ms": args.stagger_ms, "prefix_cache_mb": args.prefix_cache_mb, "llama_server": None if isinstance(loras, str) else {
+                "rounds": args.rounds, "stagger_ms": args.stagger_ms, "prefix_cache_mb": args.prefix_cache_mb,
+                "llama_server": None if isinstance(loras, str) else {
                     "gguf": _shown(args.gguf), "loras": [_shown(p) for p in loras], "omp_wait_policy": OMP_WAIT_POLICY},
                 "llama_server_skipped": loras if isinstance(loras, str) else None,
                 "load_average_at_end": os.getloadavg()[0], "cpus": os.cpu_count(), **started}
