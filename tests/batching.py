@@ -40,3 +40,31 @@ def greedy_together(engine: Engine, sessions: Sequence, logits: list[np.ndarray]
         logits = engine.decode_together([(s, tokens[row][-1]) for row, s in enumerate(sessions)])
         seen.append(logits)
     return tokens, seen
+
+
+def four_adapter_rows() -> tuple[list[SessionConfig], Callable[[int], list[int]]]:
+    """4 sessions with rank-4 adapters of two files (one scaled by 0.5) and each row's
+    prompt (row i: i + 2 tokens): the rows the kernels' tests batch."""
+    from conftest import adapter_path
+
+    r4, other = adapter_path("torch_r4"), adapter_path("litertlm_r4")
+    configs = [SessionConfig(lora_path=r4), SessionConfig(lora_path=other), SessionConfig(lora_path=r4, lora_scale=0.5),
+               SessionConfig(lora_path=other)]
+    return configs, lambda row: [(7 * row + 3 * i) % 250 + 1 for i in range(2 + row)]
+
+
+def assert_rows_equal_alone(model: Path, configs: Sequence[SessionConfig], prompt: Callable[[int], list[int]],
+                            steps: int) -> list[list[int]]:
+    """``configs``' sessions stepped ``steps`` times in one batch give each session's logits
+    alone bit for bit (every step ran as one batch of all rows); the rows' greedy tokens."""
+    alone = greedy_alone(model, configs, prompt, steps)
+    with Engine(model) as engine:
+        sessions = [engine.create_session(config) for config in configs]
+        logits = [session.run_prefill(prompt(row)) for row, session in enumerate(sessions)]
+        tokens, together = greedy_together(engine, sessions, logits, steps)
+        assert dict(engine.stats().decode_batches) == {len(configs): steps}
+    assert tokens == [t for t, _ in alone]
+    for step, rows in enumerate(together):
+        for row, (_, seen) in enumerate(alone):
+            assert np.array_equal(rows[row], seen[step]), (row, step)
+    return tokens

@@ -8,6 +8,7 @@ Tests that run the kernel need a C compiler (cc or gcc) and skip, saying so, wit
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import subprocess
@@ -18,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batching import greedy_alone, greedy_together
-from conftest import MODELS, adapter_path, greedy, run_signature, step_inputs
-from runtime import Engine, SessionConfig
+from batching import assert_rows_equal_alone, four_adapter_rows
+from conftest import MODELS, greedy, run_signature, step_inputs
+from graph_passes import needs_kernel
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
@@ -35,8 +36,6 @@ FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3"
 needs_cc = pytest.mark.skipif(kernels.compiler() is None,
                               reason="no C compiler (cc or gcc) on PATH to build the attention kernel")
 # Where the runtime runs the op form of a model of both forms: a compiler and AVX2 with FMA.
-needs_kernel = pytest.mark.skipif(kernels.compiler() is None or not {"-mavx2", "-mfma"} <= set(kernels.isa_flags()),
-                                  reason="the op form runs only with a C compiler on a CPU with AVX2 and FMA")
 TOL = 1e-5
 
 
@@ -341,26 +340,31 @@ PRODUCTS = {"lora_delta": ("lora_run", LORA_CASES, lambda x, A, B: x @ A @ B),
 def test_each_build_of_the_matrix_kernels_computes_the_product(op, isa, builds_cache, monkeypatch):
     """The LoRA delta's and the linear layer's run of each build called directly at the
     graphs' shapes, against x.A.B or x.W^T in float64 from the same values: within 1e-5
-    (relative to the output's largest value)."""
+    (relative to the output's largest value). The LoRA delta's factors in float32 and in
+    float16 (``--lora-dtype float16``: read as float32, every sum float32)."""
     monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
     monkeypatch.setattr(kernels, "isa_flags", lambda: isa)  # the flags a CPU of that kind gets
     library = kernels.build_library()
     function, cases, product = PRODUCTS[op]
     rng = np.random.default_rng(11)
-    for shapes in cases:
-        operands = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    for shapes, factors in itertools.product(cases, (np.float32, np.float16) if op == "lora_delta" else (np.float32,)):
+        x, *weights = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+        operands = [x, *(weight.astype(factors) for weight in weights)]
         want = product(*(operand.astype(np.float64) for operand in operands))
         got, error = run_kernel(library, [*operands, np.zeros(want.shape, np.float32)], function)
         assert error == 0
         difference = float(np.abs(got - want).max() / np.abs(want).max())
-        assert difference <= TOL, f"{op} {shapes}: differs by {difference:.2e}"
+        assert difference <= TOL, f"{op} {shapes} {np.dtype(factors)}: differs by {difference:.2e}"
         for threads in (2, 3):  # the engine's threads share the work, never the numbers
             again, error = run_kernel(library, [*operands, np.zeros(want.shape, np.float32)], function, threads)
             assert error == 0 and np.array_equal(again, got), (op, shapes, threads)
     # Shapes it would misread (the second operand's rows not x's width) give the error word and
-    # NaN, never numbers; so does x in float16.
+    # NaN, never numbers; so do x in float16 and (LoRA) factors of two types.
     x, second, *rest = operands
-    for inputs, code in (([x[..., :-1].copy(), second, *rest], 3), ([x.astype(np.float16), second, *rest], 4)):
+    misread = [([x[..., :-1].copy(), second, *rest], 3), ([x.astype(np.float16), second, *rest], 4)]
+    if op == "lora_delta":
+        misread.append(([x, second.astype(np.float16), rest[0].astype(np.float32)], 4))
+    for inputs, code in misread:
         got, error = run_kernel(library, [*inputs, np.zeros(want.shape, np.float32)], function)
         assert error == code and np.isnan(got).all(), (op, code)
 
@@ -439,20 +443,8 @@ def test_a_batchs_rows_equal_their_sessions_alone_bit_for_bit(rewritten, kernel_
     16-position window alone and together, give each session's logits alone exactly. (Rows
     padded into a higher rank's slot, or attending over a wider window than alone, sum other
     zeros in other lanes and are compared within 1e-4 in test_batch_decode.py.)"""
-    r4, other = adapter_path("torch_r4"), adapter_path("litertlm_r4")
-    configs = [SessionConfig(lora_path=r4), SessionConfig(lora_path=other), SessionConfig(lora_path=r4, lora_scale=0.5),
-               SessionConfig(lora_path=other)]
-    prompt = lambda row: [(7 * row + 3 * i) % 250 + 1 for i in range(2 + row)]  # noqa: E731
-    alone = greedy_alone(rewritten["gqa"], configs, prompt, 5)
-    with Engine(rewritten["gqa"]) as engine:
-        sessions = [engine.create_session(config) for config in configs]
-        logits = [session.run_prefill(prompt(row)) for row, session in enumerate(sessions)]
-        tokens, together = greedy_together(engine, sessions, logits, 5)
-        assert dict(engine.stats().decode_batches) == {len(configs): 5}
-    assert tokens == [t for t, _ in alone]
-    for step, rows in enumerate(together):
-        for row, (_, seen) in enumerate(alone):
-            assert np.array_equal(rows[row], seen[step]), (row, step)
+    configs, prompt = four_adapter_rows()
+    assert_rows_equal_alone(rewritten["gqa"], configs, prompt, 5)
 
 
 def test_no_compiler_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch):

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from conftest import MODEL_FILES, MODELS, greedy, run_signature, step_inputs
+from graph_passes import converted, needs_kernel, through
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import InvalidArgumentError
-from runtime.executor import kernels
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.native import NativeModel
 from runtime.util import flatbuffer_model
-from runtime.util.attention_rewrite import attention_forms, rewrite_attention, rewrite_decode_attention
+from runtime.util.attention_rewrite import attention_forms, rewrite_decode_attention
 from runtime.util.kv_cache_precision import kv_caches_to_float16
 from runtime.util.model_view import signature_details
 
@@ -27,27 +27,13 @@ from runtime.util.model_view import signature_details
 # steps) and the default layout (litert-torch's attention composite reads the cache).
 FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite",
             "default layout": MODELS / "gqa_default.tflite"}
-needs_kernel = pytest.mark.skipif(kernels.compiler() is None or not {"-mavx2", "-mfma"} <= set(kernels.isa_flags()),
-                                  reason="the op form runs only with a C compiler on a CPU with AVX2 and FMA")
-
-
 def to_float16(source: Path, out: Path, attention: str | None = None) -> dict[str, int]:
-    model = flatbuffer_model.unpack(source.read_bytes())
-    counts = kv_caches_to_float16(model)
-    if attention is not None:
-        rewrite_attention(model, keep_standard=attention == "both")
-    out.write_bytes(flatbuffer_model.pack(model))
-    return counts
+    return through(kv_caches_to_float16, source, out, attention)
 
 
 @pytest.fixture(scope="module")
 def half(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("float16")
-    paths = {}
-    for name, source in FIXTURES.items():
-        paths[name] = folder / f"{name}.tflite"
-        to_float16(source, paths[name])
-    return paths
+    return converted(kv_caches_to_float16, FIXTURES, tmp_path_factory.mktemp("float16"))
 
 
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))

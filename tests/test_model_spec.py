@@ -97,7 +97,8 @@ def test_refuses_batched_signatures_whose_rows_differ_from_decode(details):
     unstacked = copy.deepcopy(details)
     unstacked["decode_batch2_lora_r4"][0]["lora_atten_q_a_prime_weight_0"]["shape"] = [4, 32, 4]
     with pytest.raises(InvalidArgumentError, match=r"input 'lora_atten_q_a_prime_weight_0' is \[4, 32, 4\] float32, "
-                                                   r"expected \[2, ...\] float32: the rows' LoRA weights stacked"):
+                                                   r"expected \[2, ...\] float32 or float16: the rows' LoRA weights "
+                                                   r"stacked"):
         ModelSpec.from_details(unstacked, "m")
     per_row = copy.deepcopy(details)  # an export from before the rows' LoRA inputs were stacked
     inputs = per_row["decode_batch2_lora_r4"][0]

@@ -3,7 +3,7 @@
 export`` writes it (no torch needed; docs/kernels.md)::
 
     python3 tools/attention_kernel.py model.tflite --out model-kernel.tflite \
-        [--attention-kernel native] [--kv-cache-dtype float16]
+        [--attention-kernel native] [--kv-cache-dtype float16] [--lora-dtype float16]
 
 Every ``decode*`` signature's (single-row and batched) ``BATCH_MATMUL -> ADD mask ->
 SOFTMAX -> BATCH_MATMUL`` over the transposed KV caches becomes one
@@ -16,8 +16,9 @@ weight, and the runtime runs the op where its kernel builds, else the standard f
 builds). A file that already carries both forms (an export of ``--attention-kernel auto``)
 has its op form made again by this version's pass (one made before the LoRA op gets it).
 ``--kv-cache-dtype float16`` also stores every signature's KV caches in float16, as
-``runtime export --kv-cache-dtype float16`` does. Prints the ops per signature and the time
-the passes took. Either file runs its op form in this runtime only; LiteRT-LM needs
+``runtime export --kv-cache-dtype float16`` does, and ``--lora-dtype float16`` every LoRA
+factor input (A and B) in float16, as ``runtime export --lora-dtype float16`` does. Prints the
+ops per signature and the time the passes took. Either file runs its op form in this runtime only; LiteRT-LM needs
 standard ops.
 """
 
@@ -29,10 +30,11 @@ import time
 from pathlib import Path
 
 from runtime.errors import StatusError
-from runtime.export.settings import KV_CACHE_DTYPES
+from runtime.export.settings import KV_CACHE_DTYPES, LORA_DTYPES
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import rewrite_attention, standard_form_only
 from runtime.util.kv_cache_precision import kv_caches_to_float16
+from runtime.util.lora_precision import lora_factors_to_float16
 
 
 def main() -> int:
@@ -43,6 +45,8 @@ def main() -> int:
                         help="auto: both forms, the runtime choosing at open; native: the op form only")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="float32",
                         help="float16: store the KV caches in float16 first (else they keep the type they have)")
+    parser.add_argument("--lora-dtype", choices=LORA_DTYPES, default="float32",
+                        help="float16: store the LoRA factor inputs in float16 first (else they keep the type they have)")
     args = parser.parse_args()
     if args.out.resolve() == args.model.resolve():
         parser.error("--out must differ from the model (written under a temporary name, then renamed)")
@@ -51,6 +55,7 @@ def main() -> int:
         model = flatbuffer_model.unpack(args.model.read_bytes())
         made_again = standard_form_only(model)
         caches = kv_caches_to_float16(model) if args.kv_cache_dtype == "float16" else {}
+        factors = lora_factors_to_float16(model) if args.lora_dtype == "float16" else {}
         counts = rewrite_attention(model, keep_standard=args.attention_kernel == "auto")
     except (OSError, StatusError) as exc:
         print(f"error: {args.model}: {exc}", file=sys.stderr)
@@ -65,6 +70,8 @@ def main() -> int:
         print(f"{args.model} carried both forms: its op form was made again")
     if caches:
         print(f"KV caches stored in float16: {sum(caches.values())} in {len(caches)} signatures")
+    if factors:
+        print(f"LoRA factors stored in float16: {sum(factors.values())} in {len(factors)} signatures")
     for key, layers in counts.items():
         print(f"{key}: {layers} attention op(s)")
     print(f"wrote {args.out} ({written:,} bytes) in {seconds:.2f} s")

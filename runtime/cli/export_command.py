@@ -18,9 +18,9 @@ from runtime.cli.progress import progress_bar
 from runtime.errors import InvalidArgumentError
 from runtime.export.budget import GB, plan
 from runtime.export.outputs import check_targets
-from runtime.export.settings import (ATTENTION_KERNELS, DEFAULT_PREFILL_WINDOW, KV_CACHE_DTYPES, KV_LAYOUTS, LORA_TARGETS,
-                                     MAX_DEFAULT_KV_LENGTH, NATIVE_BUNDLE, QUANTIZATIONS, ExportSettings,
-                                     default_kv_length, precision_name)
+from runtime.export.settings import (ATTENTION_KERNELS, DEFAULT_PREFILL_WINDOW, KV_CACHE_DTYPES, KV_LAYOUTS,
+                                     LORA_DTYPES, LORA_TARGETS, MAX_DEFAULT_KV_LENGTH, NATIVE_BUNDLE, QUANTIZATIONS,
+                                     ExportSettings, default_kv_length, precision_name)
 from runtime.export.source import inspect_source, supported_architectures
 from runtime.util.native_logs import muted_native_logs
 
@@ -70,6 +70,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "float16 when written; where the attention kernel cannot run, the standard form converts "
                         "the whole cache every step (slower than float32 there); a --bundle keeps float32 caches. "
                         "docs/kernels.md")
+    parser.add_argument("--lora-dtype", choices=LORA_DTYPES, default=defaults.lora_dtype,
+                        help="the LoRA slots' factor inputs (A and B): float32 (the default), or float16: half the "
+                        "memory a resident adapter takes and half what a batch of sessions with distinct adapters "
+                        "reads per step, the adapter's weights rounded to float16 when loaded; a --bundle keeps "
+                        "float32 factors. docs/kernels.md")
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=defaults.attention_kernel,
                         help="auto (the default): each decode signature's attention in standard ops and, beside "
                         "them in the same file sharing every weight, as one custom op per layer whose kernel the "
@@ -185,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         score_lengths=parse_integers("--score-lengths", args.score_lengths),
         attention_kernel=args.attention_kernel,
         kv_cache_dtype=args.kv_cache_dtype,
+        lora_dtype=args.lora_dtype,
     )
     targets = [path for _, *paths in outputs for path in paths if path is not None]
     check_targets(targets)

@@ -119,6 +119,16 @@ def _attention_form(path: Path, header: memoryview) -> str:
     return "xnnpack (standard ops)"
 
 
+def _slots(spec: ModelSpec) -> str:
+    """The LoRA slots line: the slots, their inputs' types and what an adapter holds in each."""
+    if not spec.slots:
+        return "  LoRA slots none"
+    inputs = {slot: spec.slot_inputs(slot).values() for slot in spec.slots}
+    types = "/".join(sorted({str(tensor.dtype) for tensors in inputs.values() for tensor in tensors}))
+    held = " / ".join(f"{sum(tensor.nbytes for tensor in tensors):,}" for tensors in inputs.values())
+    return f"  LoRA slots {', '.join(map(str, spec.slots))} ({types}; {held} bytes a resident adapter)"
+
+
 def describe_model(path: Path, spec: ModelSpec, attention: str) -> str:
     """A model's signatures and inputs, marking the LoRA inputs; ``attention``: how its
     decode attention runs on this machine (:func:`_read_model`)."""
@@ -129,7 +139,7 @@ def describe_model(path: Path, spec: ModelSpec, attention: str) -> str:
         f"{spec.kv_cache_bytes:,} bytes per session)",
         f"  prefill lengths {list(spec.prefill_lengths)}"
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
-        f"  LoRA slots {', '.join(map(str, spec.slots)) or 'none'}",
+        _slots(spec),
         f"  base weights map {_weights_map(path)}",
         f"  decode attention {attention}",
     ]

@@ -381,9 +381,9 @@ def _batch_signature(key: str, named: SignatureName, ins: Mapping[str, TensorSpe
     _rows(key, ins, rows, source)  # every other input is a row's KV cache
     stacked = {name: spec for name, spec in ins.items() if is_lora_input_name(name)}
     for name, spec in stacked.items():
-        if spec.shape[:1] != (rows,) or spec.dtype != np.float32:
+        if spec.shape[:1] != (rows,) or spec.dtype not in (np.float32, np.float16):
             raise InvalidArgumentError(f"{source}: signature {key!r} input {name!r} is {_shape(spec)}, expected "
-                                       f"[{rows}, ...] float32: the rows' LoRA weights stacked")
+                                       f"[{rows}, ...] float32 or float16: the rows' LoRA weights stacked")
     lora_slot = _lora_slot(key, {name: TensorSpec(name, spec.shape[1:], spec.dtype)
                                  for name, spec in stacked.items()}, source)
     if named.lora_slot != lora_slot:

@@ -19,6 +19,7 @@ from runtime.export.source import Source
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import rewrite_attention
 from runtime.util.kv_cache_precision import kv_caches_to_float16
+from runtime.util.lora_precision import lora_factors_to_float16
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,8 @@ def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None
         model = flatbuffer_model.unpack(flatbuffer)
         if settings.kv_cache_dtype == "float16":
             kv_caches_to_float16(model)
+        if settings.lora_dtype == "float16":
+            lora_factors_to_float16(model)
         if settings.op_form:
             rewrite_attention(model, keep_standard=settings.attention_kernel == "auto")
         flatbuffer = flatbuffer_model.pack(model)
@@ -250,6 +253,7 @@ class _Job:
             graph_passes=tuple(
                 finish.GraphPasses("" if len(self.precisions) == 1 else f" ({precision.quantize})", file,
                                    kv_cache_float16=self.settings.kv_cache_dtype == "float16",
+                                   lora_float16=self.settings.lora_dtype == "float16",
                                    attention=None if not self.settings.op_form else finish.BOTH_FORMS
                                    if self.settings.attention_kernel == "auto" else finish.NATIVE_KERNEL,
                                    standard_copy=None if bundle_model == file else bundle_model)

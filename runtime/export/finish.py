@@ -30,6 +30,7 @@ from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import rewrite_attention
 from runtime.util.flatbuffer_model import FLATBUFFER_LIMIT
 from runtime.util.kv_cache_precision import kv_caches_to_float16
+from runtime.util.lora_precision import lora_factors_to_float16
 
 BOTH_FORMS, NATIVE_KERNEL = "both forms", "native kernel"  # GraphPasses.attention
 
@@ -48,7 +49,8 @@ class Quantized:
 class GraphPasses:
     """The passes over a model file's graph after quantizing, in one read and one write:
     its KV caches stored in float16 (``kv_cache_float16``, runtime.util.kv_cache_precision),
-    then its decode attention given the custom-op form (runtime.util.attention_rewrite)
+    its LoRA factors in float16 (``lora_float16``, runtime.util.lora_precision), then its
+    decode attention given the custom-op form (runtime.util.attention_rewrite)
     beside the standard form (``attention`` "both forms"), in its place ("native kernel"), or
     not (None). ``standard_copy``: where the file as quantized goes first (a bundle's model,
     made from it: standard ops, float32 caches), or None. ``suffix`` ends the stage's name."""
@@ -57,12 +59,13 @@ class GraphPasses:
     file: Path
     kv_cache_float16: bool
     attention: str | None
+    lora_float16: bool = False
     standard_copy: Path | None = None
 
     @property
     def name(self) -> str:
         """The stage's name."""
-        done = ["KV caches to float16"] * self.kv_cache_float16
+        done = ["KV caches to float16"] * self.kv_cache_float16 + ["LoRA factors to float16"] * self.lora_float16
         done += [f"rewrite decode attention ({self.attention})"] * (self.attention is not None)
         return ", ".join(done) + self.suffix
 
@@ -110,9 +113,10 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
     del flatbuffer
     for passes in finish.graph_passes:
         if passes.file.stat().st_size >= FLATBUFFER_LIMIT:
-            if passes.kv_cache_float16:
+            if passes.kv_cache_float16 or passes.lora_float16:
                 raise InvalidArgumentError(f"{passes.file.name}: {passes.file.stat().st_size:,} bytes; float16 KV "
-                                           "caches are written by a pass that makes one flatbuffer, at most 2 GB")
+                                           "caches and LoRA factors are written by a pass that makes one flatbuffer, "
+                                           "at most 2 GB")
             # The attention pass likewise: a larger model keeps its standard form alone.
             if passes.standard_copy is not None:
                 shutil.copyfile(passes.file, passes.standard_copy)
@@ -121,6 +125,8 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
         model = flatbuffer_model.unpack(passes.file.read_bytes())
         if passes.kv_cache_float16:
             kv_caches_to_float16(model)
+        if passes.lora_float16:
+            lora_factors_to_float16(model)
         if passes.attention is not None:
             rewrite_attention(model, keep_standard=passes.attention == BOTH_FORMS)
         if passes.standard_copy is not None:

@@ -24,6 +24,7 @@ KV_LAYOUTS = ("default", "transposed")
 # custom op only (a model that opens only where the kernel builds).
 ATTENTION_KERNELS = ("auto", "xnnpack", "native")
 KV_CACHE_DTYPES = ("float32", "float16")
+LORA_DTYPES = ("float32", "float16")
 NATIVE_BUNDLE = ("--attention-kernel native with --bundle: a .litertlm bundle is for LiteRT-LM, which runs standard "
                  "ops only (it has no kernel for the runtime's custom op); export the bundle with --attention-kernel "
                  "auto (the default: the bundle gets the standard form) or xnnpack")
@@ -147,6 +148,12 @@ class ExportSettings:
     # rows rounded to float16 once, when written (runtime.util.kv_cache_precision); the
     # graph still computes in float32. A .litertlm bundle keeps float32 caches.
     kv_cache_dtype: str = "float32"
+    # A key of LORA_DTYPES: the element type of every signature's LoRA factor inputs (A and
+    # B; DoRA's scales stay float32). "float16" halves what a resident adapter holds and what
+    # a batch of rows with distinct adapters reads per step, the adapter's weights rounded to
+    # float16 once, when loaded (runtime.util.lora_precision); the graph still computes in
+    # float32. A .litertlm bundle keeps float32 factors.
+    lora_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.kv_length, int) or self.kv_length < 2:
@@ -214,6 +221,11 @@ class ExportSettings:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidArgumentError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise InvalidArgumentError(f"lora_dtype={self.lora_dtype!r}: expected one of {', '.join(LORA_DTYPES)}")
+        if self.lora_dtype == "float16" and not (self.lora_ranks or self.dora_ranks):
+            raise InvalidArgumentError("lora_dtype float16 with no LoRA slot: there are no LoRA factors to store "
+                                       "(give lora_ranks or dora_ranks)")
         if self.attention_kernel == "native" and self.kv_layout != "transposed":
             raise InvalidArgumentError(
                 f"attention kernel native with kv_layout {self.kv_layout!r}: the kernel reads the transposed layout "
@@ -228,8 +240,8 @@ class ExportSettings:
     @property
     def graph_passes(self) -> bool:
         """Whether the .tflite files get a pass over their graph after quantizing: the
-        attention's op form (:attr:`op_form`), float16 caches, or both."""
-        return self.op_form or self.kv_cache_dtype == "float16"
+        attention's op form (:attr:`op_form`), float16 caches, float16 LoRA factors."""
+        return self.op_form or self.kv_cache_dtype == "float16" or self.lora_dtype == "float16"
 
     @property
     def batch_ranks(self) -> tuple[int, ...]:

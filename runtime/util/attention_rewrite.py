@@ -110,7 +110,7 @@ def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> d
     (:mod:`runtime.util.kv_cache_precision`, run before) are read by the op as they are.
     ``InvalidArgumentError`` when the model cannot be rewritten (no decode signature in the
     transposed layout, an attention chain of another form, already rewritten), naming why."""
-    if any(_ours(code) for code in model.operatorCodes or ()):
+    if runs_our_ops(model):
         raise InvalidArgumentError(f"the model already runs one of {', '.join(OUR_OPS)}")
     keys = [sig.signatureKey.decode() for sig in model.signatureDefs or () if sig.signatureKey.startswith(b"decode")]
     if not keys:
@@ -178,6 +178,12 @@ def standard_form_only(model: schema.ModelT) -> bool:
     return True
 
 
+def runs_our_ops(model: schema.ModelT) -> bool:
+    """Whether ``model`` (object form) runs any of :data:`OUR_OPS` (the passes that store
+    inputs in float16 run before the op form is made)."""
+    return any(_ours(code) for code in model.operatorCodes or ())
+
+
 def _ours(code: schema.OperatorCodeT) -> bool:
     """Whether an operator code is one of :data:`OUR_OPS` (str where appended here, bytes where read)."""
     name = code.customCode.decode(errors="replace") if isinstance(code.customCode, bytes) else code.customCode
@@ -230,9 +236,9 @@ def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
 
 def _stored(model: schema.ModelT, sub: schema.SubGraphT, index: int, consumers: dict[int, list[int]],
             producers: dict[int, int]) -> tuple[int, int | None]:
-    """The cache the op reads for the matmul operand ``index``: a float16 cache's, where
-    ``index`` is its conversion to float32 read by that matmul alone, with the converting
-    op (which the op form drops); else ``index`` itself and None."""
+    """The tensor an op reads for the matmul operand ``index``: a float16 one's (a KV cache,
+    a LoRA factor), where ``index`` is its conversion to float32 read by that matmul alone,
+    with the converting op (which the op form drops); else ``index`` itself and None."""
     j = producers.get(index)
     if j is None or len(consumers.get(index, ())) != 1 or _op_name(model, sub.operators[j]) != "DEQUANTIZE":
         return index, None
@@ -339,28 +345,40 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None
     ``BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)`` whose right operands are the signature's
     adapter inputs (``..._a_prime_weight_L`` [in, r] or [N, in, r], and its ``_b_`` twin
     [r, out] or [N, r, out]), as one ``odml_runtime.lora_delta(x, A, B)``: XNNPACK packs
-    such dynamic operands again at every step, the op reads them as they are. A matmul by
+    such dynamic operands again at every step, the op reads them as they are (float16
+    factors too, without their conversion to float32). A matmul by
     an adapter input that is not such a pair (transposed, h read elsewhere, other shapes or
     types) is refused, naming it."""
     inputs = set(int(i) for i in sub.inputs)
     outputs = set(int(i) for i in sub.outputs)
     consumers: dict[int, list[int]] = {}
+    producers: dict[int, int] = {}
     for j, op in enumerate(sub.operators):
         for i in op.inputs:
             consumers.setdefault(int(i), []).append(j)
+        for i in op.outputs:
+            producers[int(i)] = j
+
+    def factor(index: int) -> tuple[int, int | None]:
+        """The adapter input a matmul operand reads: float16 factors (lora_precision) through
+        the DEQUANTIZE this matmul alone reads, which the op form drops (with it)."""
+        source, convert = _stored(model, sub, index, consumers, producers)
+        return (source, convert) if source in inputs else (index, None)
+
     adapter = lambda index: index in inputs and b"_a_prime_weight" in (sub.tensors[index].name or b"")  # noqa: E731
     code, drop, replace = None, set(), {}
     for j, op in enumerate(sub.operators):
-        if _op_name(model, op) != "BATCH_MATMUL" or not adapter(int(op.inputs[1])):
+        a_index, a_convert = factor(int(op.inputs[1])) if len(op.inputs) == 2 else (-1, None)
+        if _op_name(model, op) != "BATCH_MATMUL" or not adapter(a_index):
             continue
-        x_index, a_index, h_index = int(op.inputs[0]), int(op.inputs[1]), int(op.outputs[0])
+        x_index, h_index = int(op.inputs[0]), int(op.outputs[0])
         a_name = sub.tensors[a_index].name
         where = f"{key}: the LoRA delta at op {j} ({a_name.decode(errors='replace')})"
         following = consumers.get(h_index, [])
         if len(following) != 1 or h_index in outputs:
             raise InvalidArgumentError(f"{where}: x.A is read elsewhere than by one matmul")
         second = sub.operators[following[0]]
-        b_index = int(second.inputs[1]) if len(second.inputs) == 2 else -1
+        b_index, b_convert = factor(int(second.inputs[1])) if len(second.inputs) == 2 else (-1, None)
         if _op_name(model, second) != "BATCH_MATMUL" or int(second.inputs[0]) != h_index or b_index not in inputs \
                 or sub.tensors[b_index].name != a_name.replace(b"_a_prime_weight", b"_b_prime_weight"):
             raise InvalidArgumentError(f"{where}: x.A is not multiplied by its B input next")
@@ -368,8 +386,10 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None
                                                   or getattr(o.builtinOptions, "adjY", False)) for o in (op, second)):
             raise InvalidArgumentError(f"{where}: a transposed operand")
         out_index = int(second.outputs[0])
-        if any(sub.tensors[i].type != _FLOAT32 for i in (x_index, a_index, b_index, h_index, out_index)):
-            raise InvalidArgumentError(f"{where}: not float32")
+        if any(sub.tensors[i].type != _FLOAT32 for i in (x_index, h_index, out_index)) \
+                or sub.tensors[a_index].type != sub.tensors[b_index].type \
+                or sub.tensors[a_index].type not in (_FLOAT32, schema.TensorType.FLOAT16):
+            raise InvalidArgumentError(f"{where}: not float32 (A and B: both float32 or both float16)")
         x, a, b, h, out = (_shape(sub, i) for i in (x_index, a_index, b_index, h_index, out_index))
         batched = len(a) == 3 and len(x) == 3 and a[0] == x[0] and b[:1] == (x[0],)
         if not (len(a) == 2 or batched) or len(b) != len(a) or a[-2] != x[-1] or b[-2] != a[-1] \
@@ -383,6 +403,7 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None
         custom.inputs, custom.outputs = [x_index, a_index, b_index], [out_index]
         custom.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
         drop.add(j)
+        drop.update(k for k in (a_convert, b_convert) if k is not None)
         replace[following[0]] = custom
     sub.operators = [replace.get(j, op) for j, op in enumerate(sub.operators) if j not in drop]
 

@@ -44,7 +44,8 @@ from runtime.util.attention_rewrite import DECODE_ATTENTION, LINEAR_ROWS, LORA_D
 from runtime.util.cache_dir import runtime_cache_dir
 
 _P = ctypes.c_void_p
-_FLOAT32, _FLOAT16 = 1, 10  # LiteRtElementType: the caches' types the kernel reads (q and the rest: float32)
+# LiteRtElementType: the KV caches' and LoRA factors' types the kernels read (the rest: float32).
+_FLOAT32, _FLOAT16 = 1, 10
 # Compiled together into one library (one build, one load, one cache entry for both ops),
 # with the header both include (the LiteRT types, the context, the failure protocol).
 _SOURCES = ("decode_attention.c", "lora_delta.c", "linear_rows.c")
@@ -64,7 +65,8 @@ _LORA_FAILURES = {1: "the op's inputs and outputs are not the 3 and 1 it takes",
                   2: "LiteRT gave no host memory or type for a tensor buffer",
                   3: "the tensors' shapes do not fit x [..., in] by A [in, r] and B [r, out] "
                      "(or x [N, M, in] by A [N, in, r] and B [N, r, out])",
-                  4: "a tensor is not float32"}
+                  4: "x or the output is not float32, or A and B are not both float32 or both float16 (a "
+                     "compiler without _Float16 builds a float32 kernel alone)"}
 _LINEAR_FAILURES = {1: "the op's inputs and outputs are not the 2 and 1 it takes",
                     2: "LiteRT gave no host memory or type for a tensor buffer",
                     3: "the tensors' shapes do not fit x [..., K] by W [N, K] into [..., N]",
@@ -301,8 +303,11 @@ def _check_lora_node(node: CustomNode) -> str | None:
         return f"{len(node.inputs)} inputs and {len(node.outputs)} outputs (expected 3: x, A, B; and 1)"
     if any(t is None for t in (*node.inputs, *node.outputs)):
         return "an unranked tensor (expected every shape known)"
-    if any(element != _FLOAT32 for element, _ in (*node.inputs, *node.outputs)):
-        return "x, A, B or the output not float32"
+    (x_type, a_type, b_type), (out_type,) = [e for e, _ in node.inputs], [e for e, _ in node.outputs]
+    if x_type != _FLOAT32 or out_type != _FLOAT32:
+        return "x or the output not float32"
+    if a_type != b_type or a_type not in (_FLOAT32, _FLOAT16):
+        return "A and B not both float32 or both float16"
     (x, a, b), (out,) = [s for _, s in node.inputs], [s for _, s in node.outputs]
     expected = "x [..., in], A [in, r], B [r, out]; or x [N, M, in], A [N, in, r], B [N, r, out]"
     if not x or len(a) not in (2, 3) or len(b) != len(a) or a[-2] != x[-1] or b[-2] != a[-1] \

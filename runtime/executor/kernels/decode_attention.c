@@ -23,9 +23,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 #include "kernel_api.h"
 
 Status attention_init(void *user, const void *data, size_t size) { return 0; }
@@ -50,38 +47,7 @@ static int64_t elements(const TensorType *t) {
 #define MAX_STACK_SCORES 16384
 /* Vectorized with kernel_api.h's W-float vectors: exp is a polynomial (no libm call per
  * score), and the heads of a group share each load of K and V. */
-typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
-
-static inline vf loadv(const float *p) { return *(const vf *)p; }
-/* float16 caches where the compiler has _Float16 (GCC 12 on x86; an older one builds the
- * float32 kernel alone, which refuses them). */
-#ifdef __FLT16_MAX__
-#define F16_CACHES 1
-typedef uint16_t vu __attribute__((vector_size(2 * W), aligned(2), may_alias));
-/* W halves as W floats: one vcvtph2ps where the build has it (AVX-512's for 16, F16C's for 8).
- * Else in integer steps on the bits (GCC converts a vector of _Float16 lane by lane, by a
- * library call a lane without F16C: the plain build ran 22x slower than on f32 caches):
- * exponent and mantissa moved into place and rebased; Inf and NaN get the top exponent;
- * zero and subnormals, a normal with its exponent one up less 2^-14, which renormalizes. */
-static inline vf loadh(const _Float16 *p) {
-#if W == 16
-  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#elif W == 8 && defined(__F16C__)
-  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#else
-  const vi h = __builtin_convertvector(*(const vu *)p, vi), top = (vi){0} + (0x7c00 << 13);
-  vi o = (h & 0x7fff) << 13;
-  const vi e = o & top, tiny = e == 0;
-  o += (127 - 15) << 23;
-  o += (e == top) & ((128 - 16) << 23);
-  const vi renormalized = (vi)((vf)(o + (1 << 23)) - (vf)((vi){0} + (113 << 23)));
-  return (vf)(((o & ~tiny) | (renormalized & tiny)) | ((h & 0x8000) << 16));
-#endif
-}
-#else
-#define F16_CACHES 0
-#endif
 /* A tree of halvings, not W dependent scalar adds. */
 static inline float hsumv(vf a) {
 #if W == 16
@@ -316,7 +282,7 @@ static inline vf sumsv(const vf *a) {
     else vpass_##E##_any(Vg, scores, T, S, H, D, lo, n, og);                                   \
   }
 PASSES(f32, float, loadv, 0)
-#if F16_CACHES
+#if F16_TENSORS
 PASSES(f16, _Float16, loadh, 1)
 #endif
 
@@ -356,9 +322,9 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
     return E_BUFFER;
   /* float32 (kLiteRtElementTypeFloat32 = 1) but for the caches, float32 or float16 (10) both */
   if (qt.element != 1 || mt.element != 1 || pt.element != 1 || ot.element != 1 || kt.element != vt.element ||
-      (kt.element != 1 && !(F16_CACHES && kt.element == 10)))
+      (kt.element != 1 && !(F16_TENSORS && kt.element == 10)))
     return E_TYPES;
-#if F16_CACHES
+#if F16_TENSORS
   const int half = kt.element == 10;
 #endif
   if (rank(&qt) != 4 || rank(&kt) != 4 || rank(&vt) != 4 || qt.layout.dims[0] != 1) return E_SHAPES;
@@ -384,7 +350,7 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
     const float *qg = q + (size_t)g * H * D;
     const size_t at = (size_t)g * T * D; /* the group's first element of K and of V */
     float *og = o + (size_t)g * H * D;
-#if F16_CACHES
+#if F16_TENSORS
     if (half) kpass_f16(fast, qg, (const _Float16 *)K + at, H, D, lo, hi, scale, scores, S);
     else
 #endif
@@ -417,7 +383,7 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
       float inv = 1.f / sum;
       for (i = 0; i < n; i++) s[i] *= inv;
     }
-#if F16_CACHES
+#if F16_TENSORS
     if (half) vpass_f16(fast, (const _Float16 *)V + at, scores, T, S, H, D, lo, n, og);
     else
 #endif

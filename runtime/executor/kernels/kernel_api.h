@@ -11,6 +11,9 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 typedef int Status;   /* LiteRtStatus: 0 ok, 1 invalid argument, 3 runtime failure */
 typedef void *Buffer; /* LiteRtTensorBuffer */
@@ -58,6 +61,38 @@ static inline Status failed(Context *c, int code, size_t n_out, Buffer *out) {
 #endif
 typedef float vf __attribute__((vector_size(4 * W), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+typedef int32_t vi __attribute__((vector_size(4 * W), aligned(4)));
+static inline vf loadv(const float *p) { return *(const vf *)p; }
+
+/* float16 tensors (KV caches, LoRA factors) where the compiler has _Float16 (GCC 12 on x86;
+ * an older one builds float32 kernels alone, which refuse them). */
+#ifdef __FLT16_MAX__
+#define F16_TENSORS 1
+typedef uint16_t vu __attribute__((vector_size(2 * W), aligned(2), may_alias));
+/* W halves as W floats: one vcvtph2ps where the build has it (AVX-512's for 16, F16C's for 8).
+ * Else in integer steps on the bits (GCC converts a vector of _Float16 lane by lane, by a
+ * library call a lane without F16C: the plain build ran 22x slower than on f32 caches):
+ * exponent and mantissa moved into place and rebased; Inf and NaN get the top exponent;
+ * zero and subnormals, a normal with its exponent one up less 2^-14, which renormalizes. */
+static inline vf loadh(const _Float16 *p) {
+#if W == 16
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif W == 8 && defined(__F16C__)
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+  const vi h = __builtin_convertvector(*(const vu *)p, vi), top = (vi){0} + (0x7c00 << 13);
+  vi o = (h & 0x7fff) << 13;
+  const vi e = o & top, tiny = e == 0;
+  o += (127 - 15) << 23;
+  o += (e == top) & ((128 - 16) << 23);
+  const vi renormalized = (vi)((vf)(o + (1 << 23)) - (vf)((vi){0} + (113 << 23)));
+  return (vf)(((o & ~tiny) | (renormalized & tiny)) | ((h & 0x8000) << 16));
+#endif
+}
+#else
+#define F16_TENSORS 0
+#endif
 
 /* A prefetch the compiler keeps: GCC -O3 deletes a loop of nothing but __builtin_prefetch (it
  * has no effect the program can see), so on x86 the instruction is asked for in an asm. */

@@ -6,7 +6,7 @@
  * whose right operands are signature inputs (the adapter's weights), so XNNPACK packs both
  * of them again at every step; a rank-r delta is only r * (in + out) multiply-adds a row.
  *
- * Inputs: x f32, A f32, B f32; output f32. Either
+ * Inputs: x f32, A and B both f32 or both f16 (read as f32); output f32. Either
  *   A [in, r], B [r, out]: x any rank, its last axis `in`, every row by the same A and B
  *     (a single-row decode's x [1, in]); the output x's shape with `out` last;
  *   or A [N, in, r], B [N, r, out], x [N, M, in]: row n by its own A and B (a batched
@@ -29,57 +29,84 @@ Status lora_layouts(void *user, size_t n_in, const Layout *in, size_t n_out, Lay
   return 0;
 }
 
-/* h[0..r) = x . A for A [in, r] row-major: each x[i] scales A's row i. Where r is a multiple
- * of 8, 8 lanes of h at a time (one AVX register; r is 4-64 in practice, under one AVX-512
- * register's 16 floats at 8), four rows of A in flight so the adds do not wait on each other. */
-static void down(const float *x, const float *A, int in, int r, float *h) {
-  if (r % 8 == 0) {
-    for (int k = 0; k < r; k += 8) {
-      v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-      int i = 0;
-      for (; i + 4 <= in; i += 4) {
-        const float *row = A + (size_t)i * r + k;
-        a0 += x[i] * *(const v8 *)row;
-        a1 += x[i + 1] * *(const v8 *)(row + r);
-        a2 += x[i + 2] * *(const v8 *)(row + 2 * r);
-        a3 += x[i + 3] * *(const v8 *)(row + 3 * r);
-      }
-      for (; i < in; i++) a0 += x[i] * *(const v8 *)(A + (size_t)i * r + k);
-      *(v8 *)(h + k) = (a0 + a1) + (a2 + a3);
-    }
-    return;
-  }
-  for (int k = 0; k < r; k++) h[k] = 0.f;
-  for (int i = 0; i < in; i++)
-    for (int k = 0; k < r; k++) h[k] += x[i] * A[(size_t)i * r + k];
+/* 8 factors as 8 floats: float32 as they lie; float16 by one vcvtph2ps (F16C; a build
+ * without it converts lane by lane, correct and slow: the runtime builds with it). */
+static inline v8 load8f(const float *p) { return *(const v8 *)p; }
+#if F16_TENSORS
+typedef _Float16 h8 __attribute__((vector_size(16), aligned(2)));
+static inline v8 load8h(const _Float16 *p) {
+#if defined(__F16C__)
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+  return __builtin_convertvector(*(const h8 *)p, v8);
+#endif
 }
+#endif
 
-/* o[0..out) = h . B for B [r, out] row-major: W outputs at a time, the r rows of B each
+/* The two products over factors of element type ET (float32, or float16 read as float32:
+ * half the bytes of a batch's stacked adapters; every sum is float32), LOAD8 reading 8 of
+ * them as a v8, LOADW W of them as a vf.
+ *
+ * down: h[0..r) = x . A for A [in, r] row-major: each x[i] scales A's row i. Where r is a
+ * multiple of 8, 8 lanes of h at a time (one AVX register; r is 4-64 in practice, under one
+ * AVX-512 register's 16 floats at 8), four rows of A in flight so the adds do not wait on
+ * each other.
+ * up: o[0..out) = h . B for B [r, out] row-major: W outputs at a time, the r rows of B each
  * scaled by its h[k]. */
-static void up(const float *h, const float *B, int r, int out, float *o) {
-  int j = 0;
-  for (; j + W <= out; j += W) {
-    vf acc = h[0] * *(const vf *)(B + j);
-    for (int k = 1; k < r; k++) acc += h[k] * *(const vf *)(B + (size_t)k * out + j);
-    *(vf *)(o + j) = acc;
+#define LORA_PASSES(SUF, ET, LOAD8, LOADW)                                                     \
+  static void down_##SUF(const float *x, const ET *A, int in, int r, float *h) {               \
+    if (r % 8 == 0) {                                                                         \
+      for (int k = 0; k < r; k += 8) {                                                        \
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                            \
+        int i = 0;                                                                            \
+        for (; i + 4 <= in; i += 4) {                                                         \
+          const ET *row = A + (size_t)i * r + k;                                              \
+          a0 += x[i] * LOAD8(row);                                                            \
+          a1 += x[i + 1] * LOAD8(row + r);                                                    \
+          a2 += x[i + 2] * LOAD8(row + 2 * r);                                                \
+          a3 += x[i + 3] * LOAD8(row + 3 * r);                                                \
+        }                                                                                     \
+        for (; i < in; i++) a0 += x[i] * LOAD8(A + (size_t)i * r + k);                        \
+        *(v8 *)(h + k) = (a0 + a1) + (a2 + a3);                                               \
+      }                                                                                       \
+      return;                                                                                 \
+    }                                                                                         \
+    for (int k = 0; k < r; k++) h[k] = 0.f;                                                   \
+    for (int i = 0; i < in; i++)                                                              \
+      for (int k = 0; k < r; k++) h[k] += x[i] * (float)A[(size_t)i * r + k];                 \
+  }                                                                                           \
+  static void up_##SUF(const float *h, const ET *B, int r, int out, float *o) {               \
+    int j = 0;                                                                                \
+    for (; j + W <= out; j += W) {                                                            \
+      vf acc = h[0] * LOADW(B + j);                                                           \
+      for (int k = 1; k < r; k++) acc += h[k] * LOADW(B + (size_t)k * out + j);               \
+      *(vf *)(o + j) = acc;                                                                   \
+    }                                                                                         \
+    for (; j < out; j++) {                                                                    \
+      float s = 0.f;                                                                          \
+      for (int k = 0; k < r; k++) s += h[k] * (float)B[(size_t)k * out + j];                  \
+      o[j] = s;                                                                               \
+    }                                                                                         \
   }
-  for (; j < out; j++) {
-    float s = 0.f;
-    for (int k = 0; k < r; k++) s += h[k] * B[(size_t)k * out + j];
-    o[j] = s;
-  }
-}
+
+LORA_PASSES(f32, float, load8f, loadv)
+#if F16_TENSORS
+LORA_PASSES(f16, _Float16, load8h, loadh)
+#endif
 
 #define MAX_RANK 1024
 static int delta(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
   if (n_in != 3 || n_out != 1) return E_ARGUMENTS;
   TensorType xt, at, bt, ot;
-  float *x, *A, *B, *o;
+  float *x, *o;
+  void *A, *B;
   if (c->tensor_type(in[0], &xt) || c->tensor_type(in[1], &at) || c->tensor_type(in[2], &bt) ||
-      c->tensor_type(out[0], &ot) || c->host_memory(in[0], (void **)&x) || c->host_memory(in[1], (void **)&A) ||
-      c->host_memory(in[2], (void **)&B) || c->host_memory(out[0], (void **)&o))
+      c->tensor_type(out[0], &ot) || c->host_memory(in[0], (void **)&x) || c->host_memory(in[1], &A) ||
+      c->host_memory(in[2], &B) || c->host_memory(out[0], (void **)&o))
     return E_BUFFER;
-  if (xt.element != 1 || at.element != 1 || bt.element != 1 || ot.element != 1) return E_TYPES;
+  if (xt.element != 1 || ot.element != 1 || at.element != bt.element ||
+      (at.element != 1 && !(F16_TENSORS && at.element == 10)))
+    return E_TYPES;
   const int xr = layout_rank(&xt.layout), ar = layout_rank(&at.layout);
   if (xr < 1 || (ar != 2 && ar != 3) || layout_rank(&bt.layout) != ar || layout_rank(&ot.layout) != xr) return E_SHAPES;
   const int *xd = xt.layout.dims, *ad = at.layout.dims, *bd = bt.layout.dims, *od = ot.layout.dims;
@@ -97,11 +124,18 @@ static int delta(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer
   const int64_t per = rows / N; /* rows of x by each adapter */
   float h[MAX_RANK] __attribute__((aligned(32)));
   for (int n = 0; n < N; n++) {
-    const float *An = A + (size_t)n * n_in_ * r, *Bn = B + (size_t)n * r * n_out_;
+    const size_t a_at = (size_t)n * n_in_ * r, b_at = (size_t)n * r * n_out_;
     for (int64_t m = 0; m < per; m++) {
       const int64_t row = n * per + m;
-      down(x + row * n_in_, An, n_in_, r, h);
-      up(h, Bn, r, n_out_, o + row * n_out_);
+#if F16_TENSORS
+      if (at.element == 10) {
+        down_f16(x + row * n_in_, (const _Float16 *)A + a_at, n_in_, r, h);
+        up_f16(h, (const _Float16 *)B + b_at, r, n_out_, o + row * n_out_);
+        continue;
+      }
+#endif
+      down_f32(x + row * n_in_, (const float *)A + a_at, n_in_, r, h);
+      up_f32(h, (const float *)B + b_at, r, n_out_, o + row * n_out_);
     }
   }
   return 0;
