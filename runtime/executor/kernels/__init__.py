@@ -198,10 +198,12 @@ def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path
 # kernel's at 128 / 1,024 / 4,096 positions (0.50x / 0.34x / 0.38x the other way round), and a
 # whole int8 step at position 10 of a 4,096-position cache (44.8 ms against 7.8 ms; docs/kernels.md).
 # With float16 caches the standard form also converts the whole cache to float32 at every step:
-# SmolLM2-135M f32 at 4,096 positions, 113 ms a step against 69 with float32 caches (docs/kernels.md).
+# SmolLM2-135M f32 at 4,096 positions, 113 ms a step against 69 with float32 caches (docs/kernels.md);
+# float16 LoRA factors likewise: 8 int8 rows with distinct rank-8 adapters 1.10x the step with float32 ones.
 STANDARD_FORM_COST = ("its attention takes 2-3x the kernel's time and reads the whole cache at every step "
                       "(a short session in a 4,096-position cache: ~5x a whole int8 step of SmolLM2-135M; "
-                      "float16 caches are converted whole at every step, ~1.6x a float32 cache's step)")
+                      "float16 caches are converted whole at every step, ~1.6x a float32 cache's step; "
+                      "float16 LoRA factors too, ~1.1x)")
 
 
 def load_for_this_cpu() -> tuple[ctypes.CDLL | None, str]:
