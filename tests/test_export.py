@@ -519,38 +519,36 @@ def test_float16_caches_keep_the_float32_exports_tokens_and_the_bundle_keeps_flo
     assert np.abs(want - got).max() <= 0.01 * np.ptp(want)
 
 
-def test_float16_lora_factors_halve_an_adapters_bytes_and_the_bundle_keeps_float32(tmp_path: Path) -> None:
-    """--lora-dtype float16 with both attention forms, batched rows and a bundle: the model
-    file's every LoRA factor input float16 (one stage after quantizing), nothing else changed;
-    with a PEFT adapter its greedy tokens those of the float32 export, logits within 1% of
-    their range; the bundle's model keeps float32 factors."""
+def test_float16_lora_factors_are_a_stage_of_their_own_and_the_bundle_keeps_float32(tmp_path: Path) -> None:
+    """--lora-dtype float16 with both attention forms, batched rows and a bundle, in one
+    export: a stage after quantizing; the model file's every LoRA factor input float16 and
+    every other input as the bundle's model (the file before the passes) has it, whose factors
+    stay float32; a PEFT adapter runs on it. (What the factors compute: test_lora_precision.py,
+    on the committed exports.)"""
     from runtime.util.litertlm_bundle import LitertLmBundle
     from runtime.util.lora_precision import is_lora_factor
     from runtime.util.model_view import signature_details
 
     model_dir = checkpoints.write_llama_directory(tmp_path / "llama")
-    source = inspect_source(model_dir)
-    adapter = write_peft_adapter(model_dir, tmp_path / "adapter")
-    common = dict(kv_length=32, prefill_lengths=(8,), lora_ranks=(4,), batch_sizes=(2,))
-    export(source, ExportSettings(**common), model_out=tmp_path / "f32.tflite", jobs=1)
-    report = export(source, ExportSettings(**common, lora_dtype="float16"), model_out=tmp_path / "lf16.tflite",
+    settings = ExportSettings(kv_length=32, prefill_lengths=(8,), lora_ranks=(4,), batch_sizes=(2,),
+                              lora_dtype="float16")
+    report = export(inspect_source(model_dir), settings, model_out=tmp_path / "lf16.tflite",
                     bundle_out=tmp_path / "lf16.litertlm", jobs=1)
     assert "LoRA factors to float16, rewrite decode attention (both forms)" in report.stage_seconds
 
-    def types(model: bytes) -> dict[bool, set[str]]:  # factor or not -> the inputs' types
-        found: dict[bool, set[str]] = {True: set(), False: set()}
-        for inputs, _ in signature_details(model).values():
-            for name, detail in inputs.items():
-                found[is_lora_factor(name.encode())].add(str(np.dtype(detail["dtype"])))
-        return found
+    def types(model: bytes) -> dict[str, str]:  # every signature input -> its type
+        return {f"{key}/{name}": str(np.dtype(detail["dtype"])) for key, (inputs, _) in signature_details(model).items()
+                for name, detail in inputs.items()}
 
-    before, after = types((tmp_path / "f32.tflite").read_bytes()), types((tmp_path / "lf16.tflite").read_bytes())
-    assert before[True] == {"float32"} and after[True] == {"float16"} and after[False] == before[False]
     with LitertLmBundle(tmp_path / "lf16.litertlm") as bundle:
-        assert types(bytes(bundle.section_bytes(bundle.model_section())))[True] == {"float32"}
-    want, got = runtime_logits(tmp_path / "f32.tflite", adapter), runtime_logits(tmp_path / "lf16.tflite", adapter)
-    assert (want.argmax(-1) == got.argmax(-1)).all()
-    assert np.abs(want - got).max() <= 0.01 * np.ptp(want)
+        before = types(bytes(bundle.section_bytes(bundle.model_section())))
+    after = types((tmp_path / "lf16.tflite").read_bytes())
+    factor = lambda key: is_lora_factor(key.split("/")[1].encode())  # noqa: E731
+    assert before.keys() == after.keys() and any(factor(key) for key in after)
+    assert all((after[key], before[key]) == ("float16", "float32") if factor(key) else after[key] == before[key]
+               for key in after)
+    logits = runtime_logits(tmp_path / "lf16.tflite", write_peft_adapter(model_dir, tmp_path / "adapter"))
+    assert np.isfinite(logits).all()
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

@@ -7,6 +7,7 @@ loglikelihood is within 1e-4 of the engine's own log-softmax."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # ~3 minutes: lm-eval's own start-up per evaluation
+pytestmark = pytest.mark.slow  # ~35 s: a server, lm-eval's start-up, and its CLI once
 if importlib.util.find_spec("lm_eval.evaluator") is None:  # a submodule: tests/lm_eval/ alone is a namespace package
     pytest.skip("lm-eval is not installed (the eval extra)", allow_module_level=True)
 pytest.importorskip("uvicorn")
@@ -102,12 +103,20 @@ def from_the_repository(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-def evaluate(model: str, model_args: str, tasks: list[str], **options) -> dict:
-    from lm_eval import simple_evaluate
+@functools.cache
+def local_tasks():
+    """lm-eval's task index of ``tests/lm_eval/`` alone, made once: indexing lm-eval's own
+    thousands of tasks as well took most of each evaluation's start-up (~10 s)."""
     from lm_eval.tasks import TaskManager
 
-    return simple_evaluate(model=model, model_args=model_args, tasks=tasks,
-                           task_manager=TaskManager(include_path=str(TASKS)), log_samples=True, **options)
+    return TaskManager(include_path=str(TASKS), include_defaults=False)
+
+
+def evaluate(model: str, model_args: str, tasks: list[str], **options) -> dict:
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=local_tasks(),
+                           log_samples=True, **options)
 
 
 def session(engine: Engine, adapter: str | None):
