@@ -20,7 +20,7 @@ from runtime.errors import InvalidArgumentError
 from runtime.executor.native import NativeModel
 from runtime.export.settings import ExportSettings
 from runtime.util import flatbuffer_model
-from runtime.util.attention_rewrite import (LORA_DELTA, _op_name, attention_forms, rewrite_decode_attention)
+from runtime.util.attention_rewrite import LORA_DELTA, _op_name, attention_forms, rewrite_decode_attention
 from runtime.util.lora_precision import is_lora_factor, lora_factors_to_float16
 from runtime.util.model_view import signature_details
 
