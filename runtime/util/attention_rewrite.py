@@ -368,8 +368,10 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None
     adapter = lambda index: index in inputs and b"_a_prime_weight" in (sub.tensors[index].name or b"")  # noqa: E731
     code, drop, replace = None, set(), {}
     for j, op in enumerate(sub.operators):
-        a_index, a_convert = factor(int(op.inputs[1])) if len(op.inputs) == 2 else (-1, None)
-        if _op_name(model, op) != "BATCH_MATMUL" or not adapter(a_index):
+        if _op_name(model, op) != "BATCH_MATMUL" or len(op.inputs) != 2:
+            continue
+        a_index, a_convert = factor(int(op.inputs[1]))
+        if not adapter(a_index):
             continue
         x_index, h_index = int(op.inputs[0]), int(op.outputs[0])
         a_name = sub.tensors[a_index].name
