@@ -29,7 +29,8 @@ from runtime.executor.native import NativeModel
 from runtime.executor.weight_cache import WeightCacheFile
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, LINEAR_ROWS, LORA_DELTA, OUR_OPS,
-                                            _op_name, attention_forms, custom_codes, rewrite_decode_attention)
+                                            attention_forms, custom_codes, rewrite_decode_attention)
+from runtime.util.graph_edit import op_name
 from runtime.util.signature_names import LoraSlot
 
 FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite"}
@@ -94,11 +95,11 @@ def test_the_op_form_runs_every_decode_lora_delta_as_the_op(rewritten):
             sub, before = model.subgraphs[sig.subgraphIndex], original.subgraphs[sig.subgraphIndex]
             adapters = lambda graph, op: any(b"_prime_weight" in (graph.tensors[i].name or b"")  # noqa: E731
                                              for i in op.inputs)
-            by_adapter = sum(1 for op in before.operators if _op_name(original, op) == "BATCH_MATMUL"
+            by_adapter = sum(1 for op in before.operators if op_name(original, op) == "BATCH_MATMUL"
                              and adapters(before, op))
             ops = sum(1 for op in sub.operators if model.operatorCodes[op.opcodeIndex].customCode
                       in (LORA_DELTA, LORA_DELTA.encode()))
-            left = sum(1 for op in sub.operators if _op_name(model, op) == "BATCH_MATMUL" and adapters(sub, op))
+            left = sum(1 for op in sub.operators if op_name(model, op) == "BATCH_MATMUL" and adapters(sub, op))
             if key.startswith("decode"):
                 assert by_adapter and (ops, left) == (by_adapter // 2, 0), key
             else:
@@ -114,10 +115,10 @@ def test_the_op_form_runs_the_decode_linear_layers_as_the_op(rewritten):
         for sig in model.signatureDefs:
             key = sig.signatureKey.decode()
             sub, before = model.subgraphs[sig.subgraphIndex], original.subgraphs[sig.subgraphIndex]
-            linears = [op for op in before.operators if _op_name(original, op) == "FULLY_CONNECTED"]
+            linears = [op for op in before.operators if op_name(original, op) == "FULLY_CONNECTED"]
             ops = [op for op in sub.operators if model.operatorCodes[op.opcodeIndex].customCode
                    in (LINEAR_ROWS, LINEAR_ROWS.encode())]
-            left = sum(1 for op in sub.operators if _op_name(model, op) == "FULLY_CONNECTED")
+            left = sum(1 for op in sub.operators if op_name(model, op) == "FULLY_CONNECTED")
             if key.startswith("decode"):
                 assert linears and (len(ops), left) == (len(linears), 0), key
                 assert sorted(int(op.inputs[1]) for op in ops) == sorted(int(op.inputs[1]) for op in linears), key
@@ -131,13 +132,13 @@ def test_a_linear_of_another_form_keeps_xnnpack():
     model = flatbuffer_model.unpack(FIXTURES["gqa"].read_bytes())
     sig = next(sig for sig in model.signatureDefs if sig.signatureKey == b"decode_batch4_lora_r4")
     sub = model.subgraphs[sig.subgraphIndex]
-    linears = [op for op in sub.operators if _op_name(model, op) == "FULLY_CONNECTED"]
+    linears = [op for op in sub.operators if op_name(model, op) == "FULLY_CONNECTED"]
     activated, weights_int8 = linears[0], linears[1]
     activated.builtinOptions.fusedActivationFunction = 1  # RELU
     sub.tensors[weights_int8.inputs[1]].type = 9  # INT8
     out = flatbuffer_model.unpack(rewrite_decode_attention(flatbuffer_model.pack(model))[0])
     rewritten = next(out.subgraphs[s.subgraphIndex] for s in out.signatureDefs if s.signatureKey == sig.signatureKey)
-    left = [op for op in rewritten.operators if _op_name(out, op) == "FULLY_CONNECTED"]
+    left = [op for op in rewritten.operators if op_name(out, op) == "FULLY_CONNECTED"]
     assert sorted(int(op.inputs[1]) for op in left) == sorted(int(op.inputs[1]) for op in (activated, weights_int8))
     assert sum(1 for op in rewritten.operators if out.operatorCodes[op.opcodeIndex].customCode
                in (LINEAR_ROWS, LINEAR_ROWS.encode())) == len(linears) - 2

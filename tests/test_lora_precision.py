@@ -20,7 +20,8 @@ from runtime.errors import InvalidArgumentError
 from runtime.executor.native import NativeModel
 from runtime.export.settings import ExportSettings
 from runtime.util import flatbuffer_model
-from runtime.util.attention_rewrite import LORA_DELTA, _op_name, attention_forms, rewrite_decode_attention
+from runtime.util.attention_rewrite import LORA_DELTA, attention_forms, rewrite_decode_attention
+from runtime.util.graph_edit import op_name
 from runtime.util.lora_precision import is_lora_factor, lora_factors_to_float16
 from runtime.util.model_view import signature_details
 
@@ -136,7 +137,7 @@ def test_a_file_of_both_forms_reads_the_float16_factors_in_its_op_form(tmp_path,
         if not factors:
             continue
         converted = lambda sub: {int(op.inputs[0]) for op in sub.operators  # noqa: E731
-                                 if _op_name(model, op) == "DEQUANTIZE" and int(op.inputs[0]) in factors}
+                                 if op_name(model, op) == "DEQUANTIZE" and int(op.inputs[0]) in factors}
         deltas = [op for op in op_form.operators if op.opcodeIndex == delta_code]
         assert converted(standard) == factors and not converted(op_form)
         assert {int(i) for op in deltas for i in op.inputs[1:]} == factors

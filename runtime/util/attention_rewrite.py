@@ -54,6 +54,7 @@ from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import InvalidArgumentError
 from runtime.util import flatbuffer_model
+from runtime.util.graph_edit import FLOAT16, FLOAT32, op_name
 
 DECODE_ATTENTION = "odml_runtime.decode_attention"
 # The op form's LoRA deltas (:func:`_rewrite_lora`): BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B).
@@ -65,8 +66,6 @@ OUR_OPS = (DECODE_ATTENTION, LORA_DELTA, LINEAR_ROWS)
 # The metadata entry of a model carrying both forms: its buffer holds JSON,
 # {"op": DECODE_ATTENTION, "subgraphs": [[standard subgraph, its op form], ...]}.
 FORMS_METADATA = "odml_runtime.attention_forms"
-_NAMES = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
-_FLOAT32 = schema.TensorType.FLOAT32
 
 
 def custom_codes(model: bytes | memoryview | np.ndarray) -> set[str]:
@@ -78,11 +77,6 @@ def custom_codes(model: bytes | memoryview | np.ndarray) -> set[str]:
         if max(code.BuiltinCode(), code.DeprecatedBuiltinCode()) == schema.BuiltinOperator.CUSTOM:
             codes.add((code.CustomCode() or b"").decode(errors="replace"))
     return codes
-
-
-def _op_name(model: schema.ModelT, op: schema.OperatorT) -> str:
-    code = model.operatorCodes[op.opcodeIndex]
-    return _NAMES.get(max(code.builtinCode, code.deprecatedBuiltinCode), "?")
 
 
 def _shape(sub: schema.SubGraphT, index: int) -> tuple[int, ...]:
@@ -240,10 +234,10 @@ def _stored(model: schema.ModelT, sub: schema.SubGraphT, index: int, consumers: 
     a LoRA factor), where ``index`` is its conversion to float32 read by that matmul alone,
     with the converting op (which the op form drops); else ``index`` itself and None."""
     j = producers.get(index)
-    if j is None or len(consumers.get(index, ())) != 1 or _op_name(model, sub.operators[j]) != "DEQUANTIZE":
+    if j is None or len(consumers.get(index, ())) != 1 or op_name(model, sub.operators[j]) != "DEQUANTIZE":
         return index, None
     source = int(sub.operators[j].inputs[0])
-    return (source, j) if sub.tensors[source].type == schema.TensorType.FLOAT16 else (index, None)
+    return (source, j) if sub.tensors[source].type == FLOAT16 else (index, None)
 
 
 def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, custom_code: int,
@@ -260,13 +254,13 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
         for i in op.outputs:
             producers[int(i)] = j
     tensor = schema.TensorT()
-    tensor.name, tensor.shape, tensor.type, tensor.buffer = b"odml_runtime_attention_params", [4], _FLOAT32, \
+    tensor.name, tensor.shape, tensor.type, tensor.buffer = b"odml_runtime_attention_params", [4], FLOAT32, \
         params_buffer
     sub.tensors.append(tensor)
     params_index = len(sub.tensors) - 1
     drop, replace = set(), {}
     for j, op in enumerate(sub.operators):
-        if _op_name(model, op) != "BATCH_MATMUL" or b"kv_cache_k" not in (sub.tensors[op.inputs[1]].name or b""):
+        if op_name(model, op) != "BATCH_MATMUL" or b"kv_cache_k" not in (sub.tensors[op.inputs[1]].name or b""):
             continue
         where = f"{key}: the attention at op {j}"
         q_index, k_index = int(op.inputs[0]), int(op.inputs[1])
@@ -284,12 +278,12 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
             at = following[0]
             chain.append(at)
             step = sub.operators[at]
-            name = _op_name(model, step)
+            name = op_name(model, step)
             if name == "BATCH_MATMUL":
                 break
             if name == "ADD" and mask is None:
                 other = [int(i) for i in step.inputs if int(i) != produced]
-                if len(other) != 1 or sub.tensors[other[0]].type != _FLOAT32 \
+                if len(other) != 1 or sub.tensors[other[0]].type != FLOAT32 \
                         or int(np.prod(_shape(sub, other[0]))) != span or _shape(sub, other[0])[-1:] != (span,):
                     raise InvalidArgumentError(f"{where}: the ADD after q.K is not a mask of {span} positions")
                 mask = other[0]
@@ -303,14 +297,14 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
                 raise InvalidArgumentError(f"{where}: {name} moves the positions axis")
         last = sub.operators[chain[-1]]
         v_index = int(last.inputs[1])
-        softmax = [i for i in chain if _op_name(model, sub.operators[i]) == "SOFTMAX"]
+        softmax = [i for i in chain if op_name(model, sub.operators[i]) == "SOFTMAX"]
         if mask is None or len(softmax) != 1 or _shape(sub, int(sub.operators[softmax[0]].outputs[0])) \
                 != _shape(sub, int(op.outputs[0])) or int(last.inputs[0]) != int(sub.operators[softmax[0]].outputs[0]):
             raise InvalidArgumentError(f"{where}: not BATCH_MATMUL -> ADD mask -> SOFTMAX -> BATCH_MATMUL")
         if b"kv_cache_v" not in (sub.tensors[v_index].name or b"") or _shape(sub, v_index) != (1, k[1], k[3], span) \
                 or not _adj_y(last) or _shape(sub, int(last.outputs[0])) != q:
             raise InvalidArgumentError(f"{where}: the second matmul is not by the V cache [1, G, D, T]")
-        if any(sub.tensors[i].type != _FLOAT32 for i in (q_index, k_index, v_index, int(last.outputs[0]))):
+        if any(sub.tensors[i].type != FLOAT32 for i in (q_index, k_index, v_index, int(last.outputs[0]))):
             raise InvalidArgumentError(f"{where}: not float32")
         (k_cache, k_convert), (v_cache, v_convert) = (_stored(model, sub, i, consumers, producers)
                                                       for i in (k_index, v_index))
@@ -368,7 +362,7 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None
     adapter = lambda index: index in inputs and b"_a_prime_weight" in (sub.tensors[index].name or b"")  # noqa: E731
     code, drop, replace = None, set(), {}
     for j, op in enumerate(sub.operators):
-        if _op_name(model, op) != "BATCH_MATMUL" or len(op.inputs) != 2:
+        if op_name(model, op) != "BATCH_MATMUL" or len(op.inputs) != 2:
             continue
         a_index, a_convert = factor(int(op.inputs[1]))
         if not adapter(a_index):
@@ -381,16 +375,16 @@ def _rewrite_lora(model: schema.ModelT, sub: schema.SubGraphT, key: str) -> None
             raise InvalidArgumentError(f"{where}: x.A is read elsewhere than by one matmul")
         second = sub.operators[following[0]]
         b_index, b_convert = factor(int(second.inputs[1])) if len(second.inputs) == 2 else (-1, None)
-        if _op_name(model, second) != "BATCH_MATMUL" or int(second.inputs[0]) != h_index or b_index not in inputs \
+        if op_name(model, second) != "BATCH_MATMUL" or int(second.inputs[0]) != h_index or b_index not in inputs \
                 or sub.tensors[b_index].name != a_name.replace(b"_a_prime_weight", b"_b_prime_weight"):
             raise InvalidArgumentError(f"{where}: x.A is not multiplied by its B input next")
         if any(o.builtinOptions is not None and (getattr(o.builtinOptions, "adjX", False)
                                                   or getattr(o.builtinOptions, "adjY", False)) for o in (op, second)):
             raise InvalidArgumentError(f"{where}: a transposed operand")
         out_index = int(second.outputs[0])
-        if any(sub.tensors[i].type != _FLOAT32 for i in (x_index, h_index, out_index)) \
+        if any(sub.tensors[i].type != FLOAT32 for i in (x_index, h_index, out_index)) \
                 or sub.tensors[a_index].type != sub.tensors[b_index].type \
-                or sub.tensors[a_index].type not in (_FLOAT32, schema.TensorType.FLOAT16):
+                or sub.tensors[a_index].type not in (FLOAT32, FLOAT16):
             raise InvalidArgumentError(f"{where}: not float32 (A and B: both float32 or both float16)")
         x, a, b, h, out = (_shape(sub, i) for i in (x_index, a_index, b_index, h_index, out_index))
         batched = len(a) == 3 and len(x) == 3 and a[0] == x[0] and b[:1] == (x[0],)
@@ -420,7 +414,7 @@ def _rewrite_linear(model: schema.ModelT, sub: schema.SubGraphT) -> None:
     session: 0.95x XNNPACK's step). A linear of another form keeps XNNPACK."""
     code = None
     for j, op in enumerate(sub.operators):
-        if _op_name(model, op) != "FULLY_CONNECTED" or len(op.inputs) < 2 or (len(op.inputs) > 2 and op.inputs[2] >= 0):
+        if op_name(model, op) != "FULLY_CONNECTED" or len(op.inputs) < 2 or (len(op.inputs) > 2 and op.inputs[2] >= 0):
             continue
         options = op.builtinOptions
         if options is not None and getattr(options, "fusedActivationFunction", 0):
@@ -431,7 +425,7 @@ def _rewrite_linear(model: schema.ModelT, sub: schema.SubGraphT) -> None:
         stored = model.buffers[weights.buffer].data if 0 < weights.buffer < len(model.buffers) else None
         constant = stored is not None and len(stored) > 0
         if not constant or weights.quantization is not None and weights.quantization.scale is not None \
-                or any(sub.tensors[i].type != _FLOAT32 for i in (x_index, w_index, out_index)) \
+                or any(sub.tensors[i].type != FLOAT32 for i in (x_index, w_index, out_index)) \
                 or len(w) != 2 or not x or x[-1] != w[1] or out != (*x[:-1], w[0]):
             continue
         if code is None:
