@@ -11,11 +11,11 @@
  * Inputs: x f32 [..., K], W f32 [N, K] (a FULLY_CONNECTED's weights as the file stores them,
  * no bias, no activation); output f32 [..., N]. The rows of x are taken MAX_ROWS at a time.
  *
- * Per pass: OUTS rows of W at once, each multiplied into every row of x (OUTS * rows vector
- * accumulators: 24 of AVX-512's 32 registers at 3 and 8), summed across lanes at the end. The
- * OUTS rows of W lie one after the other, so the pass reads one contiguous stream, which the
- * hardware prefetchers follow poorly in rows of 2-6 KB while the arithmetic keeps the core busy:
- * the stream is asked for AHEAD bytes in advance. On the shared AVX-512 Xeon, 1 thread, the 151
+ * Per pass: a few rows of W at once (OUTS_FOR), each multiplied into every row of x (that many
+ * times rows vector accumulators: 24 of AVX-512's 32 registers at 3 and 8), summed across lanes
+ * at the end. The rows of W lie one after the other, so the pass reads one contiguous stream,
+ * which the hardware prefetchers follow poorly in rows of 2-6 KB while the arithmetic keeps the
+ * core busy: the stream is asked for AHEAD bytes in advance. On the shared AVX-512 Xeon, 1 thread, the 151
  * linears of SmolLM2-135M's batched step (538 MB) over 8 rows: alone, 68 ms without asking
  * ahead and 45 with; in LiteRT's op profile of a batch of 8, 43.7 ms against XNNPACK's 75.6
  * (benchmarks.experiments.op_profile), where one row takes XNNPACK 33.4 ms.
@@ -28,10 +28,19 @@
 
 #define MAX_ROWS 8
 #define AHEAD 8192
+/* How many rows of W a block takes at once for R rows of x (a pass's rows): O * R vector
+ * accumulators, the O rows of W and x's row in registers. AVX-512 (32 registers): 3 at any R.
+ * AVX2 (16): 1 from 5 rows on; below, more, because a row of x against one row of W is a chain
+ * of dependent multiply-adds (one vector each, 4-5 cycles apart), which at R = 1 reads W no
+ * faster than 8 floats per FMA latency, about the memory's own rate on a 2-3 GHz core: several
+ * rows of W interleave their chains (SmolLM2-135M's 151 linears alone, one row, the AVX2 box,
+ * Zen 2 at 2.25 GHz: 39.5 ms at 1, 37.5 at 2, 34.3 at 4; 2 rows 41.1 -> 37.5 ms at 4). The
+ * numbers do not depend on it: every output is summed alone, in the same order, whatever O. */
+#define MAX_OUTS 4
 #if W == 16
-#define OUTS 3 /* 24 accumulators at 8 rows, with the 3 rows of W and x's row: 28 of 32 registers */
+#define OUTS_FOR(R) 3
 #else
-#define OUTS 1 /* AVX2 and narrower have 16 registers: 8 accumulators at 8 rows */
+#define OUTS_FOR(R) ((R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
 #endif
 
 Status linear_init(void *user, const void *data, size_t size) { return 0; }
@@ -63,43 +72,43 @@ static inline float lanes_sum(vf v) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-/* y[m, n .. n + OUTS) = x[m, :] . w[n + j, :] for R rows of x (R a constant where inlined: the
+/* y[m, n .. n + outs) = x[m, :] . w[n + j, :] for R rows of x (R a constant where inlined: the
  * accumulators stay in registers), y's rows N apart. */
 static inline __attribute__((always_inline)) void block(const float *x, int R, int K, const float *w, int n, int N,
-                                                        float *y) {
+                                                        float *y, int outs) {
   const int body = K - K % W;
   const float *wn = w + (size_t)n * K;
-  vf acc[OUTS][MAX_ROWS];
+  vf acc[MAX_OUTS][MAX_ROWS];
 #pragma GCC unroll 8
-  for (int j = 0; j < OUTS; j++)
+  for (int j = 0; j < outs; j++)
 #pragma GCC unroll 8
     for (int m = 0; m < R; m++) acc[j][m] = (vf){0};
   for (int k = 0; k < body; k += W) {
-    /* the block reads OUTS * W floats a step, from OUTS places of one contiguous stretch */
-    const char *ahead = (const char *)wn + AHEAD + (size_t)OUTS * 4 * k;
+    /* the block reads outs * W floats a step, from outs places of one contiguous stretch */
+    const char *ahead = (const char *)wn + AHEAD + (size_t)outs * 4 * k;
 #pragma GCC unroll 8
-    for (int j = 0; j < OUTS; j++) PREFETCH_NOW(ahead + j * 4 * W);
-    vf b[OUTS];
+    for (int j = 0; j < outs; j++) PREFETCH_NOW(ahead + j * 4 * W);
+    vf b[MAX_OUTS];
 #pragma GCC unroll 8
-    for (int j = 0; j < OUTS; j++) b[j] = *(const vf *)(wn + (size_t)j * K + k);
+    for (int j = 0; j < outs; j++) b[j] = *(const vf *)(wn + (size_t)j * K + k);
 #pragma GCC unroll 8
     for (int m = 0; m < R; m++) {
       const vf xm = *(const vf *)(x + (size_t)m * K + k);
 #pragma GCC unroll 8
-      for (int j = 0; j < OUTS; j++) acc[j][m] += xm * b[j];
+      for (int j = 0; j < outs; j++) acc[j][m] += xm * b[j];
     }
   }
 #pragma GCC unroll 8
   for (int m = 0; m < R; m++)
 #pragma GCC unroll 8
-    for (int j = 0; j < OUTS; j++) {
+    for (int j = 0; j < outs; j++) {
       float s = lanes_sum(acc[j][m]);
       for (int k = body; k < K; k++) s += x[(size_t)m * K + k] * wn[(size_t)j * K + k];
       y[(size_t)m * N + n + j] = s;
     }
 }
 
-/* The same for one row of W (the last N % OUTS). */
+/* The same for one row of W (the last N % outs). */
 static void single(const float *x, int64_t rows, int K, const float *w, int n, int N, float *y) {
   const int body = K - K % W;
   const float *wn = w + (size_t)n * K;
@@ -112,23 +121,25 @@ static void single(const float *x, int64_t rows, int K, const float *w, int n, i
   }
 }
 
-/* y = x . W^T for rows of x, rows n0 .. n1 of W: OUTS rows of W at a time, each taken by every
- * MAX_ROWS rows of x in turn (past 8 rows the block is read again from L1, not from memory). */
+/* y = x . W^T for rows of x, rows n0 .. n1 of W: outs rows of W at a time (OUTS_FOR the first
+ * pass's rows), each taken by every MAX_ROWS rows of x in turn (past 8 rows the block is read
+ * again from L1, not from memory). R and outs are constants in each block inlined here. */
+#define BLOCK(R, O) case (R) * 8 + (O): block(xm, R, K, w, n, N, ym, O); break;
 static void product(const float *x, int64_t rows, int K, const float *w, int n0, int n1, int N, float *y) {
+  const int outs = OUTS_FOR(rows < MAX_ROWS ? rows : MAX_ROWS);
   int n = n0;
-  for (; n + OUTS <= n1; n += OUTS)
+  for (; n + outs <= n1; n += outs)
     for (int64_t m = 0; m < rows; m += MAX_ROWS) {
       const float *xm = x + m * K;
       float *ym = y + m * N;
-      switch (rows - m < MAX_ROWS ? (int)(rows - m) : MAX_ROWS) {
-        case 1: block(xm, 1, K, w, n, N, ym); break;
-        case 2: block(xm, 2, K, w, n, N, ym); break;
-        case 3: block(xm, 3, K, w, n, N, ym); break;
-        case 4: block(xm, 4, K, w, n, N, ym); break;
-        case 5: block(xm, 5, K, w, n, N, ym); break;
-        case 6: block(xm, 6, K, w, n, N, ym); break;
-        case 7: block(xm, 7, K, w, n, N, ym); break;
-        default: block(xm, 8, K, w, n, N, ym); break;
+      const int R = rows - m < MAX_ROWS ? (int)(rows - m) : MAX_ROWS;
+      switch (R * 8 + outs) {
+#if W == 16
+        BLOCK(1, 3) BLOCK(2, 3) BLOCK(3, 3) BLOCK(4, 3) BLOCK(5, 3) BLOCK(6, 3) BLOCK(7, 3) BLOCK(8, 3)
+#else
+        BLOCK(1, 4) BLOCK(2, 4) BLOCK(3, 2) BLOCK(4, 2)
+        BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
+#endif
       }
     }
   for (; n < n1; n++) single(x, rows, K, w, n, N, y);
@@ -146,13 +157,14 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
 #define PARALLEL_MIN (64 * 1024)
 static void product_on_threads(const float *x, int64_t rows, int K, const float *w, int N, float *y, int threads) {
 #ifdef _OPENMP
-  if (threads > 1 && (int64_t)N * K >= PARALLEL_MIN && N >= threads * OUTS) {
-    const int blocks = N / OUTS;
+  const int outs = OUTS_FOR(rows < MAX_ROWS ? rows : MAX_ROWS);
+  if (threads > 1 && (int64_t)N * K >= PARALLEL_MIN && N >= threads * outs) {
+    const int blocks = N / outs;
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), T = omp_get_num_threads();
-      const int n0 = (int)((int64_t)blocks * t / T) * OUTS;
-      const int n1 = t == T - 1 ? N : (int)((int64_t)blocks * (t + 1) / T) * OUTS;
+      const int n0 = (int)((int64_t)blocks * t / T) * outs;
+      const int n1 = t == T - 1 ? N : (int)((int64_t)blocks * (t + 1) / T) * outs;
       product(x, rows, K, w, n0, n1, N, y);
     }
     return;
