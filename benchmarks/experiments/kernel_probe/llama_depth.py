@@ -49,10 +49,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import RESULTS, date_and_cpu, write_result
+from benchmarks.serve_load import default_llama_server
 from runtime import Engine, EngineSettings
 
 MODELS = Path(os.environ.get("RUNTIME_CACHE") or Path.home() / ".cache" / "runtime") / "models" / "kv4096"
-LLAMA_SERVER = Path("/work/wt/examples/benchmarks/llama_cpp/src/bin/llama-server")
 PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # our precision, llama.cpp's
 CHECK_TEXT = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n"
 CHECK_TOKENS = 8
@@ -178,7 +178,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", type=Path, default=MODELS)
-    parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER)
+    parser.add_argument("--llama-server", type=Path, default=default_llama_server(),
+                        help="default: $LLAMA_SERVER, llama-server on PATH, or bash benchmarks/llama_cpp/build_server.sh's")
     parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp/llama_depth"))
     parser.add_argument("--out", type=Path, default=RESULTS / "kernel_depth_smollm2")
     parser.add_argument("--flash-attn", choices=("on", "off", "auto"), default=None,
@@ -187,6 +188,8 @@ def main() -> None:
                         help="our files, NAME=SUFFIX,...: smollm2-kv4096-{f32,int8}SUFFIX.tflite in --models, timed "
                         "side by side (the first one is the greedy check's reference)")
     args = parser.parse_args()
+    if args.llama_server is None or not args.llama_server.exists():
+        parser.error(f"--llama-server {args.llama_server}: not found (bash benchmarks/llama_cpp/build_server.sh builds it)")
     variants = dict(item.split("=", 1) for item in args.variants.split(","))
     first = next(iter(variants))
     positions = [int(p) for p in args.positions.split(",")]
