@@ -140,6 +140,8 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
         BLOCK(1, 4) BLOCK(2, 4) BLOCK(3, 2) BLOCK(4, 2)
         BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
 #endif
+        default: /* a pair OUTS_FOR does not give: the same numbers, a row of W at a time */
+          for (int j = 0; j < outs; j++) single(xm, R, K, w, n + j, N, ym);
       }
     }
   for (; n < n1; n++) single(x, rows, K, w, n, N, y);
