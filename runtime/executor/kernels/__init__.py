@@ -28,6 +28,7 @@ would misread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -35,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -166,11 +168,32 @@ def build_library() -> ctypes.CDLL:
             except FailedPreconditionError:  # no OpenMP with this compiler: one thread
                 _compile(cc, flags, sources, folder, path)
         try:
-            library = ctypes.CDLL(str(path))
+            with _passive_openmp_threads():
+                library = ctypes.CDLL(str(path))
         except OSError as exc:
             raise FailedPreconditionError(f"{path} does not load ({exc}); delete it to rebuild") from None
         _loaded[str(path)] = library
         return library
+
+
+@contextlib.contextmanager
+def _passive_openmp_threads() -> Iterator[None]:
+    """``OMP_WAIT_POLICY=passive`` while the library (and with it libgomp, which reads the
+    variable once, when it loads) is loaded, unless the user set the variable; the
+    process's environment is as it was afterwards. Why: at 2 threads ``linear_rows``'s
+    OpenMP thread and XNNPACK's thread pool take turns on the same cores, and libgomp's
+    default, spinning after each op, left one session's f32 step of SmolLM2-135M at 21-29 ms
+    from one process to the next where XNNPACK's own linears take 21 (the AVX2 box, 2 cores);
+    sleeping at once it took 23 every time. Where libgomp was loaded before (by another
+    library), its own setting stands."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["OMP_WAIT_POLICY"] = "passive"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
 
 
 def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path, path: Path) -> None:
