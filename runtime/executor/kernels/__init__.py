@@ -193,7 +193,7 @@ def _passive_openmp_threads() -> Iterator[None]:
     try:
         yield
     finally:
-        del os.environ["OMP_WAIT_POLICY"]
+        os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path, path: Path) -> None:
