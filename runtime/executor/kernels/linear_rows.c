@@ -121,12 +121,15 @@ static void single(const float *x, int64_t rows, int K, const float *w, int n, i
   }
 }
 
-/* y = x . W^T for rows of x, rows n0 .. n1 of W: outs rows of W at a time (OUTS_FOR the first
- * pass's rows), each taken by every MAX_ROWS rows of x in turn (past 8 rows the block is read
- * again from L1, not from memory). R and outs are constants in each block inlined here. */
+/* The rows of W a block takes in a product over rows of x: OUTS_FOR its first pass's rows. */
+static inline int outs_for(int64_t rows) { return OUTS_FOR(rows < MAX_ROWS ? (int)rows : MAX_ROWS); }
+
+/* y = x . W^T for rows of x, rows n0 .. n1 of W: outs rows of W at a time (outs_for), each
+ * taken by every MAX_ROWS rows of x in turn (past 8 rows the block is read again from L1, not
+ * from memory). R and outs are constants in each block inlined here. */
 #define BLOCK(R, O) case (R) * 8 + (O): block(xm, R, K, w, n, N, ym, O); break;
 static void product(const float *x, int64_t rows, int K, const float *w, int n0, int n1, int N, float *y) {
-  const int outs = OUTS_FOR(rows < MAX_ROWS ? rows : MAX_ROWS);
+  const int outs = outs_for(rows);
   int n = n0;
   for (; n + outs <= n1; n += outs)
     for (int64_t m = 0; m < rows; m += MAX_ROWS) {
@@ -160,7 +163,7 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
 #define PARALLEL_MIN (64 * 1024)
 static void product_on_threads(const float *x, int64_t rows, int K, const float *w, int N, float *y, int threads) {
 #ifdef _OPENMP
-  const int outs = OUTS_FOR(rows < MAX_ROWS ? rows : MAX_ROWS);
+  const int outs = outs_for(rows);
   if (threads > 1 && (int64_t)N * K >= PARALLEL_MIN && N >= threads * outs) {
     const int blocks = N / outs;
 #pragma omp parallel num_threads(threads)
