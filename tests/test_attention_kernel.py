@@ -395,31 +395,31 @@ import ctypes, os
 from runtime.executor import kernels
 kernels.build_library()
 maps = open("/proc/self/maps").read()
-print("libgomp" if "libgomp" in maps else "none", os.environ.get("OMP_WAIT_POLICY"), flush=True)
+print("libgomp" if "libgomp" in maps else "none", os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"),
+      flush=True)
 if "libgomp" in maps:
     ctypes.CDLL("libgomp.so.1").omp_display_env(1)  # to stderr, GOMP_SPINCOUNT too
 """
 
 
 @needs_cc
-@pytest.mark.parametrize("given", [None, "active"])
-def test_openmp_threads_sleep_between_ops_unless_the_user_says_otherwise(given, kernel_cache):
-    """The library's OpenMP runtime waits passively (libgomp's default spinning beside
-    XNNPACK's threads made 2-thread steps slower), the process's environment is left as it
-    was, and a policy the user set is kept."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if given:
-        env["OMP_WAIT_POLICY"] = given
+@pytest.mark.parametrize("given", [{}, {"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "50"}])
+def test_openmp_threads_spin_briefly_between_ops_unless_the_user_says_otherwise(given, kernel_cache):
+    """The library's OpenMP runtime looks for work 1,000 times before it sleeps (libgomp's
+    default 300,000 beside XNNPACK's threads made 2-thread steps slower, sleeping at once
+    too), the process's environment is left as it was, and a setting the user made is kept."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | given
     done = subprocess.run([sys.executable, "-c", _OPENMP_POLICY], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
-    loaded, after = done.stdout.split()
+    loaded, policy, spin_count = done.stdout.split()
     if loaded == "none":
         pytest.skip("the compiler built the library without OpenMP")
-    assert after == str(given)  # the environment as it was: unset stays unset
-    if given:
-        assert f"OMP_WAIT_POLICY = '{given.upper()}'" in done.stderr
-    else:  # libgomp shows an unset policy as PASSIVE too: passive is what spins 0 times (unset: 300,000)
-        assert "GOMP_SPINCOUNT = '0'" in done.stderr, done.stderr
+    # the environment as it was: unset stays unset
+    assert (policy, spin_count) == (given.get("OMP_WAIT_POLICY", "None"), given.get("GOMP_SPINCOUNT", "None"))
+    if "OMP_WAIT_POLICY" in given:
+        assert "OMP_WAIT_POLICY = 'ACTIVE'" in done.stderr and "GOMP_SPINCOUNT = '1000'" not in done.stderr
+    else:  # libgomp's default spins 300,000 times
+        assert f"GOMP_SPINCOUNT = '{given.get('GOMP_SPINCOUNT', '1000')}'" in done.stderr, done.stderr
 
 
 @needs_cc

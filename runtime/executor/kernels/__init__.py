@@ -58,6 +58,8 @@ _BASE_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi")
 # OpenMP for linear_rows's threads where the compiler has it (GCC's libgomp); the library is
 # built without it where it does not, and runs the op on one thread.
 _OPENMP = "-fopenmp"
+# How often libgomp's threads look for work before they sleep (its default: 300,000).
+_OPENMP_SPIN_COUNT = "1000"
 # The error word's codes (kernel_api.h's), per op.
 _FAILURES = {1: "the op's inputs and outputs are not the 5 and 1 it takes",
              2: "LiteRT gave no host memory or type for a tensor buffer",
@@ -168,7 +170,7 @@ def build_library() -> ctypes.CDLL:
             except FailedPreconditionError:  # no OpenMP with this compiler: one thread
                 _compile(cc, flags, sources, folder, path)
         try:
-            with _passive_openmp_threads():
+            with _briefly_spinning_openmp_threads():
                 library = ctypes.CDLL(str(path))
         except OSError as exc:
             raise FailedPreconditionError(f"{path} does not load ({exc}); delete it to rebuild") from None
@@ -177,23 +179,29 @@ def build_library() -> ctypes.CDLL:
 
 
 @contextlib.contextmanager
-def _passive_openmp_threads() -> Iterator[None]:
-    """``OMP_WAIT_POLICY=passive`` while the library (and with it libgomp, which reads the
-    variable once, when it loads) is loaded, unless the user set the variable; the
-    process's environment is as it was afterwards. Why: at 2 threads ``linear_rows``'s
-    OpenMP thread and XNNPACK's thread pool take turns on the same cores, and libgomp's
-    default, spinning after each op, left one session's f32 step of SmolLM2-135M at 21-29 ms
-    from one process to the next where XNNPACK's own linears take 21 (the AVX2 box, 2 cores);
-    sleeping at once it took 23 every time. Where libgomp was loaded before (by another
-    library), its own setting stands."""
-    if "OMP_WAIT_POLICY" in os.environ:
+def _briefly_spinning_openmp_threads() -> Iterator[None]:
+    """``OMP_WAIT_POLICY=passive`` and ``GOMP_SPINCOUNT=1000`` while the library (and with it
+    its OpenMP runtime, which reads them once, when it loads) is loaded, unless the user set
+    either; the process's environment is as it was afterwards. Why: at 2 threads
+    ``linear_rows``'s OpenMP thread and XNNPACK's thread pool take turns on the same cores.
+    libgomp's default, spinning 300,000 times after each op, left one session's f32 step of
+    SmolLM2-135M at 21-29 ms from one process to the next where XNNPACK's own linears take 21
+    (the AVX2 box, 2 cores); sleeping at once (passive) 1.05-1.07x XNNPACK's step every time,
+    the thread woken for each of the 151 linears; spinning 1,000 times first (tens of
+    microseconds, about the gap between two linears) 1.00-1.01x (docs/kernels.md, Threads).
+    libgomp takes the count over the policy; LLVM's libomp,
+    which ignores ``GOMP_SPINCOUNT``, takes passive. Where an OpenMP runtime was loaded before
+    (by another library), its own setting stands."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         yield
         return
     os.environ["OMP_WAIT_POLICY"] = "passive"
+    os.environ["GOMP_SPINCOUNT"] = _OPENMP_SPIN_COUNT
     try:
         yield
     finally:
         os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ.pop("GOMP_SPINCOUNT", None)
 
 
 def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path, path: Path) -> None:

@@ -157,8 +157,9 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
  * SmolLM2 f32's step from 23 to 44 ms (2 threads, the shared AVX-512 Xeon). On both threads
  * (OpenMP, libgomp's defaults) the step is 0.94-0.98x XNNPACK's in three runs of 9 alternating
  * rounds (a thread pool of ours beside XNNPACK's on 2 cores: each wakes or spins while the other
- * works; OMP_WAIT_POLICY=passive measured the same there, and better on the AVX2 box, so the
- * runtime loads this library with it: kernels/__init__.py). Matrices under PARALLEL_MIN floats stay on
+ * works; OMP_WAIT_POLICY=passive measured the same there, and better on the AVX2 box, and
+ * spinning 1,000 times before sleeping better still, so the runtime loads this library with
+ * that: kernels/__init__.py). Matrices under PARALLEL_MIN floats stay on
  * one thread (waking the other costs more than it saves there). Built without OpenMP, one thread. */
 #define PARALLEL_MIN (64 * 1024)
 static void product_on_threads(const float *x, int64_t rows, int K, const float *w, int N, float *y, int threads) {
