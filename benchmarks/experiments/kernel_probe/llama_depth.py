@@ -44,13 +44,15 @@ import statistics
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from benchmarks.common import RESULTS, date_and_cpu, write_result
 from benchmarks.serve_load import default_llama_server
-from runtime import Engine, EngineSettings
+from runtime import Engine, EngineSettings, SessionConfig
 
 MODELS = Path(os.environ.get("RUNTIME_CACHE") or Path.home() / ".cache" / "runtime") / "models" / "kv4096"
 PAIRS = (("f32", "f32"), ("int8", "q8_0"))  # our precision, llama.cpp's
@@ -103,9 +105,11 @@ def convert(source: Path, target: Path, kind: str) -> Path:
 
 
 class Server:
-    """One llama-server process on 127.0.0.1 (killed by PID in :meth:`close`)."""
+    """One llama-server process on 127.0.0.1 (killed by PID in :meth:`close`); ``extra``: more of
+    its arguments (e.g. ``--lora FILE``)."""
 
-    def __init__(self, binary: Path, model: Path, log: Path, flash_attn: str | None = None) -> None:
+    def __init__(self, binary: Path, model: Path, log: Path, flash_attn: str | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -113,7 +117,7 @@ class Server:
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "-tb", "1",
-             "--ctx-size", "4096", "--parallel", "1", *(["-fa", flash_attn] if flash_attn else [])],
+             "--ctx-size", "4096", "--parallel", "1", *(["-fa", flash_attn] if flash_attn else []), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         print(f"llama-server pid {self.proc.pid} port {self.port}: {model.name}", flush=True)
         deadline = time.monotonic() + 120
@@ -155,8 +159,9 @@ class Server:
         self.log.close()
 
 
-def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    session = engine.create_session()
+def greedy(engine: Engine, prompt: list[int], n: int, config: SessionConfig | None = None) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` of a new session (``config``: its adapters)."""
+    session = engine.create_session(config or SessionConfig())
     try:
         logits = session.run_prefill(prompt)
         tokens = []
@@ -166,6 +171,13 @@ def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
         return tokens
     finally:
         session.close()
+
+
+def close_all(*groups: Iterable[Any]) -> None:
+    """Closes every object of ``groups`` in order (sessions before their engines)."""
+    for group in groups:
+        for thing in group:
+            thing.close()
 
 
 def load_average() -> str:
@@ -270,12 +282,7 @@ def main() -> None:
                       + f" llama.cpp {row['llama_cpp_ms']:.1f} ms; ratios "
                       + " ".join(f"{n} {row[f'ratio_{n}']['median']:.2f}" for n in variants), flush=True)
     finally:
-        for session in sessions.values():
-            session.close()
-        for engine in engines.values():
-            engine.close()
-        for server in servers.values():
-            server.close()
+        close_all(sessions.values(), engines.values(), servers.values())
     load_end = load_average()
     print(f"load average at end: {load_end}", flush=True)
 
