@@ -189,9 +189,9 @@ def _briefly_spinning_openmp_threads() -> Iterator[None]:
     (the AVX2 box, 2 cores); sleeping at once (passive) 1.05-1.07x XNNPACK's step every time,
     the thread woken for each of the 151 linears; spinning 1,000 times first (tens of
     microseconds, about the gap between two linears) 1.00-1.01x (docs/kernels.md, Threads).
-    libgomp takes the count over the policy; LLVM's libomp,
-    which ignores ``GOMP_SPINCOUNT``, takes passive. Where an OpenMP runtime was loaded before
-    (by another library), its own setting stands."""
+    libgomp takes the count over the policy; LLVM's libomp, which ignores ``GOMP_SPINCOUNT``,
+    takes passive. Where an OpenMP runtime was loaded before (by another library), its own
+    setting stands."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         yield
         return
