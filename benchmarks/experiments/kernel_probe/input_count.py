@@ -2,7 +2,7 @@
 N small float32 inputs, and of one SPLIT into N outputs, each run timed through the same C API
 calls ``runtime/executor/native.py`` makes.
 
-    python3 -m benchmarks.experiments.kernel_probe.input_count [--inputs 2,30,130,430] [--runs 2000]
+    python3 -m benchmarks.experiments.kernel_probe.input_count [--counts 2,30,130,430] [--runs 2000]
 
 Why: an all-linear rank-8 adapter's signature takes 420 more inputs than the plain one (A and
 B of 7 projections in 30 layers), and its step costs ~0.5 ms more than its ops' work
@@ -53,10 +53,10 @@ def model(counts: list[int]) -> bytes:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--inputs", default="2,30,130,430")
+    parser.add_argument("--counts", default="2,30,130,430", help="the N of the signatures")
     parser.add_argument("--runs", type=int, default=2000, help="runs a signature per round")
     args = parser.parse_args()
-    counts = [int(n) for n in args.inputs.split(",")]
+    counts = [int(n) for n in args.counts.split(",")]
     native = NativeModel(model(counts), num_threads=1, weight_cache=":memory:", name="input_count")
     prepared = {}
     for key, info in native.signatures.items():

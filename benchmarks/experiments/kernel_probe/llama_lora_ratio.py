@@ -17,8 +17,8 @@ Before timing, greedy tokens on one chat prompt: ours with the adapter against l
 it (the same weights and the same adapter give the same tokens), and against ours plain (the
 adapter changes them, so it is applied). Then per precision, ``--rounds`` alternating rounds
 (the order of the four flips every round): ours time ``--steps`` decode steps after a prompt of
-``--position`` tokens; llama.cpp serves one ``/completion`` of that prompt with ``n_predict`` =
-steps, whose ``timings.predicted_per_token_ms`` is read. Ratio per round = adapter / plain, each
+``--position`` tokens (``runtime.bench.timed_decode``); llama.cpp serves one ``/completion`` of
+that prompt with ``n_predict`` = steps, whose ``timings.predicted_per_token_ms`` is read. Ratio per round = adapter / plain, each
 engine against its own plain step in the same round; printed as min / median / max.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ from benchmarks.experiments.kernel_probe.llama_depth import CHECK_TEXT, CHECK_TO
     greedy, load_average, source_gguf
 from benchmarks.serve_load import default_llama_server
 from runtime import Engine, EngineSettings, SessionConfig
+from runtime.bench import timed_decode
 
 LAYERS, D, KV, FF, RANK, ALPHA = 30, 576, 192, 1536, 8, 16.0  # SmolLM2-135M; the adapter's rank and alpha
 FANS = {"attn_q": (D, D), "attn_k": (D, KV), "attn_v": (D, KV), "attn_output": (D, D),
@@ -120,7 +120,7 @@ def main() -> None:
         if checks["ours f32 adapter"] == checks["ours f32 plain"]:
             raise SystemExit("the adapter does not change ours f32's greedy tokens: is it applied?")
 
-        prompt = [int(t) for t in np.random.default_rng(0).integers(1, engines["f32"].spec.vocab_size, args.position)]
+        prompt = [i % 97 + 1 for i in range(args.position)]  # the prompt timed_decode gives our sessions
         for ours, theirs in PAIRS:
             names = [("ours", "plain"), ("ours", "adapter"), ("llama.cpp", "plain"), ("llama.cpp", "adapter")]
             per_round: dict[tuple[str, str], list[float]] = {name: [] for name in names}
@@ -132,13 +132,8 @@ def main() -> None:
                         timings = servers[theirs, setting].complete(prompt, args.steps)["timings"]
                         per_round[side, setting].append(timings["predicted_per_token_ms"])
                     else:
-                        session = sessions[ours, setting]
-                        session.reset()
-                        session.run_prefill(prompt)
-                        started = time.perf_counter()
-                        for _ in range(args.steps):
-                            session.run_decode(7)
-                        per_round[side, setting].append(1000 * (time.perf_counter() - started) / args.steps)
+                        step, _ = timed_decode(engines[ours], sessions[ours, setting], args.steps, args.position)
+                        per_round[side, setting].append(1000 * step)
                 print(f"{ours}/{theirs} round {round_ + 1}/{args.rounds}", flush=True)
             row = {"ours": ours, "llama_cpp": theirs,
                    "ms": {f"{side} {setting}": statistics.median(v) for (side, setting), v in per_round.items()},
