@@ -7,7 +7,7 @@
  * weights), 1, 2, 4 and 8 rows, beside a plain read of the same bytes, alternating rounds,
  * 64 MB written between rounds so W comes from memory.
  *
- *   cc -O3 -mavx2 -mfma benchmarks/experiments/kernel_probe/int8_avx2_bench.c -o /tmp/int8_avx2 && /tmp/int8_avx2
+ *   cc -O3 -mavx2 -mfma benchmarks/experiments/kernel_probe/int8_avx2_bench.c -o /tmp/int8_avx2 -lm && /tmp/int8_avx2
  *
  * The products: W's 16 bytes widened to int16 (vpmovsxbw), one vpmaddwd per row of x (x's
  * bytes widened once per call); 16 multiply-adds a vpmaddwd. W's row sums (for the zero
