@@ -95,7 +95,13 @@ def test_inspect_model_and_adapter():
     assert "decode attention xnnpack (standard ops)" in model.stdout
     assert "batched decode rows [2, 4] (LoRA slot r4), [2, 4] (LoRA slot r16)" in model.stdout
     assert "attention windows [16, 32]" in model.stdout and "prefill windows [16, 32]" in model.stdout
-    assert "lora_atten_q_a_prime_weight_0" in model.stdout and "[LoRA]" in model.stdout
+    # One line per kind of tensor, numbered by layer (and a batch's row), not one per tensor.
+    assert "lora_atten_q_a_prime_weight_{0-1} (2)" in model.stdout and "[LoRA]" in model.stdout
+    batch = model.stdout.split("signature decode_batch4_lora_r16:")[1].split("  signature ")[0].splitlines()
+    assert "outputs kv_cache_k_{0-1}_{0-3}, kv_cache_v_{0-1}_{0-3}, logits" in batch[0]
+    assert [line.split()[:2] for line in batch[3:5]] == [["kv_cache_k_{0-1}_{0-3}", "(8)"],
+                                                          ["kv_cache_v_{0-1}_{0-3}", "(8)"]]
+    assert len(batch) == 1 + 2 + 2 + 8  # tokens, input_pos, K and V caches, 8 LoRA factors of 2 layers each
     adapter = cli("inspect", adapter_path("litertlm_r4"), "--model", MODEL_FILES["default"])
     assert adapter.returncode == 0
     assert "convention litert-lm, rank 4" in adapter.stdout and "external" in adapter.stdout

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from runtime.util.signature_names import LoraSlot
 from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_view import ModelFile, signature_details
 from runtime.util.model_weights import ModelWeights
+from runtime.util.tensor_spec import TensorSpec
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -159,12 +162,51 @@ def describe_model(path: Path, spec: ModelSpec, attention: str) -> str:
                      "while it ends in one)")
     for key, signature in spec.signatures.items():
         lora = signature.lora_inputs
-        lines.append(f"  signature {key}: {len(signature.inputs)} inputs ({len(lora)} LoRA), "
-                     f"outputs {sorted(signature.outputs)}")
-        for name, tensor in signature.inputs.items():
-            marker = "  [LoRA]" if name in lora else ""
-            lines.append(f"    {name:<36} {str(list(tensor.shape)):<16} {tensor.dtype.name}{marker}")
+        outputs = ", ".join(pattern for pattern, _ in _numbered_groups(sorted(signature.outputs)))
+        lines.append(f"  signature {key}: {len(signature.inputs)} inputs ({len(lora)} LoRA), outputs {outputs}")
+        for pattern, names in _numbered_groups(list(signature.inputs), signature.inputs):
+            tensor = signature.inputs[names[0]]
+            count = f" ({len(names)})" if len(names) > 1 else ""
+            marker = "  [LoRA]" if names[0] in lora else ""
+            lines.append(f"    {pattern + count:<44} {str(list(tensor.shape)):<18} {tensor.dtype.name}{marker}")
     return "\n".join(lines)
+
+
+_NUMBERED = re.compile(r"(?P<stem>.*?)(?P<numbers>(?:_[0-9]+)+)")
+
+
+def _numbered_groups(names: list[str], tensors: Mapping[str, TensorSpec] | None = None
+                     ) -> list[tuple[str, list[str]]]:
+    """``names`` gathered by what they are numbered by (layer, and a batch's row):
+    ``kv_cache_k_{0-29}_{0-7}`` for the 240 caches of 30 layers and 8 rows, a name alone as
+    it is; in the order each first appears. With ``tensors``, only tensors of one shape and
+    type share a line. One line per tensor would make a batched signature's description
+    thousands of lines long."""
+    groups: dict[tuple[object, ...], list[tuple[str, tuple[int, ...]]]] = {}
+    for name in names:
+        match = _NUMBERED.fullmatch(name)
+        stem, numbers = (match["stem"], tuple(map(int, match["numbers"][1:].split("_")))) if match else (name, ())
+        kind = (tensors[name].shape, tensors[name].dtype) if tensors is not None else None
+        groups.setdefault((stem, len(numbers), kind), []).append((name, numbers))
+    described = []
+    for (stem, places, _), members in groups.items():
+        if len(members) == 1:
+            described.append((members[0][0], [members[0][0]]))
+            continue
+        spans = "".join("_{" + _ranges(sorted({numbers[i] for _, numbers in members})) + "}" for i in range(places))
+        described.append((stem + spans, [name for name, _ in members]))
+    return described
+
+
+def _ranges(values: list[int]) -> str:
+    """Sorted integers as runs: ``0-4,6,8-9``."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _weights_map(path: Path) -> str:
