@@ -1,7 +1,7 @@
 """What one batched decode step costs against one session's step, at several positions.
 
     python3 -m benchmarks.experiments.batch_cost MODEL.tflite [--rows 8] [--ranks 8] [--positions 8,300,600] [--rounds 4] \
-        [--threads 1]
+        [--threads 1] [--on-threads]
 
 ``rows`` sessions, each with its own random adapter (of the ``--ranks`` in turn: ``8,16``
 mixes ranks, whose rows share a batch of the larger slot), are prefilled to a position;
@@ -11,6 +11,11 @@ the aggregate speed-up (rows x single / batch) and the latency ratio (batch / si
 position: with attention windows, a position picks the window both paths run in. Needs a
 model exported with ``--batch-sizes`` (and LoRA slots for the ranks). ``--threads``: the
 engine's XNNPACK threads (both paths alike).
+
+``--on-threads``: the sessions step from a thread each through the engine's batcher (batch
+wait 2 ms), as ``run.py``'s concurrency section drives them, its batching and the threads'
+hand-offs included: tokens/s of one session alone and of all of them, 24 steps each, from
+sessions prefilled to each position, rounds alternating the positions' order.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.measure import random_adapter_files
+from benchmarks.measure import ConcurrencyRig, random_adapter_files
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.util.signature_names import LoraSlot
 
@@ -36,11 +41,17 @@ def main() -> None:
     parser.add_argument("--positions", default="8,300,600", help="where the sessions start, comma-separated")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="the engine's XNNPACK threads")
+    parser.add_argument("--on-threads", action="store_true",
+                        help="sessions stepping from a thread each through the batcher, in tokens/s")
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: expected 1 or more")
+    if args.on_threads:
+        _on_threads(args.model, [ranks[row % len(ranks)] for row in range(args.rows)], positions, args.rounds,
+                    args.threads)
+        return
     settings = EngineSettings(batch_wait_s=None, num_threads=args.threads)
     with tempfile.TemporaryDirectory() as folder, Engine(args.model, settings) as engine:
         paths = {}
@@ -70,6 +81,33 @@ def main() -> None:
             single, batch = statistics.median(alone), statistics.median(together)
             print(f"| {position} | {single:.2f} | {batch:.2f} | {args.rows * single / batch:.2f}x | "
                   f"{batch / single:.2f}x |")
+
+
+def _on_threads(model: Path, ranks: list[int], positions: list[int], rounds: int, threads: int) -> None:
+    """The table of ``--on-threads``: medians over rounds of one session's tokens/s and of
+    all sessions' together, each session on its own thread."""
+    steps = 24
+    rig = ConcurrencyRig(model, ranks, num_threads=threads, batch_wait_s=0.002)
+    try:
+        ratios: dict[int, list[tuple[float, float]]] = {position: [] for position in positions}
+        for round_ in range(rounds + 1):  # the first round warms up
+            for position in positions if round_ % 2 else positions[::-1]:
+                one = rig.tokens_per_second(1, steps, position=position)
+                together = rig.tokens_per_second(len(ranks), steps, position=position)
+                if round_:
+                    ratios[position].append((one, together))
+    finally:
+        rig.close()
+    print(f"{model.name}: {len(ranks)} sessions of ranks {ranks} on a thread each, {threads} thread(s), medians of "
+          f"{rounds} rounds of {steps + 1} steps")
+    print(f"| position | one session (tokens/s) | {len(ranks)} sessions (tokens/s) | aggregate [min-max] | latency |")
+    print("|---:|---:|---:|---:|---:|")
+    for position, measured in ratios.items():
+        gains = sorted(together / one for one, together in measured)
+        gain = statistics.median(gains)
+        print(f"| {position} | {statistics.median(one for one, _ in measured):.1f} | "
+              f"{statistics.median(together for _, together in measured):.1f} | {gain:.2f}x "
+              f"[{gains[0]:.2f}-{gains[-1]:.2f}] | {len(ranks) / gain:.2f}x |")
 
 
 def _timed(step) -> float:
