@@ -27,20 +27,33 @@
 #endif
 
 #define MAX_ROWS 8
+/* How far ahead (bytes) the stream of W is asked for. AVX2: 64 KB, with 8 rows of W a block for
+ * one row of x (OUTS_FOR). One row alone on the AVX2 box (Zen 2), 1 thread, best of 4, three
+ * alternating runs (benchmarks/experiments/kernel_probe/linear_rows_bench.c): Gemma 3 270M's
+ * 91 linears (1.07 GB) 63.2-63.8 ms at 8 KB and 4 rows of W, 56.2-56.5 ms at 64 KB and 8 (19.0
+ * GB/s, level with a plain read of the bytes); SmolLM2-135M's 151 (538 MB) 31.7-32.9 -> 28.8-29.5
+ * ms. Either change alone gave 2-4%, 128 KB no more than 64; 2 to 8 rows of x run the same at 8
+ * and 64 KB (+-2%). AVX-512: 8 KB, measured on the Xeon below. */
+#if W == 8
+#define AHEAD 65536
+#else
 #define AHEAD 8192
+#endif
 /* How many rows of W a block takes at once for R rows of x (a pass's rows): O * R vector
  * accumulators, the O rows of W and x's row in registers. AVX-512 (32 registers): 3 at any R.
  * AVX2 (16): 1 from 5 rows on; below, more, because a row of x against one row of W is a chain
  * of dependent multiply-adds (one vector each, 4-5 cycles apart), which at R = 1 reads W no
  * faster than 8 floats per FMA latency, about the memory's own rate on a 2-3 GHz core: several
  * rows of W interleave their chains (SmolLM2-135M's 151 linears alone, one row, the AVX2 box,
- * Zen 2 at 2.25 GHz: 39.5 ms at 1, 37.5 at 2, 34.3 at 4; 2 rows 41.1 -> 37.5 ms at 4). The
- * numbers do not depend on it: every output is summed alone, in the same order, whatever O. */
-#define MAX_OUTS 4
+ * Zen 2 at 2.25 GHz: 39.5 ms at 1, 37.5 at 2, 34.3 at 4; 2 rows 41.1 -> 37.5 ms at 4), and at
+ * R = 1 eight, with AHEAD's 64 KB (above). The numbers do not depend on it: every output is
+ * summed alone, in the same order, whatever O. */
 #if W == 16
+#define MAX_OUTS 4
 #define OUTS_FOR(R) 3
 #else
-#define OUTS_FOR(R) ((R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
+#define MAX_OUTS 8
+#define OUTS_FOR(R) ((R) <= 1 ? 8 : (R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
 #endif
 
 Status linear_init(void *user, const void *data, size_t size) { return 0; }
@@ -127,7 +140,7 @@ static inline int outs_for(int64_t rows) { return OUTS_FOR(rows < MAX_ROWS ? (in
 /* y = x . W^T for rows of x, rows n0 .. n1 of W: outs rows of W at a time (outs_for), each
  * taken by every MAX_ROWS rows of x in turn (past 8 rows the block is read again from L1, not
  * from memory). R and outs are constants in each block inlined here. */
-#define BLOCK(R, O) case (R) * 8 + (O): block(xm, R, K, w, n, N, ym, O); break;
+#define BLOCK(R, O) case (R) * 16 + (O): block(xm, R, K, w, n, N, ym, O); break;
 static void product(const float *x, int64_t rows, int K, const float *w, int n0, int n1, int N, float *y) {
   const int outs = outs_for(rows);
   int n = n0;
@@ -136,11 +149,11 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
       const float *xm = x + m * K;
       float *ym = y + m * N;
       const int R = rows - m < MAX_ROWS ? (int)(rows - m) : MAX_ROWS;
-      switch (R * 8 + outs) {
+      switch (R * 16 + outs) {
 #if W == 16
         BLOCK(1, 3) BLOCK(2, 3) BLOCK(3, 3) BLOCK(4, 3) BLOCK(5, 3) BLOCK(6, 3) BLOCK(7, 3) BLOCK(8, 3)
 #else
-        BLOCK(1, 4) BLOCK(2, 4) BLOCK(3, 2) BLOCK(4, 2)
+        BLOCK(1, 8) BLOCK(2, 4) BLOCK(3, 2) BLOCK(4, 2)
         BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
 #endif
         default: /* a pair OUTS_FOR does not give: the same numbers, a row of W at a time */
