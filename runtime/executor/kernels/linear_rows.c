@@ -52,8 +52,13 @@
 #define MAX_OUTS 4
 #define OUTS_FOR(R) 3
 #else
-#define MAX_OUTS 8
-#define OUTS_FOR(R) ((R) <= 1 ? 8 : (R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
+#if W == 8
+#define ONE_ROW_OUTS 8
+#else /* the plain build, not measured with 8 */
+#define ONE_ROW_OUTS 4
+#endif
+#define MAX_OUTS ONE_ROW_OUTS
+#define OUTS_FOR(R) ((R) <= 1 ? ONE_ROW_OUTS : (R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
 #endif
 
 Status linear_init(void *user, const void *data, size_t size) { return 0; }
@@ -153,7 +158,7 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
 #if W == 16
         BLOCK(1, 3) BLOCK(2, 3) BLOCK(3, 3) BLOCK(4, 3) BLOCK(5, 3) BLOCK(6, 3) BLOCK(7, 3) BLOCK(8, 3)
 #else
-        BLOCK(1, 8) BLOCK(2, 4) BLOCK(3, 2) BLOCK(4, 2)
+        BLOCK(1, ONE_ROW_OUTS) BLOCK(2, 4) BLOCK(3, 2) BLOCK(4, 2)
         BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
 #endif
         default: /* a pair OUTS_FOR does not give: the same numbers, a row of W at a time */
