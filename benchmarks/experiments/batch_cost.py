@@ -14,7 +14,7 @@ engine's XNNPACK threads (both paths alike).
 
 ``--on-threads``: the sessions step from a thread each through the engine's batcher (batch
 wait 2 ms), as ``run.py``'s concurrency section drives them, its batching and the threads'
-hand-offs included: tokens/s of one session alone and of all of them, 24 steps each, from
+hand-offs included: tokens/s of one session alone and of all of them, 25 steps each, from
 sessions prefilled to each position, rounds alternating the positions' order.
 """
 
@@ -89,20 +89,20 @@ def _on_threads(model: Path, ranks: list[int], positions: list[int], rounds: int
     steps = 24
     rig = ConcurrencyRig(model, ranks, num_threads=threads, batch_wait_s=0.002)
     try:
-        ratios: dict[int, list[tuple[float, float]]] = {position: [] for position in positions}
+        rates: dict[int, list[tuple[float, float]]] = {position: [] for position in positions}
         for round_ in range(rounds + 1):  # the first round warms up
             for position in positions if round_ % 2 else positions[::-1]:
                 one = rig.tokens_per_second(1, steps, position=position)
                 together = rig.tokens_per_second(len(ranks), steps, position=position)
                 if round_:
-                    ratios[position].append((one, together))
+                    rates[position].append((one, together))
     finally:
         rig.close()
     print(f"{model.name}: {len(ranks)} sessions of ranks {ranks} on a thread each, {threads} thread(s), medians of "
           f"{rounds} rounds of {steps + 1} steps")
     print(f"| position | one session (tokens/s) | {len(ranks)} sessions (tokens/s) | aggregate [min-max] | latency |")
     print("|---:|---:|---:|---:|---:|")
-    for position, measured in ratios.items():
+    for position, measured in rates.items():
         gains = sorted(together / one for one, together in measured)
         gain = statistics.median(gains)
         print(f"| {position} | {statistics.median(one for one, _ in measured):.1f} | "
