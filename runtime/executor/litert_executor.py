@@ -136,6 +136,11 @@ class KvCache:
     only, when a session's steps change window, and the buffers left give their pages
     back. So a signature attending over W positions binds a cache of W positions as it
     lies, and no step copies a window out of a larger cache.
+
+    Buffers lie in small pages until the context fills half their positions, then in
+    huge pages (:meth:`reach`; :class:`~runtime.executor.native.PageBlock` says what
+    each costs): a short session in a long cache takes memory for what it wrote, a long
+    one reads its cache in 2 MB pages.
     """
 
     def __init__(self, blocks: dict[int, PageBlock], position_axes: Mapping[str, int], nbytes: int) -> None:
@@ -158,15 +163,32 @@ class KvCache:
         source, target = self.by_length[self.length], self.by_length[length]
         if filled > min(self.length, length):
             raise InternalError(f"moving {filled} positions of a KV cache from {self.length} to {length} positions")
+        self._fit_pages(length, filled)
         for name, buffer in target.items():
             axis = self._axes[name]
             _positions(buffer.array, axis, filled)[...] = _positions(source[name].array, axis, filled)
         self.release(self.length)
         self.length = length
 
+    def reach(self, end: int) -> None:
+        """Notes that a run writes the context's positions up to ``end`` (exclusive) in
+        the buffers holding it. Only the executor's runs call it, under its lock."""
+        self._fit_pages(self.length, end)
+
+    def _fit_pages(self, length: int, filled: int) -> None:
+        """Puts the buffers of ``length`` in huge pages once ``filled`` of their
+        positions hold the context and they are at least half full."""
+        block = self._blocks[length]
+        if not block.huge_pages and 2 * filled >= length:
+            block.use_huge_pages()
+
     def release(self, length: int) -> None:
         """Gives the pages of the buffers of ``length`` back (they read as zeros after)."""
         self._blocks[length].release()
+
+    def clear(self, length: int) -> None:
+        """Zeros the buffers of ``length``."""
+        self._blocks[length].clear()
 
     def close(self) -> None:
         """Drops this cache's buffers; they are freed once no binding refers to them.
@@ -608,12 +630,12 @@ class LlmExecutor:
         if not 0 < length <= prefix.length:
             raise InvalidArgumentError(f"{length} positions of a KV prefix of {prefix.length}")
         kv.length = next((n for n in sorted(kv.by_length) if n > length), self.spec.kv_length)
-        for held, buffers in kv.by_length.items():
-            if held != kv.length:
+        for held in kv.by_length:
+            if held == kv.length:
+                kv.clear(held)
+            else:
                 kv.release(held)
-                continue
-            for buffer in buffers.values():
-                buffer.array[...] = 0
+        kv.reach(length)
         for name, buffer in kv.at(kv.length).items():
             axis = self.spec.kv_position_axis(name)
             _positions(buffer.array, axis, length)[...] = _positions(prefix.rows[name], axis, length)
@@ -911,9 +933,12 @@ class LlmExecutor:
         """Runs ``run`` with its token and position arrays as filled: writes them, runs the
         signature (counted and timed) and returns its logits (``None`` when it has none)."""
         io = run.io
+        seq_len = run.signature.seq_len
         for row, cache in enumerate(run.caches):
+            start = int(io.position_array[row * seq_len])
             if cache.length != run.cache_length:  # the row's context is in buffers of another length
-                cache.move(run.cache_length, int(io.position_array[row * run.signature.seq_len]))
+                cache.move(run.cache_length, start)
+            cache.reach(start + seq_len)
         # A fresh array each step (callers keep logits while later steps run), allocated
         # before the run: right after an invoke the same allocation took 10 us, not 0.3.
         logits = np.empty(io.logits_array.shape, np.float32) if io.logits_array is not None else None

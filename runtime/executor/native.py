@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ _OUT_STR = ctypes.POINTER(ctypes.c_char_p)
 
 _CPU = 1  # kLiteRtHwAcceleratorCpu
 _CPU_OPTIONS = b"xnnpack"  # the identifier of the CPU accelerator's options (a TOML payload)
+_MADV_COLLAPSE = 25  # Linux's madvise(2) advice (6.1 and later); Python's mmap module does not name it
 _ALIGNMENT = 64  # bytes; XNNPACK may also read a little past a tensor's end: as much again is allocated
 _MAX_RANK = 8  # LITERT_TENSOR_MAX_RANK
 _TENSOR_TYPE_BYTES = 256  # room for LiteRtRankedTensorType (72 bytes in 2.3), read back as raw bytes
@@ -259,31 +261,65 @@ class PageBlock:
     whose pages :meth:`release` gives back to the system together (a KV cache of one
     length: its buffers are left and taken again as a session's steps change window).
 
-    The mapping is advised as transparent huge pages where the system offers them: pages
-    given back are zero-filled again on their next write, and in 2 MB pages a cache of
-    SmolLM2-135M's 768 positions (24 MB) comes back in ~4 ms where 4 KB pages took ~22 ms.
+    The block starts in the system's small pages, so a context that fills a few of its
+    positions takes memory for the pages it writes only; :meth:`use_huge_pages` moves it
+    to transparent huge pages (2 MB), which the caller asks for once the context fills
+    much of the block: a step then reads it faster (SmolLM2-135M's f32 decode 3,000
+    positions deep: 3-4% on an AMD EPYC), and pages given back and written again come
+    back faster (a cache of 768 positions, 24 MB: ~4 ms where 4 KB pages took ~22 ms).
+    Huge pages from the start made a session pay for the whole block at its first write:
+    the 36 positions of a prompt, moved into a 4,096-position cache whose rows hold
+    positions innermost, touched every 2 MB page of its 188 MB (100-220 ms on a VM that
+    backs fresh memory lazily; 9 ms in small pages).
     """
 
     def __init__(self, infos: Sequence[TensorInfo]) -> None:
         sizes = [-(-(info.nbytes + _ALIGNMENT) // _ALIGNMENT) * _ALIGNMENT for info in infos]
         # Private pages (a shared mapping would keep its pages when released), page-aligned and zeroed.
         self._pages = mmap.mmap(-1, max(sum(sizes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._pages.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # a kernel without transparent huge pages: 4 KB pages serve
-                pass
+        self.huge_pages = False  # whether use_huge_pages was called since the last release
+        self._advise(getattr(mmap, "MADV_NOHUGEPAGE", None))  # small pages even where the system's default is huge
         raw = np.frombuffer(self._pages, np.uint8)
         offsets = np.cumsum([0, *sizes])
         self.buffers = {info.name: HostBuffer(info, memory=raw[start:end])
                         for info, start, end in zip(infos, offsets[:-1], offsets[1:])}
 
+    def _advise(self, advice: int | None) -> bool:
+        """Advises the whole mapping; whether the system took the advice (a kernel
+        without transparent huge pages refuses theirs, and small pages serve)."""
+        if advice is None:
+            return False
+        try:
+            self._pages.madvise(advice)
+        except OSError:
+            return False
+        return True
+
+    def use_huge_pages(self) -> None:
+        """Puts the block in huge pages: pages written from now on come in 2 MB, and
+        those written already are gathered into 2 MB pages now (``MADV_COLLAPSE``, Linux
+        6.1 and later: a copy, ~30 ms for 188 MB; older kernels leave them small). Until
+        :meth:`release`."""
+        self.huge_pages = True
+        if self._advise(getattr(mmap, "MADV_HUGEPAGE", None)):
+            self._advise(_MADV_COLLAPSE)
+
     def release(self) -> None:
         """Gives the block's memory back to the system while every buffer keeps its
         address (and every handle stays valid): the contents become zeros, on Linux;
-        where the system keeps them instead, they stay as they were."""
-        if hasattr(mmap, "MADV_DONTNEED"):
-            self._pages.madvise(mmap.MADV_DONTNEED)
+        where the system keeps them instead, they stay as they were. Small pages again."""
+        self._advise(getattr(mmap, "MADV_DONTNEED", None))
+        if self.huge_pages:
+            self._advise(getattr(mmap, "MADV_NOHUGEPAGE", None))
+            self.huge_pages = False
+
+    def clear(self) -> None:
+        """Zeros every buffer: the pages are given back where the system fills them with
+        zeros again (Linux), so only the pages written later take memory; else written."""
+        self.release()
+        if not sys.platform.startswith("linux"):
+            for buffer in self.buffers.values():
+                buffer.array[...] = 0
 
 
 @dataclass(frozen=True)
