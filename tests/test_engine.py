@@ -328,3 +328,17 @@ def test_with_compile_all_registering_compiles_nothing(tmp_path, monkeypatch):
         stats = engine.stats()
     assert stats.compiled_groups == opened == tuple(engine.spec.groups) and stats.group_compile.count == 0
     assert asked == []
+
+
+def test_a_tokenizer_that_does_not_read_fails_the_open_naming_its_file(tmp_path, monkeypatch):
+    """The tokenizer is read beside the model's compile: its error is the open's, the
+    executors opened meanwhile are closed and no thread is left behind."""
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    closed, close = [], LlmExecutor.close
+    monkeypatch.setattr(LlmExecutor, "close", lambda self: (closed.append(self), close(self)))
+    before = threading.active_count()
+    with pytest.raises(InvalidArgumentError, match="tokenizer.json: not a valid tokenizer.json"):
+        Engine(MODEL_FILES["default"], EngineSettings(num_threads=1, executors=2), tokenizer=bad)
+    assert len(closed) == 2
+    assert threading.active_count() == before
