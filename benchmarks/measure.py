@@ -157,14 +157,14 @@ def _resident_cost(engine: Engine, session: Session, paths: Sequence[Path]) -> d
 
 
 def _compile_slot_first(engine: Engine, path: Path, limit_s: float = 60.0) -> None:
-    """Registers the adapter at ``path``, waits (up to ``limit_s``) for the compile of its
-    LoRA slot's signature group that registering starts in the background, and unloads it:
+    """Registers the adapter at ``path``, waits (up to ``limit_s``) for the compiles of its
+    LoRA slot's signature groups that registering starts in the background, and unloads it:
     that compile is the model's, once, not an adapter's, and would otherwise land in
     whichever measurement runs beside it."""
     lora_id = engine.register_adapter(LoraSource(path=path))
-    group = engine.spec.decode(engine.slot_for({lora_id: 1.0})).group
+    groups = set(engine.spec.session_groups(engine.slot_for({lora_id: 1.0})))
     deadline = time.monotonic() + limit_s
-    while group not in engine.stats().compiled_groups and time.monotonic() < deadline:
+    while not groups <= set(engine.stats().compiled_groups) and time.monotonic() < deadline:
         time.sleep(0.01)
     engine.unload_adapter(lora_id)
 

@@ -142,10 +142,28 @@ def test_kv_copy_is_independent(executor, weights):
     seq = tokens(12, seed=5)
     original = executor.bind(executor.create_kv_cache())
     executor.prefill(original, seq[:8], 0)
-    copy = executor.bind(executor.copy_kv_cache(original.kv))
+    copy = executor.bind(executor.copy_kv_cache(original.kv, 8))
     executor.decode(original, 1, 8)  # diverge the original
     expected = reference_logits(weights, seq)
     np.testing.assert_allclose(executor.decode(copy, seq[8], 8), expected[8], atol=TOL)
+
+
+def test_a_kv_copy_holds_the_positions_asked_for_and_zeros_after(executor, weights):
+    """A context rewound to position 5 (a rejected draft) is copied as it reads: its first 5
+    positions, none of the 8 written before; the copy's steps are the rewound context's."""
+    seq, other = tokens(12, seed=5), tokens(12, seed=6)
+    original = executor.bind(executor.create_kv_cache())
+    executor.prefill(original, seq[:8], 0)
+    copy = executor.bind(executor.copy_kv_cache(original.kv, 5))
+    for name, buffer in copy.kv.at(copy.kv.length).items():
+        axis = executor.spec.kv_position_axis(name)
+        past = buffer.array[(slice(None),) * axis + (slice(5, None),)]
+        assert not past.any(), name
+    rewound = seq[:5] + other[5:]
+    expected = reference_logits(weights, rewound)
+    np.testing.assert_allclose(executor.decode(copy, rewound[5], 5), expected[5], atol=TOL)
+    with pytest.raises(InvalidArgumentError, match="copying 65 positions"):
+        executor.copy_kv_cache(original.kv, 65)
 
 
 def test_context_overflow_leaves_the_cache_usable(executor, weights):
@@ -272,6 +290,24 @@ def test_on_demand_opens_the_plain_group_and_compiles_a_slot_on_its_first_bindin
         executor.close()
     with pytest.raises(FailedPreconditionError):
         executor.bind(executor.create_kv_cache())
+
+
+def test_a_longer_prefill_compiles_its_group_when_a_prompt_first_needs_it(tmp_path, weights):
+    """The plain group holds decode and the shortest prefill (8): a short prompt runs with
+    nothing else compiled; the first prompt a prefill_32 serves compiles that length's group."""
+    executor = _on_demand(tmp_path)
+    try:
+        seq = tokens(40, seed=12)
+        expected = reference_logits(weights, seq)
+        np.testing.assert_allclose(executor.prefill(executor.bind(executor.create_kv_cache()), seq[:8], 0),
+                                   expected[7], atol=TOL)
+        assert executor.compiled_groups == ("plain",)
+        assert 32 in prefill_chunks(40, executor.spec.prefill_lengths, executor.spec.kv_length)
+        np.testing.assert_allclose(executor.prefill(executor.bind(executor.create_kv_cache()), seq, 0),
+                                   expected[39], atol=TOL)
+        assert executor.compiled_groups == ("plain", "plain_prefill32")
+    finally:
+        executor.close()
 
 
 def test_a_batch_size_compiles_on_its_first_batch(tmp_path):

@@ -161,13 +161,20 @@ def test_signatures_are_grouped_by_what_a_session_needs_together(details):
     groups = spec.groups
     assert list(groups)[0] == "plain"
     assert sorted(key for keys in groups.values() for key in keys) == sorted(spec.signatures)  # a partition
-    assert set(groups["plain"]) == {"prefill_8", "prefill_32", "decode", "decode_attend16", "decode_attend32",
-                                    "prefill_8_attend16", "prefill_8_attend32", "prefill_32_attend32"}
-    assert all(key.endswith("_lora_r4") and "batch" not in key for key in groups["lora_r4"])
+    # A short prompt's group: decode and the shortest prefill, their windows; a longer prefill apart.
+    assert set(groups["plain"]) == {"prefill_8", "decode", "decode_attend16", "decode_attend32",
+                                    "prefill_8_attend16", "prefill_8_attend32"}
+    assert set(groups["plain_prefill32"]) == {"prefill_32", "prefill_32_attend32"}
+    assert all(key.endswith("_lora_r4") and "batch" not in key and "prefill_32" not in key
+               for key in groups["lora_r4"])
+    assert all(key.startswith("prefill_32") for key in groups["lora_r4_prefill32"])
     assert "decode_lora_r4" in groups["lora_r4"] and "decode_batch2_lora_r4" in groups["batch2_lora_r4"]
-    assert set(groups) == {"plain", "lora_r4", "lora_r16", "batch2_lora_r4", "batch4_lora_r4", "batch2_lora_r16",
+    assert set(groups) == {"plain", "plain_prefill32", "lora_r4", "lora_r4_prefill32", "lora_r16",
+                           "lora_r16_prefill32", "batch2_lora_r4", "batch4_lora_r4", "batch2_lora_r16",
                            "batch4_lora_r16"}
-    assert spec.signatures["decode_batch4_attend16_lora_r16"].group == "batch4_lora_r16"
+    assert spec.group_of(spec.signatures["decode_batch4_attend16_lora_r16"]) == "batch4_lora_r16"
+    assert spec.session_groups(None) == ("plain", "plain_prefill32")
+    assert spec.session_groups(LoraSlot(16)) == ("lora_r16", "lora_r16_prefill32")
 
 
 @pytest.mark.parametrize(("kind", "rows", "slot", "group"), [

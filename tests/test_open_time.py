@@ -11,8 +11,9 @@ def test_the_engine_child_reports_what_compiled_at_open_and_at_a_slots_first_use
     runs = {mode: open_time._child(["engine", "--model", model, "--compile", mode, "--adapter",
                                     str(adapter_path("torch_r4"))]) for mode in open_time.MODES}
     assert runs["on-demand"]["compiled_at_open"] == ["plain"]
-    assert runs["on-demand"]["compiled_after_adapter"] == ["plain", "lora_r4"]
-    assert len(runs["all"]["compiled_at_open"]) == runs["all"]["groups"] == 7
+    # The slot's first use, a 32-token prompt: its decode's group and its prefill_32's.
+    assert runs["on-demand"]["compiled_after_adapter"] == ["plain", "lora_r4", "lora_r4_prefill32"]
+    assert len(runs["all"]["compiled_at_open"]) == runs["all"]["groups"] == 10
     assert runs["all"]["compiled_after_adapter"] == runs["all"]["compiled_at_open"]
     for run in runs.values():
         assert run["signatures"] == 36 and run["open_ms"] > 0 and run["open_cpu_ms"] > 0

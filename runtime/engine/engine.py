@@ -146,18 +146,21 @@ class Engine:
         return lora_id
 
     def _prepare_slot(self, lora_id: int) -> None:
-        """Starts compiling, in the background, the signature group of the LoRA slot that
-        adapter ``lora_id`` runs in alone, on the executors that have not compiled it.
-        Never raises: an adapter no slot runs is left to its first session to refuse."""
+        """Starts compiling, in the background, the signature groups a session of the LoRA
+        slot that adapter ``lora_id`` runs in alone needs (its decode's first, then its
+        longer prefills'), on the executors that have not compiled them. Never raises: an
+        adapter no slot runs is left to its first session to refuse."""
         try:
-            group = self.spec.decode(self.slot_for({lora_id: 1.0})).group
+            groups = self.spec.session_groups(self.slot_for({lora_id: 1.0}))
         except StatusError as exc:  # no slot runs it, or the engine closed meanwhile
             log.debug("adapter %d: no signature group to compile ahead of its first request: %s", lora_id, exc)
             return
-        executors = [executor for executor in self._resources.pool.executors if group not in executor.compiled_groups]
-        with self._lock:
-            if executors and not self._closed:
-                self._compiles.submit(_prepare_group, group, executors)
+        for group in groups:
+            executors = [executor for executor in self._resources.pool.executors
+                         if group not in executor.compiled_groups]
+            with self._lock:
+                if executors and not self._closed:
+                    self._compiles.submit(_prepare_group, group, executors)
 
     def unload_adapter(self, lora_id: int) -> None:
         """Unregisters an adapter no live session uses and frees its buffers."""

@@ -297,7 +297,7 @@ class Binding:
     lora_slot: LoraSlot | None
     lora_buffers: Mapping[str, HostBuffer] | None
     decode: _Run  # attending over the whole cache
-    prefill: dict[int, _Run] = field(default_factory=dict)
+    prefill: Mapping[int, _Run] = field(default_factory=dict)
     decode_windows: dict[int, _Run] = field(default_factory=dict)  # by attention window
     # These three are made on first use (their signatures' groups compile then).
     verify: Mapping[int, _Run] = field(default_factory=dict)  # by verify length
@@ -538,7 +538,7 @@ class LlmExecutor:
     def _tensor_info(self, signature: SignatureSpec, name: str, output: bool = False) -> TensorInfo:
         """Input (or output) ``name`` of ``signature`` as the library describes it: from its
         group's compiled model, or made from the spec before that group compiles."""
-        compiled = self._models.get(signature.group)
+        compiled = self._models.get(self.spec.group_of(signature))
         if compiled is not None:
             described = compiled.signatures[signature.key]
             return (described.outputs if output else described.inputs)[name]
@@ -601,13 +601,21 @@ class LlmExecutor:
         axes = {spec.name: self.spec.kv_position_axis(spec.name) for spec in self.spec.kv_inputs}
         return KvCache(blocks, axes, self.spec.kv_cache_bytes)
 
-    def copy_kv_cache(self, source: KvCache) -> KvCache:
-        """A new KV cache holding the same values as ``source``."""
+    def copy_kv_cache(self, source: KvCache, length: int) -> KvCache:
+        """A new KV cache holding ``source``'s first ``length`` positions (a context's
+        position: what its next steps read), zeros after them."""
+        if not 0 <= length <= self.spec.kv_length:
+            raise InvalidArgumentError(f"copying {length} positions of a KV cache, expected 0 ... {self.spec.kv_length}")
         copy = self.create_kv_cache()
         with self._lock:
+            if length > source.length:
+                raise InternalError(f"copying {length} positions of a context in {source.length}")
             copy.length = source.length
-            for name, buffer in copy.at(source.length).items():
-                buffer.array[...] = source.at(source.length)[name].array
+            copy.reach(length)
+            for spec in self.spec.kv_inputs:
+                axis = self.spec.kv_position_axis(spec.name)
+                _positions(copy.at(copy.length)[spec.name].array, axis, length)[...] = \
+                    _positions(source.at(source.length)[spec.name].array, axis, length)
         return copy
 
     def read_kv_prefix(self, kv: KvCache, length: int) -> KvPrefix:
@@ -651,7 +659,8 @@ class LlmExecutor:
     def bind(
         self, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None = None, lora_slot: LoraSlot | None = None
     ) -> Binding:
-        """Prebuilds the run arguments of every signature for ``kv`` and a LoRA slot."""
+        """The run arguments of every signature for ``kv`` and a LoRA slot: the decode
+        steps' now, the others' when first run."""
         if (lora_buffers is None) != (lora_slot is None):
             raise InvalidArgumentError("lora_buffers and lora_slot go together")
         self._check_open()
@@ -660,10 +669,11 @@ class LlmExecutor:
         def made(signature: SignatureSpec) -> _Run:
             return self._run_args(signature, kv, lora_buffers)
 
-        # The slot's prefill and decode steps now (their group compiles on the slot's first binding);
-        # verify and score steps, and windowed steps, when first run.
+        # The slot's decode steps now (their group compiles on the slot's first binding); its
+        # prefills, verify and score steps, and windowed steps, when first run (a longer
+        # prefill's group compiles then).
         binding = Binding(self, kv, lora_slot, lora_buffers, made(spec.decode(lora_slot)))
-        binding.prefill = {length: made(spec.prefill(length, lora_slot)) for length in spec.prefill_lengths}
+        binding.prefill = _LazyRuns(lambda length: made(spec.prefill(length, lora_slot)), spec.prefill_lengths)
         binding.decode_windows = {window: made(spec.decode(lora_slot, window)) for window in spec.windows(lora_slot)}
         binding.score = _LazyRuns(lambda length: made(spec.score(length, lora_slot)), spec.score_lengths(lora_slot))
         binding.verify = _LazyRuns(lambda length: made(spec.verify(length, lora_slot)), spec.verify_lengths(lora_slot))
@@ -679,7 +689,7 @@ class LlmExecutor:
     def _run_args(
         self, signature: SignatureSpec, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None
     ) -> _Run:
-        model = self._group_model(signature.group)
+        model = self._group_model(self.spec.group_of(signature))
         io = self._io[signature.key]
         length = self.spec.cache_length(signature)
         inputs = {TOKENS: io.tokens, INPUT_POS: io.positions, **kv.at(length)}
@@ -827,7 +837,7 @@ class LlmExecutor:
         """
         results: list[np.ndarray | BaseException | None] = [None] * len(steps)
         for planned in plan.runs:  # a batch size's first run compiles its group, outside the run lock
-            self._group_model(planned.signature.group)
+            self._group_model(self.spec.group_of(planned.signature))
         for index in plan.overflow:
             try:
                 self._check_position(steps[index].position, 1)
@@ -879,7 +889,7 @@ class LlmExecutor:
             caches += [self._scratch_kv] * (signature.rows - len(caches))
         length = self.spec.cache_length(signature)
         kv_rows = [cache.at(length) for cache in caches]
-        model = self._models[signature.group]  # compiled before the run lock was taken
+        model = self._models[self.spec.group_of(signature)]  # compiled before the run lock was taken
         io = self._io[signature.key]
         shared_inputs = {TOKENS: io.tokens, INPUT_POS: io.positions}
         if signature.lora_slot is not None:

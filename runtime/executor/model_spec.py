@@ -87,11 +87,6 @@ class SignatureSpec:
         """Whether running it returns logits."""
         return LOGITS in self.outputs
 
-    @property
-    def group(self) -> str:
-        """The group it compiles in (:func:`signature_group`)."""
-        return signature_group(self.kind, self.rows, self.lora_slot)
-
     @cached_property
     def lora_inputs(self) -> dict[str, TensorSpec]:
         """The signature's LoRA inputs as one row takes them, by name (a batched
@@ -114,13 +109,42 @@ class ModelSpec:
 
     @cached_property
     def groups(self) -> dict[str, tuple[str, ...]]:
-        """The signature keys by the group they compile in (:func:`signature_group`), the
-        plain group first: a partition of :attr:`signatures`. The executor compiles a group
-        when a session first needs one of its signatures; callers ask for signatures."""
-        groups: dict[str, list[str]] = {PLAIN_GROUP: []}
+        """The signature keys by the group they compile in, the plain group first: a
+        partition of :attr:`signatures`. The executor compiles a group when a session
+        first needs one of its signatures; callers ask for signatures.
+
+        A group is :func:`signature_group`'s, but prefills longer than the shortest of
+        their slot compile apart, a group per length with its windows
+        (``plain_prefill512``, ``lora_r16_prefill128``): a short prompt's first token waits
+        for the compile of what it runs only (SmolLM2's default export: 3 of its 7
+        signatures, ~90 of ~200 ms on an AMD EPYC), a long prompt compiles its length once."""
+        shortest: dict[LoraSlot | None, int] = {}
+        for spec in self.signatures.values():
+            if spec.kind == "prefill":
+                shortest[spec.lora_slot] = min(spec.seq_len, shortest.get(spec.lora_slot, spec.seq_len))
+        # By signature_group's group, then by prefill length (0: the group itself).
+        split: dict[str, dict[int, list[str]]] = {PLAIN_GROUP: {0: []}}
         for key, spec in self.signatures.items():
-            groups.setdefault(spec.group, []).append(key)
-        return {name: tuple(keys) for name, keys in groups.items()}
+            longer = spec.kind == "prefill" and spec.seq_len > shortest[spec.lora_slot]
+            split.setdefault(signature_group(spec.kind, spec.rows, spec.lora_slot), {}).setdefault(
+                spec.seq_len if longer else 0, []).append(key)
+        return {f"{group}_prefill{length}" if length else group: tuple(keys)
+                for group, by_length in split.items() for length, keys in sorted(by_length.items())}
+
+    @cached_property
+    def _group_by_key(self) -> dict[str, str]:
+        return {key: group for group, keys in self.groups.items() for key in keys}
+
+    def group_of(self, signature: SignatureSpec) -> str:
+        """The group ``signature`` compiles in (:attr:`groups`)."""
+        return self._group_by_key[signature.key]
+
+    def session_groups(self, lora_slot: LoraSlot | None) -> tuple[str, ...]:
+        """The groups one session in ``lora_slot`` runs its prefills and decode steps in:
+        its decode's (with the shortest prefill) first, then each longer prefill's."""
+        first = self.group_of(self.decode(lora_slot))
+        return (first, *(group for group, keys in self.groups.items() if group != first and all(
+            self.signatures[key].kind == "prefill" and self.signatures[key].lora_slot == lora_slot for key in keys)))
 
     @property
     def prefill_lengths(self) -> tuple[int, ...]:

@@ -103,7 +103,7 @@ class ResourceManager:
         adapters."""
         self.registry.pin(context.blend)
         try:
-            kv = self.pool.primary.copy_kv_cache(context.kv)
+            kv = self.pool.primary.copy_kv_cache(context.kv, context.position)
         except BaseException:
             self.registry.unpin(context.blend)
             raise
