@@ -34,10 +34,10 @@ def add_weight_cache_dir(parser: argparse.ArgumentParser) -> None:
 def add_compile_mode(parser: argparse.ArgumentParser) -> None:
     """``--compile on-demand|all``: ``EngineSettings.compile``."""
     parser.add_argument("--compile", choices=("on-demand", "all"), default="on-demand",
-                        help="on-demand (default): compile at start only the signatures of a session without an "
-                        "adapter, and each other group (a LoRA rank slot's, verify, score, a batch size's) when a "
-                        "session first needs it; all: compile every signature at start (a slower start, no "
-                        "first-use pause)")
+                        help="on-demand (default): compile at start only the signatures of a short prompt without "
+                        "an adapter (decode, the shortest prefill), and each other group (a longer prefill's, a LoRA "
+                        "rank slot's, verify, score, a batch size's) when a session first needs it; all: compile "
+                        "every signature at start (a slower start, no first-use pause)")
 
 
 def weight_cache_settings(args: argparse.Namespace) -> dict[str, Any]:

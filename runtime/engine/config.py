@@ -79,12 +79,13 @@ class EngineSettings:
     ``profile_ops``: attach LiteRT's op profiler to the model, so that
     :meth:`Engine.profile_ops` can record where runs spend their time, op by op.
     ``compile``: ``"on-demand"`` (the default) compiles at open only the signatures a
-    session without an adapter runs (prefills, decode, their attention windows), and each
-    other group of signatures (a LoRA rank slot's, verify, score, a batch size's) when a
-    session first needs it: that first step pays its compile once (SmolLM2-135M: ~0.3 s of
-    CPU for a slot's 6-8 signatures), other sessions keep running meanwhile; a slot's group
-    starts compiling in the background when :meth:`Engine.register_adapter` registers an
-    adapter that runs in it, so that adapter's first request finds it compiled. ``"all"``
+    short prompt without an adapter runs (decode, the shortest prefill, their attention
+    windows), and each other group of signatures (a longer prefill's, a LoRA rank slot's,
+    verify, score, a batch size's) when a session first needs it: that first step pays its
+    compile once (SmolLM2-135M: ~30-43 ms of CPU per signature), other sessions keep running
+    meanwhile; a slot's groups start compiling in the background when
+    :meth:`Engine.register_adapter` registers an adapter that runs in it, so that adapter's
+    first request finds them compiled. ``"all"``
     compiles every signature at open (the open costs ~30-43 ms of CPU per signature), for a
     server that wants no first-use latency. Models that cannot compile in groups (control-flow ops,
     weights packed in memory: ``weight_cache_dir=None``, ``profile_ops``) open whole either way.
