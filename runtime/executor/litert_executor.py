@@ -160,26 +160,27 @@ class KvCache:
         executor's runs call it, under its lock."""
         if length == self.length:
             return
-        source, target = self.by_length[self.length], self.by_length[length]
         if filled > min(self.length, length):
             raise InternalError(f"moving {filled} positions of a KV cache from {self.length} to {length} positions")
-        self._fit_pages(length, filled)
-        for name, buffer in target.items():
-            axis = self._axes[name]
-            _positions(buffer.array, axis, filled)[...] = _positions(source[name].array, axis, filled)
-        self.release(self.length)
+        held = self.length
         self.length = length
+        self.write_positions({name: buffer.array for name, buffer in self.by_length[held].items()}, filled)
+        self.release(held)
+
+    def write_positions(self, source: Mapping[str, np.ndarray], length: int) -> None:
+        """Writes the first ``length`` positions of each array of ``source`` (by input
+        name, laid out as the cache's inputs are, at least ``length`` positions long) into
+        the buffers holding the context."""
+        self.reach(length)
+        for name, buffer in self.by_length[self.length].items():
+            axis = self._axes[name]
+            _positions(buffer.array, axis, length)[...] = _positions(source[name], axis, length)
 
     def reach(self, end: int) -> None:
-        """Notes that a run writes the context's positions up to ``end`` (exclusive) in
-        the buffers holding it. Only the executor's runs call it, under its lock."""
-        self._fit_pages(self.length, end)
-
-    def _fit_pages(self, length: int, filled: int) -> None:
-        """Puts the buffers of ``length`` in huge pages once ``filled`` of their
-        positions hold the context and they are at least half full."""
-        block = self._blocks[length]
-        if not block.huge_pages and 2 * filled >= length:
+        """Notes that the context's positions up to ``end`` (exclusive) are about to be
+        written in the buffers holding it: once that is half of them, they go to huge pages."""
+        block = self._blocks[self.length]
+        if not block.huge_pages and 2 * end >= self.length:
             block.use_huge_pages()
 
     def release(self, length: int) -> None:
@@ -611,11 +612,7 @@ class LlmExecutor:
             if length > source.length:
                 raise InternalError(f"copying {length} positions of a context in {source.length}")
             copy.length = source.length
-            copy.reach(length)
-            for spec in self.spec.kv_inputs:
-                axis = self.spec.kv_position_axis(spec.name)
-                _positions(copy.at(copy.length)[spec.name].array, axis, length)[...] = \
-                    _positions(source.at(source.length)[spec.name].array, axis, length)
+            copy.write_positions({name: buffer.array for name, buffer in source.at(source.length).items()}, length)
         return copy
 
     def read_kv_prefix(self, kv: KvCache, length: int) -> KvPrefix:
@@ -643,10 +640,7 @@ class LlmExecutor:
                 kv.clear(held)
             else:
                 kv.release(held)
-        kv.reach(length)
-        for name, buffer in kv.at(kv.length).items():
-            axis = self.spec.kv_position_axis(name)
-            _positions(buffer.array, axis, length)[...] = _positions(prefix.rows[name], axis, length)
+        kv.write_positions(prefix.rows, length)
 
     def create_lora_buffer(self, slot: LoraSlot, name: str) -> HostBuffer:
         """An empty buffer for LoRA input ``name`` of ``slot``."""
