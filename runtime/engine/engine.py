@@ -81,7 +81,7 @@ class Engine:
                                          self.settings.weight_cache_max_bytes)
         executors: list[LlmExecutor] = []
         # The chat template and tokenizer are read while the model compiles, which leaves
-        # the GIL (a bundle's ~60 + ~100 ms beside a compile of ~150); the template first:
+        # the GIL (a bundle's ~60 + ~100 ms beside a compile of ~90); the template first:
         # reading the tokenizer holds the GIL throughout, so it starts once the compile has.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="runtime-open") as beside:
             text = beside.submit(lambda: (_chat_template(chat_template, llm_metadata),
