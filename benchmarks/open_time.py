@@ -108,7 +108,7 @@ def cmd_engine(args: argparse.Namespace) -> None:
 def cmd_native(args: argparse.Namespace) -> None:
     """``NativeModel`` over the whole file (``--compile all``) or over the view of its plain
     group (``on-demand``), naming the model's published weight cache file."""
-    from runtime.executor.model_spec import PLAIN_GROUP, signature_group
+    from runtime.executor.model_spec import PLAIN_GROUP, compile_groups
     from runtime.executor.native import NativeModel
     from runtime.executor.weight_cache import weight_cache_file, WeightCacheDir
     from runtime.util.model_view import ModelFile, signature_keys
@@ -116,8 +116,8 @@ def cmd_native(args: argparse.Namespace) -> None:
 
     source = ModelFile(Path(args.model))
     keys = list(signature_keys(source.header()))
-    plain = [key for key in keys if (name := SignatureName.parse(key)) is not None
-             and signature_group(name.kind, name.rows, name.lora_slot) == PLAIN_GROUP]
+    named = {key: name for key in keys if (name := SignatureName.parse(key)) is not None}
+    plain = list(compile_groups(named)[PLAIN_GROUP])
     cache = weight_cache_file(WeightCacheDir.USER, args.model)
     with cache.open_for(os.path.getsize(args.model)) as use:  # type: ignore[union-attr]
         t, c = time.perf_counter(), time.process_time()

@@ -44,7 +44,7 @@ KV_LAYOUT_TRANSPOSED = "transposed"  # k: [1, groups, kv_len, head_dim]; v: [1, 
 # What the interpreter reports for one signature: input and output details by name.
 SignatureDetails = tuple[Mapping[str, Mapping[str, Any]], Mapping[str, Mapping[str, Any]]]
 
-PLAIN_GROUP = "plain"  # every single-session prefill and decode without LoRA inputs, each window too
+PLAIN_GROUP = "plain"  # decode without LoRA inputs and its shortest prefill, each window too
 
 
 def signature_group(kind: str, rows: int, lora_slot: LoraSlot | None) -> str:
@@ -57,6 +57,27 @@ def signature_group(kind: str, rows: int, lora_slot: LoraSlot | None) -> str:
     if not base:
         return slot or PLAIN_GROUP
     return f"{base}_{slot}" if slot else base
+
+
+def compile_groups(signatures: Mapping[str, SignatureSpec | SignatureName]) -> dict[str, tuple[str, ...]]:
+    """The keys of ``signatures`` by the group they compile in, the plain group first: a
+    partition. A group is :func:`signature_group`'s, but prefills longer than the shortest
+    of their slot compile apart, a group per length with its windows (``plain_prefill512``,
+    ``lora_r16_prefill128``): a short prompt's first token waits for the compile of what it
+    runs only (SmolLM2's default export: 3 of its 7 signatures, ~90 of ~200 ms on an AMD
+    EPYC), a long prompt compiles its length once."""
+    shortest: dict[LoraSlot | None, int] = {}
+    for spec in signatures.values():
+        if spec.kind == "prefill" and spec.seq_len is not None:
+            shortest[spec.lora_slot] = min(spec.seq_len, shortest.get(spec.lora_slot, spec.seq_len))
+    # By signature_group's group, then by prefill length (0: the group itself).
+    split: dict[str, dict[int, list[str]]] = {PLAIN_GROUP: {0: []}}
+    for key, spec in signatures.items():
+        longer = spec.kind == "prefill" and spec.seq_len is not None and spec.seq_len > shortest[spec.lora_slot]
+        split.setdefault(signature_group(spec.kind, spec.rows, spec.lora_slot), {}).setdefault(
+            spec.seq_len if longer else 0, []).append(key)
+    return {f"{group}_prefill{length}" if length else group: tuple(keys)
+            for group, by_length in split.items() for length, keys in sorted(by_length.items())}
 
 
 @dataclass(frozen=True)
@@ -109,27 +130,10 @@ class ModelSpec:
 
     @cached_property
     def groups(self) -> dict[str, tuple[str, ...]]:
-        """The signature keys by the group they compile in, the plain group first: a
-        partition of :attr:`signatures`. The executor compiles a group when a session
-        first needs one of its signatures; callers ask for signatures.
-
-        A group is :func:`signature_group`'s, but prefills longer than the shortest of
-        their slot compile apart, a group per length with its windows
-        (``plain_prefill512``, ``lora_r16_prefill128``): a short prompt's first token waits
-        for the compile of what it runs only (SmolLM2's default export: 3 of its 7
-        signatures, ~90 of ~200 ms on an AMD EPYC), a long prompt compiles its length once."""
-        shortest: dict[LoraSlot | None, int] = {}
-        for spec in self.signatures.values():
-            if spec.kind == "prefill":
-                shortest[spec.lora_slot] = min(spec.seq_len, shortest.get(spec.lora_slot, spec.seq_len))
-        # By signature_group's group, then by prefill length (0: the group itself).
-        split: dict[str, dict[int, list[str]]] = {PLAIN_GROUP: {0: []}}
-        for key, spec in self.signatures.items():
-            longer = spec.kind == "prefill" and spec.seq_len > shortest[spec.lora_slot]
-            split.setdefault(signature_group(spec.kind, spec.rows, spec.lora_slot), {}).setdefault(
-                spec.seq_len if longer else 0, []).append(key)
-        return {f"{group}_prefill{length}" if length else group: tuple(keys)
-                for group, by_length in split.items() for length, keys in sorted(by_length.items())}
+        """The signature keys by the group they compile in (:func:`compile_groups`), the
+        plain group first. The executor compiles a group when a session first needs one of
+        its signatures; callers ask for signatures."""
+        return compile_groups(self.signatures)
 
     @cached_property
     def _group_by_key(self) -> dict[str, str]:
@@ -143,8 +147,9 @@ class ModelSpec:
         """The groups one session in ``lora_slot`` runs its prefills and decode steps in:
         its decode's (with the shortest prefill) first, then each longer prefill's."""
         first = self.group_of(self.decode(lora_slot))
-        return (first, *(group for group, keys in self.groups.items() if group != first and all(
-            self.signatures[key].kind == "prefill" and self.signatures[key].lora_slot == lora_slot for key in keys)))
+        prefills = {self.group_of(spec) for spec in self.signatures.values()
+                    if spec.kind == "prefill" and spec.lora_slot == lora_slot}
+        return (first, *(group for group in self.groups if group in prefills and group != first))
 
     @property
     def prefill_lengths(self) -> tuple[int, ...]:
