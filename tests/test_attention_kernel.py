@@ -769,6 +769,7 @@ def test_without_the_kernel_the_standard_form_runs_with_one_notice(fixture, why,
         notice = notices.records[0].getMessage()
         assert "\n" not in notice and notice.startswith(f"{both[fixture]}: decode attention runs in its standard form")
         assert FALLBACKS[why] in notice and kernels.STANDARD_FORM_COST in notice
+        assert (f"$CC is '{tmp_path / 'no-such-cc'}'" in notice) == (why == "no compiler")
         prompt = [5, 17, 42, 99, 3]
         steps = reference.spec.kv_length - len(prompt) - 1
         want_tokens, want = greedy(reference, prompt, steps)

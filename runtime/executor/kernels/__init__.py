@@ -145,7 +145,9 @@ def build_library() -> ctypes.CDLL:
     when it cannot be built or loaded."""
     cc = compiler()
     if cc is None:
-        raise FailedPreconditionError("no C compiler (cc or gcc; $CC) on PATH to build it")
+        chosen = os.environ.get("CC")
+        raise FailedPreconditionError(f"no C compiler: $CC is {chosen!r}, neither a program on PATH nor a path to one"
+                                      if chosen else "no C compiler (cc or gcc; $CC) on PATH to build it")
     sources = [resources.files(__package__).joinpath(name).read_bytes() for name in (*_SOURCES, *_HEADERS)]
     flags = (*_BASE_FLAGS, *isa_flags())
     with _build_lock:
