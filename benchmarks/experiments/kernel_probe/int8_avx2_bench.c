@@ -22,23 +22,14 @@
 #include <string.h>
 #include <time.h>
 
+#include "int8_probe.h"
+
 #define MAX_ROWS 8
 #ifdef ROW_SUMS_IN_LOOP
 #define ROW_SUMS 1
 #else
 #define ROW_SUMS 0
 #endif
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-static inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
 
 /* A row of x to 0..255 with a scale and zero point (its range with 0 in it), widened to int16. */
 static void quantize_row(const float *x, int K, int16_t *q, float *scale, int32_t *zero) {
