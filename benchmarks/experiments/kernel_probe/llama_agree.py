@@ -62,6 +62,19 @@ def theirs_log_probs(server: Server, prompt: list[int], tokens: tuple[int, ...])
     return {token: top.get(token) for token in tokens}
 
 
+def parting(row: dict) -> str:
+    """A row's parting as the table shows it: each token with its log-probability, ours and llama.cpp's."""
+    if "parting" not in row:
+        return "-"
+    (a, b), ours, theirs = row["parting"]["tokens"], row["parting"]["ours_log_probs"], row["parting"]["theirs_log_probs"]
+
+    def shown(value: float | None) -> str:
+        return f"not in top {CANDIDATES}" if value is None else f"{value:.3f}"
+
+    return (f"ours {a} {shown(ours[0])} / {b} {shown(ours[1])}; "
+            f"llama.cpp {a} {shown(theirs[0])} / {b} {shown(theirs[1])}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--models", default=None,
@@ -108,15 +121,6 @@ def main() -> None:
                       + f" ({time.perf_counter() - started:.0f} s)", flush=True)
     finally:
         close_all(engines, [server])
-
-    def parting(row: dict) -> str:
-        if "parting" not in row:
-            return "-"
-        p = row["parting"]
-        a, b = p["tokens"]
-        lp = lambda v: "not in top %d" % CANDIDATES if v is None else f"{v:.3f}"  # noqa: E731
-        return (f"ours {a} {lp(p['ours_log_probs'][0])} / {b} {lp(p['ours_log_probs'][1])}; "
-                f"llama.cpp {a} {lp(p['theirs_log_probs'][0])} / {b} {lp(p['theirs_log_probs'][1])}")
 
     result = {"model": "SmolLM2-135M-Instruct", "ours": [str(m) for m in models], "llama_cpp": str(gguf),
               "text": [f"docs/{name}" for name in TEXT_FILES], "tokens": args.tokens, "rows": rows, **date_and_cpu()}
