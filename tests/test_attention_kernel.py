@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from batching import assert_rows_equal_alone, four_adapter_rows
-from conftest import MODELS, greedy, run_signature, step_inputs
+from conftest import MODELS, adapter_path, greedy, run_signature, step_inputs
 from graph_passes import needs_kernel
+from runtime import SessionConfig
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
@@ -473,11 +474,23 @@ def test_sessions_in_threads_equal_alone(rewritten, kernel_cache):
 def test_a_batchs_rows_equal_their_sessions_alone_bit_for_bit(rewritten, kernel_cache):
     """In the op form a batch's rows and a session alone run the same kernels (linear_rows
     computes each row as it would alone): 4 sessions with rank-4 adapters (one scaled), in the
-    16-position window alone and together, give each session's logits alone exactly. (Rows
-    padded into a higher rank's slot, or attending over a wider window than alone, sum other
-    zeros in other lanes and are compared within 1e-4 in test_batch_decode.py.)"""
+    16-position window alone and together, give each session's logits alone exactly."""
     configs, prompt = four_adapter_rows()
     assert_rows_equal_alone(rewritten["gqa"], configs, prompt, 5)
+
+
+@needs_cc
+def test_rows_padded_into_a_larger_slot_or_window_equal_their_sessions_alone_bit_for_bit(rewritten, kernel_cache):
+    """A row sums as it would alone wherever the batch puts it: a rank-4 adapter padded with
+    zeros into the rank-16 row's slot (lora_delta sums a rank that is no multiple of 8 in
+    the lanes' order), a row without an adapter with zero factors, and rows short of the
+    16-position window attending in the 32-position one beside a longer row (decode_attention
+    reads the filled positions only): each session's logits alone, exactly."""
+    r4, other, r16 = adapter_path("torch_r4"), adapter_path("litertlm_r4"), adapter_path("torch_r16")
+    configs = [SessionConfig(lora_path=r4), SessionConfig(lora_path=r16), SessionConfig(),
+               SessionConfig(lora_path=other, lora_scale=0.5)]
+    assert_rows_equal_alone(rewritten["gqa"], configs, lambda row: [(7 * row + 3 * i) % 250 + 1
+                                                                   for i in range(2 + 6 * row)], 5)
 
 
 def test_no_compiler_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ static inline v8 load8h(const _Float16 *p) {
  * down: h[0..r) = x . A for A [in, r] row-major: each x[i] scales A's row i. Where r is a
  * multiple of 8, 8 lanes of h at a time (one AVX register; r is 4-64 in practice, under one
  * AVX-512 register's 16 floats at 8), four rows of A in flight so the adds do not wait on
- * each other.
+ * each other; other ranks sum each lane's way, so a row's h does not depend on its slot.
  * up: o[0..out) = h . B for B [r, out] row-major: W outputs at a time, the r rows of B each
  * scaled by its h[k]. */
 #define LORA_PASSES(SUF, ET, LOAD8, LOADW)                                                     \
@@ -71,9 +71,21 @@ static inline v8 load8h(const _Float16 *p) {
       }                                                                                       \
       return;                                                                                 \
     }                                                                                         \
-    for (int k = 0; k < r; k++) h[k] = 0.f;                                                   \
-    for (int i = 0; i < in; i++)                                                              \
-      for (int k = 0; k < r; k++) h[k] += x[i] * (float)A[(size_t)i * r + k];                 \
+    /* The same sums in the same order, a column at a time: a rank padded with zeros into  \
+     * a multiple of 8 (a batch's larger slot) gives the same h as the rank alone. */        \
+    for (int k = 0; k < r; k++) {                                                             \
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;                                           \
+      int i = 0;                                                                              \
+      for (; i + 4 <= in; i += 4) {                                                           \
+        const ET *column = A + (size_t)i * r + k;                                             \
+        s0 += x[i] * (float)column[0];                                                        \
+        s1 += x[i + 1] * (float)column[r];                                                    \
+        s2 += x[i + 2] * (float)column[2 * r];                                                \
+        s3 += x[i + 3] * (float)column[3 * r];                                                \
+      }                                                                                       \
+      for (; i < in; i++) s0 += x[i] * (float)A[(size_t)i * r + k];                          \
+      h[k] = (s0 + s1) + (s2 + s3);                                                           \
+    }                                                                                         \
   }                                                                                           \
   static void up_##SUF(const float *h, const ET *B, int r, int out, float *o) {               \
     int j = 0;                                                                                \
