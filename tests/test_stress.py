@@ -1,20 +1,25 @@
 """Stress: many threads doing random operations on one engine, then every session replayed
-alone must give the same tokens; and register/unload cycles must not grow memory."""
+alone must give the same tokens (in the kernels' op form, the same logits bit for bit); and
+register/unload cycles must not grow memory."""
 
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import random
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import MODEL_FILES, adapter_path
+
 from runtime import Engine, EngineSettings, KeepAll, LoraSource, Lru, OnlyActive, SessionConfig
 from runtime.errors import FailedPreconditionError, NotFoundError
+from runtime.executor import kernels
+from runtime.util.attention_rewrite import rewrite_decode_attention
 
 pytestmark = pytest.mark.slow  # the fast suite: python3 -m pytest -m 'not slow'
 
@@ -51,6 +56,18 @@ class Record:
     sources: list[LoraSource]
     fed: list[list[int]] = field(default_factory=list)  # each call's tokens (first: the prompt)
     argmax: list[int] = field(default_factory=list)  # the greedy token after each call
+    digests: list[bytes] = field(default_factory=list)  # each call's logits, hashed
+
+    def add(self, tokens: list[int], logits: np.ndarray) -> int:
+        """Records a call: the tokens fed and the logits it gave; returns the greedy token."""
+        self.fed.append(tokens)
+        self.argmax.append(int(np.argmax(logits)))
+        self.digests.append(digest(logits))
+        return self.argmax[-1]
+
+
+def digest(logits: np.ndarray) -> bytes:
+    return hashlib.sha1(np.ascontiguousarray(logits).tobytes()).digest()
 
 
 @dataclass
@@ -70,10 +87,7 @@ def worker(engine: Engine, seed: int, records: list[Record], errors: list[BaseEx
                 record = Record(random_sources(rng))
                 session = engine.create_session(SessionConfig(loras=record.sources))
                 prompt = [rng.randrange(256) for _ in range(rng.randint(1, 12))]
-                token = int(np.argmax(session.run_prefill(prompt)))
-                record.fed.append(prompt)
-                record.argmax.append(token)
-                live.append(Live(session, record, token))
+                live.append(Live(session, record, record.add(prompt, session.run_prefill(prompt))))
             elif op < 0.75:
                 item = rng.choice(live)
                 if item.session.position >= MAX_POSITION:
@@ -81,22 +95,18 @@ def worker(engine: Engine, seed: int, records: list[Record], errors: list[BaseEx
                     records.append(item.record)
                     live.remove(item)
                     continue
-                token = int(np.argmax(item.session.run_decode(item.next_token)))
-                item.record.fed.append([item.next_token])
-                item.record.argmax.append(token)
-                item.next_token = token
+                item.next_token = item.record.add([item.next_token], item.session.run_decode(item.next_token))
             elif op < 0.79:  # several of this thread's sessions in one step
                 items = [i for i in rng.sample(live, min(len(live), rng.randint(2, 4)))
                          if i.session.position < MAX_POSITION]
                 logits = engine.decode_together([(i.session, i.next_token) for i in items])
                 for item, row in zip(items, logits):
-                    item.record.fed.append([item.next_token])
-                    item.next_token = int(np.argmax(row))
-                    item.record.argmax.append(item.next_token)
+                    item.next_token = item.record.add([item.next_token], row)
             elif op < 0.82:
                 item = rng.choice(live)
                 clone = item.session.clone()
-                record = Record(item.record.sources, [list(f) for f in item.record.fed], list(item.record.argmax))
+                record = Record(item.record.sources, [list(f) for f in item.record.fed], list(item.record.argmax),
+                                list(item.record.digests))
                 live.append(Live(clone, record, item.next_token))
             elif op < 0.88:
                 item = live.pop(rng.randrange(len(live)))
@@ -121,20 +131,39 @@ def worker(engine: Engine, seed: int, records: list[Record], errors: list[BaseEx
         errors.append(exc)
 
 
-def replay(engine: Engine, record: Record) -> list[int]:
+def replay(engine: Engine, record: Record) -> Record:
+    """``record``'s calls run again by one session alone."""
+    again = Record(record.sources)
     with engine.create_session(SessionConfig(loras=record.sources)) as session:
-        out = [int(np.argmax(session.run_prefill(record.fed[0])))]
-        out += [int(np.argmax(session.run_decode(tokens[0]))) for tokens in record.fed[1:]]
-    return out
+        again.add(record.fed[0], session.run_prefill(record.fed[0]))
+        for tokens in record.fed[1:]:
+            again.add(tokens, session.run_decode(tokens[0]))
+    return again
 
 
-@pytest.mark.parametrize("executors, batch_wait_s", [(1, 0.002), (2, 0.002), (1, 0.01), (1, None)],
-                         ids=["one executor", "a pool of two", "batches wait 10 ms", "no batching"])
-def test_random_operations_from_many_threads(executors, batch_wait_s):
+@pytest.fixture(scope="module")
+def op_form(tmp_path_factory: pytest.TempPathFactory, kernel_cache) -> Path:
+    """The transposed fixture in the kernels' op form (decode attention, LoRA deltas)."""
+    if kernels.load_for_this_cpu()[0] is None:
+        pytest.skip("the kernels cannot be built or run here")
+    path = tmp_path_factory.mktemp("op_form") / "gqa_op.tflite"
+    path.write_bytes(rewrite_decode_attention(MODEL_FILES["transposed"].read_bytes())[0])
+    return path
+
+
+@pytest.mark.parametrize("executors, batch_wait_s, form", [(1, 0.002, "standard"), (2, 0.002, "standard"),
+                                                           (1, 0.01, "standard"), (1, None, "standard"),
+                                                           (1, 0.002, "op")],
+                         ids=["one executor", "a pool of two", "batches wait 10 ms", "no batching", "op form"])
+def test_random_operations_from_many_threads(executors, batch_wait_s, form, request):
+    """Every session's calls, replayed by a session alone, give its greedy tokens; in the op
+    form, whose kernels sum a batch's row as they sum it alone (rows padded into a larger
+    rank's slot or window included), its logits bit for bit."""
+    model = request.getfixturevalue("op_form") if form == "op" else MODEL_FILES["default"]
     records: list[Record] = []
     errors: list[BaseException] = []
     settings = EngineSettings(executors=executors, batch_wait_s=batch_wait_s)
-    with Engine(MODEL_FILES["default"], settings) as engine:
+    with Engine(model, settings) as engine:
         threads = [threading.Thread(target=worker, args=(engine, seed, records, errors), daemon=True)
                    for seed in range(THREADS)]
         for t in threads:
@@ -154,9 +183,12 @@ def test_random_operations_from_many_threads(executors, batch_wait_s):
     assert len(records) > THREADS * OPERATIONS * 0.1
     if batch_wait_s is not None:  # decode_together alone guarantees batches of several rows
         assert max(rows for rows, _ in stats.decode_batches) > 1
-    with Engine(MODEL_FILES["default"], EngineSettings(batch_wait_s=None)) as alone:
+    with Engine(model, EngineSettings(batch_wait_s=None)) as alone:
         for record in records:
-            assert replay(alone, record) == record.argmax
+            again = replay(alone, record)
+            assert again.argmax == record.argmax
+            if form == "op":
+                assert again.digests == record.digests
 
 
 def rss_bytes() -> int:
