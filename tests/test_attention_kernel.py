@@ -22,7 +22,7 @@ import pytest
 from batching import assert_rows_equal_alone, four_adapter_rows
 from conftest import MODELS, adapter_path, greedy, run_signature, step_inputs
 from graph_passes import needs_kernel
-from runtime import SessionConfig
+from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.executor import kernels, litert_executor
 from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
@@ -877,3 +877,27 @@ def test_inspect_says_which_form_runs(both, kernel_cache, tmp_path):
             in done.stdout
         assert f"this machine runs {runs}\n" in done.stdout
         assert ("decode attention runs in its standard form" in done.stderr) == (runs == "xnnpack")
+
+
+@needs_cc
+@pytest.mark.parametrize("fixture", sorted(FIXTURES))
+def test_a_prompt_that_extends_a_cached_one_gives_a_fresh_prefills_logits_bit_for_bit(rewritten, kernel_cache,
+                                                                                    fixture):
+    """The prefix cache keeps the positions prefill signatures wrote, not those of decode
+    steps (Gemma 3's fixture decodes a prompt's last token; every fixture decodes a remainder
+    no padded prefill has room for), whose linear layers sum in the op's order, and a prompt
+    takes a cached head only where its rest runs the decode steps a whole prefill would: a
+    prompt that extends a cached one gives the logits of a fresh engine's prefill exactly,
+    near the cache's end too, where a head that would leave more decode steps is not taken."""
+    engine_settings = dict(num_threads=1, batch_wait_s=None)
+    with Engine(rewritten[fixture], EngineSettings(**engine_settings, prefix_cache_bytes=1 << 20)) as cached, \
+            Engine(rewritten[fixture], EngineSettings(**engine_settings)) as fresh:
+        kv_length = fresh.spec.kv_length
+        for head, tail, taken in ((12, 9, True), (kv_length - 20, 2, True), (kv_length - 3, 2, False)):
+            prompt = [(5 * i + head) % 200 + 1 for i in range(head + tail)]
+            with cached.create_session() as first:
+                first.run_prefill(prompt[:head])
+            hits = cached.stats().prefix_cache.hits
+            with cached.create_session() as second, fresh.create_session() as alone:
+                assert np.array_equal(second.run_prefill(prompt), alone.run_prefill(prompt)), (head, tail)
+            assert cached.stats().prefix_cache.hits == hits + taken, (head, tail)

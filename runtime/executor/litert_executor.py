@@ -728,22 +728,36 @@ class LlmExecutor:
         self._check_position(start, len(tokens))
         logits: np.ndarray | None = None
         pos, rest = start, list(tokens)
-        bulk = rest if self.spec.prefill_has_logits else rest[:-1]
-        for length in prefill_chunks(len(bulk), self.spec.prefill_lengths, self.spec.kv_length - start):
-            chunk, bulk = bulk[:length], bulk[length:]
+        for length, taken in self._prefill_plan(len(rest), start):
+            chunk, rest = rest[:taken], rest[taken:]
             run = self._decode_run(binding, pos) if length == 1 else self._step_run(binding, "prefill", length, pos)
             with self._lock:
                 self._check_open()
                 out = self._invoke(run, chunk, pos)
             logits = out[len(chunk) - 1] if out is not None else None
             pos += len(chunk)
-        if not self.spec.prefill_has_logits:
-            with self._lock:
-                self._check_open()
-                logits = self._invoke(self._decode_run(binding, pos), rest[-1:], pos)[0]
         if logits is None:
             raise InternalError("prefill produced no logits")
         return logits
+
+    def prefill_decode_steps(self, count: int, start: int) -> int:
+        """How many of ``count`` tokens a :meth:`prefill` at ``start`` runs as decode steps
+        (its last ones): a remainder no padded prefill has room for, and the last token of
+        a model whose prefill returns no logits. The others' positions are what prefill
+        signatures compute however a prompt is chunked; a decode step's linear layers may
+        sum in another order (the kernels' op form)."""
+        return sum(1 for length, _ in self._prefill_plan(count, start) if length == 1)
+
+    def _prefill_plan(self, count: int, start: int) -> list[tuple[int, int]]:
+        """The runs of a prefill of ``count`` tokens at ``start``, in order: each one's
+        length (a prefill length, or 1 for a decode step) and the tokens it takes (fewer
+        in a padded prefill)."""
+        bulk = count if self.spec.prefill_has_logits else count - 1  # else the last token is decoded
+        runs = []
+        for length in prefill_chunks(bulk, self.spec.prefill_lengths, self.spec.kv_length - start):
+            runs.append((length, min(length, bulk)))
+            bulk -= runs[-1][1]
+        return runs if self.spec.prefill_has_logits else [*runs, (1, 1)]
 
     def score(self, binding: Binding, tokens: Sequence[int], start: int, *, decode_steps: bool = False
               ) -> np.ndarray:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
 
@@ -68,10 +68,11 @@ class PrefixCache:
         self._hits = self._misses = self._reused = 0
         self._lock = threading.Lock()
 
-    def lookup(self, blend: Blend, tokens: Sequence[int]) -> PrefixHit | None:
+    def lookup(self, blend: Blend, tokens: Sequence[int], usable: Callable[[int], bool] = lambda length: True
+               ) -> PrefixHit | None:
         """The longest head of ``tokens`` that a cached prompt of ``blend`` begins with, at
         most all but the last token (which must run for its logits); ``None`` below
-        ``min_tokens``. Counts a hit or a miss."""
+        ``min_tokens`` or where ``usable(its length)`` is false. Counts a hit or a miss."""
         ids = np.asarray(tokens, np.int64)
         with self._lock:
             best, best_key = 0, None
@@ -80,7 +81,7 @@ class PrefixCache:
                     shared = _shared_head(entry.tokens, ids[:-1])
                     if shared > best:
                         best, best_key = shared, key
-            if best < self.min_tokens or best_key is None:
+            if best < self.min_tokens or best_key is None or not usable(best):
                 self._misses += 1
                 return None
             self._entries.move_to_end(best_key)

@@ -149,20 +149,26 @@ class ResourceManager:
     def prefill(self, context: ContextHandler, tokens: Sequence[int]) -> np.ndarray:
         """Appends ``tokens`` to ``context`` at its position; the logits after the last.
         (The caller advances the position.) With a prefix cache, a prompt from position 0
-        starts from the longest cached head of its blend and is cached after."""
+        starts from the longest cached head of its blend whose rest runs the decode steps
+        a whole prefill would (the same positions computed the same way: the logits are
+        a fresh prefill's, bit for bit), and the positions its prefill signatures wrote
+        are cached after."""
         cache = self.prefix_cache
         with self.acquire_executor_with_context_handler(context) as binding:
             executor = binding.executor
             if cache is None or context.position:
                 return executor.prefill(binding, tokens, context.position)
-            hit = cache.lookup(context.blend, tokens)
+            decoded = executor.prefill_decode_steps(len(tokens), 0)
+            hit = cache.lookup(context.blend, tokens, usable=lambda length: decoded == executor.prefill_decode_steps(
+                len(tokens) - length, length))
             start = 0
             if hit is not None:
                 executor.write_kv_prefix(context.kv, hit.prefix, hit.length)
                 start = hit.length
             logits = executor.prefill(binding, tokens[start:], start)
-            if cache.wants(context.blend, tokens, self.spec.kv_cache_bytes // self.spec.kv_length):
-                cache.store(context.blend, tokens, executor.read_kv_prefix(context.kv, len(tokens)))
+            prefilled = tokens[:len(tokens) - decoded]
+            if cache.wants(context.blend, prefilled, self.spec.kv_cache_bytes // self.spec.kv_length):
+                cache.store(context.blend, prefilled, executor.read_kv_prefix(context.kv, len(prefilled)))
             return logits
 
     def verify(self, context: ContextHandler, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
