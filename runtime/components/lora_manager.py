@@ -234,7 +234,10 @@ class LoraManager:
             self._resident.move_to_end(key)
             return lora
         blend, slot = key
-        plans = [(self._require(lora_id), scale) for lora_id, scale in blend]
+        # Side by side in the order of their sources, not of their ids: a blend's sums do not
+        # depend on which of its adapters this engine happened to register first.
+        plans = sorted(((self._require(lora_id), scale) for lora_id, scale in blend),
+                       key=lambda entry: entry[0].source_name)
         with self._materialize_latency.time():
             lora = LoRA(
                 plans,
