@@ -72,22 +72,27 @@ class PrefixCache:
                ) -> PrefixHit | None:
         """The longest head of ``tokens`` that a cached prompt of ``blend`` begins with, at
         most all but the last token (which must run for its logits); ``None`` below
-        ``min_tokens`` or where ``usable(its length)`` is false. Counts a hit or a miss."""
+        ``min_tokens`` or where ``usable(its length)`` is false (asked outside the lock).
+        Counts a hit or a miss."""
         ids = np.asarray(tokens, np.int64)
         with self._lock:
-            best, best_key = 0, None
+            best, found = 0, None
             for key, entry in self._entries.items():
                 if entry.blend == blend:
                     shared = _shared_head(entry.tokens, ids[:-1])
                     if shared > best:
-                        best, best_key = shared, key
-            if best < self.min_tokens or best_key is None or not usable(best):
+                        best, found = shared, (key, entry)
+        taken = found is not None and best >= self.min_tokens and usable(best)
+        with self._lock:
+            if not taken:
                 self._misses += 1
                 return None
-            self._entries.move_to_end(best_key)
+            key, entry = found
+            if key in self._entries:  # (another thread may have replaced it meanwhile)
+                self._entries.move_to_end(key)
             self._hits += 1
             self._reused += best
-            return PrefixHit(best, self._entries[best_key].prefix)
+        return PrefixHit(best, entry.prefix)
 
     def wants(self, blend: Blend, tokens: Sequence[int], bytes_per_position: int) -> bool:
         """Whether :meth:`store` would keep ``tokens``: at least ``min_tokens`` of it not
