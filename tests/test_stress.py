@@ -31,6 +31,8 @@ WATCHDOG_SECONDS = 600
 FILES = ["torch_r4", "litertlm_r4", "mediapipe_r4", "torch_r16", "litertlm_r8_layer0", "torch_r4_layer1_qv"]
 BLOBS = {name: adapter_path(name).read_bytes() for name in ("torch_r4_bf16", "litertlm_r4")}
 POLICIES = [KeepAll(), Lru(max_resident=2), Lru(max_resident=None, max_bytes=60_000), OnlyActive()]
+# Prompt heads that sessions share (a prefix cache takes them).
+HEADS = [[(11 * head + 7 * i) % 256 for i in range(10)] for head in range(3)]
 # What an operation may legitimately raise under contention (documented behaviour):
 # unloading an adapter a live session uses, or one another thread already unloaded.
 EXPECTED = (FailedPreconditionError, NotFoundError)
@@ -87,6 +89,8 @@ def worker(engine: Engine, seed: int, records: list[Record], errors: list[BaseEx
                 record = Record(random_sources(rng))
                 session = engine.create_session(SessionConfig(loras=record.sources))
                 prompt = [rng.randrange(256) for _ in range(rng.randint(1, 12))]
+                if rng.random() < 0.5:
+                    prompt = rng.choice(HEADS) + prompt
                 live.append(Live(session, record, record.add(prompt, session.run_prefill(prompt))))
             elif op < 0.75:
                 item = rng.choice(live)
@@ -158,11 +162,13 @@ def op_form(tmp_path_factory: pytest.TempPathFactory, kernel_cache) -> Path:
 def test_random_operations_from_many_threads(executors, batch_wait_s, form, request):
     """Every session's calls, replayed by a session alone, give its greedy tokens; in the op
     form, whose kernels sum a batch's row as they sum it alone (rows padded into a larger
-    rank's slot or window included), its logits bit for bit."""
+    rank's slot or window included), with a prefix cache taking the prompts' shared heads, its
+    logits bit for bit."""
     model = request.getfixturevalue("op_form") if form == "op" else MODEL_FILES["default"]
     records: list[Record] = []
     errors: list[BaseException] = []
-    settings = EngineSettings(executors=executors, batch_wait_s=batch_wait_s)
+    settings = EngineSettings(executors=executors, batch_wait_s=batch_wait_s,
+                              prefix_cache_bytes=1 << 20 if form == "op" else 0)
     with Engine(model, settings) as engine:
         threads = [threading.Thread(target=worker, args=(engine, seed, records, errors), daemon=True)
                    for seed in range(THREADS)]
@@ -181,6 +187,8 @@ def test_random_operations_from_many_threads(executors, batch_wait_s, form, requ
             engine.unload_adapter(lora_id)  # nothing holds them any more
         assert engine.adapter_ids() == [] and engine.stats().resident == ()
     assert len(records) > THREADS * OPERATIONS * 0.1
+    if form == "op":
+        assert stats.prefix_cache.hits > 0
     if batch_wait_s is not None:  # decode_together alone guarantees batches of several rows
         assert max(rows for rows, _ in stats.decode_batches) > 1
     with Engine(model, EngineSettings(batch_wait_s=None)) as alone:
