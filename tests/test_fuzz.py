@@ -1,5 +1,6 @@
 """A short run of tools/fuzz.py (the full campaign is 100,000 cases): mutated .tflite,
-PEFT and GGUF adapters loaded in worker processes give no crash, hang or non-StatusError."""
+PEFT and GGUF adapters and model files loaded in worker processes give no crash, hang or
+non-StatusError."""
 
 from __future__ import annotations
 

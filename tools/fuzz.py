@@ -1,12 +1,14 @@
-"""Fuzzes the adapter readers: mutated .tflite LoRA files, PEFT directories and GGUF files.
+"""Fuzzes the adapter readers and model loading: mutated .tflite LoRA files, PEFT
+directories, GGUF files and model files.
 
     python tools/fuzz.py --cases 100000 [--seed 0] [--workers 2] [--timeout 10]
 
 Each case is a valid fixture mutated deterministically from ``(seed, case)``: bytes
 flipped or overwritten with boundary values, truncated, extended, chunks duplicated,
 or (PEFT) the JSON config mangled. Worker processes load each case the way the engine
-does (detect the format, open, check against the test model's slots, materialize every
-tensor) and report the outcome. The parent counts:
+does (an adapter: detect the format, open, check against the test model's slots,
+materialize every tensor; a model: open an engine on it, prefill and decode a step) and
+report the outcome. The parent counts:
 
 * crashes: a worker killed by a signal (SIGSEGV, SIGBUS...) while on a case;
 * hangs: a case that took longer than ``--timeout`` seconds;
@@ -40,7 +42,11 @@ SEEDS = {
     "peft": [MODELS / "peft" / "layers_1_only", MODELS / "peft" / "rank_pattern",
              MODELS / "families" / "llama" / "adapter_all_linear", MODELS / "families" / "llama" / "adapter_lora_xs",
              MODELS / "families" / "llama" / "adapter_dora"],
+    "model": [MODELS / "families" / "llama" / "model.tflite", MODELS / "gqa_transposed.tflite",
+              MODELS / "gemma3" / "model.tflite"],
 }
+# One case in MODEL_SHARE opens a model (an engine's open takes ~0.5 s, an adapter's ~10 ms).
+MODEL_SHARE = 20
 # The model cases are checked against: the tiny Llama family export (the test model's
 # hidden size, all-linear and DoRA slots, and the weights map R-only LoRA-XS adapters are
 # rebuilt from and DoRA adapters' norms are taken from).
@@ -137,7 +143,7 @@ def mutate_dora(weights: bytes, rng: random.Random) -> bytes:
 def make_case(seed: int, index: int) -> Case:
     """The deterministic case ``index`` of run ``seed``."""
     rng = random.Random(seed * 1_000_003 + index)
-    kind = rng.choice(["tflite", "tflite", "gguf", "peft"])
+    kind = "model" if rng.randrange(MODEL_SHARE) == 0 else rng.choice(["tflite", "tflite", "gguf", "peft"])
     source = rng.choice(SEEDS[kind])
     if kind == "peft":
         weights = (source / "adapter_model.safetensors").read_bytes()
@@ -152,6 +158,7 @@ def make_case(seed: int, index: int) -> Case:
 
 def load_case(case: Case, workdir: Path, slots, lora_xs) -> str:
     """Loads a case as the engine would; returns the outcome class name."""
+    from runtime import Engine, EngineSettings
     from runtime.components.lora import LoRA, plan_adapter
     from runtime.errors import StatusError
     from runtime.adapters.adapter_formats import AdapterOrigin, open_adapter
@@ -169,6 +176,12 @@ def load_case(case: Case, workdir: Path, slots, lora_xs) -> str:
     else:
         target.write_bytes(case.data)
     try:
+        if case.kind == "model":
+            with Engine(target, EngineSettings(weight_cache_dir=None)) as engine:
+                with engine.create_session() as session:
+                    session.run_prefill([1, 2, 3])
+                    session.run_decode(4)
+            return "ok"
         sources = [open_adapter(target, head_dim=16, lora_xs=lora_xs)]
         if case.kind == "tflite":
             sources.append(AdapterOrigin.of_buffer(case.data, name="<fuzz buffer>").open())

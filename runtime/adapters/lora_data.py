@@ -37,6 +37,7 @@ from runtime.errors import (
     StatusError,
 )
 from runtime.adapters.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.util.flatbuffer_model import READ_ERRORS
 from runtime.util.scoped_file import FileWatch, ScopedFile
 
 FILE_IDENTIFIER = b"TFL3"
@@ -46,8 +47,6 @@ MAX_DIMENSION = 1 << 31
 
 _FLOAT_DTYPES = {schema.TensorType.FLOAT32: np.dtype(np.float32), schema.TensorType.FLOAT16: np.dtype(np.float16)}
 _UOFFSET = 4
-# Errors the generated flatbuffer accessors raise when offsets point outside the input.
-_ACCESS_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 
@@ -373,7 +372,7 @@ class _FlatbufferReader:
             yield
         except StatusError:
             raise
-        except _ACCESS_ERRORS as exc:
+        except READ_ERRORS as exc:
             raise DataLossError(
                 f"{self.source}: {where}: flatbuffer offset out of range ({exc}); "
                 "the file is truncated or corrupt"

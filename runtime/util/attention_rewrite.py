@@ -47,7 +47,6 @@ The model is rewritten through the wheel's flatbuffer schema (object API,
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
@@ -206,7 +205,7 @@ def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
         root = schema.Model.GetRootAs(model, 0)
         entries = [root.Metadata(i) for i in range(root.MetadataLength())]
         entry = next((entry for entry in entries if entry.Name() == FORMS_METADATA.encode()), None)
-    except (struct.error, IndexError, ValueError):
+    except flatbuffer_model.READ_ERRORS:
         return {}
     if entry is None:
         return {}
@@ -215,12 +214,12 @@ def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
         data = root.Buffers(entry.Buffer()).DataAsNumpy()
         described = json.loads(bytes(data))
         pairs = {int(standard): int(op) for standard, op in described["subgraphs"]}
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        op, count = described.get("op"), root.SubgraphsLength()
+    except (*flatbuffer_model.READ_ERRORS, KeyError, AttributeError) as exc:
         raise InvalidArgumentError(f"{where} does not read as pairs of subgraphs ({exc})") from None
-    if described.get("op") != DECODE_ATTENTION:
-        raise InvalidArgumentError(f"{where} names the op {described.get('op')!r}, this runtime has "
-                                   f"{DECODE_ATTENTION!r}")
-    count, first_op = root.SubgraphsLength(), min(pairs.values(), default=0)
+    if op != DECODE_ATTENTION:
+        raise InvalidArgumentError(f"{where} names the op {op!r}, this runtime has {DECODE_ATTENTION!r}")
+    first_op = min(pairs.values(), default=0)
     if not pairs or max(pairs) >= first_op or max(pairs.values()) >= count \
             or sorted(pairs.values()) != list(range(first_op, count)):
         raise InvalidArgumentError(f"{where} pairs subgraphs {sorted(pairs.items())} of {count}: expected "

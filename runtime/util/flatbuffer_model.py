@@ -18,6 +18,7 @@ A SmolLM2-135M f32 export (543 MB) peaks at 1.27 GB in ``tools/attention_kernel.
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 import threading
 from collections.abc import Callable
@@ -31,6 +32,10 @@ from runtime.errors import InvalidArgumentError
 
 ALIGNMENT = 64
 FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
+# What the schema's generated accessors raise where a corrupt offset points outside the
+# bytes (struct and numpy reads past the end, or a position past 2**32 the flatbuffers
+# package refuses with TypeError): callers turn them into a StatusError naming the file.
+READ_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
 _schema_patch_lock = threading.Lock()
 
 
