@@ -125,6 +125,14 @@ def test_a_model_whose_metadata_points_past_4_gb_is_refused_naming_it(tmp_path):
         NativeModel(path, num_threads=1, weight_cache=":memory:", name=str(path))
 
 
+def test_a_model_whose_names_are_not_utf8_is_refused_naming_it(tmp_path):
+    # Found by fuzzing model files: a name's bytes escaped as UnicodeDecodeError.
+    path = tmp_path / "names.tflite"
+    path.write_bytes(MODEL_FILES["transposed"].read_bytes().replace(b"input_pos", b"\xffnput_pos"))
+    with pytest.raises(InvalidArgumentError, match="names.tflite: the name of input 1 of a signature is not UTF-8"):
+        NativeModel(path, num_threads=1, weight_cache=":memory:", name=str(path))
+
+
 @pytest.mark.parametrize("name", ["default", "transposed"])
 def test_a_tensor_type_made_from_a_shape_is_the_librarys_own(name):
     # Buffers of a signature group not compiled yet are made from the spec; they must bind as

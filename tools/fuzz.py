@@ -43,8 +43,13 @@ SEEDS = {
              MODELS / "families" / "llama" / "adapter_all_linear", MODELS / "families" / "llama" / "adapter_lora_xs",
              MODELS / "families" / "llama" / "adapter_dora"],
     "model": [MODELS / "families" / "llama" / "model.tflite", MODELS / "gqa_transposed.tflite",
-              MODELS / "gemma3" / "model.tflite"],
+              MODELS / "gemma3" / "model.tflite", MODELS / "turbo" / "default.tflite"],
 }
+# Adapters a model case's engine runs, each of which reads the model's own weights: an
+# R-only LoRA-XS adapter (rebuilt from them), DoRA (their norms), Turbo heads (the output
+# projection). Each fits one of the model seeds; an adapter another model refuses is an outcome.
+MODEL_ADAPTERS = [MODELS / "families" / "llama" / "adapter_lora_xs", MODELS / "families" / "llama" / "adapter_dora",
+                  MODELS / "turbo" / "trained_heads"]
 # One case in MODEL_SHARE opens a model (an engine's open takes ~0.5 s, an adapter's ~10 ms).
 MODEL_SHARE = 20
 # The model cases are checked against: the tiny Llama family export (the test model's
@@ -158,7 +163,7 @@ def make_case(seed: int, index: int) -> Case:
 
 def load_case(case: Case, workdir: Path, slots, lora_xs) -> str:
     """Loads a case as the engine would; returns the outcome class name."""
-    from runtime import Engine, EngineSettings
+    from runtime import Engine, EngineSettings, SessionConfig
     from runtime.components.lora import LoRA, plan_adapter
     from runtime.errors import StatusError
     from runtime.adapters.adapter_formats import AdapterOrigin, open_adapter
@@ -181,6 +186,12 @@ def load_case(case: Case, workdir: Path, slots, lora_xs) -> str:
                 with engine.create_session() as session:
                     session.run_prefill([1, 2, 3])
                     session.run_decode(4)
+                for adapter in MODEL_ADAPTERS:
+                    try:
+                        with engine.create_session(SessionConfig(lora_path=adapter)) as session:
+                            session.generate([1, 2, 3], max_new_tokens=4)
+                    except StatusError:
+                        pass
             return "ok"
         sources = [open_adapter(target, head_dim=16, lora_xs=lora_xs)]
         if case.kind == "tflite":

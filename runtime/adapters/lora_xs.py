@@ -45,8 +45,23 @@ class LoraXsFactors:
         key = (layer, projection, rank, n_iter, random_state)
         with self._lock:  # one rebuild at a time: each is seconds of two cores at real size
             if key not in self._cache:
-                weight = self.model_weights().weight(layer, projection)
-                self._cache[key] = _truncated_svd(weight, rank, n_iter, random_state)
+                weights = self.model_weights()
+                weight = weights.weight(layer, projection)
+                if not 0 < rank < min(weight.shape):
+                    raise InvalidArgumentError(
+                        f"LoRA-XS rank {rank} does not fit a base weight of shape {list(weight.shape)}")
+                try:
+                    with np.errstate(all="ignore"):  # an overflow is refused below
+                        a, b = _truncated_svd(weight, rank, n_iter, random_state)
+                    finite = np.isfinite(a).all() and np.isfinite(b).all()
+                except ValueError:  # scipy's check of its own steps' results
+                    finite = False
+                if not finite:
+                    raise InvalidArgumentError(
+                        f"{weights.source}: the SVD of the base weight of layer {layer} projection {projection!r}, "
+                        "which R-only LoRA-XS adapters are rebuilt from, overflows (its largest magnitude is "
+                        f"{np.abs(weight).max():.3g})")
+                self._cache[key] = a, b
             return self._cache[key]
 
     def model_weights(self) -> ModelWeights:
@@ -64,8 +79,6 @@ def _truncated_svd(weight: np.ndarray, rank: int, n_iter: int, random_state: int
         raise FailedPreconditionError(
             "R-only LoRA-XS adapters need scikit-learn, whose TruncatedSVD rebuilds their A and B as LoRA-XS does: "
             "pip install scikit-learn") from None
-    if not 0 < rank < min(weight.shape):
-        raise InvalidArgumentError(f"LoRA-XS rank {rank} does not fit a base weight of shape {list(weight.shape)}")
     svd = TruncatedSVD(n_components=rank, n_iter=n_iter, random_state=random_state).fit(weight)
     a = np.ascontiguousarray(svd.components_, dtype=np.float32)  # may come Fortran-ordered
     b = np.ascontiguousarray(svd.transform(weight), dtype=np.float32)

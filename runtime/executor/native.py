@@ -431,7 +431,7 @@ class NativeModel:
             lib.check(lib.lib.LiteRtGetModelSignature(self._model, index, ctypes.byref(signature)),
                       "reading a signature")
             lib.check(lib.lib.LiteRtGetSignatureKey(signature, ctypes.byref(key)), "reading a signature's key")
-            signatures[key.value.decode()] = SignatureInfo(
+            signatures[_text(key.value, f"signature {index}'s key", name)] = SignatureInfo(
                 index, self._tensors(signature, "Input", name, known), self._tensors(signature, "Output", name, known))
         return signatures
 
@@ -454,7 +454,8 @@ class NativeModel:
             identity = tensor_name.value + b"\0" + raw.raw
             info = known.get(identity)
             if info is None:
-                info = known[identity] = _tensor_info(tensor_name.value.decode(), raw.raw, name)
+                what = f"the name of {kind.lower()} {index} of a signature"
+                info = known[identity] = _tensor_info(_text(tensor_name.value, what, name), raw.raw, name)
             tensors[info.name] = info
         return tensors
 
@@ -540,6 +541,17 @@ def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str, 
 
 def _status_text(status: int) -> str:
     return f"LiteRT status {status}: {_STATUS_NAMES.get(status, 'see its log')}"
+
+
+def _text(raw: bytes | None, what: str, name: str) -> str:
+    """A name the library read from model ``name``'s bytes, as text; ``InvalidArgumentError``
+    naming ``what`` when it is missing or not UTF-8."""
+    if raw is None:
+        raise InvalidArgumentError(f"{name}: {what} is missing")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"{name}: {what} is not UTF-8 text ({raw[:40]!r})") from None
 
 
 def tensor_info(name: str, shape: Sequence[int], dtype: np.dtype) -> TensorInfo:

@@ -63,17 +63,28 @@ class ModelWeights:
         self._by_shape: dict[tuple[int, ...], list[Any]] | None = None  # the decode subgraph's constants
         self._lock = threading.Lock()
 
+    @property
+    def source(self) -> str:
+        """The model's name in messages (its file, usually)."""
+        return self._source
+
     def shape(self, layer: int, projection: str) -> tuple[int, int]:
         """``(out, in)`` of the projection's weight."""
         entry = self._entry(layer, projection)
         return sum(count for _, count in entry.rows), entry.shape[1]
 
     def weight(self, layer: int, projection: str) -> np.ndarray:
-        """The projection's weight, float32 ``[out, in]`` (a new array)."""
+        """The projection's weight, float32 ``[out, in]`` (a new array).
+        ``InvalidArgumentError`` when it holds a NaN or an infinity (what is built from it,
+        a LoRA-XS SVD or DoRA's norms, would be too)."""
         entry = self._entry(layer, projection)
         tensor = self._tensor(entry, f"{layer}.{projection}")
         rows = np.concatenate([np.arange(start, start + count) for start, count in entry.rows])
-        return self._dequantized(tensor, rows)
+        weight = self._dequantized(tensor, rows)
+        if not np.isfinite(weight).all():
+            raise InvalidArgumentError(f"{self._source}: the base weight of layer {layer} projection {projection!r} "
+                                       "holds NaN or infinite values")
+        return weight
 
     # -- the map and the tensors ---------------------------------------------------
 
