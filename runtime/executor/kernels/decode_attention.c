@@ -92,8 +92,23 @@ static inline vf expv(vf x) {
  * (benchmarks/experiments/kernel_probe/kernel_bench.c, AVX-512 build): the cold caches read at
  * 60% of a plain read loop's rate without, 80-90% with (f32; 2048 and 256 floats ahead). With
  * f16 caches K_AHEAD 4096 or 16384 and V_AHEAD 512 or 2048 changed nothing beyond the noise. */
+#ifndef K_AHEAD
 #define K_AHEAD 8192
+#endif
+/* How many stretches of a span the K pass reads at once, by cache element type. A core of the
+ * AVX2 box (AMD EPYC, Zen 2) reads one stream of lines at ~14 GB/s and four interleaved ones
+ * at ~27 (the V pass reads 4 rows at once already). Four: f32 caches 0.90-0.93x the time from
+ * 1,000 to 4,095 positions (kernel_bench, span 4,096); f16 caches, whose K pass converts each
+ * row, 1.05-1.09x, so they keep one. */
+#ifndef K_STREAMS_f32
+#define K_STREAMS_f32 4
+#endif
+#ifndef K_STREAMS_f16
+#define K_STREAMS_f16 1
+#endif
+#ifndef V_AHEAD
 #define V_AHEAD 1024
+#endif
 /* Where the V pass asks for the line of row v at position i. f32: V_AHEAD bytes on along the
  * open spans of the block's rows taken one after another, so that near a row's end it asks for
  * the start of the span of the row 4 on (the next block's, or the next group's first block),
@@ -196,10 +211,14 @@ static inline vf sumsv(const vf *a) {
   static void kpass_##E##_##DC(const float *qg, const ET *Kg, int H, int lo, int hi,           \
                                float scale, float *scores, int S) {                            \
     enum { C = DC / W };                                                                       \
-    int t = lo;                                                                                \
     /* W positions at a time: their K rows (in L1 after the first head) dotted with each     \
-     * head, the W sums reduced together and stored as one vector */                          \
-    for (; t + W <= hi + 1; t += W) {                                                          \
+     * head, the W sums reduced together and stored as one vector; the blocks taken from     \
+     * K_STREAMS_E stretches of the span in turn */                                           \
+    enum { STREAMS = K_STREAMS_##E };                                                          \
+    const int blocks = (hi + 1 - lo) / W, per = (blocks + STREAMS - 1) / STREAMS;             \
+    for (int i = 0; i < per; i++)                                                              \
+      for (int s = 0; s < STREAMS && s * per + i < blocks; s++) {                              \
+      const int t = lo + (s * per + i) * W;                                                    \
       const ET *kb = Kg + (size_t)t * DC;                                                      \
       vf kept[W][C];                                                                           \
       for (int h = 0; h < H; h++) {                                                            \
@@ -221,7 +240,7 @@ static inline vf sumsv(const vf *a) {
         *(vf *)(scores + h * S + t) = sumsv(acc) * scale;                                      \
       }                                                                                        \
     }                                                                                          \
-    for (; t <= hi; t++) { /* the last positions: each K row once for all the heads */         \
+    for (int t = lo + blocks * W; t <= hi; t++) { /* the last positions: each K row once for all the heads */ \
       const ET *k0 = Kg + (size_t)t * DC;                                                      \
       vf kv[C];                                                                                \
       for (int c = 0; c < C; c++) kv[c] = LOAD(k0 + W * c);                                    \
@@ -309,6 +328,36 @@ static void prefetch_short_span(const void *K, const void *V, size_t bytes, int 
   }
 }
 
+/* One head's n scores s (q.k times the scale) in place: soft-capped by cap (none at 0), the
+ * mask added, then softmax as the graph's SOFTMAX computes it. */
+static inline void softmax(float *s, const float *mask, int n, float cap) {
+  if (cap > 0.f)
+    for (int i = 0; i < n; i++) s[i] = tanhf(s[i] / cap) * cap;
+  for (int i = 0; i < n; i++) s[i] += mask[i];
+  float m = s[0];
+  int i = 0;
+  if (n >= W) {
+    vf mv = loadv(s);
+    for (i = W; i + W <= n; i += W) {
+      vf x = loadv(s + i);
+      mv = (vf)(((vi)x & (x > mv)) | ((vi)mv & ~(x > mv)));
+    }
+    m = hmaxv(mv);
+  }
+  for (; i < n; i++) m = s[i] > m ? s[i] : m;
+  vf total = (vf){0};
+  i = 0;
+  for (; i + W <= n; i += W) {
+    vf e = expv(loadv(s + i) - m);
+    *(vf *)(s + i) = e;
+    total += e;
+  }
+  float sum = hsumv(total);
+  for (; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
+  float inv = 1.f / sum;
+  for (i = 0; i < n; i++) s[i] *= inv;
+}
+
 static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffer *out) {
   if (n_in != 5 || n_out != 1) return E_ARGUMENTS;
   TensorType qt, mt, pt, kt, vt, ot;
@@ -355,34 +404,7 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
     else
 #endif
       kpass_f32(fast, qg, (const float *)K + at, H, D, lo, hi, scale, scores, S);
-    for (int h = 0; h < H; h++) {
-      float *s = scores + h * S + lo;
-      if (cap > 0.f)
-        for (int i = 0; i < n; i++) s[i] = tanhf(s[i] / cap) * cap;
-      for (int i = 0; i < n; i++) s[i] += mask[lo + i];
-      float m = s[0];
-      int i = 0;
-      if (n >= W) {
-        vf mv = loadv(s);
-        for (i = W; i + W <= n; i += W) {
-          vf x = loadv(s + i);
-          mv = (vf)(((vi)x & (x > mv)) | ((vi)mv & ~(x > mv)));
-        }
-        m = hmaxv(mv);
-      }
-      for (; i < n; i++) m = s[i] > m ? s[i] : m;
-      vf total = (vf){0};
-      i = 0;
-      for (; i + W <= n; i += W) {
-        vf e = expv(loadv(s + i) - m);
-        *(vf *)(s + i) = e;
-        total += e;
-      }
-      float sum = hsumv(total);
-      for (; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
-      float inv = 1.f / sum;
-      for (i = 0; i < n; i++) s[i] *= inv;
-    }
+    for (int h = 0; h < H; h++) softmax(scores + h * S + lo, mask + lo, n, cap);
 #if F16_TENSORS
     if (half) vpass_f16(fast, (const _Float16 *)V + at, scores, T, S, H, D, lo, n, og);
     else
