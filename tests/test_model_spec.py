@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -141,6 +142,14 @@ def test_refuses_exports_it_cannot_drive(details):
     kv["prefill_8"][0]["kv_cache_k_1"]["shape"] = [1, 32, 2, 16]
     with pytest.raises(InvalidArgumentError, match="'prefill_8' input 'kv_cache_k_1'"):
         ModelSpec.from_details(kv, "m")
+    # found by fuzzing model files: a signature's logits of no shape escaped as numpy's ValueError at its first run
+    for shape in ([], [1, 1, 255]):
+        logits = copy.deepcopy(details)
+        logits["decode_lora_r4"][1]["logits"]["shape"] = shape
+        expected = f"signature 'decode_lora_r4' output logits {shape} float32: expected float32 logits of the " \
+                   "vocabulary 'decode' returns (256) a row"
+        with pytest.raises(InvalidArgumentError, match=re.escape(expected)):
+            ModelSpec.from_details(logits, "m")
 
 
 def test_dora_scale_inputs_are_checked_against_their_projection(details):

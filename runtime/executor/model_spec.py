@@ -324,11 +324,17 @@ class ModelSpec:
                 _check_batch(spec, signatures, cache, source)
         for spec in signatures.values():
             _check_window(spec, signatures, source)
+        vocab = decode.outputs[LOGITS].shape[-1] if decode.outputs[LOGITS].shape else 0
         for spec in signatures.values():
+            logits = spec.outputs.get(LOGITS)
+            if logits is not None and (not logits.shape or logits.shape[-1] != vocab or vocab < 1
+                                       or logits.dtype != np.float32):
+                raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {logits.describe()}: expected "
+                                           f"float32 logits of the vocabulary 'decode' returns ({vocab}) a row")
             if spec.kind == VERIFY:
-                _check_verify(spec, signatures, decode.outputs[LOGITS].shape[-1], source)
+                _check_verify(spec, signatures, vocab, source)
             elif spec.kind == SCORE:
-                _check_score(spec, signatures, decode.outputs[LOGITS].shape[-1], source)
+                _check_score(spec, signatures, vocab, source)
         for spec in signatures.values():
             if spec.kind == "decode" and spec.lora_slot:
                 for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
@@ -342,7 +348,7 @@ class ModelSpec:
             kv_inputs=kv_inputs,
             kv_layout=layout,
             kv_length=kv_length,
-            vocab_size=decode.outputs[LOGITS].shape[-1],
+            vocab_size=vocab,
             num_layers=len({_KV_NAME.fullmatch(n)["layer"] for n in kv}),
         )
 
