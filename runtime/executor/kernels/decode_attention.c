@@ -203,11 +203,12 @@ static inline vf sumsv(const vf *a) {
   return __builtin_shufflevector(b[0], b[1], 0, 1, 4, 5) + __builtin_shufflevector(b[0], b[1], 2, 3, 6, 7);
 #endif
 }
-/* KEEP 1: the K pass converts each block's rows once for all the heads, not once per head
- * (f16 at SmolLM2's shapes, position 1000: 8.4 -> 5.1 ms in the AVX2 build without F16C, 5%
- * less with AVX-512, no change with AVX2 and F16C); 0 for f32, whose rows are in L1 after the
- * first head, keeps the code it had. */
-#define KPASS(DC, E, ET, LOAD, KEEP)                                                           \
+/* The K pass loads (and converts) each block's rows once for all the heads, not once per head:
+ * f16 at SmolLM2's shapes, position 1000: 8.4 -> 5.1 ms in the AVX2 build without F16C, 5%
+ * less with AVX-512, no change with AVX2 and F16C; f32, whose rows are in L1 after the first
+ * head, 0.91-0.94x from 1,000 to 4,095 positions on the AVX2 box (kernel_bench, span 4,096; at 40
+ * positions 1.04x, 0.03 ms a step). */
+#define KPASS(DC, E, ET, LOAD)                                                                 \
   static void kpass_##E##_##DC(const float *qg, const ET *Kg, int H, int lo, int hi,           \
                                float scale, float *scores, int S) {                            \
     enum { C = DC / W };                                                                       \
@@ -230,11 +231,10 @@ static inline vf sumsv(const vf *a) {
             if (t + j + K_AHEAD / (DC * (int)sizeof(ET)) <= hi)                                \
               for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                              \
                 __builtin_prefetch((const char *)k0 + K_AHEAD + 64 * l);                       \
-            if (KEEP)                                                                          \
-              for (int c = 0; c < C; c++) kept[j][c] = LOAD(k0 + W * c);                       \
+            for (int c = 0; c < C; c++) kept[j][c] = LOAD(k0 + W * c);                         \
           }                                                                                    \
-          vf e = loadv(qh) * (KEEP ? kept[j][0] : LOAD(k0));                                   \
-          for (int c = 1; c < C; c++) e += loadv(qh + W * c) * (KEEP ? kept[j][c] : LOAD(k0 + W * c)); \
+          vf e = loadv(qh) * kept[j][0];                                                       \
+          for (int c = 1; c < C; c++) e += loadv(qh + W * c) * kept[j][c];                     \
           acc[j] = e;                                                                          \
         }                                                                                      \
         *(vf *)(scores + h * S + t) = sumsv(acc) * scale;                                      \
@@ -257,8 +257,8 @@ static inline vf sumsv(const vf *a) {
   }
 /* Dot products of the group's H heads with K rows lo..hi, any D; probabilities times V rows,
  * any H and D. Then the K pass and the V pass of one group, the fast ones where D and H allow. */
-#define PASSES(E, ET, LOAD, KEEP)                                                              \
-  KPASS(64, E, ET, LOAD, KEEP) KPASS(128, E, ET, LOAD, KEEP) KPASS(256, E, ET, LOAD, KEEP)     \
+#define PASSES(E, ET, LOAD)                                                                    \
+  KPASS(64, E, ET, LOAD) KPASS(128, E, ET, LOAD) KPASS(256, E, ET, LOAD)                       \
   VPASS(1, E, ET, LOAD) VPASS(2, E, ET, LOAD) VPASS(3, E, ET, LOAD) VPASS(4, E, ET, LOAD)      \
   VPASS(5, E, ET, LOAD) VPASS(6, E, ET, LOAD) VPASS(7, E, ET, LOAD) VPASS(8, E, ET, LOAD)      \
   static void (*const vpasses_##E[9])(const ET *, const float *, int, int, int, int, int, float *) = { \
@@ -300,9 +300,9 @@ static inline vf sumsv(const vf *a) {
     if (fast) vpasses_##E[H](Vg, scores, T, S, D, lo, n, og);                                  \
     else vpass_##E##_any(Vg, scores, T, S, H, D, lo, n, og);                                   \
   }
-PASSES(f32, float, loadv, 0)
+PASSES(f32, float, loadv)
 #if F16_TENSORS
-PASSES(f16, _Float16, loadh, 1)
+PASSES(f16, _Float16, loadh)
 #endif
 
 /* A short open span (a session's first tokens, or a batch's rows early on) is read in latency,
