@@ -97,7 +97,7 @@ static inline vf expv(vf x) {
 #endif
 /* How many stretches of a span the K pass reads at once, by cache element type. A core of the
  * AVX2 box (AMD EPYC, Zen 2) reads one stream of lines at ~14 GB/s and four interleaved ones
- * at ~27 (the V pass reads 4 rows at once already). Four: f32 caches 0.90-0.93x the time from
+ * at ~27 (the V pass reads 4 rows at once already). Four: f32 caches 0.91-0.93x the time from
  * 1,000 to 4,095 positions (kernel_bench, span 4,096); f16 caches, whose K pass converts each
  * row, 1.05-1.09x, so they keep one. */
 #ifndef K_STREAMS_f32
@@ -212,7 +212,7 @@ static inline vf sumsv(const vf *a) {
   static void kpass_##E##_##DC(const float *qg, const ET *Kg, int H, int lo, int hi,           \
                                float scale, float *scores, int S) {                            \
     enum { C = DC / W };                                                                       \
-    /* W positions at a time: their K rows (in L1 after the first head) dotted with each     \
+    /* W positions at a time: their K rows (loaded once, kept) dotted with each             \
      * head, the W sums reduced together and stored as one vector; the blocks taken from     \
      * K_STREAMS_E stretches of the span in turn */                                           \
     enum { STREAMS = K_STREAMS_##E };                                                          \
