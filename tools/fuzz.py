@@ -50,7 +50,7 @@ SEEDS = {
 # projection). Each fits one of the model seeds; an adapter another model refuses is an outcome.
 MODEL_ADAPTERS = [MODELS / "families" / "llama" / "adapter_lora_xs", MODELS / "families" / "llama" / "adapter_dora",
                   MODELS / "turbo" / "trained_heads"]
-# One case in MODEL_SHARE opens a model (an engine's open takes ~0.5 s, an adapter's ~10 ms).
+# One case in MODEL_SHARE opens a model (~50 ms a case on the test models, ~10x an adapter case).
 MODEL_SHARE = 20
 # The model cases are checked against: the tiny Llama family export (the test model's
 # hidden size, all-linear and DoRA slots, and the weights map R-only LoRA-XS adapters are
