@@ -316,11 +316,14 @@ def test_each_build_of_the_kernel_computes_attention(isa, caches, builds_cache, 
 # (x, A, B) shapes as the graphs have them: a single-row decode's [1, in] by [in, r] by
 # [r, out] and a batch's [N, 1, in] by [N, in, r] by [N, r, out]; ranks on the 8-float path
 # (8, 16) and off it (4, 3); outputs leaving tails of every vector width (192 = 12 x 16,
-# 1536, 37); several rows by one adapter (a [2, 3, in] x).
+# 1536, 37); several rows by one adapter (a [2, 3, in] x); batches taken four rows at a time
+# with rows left over (5, 6, 7), an `in` leaving a tail of the four taken at a time (50).
 LORA_CASES = [((1, 576), (576, 8), (8, 576)), ((1, 576), (576, 8), (8, 192)), ((1, 1536), (1536, 8), (8, 576)),
               ((1, 64), (64, 4), (4, 32)), ((8, 1, 576), (8, 576, 8), (8, 8, 1536)),
               ((2, 1, 64), (2, 64, 16), (2, 16, 64)),
-              ((3, 1, 50), (3, 50, 3), (3, 3, 37)), ((2, 3, 40), (40, 8), (8, 37))]
+              ((3, 1, 50), (3, 50, 3), (3, 3, 37)), ((2, 3, 40), (40, 8), (8, 37)),
+              ((6, 1, 50), (6, 50, 8), (6, 8, 37)), ((5, 1, 576), (5, 576, 16), (5, 16, 192)),
+              ((7, 1, 64), (7, 64, 8), (7, 8, 50))]
 
 
 # (x, W) shapes: a batch's [N, 1, K] and [N, K] rows by SmolLM2's [N_out, K] (the fused q/k/v,
@@ -369,6 +372,29 @@ def test_each_build_of_the_matrix_kernels_computes_the_product(op, isa, builds_c
     for inputs, code in misread:
         got, error = run_kernel(library, [*inputs, np.zeros(want.shape, np.float32)], function)
         assert error == code and np.isnan(got).all(), (op, code)
+
+
+@needs_cc
+@pytest.mark.parametrize("isa", ISA_BUILDS)
+def test_a_batched_lora_deltas_rows_equal_each_row_alone_bit_for_bit(isa, builds_cache, monkeypatch):
+    """A batch's rows go through the LoRA delta four (down) and two (up) at a time; each row's
+    output is the op's output for that row alone ([1, in] by its own [in, r] and [r, out]),
+    exactly, wherever the row lies in the batch (batches of 2-9 rows, ranks 8 and 16, widths
+    leaving tails), with float32 and float16 factors."""
+    monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
+    monkeypatch.setattr(kernels, "isa_flags", lambda: isa)
+    library = kernels.build_library()
+    rng = np.random.default_rng(13)
+    for rows, rank, width, out, factors in itertools.product((2, 4, 5, 8, 9), (8, 16), (50, 576), (37, 192),
+                                                             (np.float32, np.float16)):
+        x = rng.standard_normal((rows, 1, width)).astype(np.float32)
+        A = rng.standard_normal((rows, width, rank)).astype(factors)
+        B = rng.standard_normal((rows, rank, out)).astype(factors)
+        together, error = run_kernel(library, [x, A, B, np.zeros((rows, 1, out), np.float32)], "lora_run")
+        assert error == 0
+        for row in range(rows):
+            alone, error = run_kernel(library, [x[row], A[row], B[row], np.zeros((1, out), np.float32)], "lora_run")
+            assert error == 0 and np.array_equal(together[row], alone), (rows, rank, width, out, factors, row)
 
 
 @needs_cc
