@@ -1,5 +1,6 @@
 """The pages a KV cache's buffers take: small while the context fills little of them,
-huge once it fills half (runtime.executor.litert_executor.KvCache, native.PageBlock)."""
+huge once it fills half, except buffers whose every page one position writes, huge from the
+start (runtime.executor.litert_executor.KvCache, native.PageBlock)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime.executor.litert_executor import KvCache
+from runtime.executor.litert_executor import KvCache, _one_position_touches_every_page
 from runtime.executor.native import PageBlock, TensorInfo
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -30,6 +31,19 @@ def _mapping_kb(address: int) -> dict[str, int]:
         elif inside and head in ("Rss:", "AnonHugePages:"):
             fields[head[:-1]] = int(line.split()[1])
     return fields
+
+
+def _rss_kb(begin: int, end: int) -> int:
+    """The ``Rss`` (kB) of the mappings overlapping addresses ``begin`` to ``end``."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low < end and high > begin
+        elif inside and head == "Rss:":
+            total += int(line.split()[1])
+    return total
 
 
 def _huge_pages_offered() -> bool:
@@ -82,3 +96,41 @@ def test_released_buffers_read_as_zeros_and_take_small_pages_again(cache):
     assert taken["Rss"] <= 1024, taken
     kv.clear(LENGTH)
     assert not array.any()
+
+
+def test_which_buffers_one_position_writes_whole():
+    """Positions innermost in rows of at most a page (a transposed V of 1,024 float32 or 2,048
+    float16 positions); not a longer V, nor a K cache (positions outermost in its rows)."""
+    def info(shape, dtype=np.float32):
+        return TensorInfo("kv_cache_v_0", shape, np.dtype(dtype), b"")
+    assert _one_position_touches_every_page(info((1, 3, 64, 1024)), 3)
+    assert _one_position_touches_every_page(info((1, 3, 64, 2048), np.float16), 3)
+    assert not _one_position_touches_every_page(info((1, 3, 64, 4096)), 3)
+    assert not _one_position_touches_every_page(info((1, 3, 1024, 64)), 2)
+
+
+@pytest.mark.skipif(not _huge_pages_offered(), reason="the system offers no transparent huge pages")
+def test_buffers_one_position_writes_whole_start_in_huge_pages_at_no_cost_in_memory():
+    """Three V caches of 1,024 positions (2.3 MB) and a K cache: one position written in each
+    puts the V caches' first 2 MB in a huge page, no more memory than small pages would take
+    (every small page of theirs was written), and the K cache in small pages; released, they
+    read as zeros and come back the same way."""
+    v_names = [f"kv_cache_v_{layer}" for layer in range(3)]
+    infos = [TensorInfo(name, (1, 3, 64, 1024), np.dtype(np.float32), b"") for name in v_names]
+    infos.append(TensorInfo("kv_cache_k_0", (1, 3, 1024, 64), np.dtype(np.float32), b""))
+    block = PageBlock(infos, v_names)
+    values, k = [block.buffers[name].array for name in v_names], block.buffers["kv_cache_k_0"].array
+    for _ in range(2):
+        for v in values:
+            v[..., 0] = 1.0
+        k[:, :, 0, :] = 1.0
+        taken = _mapping_kb(values[0].ctypes.data)
+        assert taken.get("AnonHugePages", 0) == 2048, taken
+        small = _mapping_kb(k.ctypes.data)
+        assert small.get("AnonHugePages", 0) == 0, small
+        # The whole block: the V caches' bytes (each of their small pages was written) and
+        # K's three pages, within a page of rounding each.
+        whole = _rss_kb(min(v.ctypes.data for v in values), k.ctypes.data + k.nbytes)
+        assert whole <= sum(v.nbytes for v in values) // 1024 + 3 * 4 + 4 * 4, whole
+        block.release()
+        assert not any(v.any() for v in values) and not k.any()

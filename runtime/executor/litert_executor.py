@@ -15,6 +15,7 @@ in when another adapter takes that row, and batches of the same sessions copy no
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -316,6 +317,12 @@ class DecodeStep:
     position: int
 
 
+def _one_position_touches_every_page(info: TensorInfo, position_axis: int) -> bool:
+    """Whether writing one position of a cache buffer writes into every small page of it:
+    positions innermost (a transposed layout's V) in rows no longer than a page."""
+    return position_axis == len(info.shape) - 1 and info.shape[-1] * info.dtype.itemsize <= mmap.PAGESIZE
+
+
 def _positions(array: np.ndarray, axis: int, length: int) -> np.ndarray:
     """The view of ``array``'s first ``length`` positions along ``axis``."""
     return array[(slice(None),) * axis + (slice(0, length),)]
@@ -598,8 +605,10 @@ class LlmExecutor:
         with buffers of every cache length the model's signatures take; pages not yet
         written take no memory."""
         self._check_open()
-        blocks = {length: PageBlock(list(infos.values())) for length, infos in self._kv_infos.items()}
         axes = {spec.name: self.spec.kv_position_axis(spec.name) for spec in self.spec.kv_inputs}
+        blocks = {length: PageBlock(list(infos.values()), [info.name for info in infos.values()
+                                                           if _one_position_touches_every_page(info, axes[info.name])])
+                  for length, infos in self._kv_infos.items()}
         return KvCache(blocks, axes, self.spec.kv_cache_bytes)
 
     def copy_kv_cache(self, source: KvCache, length: int) -> KvCache:

@@ -25,7 +25,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,7 @@ _CPU = 1  # kLiteRtHwAcceleratorCpu
 _CPU_OPTIONS = b"xnnpack"  # the identifier of the CPU accelerator's options (a TOML payload)
 _MADV_COLLAPSE = 25  # Linux's madvise(2) advice (6.1 and later); Python's mmap module does not name it
 _ALIGNMENT = 64  # bytes; XNNPACK may also read a little past a tensor's end: as much again is allocated
+_HUGE_PAGE = 2 << 20  # bytes in a transparent huge page (x86-64, and arm64 with 4 KB pages)
 _MAX_RANK = 8  # LITERT_TENSOR_MAX_RANK
 _TENSOR_TYPE_BYTES = 256  # room for LiteRtRankedTensorType (72 bytes in 2.3), read back as raw bytes
 
@@ -271,29 +272,60 @@ class PageBlock:
     the 36 positions of a prompt, moved into a 4,096-position cache whose rows hold
     positions innermost, touched every 2 MB page of its 188 MB (100-220 ms on a VM that
     backs fresh memory lazily; 9 ms in small pages).
+
+    Except ``whole_pages``: buffers of which the first position written touches every
+    small page anyway (rows of positions no longer than a page: a V cache of 1,024 float32
+    positions). They lie first, their whole 2 MB stretches in huge pages from the start:
+    the same memory, and a short context's step reads their scattered rows with fewer TLB
+    misses (SmolLM2-135M int8, 1,024 positions, at position 8: one session's step 0.975x,
+    8 rows' 0.97-0.98x on an AMD EPYC).
     """
 
-    def __init__(self, infos: Sequence[TensorInfo]) -> None:
-        sizes = [-(-(info.nbytes + _ALIGNMENT) // _ALIGNMENT) * _ALIGNMENT for info in infos]
-        # Private pages (a shared mapping would keep its pages when released), page-aligned and zeroed.
-        self._pages = mmap.mmap(-1, max(sum(sizes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.huge_pages = False  # whether use_huge_pages was called since the last release
-        self._advise(getattr(mmap, "MADV_NOHUGEPAGE", None))  # small pages even where the system's default is huge
-        raw = np.frombuffer(self._pages, np.uint8)
-        offsets = np.cumsum([0, *sizes])
-        self.buffers = {info.name: HostBuffer(info, memory=raw[start:end])
-                        for info, start, end in zip(infos, offsets[:-1], offsets[1:])}
+    def __init__(self, infos: Sequence[TensorInfo], whole_pages: Collection[str] = ()) -> None:
+        def size(info: TensorInfo) -> int:
+            return -(-(info.nbytes + _ALIGNMENT) // _ALIGNMENT) * _ALIGNMENT
 
-    def _advise(self, advice: int | None) -> bool:
-        """Advises the whole mapping; whether the system took the advice (a kernel
-        without transparent huge pages refuses theirs, and small pages serve)."""
+        whole = [info for info in infos if info.name in whole_pages]
+        small = [info for info in infos if info.name not in whole_pages]
+        whole_bytes = sum(map(size, whole))
+        huge = whole_bytes // _HUGE_PAGE * _HUGE_PAGE  # the huge pages they fill; the rest stays small
+        slack = _HUGE_PAGE if huge else 0  # room to start them on a 2 MB boundary
+        # Private pages (a shared mapping would keep its pages when released), page-aligned and zeroed.
+        self._pages = mmap.mmap(-1, max(whole_bytes + sum(map(size, small)) + slack, 1),
+                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.huge_pages = False  # whether use_huge_pages was called since the last release
+        raw = np.frombuffer(self._pages, np.uint8)
+        start = -raw.ctypes.data % _HUGE_PAGE if huge else 0
+        self._huge_range = (start, huge)  # in huge pages from the start
+        self._advise_small()
+        memory = {}
+        for group, begin in ((whole, start), (small, start + whole_bytes)):
+            offsets = begin + np.cumsum([0, *map(size, group)])
+            memory |= {info.name: raw[first:end] for info, first, end in zip(group, offsets[:-1], offsets[1:])}
+        self.buffers = {info.name: HostBuffer(info, memory=memory[info.name]) for info in infos}
+
+    def _advise(self, advice: int | None, start: int = 0, length: int | None = None) -> bool:
+        """Advises the mapping (or ``length`` bytes of it from ``start``); whether the
+        system took the advice (a kernel without transparent huge pages refuses theirs, and
+        small pages serve)."""
         if advice is None:
             return False
         try:
-            self._pages.madvise(advice)
+            if length is None:
+                self._pages.madvise(advice)
+            else:
+                self._pages.madvise(advice, start, length)
         except OSError:
             return False
         return True
+
+    def _advise_small(self) -> None:
+        """Small pages for the block (even where the system's default is huge), huge ones
+        for its whole_pages buffers."""
+        self._advise(getattr(mmap, "MADV_NOHUGEPAGE", None))
+        start, length = self._huge_range
+        if length:
+            self._advise(getattr(mmap, "MADV_HUGEPAGE", None), start, length)
 
     def use_huge_pages(self) -> None:
         """Puts the block in huge pages: pages written from now on come in 2 MB, and
@@ -307,10 +339,11 @@ class PageBlock:
     def release(self) -> None:
         """Gives the block's memory back to the system while every buffer keeps its
         address (and every handle stays valid): the contents become zeros, on Linux;
-        where the system keeps them instead, they stay as they were. Small pages again."""
+        where the system keeps them instead, they stay as they were. Small pages again
+        (huge for the whole_pages buffers)."""
         self._advise(getattr(mmap, "MADV_DONTNEED", None))
         if self.huge_pages:
-            self._advise(getattr(mmap, "MADV_NOHUGEPAGE", None))
+            self._advise_small()
             self.huge_pages = False
 
     def clear(self) -> None:
