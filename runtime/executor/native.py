@@ -282,17 +282,14 @@ class PageBlock:
     """
 
     def __init__(self, infos: Sequence[TensorInfo], whole_pages: Collection[str] = ()) -> None:
-        def size(info: TensorInfo) -> int:
-            return -(-(info.nbytes + _ALIGNMENT) // _ALIGNMENT) * _ALIGNMENT
-
+        sizes = {info.name: -(-(info.nbytes + _ALIGNMENT) // _ALIGNMENT) * _ALIGNMENT for info in infos}
         whole = [info for info in infos if info.name in whole_pages]
         small = [info for info in infos if info.name not in whole_pages]
-        whole_bytes = sum(map(size, whole))
+        whole_bytes = sum(sizes[info.name] for info in whole)
         huge = whole_bytes // _HUGE_PAGE * _HUGE_PAGE  # the huge pages they fill; the rest stays small
         slack = _HUGE_PAGE if huge else 0  # room to start them on a 2 MB boundary
         # Private pages (a shared mapping would keep its pages when released), page-aligned and zeroed.
-        self._pages = mmap.mmap(-1, max(whole_bytes + sum(map(size, small)) + slack, 1),
-                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._pages = mmap.mmap(-1, max(sum(sizes.values()) + slack, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.huge_pages = False  # whether use_huge_pages was called since the last release
         raw = np.frombuffer(self._pages, np.uint8)
         start = -raw.ctypes.data % _HUGE_PAGE if huge else 0
@@ -300,7 +297,7 @@ class PageBlock:
         self._advise_small()
         memory = {}
         for group, begin in ((whole, start), (small, start + whole_bytes)):
-            offsets = begin + np.cumsum([0, *map(size, group)])
+            offsets = begin + np.cumsum([0, *(sizes[info.name] for info in group)])
             memory |= {info.name: raw[first:end] for info, first, end in zip(group, offsets[:-1], offsets[1:])}
         self.buffers = {info.name: HostBuffer(info, memory=memory[info.name]) for info in infos}
 
