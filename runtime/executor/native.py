@@ -21,6 +21,7 @@ with an error naming it, never misread.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import sys
@@ -201,7 +202,7 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         """Bytes the tensor holds."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
