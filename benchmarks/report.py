@@ -12,8 +12,9 @@ between its :data:`HEADLINE_BEGIN` and :data:`HEADLINE_END` lines) and the READM
 from __future__ import annotations
 
 import json
+import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -369,9 +370,9 @@ def _size(register_row: dict) -> float:
 
 def all_targets(results: dict, folder: Path) -> list[Target]:
     """Every target of the report: the model sets' (``results``), then those of the runs
-    whose results lie in ``folder`` (serving, Turbo LoRA, Gemma 3)."""
+    whose results lie in ``folder`` (serving, Turbo LoRA, Gemma 3, long context and opening)."""
     return [*targets(results), *serve_targets(folder), *npc_targets(folder), *turbo_targets(folder),
-            *turbo_task_targets(folder), *gemma3_targets(folder)]
+            *turbo_task_targets(folder), *gemma3_targets(folder), *long_context_targets(folder)]
 
 
 def file_source(path: Path, result: dict) -> str:
@@ -1048,6 +1049,97 @@ def gemma3_targets(folder: Path) -> list[Target]:
                         speed["median"] >= 1.0, source, headline=True),
                  Target("8 sessions, 8 distinct rank-8 adapters, one model copy: aggregate >= 3x one session", where,
                         f"{_range(eight)}x", eight["median"] >= 3.0, source, headline=True)]
+    return rows
+
+
+# Issue 53's rows, measured on each kind of box: the AVX-512 box's results lie beside the
+# report, the AVX2 box's in its avx2/ folder (each file records its CPU and date).
+BOX_FOLDERS = (".", "avx2")
+# benchmarks/experiments/kv_span.py with exports named kv256{f32,int8} and kv4096{f32,int8}
+KV_SPAN_RESULT = "kv_span_smollm2.json"
+KV_SPAN_START, KV_SPAN_DEEP = 10, 3000  # prompt lengths of the steps compared
+DEPTH_RESULT = "kernel_depth_smollm2_fa_off.json"  # benchmarks/experiments/kernel_probe/llama_depth.py
+DEPTHS = (512, 2048, 4000)
+DEPTH_ASKED = {"f32": 1.1, "int8": 1.3}  # ours / llama.cpp's speed, by our precision
+ALL_LINEAR_RESULT = "lora_ratio_smollm2.json"  # benchmarks/experiments/kernel_probe/llama_lora_ratio.py
+OPEN_RESULTS = ("open_time_quiet.json", "open_time.json")  # benchmarks/open_time.py; the first found per box
+OPEN_ASKED_MS, FIRST_TOKEN_ASKED_MS = 500.0, 1000.0
+
+
+def _box_results(folder: Path, names: Sequence[str]) -> Iterator[tuple[Path, dict]]:
+    """Each box's result of the first of ``names`` that its folder holds."""
+    for box in BOX_FOLDERS:
+        path = next((folder / box / name for name in names if (folder / box / name).exists()), None)
+        if path is not None:
+            yield path, json.loads(path.read_text())
+
+
+def long_context_targets(folder: Path) -> list[Target]:
+    """Issue 53's targets with a result file per box: a step of the 4,096-position f32 export near
+    the start <= 1.10x and after 3,000 tokens <= 1.35x a step of a 256-position export (int8's
+    shown without a verdict); decode after 512 / 2,048 / 4,000 tokens
+    (KV 4,096, float32 caches, the attention op) at >= 1.1x llama.cpp f32 and >= 1.3x q8_0 (its
+    f16 cache, ``-fa off``: the faster of its two at depth), float16 caches' ratios shown beside;
+    an all-linear rank-8 adapter's step / plain step no more than llama.cpp's with the same
+    adapter file; opening the f32 export <= 0.5 s and ``runtime generate``'s first token <= 1 s."""
+    rows = []
+    for path, result in _box_results(folder, (KV_SPAN_RESULT,)):
+        steps = {(row["export"], row["position"]): row["per_round_ms"] for row in result["rows"]}
+        for precision in ("f32", "int8"):
+            short = steps.get((f"kv256{precision}", KV_SPAN_START))
+            for position, asked in ((KV_SPAN_START, 1.10), (KV_SPAN_DEEP, 1.35)):
+                long = steps.get((f"kv4096{precision}", position))
+                if short is None or long is None:
+                    continue
+                ratios = [a / b for a, b in zip(long, short)]  # within each round
+                spread = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+                when = "near the start" if position == KV_SPAN_START else f"after {position:,} tokens"
+                rows.append(Target(f"a decode step {when} <= {asked:.2f}x a step of the same model exported with a "
+                                   "256-position cache", f"SmolLM2-135M {precision}, KV 4,096, 1 thread"
+                                   + ("" if precision == "f32" else " (the target is for the default f32 export)"),
+                                   f"{_range(spread)}x ({statistics.median(long):.1f} vs "
+                                   f"{statistics.median(short):.1f} ms)",
+                                   spread["median"] <= asked if precision == "f32" else None,
+                                   file_source(path, result), headline=True))
+    for path, result in _box_results(folder, (DEPTH_RESULT,)):
+        source = file_source(path, result)
+        for ours, theirs in (("f32", "f32"), ("int8", "q8_0")):
+            by_depth = {row["position"]: row for row in result["rows"] if row["ours"] == ours}
+            if not all(depth in by_depth for depth in DEPTHS):
+                continue
+            found = [by_depth[depth] for depth in DEPTHS]
+            ratios = [row["ratio_native"]["median"] for row in found]
+            measured = (" / ".join(f"{ratio:.2f}x" for ratio in ratios) + " ("
+                        + " / ".join(f"{row['native_ms']:.1f}" for row in found) + " vs "
+                        + " / ".join(f"{row['llama_cpp_ms']:.1f}" for row in found) + " ms)")
+            if all("ratio_f16" in row for row in found):
+                measured += "; float16 caches " + " / ".join(f"{row['ratio_f16']['median']:.2f}x" for row in found)
+            asked = DEPTH_ASKED[ours]
+            rows.append(Target(f"decode after 512 / 2,048 / 4,000 tokens: every one >= {asked}x llama.cpp "
+                               f"(ours {ours} vs llama.cpp {theirs})",
+                               "SmolLM2-135M, 1 thread, KV 4,096 (llama.cpp: f16 cache, -fa off)", measured,
+                               all(ratio >= asked for ratio in ratios), source, headline=True))
+    for path, result in _box_results(folder, (ALL_LINEAR_RESULT,)):
+        for row in result["rows"]:
+            ours, theirs = row["ours ratio"]["median"], row["llama.cpp ratio"]["median"]
+            rows.append(Target("all-linear rank-8 adapter: (its step / a plain step), ours over llama.cpp's with the "
+                               "same adapter file <= 1.0x", f"SmolLM2-135M, 1 thread, ours {row['ours']} vs "
+                               f"llama.cpp {row['llama_cpp']}",
+                               f"{ours / theirs:.4f}x (ours {ours:.3f}x, llama.cpp {theirs:.3f}x)", ours <= theirs,
+                               file_source(path, result), headline=True))
+    for path, result in _box_results(folder, OPEN_RESULTS):
+        for model, modes in result["runs"].items():
+            runs = modes.get("on-demand", [])
+            firsts = [run["generate"]["first_token_ms"] for run in runs if run.get("generate")]
+            if not runs or not firsts:
+                continue
+            opened, first = statistics.median(run["open_ms"] for run in runs), statistics.median(firsts)
+            rows.append(Target("open the f32 export <= 0.5 s and `runtime generate`'s first token <= 1 s (warm "
+                               "caches, signature groups compiled on demand)",
+                               f"SmolLM2-135M f32, `{Path(model).name}`, {runs[0]['signatures']} signatures",
+                               f"{opened / 1e3:.2f} s, first token {first / 1e3:.2f} s (medians of {len(runs)})",
+                               opened <= OPEN_ASKED_MS and first <= FIRST_TOKEN_ASKED_MS, file_source(path, result),
+                               headline=True))
     return rows
 
 

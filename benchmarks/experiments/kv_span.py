@@ -3,7 +3,7 @@
 cache against a cache of the window's length, side by side.
 
     python3 -m benchmarks.experiments.kv_span NAME=MODEL.tflite [NAME=MODEL.tflite ...] \
-        [--positions 400,600,900] [--rounds 8] [--steps 16]
+        [--positions 400,600,900] [--rounds 8] [--steps 16] [--out PATH]
 
 Every export runs a plain session (1 thread) that decodes ``--steps`` steps after a prompt
 of each position (prefilled, not timed), when the position fits its cache; the engine picks
@@ -24,6 +24,12 @@ script showed costing f32 ~20% of a step. Exports to compare, e.g. from the GGUF
         --prefill-lengths 32
     python -m runtime export $GGUF --out KV512-{precision}.tflite --quantize none,int8 --kv-length 512 \
         --prefill-lengths 32
+
+Issue 53's first target (a step of the default 4,096-position export after 3,000 tokens <= 1.35x,
+near the start <= 1.10x, a step of the same model exported with a 256-position cache) is read by
+the report (``benchmarks/report.py``) from ``--out``'s JSON when the exports are named
+``kv256f32``, ``kv4096f32``, ``kv256int8`` and ``kv4096int8``; the report's ratios are taken
+within each round.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
+
+from benchmarks.common import date_and_cpu, write_result
 
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.bench import timed_decode
@@ -49,6 +58,7 @@ def main() -> int:
     parser.add_argument("--positions", default="400,600,900", help="comma-separated prompt lengths")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--out", type=Path, help="also write the table as PATH.md and the rounds as PATH.json")
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
     engines = {}
@@ -66,13 +76,22 @@ def main() -> int:
             step, _ = timed_decode(engines[name], sessions[name], args.steps, position)
             times[name, position].append(step * 1e3)
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
-    print(f"ms per decode step after a prompt, 1 thread, median [min-max] of {args.rounds} alternating rounds")
-    print("| export | position | span attended | ms per step |")
-    print("|---|---:|---|---:|")
+    lines = [f"ms per decode step after a prompt, 1 thread, median [min-max] of {args.rounds} alternating rounds",
+             "", "| export | position | span attended | ms per step |", "|---|---:|---|---:|"]
+    rows = []
     for name, position in cells:
         values = times[name, position]
-        print(f"| {name} | {position} | {span(engines[name], position)} | "
-              f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}] |")
+        lines.append(f"| {name} | {position} | {span(engines[name], position)} | "
+                     f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}] |")
+        rows.append({"export": name, "position": position, "span": span(engines[name], position),
+                     "per_round_ms": values})
+    if args.out:
+        lines += ["", "Command: `python3 -m benchmarks.experiments.kv_span " + " ".join(sys.argv[1:]) + "`"]
+        write_result(args.out, lines, {"models": dict(given.partition("=")[::2] for given in args.models),
+                                       "kv_length": {name: engine.spec.kv_length for name, engine in engines.items()},
+                                       "steps": args.steps, "rounds": args.rounds, "rows": rows, **date_and_cpu()})
+    else:
+        print("\n".join(lines))
     for engine in engines.values():
         engine.close()
     return 0
