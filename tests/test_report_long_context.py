@@ -63,5 +63,30 @@ def test_the_all_linear_adapter_and_opening_are_judged_against_their_limits(tmp_
                                                           "/m/slow.litertlm": {"on-demand": [run, slow, slow]}}})
     adapter, fast, slow_open = long_context_targets(tmp_path)
     assert adapter.met is False and adapter.measured.startswith("1.0088x (ours 1.150x, llama.cpp 1.140x)")
-    assert fast.met and "`fast.tflite`, 7 signatures" in fast.where and fast.measured.startswith("0.20 s, first token 0.90 s")
+    assert fast.met and "`fast.tflite`, 7 signatures" in fast.where
+    assert fast.measured.startswith("0.20 s, first token 0.90 s")
     assert slow_open.met is False  # its median first token is 1.1 s
+
+
+def test_eight_sessions_are_judged_by_the_gain_within_rounds_and_deep_rows_by_their_own_target(tmp_path):
+    rows = [{"position": 0, "one_tokens_per_s": [80.0, 100.0, 90.0], "together_tokens_per_s": [250.0, 250.0, 300.0]},
+            {"position": 998, "one_tokens_per_s": [70.0, 70.0, 70.0], "together_tokens_per_s": [180.0, 175.0, 170.0]}]
+    _write(tmp_path / "avx2" / "batch_cost_smollm2_int8.json", {"sessions": 8, "rows": rows})
+    start, latency, deep = long_context_targets(tmp_path)
+    # gains 3.125, 2.5, 3.33 by round: median 3.125 (the medians across rounds would give 250 / 90 = 2.78)
+    assert ">= 3x" in start.target and start.met and start.measured.startswith("3.12 [2.50-3.33]x (250 vs 90 tokens/s)")
+    assert "<= 2x" in latency.target and latency.met is False and latency.measured == "2.56x"  # 8 / 3.125
+    assert "~1,000 tokens deep" in deep.target and ">= 2.5x" in deep.target and deep.met  # 2.50x
+    assert all(t.where.startswith("SmolLM2-135M, ours int8") for t in (start, latency, deep))
+
+
+def test_the_default_export_is_judged_by_its_time_and_its_largest_process(tmp_path):
+    report = {"settings": {"kv_length": 4096}, "signatures": [{}] * 7, "jobs": 2, "seconds": 134.0,
+              "peak_rss_bytes": 4.2e9, "peak_pss_bytes": 3.1e9, "exporter_peak_rss_bytes": 1.9e9,
+              "finisher_peak_rss_bytes": 2.3e9, "worker_peak_rss_bytes": [1.7e9, 1.8e9]}
+    _write(tmp_path / "avx2" / "export_defaults_smollm2_f32.json", report)  # the tree's 4.2 GB is not one process
+    _write(tmp_path / "avx2" / "export_defaults_smollm2_int8.json", {**report, "worker_peak_rss_bytes": [2.6e9]})
+    f32, int8 = long_context_targets(tmp_path)
+    assert f32.met and f32.measured.startswith("2.2 min (134 s), the largest process 2.30 GB")
+    assert "f32, KV 4,096, 7 signatures, 2 jobs" in f32.where
+    assert int8.met is False  # a worker of 2.6 GB

@@ -1,7 +1,7 @@
 """What one batched decode step costs against one session's step, at several positions.
 
     python3 -m benchmarks.experiments.batch_cost MODEL.tflite [--rows 8] [--ranks 8] [--positions 8,300,600] [--rounds 4] \
-        [--threads 1] [--on-threads]
+        [--threads 1] [--on-threads [--out PATH]]
 
 ``rows`` sessions, each with its own random adapter (of the ``--ranks`` in turn: ``8,16``
 mixes ranks, whose rows share a batch of the larger slot), are prefilled to a position;
@@ -15,17 +15,21 @@ engine's XNNPACK threads (both paths alike).
 ``--on-threads``: the sessions step from a thread each through the engine's batcher (batch
 wait 2 ms), as ``run.py``'s concurrency section drives them, its batching and the threads'
 hand-offs included: tokens/s of one session alone and of all of them, 25 steps each, from
-sessions prefilled to each position, rounds alternating the positions' order.
+sessions prefilled to each position, rounds alternating the positions' order. ``--out PATH``
+also writes the table as ``PATH.md`` and every round's figures as ``PATH.json``; the report
+(``benchmarks/report.py``) judges the 8-session targets from ``batch_cost_smollm2_{f32,int8}.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import date_and_cpu, write_result
 from benchmarks.measure import ConcurrencyRig, random_adapter_files
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.util.signature_names import LoraSlot
@@ -43,14 +47,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="the engine's XNNPACK threads")
     parser.add_argument("--on-threads", action="store_true",
                         help="sessions stepping from a thread each through the batcher, in tokens/s")
+    parser.add_argument("--out", type=Path, help="with --on-threads: also write PATH.md and PATH.json")
     args = parser.parse_args()
     positions = [int(p) for p in args.positions.split(",")]
     ranks = [int(r) for r in args.ranks.split(",")]
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: expected 1 or more")
+    if args.out and not args.on_threads:
+        parser.error("--out: only with --on-threads")
     if args.on_threads:
         _on_threads(args.model, [ranks[row % len(ranks)] for row in range(args.rows)], positions, args.rounds,
-                    args.threads)
+                    args.threads, args.out)
         return
     settings = EngineSettings(batch_wait_s=None, num_threads=args.threads)
     with tempfile.TemporaryDirectory() as folder, Engine(args.model, settings) as engine:
@@ -83,9 +90,10 @@ def main() -> None:
                   f"{batch / single:.2f}x |")
 
 
-def _on_threads(model: Path, ranks: list[int], positions: list[int], rounds: int, threads: int) -> None:
+def _on_threads(model: Path, ranks: list[int], positions: list[int], rounds: int, threads: int,
+                out: Path | None) -> None:
     """The table of ``--on-threads``: medians over rounds of one session's tokens/s and of
-    all sessions' together, each session on its own thread."""
+    all sessions' together, each session on its own thread (and, given ``out``, the rounds)."""
     steps = 24
     rig = ConcurrencyRig(model, ranks, num_threads=threads, batch_wait_s=0.002)
     try:
@@ -98,16 +106,24 @@ def _on_threads(model: Path, ranks: list[int], positions: list[int], rounds: int
                     rates[position].append((one, together))
     finally:
         rig.close()
-    print(f"{model.name}: {len(ranks)} sessions of ranks {ranks} on a thread each, {threads} thread(s), medians of "
-          f"{rounds} rounds of {steps + 1} steps")
-    print(f"| position | one session (tokens/s) | {len(ranks)} sessions (tokens/s) | aggregate [min-max] | latency |")
-    print("|---:|---:|---:|---:|---:|")
+    lines = [f"{model.name}: {len(ranks)} sessions of ranks {ranks} on a thread each, {threads} thread(s), medians of "
+             f"{rounds} rounds of {steps + 1} steps", "",
+             f"| position | one session (tokens/s) | {len(ranks)} sessions (tokens/s) | aggregate [min-max] | latency |",
+             "|---:|---:|---:|---:|---:|"]
     for position, measured in rates.items():
         gains = sorted(together / one for one, together in measured)
         gain = statistics.median(gains)
-        print(f"| {position} | {statistics.median(one for one, _ in measured):.1f} | "
-              f"{statistics.median(together for _, together in measured):.1f} | {gain:.2f}x "
-              f"[{gains[0]:.2f}-{gains[-1]:.2f}] | {len(ranks) / gain:.2f}x |")
+        lines.append(f"| {position} | {statistics.median(one for one, _ in measured):.1f} | "
+                     f"{statistics.median(together for _, together in measured):.1f} | {gain:.2f}x "
+                     f"[{gains[0]:.2f}-{gains[-1]:.2f}] | {len(ranks) / gain:.2f}x |")
+    if out is None:
+        print("\n".join(lines))
+        return
+    lines += ["", "Command: `python3 -m benchmarks.experiments.batch_cost " + " ".join(sys.argv[1:]) + "`"]
+    rows = [{"position": position, "one_tokens_per_s": [one for one, _ in measured],
+             "together_tokens_per_s": [together for _, together in measured]} for position, measured in rates.items()]
+    write_result(out, lines, {"model": str(model), "sessions": len(ranks), "ranks": ranks, "threads": threads,
+                              "rounds": rounds, "steps": steps + 1, "rows": rows, **date_and_cpu()})
 
 
 def _timed(step) -> float:
