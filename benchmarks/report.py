@@ -1063,6 +1063,10 @@ KV_SPAN_START, KV_SPAN_DEEP = 10, 3000  # prompt lengths of the steps compared
 BATCH_RESULT = "batch_cost_smollm2_{precision}.json"
 BATCH_ASKED = {"f32": (4.0, 3.0), "int8": (3.0, 2.5)}
 BATCH_DEEP = 900
+# benchmarks/experiments/kernel_probe/kernel_bench.py: the attention op alone on cold caches
+# against a loop that only reads the same bytes, from 1k to 4k positions
+KERNEL_RESULT = "kernel_bench_smollm2.json"
+KERNEL_ASKED = 0.7  # the op's share of the read loop's rate
 DEPTH_RESULT = "kernel_depth_smollm2_fa_off.json"  # benchmarks/experiments/kernel_probe/llama_depth.py
 DEPTHS = (512, 2048, 4000)
 DEPTH_ASKED = {"f32": 1.1, "int8": 1.3}  # ours / llama.cpp's speed, by our precision
@@ -1089,7 +1093,8 @@ def _spread(values: Sequence[float]) -> dict[str, float]:
 
 def long_context_targets(folder: Path) -> list[Target]:
     """Issue 53's targets, a row per box that has a result file for it (functions below)."""
-    return [*cache_length_targets(folder), *depth_targets(folder), *batch_on_threads_targets(folder),
+    return [*cache_length_targets(folder), *read_rate_targets(folder), *depth_targets(folder),
+            *batch_on_threads_targets(folder),
             *all_linear_targets(folder), *export_targets(folder), *open_targets(folder)]
 
 
@@ -1115,6 +1120,33 @@ def cache_length_targets(folder: Path) -> list[Target]:
                                    f"{statistics.median(short):.1f} ms)",
                                    spread["median"] <= asked if precision == "f32" else None,
                                    file_source(path, result), headline=True))
+    return rows
+
+
+def read_rate_targets(folder: Path) -> list[Target]:
+    """Decode attention alone (this checkout's build) reads its caches at >= 0.7x the rate of
+    a loop that only reads them, in order (one stream of lines; several interleaved streams read
+    faster, docs/kernels.md), at every position measured from 1,000 on: float32 caches (the
+    default) judged, float16 ones shown."""
+    rows = []
+    for path, result in _box_results(folder, (KERNEL_RESULT,)):
+        for dtype in ("f32", "f16"):
+            found = [row for row in result["rows"] if row["dtype"] == dtype and row["position"] >= 1000]
+            if not found:
+                continue
+            shares = [statistics.median(row["read_ms"]) / statistics.median(row["kernel_ms"]["this checkout"])
+                      for row in found]
+            measured = (" / ".join(f"{share:.2f}x" for share in shares) + " at "
+                        + " / ".join(f"{row['position']:,}" for row in found) + " positions ("
+                        + " / ".join(f"{statistics.median(row['kernel_ms']['this checkout']):.2f}" for row in found)
+                        + " ms for 30 layers)")
+            rows.append(Target(f"decode attention alone on cold caches: every position from 1,000 on read at >= "
+                               f"{KERNEL_ASKED}x the rate of a loop reading the same bytes in order",
+                               f"SmolLM2-135M's shapes, "
+                               f"{'float32 caches' if dtype == 'f32' else 'float16 caches (not the default)'}, "
+                               f"span {result['span']:,}, 1 thread", measured,
+                               all(share >= KERNEL_ASKED for share in shares) if dtype == "f32" else None,
+                               file_source(path, result), headline=True))
     return rows
 
 

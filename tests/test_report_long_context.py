@@ -90,3 +90,17 @@ def test_the_default_export_is_judged_by_its_time_and_its_largest_process(tmp_pa
     assert f32.met and f32.measured.startswith("2.2 min (134 s), the largest process 2.30 GB")
     assert "f32, KV 4,096, 7 signatures, 2 jobs" in f32.where
     assert int8.met is False  # a worker of 2.6 GB
+
+
+def test_the_attention_ops_read_rate_is_judged_at_every_position_from_1000_on_for_float32_caches(tmp_path):
+    def row(position: int, dtype: str, read: float, kernel: float) -> dict:
+        return {"position": position, "dtype": dtype, "read_ms": [read, read * 2, read],
+                "kernel_ms": {"this checkout": [kernel, kernel, kernel * 3]}}
+
+    rows = [row(128, "f32", 1.0, 5.0),  # short spans are not asked about
+            row(1000, "f32", 3.0, 4.0), row(4095, "f32", 10.0, 14.5),
+            row(1000, "f16", 1.5, 3.0), row(4095, "f16", 5.0, 6.0)]
+    _write(tmp_path / "kernel_bench_smollm2.json", {"span": 4096, "rows": rows})
+    f32, f16 = long_context_targets(tmp_path)
+    assert f32.met is False and f32.measured.startswith("0.75x / 0.69x at 1,000 / 4,095 positions (4.00 / 14.50 ms")
+    assert f16.met is None and "float16 caches" in f16.where

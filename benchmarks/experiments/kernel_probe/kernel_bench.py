@@ -2,7 +2,8 @@
 for work on the kernel itself: this checkout's source and, beside it, another version.
 
     python3 -m benchmarks.experiments.kernel_probe.kernel_bench [--baseline REV] [--span 4096] \
-        [--positions 1000,2000,3000,4095] [--rounds 5] [--flags=-mavx2,-mfma,-mf16c] [--dtype f32,f16]
+        [--positions 1000,2000,3000,4095] [--rounds 5] [--flags=-mavx2,-mfma,-mf16c] [--dtype f32,f16] \
+        [--out PATH]
 
 Builds ``kernel_bench.c`` around ``runtime/executor/kernels/decode_attention.c`` (and around
 the file as it is at git revision ``--baseline``, e.g. ``HEAD``) with the compiler and flags
@@ -13,6 +14,9 @@ alternating rounds per position
 (each run: best of 15 calls of 30 layers at SmolLM2-135M's shapes, 1 GiB read before each).
 Prints ms per 30 layers, the read loop's GB/s over that cache type's bytes and each build's
 time as a share of the read loop's (100%: the kernel reads as fast as a loop that only reads).
+``--out PATH`` also writes the table as ``PATH.md`` and every round as ``PATH.json``; the
+report (``benchmarks/report.py``) judges issue 53's ">= 70% of the read rate from 1k to 4k
+positions" from ``kernel_bench_smollm2.json`` (this checkout's build, the runtime's flags).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.common import date_and_cpu, write_result
 from runtime.executor import kernels
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -66,6 +72,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--flags", help="ISA flags, comma-separated, instead of this CPU's (kernels.isa_flags())")
     parser.add_argument("--dtype", default="f32", help="the caches' element type: f32, f16 or both, comma-separated")
+    parser.add_argument("--out", type=Path, help="also write the table as PATH.md and the rounds as PATH.json")
     args = parser.parse_args()
     dtypes = args.dtype.split(",")
     if not dtypes or not set(dtypes) <= set(BYTES):
@@ -80,10 +87,11 @@ def main() -> None:
             if text := revision_file(args.baseline, header, missing_ok=True):
                 (Path(scratch) / header.name).write_bytes(text)
             builds[args.baseline] = build(old, Path(scratch) / "baseline", flags)
-        print(f"flags {' '.join(flags) or '(none)'}; {args.rounds} alternating rounds; medians")
-        print("| position | caches | MB read | read loop ms (GB/s) | "
-              + " | ".join(f"{name} ms (share of read rate)" for name in builds) + " |")
-        print("|---:|---|---:|---:|" + "---:|" * len(builds))
+        lines = [f"flags {' '.join(flags) or '(none)'}; {args.rounds} alternating rounds; medians", "",
+                 "| position | caches | MB read | read loop ms (GB/s) | "
+                 + " | ".join(f"{name} ms (share of read rate)" for name in builds) + " |",
+                 "|---:|---|---:|---:|" + "---:|" * len(builds)]
+        rows = []
         runs = [(name, dtype) for dtype in dtypes for name in builds]
         for position in (int(p) for p in args.positions.split(",")):
             kernel_ms: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
@@ -98,7 +106,17 @@ def main() -> None:
                 read = statistics.median(read_ms[dtype])
                 cells = " | ".join(f"{statistics.median(kernel_ms[name, dtype]):.2f} "
                                    f"({100 * read / statistics.median(kernel_ms[name, dtype]):.0f}%)" for name in builds)
-                print(f"| {position} | {dtype} | {mb:.1f} | {read:.2f} ({mb / read:.1f}) | {cells} |")
+                lines.append(f"| {position} | {dtype} | {mb:.1f} | {read:.2f} ({mb / read:.1f}) | {cells} |")
+                print(f"position {position}, {dtype}: done", file=sys.stderr, flush=True)
+                rows.append({"position": position, "dtype": dtype, "mb": mb, "read_ms": read_ms[dtype],
+                             "kernel_ms": {name: kernel_ms[name, dtype] for name in builds}})
+    if args.out:
+        lines += ["", "Command: `python3 -m benchmarks.experiments.kernel_probe.kernel_bench "
+                  + " ".join(sys.argv[1:]) + "`"]
+        write_result(args.out, lines, {"flags": list(flags), "span": args.span, "rounds": args.rounds, "rows": rows,
+                                       **date_and_cpu()})
+    else:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
