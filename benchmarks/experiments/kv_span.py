@@ -40,7 +40,6 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import date_and_cpu, write_result
-
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.bench import timed_decode
 
