@@ -5,8 +5,8 @@ cache against a cache of the window's length, side by side.
     python3 -m benchmarks.experiments.kv_span NAME=MODEL.tflite [NAME=MODEL.tflite ...] \
         [--positions 400,600,900] [--rounds 8] [--steps 16] [--out PATH]
 
-Every export runs a plain session (1 thread) that decodes ``--steps`` steps after a prompt
-of each position (prefilled, not timed), when the position fits its cache; the engine picks
+Every export runs a plain session (1 thread) per position, which decodes ``--steps`` steps after a
+prompt of that position (prefilled, not timed), when the position fits its cache; the engine picks
 the signature as it always does (the shortest attention window that holds the step, else
 the whole cache), and the table names it. Every (export, position) takes its turn in each
 round, the order flipping every round; figures are medians over the rounds.
@@ -66,13 +66,15 @@ def main() -> int:
         if not path:
             parser.error(f"{given!r}: expected NAME=PATH")
         engines[name] = Engine(path, EngineSettings(num_threads=1, batch_wait_s=None))
-    sessions = {name: engine.create_session(SessionConfig()) for name, engine in engines.items()}
     cells = [(name, p) for name, engine in engines.items() for p in positions
              if p + args.steps <= engine.spec.kv_length]
+    # A session of its own per cell: a session once deep in its cache keeps the cache's pages
+    # (2 MB ones past half of it), which a short session's steps would then read as well.
+    sessions = {(name, p): engines[name].create_session(SessionConfig()) for name, p in cells}
     times: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
     for r in range(args.rounds):
         for name, position in cells if r % 2 == 0 else cells[::-1]:
-            step, _ = timed_decode(engines[name], sessions[name], args.steps, position)
+            step, _ = timed_decode(engines[name], sessions[name, position], args.steps, position)
             times[name, position].append(step * 1e3)
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
     lines = [f"ms per decode step after a prompt, 1 thread, median [min-max] of {args.rounds} alternating rounds",
