@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import REPO, RESULTS
+from benchmarks.measure import spread
 
 SETTING_NAMES = {"base": "base", "r8": "rank-8", "blend": "blend of two rank-8 (0.7/0.3)", "r64": "rank-64",
                  "base_late": "base, after the long prompt"}
@@ -1086,11 +1087,6 @@ def _box_results(folder: Path, names: Sequence[str]) -> Iterator[tuple[Path, dic
             yield path, json.loads(path.read_text())
 
 
-def _spread(values: Sequence[float]) -> dict[str, float]:
-    """Median, min and max of per-round figures, as :func:`_range` reads them."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def long_context_targets(folder: Path) -> list[Target]:
     """Issue 53's targets, a row per box that has a result file for it (functions below)."""
     return [*cache_length_targets(folder), *read_rate_targets(folder), *depth_targets(folder),
@@ -1111,14 +1107,14 @@ def cache_length_targets(folder: Path) -> list[Target]:
                 long = steps.get((f"kv4096{precision}", position))
                 if short is None or long is None:
                     continue
-                spread = _spread([a / b for a, b in zip(long, short)])  # within each round
+                ratios = spread([a / b for a, b in zip(long, short)])  # within each round
                 when = "near the start" if position == KV_SPAN_START else f"after {position:,} tokens"
                 rows.append(Target(f"a decode step {when} <= {asked:.2f}x a step of the same model exported with a "
                                    "256-position cache", f"SmolLM2-135M {precision}, KV 4,096, 1 thread"
                                    + ("" if precision == "f32" else " (the target is for the default f32 export)"),
-                                   f"{_range(spread)}x ({statistics.median(long):.1f} vs "
+                                   f"{_range(ratios)}x ({statistics.median(long):.1f} vs "
                                    f"{statistics.median(short):.1f} ms)",
-                                   spread["median"] <= asked if precision == "f32" else None,
+                                   ratios["median"] <= asked if precision == "f32" else None,
                                    file_source(path, result), headline=True))
     return rows
 
@@ -1186,18 +1182,18 @@ def batch_on_threads_targets(folder: Path) -> list[Target]:
         for path, result in _box_results(folder, (BATCH_RESULT.format(precision=precision),)):
             sessions, source = result["sessions"], file_source(path, result)
             for row in result["rows"]:
-                spread = _spread([together / one for one, together in  # within each round
+                ratios = spread([together / one for one, together in  # within each round
                                   zip(row["one_tokens_per_s"], row["together_tokens_per_s"])])
                 where = f"SmolLM2-135M, ours {precision}, 1 thread, from position {row['position']}"
-                measured = (f"{_range(spread)}x ({statistics.median(row['together_tokens_per_s']):.0f} vs "
+                measured = (f"{_range(ratios)}x ({statistics.median(row['together_tokens_per_s']):.0f} vs "
                             f"{statistics.median(row['one_tokens_per_s']):.0f} tokens/s)")
                 deep = row["position"] >= BATCH_DEEP
                 wanted = asked_deep if deep else asked
                 rows.append(Target(f"a batch of {sessions} sessions on a thread each, distinct rank-8 adapters"
                                    f"{', ~1,000 tokens deep' if deep else ''}: aggregate >= {wanted:g}x one session",
-                                   where, measured, spread["median"] >= wanted, source, headline=True))
+                                   where, measured, ratios["median"] >= wanted, source, headline=True))
                 if not deep:
-                    latency = sessions / spread["median"]
+                    latency = sessions / ratios["median"]
                     rows.append(Target(f"a session's per-token latency in a batch of {sessions} on threads <= 2x "
                                        "alone", where, f"{latency:.2f}x", latency <= 2.0, source, headline=True))
     return rows
