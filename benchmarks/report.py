@@ -1053,9 +1053,10 @@ def gemma3_targets(folder: Path) -> list[Target]:
     return rows
 
 
-# Issue 53's rows, measured on each kind of box: the AVX-512 box's results lie beside the
-# report, the AVX2 box's in its avx2/ folder (each file records its CPU and date).
-BOX_FOLDERS = (".", "avx2")
+# Issue 53's rows, measured on each kind of box (each file records its CPU and date): the Intel
+# Xeon AVX-512 box's results lie beside the report, the AMD EPYC Zen 2 box's (AVX2) in avx2/,
+# the AMD EPYC Zen 4 box's (AVX-512) in zen4/.
+BOX_FOLDERS = (".", "avx2", "zen4")
 # benchmarks/experiments/kv_span.py with exports named kv256{f32,int8} and kv4096{f32,int8}
 KV_SPAN_RESULT = "kv_span_smollm2.json"
 KV_SPAN_START, KV_SPAN_DEEP = 10, 3000  # prompt lengths of the steps compared
