@@ -195,13 +195,27 @@ def test_every_decode_signature_matches_the_standard_form(fixture, rewritten, ke
 # The builds of the kernel this CPU can run: its own flags (the runtime's build), AVX2 alone
 # (its 8-float vectors; the runtime's build on AVX2-only CPUs, built here on an AVX-512 one
 # as isa_flags gives them to such a CPU), AVX2 without F16C (float16 caches converted in
-# integer steps, as where /proc/cpuinfo does not list it) and none (4-float vectors).
-_HERE = kernels.isa_flags()
+# integer steps, as where /proc/cpuinfo does not list it) and none (4-float vectors). Each
+# test builds with exactly these flags (tuning_flags() patched to give none).
+_HERE = (*kernels.isa_flags(), *kernels.tuning_flags())
 _AVX2 = pytest.mark.skipif(not {"-mavx2", "-mfma", "-mf16c"} <= set(_HERE), reason="this CPU lacks AVX2, FMA, F16C")
 ISA_BUILDS = [pytest.param(_HERE, id="this cpu"),
               pytest.param(("-mavx2", "-mfma", "-mf16c"), id="avx2", marks=_AVX2),
               pytest.param(("-mavx2", "-mfma"), id="avx2 without f16c", marks=_AVX2),
               pytest.param((), id="plain")]
+# The attention kernel's also with the K pass over float32 caches in four stretches at once, as
+# the runtime builds it for AMD Zen 2 (tuning_flags()), and in one, the sources' default.
+ATTENTION_BUILDS = [*ISA_BUILDS,
+                    pytest.param(("-mavx2", "-mfma", "-mf16c", "-DK_STREAMS_f32=4"), id="avx2, four K streams",
+                                 marks=_AVX2),
+                    pytest.param((*kernels.isa_flags(), "-DK_STREAMS_f32=1"), id="this cpu, one K stream")]
+
+
+def _build_with(flags: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
+    """The kernels' library built with exactly ``flags`` (as a CPU of that kind gets them)."""
+    monkeypatch.setattr(kernels, "isa_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "tuning_flags", lambda: ())
+    return kernels.build_library()
 
 
 class _Layout(ctypes.Structure):
@@ -283,14 +297,13 @@ def builds_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @needs_cc
 @pytest.mark.parametrize("caches", [np.float32, np.float16], ids=["f32 caches", "f16 caches"])
-@pytest.mark.parametrize("isa", ISA_BUILDS)
+@pytest.mark.parametrize("isa", ATTENTION_BUILDS)
 def test_each_build_of_the_kernel_computes_attention(isa, caches, builds_cache, monkeypatch):
-    """Each vector width the kernel is built for (16, 8 and 4 floats), called directly at
-    real models' head sizes with float32 or float16 K and V, against the graph's computation
-    in float64 from the same values: within 1e-5."""
+    """Each vector width the kernel is built for (16, 8 and 4 floats), and each count of K
+    streams, called directly at real models' head sizes with float32 or float16 K and V,
+    against the graph's computation in float64 from the same values: within 1e-5."""
     monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
-    monkeypatch.setattr(kernels, "isa_flags", lambda: isa)  # the flags a CPU of that kind gets
-    library = kernels.build_library()
+    library = _build_with(isa, monkeypatch)
     rng = np.random.default_rng(7)
     for G, H, D, T, open_, cap in KERNEL_CASES:
         q = (rng.standard_normal((1, G, H, D)) / np.sqrt(D)).astype(np.float32)
@@ -339,6 +352,17 @@ PRODUCTS = {"lora_delta": ("lora_run", LORA_CASES, lambda x, A, B: x @ A @ B),
             "linear_rows": ("linear_run", LINEAR_CASES, lambda x, w: x @ w.T)}
 
 
+def test_the_kernels_are_tuned_by_cpu(monkeypatch):
+    """The K pass's stream count follows the CPU's cores, whatever its vector width: four on
+    AMD Zen 2 (family 23), the source's one on a Zen 4 and on Intel CPUs."""
+    for vendor, family, flags, tuning in (("AuthenticAMD", "23", "avx2 fma f16c", ("-DK_STREAMS_f32=4",)),
+                                          ("AuthenticAMD", "25", "avx512f avx2 fma f16c", ()),
+                                          ("GenuineIntel", "6", "avx512f avx2 fma f16c", ())):
+        cpu = {"vendor_id": vendor, "cpu family": family, "flags": flags}
+        monkeypatch.setattr(kernels, "_first_cpu", lambda cpu=cpu: cpu)
+        assert kernels.tuning_flags() == tuning, cpu
+
+
 @needs_cc
 @pytest.mark.parametrize("op", sorted(PRODUCTS))
 @pytest.mark.parametrize("isa", ISA_BUILDS)
@@ -348,8 +372,7 @@ def test_each_build_of_the_matrix_kernels_computes_the_product(op, isa, builds_c
     (relative to the output's largest value). The LoRA delta's factors in float32 and in
     float16 (``--lora-dtype float16``: read as float32, every sum float32)."""
     monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
-    monkeypatch.setattr(kernels, "isa_flags", lambda: isa)  # the flags a CPU of that kind gets
-    library = kernels.build_library()
+    library = _build_with(isa, monkeypatch)
     function, cases, product = PRODUCTS[op]
     rng = np.random.default_rng(11)
     for shapes, factors in itertools.product(cases, (np.float32, np.float16) if op == "lora_delta" else (np.float32,)):
@@ -382,8 +405,7 @@ def test_a_batched_lora_deltas_rows_equal_each_row_alone_bit_for_bit(isa, builds
     exactly, wherever the row lies in the batch (batches of 2-9 rows, ranks 8 and 16, widths
     leaving tails), with float32 and float16 factors."""
     monkeypatch.setenv("RUNTIME_CACHE", str(builds_cache))
-    monkeypatch.setattr(kernels, "isa_flags", lambda: isa)
-    library = kernels.build_library()
+    library = _build_with(isa, monkeypatch)
     rng = np.random.default_rng(13)
     for rows, rank, width, out, factors in itertools.product((2, 4, 5, 8, 9), (8, 16), (50, 576), (37, 192),
                                                              (np.float32, np.float16)):

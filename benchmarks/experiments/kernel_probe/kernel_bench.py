@@ -7,9 +7,10 @@ for work on the kernel itself: this checkout's source and, beside it, another ve
 
 Builds ``kernel_bench.c`` around ``runtime/executor/kernels/decode_attention.c`` (and around
 the file as it is at git revision ``--baseline``, e.g. ``HEAD``) with the compiler and flags
-the runtime builds the kernel with (or the ISA flags ``--flags`` gives, comma-separated:
-``--flags=-mavx2,-mfma,-mf16c`` measures the AVX2 build on an AVX-512 machine; ``--flags=`` the
-plain one), then runs each build on caches of each ``--dtype`` (f32, f16 or both) in
+the runtime builds the kernel with for this CPU, its tuning included (or the flags ``--flags``
+gives, comma-separated: ``--flags=-mavx2,-mfma,-mf16c`` measures the AVX2 build on an AVX-512
+machine, ``--flags=-mavx2,-mfma,-mf16c,-DK_STREAMS_f32=4`` the AVX2 box's; ``--flags=`` the plain
+one), then runs each build on caches of each ``--dtype`` (f32, f16 or both) in
 alternating rounds per position
 (each run: best of 15 calls of 30 layers at SmolLM2-135M's shapes, 1 GiB read before each).
 Prints ms per 30 layers, the read loop's GB/s over that cache type's bytes and each build's
@@ -74,14 +75,16 @@ def main() -> None:
     parser.add_argument("--span", type=int, default=4096, help="positions in each cache")
     parser.add_argument("--positions", default="1000,2000,3000,4095")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--flags", help="ISA flags, comma-separated, instead of this CPU's (kernels.isa_flags())")
+    parser.add_argument("--flags", help="compiler flags, comma-separated, instead of the runtime's for this CPU "
+                        "(kernels.isa_flags() and kernels.tuning_flags())")
     parser.add_argument("--dtype", default="f32", help="the caches' element type: f32, f16 or both, comma-separated")
     parser.add_argument("--out", type=Path, help="also write the table as PATH.md and the rounds as PATH.json")
     args = parser.parse_args()
     dtypes = args.dtype.split(",")
     if not dtypes or not set(dtypes) <= set(BYTES):
         parser.error(f"--dtype {args.dtype}: expected f32, f16 or f32,f16")
-    flags = kernels.isa_flags() if args.flags is None else tuple(f for f in args.flags.split(",") if f)
+    flags = (*kernels.isa_flags(), *kernels.tuning_flags()) if args.flags is None else \
+        tuple(f for f in args.flags.split(",") if f)
     with tempfile.TemporaryDirectory() as scratch:
         builds = {"this checkout": build(SOURCE, Path(scratch) / "current", flags)}
         if args.baseline:

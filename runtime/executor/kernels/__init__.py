@@ -107,16 +107,27 @@ class CustomNode:
     outputs: tuple
 
 
+def _first_cpu() -> dict[str, str]:
+    """The first processor's fields in Linux's /proc/cpuinfo (``flags``, ``vendor_id``, ``cpu
+    family``, ...); empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
 def isa_flags() -> tuple[str, ...]:
     """The vector-extension flags for this CPU (Linux's /proc/cpuinfo; none elsewhere):
     AVX-512 or AVX2, with FMA, and F16C where listed beside them (every AVX2 CPU has it: its
     vcvtph2ps reads float16 caches 8 at a time; without it they take integer steps)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
+    have = set(_first_cpu().get("flags", "").split())
     if {"avx512f", "avx2", "fma"} <= have:
         vector = ("-mavx512f", "-mavx2", "-mfma")
     elif {"avx2", "fma"} <= have:
@@ -124,6 +135,23 @@ def isa_flags() -> tuple[str, ...]:
     else:
         return ()
     return (*vector, "-mf16c") if "f16c" in have else vector
+
+
+# The attention kernel's K pass over float32 caches reads K_STREAMS_f32 stretches of a span at
+# once (decode_attention.c; 1 unless given), by (vendor_id, cpu family): which is faster depends
+# on the core, not on the vector width (kernel_bench --baseline, SmolLM2's shapes, 1,000 to 4,095
+# positions): AMD Zen 2 (family 23), four 0.91-0.93x the time of one; AMD Zen 4 (family 25), four
+# 1.28-1.35x, with the AVX-512 and the AVX2 build alike; the Intel Xeon AVX-512 box's figures
+# (docs/kernels.md) were measured with one.
+_K_STREAMS_BY_CPU = {("AuthenticAMD", "23"): 4}
+
+
+def tuning_flags() -> tuple[str, ...]:
+    """Defines that tune the kernels to this CPU's cores (``_K_STREAMS_BY_CPU``); none where
+    the sources' defaults are the faster or nothing was measured."""
+    cpu = _first_cpu()
+    streams = _K_STREAMS_BY_CPU.get((cpu.get("vendor_id", ""), cpu.get("cpu family", "")))
+    return (f"-DK_STREAMS_f32={streams}",) if streams else ()
 
 
 def compiler() -> str | None:
@@ -141,7 +169,7 @@ _build_lock = threading.Lock()
 
 def build_library() -> ctypes.CDLL:
     """The kernels' library, built with this CPU's vector-extension flags (:func:`isa_flags`)
-    into the cache directory if it is not there yet. ``FailedPreconditionError`` saying why
+    and tuning (:func:`tuning_flags`) into the cache directory if it is not there yet. ``FailedPreconditionError`` saying why
     when it cannot be built or loaded."""
     cc = compiler()
     if cc is None:
@@ -149,7 +177,7 @@ def build_library() -> ctypes.CDLL:
         raise FailedPreconditionError(f"no C compiler: $CC is {chosen!r}, neither a program on PATH nor a path to one"
                                       if chosen else "no C compiler (cc or gcc; $CC) on PATH to build it")
     sources = [resources.files(__package__).joinpath(name).read_bytes() for name in (*_SOURCES, *_HEADERS)]
-    flags = (*_BASE_FLAGS, *isa_flags())
+    flags = (*_BASE_FLAGS, *isa_flags(), *tuning_flags())
     with _build_lock:
         if cc not in _versions:
             try:

@@ -95,13 +95,15 @@ static inline vf expv(vf x) {
 #ifndef K_AHEAD
 #define K_AHEAD 8192
 #endif
-/* How many stretches of a span the K pass reads at once, by cache element type. A core of the
- * AVX2 box (AMD EPYC, Zen 2) reads one stream of lines at ~14 GB/s and four interleaved ones
- * at ~27 (the V pass reads 4 rows at once already). Four: f32 caches 0.91-0.93x the time from
- * 1,000 to 4,095 positions (kernel_bench, span 4,096); f16 caches, whose K pass converts each
- * row, 1.05-1.09x, so they keep one. */
+/* How many stretches of a span the K pass reads at once, by cache element type; which count is
+ * faster depends on the core, so the runtime passes -DK_STREAMS_f32 by CPU (tuning_flags() in
+ * kernels/__init__.py, where the measurements are) and this default is the rest's. A core of the
+ * AVX2 box (AMD EPYC, Zen 2) reads one stream of lines at ~14 GB/s and four interleaved ones at
+ * ~27 (the V pass reads 4 rows at once already): four, f32 caches 0.91-0.93x the time of one.
+ * On a Zen 4 four took 1.28-1.35x the time of one. f16 caches, whose K pass converts each row,
+ * 1.05-1.09x with four on Zen 2, keep one. */
 #ifndef K_STREAMS_f32
-#define K_STREAMS_f32 4
+#define K_STREAMS_f32 1
 #endif
 #ifndef K_STREAMS_f16
 #define K_STREAMS_f16 1
