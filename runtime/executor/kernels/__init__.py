@@ -169,8 +169,8 @@ _build_lock = threading.Lock()
 
 def build_library() -> ctypes.CDLL:
     """The kernels' library, built with this CPU's vector-extension flags (:func:`isa_flags`)
-    and tuning (:func:`tuning_flags`) into the cache directory if it is not there yet. ``FailedPreconditionError`` saying why
-    when it cannot be built or loaded."""
+    and tuning (:func:`tuning_flags`) into the cache directory if it is not there yet.
+    ``FailedPreconditionError`` saying why when it cannot be built or loaded."""
     cc = compiler()
     if cc is None:
         chosen = os.environ.get("CC")
