@@ -1184,7 +1184,7 @@ def batch_on_threads_targets(folder: Path) -> list[Target]:
             sessions, source = result["sessions"], file_source(path, result)
             for row in result["rows"]:
                 ratios = spread([together / one for one, together in  # within each round
-                                  zip(row["one_tokens_per_s"], row["together_tokens_per_s"])])
+                                 zip(row["one_tokens_per_s"], row["together_tokens_per_s"])])
                 where = f"SmolLM2-135M, ours {precision}, 1 thread, from position {row['position']}"
                 measured = (f"{_range(ratios)}x ({statistics.median(row['together_tokens_per_s']):.0f} vs "
                             f"{statistics.median(row['one_tokens_per_s']):.0f} tokens/s)")

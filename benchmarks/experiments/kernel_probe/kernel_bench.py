@@ -113,9 +113,9 @@ def main() -> None:
             for dtype in dtypes:
                 mb = 2 * LAYERS * GROUPS * HEAD_DIM * BYTES[dtype] * (position + 1) / 1e6
                 read, read4 = statistics.median(read_ms[dtype]), statistics.median(read4_ms[dtype])
-                cells = " | ".join(f"{statistics.median(kernel_ms[name, dtype]):.2f} "
-                                   f"({100 * read / statistics.median(kernel_ms[name, dtype]):.0f}% / "
-                                   f"{100 * read4 / statistics.median(kernel_ms[name, dtype]):.0f}%)" for name in builds)
+                medians = {name: statistics.median(kernel_ms[name, dtype]) for name in builds}
+                cells = " | ".join(f"{ms:.2f} ({100 * read / ms:.0f}% / {100 * read4 / ms:.0f}%)"
+                                   for ms in medians.values())
                 lines.append(f"| {position} | {dtype} | {mb:.1f} | {read:.2f} ({mb / read:.1f}) | {read4:.2f} "
                              f"({mb / read4:.1f}) | {cells} |")
                 print(f"position {position}, {dtype}: done", file=sys.stderr, flush=True)
