@@ -137,21 +137,26 @@ def isa_flags() -> tuple[str, ...]:
     return (*vector, "-mf16c") if "f16c" in have else vector
 
 
-# The attention kernel's K pass over float32 caches reads K_STREAMS_f32 stretches of a span at
-# once (decode_attention.c; 1 unless given), by (vendor_id, cpu family): which is faster depends
-# on the core, not on the vector width (kernel_bench --baseline, SmolLM2's shapes, 1,000 to 4,095
-# positions): AMD Zen 2 (family 23), four 0.91-0.93x the time of one; AMD Zen 4 (family 25), four
-# 1.28-1.35x, with the AVX-512 and the AVX2 build alike; the Intel Xeon AVX-512 box's figures
-# (docs/kernels.md) were measured with one.
-_K_STREAMS_BY_CPU = {("AuthenticAMD", "23"): 4}
+# Defines that tune the attention kernel (decode_attention.c) to a core, by (vendor_id, cpu
+# family), measured with kernel_bench --baseline at SmolLM2's shapes, 1,000 to 4,095 positions:
+# - K_STREAMS_f32, how many stretches of a span the K pass over float32 caches reads at once (1
+#   unless given): AMD Zen 2 (family 23), four 0.91-0.93x the time of one; AMD Zen 4 (family 25),
+#   four 1.28-1.35x, with the AVX-512 and the AVX2 build alike.
+# - PREFETCH_f32=0, the passes over float32 caches asking for no lines ahead: AMD Zen 4, 0.84-0.97x
+#   the time (1.05-1.1x at 40 and 128 positions, 0.05 ms over 30 layers); Zen 3, family 25 too,
+#   is not measured.
+# The Intel Xeon AVX-512 box's figures (docs/kernels.md) were measured with the defaults.
+_TUNING_BY_CPU = {
+    ("AuthenticAMD", "23"): ("-DK_STREAMS_f32=4",),
+    ("AuthenticAMD", "25"): ("-DPREFETCH_f32=0",),
+}
 
 
 def tuning_flags() -> tuple[str, ...]:
-    """Defines that tune the kernels to this CPU's cores (``_K_STREAMS_BY_CPU``); none where
-    the sources' defaults are the faster or nothing was measured."""
+    """Defines that tune the kernels to this CPU's cores (``_TUNING_BY_CPU``); none where the
+    sources' defaults are the faster or nothing was measured."""
     cpu = _first_cpu()
-    streams = _K_STREAMS_BY_CPU.get((cpu.get("vendor_id", ""), cpu.get("cpu family", "")))
-    return (f"-DK_STREAMS_f32={streams}",) if streams else ()
+    return _TUNING_BY_CPU.get((cpu.get("vendor_id", ""), cpu.get("cpu family", "")), ())
 
 
 def compiler() -> str | None:
