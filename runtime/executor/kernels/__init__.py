@@ -141,14 +141,15 @@ def isa_flags() -> tuple[str, ...]:
 # family), measured with kernel_bench --baseline at SmolLM2's shapes, 1,000 to 4,095 positions:
 # - K_STREAMS_f32, how many stretches of a span the K pass over float32 caches reads at once (1
 #   unless given): AMD Zen 2 (family 23), four 0.91-0.93x the time of one; AMD Zen 4 (family 25),
-#   four 1.28-1.35x, with the AVX-512 and the AVX2 build alike.
+#   with the passes' prefetches (below), four 1.28-1.35x, with the AVX-512 and the AVX2 build
+#   alike; without them two 0.92-0.99x the time of one, four 1.33-1.38x.
 # - PREFETCH_f32=0, the passes over float32 caches asking for no lines ahead: AMD Zen 4, 0.84-0.97x
-#   the time (1.05-1.1x at 40 and 128 positions, 0.05 ms over 30 layers); Zen 3, family 25 too,
-#   is not measured.
+#   the time (1.05-1.1x at 40 and 128 positions, 0.05 ms over 30 layers).
+# Zen 3, AMD family 25 too, is not measured.
 # The Intel Xeon AVX-512 box's figures (docs/kernels.md) were measured with the defaults.
 _TUNING_BY_CPU = {
     ("AuthenticAMD", "23"): ("-DK_STREAMS_f32=4",),
-    ("AuthenticAMD", "25"): ("-DPREFETCH_f32=0",),
+    ("AuthenticAMD", "25"): ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0"),
 }
 
 

@@ -100,8 +100,9 @@ static inline vf expv(vf x) {
  * kernels/__init__.py, where the measurements are) and this default is the rest's. A core of the
  * AVX2 box (AMD EPYC, Zen 2) reads one stream of lines at ~14 GB/s and four interleaved ones at
  * ~27 (the V pass reads 4 rows at once already): four, f32 caches 0.91-0.93x the time of one.
- * On a Zen 4 four took 1.28-1.35x the time of one. f16 caches, whose K pass converts each row,
- * 1.05-1.09x with four on Zen 2, keep one. */
+ * On a Zen 4 four took 1.28-1.35x the time of one; without the passes' prefetches (PREFETCH_f32
+ * below) two 0.92-0.99x. f16 caches, whose K pass converts each row, 1.05-1.09x with four on
+ * Zen 2, the same with two on Zen 4, keep one. */
 #ifndef K_STREAMS_f32
 #define K_STREAMS_f32 1
 #endif
@@ -116,7 +117,8 @@ static inline vf expv(vf x) {
  * K's nor V's prefetches 0.84-0.97x the time from 1,000 to 4,095 positions (72-80% of four
  * streams' rate against 65-71%), 1.05-1.1x at 40 and 128 (+0.05 ms over 30 layers); float16
  * caches, whose passes convert each row, 1.2-1.3x without: tuning_flags() passes
- * -DPREFETCH_f32=0 there. The short span's prefetch (prefetch_short_span) stays. */
+ * -DPREFETCH_f32=0 there (with two K streams). The short span's prefetch (prefetch_short_span)
+ * stays. */
 #ifndef PREFETCH_f32
 #define PREFETCH_f32 1
 #endif
