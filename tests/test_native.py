@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import mmap
+import re
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,3 +151,41 @@ def test_a_tensor_type_made_from_a_shape_is_the_librarys_own(name):
         model.close()
     with pytest.raises(InvalidArgumentError, match="tensor 'x': \\[2\\] complex64"):
         tensor_info("x", (2,), np.complex64)
+
+
+def _mapping_flags(path) -> list[str]:
+    """The VmFlags of this process's mappings of ``path`` (Linux's /proc/self/smaps)."""
+    flags, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.match(r"[0-9a-f]+-[0-9a-f]+$", fields[0]):
+            current = fields[5] if len(fields) > 5 else None
+        elif fields[0] == "VmFlags:" and current == str(path):
+            flags.append(" ".join(fields[1:]))
+    return flags
+
+
+def _huge_page_advice_taken() -> bool:
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not Path("/proc/self/smaps").exists():
+        return False
+    try:
+        mmap.mmap(-1, 1 << 21).madvise(advice)
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _huge_page_advice_taken(), reason="no /proc/self/smaps or transparent huge pages here")
+@pytest.mark.parametrize("kind", ["default", "transposed"])
+def test_a_model_file_is_mapped_for_huge_pages(kind, tmp_path):
+    """The model's own mapping asks for 2 MB pages ("hg"), whether it is mapped read-only or
+    copy-on-write (a model carrying both attention forms, shown to LiteRT in one)."""
+    path = tmp_path / f"{kind}.tflite"
+    path.write_bytes(MODEL_FILES[kind].read_bytes())
+    model = NativeModel(path, num_threads=1, weight_cache=":memory:", name=str(path))
+    try:
+        flags = _mapping_flags(path)
+        assert flags and all("hg" in entry.split() for entry in flags), flags
+    finally:
+        model.close()

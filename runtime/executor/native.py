@@ -303,19 +303,8 @@ class PageBlock:
         self.buffers = {info.name: HostBuffer(info, memory=memory[info.name]) for info in infos}
 
     def _advise(self, advice: int | None, start: int = 0, length: int | None = None) -> bool:
-        """Advises the mapping (or ``length`` bytes of it from ``start``); whether the
-        system took the advice (a kernel without transparent huge pages refuses theirs, and
-        small pages serve)."""
-        if advice is None:
-            return False
-        try:
-            if length is None:
-                self._pages.madvise(advice)
-            else:
-                self._pages.madvise(advice, start, length)
-        except OSError:
-            return False
-        return True
+        """Advises the block (or ``length`` bytes of it from ``start``): :func:`_madvise`."""
+        return _madvise(self._pages, advice, start, length)
 
     def _advise_small(self) -> None:
         """Small pages for the block (even where the system's default is huge), huge ones
@@ -565,9 +554,31 @@ def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str, 
     try:
         with open(model, "rb") as file:
             access = mmap.ACCESS_COPY if writable else mmap.ACCESS_READ
-            return np.frombuffer(mmap.mmap(file.fileno(), 0, access=access), np.uint8)
+            mapping = mmap.mmap(file.fileno(), 0, access=access)
     except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise InvalidArgumentError(f"{name}: cannot load the model ({exc})") from None
+    # The pages not yet in memory read as 2 MB folios and mapped so (Linux 6.18 on ext4: all of
+    # SmolLM2 f32's 514 MB against 474 without); the float32 decode step reads its weights from
+    # this mapping, 16% faster from a file in 2 MB pages than from one the page cache holds in 4 KB
+    # ones (docs/kernels.md). Pages already in memory stay as they are.
+    _madvise(mapping, getattr(mmap, "MADV_HUGEPAGE", None))
+    return np.frombuffer(mapping, np.uint8)
+
+
+def _madvise(mapping: mmap.mmap, advice: int | None, start: int = 0, length: int | None = None) -> bool:
+    """Advises ``mapping`` (or ``length`` bytes of it from ``start``); whether the system took
+    the advice (``None``: one this platform does not name; a kernel without transparent huge
+    pages refuses theirs, and small pages serve)."""
+    if advice is None:
+        return False
+    try:
+        if length is None:
+            mapping.madvise(advice)
+        else:
+            mapping.madvise(advice, start, length)
+    except OSError:
+        return False
+    return True
 
 
 def _status_text(status: int) -> str:
