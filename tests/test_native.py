@@ -13,9 +13,12 @@ import pytest
 from ai_edge_litert import schema_py_generated as schema
 
 from conftest import MODEL_FILES, adapter_path
+from graph_passes import needs_kernel
 from runtime import Engine, EngineSettings, SessionConfig
 from runtime.errors import InvalidArgumentError, UnimplementedError
 from runtime.executor.native import HostBuffer, NativeModel, _tensor_info, tensor_info
+from runtime.util import flatbuffer_model
+from runtime.util.attention_rewrite import LINEAR_ROWS, custom_codes, rewrite_attention
 
 
 def _decode_model() -> tuple[NativeModel, object]:
@@ -176,16 +179,35 @@ def _huge_page_advice_taken() -> bool:
     return True
 
 
+def _op_form_file(tmp_path) -> Path:
+    """The transposed fixture with both forms of decode attention (the op form's float32 linear
+    layers read their weights from the model's mapping)."""
+    model = flatbuffer_model.unpack(MODEL_FILES["transposed"].read_bytes())
+    rewrite_attention(model, keep_standard=True)
+    path = tmp_path / "both.tflite"
+    flatbuffer_model.write(model, path)
+    assert LINEAR_ROWS in custom_codes(path.read_bytes())
+    return path
+
+
 @pytest.mark.skipif(not _huge_page_advice_taken(), reason="no /proc/self/smaps or transparent huge pages here")
-@pytest.mark.parametrize("kind", ["default", "transposed"])
-def test_a_model_file_is_mapped_for_huge_pages(kind, tmp_path):
-    """The model's own mapping asks for 2 MB pages ("hg"), whether it is mapped read-only or
-    copy-on-write (a model carrying both attention forms, shown to LiteRT in one)."""
-    path = tmp_path / f"{kind}.tflite"
-    path.write_bytes(MODEL_FILES[kind].read_bytes())
-    model = NativeModel(path, num_threads=1, weight_cache=":memory:", name=str(path))
-    try:
-        flags = _mapping_flags(path)
-        assert flags and all("hg" in entry.split() for entry in flags), flags
-    finally:
-        model.close()
+@needs_kernel
+def test_a_model_whose_steps_read_its_weights_in_place_is_mapped_for_huge_pages(tmp_path):
+    """A model running the float32 linear layers' op is mapped asking for 2 MB pages ("hg"),
+    opened whole or through the engine's views; a model whose weights XNNPACK reads from its
+    packed copy is not (the advice would bring weights no step reads into memory)."""
+    both, plain = _op_form_file(tmp_path), tmp_path / "plain.tflite"
+    plain.write_bytes(MODEL_FILES["transposed"].read_bytes())
+    for path, advised in ((both, True), (plain, False)):
+        model = NativeModel(path, num_threads=1, weight_cache=":memory:", name=str(path))
+        try:
+            assert model.attention_kernel == advised
+            flags = _mapping_flags(path)
+            assert flags and all(("hg" in entry.split()) == advised for entry in flags), (path, flags)
+        finally:
+            model.close()
+        with Engine(path) as engine:
+            with engine.create_session(SessionConfig()) as session:
+                session.generate([1, 2, 3], 2)
+            flags = _mapping_flags(path)
+            assert flags and all(("hg" in entry.split()) == advised for entry in flags), (path, flags)

@@ -35,7 +35,8 @@ import numpy as np
 from runtime.errors import InternalError, InvalidArgumentError, UnimplementedError
 from runtime.executor import kernels
 from runtime.util.attention_rewrite import attention_forms, custom_codes
-from runtime.util.model_view import select_attention_form
+from runtime.util.model_view import advise_weights_read_in_place, select_attention_form
+from runtime.util.page_advice import advise
 
 _P = ctypes.c_void_p
 _SIZE = ctypes.c_size_t
@@ -303,8 +304,8 @@ class PageBlock:
         self.buffers = {info.name: HostBuffer(info, memory=memory[info.name]) for info in infos}
 
     def _advise(self, advice: int | None, start: int = 0, length: int | None = None) -> bool:
-        """Advises the block (or ``length`` bytes of it from ``start``): :func:`_madvise`."""
-        return _madvise(self._pages, advice, start, length)
+        """Advises the block (or ``length`` bytes of it from ``start``): :func:`advise`."""
+        return advise(self._pages, advice, start, length)
 
     def _advise_small(self) -> None:
         """Small pages for the block (even where the system's default is huge), huge ones
@@ -398,6 +399,9 @@ class NativeModel:
                                                          ctypes.byref(self._model))
             if status:
                 raise InvalidArgumentError(f"{name}: cannot load the model ({_status_text(status)})")
+            mapping = getattr(self._buffer.base, "obj", None)  # the mmap under a file's bytes (_model_bytes)
+            if custom_ops is not False and isinstance(mapping, mmap.mmap):
+                advise_weights_read_in_place(mapping, self._buffer)
             lib.check(lib.lib.LiteRtCreateOptions(ctypes.byref(self._options)), "creating options")
             lib.check(lib.lib.LiteRtSetOptionsHardwareAccelerators(self._options, _CPU), "choosing the CPU")
             payload = (f"num_threads = {num_threads}\n" if num_threads else "") \
@@ -557,28 +561,7 @@ def _model_bytes(model: str | os.PathLike[str] | bytes | memoryview, name: str, 
             mapping = mmap.mmap(file.fileno(), 0, access=access)
     except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise InvalidArgumentError(f"{name}: cannot load the model ({exc})") from None
-    # The pages not yet in memory read as 2 MB folios and mapped so (Linux 6.18 on ext4: all of
-    # SmolLM2 f32's 514 MB against 474 without); the float32 decode step reads its weights from
-    # this mapping, 16% faster from a file in 2 MB pages than from one the page cache holds in 4 KB
-    # ones (docs/kernels.md). Pages already in memory stay as they are.
-    _madvise(mapping, getattr(mmap, "MADV_HUGEPAGE", None))
     return np.frombuffer(mapping, np.uint8)
-
-
-def _madvise(mapping: mmap.mmap, advice: int | None, start: int = 0, length: int | None = None) -> bool:
-    """Advises ``mapping`` (or ``length`` bytes of it from ``start``); whether the system took
-    the advice (``None``: one this platform does not name; a kernel without transparent huge
-    pages refuses theirs, and small pages serve)."""
-    if advice is None:
-        return False
-    try:
-        if length is None:
-            mapping.madvise(advice)
-        else:
-            mapping.madvise(advice, start, length)
-    except OSError:
-        return False
-    return True
 
 
 def _status_text(status: int) -> str:
