@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,27 @@ def write_result(out: Path, lines: list[str], data: dict[str, Any]) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     print("\n".join(lines))
+
+
+def drop_cached_pages(paths: Iterable[Path]) -> list[Path]:
+    """Drops each file's pages from the kernel's page cache (those no process maps), so that a
+    run comparing two files reads both afresh, laid out as the kernel lays out a file it reads
+    (2 MB folios on Linux 6.18 with ext4), not as hours of other work left one of them: a float32
+    step from a model file held in 4 KB pages took 16% longer than from the same file read
+    again (docs/kernels.md). Returns the files it dropped; a no-op without ``posix_fadvise``."""
+    if not hasattr(os, "posix_fadvise"):
+        return []
+    dropped = []
+    for path in paths:
+        with open(path, "rb") as file:
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        dropped.append(Path(path))
+    return dropped
+
+
+def model_files(model: Path) -> list[Path]:
+    """Our model file and the XNNPACK weight cache files made for it in the user's directory
+    (where an ``Engine`` opened with the default settings reads its packed weights)."""
+    from runtime.executor.weight_cache import user_directory
+
+    return [model, *sorted(user_directory().glob(f"{model.stem}.*.xnnpack"))]

@@ -15,6 +15,11 @@ other files of that folder by their suffix, e.g. ``f16=-f16native`` for float16 
 every metadata KV and tensor copied, every quantized tensor dequantized to F32 (what our exports
 hold), and for Q8_0 the 2-D weight matrices quantized again (norms stay F32).
 
+Before opening anything, every file of both sides (our models, their XNNPACK weight cache files, the
+GGUFs) has its pages dropped from the page cache (``benchmarks.common.drop_cached_pages``), so that
+each side reads its own afresh: a file the page cache had held in 4 KB pages for hours made our f32
+step 16% slower than the same file read again (docs/kernels.md).
+
 Before timing: each GGUF's greedy first tokens on one chat prompt are compared with ours (f32).
 Then, per position P and precision: our sessions are filled to P with the same random prompt
 (prefill, untimed) and stepped once; in ``--rounds`` alternating rounds (the order of the three
@@ -50,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, date_and_cpu, write_result
+from benchmarks.common import RESULTS, date_and_cpu, drop_cached_pages, model_files, write_result
 from benchmarks.serve_load import default_llama_server
 from runtime import Engine, EngineSettings, SessionConfig
 
@@ -216,6 +221,11 @@ def main() -> None:
         print(f"{ggufs[kind]} ({ggufs[kind].stat().st_size / 1e6:.0f} MB, {time.perf_counter() - started:.1f} s)",
               flush=True)
 
+    ours_files = [args.models / f"smollm2-kv4096-{ours}{suffix}.tflite" for ours, _ in PAIRS
+                  for suffix in variants.values()]
+    dropped = drop_cached_pages([*ggufs.values(), *(f for model in ours_files for f in model_files(model))])
+    print(f"{len(dropped)} files' pages dropped from the page cache: each read afresh", flush=True)
+
     settings = EngineSettings(num_threads=1, prefix_cache_bytes=0, batch_wait_s=None)
     servers: dict[str, Server] = {}
     engines: dict[tuple[str, str], Engine] = {}
@@ -292,7 +302,7 @@ def main() -> None:
               "llama_flash_attn": args.flash_attn or "default (auto)",
               "steps": args.steps, "rounds": args.rounds, "load_average_start": load_start,
               "load_average_end": load_end, "greedy_check": {"prompt": CHECK_TEXT, "tokens": checks},
-              "rows": rows, **date_and_cpu()}
+              "fresh_pages": [str(f) for f in dropped], "rows": rows, **date_and_cpu()}
     command = (f"python3 -m benchmarks.experiments.kernel_probe.llama_depth --positions {args.positions} "
                f"--steps {args.steps} --rounds {args.rounds}" + (f" --flash-attn {args.flash_attn}" if args.flash_attn else "")
                + (f" --out {args.out}" if args.out != RESULTS / "kernel_depth_smollm2" else "")
@@ -300,7 +310,10 @@ def main() -> None:
     ratio = lambda r: f"{r['min']:.2f} / {r['median']:.2f} / {r['max']:.2f}"  # noqa: E731
     lines = ["# Decode at depth, ours beside llama.cpp (SmolLM2-135M-Instruct, 1 thread)", "",
              f"{result['date']}, {result['cpu']}; {args.steps} decode steps a round, {args.rounds} alternating rounds "
-             f"(order flips every round); load average (1/5/15 min) {load_start} at the start, {load_end} at the end.",
+             f"(order flips every round); load average (1/5/15 min) {load_start} at the start, {load_end} at the end; "
+             + (f"every file's pages (our models, their weight cache files, the GGUFs; {len(dropped)}) dropped from the "
+                "page cache at the start, so that both sides read theirs afresh." if dropped else
+                "the files' pages as the page cache held them."),
              "Ours: `smollm2-kv4096-*.tflite` (KV length 4096), the files "
              + ", ".join(f"{n} `*{s}.tflite`" for n, s in variants.items()) + "; "
              f"llama.cpp: llama-server `-t 1 -tb 1 --ctx-size 4096 --parallel 1` (f16 KV cache; flash attention "

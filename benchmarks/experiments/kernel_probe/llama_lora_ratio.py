@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, date_and_cpu, write_result
+from benchmarks.common import RESULTS, date_and_cpu, drop_cached_pages, model_files, write_result
 from benchmarks.experiments.kernel_probe.llama_depth import CHECK_TEXT, CHECK_TOKENS, Server, close_all, convert, \
     greedy, load_average, source_gguf
 from benchmarks.serve_load import default_llama_server
@@ -89,6 +89,8 @@ def main() -> None:
     args.gguf_dir.mkdir(parents=True, exist_ok=True)
     ggufs = {kind: convert(source_gguf(), args.gguf_dir / f"smollm2-{kind}.gguf", kind) for kind in ("f32", "q8_0")}
     adapter = write_adapter(args.gguf_dir / "lora-all-linear-r8.gguf")
+    # Both sides' files read afresh (llama_depth's reason)
+    dropped = drop_cached_pages([*ggufs.values(), *(f for model in ours_files.values() for f in model_files(model))])
 
     settings = EngineSettings(num_threads=args.threads, prefix_cache_bytes=0, batch_wait_s=None)
     servers: dict[tuple[str, str], Server] = {}
@@ -152,13 +154,15 @@ def main() -> None:
               "llama_cpp": {k: str(v) for k, v in ggufs.items()}, "adapter": str(adapter),
               "llama_server": str(args.llama_server), "position": args.position, "steps": args.steps,
               "rounds": args.rounds, "threads": args.threads, "load_average_start": load_start, "load_average_end": load_end,
-              "greedy_check": {"prompt": CHECK_TEXT, "tokens": checks}, "rows": rows, **date_and_cpu()}
+              "greedy_check": {"prompt": CHECK_TEXT, "tokens": checks}, "fresh_pages": [str(f) for f in dropped],
+              "rows": rows, **date_and_cpu()}
     ratio = lambda r: f"{r['min']:.3f} / {r['median']:.3f} / {r['max']:.3f}"  # noqa: E731
     plain_speed = ", ".join(f"{r['ours']} {r['ms']['llama.cpp plain'] / r['ms']['ours plain']:.2f}x" for r in rows)
     lines = ["# An all-linear rank-8 adapter over a plain step, ours beside llama.cpp (SmolLM2-135M-Instruct, "
              f"{args.threads} thread{'s' if args.threads > 1 else ''})",
              "", f"{result['date']}, {result['cpu']}; load average (1/5/15 min) {load_start} at the start, {load_end} at "
-             f"the end. One random rank-8 LoRA on q/k/v/o/gate/up/down of every layer, one GGUF file both load; "
+             f"the end; every model file's pages ({len(dropped)} files) dropped from the page cache at the start. "
+             "One random rank-8 LoRA on q/k/v/o/gate/up/down of every layer, one GGUF file both load; "
              f"{args.steps} decode steps after {args.position} prompt tokens, {args.rounds} alternating rounds. "
              "Ratio = adapter ms / plain ms per round, each engine against its own plain step, min / median / max "
              f"(ours <= llama.cpp's meets the target). llama.cpp: llama-server `-t {args.threads} -tb {args.threads} "
