@@ -361,16 +361,24 @@ def test_the_kernels_are_tuned_by_cpu(monkeypatch):
     (family 25), the sources' defaults on Intel CPUs."""
     for vendor, family, flags, tuning in (("AuthenticAMD", "23", "avx2 fma f16c", ("-DK_STREAMS_f32=4",)),
                                           ("AuthenticAMD", "25", "avx512f avx2 fma f16c",
-                                           ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0")),
+                                           ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0",
+                                            "-DONE_ROW_OUTS_16=4")),
                                           ("GenuineIntel", "6", "avx512f avx2 fma f16c", ())):
         cpu = {"vendor_id": vendor, "cpu family": family, "flags": flags}
         monkeypatch.setattr(kernels, "_first_cpu", lambda cpu=cpu: cpu)
         assert kernels.tuning_flags() == tuning, cpu
 
 
+# The matrix kernels' also with one row of x taking four rows of W at a time with AVX-512, as
+# the runtime builds them for AMD Zen 4 (tuning_flags()), and one (the sources' default: three).
+MATRIX_BUILDS = [*ISA_BUILDS,
+                 pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=4"), id="this cpu, four rows of W a block"),
+                 pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=1"), id="this cpu, one row of W a block")]
+
+
 @needs_cc
 @pytest.mark.parametrize("op", sorted(PRODUCTS))
-@pytest.mark.parametrize("isa", ISA_BUILDS)
+@pytest.mark.parametrize("isa", MATRIX_BUILDS)
 def test_each_build_of_the_matrix_kernels_computes_the_product(op, isa, builds_cache, monkeypatch):
     """The LoRA delta's and the linear layer's run of each build called directly at the
     graphs' shapes, against x.A.B or x.W^T in float64 from the same values: within 1e-5

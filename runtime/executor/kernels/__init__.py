@@ -137,19 +137,23 @@ def isa_flags() -> tuple[str, ...]:
     return (*vector, "-mf16c") if "f16c" in have else vector
 
 
-# Defines that tune the attention kernel (decode_attention.c) to a core, by (vendor_id, cpu
-# family), measured with kernel_bench --baseline at SmolLM2's shapes, 1,000 to 4,095 positions:
+# Defines that tune the kernels to a core, by (vendor_id, cpu family). The attention kernel's
+# (decode_attention.c), measured with kernel_bench --baseline at SmolLM2's shapes, 1,000 to 4,095
+# positions:
 # - K_STREAMS_f32, how many stretches of a span the K pass over float32 caches reads at once (1
 #   unless given): AMD Zen 2 (family 23), four 0.91-0.93x the time of one; AMD Zen 4 (family 25),
 #   with the passes' prefetches (below), four 1.28-1.35x, with the AVX-512 and the AVX2 build
 #   alike; without them two 0.92-0.99x the time of one, four 1.33-1.38x.
 # - PREFETCH_f32=0, the passes over float32 caches asking for no lines ahead: AMD Zen 4, 0.84-0.97x
 #   the time (1.05-1.1x at 40 and 128 positions, 0.05 ms over 30 layers).
+# And the linear layers' op (linear_rows.c), with AVX-512:
+# - ONE_ROW_OUTS_16=4, four rows of W at a time for one row of x (3 unless given): AMD Zen 4,
+#   0.87-0.99x the time over SmolLM2's 151 linears (linear_rows_bench).
 # Zen 3, AMD family 25 too, is not measured.
 # The Intel Xeon AVX-512 box's figures (docs/kernels.md) were measured with the defaults.
 _TUNING_BY_CPU = {
     ("AuthenticAMD", "23"): ("-DK_STREAMS_f32=4",),
-    ("AuthenticAMD", "25"): ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0"),
+    ("AuthenticAMD", "25"): ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0", "-DONE_ROW_OUTS_16=4"),
 }
 
 

@@ -49,8 +49,18 @@
  * R = 1 eight, with AHEAD's 64 KB (above). The numbers do not depend on it: every output is
  * summed alone, in the same order, whatever O. */
 #if W == 16
+/* One row of x on AVX-512: 3 unless given. On a Zen 4 four rows of W took 0.87-0.99x the time
+ * of three in six alternating rounds (linear_rows_bench 1 5; six and eight 1.0-1.1x, one and
+ * two between), so the runtime passes -DONE_ROW_OUTS_16=4 there (kernels.tuning_flags()); the
+ * Xeon's figures were measured with three. */
+#ifndef ONE_ROW_OUTS_16
+#define ONE_ROW_OUTS_16 3
+#endif
+#if ONE_ROW_OUTS_16 < 1 || ONE_ROW_OUTS_16 > 4
+#error "ONE_ROW_OUTS_16: 1 to 4 rows of W"
+#endif
 #define MAX_OUTS 4
-#define OUTS_FOR(R) 3
+#define OUTS_FOR(R) ((R) <= 1 ? ONE_ROW_OUTS_16 : 3)
 #else
 #if W == 8
 #define ONE_ROW_OUTS 8
@@ -156,7 +166,7 @@ static void product(const float *x, int64_t rows, int K, const float *w, int n0,
       const int R = rows - m < MAX_ROWS ? (int)(rows - m) : MAX_ROWS;
       switch (R * 16 + outs) {
 #if W == 16
-        BLOCK(1, 3) BLOCK(2, 3) BLOCK(3, 3) BLOCK(4, 3) BLOCK(5, 3) BLOCK(6, 3) BLOCK(7, 3) BLOCK(8, 3)
+        BLOCK(1, ONE_ROW_OUTS_16) BLOCK(2, 3) BLOCK(3, 3) BLOCK(4, 3) BLOCK(5, 3) BLOCK(6, 3) BLOCK(7, 3) BLOCK(8, 3)
 #else
         BLOCK(1, ONE_ROW_OUTS) BLOCK(2, 4) BLOCK(3, 2) BLOCK(4, 2)
         BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1) BLOCK(7, 1) BLOCK(8, 1)
