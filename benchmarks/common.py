@@ -79,8 +79,9 @@ def drop_cached_pages(paths: Iterable[Path]) -> list[Path]:
 
 
 def model_files(model: Path) -> list[Path]:
-    """Our model file and the XNNPACK weight cache files made for it in the user's directory
+    """Our model file and the XNNPACK weight cache files packed from it in the user's directory
     (where an ``Engine`` opened with the default settings reads its packed weights)."""
-    from runtime.executor.weight_cache import user_directory
+    from runtime.executor.weight_cache import survey, user_directory
 
-    return [model, *sorted(user_directory().glob(f"{model.stem}.*.xnnpack"))]
+    directory, source = user_directory(), os.path.realpath(model)
+    return [model, *(directory / entry.name for entry in survey(directory).entries if entry.model == source)]
