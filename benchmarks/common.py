@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from runtime.executor.weight_cache import survey, user_directory
+
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 RESULTS = BENCHMARKS / "results"
@@ -81,7 +83,5 @@ def drop_cached_pages(paths: Iterable[Path]) -> list[Path]:
 def model_files(model: Path) -> list[Path]:
     """Our model file and the XNNPACK weight cache files packed from it in the user's directory
     (where an ``Engine`` opened with the default settings reads its packed weights)."""
-    from runtime.executor.weight_cache import survey, user_directory
-
     directory, source = user_directory(), os.path.realpath(model)
     return [model, *(directory / entry.name for entry in survey(directory).entries if entry.model == source)]

@@ -370,7 +370,8 @@ def test_the_kernels_are_tuned_by_cpu(monkeypatch):
 
 
 # The matrix kernels' also with one row of x taking four rows of W at a time with AVX-512, as
-# the runtime builds them for AMD Zen 4 (tuning_flags()), and one (the sources' default: three).
+# the runtime builds them for AMD Zen 4 (tuning_flags()), and taking one (the sources' default
+# is three).
 MATRIX_BUILDS = [*ISA_BUILDS,
                  pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=4"), id="this cpu, four rows of W a block"),
                  pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=1"), id="this cpu, one row of W a block")]

@@ -172,10 +172,11 @@ def _huge_page_advice_taken() -> bool:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or not Path("/proc/self/smaps").exists():
         return False
-    try:
-        mmap.mmap(-1, 1 << 21).madvise(advice)
-    except OSError:
-        return False
+    with mmap.mmap(-1, 1 << 21) as probe:
+        try:
+            probe.madvise(advice)
+        except OSError:
+            return False
     return True
 
 
