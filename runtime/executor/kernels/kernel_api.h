@@ -98,8 +98,12 @@ static inline vf loadh(const _Float16 *p) {
  * has no effect the program can see), so on x86 the instruction is asked for in an asm. */
 #if defined(__x86_64__) || defined(__i386__)
 #define PREFETCH_NOW(p) __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)(p)))
+/* The same into the second-level cache only (prefetcht1), where a stream asked for into the
+ * first level takes fill buffers the loads need (linear_rows.c's W_INTO_L2). */
+#define PREFETCH_TO_L2(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
 #else
 #define PREFETCH_NOW(p) __builtin_prefetch(p)
+#define PREFETCH_TO_L2(p) __builtin_prefetch(p, 0, 2)
 #endif
 
 #endif

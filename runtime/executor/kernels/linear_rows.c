@@ -34,10 +34,23 @@
  * GB/s, level with a plain read of the bytes); SmolLM2-135M's 151 (538 MB) 31.7-32.9 -> 28.8-29.5
  * ms. Either change alone gave 2-4%, 128 KB no more than 64; 2 to 8 rows of x run the same at 8
  * and 64 KB (+-2%). AVX-512: 8 KB, measured on the Xeon below. */
+#ifndef AHEAD
 #if W == 8
 #define AHEAD 65536
 #else
 #define AHEAD 8192
+#endif
+#endif
+/* Whether the stream of W is asked into the first-level cache (0, prefetcht0) or the second
+ * (1, prefetcht1). 0 unless given. On a Zen 4 asked into the first level the arithmetic and the
+ * reads did not overlap: the lm_head's 113 MB over 8 rows took 10.8 ms where its arithmetic from
+ * cache takes 5.7 and the read 5.0. Into the second level, 32 KB ahead, SmolLM2-135M's 151
+ * linears (linear_rows_bench, best of 3, six alternating rounds) took 0.64-0.78x the time of
+ * the first level's 8 KB over 8 rows (52-62 ms) and 0.73-1.01x over one (28-40 ms); 64 KB ahead
+ * and prefetcht2 the same within the rounds. So the runtime passes -DW_INTO_L2=1 -DAHEAD=32768
+ * there (kernels.tuning_flags()); the Xeon's and the AVX2 box's figures are the first level's. */
+#ifndef W_INTO_L2
+#define W_INTO_L2 0
 #endif
 /* How many rows of W a block takes at once for R rows of x (a pass's rows): O * R vector
  * accumulators, the O rows of W and x's row in registers. AVX-512 (32 registers): 3 at any R.
@@ -115,7 +128,12 @@ static inline __attribute__((always_inline)) void block(const float *x, int R, i
     /* the block reads outs * W floats a step, from outs places of one contiguous stretch */
     const char *ahead = (const char *)wn + AHEAD + (size_t)outs * 4 * k;
 #pragma GCC unroll 8
-    for (int j = 0; j < outs; j++) PREFETCH_NOW(ahead + j * 4 * W);
+    for (int j = 0; j < outs; j++) {
+      if (W_INTO_L2)
+        PREFETCH_TO_L2(ahead + j * 4 * W);
+      else
+        PREFETCH_NOW(ahead + j * 4 * W);
+    }
     vf b[MAX_OUTS];
 #pragma GCC unroll 8
     for (int j = 0; j < outs; j++) b[j] = *(const vf *)(wn + (size_t)j * K + k);
