@@ -205,12 +205,14 @@ ISA_BUILDS = [pytest.param(_HERE, id="this cpu"),
               pytest.param((), id="plain")]
 # The attention kernel's also with each tuning tuning_flags() gives some CPU: the K pass over
 # float32 caches in four stretches at once (AMD Zen 2), in two with the passes asking for no lines
-# ahead (AMD Zen 4; here for float16 caches too), and with none, the sources' defaults.
+# ahead (AMD Zen 4; here for float16 caches too), with the lines asked into the second-level
+# cache (Zen 4's float16 caches), and with none, the sources' defaults.
 ATTENTION_BUILDS = [*ISA_BUILDS,
                     pytest.param(("-mavx2", "-mfma", "-mf16c", "-DK_STREAMS_f32=4"), id="avx2, four K streams",
                                  marks=_AVX2),
                     pytest.param((*kernels.isa_flags(), "-DK_STREAMS_f32=2", "-DPREFETCH_f32=0", "-DPREFETCH_f16=0"),
                                  id="this cpu, no prefetches"),
+                    pytest.param((*kernels.isa_flags(), "-DAHEAD_INTO_L2=1"), id="this cpu, lines asked into L2"),
                     pytest.param(kernels.isa_flags(), id="this cpu, the sources' defaults")]
 
 
@@ -363,7 +365,7 @@ def test_the_kernels_are_tuned_by_cpu(monkeypatch):
     for vendor, family, flags, tuning in (("AuthenticAMD", "23", "avx2 fma f16c", ("-DK_STREAMS_f32=4",)),
                                           ("AuthenticAMD", "25", "avx512f avx2 fma f16c",
                                            ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0",
-                                            "-DONE_ROW_OUTS_16=4", "-DW_INTO_L2=1", "-DAHEAD=32768")),
+                                            "-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1", "-DW_AHEAD=32768")),
                                           ("GenuineIntel", "6", "avx512f avx2 fma f16c", ())):
         cpu = {"vendor_id": vendor, "cpu family": family, "flags": flags}
         monkeypatch.setattr(kernels, "_first_cpu", lambda cpu=cpu: cpu)
@@ -374,7 +376,7 @@ def test_the_kernels_are_tuned_by_cpu(monkeypatch):
 # asked into the second-level cache, as the runtime builds them for AMD Zen 4 (tuning_flags()),
 # and taking one (the sources' default is three).
 MATRIX_BUILDS = [*ISA_BUILDS,
-                 pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=4", "-DW_INTO_L2=1", "-DAHEAD=32768"),
+                 pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1", "-DW_AHEAD=32768"),
                               id="this cpu, four rows of W a block, W into L2"),
                  pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=1"), id="this cpu, one row of W a block")]
 

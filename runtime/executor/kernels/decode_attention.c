@@ -117,8 +117,9 @@ static inline vf expv(vf x) {
  * K's nor V's prefetches 0.84-0.97x the time from 1,000 to 4,095 positions (72-80% of four
  * streams' rate against 65-71%), 1.05-1.1x at 40 and 128 (+0.05 ms over 30 layers); float16
  * caches, whose passes convert each row, 1.2-1.3x without: tuning_flags() passes
- * -DPREFETCH_f32=0 there (with two K streams). The short span's prefetch (prefetch_short_span)
- * stays. */
+ * -DPREFETCH_f32=0 there (with two K streams), and asks float16 caches' lines into the
+ * second-level cache (kernel_api.h's AHEAD_INTO_L2: 0.78-0.86x the time). The short span's
+ * prefetch (prefetch_short_span) stays. */
 #ifndef PREFETCH_f32
 #define PREFETCH_f32 1
 #endif
@@ -141,9 +142,9 @@ static inline size_t v_ahead(int i, int n, int T, int ahead_blocks, int ahead_at
   return at < n ? (size_t)ahead_blocks * 4 * T + at : (size_t)(ahead_blocks + 1) * 4 * T + at - n;
 }
 #define V_PREFETCH_f32(v, i, T, n) \
-  if (PREFETCH_f32) __builtin_prefetch((v) + v_ahead(i, n, T, ahead_blocks, ahead_at))
+  if (PREFETCH_f32) PREFETCH_AHEAD((v) + v_ahead(i, n, T, ahead_blocks, ahead_at))
 #define V_PREFETCH_f16(v, i, T, n) \
-  if (PREFETCH_f16) __builtin_prefetch((v) + (i) + 4 * (size_t)(T))
+  if (PREFETCH_f16) PREFETCH_AHEAD((v) + (i) + 4 * (size_t)(T))
 /* The passes over one cache element type ET, read W at a time as floats by LOAD (KPASS,
  * VPASS, PASSES); the scores and q stay float. */
 #define VPASS(HC, E, ET, LOAD)                                                                 \
@@ -248,7 +249,7 @@ static inline vf sumsv(const vf *a) {
           if (h == 0) { /* one per 64-byte line, of the span's rows only */                    \
             if (PREFETCH_##E && t + j + K_AHEAD / (DC * (int)sizeof(ET)) <= hi)                \
               for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                              \
-                __builtin_prefetch((const char *)k0 + K_AHEAD + 64 * l);                       \
+                PREFETCH_AHEAD((const char *)k0 + K_AHEAD + 64 * l);                       \
             for (int c = 0; c < C; c++) kept[j][c] = LOAD(k0 + W * c);                         \
           }                                                                                    \
           vf e = loadv(qh) * kept[j][0];                                                       \

@@ -15,7 +15,7 @@
  * times rows vector accumulators: 24 of AVX-512's 32 registers at 3 and 8), summed across lanes
  * at the end. The rows of W lie one after the other, so the pass reads one contiguous stream,
  * which the hardware prefetchers follow poorly in rows of 2-6 KB while the arithmetic keeps the
- * core busy: the stream is asked for AHEAD bytes in advance. On the shared AVX-512 Xeon, 1 thread, the 151
+ * core busy: the stream is asked for W_AHEAD bytes in advance. On the shared AVX-512 Xeon, 1 thread, the 151
  * linears of SmolLM2-135M's batched step (538 MB) over 8 rows: alone, 68 ms without asking
  * ahead and 45 with; in LiteRT's op profile of a batch of 8, 43.7 ms against XNNPACK's 75.6
  * (benchmarks.experiments.op_profile), where one row takes XNNPACK 33.4 ms.
@@ -33,24 +33,15 @@
  * 91 linears (1.07 GB) 63.2-63.8 ms at 8 KB and 4 rows of W, 56.2-56.5 ms at 64 KB and 8 (19.0
  * GB/s, level with a plain read of the bytes); SmolLM2-135M's 151 (538 MB) 31.7-32.9 -> 28.8-29.5
  * ms. Either change alone gave 2-4%, 128 KB no more than 64; 2 to 8 rows of x run the same at 8
- * and 64 KB (+-2%). AVX-512: 8 KB, measured on the Xeon below. */
-#ifndef AHEAD
+ * and 64 KB (+-2%). AVX-512: 8 KB, measured on the Xeon below; on a Zen 4, with the stream asked
+ * into the second-level cache (kernel_api.h's AHEAD_INTO_L2), 32 KB, which the runtime passes
+ * there (64 KB the same within the rounds). */
+#ifndef W_AHEAD
 #if W == 8
-#define AHEAD 65536
+#define W_AHEAD 65536
 #else
-#define AHEAD 8192
+#define W_AHEAD 8192
 #endif
-#endif
-/* Whether the stream of W is asked into the first-level cache (0, prefetcht0) or the second
- * (1, prefetcht1). 0 unless given. On a Zen 4 asked into the first level the arithmetic and the
- * reads did not overlap: the lm_head's 113 MB over 8 rows took 10.8 ms where its arithmetic from
- * cache takes 5.7 and the read 5.0. Into the second level, 32 KB ahead, SmolLM2-135M's 151
- * linears (linear_rows_bench, best of 3, six alternating rounds) took 0.64-0.78x the time of
- * the first level's 8 KB over 8 rows (52-62 ms) and 0.73-1.01x over one (28-40 ms); 64 KB ahead
- * and prefetcht2 the same within the rounds. So the runtime passes -DW_INTO_L2=1 -DAHEAD=32768
- * there (kernels.tuning_flags()); the Xeon's and the AVX2 box's figures are the first level's. */
-#ifndef W_INTO_L2
-#define W_INTO_L2 0
 #endif
 /* How many rows of W a block takes at once for R rows of x (a pass's rows): O * R vector
  * accumulators, the O rows of W and x's row in registers. AVX-512 (32 registers): 3 at any R.
@@ -59,7 +50,7 @@
  * faster than 8 floats per FMA latency, about the memory's own rate on a 2-3 GHz core: several
  * rows of W interleave their chains (SmolLM2-135M's 151 linears alone, one row, the AVX2 box,
  * Zen 2 at 2.25 GHz: 39.5 ms at 1, 37.5 at 2, 34.3 at 4; 2 rows 41.1 -> 37.5 ms at 4), and at
- * R = 1 eight, with AHEAD's 64 KB (above). The numbers do not depend on it: every output is
+ * R = 1 eight, with W_AHEAD's 64 KB (above). The numbers do not depend on it: every output is
  * summed alone, in the same order, whatever O. */
 #if W == 16
 /* One row of x on AVX-512: 3 unless given. On a Zen 4 four rows of W took 0.87-0.99x the time
@@ -126,14 +117,9 @@ static inline __attribute__((always_inline)) void block(const float *x, int R, i
     for (int m = 0; m < R; m++) acc[j][m] = (vf){0};
   for (int k = 0; k < body; k += W) {
     /* the block reads outs * W floats a step, from outs places of one contiguous stretch */
-    const char *ahead = (const char *)wn + AHEAD + (size_t)outs * 4 * k;
+    const char *ahead = (const char *)wn + W_AHEAD + (size_t)outs * 4 * k;
 #pragma GCC unroll 8
-    for (int j = 0; j < outs; j++) {
-      if (W_INTO_L2)
-        PREFETCH_TO_L2(ahead + j * 4 * W);
-      else
-        PREFETCH_NOW(ahead + j * 4 * W);
-    }
+    for (int j = 0; j < outs; j++) PREFETCH_AHEAD(ahead + j * 4 * W);
     vf b[MAX_OUTS];
 #pragma GCC unroll 8
     for (int j = 0; j < outs; j++) b[j] = *(const vf *)(wn + (size_t)j * K + k);
