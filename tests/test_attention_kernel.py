@@ -360,12 +360,12 @@ PRODUCTS = {"lora_delta": ("lora_run", LORA_CASES, lambda x, A, B: x @ A @ B),
 def test_the_kernels_are_tuned_by_cpu(monkeypatch):
     """The kernels' tuning follows the CPU's cores, whatever its vector width: four K streams on
     AMD Zen 2 (family 23); on a Zen 4 (family 25) two and no prefetches over float32 caches, and
-    the linear layers' four rows of W for one row of x, asked into the second-level cache 32 KB
-    ahead; the sources' defaults on Intel CPUs."""
+    the linear layers' four rows of W for one row of x, and the streams asked into the
+    second-level cache; the sources' defaults on Intel CPUs."""
     for vendor, family, flags, tuning in (("AuthenticAMD", "23", "avx2 fma f16c", ("-DK_STREAMS_f32=4",)),
                                           ("AuthenticAMD", "25", "avx512f avx2 fma f16c",
                                            ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0",
-                                            "-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1", "-DW_AHEAD=32768")),
+                                            "-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1")),
                                           ("GenuineIntel", "6", "avx512f avx2 fma f16c", ())):
         cpu = {"vendor_id": vendor, "cpu family": family, "flags": flags}
         monkeypatch.setattr(kernels, "_first_cpu", lambda cpu=cpu: cpu)
@@ -376,7 +376,7 @@ def test_the_kernels_are_tuned_by_cpu(monkeypatch):
 # asked into the second-level cache, as the runtime builds them for AMD Zen 4 (tuning_flags()),
 # and taking one (the sources' default is three).
 MATRIX_BUILDS = [*ISA_BUILDS,
-                 pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1", "-DW_AHEAD=32768"),
+                 pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1"),
                               id="this cpu, four rows of W a block, W into L2"),
                  pytest.param((*kernels.isa_flags(), "-DONE_ROW_OUTS_16=1"), id="this cpu, one row of W a block")]
 

@@ -149,18 +149,16 @@ def isa_flags() -> tuple[str, ...]:
 # And the linear layers' op (linear_rows.c), with AVX-512:
 # - ONE_ROW_OUTS_16=4, four rows of W at a time for one row of x (3 unless given): AMD Zen 4,
 #   0.87-0.99x the time over SmolLM2's 151 linears (linear_rows_bench).
-# - W_AHEAD=32768, the stream of W asked for 32 KB ahead (8 KB unless given with AVX-512), with
-#   AHEAD_INTO_L2 (below): AMD Zen 4, 64 KB the same within the rounds.
 # And both:
 # - AHEAD_INTO_L2=1, the streams' lines asked into the second-level cache, not the first: AMD
-#   Zen 4, the 151 linears 0.64-0.78x the time over 8 rows, 0.73-1.01x over one; the attention
-#   passes over float16 caches 0.78-0.86x (kernel_api.h).
+#   Zen 4, the 151 linears over 8 rows 0.64-0.78x the time (32 KB ahead; one row keeps the first
+#   level), the attention passes over float16 caches 0.78-0.86x (kernel_api.h).
 # Zen 3, AMD family 25 too, is not measured.
 # The Intel Xeon AVX-512 box's figures (docs/kernels.md) were measured with the defaults.
 _TUNING_BY_CPU = {
     ("AuthenticAMD", "23"): ("-DK_STREAMS_f32=4",),
     ("AuthenticAMD", "25"): ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0", "-DONE_ROW_OUTS_16=4",
-                              "-DAHEAD_INTO_L2=1", "-DW_AHEAD=32768"),
+                              "-DAHEAD_INTO_L2=1"),
 }
 
 

@@ -105,10 +105,10 @@ static inline vf loadh(const _Float16 *p) {
  * for lines ahead, inside loops that do the work: into the first-level cache (prefetcht0) unless
  * AHEAD_INTO_L2 is 1, then into the second only (prefetcht1). On a Zen 4 asked into the first
  * level the reads and the arithmetic did not overlap: the lm_head's 113 MB over 8 rows took 10.8
- * ms where its arithmetic from cache takes 5.7 and the read 5.0. Into the second, SmolLM2-135M's
- * 151 linears (linear_rows_bench, best of 3, six alternating rounds) took 0.64-0.78x the time
- * over 8 rows (52-62 ms before) and 0.73-1.01x over one (28-40); prefetcht2 the same within the
- * rounds. The attention passes over float16 caches (kernel_bench, 1,000 to 4,095 positions, 4
+ * ms where its arithmetic from cache takes 5.7 and the read 5.0. Into the second, 32 KB ahead,
+ * SmolLM2-135M's 151 linears (linear_rows_bench, best of 3, six alternating rounds) took
+ * 0.64-0.78x the time over 8 rows (52-62 ms before); prefetcht2 the same within the rounds (one
+ * row's pass keeps the first level: linear_rows.c's ROWS_L2_AHEAD). The attention passes over float16 caches (kernel_bench, 1,000 to 4,095 positions, 4
  * rounds) 0.78-0.86x; over float32 caches with their prefetches 0.98-1.01x the time without
  * them. So the runtime passes -DAHEAD_INTO_L2=1 there (kernels.tuning_flags()); the Xeon's and
  * the AVX2 box's figures are the first level's. */

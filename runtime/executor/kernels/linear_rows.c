@@ -33,16 +33,18 @@
  * 91 linears (1.07 GB) 63.2-63.8 ms at 8 KB and 4 rows of W, 56.2-56.5 ms at 64 KB and 8 (19.0
  * GB/s, level with a plain read of the bytes); SmolLM2-135M's 151 (538 MB) 31.7-32.9 -> 28.8-29.5
  * ms. Either change alone gave 2-4%, 128 KB no more than 64; 2 to 8 rows of x run the same at 8
- * and 64 KB (+-2%). AVX-512: 8 KB, measured on the Xeon below; on a Zen 4, with the stream asked
- * into the second-level cache (kernel_api.h's AHEAD_INTO_L2), 32 KB, which the runtime passes
- * there (64 KB the same within the rounds). */
-#ifndef W_AHEAD
+ * and 64 KB (+-2%). AVX-512: 8 KB, measured on the Xeon below. */
 #if W == 8
 #define W_AHEAD 65536
 #else
 #define W_AHEAD 8192
 #endif
-#endif
+/* A pass over several rows of x where the streams ask into the second-level cache
+ * (kernel_api.h's AHEAD_INTO_L2) asks ROWS_L2_AHEAD bytes ahead (Zen 4: 64 KB the same within
+ * the rounds); one row's pass keeps the first level and W_AHEAD: in the runtime's one-session
+ * step (runtime bench, SmolLM2 f32, 1 thread, three alternating rounds) the second level took
+ * 1.01-1.08x the time, where linear_rows_bench over anonymous memory had 0.73-1.01x. */
+#define ROWS_L2_AHEAD 32768
 /* How many rows of W a block takes at once for R rows of x (a pass's rows): O * R vector
  * accumulators, the O rows of W and x's row in registers. AVX-512 (32 registers): 3 at any R.
  * AVX2 (16): 1 from 5 rows on; below, more, because a row of x against one row of W is a chain
@@ -110,6 +112,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int R, i
                                                         float *y, int outs) {
   const int body = K - K % W;
   const float *wn = w + (size_t)n * K;
+  const int into_l2 = AHEAD_INTO_L2 && R > 1; /* a constant where inlined */
   vf acc[MAX_OUTS][MAX_ROWS];
 #pragma GCC unroll 8
   for (int j = 0; j < outs; j++)
@@ -117,9 +120,14 @@ static inline __attribute__((always_inline)) void block(const float *x, int R, i
     for (int m = 0; m < R; m++) acc[j][m] = (vf){0};
   for (int k = 0; k < body; k += W) {
     /* the block reads outs * W floats a step, from outs places of one contiguous stretch */
-    const char *ahead = (const char *)wn + W_AHEAD + (size_t)outs * 4 * k;
+    const char *ahead = (const char *)wn + (into_l2 ? ROWS_L2_AHEAD : W_AHEAD) + (size_t)outs * 4 * k;
 #pragma GCC unroll 8
-    for (int j = 0; j < outs; j++) PREFETCH_AHEAD(ahead + j * 4 * W);
+    for (int j = 0; j < outs; j++) {
+      if (into_l2)
+        PREFETCH_AHEAD(ahead + j * 4 * W);
+      else
+        PREFETCH_NOW(ahead + j * 4 * W);
+    }
     vf b[MAX_OUTS];
 #pragma GCC unroll 8
     for (int j = 0; j < outs; j++) b[j] = *(const vf *)(wn + (size_t)j * K + k);
