@@ -204,14 +204,11 @@ ISA_BUILDS = [pytest.param(_HERE, id="this cpu"),
               pytest.param(("-mavx2", "-mfma"), id="avx2 without f16c", marks=_AVX2),
               pytest.param((), id="plain")]
 # The attention kernel's also with each tuning tuning_flags() gives some CPU: the K pass over
-# float32 caches in four stretches at once (AMD Zen 2), in two with the passes asking for no lines
-# ahead (AMD Zen 4; here for float16 caches too), with the lines asked into the second-level
-# cache (Zen 4's float16 caches), and with none, the sources' defaults.
+# float32 caches in four stretches at once (AMD Zen 2), the passes' lines asked into the
+# second-level cache (AMD Zen 4), and with none, the sources' defaults.
 ATTENTION_BUILDS = [*ISA_BUILDS,
                     pytest.param(("-mavx2", "-mfma", "-mf16c", "-DK_STREAMS_f32=4"), id="avx2, four K streams",
                                  marks=_AVX2),
-                    pytest.param((*kernels.isa_flags(), "-DK_STREAMS_f32=2", "-DPREFETCH_f32=0", "-DPREFETCH_f16=0"),
-                                 id="this cpu, no prefetches"),
                     pytest.param((*kernels.isa_flags(), "-DAHEAD_INTO_L2=1"), id="this cpu, lines asked into L2"),
                     pytest.param(kernels.isa_flags(), id="this cpu, the sources' defaults")]
 
@@ -359,13 +356,12 @@ PRODUCTS = {"lora_delta": ("lora_run", LORA_CASES, lambda x, A, B: x @ A @ B),
 
 def test_the_kernels_are_tuned_by_cpu(monkeypatch):
     """The kernels' tuning follows the CPU's cores, whatever its vector width: four K streams on
-    AMD Zen 2 (family 23); on a Zen 4 (family 25) two and no prefetches over float32 caches, and
-    the linear layers' four rows of W for one row of x, and the streams asked into the
-    second-level cache; the sources' defaults on Intel CPUs."""
+    AMD Zen 2 (family 23); on a Zen 4 (family 25) the linear layers' four rows of W for one row
+    of x and every stream asked into the second-level cache; the sources' defaults on Intel
+    CPUs."""
     for vendor, family, flags, tuning in (("AuthenticAMD", "23", "avx2 fma f16c", ("-DK_STREAMS_f32=4",)),
                                           ("AuthenticAMD", "25", "avx512f avx2 fma f16c",
-                                           ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0",
-                                            "-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1")),
+                                           ("-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1")),
                                           ("GenuineIntel", "6", "avx512f avx2 fma f16c", ())):
         cpu = {"vendor_id": vendor, "cpu family": family, "flags": flags}
         monkeypatch.setattr(kernels, "_first_cpu", lambda cpu=cpu: cpu)

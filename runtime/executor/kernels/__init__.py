@@ -138,27 +138,24 @@ def isa_flags() -> tuple[str, ...]:
 
 
 # Defines that tune the kernels to a core, by (vendor_id, cpu family). The attention kernel's
-# (decode_attention.c), measured with kernel_bench --baseline at SmolLM2's shapes, 1,000 to 4,095
+# (decode_attention.c), measured with kernel_bench --baseline at SmolLM2's shapes, 128 to 4,095
 # positions:
 # - K_STREAMS_f32, how many stretches of a span the K pass over float32 caches reads at once (1
-#   unless given): AMD Zen 2 (family 23), four 0.91-0.93x the time of one; AMD Zen 4 (family 25),
-#   with the passes' prefetches (below), four 1.28-1.35x, with the AVX-512 and the AVX2 build
-#   alike; without them two 0.92-0.99x the time of one, four 1.33-1.38x.
-# - PREFETCH_f32=0, the passes over float32 caches asking for no lines ahead: AMD Zen 4, 0.84-0.97x
-#   the time (1.05-1.1x at 40 and 128 positions, 0.05 ms over 30 layers).
-# And the linear layers' op (linear_rows.c), with AVX-512:
+#   unless given): AMD Zen 2 (family 23), four 0.91-0.93x the time of one; AMD Zen 4 (family 25)
+#   keeps one (two 1.06-1.14x its time, four 1.28-1.35x).
+# The linear layers' op (linear_rows.c), with AVX-512:
 # - ONE_ROW_OUTS_16=4, four rows of W at a time for one row of x (3 unless given): AMD Zen 4,
 #   0.87-0.99x the time over SmolLM2's 151 linears (linear_rows_bench).
-# And both:
+# Both:
 # - AHEAD_INTO_L2=1, the streams' lines asked into the second-level cache, not the first: AMD
-#   Zen 4, the 151 linears over 8 rows 0.64-0.78x the time (32 KB ahead; one row keeps the first
-#   level), the attention passes over float16 caches 0.78-0.86x (kernel_api.h).
+#   Zen 4, the 151 linears over 8 rows 0.64-0.78x the time (one row keeps the first level), the
+#   attention op over float32 caches 0.65x at 128 positions to 0.94x at 4,095 (against no
+#   prefetches, which beat the first level's there), over float16 ones 0.78-0.86x (kernel_api.h).
 # Zen 3, AMD family 25 too, is not measured.
 # The Intel Xeon AVX-512 box's figures (docs/kernels.md) were measured with the defaults.
 _TUNING_BY_CPU = {
     ("AuthenticAMD", "23"): ("-DK_STREAMS_f32=4",),
-    ("AuthenticAMD", "25"): ("-DK_STREAMS_f32=2", "-DPREFETCH_f32=0", "-DONE_ROW_OUTS_16=4",
-                              "-DAHEAD_INTO_L2=1"),
+    ("AuthenticAMD", "25"): ("-DONE_ROW_OUTS_16=4", "-DAHEAD_INTO_L2=1"),
 }
 
 

@@ -100,9 +100,10 @@ static inline vf expv(vf x) {
  * kernels/__init__.py, where the measurements are) and this default is the rest's. A core of the
  * AVX2 box (AMD EPYC, Zen 2) reads one stream of lines at ~14 GB/s and four interleaved ones at
  * ~27 (the V pass reads 4 rows at once already): four, f32 caches 0.91-0.93x the time of one.
- * On a Zen 4 four took 1.28-1.35x the time of one; without the passes' prefetches (PREFETCH_f32
- * below) two 0.92-0.99x. f16 caches, whose K pass converts each row, 1.05-1.09x with four on
- * Zen 2, the same with two on Zen 4, keep one. */
+ * On a Zen 4, with the passes' lines asked into the second-level cache (kernel_api.h's
+ * AHEAD_INTO_L2), one is the fastest: two took 1.06-1.14x its time at 128-4,095 positions, four
+ * (asked into the first level) 1.28-1.35x. f16 caches, whose K pass converts each row,
+ * 1.05-1.09x with four on Zen 2, the same with two on Zen 4, keep one. */
 #ifndef K_STREAMS_f32
 #define K_STREAMS_f32 1
 #endif
@@ -111,20 +112,6 @@ static inline vf expv(vf x) {
 #endif
 #ifndef V_AHEAD
 #define V_AHEAD 1024
-#endif
-/* Whether the passes ask for lines ahead at all, by cache element type (1 unless given): on a
- * Zen 4 the core's own prefetchers read float32 caches faster alone, the passes with neither
- * K's nor V's prefetches 0.84-0.97x the time from 1,000 to 4,095 positions (72-80% of four
- * streams' rate against 65-71%), 1.05-1.1x at 40 and 128 (+0.05 ms over 30 layers); float16
- * caches, whose passes convert each row, 1.2-1.3x without: tuning_flags() passes
- * -DPREFETCH_f32=0 there (with two K streams), and asks float16 caches' lines into the
- * second-level cache (kernel_api.h's AHEAD_INTO_L2: 0.78-0.86x the time). The short span's
- * prefetch (prefetch_short_span) stays. */
-#ifndef PREFETCH_f32
-#define PREFETCH_f32 1
-#endif
-#ifndef PREFETCH_f16
-#define PREFETCH_f16 1
 #endif
 /* Where the V pass asks for the line of row v at position i. f32: V_AHEAD bytes on along the
  * open spans of the block's rows taken one after another, so that near a row's end it asks for
@@ -141,10 +128,8 @@ static inline size_t v_ahead(int i, int n, int T, int ahead_blocks, int ahead_at
   const int at = i + ahead_at;
   return at < n ? (size_t)ahead_blocks * 4 * T + at : (size_t)(ahead_blocks + 1) * 4 * T + at - n;
 }
-#define V_PREFETCH_f32(v, i, T, n) \
-  if (PREFETCH_f32) PREFETCH_AHEAD((v) + v_ahead(i, n, T, ahead_blocks, ahead_at))
-#define V_PREFETCH_f16(v, i, T, n) \
-  if (PREFETCH_f16) PREFETCH_AHEAD((v) + (i) + 4 * (size_t)(T))
+#define V_PREFETCH_f32(v, i, T, n) PREFETCH_AHEAD((v) + v_ahead(i, n, T, ahead_blocks, ahead_at))
+#define V_PREFETCH_f16(v, i, T, n) PREFETCH_AHEAD((v) + (i) + 4 * (size_t)(T))
 /* The passes over one cache element type ET, read W at a time as floats by LOAD (KPASS,
  * VPASS, PASSES); the scores and q stay float. */
 #define VPASS(HC, E, ET, LOAD)                                                                 \
@@ -247,7 +232,7 @@ static inline vf sumsv(const vf *a) {
         for (int j = 0; j < W; j++) {                                                          \
           const ET *k0 = kb + (size_t)j * DC;                                                  \
           if (h == 0) { /* one per 64-byte line, of the span's rows only */                    \
-            if (PREFETCH_##E && t + j + K_AHEAD / (DC * (int)sizeof(ET)) <= hi)                \
+            if (t + j + K_AHEAD / (DC * (int)sizeof(ET)) <= hi)                                \
               for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                              \
                 PREFETCH_AHEAD((const char *)k0 + K_AHEAD + 64 * l);                       \
             for (int c = 0; c < C; c++) kept[j][c] = LOAD(k0 + W * c);                         \

@@ -108,10 +108,13 @@ static inline vf loadh(const _Float16 *p) {
  * ms where its arithmetic from cache takes 5.7 and the read 5.0. Into the second, 32 KB ahead,
  * SmolLM2-135M's 151 linears (linear_rows_bench, best of 3, six alternating rounds) took
  * 0.64-0.78x the time over 8 rows (52-62 ms before); prefetcht2 the same within the rounds (one
- * row's pass keeps the first level: linear_rows.c's ROWS_L2_AHEAD). The attention passes over float16 caches (kernel_bench, 1,000 to 4,095 positions, 4
- * rounds) 0.78-0.86x; over float32 caches with their prefetches 0.98-1.01x the time without
- * them. So the runtime passes -DAHEAD_INTO_L2=1 there (kernels.tuning_flags()); the Xeon's and
- * the AVX2 box's figures are the first level's. */
+ * row's pass keeps the first level: linear_rows.c's ROWS_L2_AHEAD). The attention op
+ * (kernel_bench --baseline, SmolLM2's shapes, 4-5 rounds) over float16 caches 0.78-0.86x the time
+ * from 1,000 to 4,095 positions; over float32 caches, whose passes ran faster there with no
+ * prefetches at all than asked into the first level, 0.65 / 0.83 / 0.87 / 0.91 / 0.94x the time
+ * of none at 128 / 500 / 1,000 / 3,000 / 4,095 positions. So the runtime passes
+ * -DAHEAD_INTO_L2=1 there (kernels.tuning_flags()); the Xeon's and the AVX2 box's figures are
+ * the first level's. */
 #ifndef AHEAD_INTO_L2
 #define AHEAD_INTO_L2 0
 #endif
