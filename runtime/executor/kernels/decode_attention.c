@@ -234,7 +234,7 @@ static inline vf sumsv(const vf *a) {
           if (h == 0) { /* one per 64-byte line, of the span's rows only */                    \
             if (t + j + K_AHEAD / (DC * (int)sizeof(ET)) <= hi)                                \
               for (int l = 0; l < DC * (int)sizeof(ET) / 64; l++)                              \
-                PREFETCH_AHEAD((const char *)k0 + K_AHEAD + 64 * l);                       \
+                PREFETCH_AHEAD((const char *)k0 + K_AHEAD + 64 * l);                           \
             for (int c = 0; c < C; c++) kept[j][c] = LOAD(k0 + W * c);                         \
           }                                                                                    \
           vf e = loadv(qh) * kept[j][0];                                                       \
