@@ -19,6 +19,7 @@ from runtime.errors import InvalidArgumentError, UnimplementedError
 from runtime.executor.native import HostBuffer, NativeModel, _tensor_info, tensor_info
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import LINEAR_ROWS, custom_codes, rewrite_attention
+from runtime.util.page_advice import advise_huge_pages
 
 
 def _decode_model() -> tuple[NativeModel, object]:
@@ -169,15 +170,11 @@ def _mapping_flags(path) -> list[str]:
 
 
 def _huge_page_advice_taken() -> bool:
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not Path("/proc/self/smaps").exists():
+    """Whether this system shows mappings' flags and takes the advice for 2 MB pages."""
+    if not Path("/proc/self/smaps").exists():
         return False
     with mmap.mmap(-1, 1 << 21) as probe:
-        try:
-            probe.madvise(advice)
-        except OSError:
-            return False
-    return True
+        return advise_huge_pages(probe)
 
 
 def _op_form_file(tmp_path) -> Path:
