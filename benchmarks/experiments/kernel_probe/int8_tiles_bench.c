@@ -13,29 +13,17 @@
 #include <stdio.h>
 #include <time.h>
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
+#include "int8_probe.h"
 
 int main(void) {
-  const int shapes[5][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}, {49152, 576}};
-  enum { LINEARS = 30 * 4 + 1 };
+  enum { LINEARS = SMOLLM2_LINEARS };
   int8_t *w[LINEARS];
   float *scales[LINEARS];
   int n[LINEARS], k[LINEARS];
-  size_t total = 0;
-  srand(1);
+  const size_t total = smollm2_int8_linears(w, n, k, 0);
   for (int i = 0; i < LINEARS; i++) {
-    const int s = i == LINEARS - 1 ? 4 : i % 4;
-    n[i] = shapes[s][0], k[i] = shapes[s][1];
-    const size_t bytes = (size_t)n[i] * k[i];
-    w[i] = aligned_alloc(64, (bytes + 63) / 64 * 64);
     scales[i] = malloc(sizeof(float) * n[i]);
-    for (size_t j = 0; j < bytes; j++) w[i][j] = (int8_t)(rand() % 255 - 127);
     for (int j = 0; j < n[i]; j++) scales[i][j] = 0.01f;
-    total += bytes;
   }
   float *x = malloc(sizeof(float) * 8 * 2048), *y = malloc(sizeof(float) * 8 * 49152);
   for (int i = 0; i < 8 * 2048; i++) x[i] = (rand() % 1000) / 500.f - 1;

@@ -6,6 +6,9 @@
  *   cc -O3 -mavx2 -mfma benchmarks/experiments/kernel_probe/layout_bench.c -o /tmp/layout_bench -lm
  *   /tmp/layout_bench T [ROUNDS [P,P,...]]          (defaults: 11 rounds, 8,32,128,512,1000)
  * (the real kernel is #included by its path relative to this file; -DKERNEL="\"path\"" for another).
+ * On AVX-512: -mavx512f -mavx2 -mfma -mf16c and the CPU's tuning (kernels.tuning_flags()). With
+ * -DHUGE_PAGES every tensor lies in one pool asked for 2 MB pages (the runtime's PageBlock gives V
+ * caches of 1,024 positions huge pages from the start); without, each its own aligned_alloc.
  *
  * SmolLM2-135M's shapes (3 KV groups x 3 query heads x 64), f32 caches, each (layer, row) its
  * own aligned_alloc'd K and V, as the runtime's are separate tensors. A pass at position P,
@@ -23,6 +26,7 @@
  * the caches cold). Layouts alternate A,B / B,A round by round; medians [min-max] in ms per
  * 240-op pass. Before timing, both layouts' outputs are compared op by op. */
 #include <float.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <time.h>
 #ifndef KERNEL
@@ -43,7 +47,17 @@ static Fake *tensor(int rank, const int *dims) { /* f32, 64-byte aligned, zeroed
   f->type.layout.bits = rank;
   for (int i = 0; i < rank; i++) n *= (size_t)(f->type.layout.dims[i] = dims[i]);
   f->bytes = n * 4;
+#ifdef HUGE_PAGES /* every tensor page-aligned in one pool asked for 2 MB pages, as the runtime's V caches lie */
+  enum { POOL = 1600 << 20 };
+  static char *pool;
+  static size_t used;
+  if (!pool && (pool = aligned_alloc(2 << 20, POOL))) madvise(pool, POOL, MADV_HUGEPAGE);
+  if (!pool || used + n * 4 > POOL) exit(fprintf(stderr, "no room for the tensors in the pool\n"));
+  f->data = pool + used;
+  used += (n * 4 + 4095) / 4096 * 4096;
+#else
   f->data = aligned_alloc(64, (n * 4 + 63) / 64 * 64);
+#endif
   memset(f->data, 0, f->bytes);
   return f;
 }
@@ -191,7 +205,13 @@ int main(int argc, char **argv) {
   float *flush = malloc(flush_n * 4), sink = 0;
   for (size_t i = 0; i < flush_n; i++) flush[i] = 1;
   float *check = malloc(sizeof(float) * L * R * G * H * D);
-  printf("T=%d, %d rounds, ms per 240-op pass (30 layers x 8 rows), median [min-max]; ratio = outer/transposed (median of paired rounds)\n", T, rounds);
+  #ifdef HUGE_PAGES
+  const char *pages = "2 MB";
+#else
+  const char *pages = "4 KB";
+#endif
+  printf("T=%d, %s pages, %d rounds, ms per 240-op pass (30 layers x 8 rows), median [min-max]; ratio = outer/transposed "
+         "(median of paired rounds)\n", T, pages, rounds);
   printf("%5s %-24s %-24s %-6s | %-22s %-22s | %-22s %-22s | maxdiff\n", "P", "whole transposed", "whole outer", "ratio",
          "writes transposed", "writes outer", "attention transposed", "attention outer");
   for (int pi = 0; pi < np; pi++) {
