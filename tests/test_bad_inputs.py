@@ -291,6 +291,39 @@ def test_sha256_checked_before_registration(engine, tmp_path):
         LoraSource(path=path, sha256="abc")
 
 
+def test_a_wrong_sha256_is_refused_for_an_adapter_registered_already(engine, tmp_path):
+    """The digest a caller gives is checked every time: an adapter registered before
+    without one (or with the right one) is not taken for a wrong one."""
+    path = _write(tmp_path, GOOD)
+    lora_id = engine.register_adapter(LoraSource(path=path))
+    wrong = LoraSource(path=path, sha256="0" * 64)
+    with pytest.raises(DataLossError, match="SHA-256"):
+        engine.register_adapter(wrong)
+    with pytest.raises(DataLossError, match="SHA-256"):
+        engine.create_session(SessionConfig(loras=(wrong,)))
+    assert engine.register_adapter(LoraSource(path=path, sha256=hashlib.sha256(GOOD).hexdigest())) == lora_id
+    engine.unload_adapter(lora_id)
+
+
+def test_a_blend_that_fails_leaves_none_of_its_adapters_registered(engine, witness):
+    """A session (or a switch) whose adapters no slot runs together registers nothing:
+    the adapters it brought are unregistered again, those it found stay."""
+    r16, r4 = LoraSource(path=adapter_path("torch_r16")), LoraSource(path=adapter_path("litertlm_r4"))
+    before = engine.adapter_ids()
+    with pytest.raises(InvalidArgumentError, match="rank"):
+        engine.create_session(SessionConfig(loras=(r16, r4)))  # ranks 16 + 4: no slot
+    assert engine.adapter_ids() == before
+    session = engine.create_session()
+    with pytest.raises(InvalidArgumentError, match="rank"):
+        session.set_adapters([r16, r4])
+    assert engine.adapter_ids() == before and session.lora_ids == []
+    session.close()
+    witness_session, expected = witness  # holds litertlm_r4, which stays registered
+    assert witness_session.lora_ids[0] in engine.adapter_ids()
+    witness_session.reset()
+    np.testing.assert_array_equal(witness_session.run_prefill([1, 2, 3]), expected)
+
+
 def test_set_adapters_mid_generation_is_refused(engine):
     session = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
     started = threading.Event()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -247,6 +248,84 @@ def test_one_session_refuses_a_concurrent_second_call(engine):
         finally:
             session._lock.release()
         session.run_decode(1)
+
+
+def _within(seconds, call):
+    """``call()``'s outcome (its value, or the exception it raised) from another thread;
+    fails the test instead of hanging when it has not ended after ``seconds``."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s (a deadlock?)"
+    return outcome[0]
+
+
+def test_closing_from_inside_an_own_call_is_refused_not_a_hang():
+    """Closing a session, or its engine, from the session's own ``on_token`` callback
+    raises (out of the generation) instead of waiting on itself forever; the session and
+    the engine go on, and close once the call has returned."""
+    engine = Engine(MODEL_FILES["default"])  # not a with block: its close would wait on a hung call
+    session = engine.create_session()
+    for close in (session.close, engine.close):
+        def on_token(token, close=close):
+            close()
+
+        raised = _within(60, lambda: session.generate([1, 2, 3], max_new_tokens=4, on_token=on_token))
+        assert isinstance(raised, FailedPreconditionError) and "inside" in str(raised), raised
+        assert not session.closed
+    session.reset()
+    assert len(session.generate([1, 2, 3], max_new_tokens=4).tokens) == 4
+    _within(60, engine.close)
+    assert session.closed
+
+
+def test_sessions_made_while_the_engine_closes_are_closed_with_it():
+    """Threads making sessions while the engine closes get either a session that the
+    close closed or an error: none is left open, holding its cache and adapter pins."""
+    for _ in range(5):
+        engine = Engine(MODEL_FILES["default"])
+        made, refusals, started = [], [], threading.Barrier(4)
+
+        def make():
+            started.wait()
+            while True:
+                try:
+                    made.append(engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4"))))
+                except Exception as exc:  # the test reads which
+                    refusals.append(exc)
+                    return
+
+        threads = [threading.Thread(target=make) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        started.wait()
+        time.sleep(0.01)
+        engine.close()
+        for thread in threads:
+            thread.join(60)
+        assert made and all(session.closed for session in made)
+        assert all(isinstance(exc, FailedPreconditionError) for exc in refusals), refusals
+
+
+def test_argument_types_are_refused_with_the_runtimes_errors(engine):
+    with engine.create_session() as session:
+        for bad in (2.5, "3", None):
+            with pytest.raises(InvalidArgumentError, match="max_new_tokens"):
+                session.generate([1, 2], max_new_tokens=bad)
+        assert session.position == 0
+        assert len(session.generate([1, 2], max_new_tokens=np.int64(2)).tokens) == 2
+    with pytest.raises(InvalidArgumentError, match="LoraSource"):
+        engine.register_adapter(str(adapter_path("torch_r4")))
+    with pytest.raises(InvalidArgumentError, match="session"):
+        engine.decode_together([("not a session", 1)])
 
 
 @pytest.mark.parametrize("loras", ["adapter.tflite", [b"bytes"], 5])

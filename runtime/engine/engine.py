@@ -141,6 +141,9 @@ class Engine:
         compiled already, so that the adapter's first request finds it compiled (a request
         arriving meanwhile waits for that compile) and registering does not wait for it."""
         self._check_open()
+        if not isinstance(source, LoraSource):
+            raise InvalidArgumentError(f"register_adapter takes a LoraSource, got {source!r:.80} "
+                                       "(LoraSource(path=...) names a file)")
         lora_id = self._resources.assign_lora_id(source)
         self._prepare_slot(lora_id)
         return lora_id
@@ -206,6 +209,10 @@ class Engine:
         for its token; if the run fails, no session advances."""
         self._check_open()
         sessions = [session for session, _ in steps]
+        strangers = [session for session in sessions if not isinstance(session, Session)]
+        if strangers:
+            raise InvalidArgumentError(f"decode_together steps (session, token) pairs; got {strangers[0]!r:.80} "
+                                       "for a session")
         if len({id(s) for s in sessions}) != len(sessions):
             raise InvalidArgumentError("decode_together got one session twice")
         closed = [session.session_id for session in sessions if session.closed]
@@ -298,13 +305,19 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Closes every session and releases the model; closing twice is harmless."""
+        """Closes every session and releases the model; closing twice is harmless. Waits
+        for the sessions' calls other threads are making to end; from inside a session's
+        own call (its ``on_token`` callback) ``FailedPreconditionError``, and nothing closes."""
+        inside = [session.session_id for session in self._sessions.snapshot() if session.held_by_this_thread]
+        if inside:
+            raise FailedPreconditionError(f"the engine cannot close inside session {inside[0]}'s call (from its "
+                                          "on_token callback?): close it after the call returns")
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._compiles.shutdown(wait=False, cancel_futures=True)  # compiles not started yet never start
-        for session in self._sessions.snapshot():
+        for session in self._sessions.close():  # a session being made now is refused and gives its context back
             session.close()
         self._resources.close()
         # A compile under way finds its executor closed and drops its group; no thread outlives the engine.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,14 +31,24 @@ class SessionRegistry:
         self.speculation = speculation
         self._sessions: set[Session] = set()
         self._next_id = 1
+        self._closed = False
         self._lock = threading.Lock()
 
     def add(self, session: Session) -> int:
-        """Records a new session; returns its id."""
+        """Records a new session; returns its id. ``FailedPreconditionError`` once
+        :meth:`close` was called (a session made while its engine closes)."""
         with self._lock:
+            if self._closed:
+                raise FailedPreconditionError("the engine is closed")
             self._sessions.add(session)
             self._next_id += 1
             return self._next_id - 1
+
+    def close(self) -> list[Session]:
+        """Takes no session from now on; the live sessions, for their engine to close."""
+        with self._lock:
+            self._closed = True
+            return list(self._sessions)
 
     def discard(self, session: Session) -> None:
         """Forgets a closed session."""
@@ -106,10 +117,15 @@ class Session:
         self._sampler_config = sampler
         self._registry = registry
         self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread inside a call of this session (holding _lock)
         self._vocab = resources.spec.vocab_size
         self._counters = _Counters()
         self._speculation = SpeculationCounters()
-        self.session_id = registry.add(self)
+        try:
+            self.session_id = registry.add(self)
+        except BaseException:  # the engine closed meanwhile: the context is ours to give back
+            resources.release_context(context)
+            raise
 
     # -- state ---------------------------------------------------------------------
 
@@ -127,6 +143,12 @@ class Session:
     def closed(self) -> bool:
         """Whether :meth:`close` was called (or the engine closed)."""
         return self._context is None
+
+    @property
+    def held_by_this_thread(self) -> bool:
+        """Whether the calling thread is inside one of this session's calls (in its
+        ``on_token`` callback, say), where closing the session or its engine is refused."""
+        return self._holder == threading.get_ident()
 
     @property
     def lora_ids(self) -> list[int]:
@@ -182,11 +204,13 @@ class Session:
             (token,) = self._check_tokens([token])
         if not self._lock.acquire(blocking=False):
             raise FailedPreconditionError("the session is being used by another call")
+        self._holder = threading.get_ident()
         try:
             context = self._require_open()
             self.write_pending(context)
             return self._decode(context, token)
         finally:
+            self._holder = None
             self._lock.release()
 
     def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
@@ -243,8 +267,13 @@ class Session:
         prompt = self._check_tokens(prompt)
         if not prompt:
             raise InvalidArgumentError("generate needs a prompt of at least one token")
-        if max_new_tokens < 1:
-            raise InvalidArgumentError(f"max_new_tokens={max_new_tokens}, expected >= 1")
+        try:
+            count = operator.index(max_new_tokens)
+        except TypeError:
+            count = 0
+        if count < 1:
+            raise InvalidArgumentError(f"max_new_tokens={max_new_tokens!r:.40}, expected an integer >= 1")
+        max_new_tokens = count
         if not isinstance(sampler, Sampler):
             sampler = Sampler(sampler or self._sampler_config)
         stops = set(self._check_tokens(stop_tokens))
@@ -344,7 +373,13 @@ class Session:
             context.position, context.pending = 0, None
 
     def close(self) -> None:
-        """Releases the context and unpins the adapters; closing twice is harmless."""
+        """Releases the context and unpins the adapters; closing twice is harmless. Waits
+        for a call another thread is making to end; from inside one of the session's own
+        calls (its ``on_token`` callback) ``FailedPreconditionError``: close it after the
+        call returns."""
+        if self.held_by_this_thread:
+            raise FailedPreconditionError(f"session {self.session_id} cannot close inside its own call (from its "
+                                          "on_token callback?): close it after the call returns")
         with self._lock:
             context, self._context = self._context, None
         if context is not None:
@@ -420,9 +455,11 @@ class Session:
         For the engine, which steps many reserved sessions together."""
         if not self._lock.acquire(blocking=False):
             raise FailedPreconditionError("the session is being used by another call")
+        self._holder = threading.get_ident()
         try:
             yield self._require_open()
         finally:
+            self._holder = None
             self._lock.release()
 
     def _require_open(self) -> ContextHandler:

@@ -70,18 +70,19 @@ class AdapterRegistry:
         self.load_latency = LatencyRecorder()
 
     def register(self, source: LoraSource) -> int:
-        """Registers ``source`` once and returns its id; a failure registers nothing."""
+        """Registers ``source`` once and returns its id; a failure registers nothing. A
+        ``sha256`` it carries is checked every time, the adapter registered already or not."""
         origin = source.origin()
         key = (origin.key, source.heads)
         with self._lock:
+            if source.sha256 is not None:
+                origin.check_sha256(source.sha256)
             known = key in self._ids
             lora_id = self._id_for(key)
             if self._manager.has_lora(lora_id):
                 return lora_id
             started = time.perf_counter()
             try:
-                if source.sha256 is not None:
-                    origin.check_sha256(source.sha256)
                 data = origin.open(head_dim=self._head_dim, lora_xs=self._lora_xs, heads=source.heads)
                 try:
                     heads = data.draft_heads
@@ -120,13 +121,22 @@ class AdapterRegistry:
 
     def pinned_blend(self, sources: Iterable[LoraSource], registered: Iterable[tuple[int, float]]) -> Blend:
         """Registers ``sources`` and pins the blend of them and the ``(lora_id, scale)``
-        entries of ``registered`` under one lock; :meth:`unpin` gives the pins back."""
+        entries of ``registered`` under one lock; :meth:`unpin` gives the pins back. On a
+        failure nothing is pinned, and the adapters this call registered are unregistered."""
         with self._lock:
-            entries = [(self.register(source), source.scale) for source in sources]
-            blend = normalize_blend(entries + list(registered))
-            if blend:
-                self._manager.slot_for(blend)  # raises for unknown ids or too large a rank
-            self.pin(blend)
+            before = set(self._manager.loaded_ids())
+            entries = []
+            try:
+                for source in sources:
+                    entries.append((self.register(source), source.scale))
+                blend = normalize_blend(entries + list(registered))
+                if blend:
+                    self._manager.slot_for(blend)  # raises for unknown ids or too large a rank
+                self.pin(blend)
+            except BaseException:  # the adapters this call registered go again: nothing is left half-done
+                for lora_id in {lora_id for lora_id, _ in entries} - before:
+                    self.unload(lora_id)
+                raise
         return blend
 
     def pin(self, blend: Blend) -> None:
