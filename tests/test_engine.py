@@ -47,8 +47,9 @@ def test_sessions_take_registered_adapters_by_id(tmp_path):
         assert (by_id.run_prefill([1, 2, 3]) == expected).all()
         by_id.set_adapters(adapters={}, reset=True)
         assert by_id.lora_ids == []
-        with pytest.raises(NotFoundError, match="LoRA id 99"):
-            engine.create_session(SessionConfig(adapters={99: 1.0}))
+        for scale in (1.0, 0.0):  # an unknown id is refused even at a scale that leaves it out of the blend
+            with pytest.raises(NotFoundError, match="LoRA id 99"):
+                engine.create_session(SessionConfig(adapters={99: scale}))
         with pytest.raises(InvalidArgumentError, match="adapters"):
             SessionConfig(adapters={"a": 1.0})
         with pytest.raises(InvalidArgumentError, match=r"adapters\[1\]"):

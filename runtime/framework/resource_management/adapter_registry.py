@@ -129,7 +129,11 @@ class AdapterRegistry:
             try:
                 for source in sources:
                     entries.append((self.register(source), source.scale))
-                blend = normalize_blend(entries + list(registered))
+                registered = list(registered)
+                unknown = [lora_id for lora_id, _ in registered if not self._manager.has_lora(lora_id)]
+                if unknown:  # checked here: a zero scale leaves an entry out of the blend
+                    raise NotFoundError(f"LoRA id {unknown[0]} is not registered")
+                blend = normalize_blend(entries + registered)
                 if blend:
                     self._manager.slot_for(blend)  # raises for unknown ids or too large a rank
                 self.pin(blend)
