@@ -98,6 +98,18 @@ def test_released_buffers_read_as_zeros_and_take_small_pages_again(cache):
     assert not array.any()
 
 
+def test_a_closed_cache_gives_its_pages_back_while_a_binding_still_holds_its_buffers(cache):
+    """A closed session's cache may stay referenced (the executor keeps its last batch's
+    run): its memory goes back at close all the same."""
+    kv, array = cache
+    kv.reach(LENGTH)
+    array[...] = 3.0
+    assert _mapping_kb(array.ctypes.data)["Rss"] >= array.nbytes // 1024
+    kv.close()
+    assert _mapping_kb(array.ctypes.data)["Rss"] <= 64
+    assert not array.any()
+
+
 def test_which_buffers_one_position_writes_whole():
     """Positions innermost in rows of at most a page (a transposed V of 1,024 float32 or 2,048
     float16 positions); not a longer V, nor a K cache (positions outermost in its rows)."""

@@ -196,8 +196,12 @@ class KvCache:
         """Drops this cache's buffers; they are freed once no binding refers to them.
 
         Buffers are never destroyed explicitly: a binding still in use would then hand
-        freed memory to the interpreter.
+        freed memory to the interpreter. Their pages go back to the system at once
+        (:meth:`PageBlock.release`): the executor keeps its last batch's run, and with it
+        the caches of sessions closed since, until a batch of other sessions runs.
         """
+        for block in self._blocks.values():
+            block.release()
         self.by_length = {}
         self._blocks = {}
 
