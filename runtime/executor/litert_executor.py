@@ -697,7 +697,9 @@ class LlmExecutor:
         self, signature: SignatureSpec, kv: KvCache, lora_buffers: Mapping[str, HostBuffer] | None
     ) -> _Run:
         model = self._group_model(self.spec.group_of(signature))
-        io = self._io[signature.key]
+        with self._lock:  # a close meanwhile drops the signatures' io
+            self._check_open()
+            io = self._io[signature.key]
         length = self.spec.cache_length(signature)
         inputs = {TOKENS: io.tokens, INPUT_POS: io.positions, **kv.at(length)}
         expected_lora = set(signature.lora_inputs)
