@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -684,7 +685,58 @@ def test_processes_building_at_once_each_get_a_whole_library(tmp_path):
     for process in processes:
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0 and out.strip() == "True", err
-    assert [p.name.startswith("kernels-") for p in (tmp_path / "kernels").iterdir()] == [True]
+    (library,) = (tmp_path / "kernels").glob("kernels-*.so")
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [library.name, library.name + ".sha256"]
+
+
+@needs_cc
+def test_a_cached_library_cut_short_is_built_again_not_loaded(tmp_path, monkeypatch):
+    """A library file that is not the bytes its build wrote (a crash or a full disk cut it
+    short) would crash the process that maps it: a new process builds it again instead."""
+    script = ("from runtime.executor import kernels\n"
+              "print(bool(kernels.build_library().attention_run))\n")
+    env = {**os.environ, "RUNTIME_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    (library,) = (tmp_path / "kernels").glob("kernels-*.so")
+    whole = library.read_bytes()
+    for damaged in (whole[: len(whole) // 2], whole[: len(whole) // 2] + bytes(len(whole) - len(whole) // 2)):
+        library.write_bytes(damaged)
+        again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert again.returncode == 0 and again.stdout.strip() == "True", (again.returncode, again.stderr)
+        assert "building the native kernels" in again.stderr
+        assert library.read_bytes() == whole
+
+
+@needs_cc
+def test_a_library_without_the_kernels_is_refused_naming_the_function(tmp_path, monkeypatch):
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_SYMBOLS", (*kernels._SYMBOLS, "attention_no_such_function"))
+    with pytest.raises(FailedPreconditionError, match="lacks the kernel function attention_no_such_function"):
+        kernels.build_library()
+
+
+def test_a_compiler_that_fails_in_bytes_not_utf8_is_a_clean_refusal(tmp_path, monkeypatch):
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'cc 1.0'; exit 0; fi\n"
+                        "printf 'error: \\377\\376 bad\\n' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FailedPreconditionError, match="failed: error: .* bad"):
+        kernels.build_library()
+
+
+def test_scratch_folders_of_killed_builds_are_removed(tmp_path, monkeypatch):
+    """A build killed midway leaves its scratch folder; the next build removes those an hour old."""
+    folder = tmp_path / "kernels"
+    stale, fresh = folder / ".build-stale", folder / ".build-fresh"
+    for scratch in (stale, fresh):
+        scratch.mkdir(parents=True)
+        (scratch / "decode_attention.c").write_text("")
+    os.utime(stale, (time.time() - 2 * 3600,) * 2)
+    kernels._remove_stale_builds(folder)
+    assert not stale.exists() and fresh.exists()
 
 
 def lora_steps(executor: LlmExecutor, prompt: list[int], steps: int) -> list[np.ndarray]:

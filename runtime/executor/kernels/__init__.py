@@ -31,11 +31,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
@@ -44,6 +46,8 @@ from pathlib import Path
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.util.attention_rewrite import DECODE_ATTENTION, LINEAR_ROWS, LORA_DELTA, OUR_OPS
 from runtime.util.cache_dir import runtime_cache_dir
+
+log = logging.getLogger(__name__)
 
 _P = ctypes.c_void_p
 # LiteRtElementType: the KV caches' and LoRA factors' types the kernels read (the rest: float32).
@@ -80,6 +84,9 @@ _KERNELS = {DECODE_ATTENTION: ("attention", _FAILURES), LORA_DELTA: ("lora", _LO
             LINEAR_ROWS: ("linear", _LINEAR_FAILURES)}
 RE_EXPORT = ("re-export with --attention-kernel auto (the default: both forms, the standard one run where the kernel "
              "cannot be) or xnnpack")
+# Each op's callbacks in the library: {prefix}_{part}.
+_PARTS = ("init", "layouts", "run", "destroy")
+_SYMBOLS = tuple(f"{prefix}_{part}" for prefix, _ in _KERNELS.values() for part in _PARTS)
 
 
 class _Context(ctypes.Structure):
@@ -193,7 +200,7 @@ def build_library() -> ctypes.CDLL:
     with _build_lock:
         if cc not in _versions:
             try:
-                done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+                done = subprocess.run([cc, "--version"], capture_output=True, text=True, errors="replace", timeout=60)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise FailedPreconditionError(f"the C compiler {cc} does not run ({exc})") from None
             _versions[cc] = (done.stdout or done.stderr).strip().splitlines()[0] if done.returncode == 0 else ""
@@ -206,7 +213,9 @@ def build_library() -> ctypes.CDLL:
         path = folder / f"kernels-{key}.so"
         if str(path) in _loaded:
             return _loaded[str(path)]
-        if not path.exists():
+        if not _intact(path):  # not built yet, or not the bytes its build wrote (cut short by a crash, a full disk)
+            log.warning("building the native kernels for this CPU into %s (once per compiler and runtime version, "
+                        "~10 s)", folder)
             try:
                 _compile(cc, (*flags, _OPENMP), sources, folder, path)
             except FailedPreconditionError:  # no OpenMP with this compiler: one thread
@@ -216,8 +225,26 @@ def build_library() -> ctypes.CDLL:
                 library = ctypes.CDLL(str(path))
         except OSError as exc:
             raise FailedPreconditionError(f"{path} does not load ({exc}); delete it to rebuild") from None
+        missing = [symbol for symbol in _SYMBOLS if not hasattr(library, symbol)]
+        if missing:
+            raise FailedPreconditionError(f"{path} lacks the kernel function {missing[0]} (the compiler {cc} did not "
+                                          "build these sources into it); delete it to rebuild")
         _loaded[str(path)] = library
         return library
+
+
+def _digest_path(library: Path) -> Path:
+    """Where the SHA-256 of the library's bytes, written by its build, lies."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether ``library`` holds the bytes its build wrote (a library cut short would crash
+    the process that maps it)."""
+    try:
+        return hashlib.sha256(library.read_bytes()).hexdigest() == _digest_path(library).read_text().strip()
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -246,24 +273,47 @@ def _briefly_spinning_openmp_threads() -> Iterator[None]:
         os.environ.pop("GOMP_SPINCOUNT", None)
 
 
+_STALE_BUILD_S = 3600  # a scratch folder this old is a build whose process was killed
+
+
 def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path, path: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        _remove_stale_builds(folder)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
             for name, source in zip((*_SOURCES, *_HEADERS), sources):
                 (Path(scratch) / name).write_bytes(source)
             c_files = [Path(scratch) / name for name in _SOURCES]
             built = Path(scratch) / path.name
             command = [cc, *flags, *map(str, c_files), "-o", str(built), "-lm"]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=300)
             if done.returncode:
                 first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
                 raise FailedPreconditionError(f"{' '.join(command[:1 + len(flags)])} failed: {first.strip()}")
-            os.replace(built, path)  # atomic: a process loading it sees the whole file or none
+            with open(built, "rb+") as file:  # on the disk before it is published
+                digest = hashlib.sha256(file.read()).hexdigest()
+                os.fsync(file.fileno())
+            digest_file = Path(scratch) / _digest_path(path).name
+            digest_file.write_text(digest + "\n")
+            # Each replace is atomic; a reader between the two finds the digest and the library
+            # disagree and builds again.
+            os.replace(digest_file, _digest_path(path))
+            os.replace(built, path)
     except OSError as exc:
         raise FailedPreconditionError(f"cannot write the kernel library into {folder} ({exc})") from None
     except subprocess.TimeoutExpired:
         raise FailedPreconditionError(f"{cc} took more than 300 s to build the kernel") from None
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Removes the scratch folders of builds whose process was killed (an hour old)."""
+    now = time.time()
+    for scratch in folder.glob(".build-*"):
+        try:
+            if now - scratch.stat().st_mtime > _STALE_BUILD_S:
+                shutil.rmtree(scratch, ignore_errors=True)
+        except OSError:
+            continue  # removed by another process meanwhile
 
 
 # What the standard form costs where the kernel would run (SmolLM2-135M's shapes, 1 thread;
@@ -313,7 +363,7 @@ class Registration:
         # One context per op, so a failure names the op whose run wrote it; ``threads`` the ops
         # may run on (linear_rows's product), the engine's num_threads.
         self.ops = [(name, _Context(0, *accessors, threads), _KernelStruct(*(address(getattr(library, f"{prefix}_{part}"))
-                                                                   for part in ("init", "layouts", "run", "destroy"))))
+                                                                   for part in _PARTS)))
                     for name, (prefix, _) in _KERNELS.items()]
         self.library = library  # the code the addresses point into stays loaded
 
