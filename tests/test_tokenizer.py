@@ -85,3 +85,12 @@ def test_special_tokens_read_as_the_vocabulary_spells_them(hf_json, sp_model):
     assert sp.encode("hello", add_special_tokens=True) == [1, *sp.encode("hello")]
     byte = ByteTokenizer([10])
     assert byte.token_text(10) == "\n" and byte.encode("hi", add_special_tokens=True) == [104, 105]
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(hf_json, sp_model):
+    """A model may have more embeddings than its tokenizer has tokens (Gemma 3: 262,208 and
+    262,144): an id the tokenizer lacks adds no text, and decoding never raises."""
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        ids, past = tokenizer.encode("hello world"), tokenizer.vocab_size
+        assert tokenizer.decode([*ids[:2], past, *ids[2:], past + 63]) == "hello world"
+        assert tokenizer.decode([past]) == ""

@@ -30,7 +30,8 @@ class Tokenizer(Protocol):
         """Token ids of ``text``."""
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids."""
+        """Text of token ids; ids the tokenizer lacks (a model may have more embeddings than
+        its tokenizer has tokens, as Gemma 3 has) add nothing, so decoding never fails."""
 
 
 class ByteTokenizer:
@@ -58,11 +59,9 @@ class ByteTokenizer:
         return self.decode([token])
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Bytes back to text; invalid UTF-8 sequences become U+FFFD."""
-        try:
-            return bytes(ids).decode("utf-8", errors="replace")
-        except ValueError:
-            raise InvalidArgumentError(f"byte tokens must be in [0, 256), got {list(ids)[:8]}") from None
+        """Bytes back to text; invalid UTF-8 sequences become U+FFFD, ids past the bytes
+        (a model's extra tokens) add nothing."""
+        return bytes(token for token in ids if 0 <= token < 256).decode("utf-8", errors="replace")
 
 
 class HfTokenizer:
@@ -114,7 +113,7 @@ class HfTokenizer:
         return next((text for text in _BOS_TOKEN_TEXTS if self._tokenizer.token_to_id(text) is not None), None)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens skipped."""
+        """Text of ``ids``, special tokens and ids past the vocabulary (a model's extra tokens) skipped."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
@@ -166,8 +165,9 @@ class SentencePieceTokenizer:
         return self._processor.id_to_piece(bos) if bos >= 0 else None
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``."""
-        return self._processor.decode(list(ids))
+        """Text of ``ids``; ids past the pieces (a model's extra tokens) add nothing."""
+        pieces = self._processor.get_piece_size()
+        return self._processor.decode([token for token in ids if 0 <= token < pieces])
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
