@@ -14,10 +14,11 @@ import pytest
 pytest.importorskip("uvicorn")
 
 from runtime import ByteTokenizer, Engine, SamplerConfig, SessionConfig, LoraSource  # noqa: E402
+from runtime.components.tokenizer import SentencePieceTokenizer  # noqa: E402
 from runtime.serve.app import ServeSettings  # noqa: E402
 from runtime.serve.logprobs import log_softmax  # noqa: E402
 from test_serve import (  # noqa: E402
-    ADAPTERS, DEMO, MODEL, NEWLINE, TEMPLATE, TINY_MODEL, Served, start_server, stop_server,
+    ADAPTERS, DEMO, MODEL, NEWLINE, TEMPLATE, TINY_MODEL, Served, start_server, stop_server, stream_status,
 )
 
 ROOT_MODELS = TINY_MODEL.parent
@@ -260,3 +261,44 @@ def test_a_stream_with_echo_sends_the_prompt_first_and_the_logprobs_when_the_cho
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == whole["text"]
     assert [chunk["choices"][0]["logprobs"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["choices"][0]["logprobs"] == whole["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    """A SentencePiece tokenizer of 17 pieces (the characters of a short text, '▁' for the
+    space) serving the tiny model's 256 ids: ids 17-255 are the model's alone, as Gemma
+    3's last 64 of 262,208 are. The tiny model's random weights sample them mostly."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    folder = tmp_path_factory.mktemp("pieces")
+    (folder / "text.txt").write_text("hello world the cat sat on the mat\n" * 50)
+    sentencepiece.SentencePieceTrainer.train(input=str(folder / "text.txt"), model_prefix=str(folder / "sp"),
+                                             vocab_size=17, model_type="char", minloglevel=2)
+    engine = Engine(TINY_MODEL, tokenizer=SentencePieceTokenizer(folder / "sp.model"))
+    server, thread, url = start_server(engine, None, ServeSettings("tiny", score_by_decode=True))
+    yield Served(url, engine, folder)
+    stop_server(server, thread)
+    engine.close()
+
+
+def test_ids_the_model_has_past_its_tokenizer_are_refused_from_clients_and_add_no_text_when_sampled(pieces):
+    assert (pieces.engine.spec.vocab_size, pieces.engine.tokenizer.vocab_size) == (256, 17)
+    for path, body, param in [
+            ("/detokenize", {"tokens": [16, 17]}, "tokens.1"),
+            ("/v1/completions", {"model": "tiny", "prompt": [5, 200], "max_tokens": 1, "echo": True}, "prompt"),
+            ("/v1/completions", {"model": "tiny", "prompt": [[5], [5, 200]]}, "prompt.1"),
+            ("/v1/completions", {"model": "tiny", "prompt": "the cat", "logit_bias": {"200": 100}}, "logit_bias"),
+            ("/v1/completions", {"model": "tiny", "prompt": "the cat", "stop_token_ids": [2, 17]}, "stop_token_ids.1")]:
+        status, answer = pieces.call(path, body, key=None)
+        assert (status, answer["error"]["param"]) == (400, param), answer
+        assert "[0, 17)" in answer["error"]["message"]
+    assert ok(pieces, "/detokenize", {"tokens": [7, 6, 8, 8, 9]}) == {"prompt": "hello"}
+    with pieces.engine.create_session() as s:
+        expected = s.generate("the cat", 12)
+    assert any(token >= 17 for token in expected.tokens)  # what this test is about
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    answer = ok(pieces, "/v1/completions", body)
+    assert answer["choices"][0]["text"] == expected.text
+    assert answer["usage"]["completion_tokens"] == len(expected.tokens)
+    status, events = stream_status(pieces, "/v1/completions", body)
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == expected.text

@@ -17,7 +17,7 @@ from runtime.errors import NotFoundError
 from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.generation import GenerationJob, GenerationRequest, Outcome
 from runtime.serve.logprobs import chat_logprobs, completion_logprobs
-from runtime.serve.protocol import Answer, ChatBody, CompletionBody
+from runtime.serve.protocol import Answer, ChatBody, CompletionBody, check_token_id
 
 _SEEDS = 2**64
 
@@ -47,7 +47,7 @@ class ChoiceJobs:
             raise bad_request(f"{len(prompts)} prompt(s) x {runs} choice(s) = {len(prompts) * runs} generations, more "
                               f"than the server runs at once (--max-concurrent {limit})", param=field)
         engine = server.engine
-        vocab = engine.spec.vocab_size
+        known = server.known_tokens
         if body.echo_prompt and not engine.spec.can_score and not server.settings.score_by_decode:
             raise bad_request(
                 f"echo needs the logits at every prompt position, and model {server.settings.model_name!r} was "
@@ -57,15 +57,11 @@ class ChoiceJobs:
                 param="echo", code="scoring_unavailable")
         stops = body.stop_strings()
         stop_tokens = body.stop_tokens(engine.tokenizer.stop_token_ids)
-        for index, token in enumerate(sorted(stop_tokens)):
-            if not 0 <= token < vocab:
-                raise bad_request(f"stop token id {token} is outside the vocabulary [0, {vocab})",
-                                  param="stop_token_ids")
+        for index, token in enumerate(body.stop_token_ids or ()):
+            check_token_id(token, known, f"stop_token_ids.{index}")
         for p, prompt in enumerate(prompts):
-            bad = next((t for t in prompt if not 0 <= t < vocab), None) if isinstance(prompt, tuple) else None
-            if bad is not None:
-                raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
-                                  param="prompt" if len(prompts) == 1 else f"prompt.{p}")
+            for token in prompt if isinstance(prompt, tuple) else ():
+                check_token_id(token, known, body.prompt_param(p))
         logprobs = body.logprob_count
         if logprobs is None and runs > body.choices:
             logprobs = 0  # best_of ranks by the tokens' logprobs
@@ -75,7 +71,7 @@ class ChoiceJobs:
                 for r in range(runs):
                     seed = None if body.seed is None else (body.seed + r) % _SEEDS
                     request = GenerationRequest(
-                        prompt, body.token_limit, body.sampler_config(vocab, seed), stops, {}, stop_tokens,
+                        prompt, body.token_limit, body.sampler_config(known, seed), stops, {}, stop_tokens,
                         body.min_tokens or 0, body.repetition_penalty or 1.0, echo=body.echo_prompt,
                         logprobs=logprobs, score_by_decode=server.settings.score_by_decode, prompt_index=p)
                     jobs.append(cls._admit_one(server, request, weights, len(jobs), put, started,

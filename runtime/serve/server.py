@@ -40,6 +40,13 @@ class Server:
         # What runs a generation: on this engine, or (with --replicas) forwarded to a replica.
         self.job_class = GenerationJob
 
+    @property
+    def known_tokens(self) -> int:
+        """How many token ids a request may give: ``[0, known_tokens)``, the ids both the
+        model and its tokenizer know (Gemma 3's 262,208 embeddings outnumber its 262,144
+        tokens; the ids past the tokenizer's have no text)."""
+        return min(self.engine.spec.vocab_size, self.engine.tokenizer.vocab_size)
+
     def shutdown(self) -> None:
         """Cancels running generations and waits for the workers to finish."""
         self.admission.cancel_all()

@@ -6,8 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from runtime.serve.errors import bad_request, model_not_found
-from runtime.serve.protocol import DetokenizeBody, TokenizeBody
+from runtime.serve.errors import model_not_found
+from runtime.serve.protocol import DetokenizeBody, TokenizeBody, check_token_id
 from runtime.serve.server import Server
 
 
@@ -37,10 +37,9 @@ def routes(server: Server) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> dict:
         _check_model(server, body.model)
-        vocab = server.engine.spec.vocab_size
+        known = server.known_tokens
         for index, token in enumerate(body.tokens):
-            if not 0 <= token < vocab:
-                raise bad_request(f"token id {token} is outside the vocabulary [0, {vocab})", param=f"tokens.{index}")
+            check_token_id(token, known, f"tokens.{index}")
         return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
 
     return router
