@@ -302,3 +302,31 @@ def test_ids_the_model_has_past_its_tokenizer_are_refused_from_clients_and_add_n
     status, events = stream_status(pieces, "/v1/completions", body)
     chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
     assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+
+
+def test_token_texts_add_up_to_the_answer_when_pieces_read_otherwise_alone(pieces):
+    """SentencePiece drops a piece's leading space when it is decoded alone ('▁' alone is
+    ''): a token's text is what it adds to the text before it, so the texts add up to the
+    answer, the offsets are right, and each alternative reads as it would there."""
+    answer = ok(pieces, "/v1/completions", {"model": "tiny", "prompt": "the cat sat", "max_tokens": 6,
+                                            "temperature": 0, "echo": True, "logprobs": 3})
+    choice = answer["choices"][0]
+    logprobs, prompt = choice["logprobs"], pieces.engine.tokenizer.encode("the cat sat")
+    assert "".join(logprobs["tokens"]) == choice["text"] and choice["text"].startswith("the cat sat")
+    assert logprobs["tokens"][:len(prompt)] == ["", "t", "h", "e", " ", "c", "a", "t", " ", "s", "a", "t"]
+    assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(len(logprobs["tokens"]))]
+    for text, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:]):
+        assert text in top  # the token itself is among its alternatives, reading the same
+
+
+def test_a_character_split_over_tokens_reads_whole_with_its_last_token_and_bytes_are_each_token_s(served):
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3, "logit_bias": {"195": 100, "169": 100}}  # 'é' is C3 A9
+    choice = ok(served, "/v1/chat/completions", body)["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == "é" and [item["token"] for item in content] == ["", "é"]
+    assert [item["bytes"] for item in content] == [[0xC3], [0xA9]]
+    assert all(alternative["bytes"] != list("\ufffd".encode()) for item in content for alternative in item["top_logprobs"])
+    echo = ok(served, "/v1/completions", {"model": "demo", "prompt": "héllo", "max_tokens": 0, "echo": True,
+                                          "logprobs": 0})["choices"][0]["logprobs"]
+    assert (echo["tokens"], echo["text_offset"]) == (["h", "", "é", "l", "l", "o"], [0, 1, 1, 2, 3, 4])

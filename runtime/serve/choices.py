@@ -18,6 +18,7 @@ from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.generation import GenerationJob, GenerationRequest, Outcome
 from runtime.serve.logprobs import chat_logprobs, completion_logprobs
 from runtime.serve.protocol import Answer, ChatBody, CompletionBody, check_token_id
+from runtime.serve.token_texts import TokenReader
 
 _SEEDS = 2**64
 
@@ -30,7 +31,6 @@ class ChoiceJobs:
         self._server = server
         self._body = body
         self.jobs = jobs
-        self._text_of = _token_text(server.engine.tokenizer)
 
     @classmethod
     def admit(cls, server, body: CompletionBody | ChatBody, weights: list[tuple[str, float]],
@@ -129,10 +129,11 @@ class ChoiceJobs:
         count = self._body.logprob_count
         if count is None:
             return None
+        read = TokenReader(self._server.engine.tokenizer, [outcome.prompt, outcome.tokens])
         if isinstance(self._body, ChatBody):
-            return chat_logprobs(outcome.logprobs, self._text_of, count)
+            return chat_logprobs(outcome.logprobs, read, count)
         entries = [*outcome.prompt_logprobs, *outcome.logprobs]
-        return completion_logprobs(entries, self._text_of, [*outcome.prompt, *outcome.tokens])
+        return completion_logprobs(entries, read, [*outcome.prompt, *outcome.tokens])
 
     def answers(self, outcomes: Sequence[Outcome]) -> tuple[list[Answer], list[Outcome]]:
         """The answered choices (per prompt the ``n`` of its runs with the highest sum of
@@ -152,16 +153,3 @@ class ChoiceJobs:
 
 def _with_adapters(request: GenerationRequest, adapters) -> GenerationRequest:
     return replace(request, adapters=adapters)
-
-
-def _token_text(tokenizer) -> Callable[[int], str]:
-    """One token's text (as decoding it alone gives), cached per token."""
-    cache: dict[int, str] = {}
-
-    def text_of(token: int) -> str:
-        text = cache.get(token)
-        if text is None:
-            text = cache[token] = tokenizer.decode([token])
-        return text
-
-    return text_of

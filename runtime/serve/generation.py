@@ -19,8 +19,7 @@ from runtime import Engine, SamplerConfig, Session, SessionConfig
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.serve.logprobs import TokenLogprob, token_logprobs
 from runtime.serve.sampling import RequestSampler
-
-REPLACEMENT_CHARACTER = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+from runtime.serve.token_texts import REPLACEMENT_CHARACTER
 
 
 class TextAssembler:
