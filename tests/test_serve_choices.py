@@ -330,3 +330,25 @@ def test_a_character_split_over_tokens_reads_whole_with_its_last_token_and_bytes
     echo = ok(served, "/v1/completions", {"model": "demo", "prompt": "héllo", "max_tokens": 0, "echo": True,
                                           "logprobs": 0})["choices"][0]["logprobs"]
     assert (echo["tokens"], echo["text_offset"]) == (["h", "", "é", "l", "l", "o"], [0, 1, 1, 2, 3, 4])
+
+
+def test_a_context_overflow_and_an_empty_prompt_name_the_field_to_fix(served):
+    """The prompt when it alone leaves no room (or holds no token), with its index in a
+    list; else the token limit the request gave (the prompt, when it gave none)."""
+    chat, long = {"model": "demo", "messages": [{"role": "user", "content": "hello"}]}, "x" * 300
+    for path, body, param in [
+            ("/v1/chat/completions", {**chat, "max_completion_tokens": 300}, "max_completion_tokens"),
+            ("/v1/chat/completions", {**chat, "max_tokens": 300}, "max_tokens"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": long}]}, "messages"),
+            ("/v1/completions", {"model": "demo", "prompt": long, "max_tokens": 0, "echo": True}, "prompt"),
+            ("/v1/completions", {"model": "demo", "prompt": ["hi", long], "max_tokens": 0, "echo": True}, "prompt.1"),
+            ("/v1/completions", {"model": "demo", "prompt": ["hi", "x" * 250], "max_tokens": 10}, "max_tokens"),
+            ("/v1/completions", {"model": "demo", "prompt": ["hi", "x" * 250]}, "prompt.1"),  # 16 by default
+            ("/v1/completions", {"model": "demo", "prompt": ""}, "prompt"),
+            ("/v1/completions", {"model": "demo", "prompt": []}, "prompt"),
+            ("/v1/completions", {"model": "demo", "prompt": [[]]}, "prompt.0"),
+            ("/v1/completions", {"model": "demo", "prompt": ["a", ""]}, "prompt.1")]:
+        for stream in (False, True):
+            status, answer = served.call(path, {**body, "stream": stream}, key=None)
+            assert (status, answer["error"]["param"]) == (400, param), (body, stream, answer)
+    assert served.wait_until_idle() < 5

@@ -117,6 +117,11 @@ class _GenerationBody(_Body):
         """How many tokens to generate at most (``None``: the rest of the context)."""
         return self.max_tokens
 
+    @property
+    def token_limit_param(self) -> str | None:
+        """The field :attr:`token_limit` comes from (``None``: not given, the default)."""
+        return "max_tokens" if self.max_tokens is not None else None
+
     def sampler_config(self, known_tokens: int, seed: int | None = None) -> SamplerConfig:
         """Temperature (default 1), ``top_p``, ``top_k``, ``seed`` (or the one given: a
         choice's own), the penalties and ``logit_bias`` (its keys token ids in
@@ -299,6 +304,15 @@ class ChatBody(_GenerationBody):
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str | None:
+        """``max_completion_tokens`` when given, else as every generation body."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else super().token_limit_param
+
+    def prompt_param(self, index: int) -> str:
+        """``messages``: the field the prompt is made from."""
+        return "messages"
 
     @property
     def logprob_count(self) -> int | None:
