@@ -352,3 +352,12 @@ def test_a_context_overflow_and_an_empty_prompt_name_the_field_to_fix(served):
             status, answer = served.call(path, {**body, "stream": stream}, key=None)
             assert (status, answer["error"]["param"]) == (400, param), (body, stream, answer)
     assert served.wait_until_idle() < 5
+
+
+def test_an_unknown_adapter_is_named_where_the_request_names_it(served):
+    good = {"model": "demo", "prompt": "hi\n", "max_tokens": 2}
+    for extra, param in [({"lora": [{"name": "nope"}]}, "lora.0"), ({"lora": [{"name": "json"}, {"name": "nope"}]}, "lora.1"),
+                         ({"model": "nope"}, "model"), ({"model": "demo::nope"}, "model"),
+                         ({"model": "nope", "lora": [{"name": "json"}]}, "model")]:
+        status, body = served.call("/v1/completions", {**good, **extra}, key=None)
+        assert (status, body["error"]["param"], body["error"]["code"]) == (404, param, "model_not_found"), body

@@ -64,6 +64,14 @@ class CatalogEntry:
     created: int  # when it was registered (Unix time)
 
 
+class AdapterNotFoundError(NotFoundError):
+    """A request names an adapter that is not loaded: ``name``."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 @dataclass(frozen=True)
 class Skipped:
     """An entry of the adapters directory that could not be registered at start, and why."""
@@ -176,20 +184,21 @@ class AdapterCatalog:
                 self._problems[name] = reason
 
     def lease(self, names: Iterable[str]) -> Lease:
-        """Holds the adapters ``names`` for one request. ``NotFoundError`` names an unknown
-        one; ``FailedPreconditionError`` one whose file changed since it was loaded."""
+        """Holds the adapters ``names`` for one request. :class:`AdapterNotFoundError` names
+        an unknown one; ``FailedPreconditionError`` one whose file changed since it was loaded."""
         with self._lock:
             entries = {}
             for name in names:
                 if name not in self._entries:
-                    raise NotFoundError(f"adapter {name!r:.140} is not loaded; GET /v1/models lists what is")
+                    raise AdapterNotFoundError(f"adapter {name!r:.140} is not loaded; GET /v1/models lists what is",
+                                               name)
                 entries[name] = self._entries[name]
         for entry in entries.values():
             _check_unchanged(entry)
         with self._lock:
             missing = [name for name in entries if self._entries.get(name) is not entries[name]]
             if missing:
-                raise NotFoundError(f"adapter {missing[0]!r:.140} was unloaded meanwhile")
+                raise AdapterNotFoundError(f"adapter {missing[0]!r:.140} was unloaded meanwhile", missing[0])
             self._leases.update(list(entries))
         return Lease(entries, self._release)
 

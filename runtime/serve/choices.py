@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from runtime.errors import NotFoundError
+from runtime.serve.catalog import AdapterNotFoundError
 from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.generation import GenerationJob, GenerationRequest, Outcome
 from runtime.serve.logprobs import chat_logprobs, completion_logprobs
@@ -74,7 +74,7 @@ class ChoiceJobs:
                         prompt, body.token_limit, body.sampler_config(known, seed), stops, {}, stop_tokens,
                         body.min_tokens or 0, body.repetition_penalty or 1.0, echo=body.echo_prompt,
                         logprobs=logprobs, score_by_decode=server.settings.score_by_decode, prompt_index=p)
-                    jobs.append(cls._admit_one(server, request, weights, len(jobs), put, started,
+                    jobs.append(cls._admit_one(server, body, request, weights, len(jobs), put, started,
                                                check if not jobs else None))
         except BaseException:
             for job in jobs:
@@ -83,13 +83,14 @@ class ChoiceJobs:
         return cls(server, body, jobs)
 
     @staticmethod
-    def _admit_one(server, request: GenerationRequest, weights: list[tuple[str, float]], index: int,
-                   put: Callable[[object], None] | None, started: object,
-                   check: Callable[[object, list[tuple[str, float]]], None] | None) -> GenerationJob:
+    def _admit_one(server, body: CompletionBody | ChatBody, request: GenerationRequest,
+                   weights: list[tuple[str, float]], index: int, put: Callable[[object], None] | None,
+                   started: object, check: Callable[[object, list[tuple[str, float]]], None] | None
+                   ) -> GenerationJob:
         try:
             lease = server.catalog.lease(name for name, _ in weights)
-        except NotFoundError as exc:
-            raise ApiError.from_status(exc, code="model_not_found", param="model") from None
+        except AdapterNotFoundError as exc:
+            raise ApiError.from_status(exc, code="model_not_found", param=body.adapter_param(exc.name)) from None
         holder: list[GenerationJob] = []
 
         def release() -> None:

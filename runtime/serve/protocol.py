@@ -135,6 +135,12 @@ class _GenerationBody(_Body):
                              seed=self.seed if seed is None else seed, presence_penalty=self.presence_penalty or 0.0,
                              frequency_penalty=self.frequency_penalty or 0.0, logit_bias=tuple(sorted(bias.items())))
 
+    def adapter_param(self, name: str) -> str:
+        """The field that names adapter ``name``: ``lora.N`` for the N-th of ``lora``, else
+        ``model`` (``adapter`` or ``base::adapter``)."""
+        names = [entry.name for entry in self.lora or ()]
+        return f"lora.{names.index(name)}" if name in names else "model"
+
     @property
     def choices(self) -> int:
         """How many choices each prompt gets (``n``)."""
