@@ -326,7 +326,8 @@ def test_a_character_split_over_tokens_reads_whole_with_its_last_token_and_bytes
     content = choice["logprobs"]["content"]
     assert choice["message"]["content"] == "é" and [item["token"] for item in content] == ["", "é"]
     assert [item["bytes"] for item in content] == [[0xC3], [0xA9]]
-    assert all(alternative["bytes"] != list("\ufffd".encode()) for item in content for alternative in item["top_logprobs"])
+    replacement = list("\ufffd".encode())
+    assert all(alternative["bytes"] != replacement for item in content for alternative in item["top_logprobs"])
     echo = ok(served, "/v1/completions", {"model": "demo", "prompt": "héllo", "max_tokens": 0, "echo": True,
                                           "logprobs": 0})["choices"][0]["logprobs"]
     assert (echo["tokens"], echo["text_offset"]) == (["h", "", "é", "l", "l", "o"], [0, 1, 1, 2, 3, 4])
@@ -356,8 +357,24 @@ def test_a_context_overflow_and_an_empty_prompt_name_the_field_to_fix(served):
 
 def test_an_unknown_adapter_is_named_where_the_request_names_it(served):
     good = {"model": "demo", "prompt": "hi\n", "max_tokens": 2}
-    for extra, param in [({"lora": [{"name": "nope"}]}, "lora.0"), ({"lora": [{"name": "json"}, {"name": "nope"}]}, "lora.1"),
+    for extra, param in [({"lora": [{"name": "nope"}]}, "lora.0"),
+                         ({"lora": [{"name": "json"}, {"name": "nope"}]}, "lora.1"),
                          ({"model": "nope"}, "model"), ({"model": "demo::nope"}, "model"),
                          ({"model": "nope", "lora": [{"name": "json"}]}, "model")]:
         status, body = served.call("/v1/completions", {**good, **extra}, key=None)
         assert (status, body["error"]["param"], body["error"]["code"]) == (404, param, "model_not_found"), body
+
+
+def test_base_and_adapter_names_an_adapter_wherever_a_model_is_named(served):
+    """``demo::json`` names the adapter for generation, and so for the tokenizer endpoints
+    and the model card; a wrong base or adapter is a 404, nothing after '::' a 400."""
+    assert ok(served, "/tokenize", {"model": "demo::json", "prompt": "hi", "add_special_tokens": False})["tokens"] == [
+        104, 105]
+    assert ok(served, "/detokenize", {"model": "demo::json", "tokens": [104, 105]}) == {"prompt": "hi"}
+    status, card = served.call("/v1/models/demo::json", key=None)
+    assert (status, card["id"], card["parent"]) == (200, "json", "demo")
+    for model, status in [("demo::nope", 404), ("other::json", 404), ("demo::", 400), ("nope", 404)]:
+        for path, body in [("/tokenize", {"model": model, "prompt": "hi"}),
+                           ("/detokenize", {"model": model, "tokens": [104]}), (f"/v1/models/{model}", None)]:
+            got, answer = served.call(path, body, key=None)
+            assert (got, answer["error"]["param"]) == (status, "model"), (path, answer)

@@ -16,13 +16,12 @@ from starlette.types import Receive, Scope, Send
 from runtime.errors import InvalidArgumentError, ResourceExhaustedError
 from runtime.serve.catalog import Lease
 from runtime.serve.error_handlers import as_api_error
-from runtime.serve.errors import ApiError, bad_request, model_not_found
+from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.choices import ChoiceJobs
 from runtime.serve.generation import EmptyPromptError, GenerationJob, Outcome, PromptTooLongError
 from runtime.serve.protocol import ChatBody, CompletionBody, LoraWeight, Reply, sse
 from runtime.serve.sampling import NonFiniteLogits
 from runtime.serve.server import Server
-from runtime.serve.settings import ADAPTER_SEPARATOR
 
 log = logging.getLogger("runtime.serve")
 
@@ -222,16 +221,7 @@ async def _first_events(events: asyncio.Queue, request: Request, jobs: ChoiceJob
 def _blend(server: Server, model: str, lora: Sequence[LoraWeight]) -> list[tuple[str, float]]:
     """The adapters and scales a request names: ``model`` (the base, an adapter, or
     ``base::adapter``) at scale 1, then ``lora``."""
-    base = server.settings.model_name
-    adapter: str | None = model
-    if model == base:
-        adapter = None
-    elif ADAPTER_SEPARATOR in model:
-        prefix, _, adapter = model.partition(ADAPTER_SEPARATOR)
-        if prefix != base:
-            raise model_not_found(f"model {prefix!r:.100} is not served here; the base model is {base!r}")
-        if not adapter:
-            raise bad_request(f"model {model!r:.100}: name an adapter after '::'", param="model")
+    adapter = server.adapter_of(model)
     weights = [(adapter, 1.0)] if adapter is not None else []
     weights += [(entry.name, entry.scale) for entry in lora]
     names = [name for name, _ in weights]

@@ -6,7 +6,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from runtime.serve.errors import model_not_found
 from runtime.serve.protocol import DetokenizeBody, TokenizeBody, check_token_id
 from runtime.serve.server import Server
 
@@ -78,8 +77,7 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 
 def _check_model(server: Server, model: str | None) -> None:
-    """``model``, if given, must be the base model or a loaded adapter (they share the tokenizer)."""
-    if model is None or model == server.settings.model_name:
-        return
-    if server.catalog.find(model) is None:
-        raise model_not_found(f"model {model!r:.140} is not served here; GET /v1/models lists what is")
+    """``model``, if given, must be the base model or a loaded adapter (they share the
+    tokenizer), named as generation names them."""
+    if model is not None:
+        server.model_entry(model)
