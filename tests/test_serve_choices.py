@@ -378,3 +378,13 @@ def test_base_and_adapter_names_an_adapter_wherever_a_model_is_named(served):
                            ("/detokenize", {"model": model, "tokens": [104]}), (f"/v1/models/{model}", None)]:
             got, answer = served.call(path, body, key=None)
             assert (got, answer["error"]["param"]) == (status, "model"), (path, answer)
+
+
+def test_tokenize_adds_the_bos_unless_told_not_to_while_completions_encode_text_as_given(pieces):
+    """What docs/serving.md says of /tokenize: vLLM's add_special_tokens default counts a
+    BOS that a completion's text prompt (encoded as `runtime generate` does) has not."""
+    usage = ok(pieces, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 1})["usage"]
+    plain = ok(pieces, "/tokenize", {"prompt": "the cat", "add_special_tokens": False})
+    assert plain["count"] == usage["prompt_tokens"]
+    bos = pieces.engine.tokenizer.encode("", add_special_tokens=True)
+    assert ok(pieces, "/tokenize", {"prompt": "the cat"})["tokens"] == [*bos, *plain["tokens"]] and len(bos) == 1
