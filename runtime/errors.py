@@ -9,9 +9,11 @@ from __future__ import annotations
 
 
 class StatusError(Exception):
-    """Base of every error the runtime raises on purpose."""
+    """Base of every error the runtime raises on purpose. ``field``: the argument it is
+    about, when the layer that knows has said so (an API answer's ``param``)."""
 
     code: str = "UNKNOWN"
+    field: str | None = None
 
     def __str__(self) -> str:
         message = super().__str__()

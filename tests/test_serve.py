@@ -539,12 +539,38 @@ def test_path_checks_on_load(served, tmp_path):
                                   ("sub/../../outside.tflite", 403), ("pipe.tflite", 403), ("nothing.tflite", 404),
                                   ("sub", 400), ("bad\u0000name", 400)]:
             got, body = served.call("/v1/load_lora_adapter", {"lora_name": "probe", "lora_path": lora_path})
-            assert got == status, (lora_path, body)
+            assert (got, body["error"]["param"]) == (status, "lora_path"), (lora_path, body)
             assert body["error"]["message"]
     finally:
         (served.adapters / "escape.tflite").unlink()
         (served.adapters / "pipe.tflite").unlink()
         (served.adapters / "sub").rmdir()
+
+
+def test_load_and_unload_errors_name_the_field(served, files_on_loopback):
+    folder, base = files_on_loopback
+    shutil.copy(DEMO / "adapters" / "json.tflite", served.adapters / "copy.tflite")
+    shutil.copy(DEMO / "adapters" / "json.tflite", folder / "copy.tflite")
+    other = "0" * 64  # a digest of none of these files
+    load = "/v1/load_lora_adapter"
+    try:
+        for path, body, status, param in [
+                (load, {"lora_name": "bad name", "lora_path": "copy.tflite"}, 400, "lora_name"),
+                (load, {"lora_name": "demo", "lora_path": "copy.tflite"}, 409, "lora_name"),
+                (load, {"lora_name": "json", "lora_path": "copy.tflite"}, 409, "lora_name"),
+                (load, {"lora_name": "probe", "lora_path": "copy.tflite", "sha256": "xyz"}, 400, "sha256"),
+                (load, {"lora_name": "probe", "lora_path": "copy.tflite", "sha256": other}, 400, "sha256"),
+                (load, {"lora_name": "probe", "lora_path": "json.tflite"}, 409, "lora_path"),  # loaded as json
+                (load, {"lora_name": "probe", "url": f"{base}/copy.tflite", "sha256": "xyz"}, 400, "sha256"),
+                (load, {"lora_name": "probe", "url": f"{base}/copy.tflite", "sha256": other}, 400, "sha256"),
+                (load, {"lora_name": "probe", "url": "ftp://127.0.0.1/copy.tflite", "sha256": other}, 400, "url"),
+                (load, {"lora_name": "probe", "url": f"{base}/nothing.tflite", "sha256": other}, 400, "url"),
+                ("/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "lora_name")]:
+            got, answer = served.call(path, body)
+            assert (got, answer["error"]["param"]) == (status, param), (body, answer)
+        assert not (served.adapters / "probe.tflite").exists()
+    finally:
+        (served.adapters / "copy.tflite").unlink()
 
 
 def _catalogue(served) -> list[tuple[str, dict]]:

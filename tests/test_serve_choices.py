@@ -14,10 +14,11 @@ import pytest
 pytest.importorskip("uvicorn")
 
 from runtime import ByteTokenizer, Engine, SamplerConfig, SessionConfig, LoraSource  # noqa: E402
+from runtime.components.tokenizer import SentencePieceTokenizer  # noqa: E402
 from runtime.serve.app import ServeSettings  # noqa: E402
 from runtime.serve.logprobs import log_softmax  # noqa: E402
 from test_serve import (  # noqa: E402
-    ADAPTERS, DEMO, MODEL, NEWLINE, TEMPLATE, TINY_MODEL, Served, start_server, stop_server,
+    ADAPTERS, DEMO, MODEL, NEWLINE, TEMPLATE, TINY_MODEL, Served, start_server, stop_server, stream_status,
 )
 
 ROOT_MODELS = TINY_MODEL.parent
@@ -260,3 +261,130 @@ def test_a_stream_with_echo_sends_the_prompt_first_and_the_logprobs_when_the_cho
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == whole["text"]
     assert [chunk["choices"][0]["logprobs"] for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1]["choices"][0]["logprobs"] == whole["logprobs"]
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    """A SentencePiece tokenizer of 17 pieces (the characters of a short text, '▁' for the
+    space) serving the tiny model's 256 ids: ids 17-255 are the model's alone, as Gemma
+    3's last 64 of 262,208 are. The tiny model's random weights sample them mostly."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    folder = tmp_path_factory.mktemp("pieces")
+    (folder / "text.txt").write_text("hello world the cat sat on the mat\n" * 50)
+    sentencepiece.SentencePieceTrainer.train(input=str(folder / "text.txt"), model_prefix=str(folder / "sp"),
+                                             vocab_size=17, model_type="char", minloglevel=2)
+    engine = Engine(TINY_MODEL, tokenizer=SentencePieceTokenizer(folder / "sp.model"))
+    server, thread, url = start_server(engine, None, ServeSettings("tiny", score_by_decode=True))
+    yield Served(url, engine, folder)
+    stop_server(server, thread)
+    engine.close()
+
+
+def test_ids_the_model_has_past_its_tokenizer_are_refused_from_clients_and_add_no_text_when_sampled(pieces):
+    assert (pieces.engine.spec.vocab_size, pieces.engine.tokenizer.vocab_size) == (256, 17)
+    for path, body, param in [
+            ("/detokenize", {"tokens": [16, 17]}, "tokens.1"),
+            ("/v1/completions", {"model": "tiny", "prompt": [5, 200], "max_tokens": 1, "echo": True}, "prompt"),
+            ("/v1/completions", {"model": "tiny", "prompt": [[5], [5, 200]]}, "prompt.1"),
+            ("/v1/completions", {"model": "tiny", "prompt": "the cat", "logit_bias": {"200": 100}}, "logit_bias"),
+            ("/v1/completions", {"model": "tiny", "prompt": "the cat", "stop_token_ids": [2, 17]}, "stop_token_ids.1")]:
+        status, answer = pieces.call(path, body, key=None)
+        assert (status, answer["error"]["param"]) == (400, param), answer
+        assert "[0, 17)" in answer["error"]["message"]
+    assert ok(pieces, "/detokenize", {"tokens": [7, 6, 8, 8, 9]}) == {"prompt": "hello"}
+    with pieces.engine.create_session() as s:
+        expected = s.generate("the cat", 12)
+    assert any(token >= 17 for token in expected.tokens)  # what this test is about
+    body = {"model": "tiny", "prompt": "the cat", "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    answer = ok(pieces, "/v1/completions", body)
+    assert answer["choices"][0]["text"] == expected.text
+    assert answer["usage"]["completion_tokens"] == len(expected.tokens)
+    status, events = stream_status(pieces, "/v1/completions", body)
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == expected.text
+
+
+def test_token_texts_add_up_to_the_answer_when_pieces_read_otherwise_alone(pieces):
+    """SentencePiece drops a piece's leading space when it is decoded alone ('▁' alone is
+    ''): a token's text is what it adds to the text before it, so the texts add up to the
+    answer, the offsets are right, and each alternative reads as it would there."""
+    answer = ok(pieces, "/v1/completions", {"model": "tiny", "prompt": "the cat sat", "max_tokens": 6,
+                                            "temperature": 0, "echo": True, "logprobs": 3})
+    choice = answer["choices"][0]
+    logprobs, prompt = choice["logprobs"], pieces.engine.tokenizer.encode("the cat sat")
+    assert "".join(logprobs["tokens"]) == choice["text"] and choice["text"].startswith("the cat sat")
+    assert logprobs["tokens"][:len(prompt)] == ["", "t", "h", "e", " ", "c", "a", "t", " ", "s", "a", "t"]
+    assert logprobs["text_offset"] == [len("".join(logprobs["tokens"][:i])) for i in range(len(logprobs["tokens"]))]
+    for text, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:]):
+        assert text in top  # the token itself is among its alternatives, reading the same
+
+
+def test_a_character_split_over_tokens_reads_whole_with_its_last_token_and_bytes_are_each_token_s(served):
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+            "logprobs": True, "top_logprobs": 3, "logit_bias": {"195": 100, "169": 100}}  # 'é' is C3 A9
+    choice = ok(served, "/v1/chat/completions", body)["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["message"]["content"] == "é" and [item["token"] for item in content] == ["", "é"]
+    assert [item["bytes"] for item in content] == [[0xC3], [0xA9]]
+    replacement = list("\ufffd".encode())
+    assert all(alternative["bytes"] != replacement for item in content for alternative in item["top_logprobs"])
+    echo = ok(served, "/v1/completions", {"model": "demo", "prompt": "héllo", "max_tokens": 0, "echo": True,
+                                          "logprobs": 0})["choices"][0]["logprobs"]
+    assert (echo["tokens"], echo["text_offset"]) == (["h", "", "é", "l", "l", "o"], [0, 1, 1, 2, 3, 4])
+
+
+def test_a_context_overflow_and_an_empty_prompt_name_the_field_to_fix(served):
+    """The prompt when it alone leaves no room (or holds no token), with its index in a
+    list; else the token limit the request gave (the prompt, when it gave none)."""
+    chat, long = {"model": "demo", "messages": [{"role": "user", "content": "hello"}]}, "x" * 300
+    for path, body, param in [
+            ("/v1/chat/completions", {**chat, "max_completion_tokens": 300}, "max_completion_tokens"),
+            ("/v1/chat/completions", {**chat, "max_tokens": 300}, "max_tokens"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": long}]}, "messages"),
+            ("/v1/completions", {"model": "demo", "prompt": long, "max_tokens": 0, "echo": True}, "prompt"),
+            ("/v1/completions", {"model": "demo", "prompt": ["hi", long], "max_tokens": 0, "echo": True}, "prompt.1"),
+            ("/v1/completions", {"model": "demo", "prompt": ["hi", "x" * 250], "max_tokens": 10}, "max_tokens"),
+            ("/v1/completions", {"model": "demo", "prompt": ["hi", "x" * 250]}, "prompt.1"),  # 16 by default
+            ("/v1/completions", {"model": "demo", "prompt": ""}, "prompt"),
+            ("/v1/completions", {"model": "demo", "prompt": []}, "prompt"),
+            ("/v1/completions", {"model": "demo", "prompt": [[]]}, "prompt.0"),
+            ("/v1/completions", {"model": "demo", "prompt": ["a", ""]}, "prompt.1")]:
+        for stream in (False, True):
+            status, answer = served.call(path, {**body, "stream": stream}, key=None)
+            assert (status, answer["error"]["param"]) == (400, param), (body, stream, answer)
+    assert served.wait_until_idle() < 5
+
+
+def test_an_unknown_adapter_is_named_where_the_request_names_it(served):
+    good = {"model": "demo", "prompt": "hi\n", "max_tokens": 2}
+    for extra, param in [({"lora": [{"name": "nope"}]}, "lora.0"),
+                         ({"lora": [{"name": "json"}, {"name": "nope"}]}, "lora.1"),
+                         ({"model": "nope"}, "model"), ({"model": "demo::nope"}, "model"),
+                         ({"model": "nope", "lora": [{"name": "json"}]}, "model")]:
+        status, body = served.call("/v1/completions", {**good, **extra}, key=None)
+        assert (status, body["error"]["param"], body["error"]["code"]) == (404, param, "model_not_found"), body
+
+
+def test_base_and_adapter_names_an_adapter_wherever_a_model_is_named(served):
+    """``demo::json`` names the adapter for generation, and so for the tokenizer endpoints
+    and the model card; a wrong base or adapter is a 404, nothing after '::' a 400."""
+    assert ok(served, "/tokenize", {"model": "demo::json", "prompt": "hi", "add_special_tokens": False})["tokens"] == [
+        104, 105]
+    assert ok(served, "/detokenize", {"model": "demo::json", "tokens": [104, 105]}) == {"prompt": "hi"}
+    status, card = served.call("/v1/models/demo::json", key=None)
+    assert (status, card["id"], card["parent"]) == (200, "json", "demo")
+    for model, status in [("demo::nope", 404), ("other::json", 404), ("demo::", 400), ("nope", 404)]:
+        for path, body in [("/tokenize", {"model": model, "prompt": "hi"}),
+                           ("/detokenize", {"model": model, "tokens": [104]}), (f"/v1/models/{model}", None)]:
+            got, answer = served.call(path, body, key=None)
+            assert (got, answer["error"]["param"]) == (status, "model"), (path, answer)
+
+
+def test_tokenize_adds_the_bos_unless_told_not_to_while_completions_encode_text_as_given(pieces):
+    """What docs/serving.md says of /tokenize: vLLM's add_special_tokens default counts a
+    BOS that a completion's text prompt (encoded as `runtime generate` does) has not."""
+    usage = ok(pieces, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 1})["usage"]
+    plain = ok(pieces, "/tokenize", {"prompt": "the cat", "add_special_tokens": False})
+    assert plain["count"] == usage["prompt_tokens"]
+    bos = pieces.engine.tokenizer.encode("", add_special_tokens=True)
+    assert ok(pieces, "/tokenize", {"prompt": "the cat"})["tokens"] == [*bos, *plain["tokens"]] and len(bos) == 1

@@ -85,3 +85,27 @@ def test_special_tokens_read_as_the_vocabulary_spells_them(hf_json, sp_model):
     assert sp.encode("hello", add_special_tokens=True) == [1, *sp.encode("hello")]
     byte = ByteTokenizer([10])
     assert byte.token_text(10) == "\n" and byte.encode("hi", add_special_tokens=True) == [104, 105]
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(hf_json, sp_model):
+    """A model may have more embeddings than its tokenizer has tokens (Gemma 3: 262,208 and
+    262,144): an id the tokenizer lacks adds no text, and decoding never raises."""
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        ids, past = tokenizer.encode("hello world"), tokenizer.vocab_size
+        assert tokenizer.decode([*ids[:2], past, *ids[2:], past + 63]) == "hello world"
+        assert tokenizer.decode([past]) == ""
+
+
+def test_a_token_s_own_bytes_where_the_vocabulary_spells_them(hf_json, sp_model):
+    """What chat logprobs' ``bytes`` say: a byte-level BPE token's bytes and a byte-fallback
+    piece's byte, a part of a character too; ``None`` where only the token's text tells."""
+    byte = ByteTokenizer()
+    assert [byte.token_bytes(t) for t in byte.encode("é")] == [b"\xc3", b"\xa9"] and byte.token_bytes(256) == b""
+    hf = HfTokenizer(hf_json)
+    for text in TEXTS:
+        assert b"".join(hf.token_bytes(t) for t in hf.encode(text)) == text.encode()
+    assert hf.token_bytes(hf.stop_token_ids[0]) is None
+    sp = SentencePieceTokenizer(sp_model)
+    pieces = sp.encode("🙂")  # not in the corpus: '▁' and four byte pieces
+    assert [sp.token_bytes(t) for t in pieces] == [None, b"\xf0", b"\x9f", b"\x99", b"\x82"]
+    assert sp.token_bytes(sp.vocab_size) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -13,6 +14,21 @@ from runtime.errors import InvalidArgumentError, NotFoundError
 _STOP_TOKEN_TEXTS = ("</s>", "<|endoftext|>", "<eos>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 # Special tokens that begin a sequence in common vocabularies.
 _BOS_TOKEN_TEXTS = ("<|begin_of_text|>", "<s>", "<bos>")
+# A byte-fallback token's spelling (SentencePiece's and tokenizer.json's): one byte of a
+# character the vocabulary has no token for.
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (what byte-level BPE vocabularies spell tokens in): the
+    character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = (byte for byte in range(256) if byte not in printable)
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class Tokenizer(Protocol):
@@ -30,7 +46,8 @@ class Tokenizer(Protocol):
         """Token ids of ``text``."""
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids."""
+        """Text of token ids; ids the tokenizer lacks (a model may have more embeddings than
+        its tokenizer has tokens, as Gemma 3 has) add nothing, so decoding never fails."""
 
 
 class ByteTokenizer:
@@ -57,19 +74,21 @@ class ByteTokenizer:
         """The byte as text (a byte that is not whole UTF-8 alone: U+FFFD)."""
         return self.decode([token])
 
+    def token_bytes(self, token: int) -> bytes:
+        """The byte itself (a part of a character too); nothing for an id past the bytes."""
+        return bytes([token]) if 0 <= token < 256 else b""
+
     def decode(self, ids: Sequence[int]) -> str:
-        """Bytes back to text; invalid UTF-8 sequences become U+FFFD."""
-        try:
-            return bytes(ids).decode("utf-8", errors="replace")
-        except ValueError:
-            raise InvalidArgumentError(f"byte tokens must be in [0, 256), got {list(ids)[:8]}") from None
+        """Bytes back to text; invalid UTF-8 sequences become U+FFFD, ids past the bytes
+        (a model's extra tokens) add nothing."""
+        return bytes(token for token in ids if 0 <= token < 256).decode("utf-8", errors="replace")
 
 
 class HfTokenizer:
     """A Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` library)."""
 
     def __init__(self, source: str | os.PathLike[str] | bytes, stop_token_ids: Sequence[int] | None = None) -> None:
-        from tokenizers import Tokenizer as _Tokenizer
+        from tokenizers import Tokenizer as _Tokenizer, decoders
 
         try:
             if isinstance(source, bytes):
@@ -88,6 +107,8 @@ class HfTokenizer:
             found = (self._tokenizer.token_to_id(text) for text in _STOP_TOKEN_TEXTS)
             stop_token_ids = [token for token in found if token is not None]
         self._stop = tuple(int(t) for t in stop_token_ids)
+        self._byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        self._added = frozenset(self._tokenizer.get_added_tokens_decoder())
 
     @property
     def vocab_size(self) -> int:
@@ -108,13 +129,26 @@ class HfTokenizer:
         """The token as the vocabulary spells it (special tokens too, e.g. ``<|im_end|>``)."""
         return self._tokenizer.id_to_token(int(token)) or ""
 
+    def token_bytes(self, token: int) -> bytes | None:
+        """The token's own bytes where the vocabulary spells them: a byte-level BPE token's
+        (a part of a character too), a byte-fallback token's (``<0xC3>``); ``None`` for
+        other tokens (added ones, special ones...), whose bytes are their text's."""
+        spelling = self._tokenizer.id_to_token(int(token))
+        if spelling is None or token in self._added:
+            return None
+        if self._byte_level:
+            values = [_BYTE_LEVEL.get(character) for character in spelling]
+            return None if None in values else bytes(values)  # type: ignore[arg-type]
+        match = _BYTE_PIECE.fullmatch(spelling)
+        return bytes([int(match[1], 16)]) if match else None
+
     @property
     def bos_token(self) -> str | None:
         """The text of the vocabulary's beginning-of-sequence token, if it has a common one."""
         return next((text for text in _BOS_TOKEN_TEXTS if self._tokenizer.token_to_id(text) is not None), None)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens skipped."""
+        """Text of ``ids``, special tokens and ids past the vocabulary (a model's extra tokens) skipped."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
@@ -159,6 +193,13 @@ class SentencePieceTokenizer:
         """The piece (special pieces too, e.g. ``</s>``)."""
         return self._processor.id_to_piece(int(token))
 
+    def token_bytes(self, token: int) -> bytes | None:
+        """A byte-fallback piece's byte (``<0xC3>``: a part of a character the pieces do not
+        hold); ``None`` for other pieces, whose bytes are their text's."""
+        if 0 <= token < self._processor.get_piece_size() and self._processor.is_byte(token):
+            return bytes([int(_BYTE_PIECE.fullmatch(self._processor.id_to_piece(token))[1], 16)])
+        return None
+
     @property
     def bos_token(self) -> str | None:
         """The beginning-of-sentence piece, if the model has one."""
@@ -166,8 +207,9 @@ class SentencePieceTokenizer:
         return self._processor.id_to_piece(bos) if bos >= 0 else None
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``."""
-        return self._processor.decode(list(ids))
+        """Text of ``ids``; ids past the pieces (a model's extra tokens) add nothing."""
+        pieces = self._processor.get_piece_size()
+        return self._processor.decode([token for token in ids if 0 <= token < pieces])
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

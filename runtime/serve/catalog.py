@@ -23,7 +23,8 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,14 @@ class CatalogEntry:
     key: AdapterKey  # the files' identity when registered (see AdapterOrigin)
     load_seconds: float
     created: int  # when it was registered (Unix time)
+
+
+class AdapterNotFoundError(NotFoundError):
+    """A request names an adapter that is not loaded: ``name``."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 @dataclass(frozen=True)
@@ -176,20 +185,21 @@ class AdapterCatalog:
                 self._problems[name] = reason
 
     def lease(self, names: Iterable[str]) -> Lease:
-        """Holds the adapters ``names`` for one request. ``NotFoundError`` names an unknown
-        one; ``FailedPreconditionError`` one whose file changed since it was loaded."""
+        """Holds the adapters ``names`` for one request. :class:`AdapterNotFoundError` names
+        an unknown one; ``FailedPreconditionError`` one whose file changed since it was loaded."""
         with self._lock:
             entries = {}
             for name in names:
                 if name not in self._entries:
-                    raise NotFoundError(f"adapter {name!r:.140} is not loaded; GET /v1/models lists what is")
+                    raise AdapterNotFoundError(f"adapter {name!r:.140} is not loaded; GET /v1/models lists what is",
+                                               name)
                 entries[name] = self._entries[name]
         for entry in entries.values():
             _check_unchanged(entry)
         with self._lock:
             missing = [name for name in entries if self._entries.get(name) is not entries[name]]
             if missing:
-                raise NotFoundError(f"adapter {missing[0]!r:.140} was unloaded meanwhile")
+                raise AdapterNotFoundError(f"adapter {missing[0]!r:.140} was unloaded meanwhile", missing[0])
             self._leases.update(list(entries))
         return Lease(entries, self._release)
 
@@ -230,45 +240,54 @@ class AdapterCatalog:
 
     def load_path(self, name: str, lora_path: str, sha256: str | None = None) -> CatalogEntry:
         """Registers the adapter at ``lora_path`` (relative to the adapters directory, or
-        absolute inside it) as ``name``; with ``sha256``, only if its content has that digest."""
+        absolute inside it) as ``name``; with ``sha256``, only if its content has that digest.
+        Errors say the field they are about (``lora_name``, ``lora_path``, ``sha256``)."""
         self._reserve(name)
         try:
-            path = self._resolve_inside(lora_path)
-            return self._register(name, path, None if sha256 is None else check_sha256(sha256, "sha256"))
+            with _about("lora_path"):
+                path = self._resolve_inside(lora_path)
+                with _about("sha256"):
+                    digest = None if sha256 is None else check_sha256(sha256, "sha256")
+                return self._register(name, path, digest)
         finally:
             self._unreserve(name)
 
     def load_url(self, name: str, url: str, sha256: str) -> CatalogEntry:
         """Downloads a ``.tflite`` or GGUF adapter and registers it as ``name``; it is
-        renamed to ``name`` + suffix in the adapters directory only once its SHA-256 matched."""
-        sha256 = check_sha256(sha256, "sha256")
-        if not isinstance(url, str) or not url:
-            raise InvalidArgumentError("url must be a non-empty string")
+        renamed to ``name`` + suffix in the adapters directory only once its SHA-256 matched.
+        Errors say the field they are about (``lora_name``, ``url``, ``sha256``)."""
+        with _about("sha256"):
+            sha256 = check_sha256(sha256, "sha256")
+        with _about("url"):
+            if not isinstance(url, str) or not url:
+                raise InvalidArgumentError("url must be a non-empty string")
         self._reserve(name)
         try:
-            directory = self._require_directory("url")
-            temporary = download(url, directory, prefix=name, policy=self._downloads)
-            try:
-                suffix = _checked_download(temporary, url, sha256)
-                final = directory / f"{name}{suffix}"
-                if final.exists() or final.is_symlink():
-                    raise AlreadyExistsError(f"{final.name} already exists in the adapters directory")
-                os.replace(temporary, final)
-            except BaseException:
-                temporary.unlink(missing_ok=True)
-                raise
-            try:
-                return self._register(name, final)
-            except BaseException:
-                final.unlink(missing_ok=True)
-                raise
+            with _about("url"):
+                directory = self._require_directory("url")
+                temporary = download(url, directory, prefix=name, policy=self._downloads)
+                try:
+                    suffix = _checked_download(temporary, url, sha256)
+                    final = directory / f"{name}{suffix}"
+                    with _about("lora_name"):  # the file takes the adapter's name
+                        if final.exists() or final.is_symlink():
+                            raise AlreadyExistsError(f"{final.name} already exists in the adapters directory")
+                    os.replace(temporary, final)
+                except BaseException:
+                    temporary.unlink(missing_ok=True)
+                    raise
+                try:
+                    return self._register(name, final)
+                except BaseException:
+                    final.unlink(missing_ok=True)
+                    raise
         finally:
             self._unreserve(name)
 
     def unload(self, name: str) -> CatalogEntry:
         """Unregisters ``name`` and frees its buffers; refused while a request uses it.
-        Its file stays in the adapters directory."""
-        with self._lock:
+        Its file stays in the adapters directory. Errors are about ``lora_name``."""
+        with _about("lora_name"), self._lock:
             entry = self._entries.get(name)
             if entry is None:
                 raise NotFoundError(f"adapter {name!r:.140} is not loaded")
@@ -284,16 +303,16 @@ class AdapterCatalog:
     # -- internals -----------------------------------------------------------------
 
     def _reserve(self, name: str) -> None:
-        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise InvalidArgumentError(
-                f"adapter name {name!r:.140}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            )
-        with self._lock:
-            if name in self._reserved:
-                raise AlreadyExistsError(f"{name!r} is the base model's name")
-            if name in self._entries or name in self._pending:
-                raise AlreadyExistsError(f"adapter {name!r} is already loaded; unload it first")
-            self._pending.add(name)
+        with _about("lora_name"):
+            if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+                raise InvalidArgumentError(f"adapter name {name!r:.140}: use 1-128 letters, digits, '.', '_' or '-', "
+                                           "starting with a letter or digit")
+            with self._lock:
+                if name in self._reserved:
+                    raise AlreadyExistsError(f"{name!r} is the base model's name")
+                if name in self._entries or name in self._pending:
+                    raise AlreadyExistsError(f"adapter {name!r} is already loaded; unload it first")
+                self._pending.add(name)
 
     def _unreserve(self, name: str) -> None:
         with self._lock:
@@ -302,7 +321,8 @@ class AdapterCatalog:
     def _register(self, name: str, path: Path, sha256: str | None = None) -> CatalogEntry:
         key = AdapterOrigin.of_file(path).key
         started = time.perf_counter()
-        lora_id = self._engine.register_adapter(LoraSource(path=path, sha256=sha256, heads=self._draft_heads))
+        with _about("sha256", DataLossError if sha256 is not None else ()):  # the bytes are not the digest's
+            lora_id = self._engine.register_adapter(LoraSource(path=path, sha256=sha256, heads=self._draft_heads))
         elapsed = time.perf_counter() - started
         with self._lock:
             for other in self._entries.values():
@@ -342,6 +362,18 @@ class AdapterCatalog:
         return _regular(path, lora_path)
 
 
+@contextmanager
+def _about(field: str, kinds: type[StatusError] | tuple[type[StatusError], ...] = StatusError) -> Iterator[None]:
+    """Says that the errors of ``kinds`` raised inside are about the request field
+    ``field`` (the ``param`` of the HTTP answer), unless a step inside said so already."""
+    try:
+        yield
+    except kinds as exc:
+        if exc.field is None:
+            exc.field = field
+        raise
+
+
 def _check_unchanged(entry: CatalogEntry) -> None:
     """``FailedPreconditionError`` if the adapter's files are not those it was registered from."""
     try:
@@ -357,11 +389,12 @@ def _check_unchanged(entry: CatalogEntry) -> None:
 def _checked_download(path: Path, url: str, sha256: str) -> str:
     """The suffix of a downloaded adapter (``.tflite`` or ``.gguf``), once the core checked
     its SHA-256 and its format; the errors tell nothing about the bytes."""
-    try:
-        AdapterOrigin.of_file(path).check_sha256(sha256)
-    except DataLossError:
-        raise DataLossError(f"url {url!r:.200}: the file's SHA-256 is not the sha256 given; "
-                            "the download was discarded") from None
+    with _about("sha256"):
+        try:
+            AdapterOrigin.of_file(path).check_sha256(sha256)
+        except DataLossError:
+            raise DataLossError(f"url {url!r:.200}: the file's SHA-256 is not the sha256 given; "
+                                "the download was discarded") from None
     try:
         kind = detect_format(path)
     except InvalidArgumentError:

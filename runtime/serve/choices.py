@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from runtime.errors import NotFoundError
+from runtime.serve.catalog import AdapterNotFoundError
 from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.generation import GenerationJob, GenerationRequest, Outcome
 from runtime.serve.logprobs import chat_logprobs, completion_logprobs
-from runtime.serve.protocol import Answer, ChatBody, CompletionBody
+from runtime.serve.protocol import Answer, ChatBody, CompletionBody, check_token_id
+from runtime.serve.token_texts import TokenReader
 
 _SEEDS = 2**64
 
@@ -30,7 +31,6 @@ class ChoiceJobs:
         self._server = server
         self._body = body
         self.jobs = jobs
-        self._text_of = _token_text(server.engine.tokenizer)
 
     @classmethod
     def admit(cls, server, body: CompletionBody | ChatBody, weights: list[tuple[str, float]],
@@ -47,7 +47,7 @@ class ChoiceJobs:
             raise bad_request(f"{len(prompts)} prompt(s) x {runs} choice(s) = {len(prompts) * runs} generations, more "
                               f"than the server runs at once (--max-concurrent {limit})", param=field)
         engine = server.engine
-        vocab = engine.spec.vocab_size
+        known = server.known_tokens
         if body.echo_prompt and not engine.spec.can_score and not server.settings.score_by_decode:
             raise bad_request(
                 f"echo needs the logits at every prompt position, and model {server.settings.model_name!r} was "
@@ -57,15 +57,11 @@ class ChoiceJobs:
                 param="echo", code="scoring_unavailable")
         stops = body.stop_strings()
         stop_tokens = body.stop_tokens(engine.tokenizer.stop_token_ids)
-        for index, token in enumerate(sorted(stop_tokens)):
-            if not 0 <= token < vocab:
-                raise bad_request(f"stop token id {token} is outside the vocabulary [0, {vocab})",
-                                  param="stop_token_ids")
+        for index, token in enumerate(body.stop_token_ids or ()):
+            check_token_id(token, known, f"stop_token_ids.{index}")
         for p, prompt in enumerate(prompts):
-            bad = next((t for t in prompt if not 0 <= t < vocab), None) if isinstance(prompt, tuple) else None
-            if bad is not None:
-                raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
-                                  param="prompt" if len(prompts) == 1 else f"prompt.{p}")
+            for token in prompt if isinstance(prompt, tuple) else ():
+                check_token_id(token, known, body.prompt_param(p))
         logprobs = body.logprob_count
         if logprobs is None and runs > body.choices:
             logprobs = 0  # best_of ranks by the tokens' logprobs
@@ -75,10 +71,10 @@ class ChoiceJobs:
                 for r in range(runs):
                     seed = None if body.seed is None else (body.seed + r) % _SEEDS
                     request = GenerationRequest(
-                        prompt, body.token_limit, body.sampler_config(vocab, seed), stops, {}, stop_tokens,
+                        prompt, body.token_limit, body.sampler_config(known, seed), stops, {}, stop_tokens,
                         body.min_tokens or 0, body.repetition_penalty or 1.0, echo=body.echo_prompt,
                         logprobs=logprobs, score_by_decode=server.settings.score_by_decode, prompt_index=p)
-                    jobs.append(cls._admit_one(server, request, weights, len(jobs), put, started,
+                    jobs.append(cls._admit_one(server, body, request, weights, len(jobs), put, started,
                                                check if not jobs else None))
         except BaseException:
             for job in jobs:
@@ -87,13 +83,14 @@ class ChoiceJobs:
         return cls(server, body, jobs)
 
     @staticmethod
-    def _admit_one(server, request: GenerationRequest, weights: list[tuple[str, float]], index: int,
-                   put: Callable[[object], None] | None, started: object,
-                   check: Callable[[object, list[tuple[str, float]]], None] | None) -> GenerationJob:
+    def _admit_one(server, body: CompletionBody | ChatBody, request: GenerationRequest,
+                   weights: list[tuple[str, float]], index: int, put: Callable[[object], None] | None,
+                   started: object, check: Callable[[object, list[tuple[str, float]]], None] | None
+                   ) -> GenerationJob:
         try:
             lease = server.catalog.lease(name for name, _ in weights)
-        except NotFoundError as exc:
-            raise ApiError.from_status(exc, code="model_not_found", param="model") from None
+        except AdapterNotFoundError as exc:
+            raise ApiError.from_status(exc, code="model_not_found", param=body.adapter_param(exc.name)) from None
         holder: list[GenerationJob] = []
 
         def release() -> None:
@@ -133,10 +130,11 @@ class ChoiceJobs:
         count = self._body.logprob_count
         if count is None:
             return None
+        read = TokenReader(self._server.engine.tokenizer, [outcome.prompt, outcome.tokens])
         if isinstance(self._body, ChatBody):
-            return chat_logprobs(outcome.logprobs, self._text_of, count)
+            return chat_logprobs(outcome.logprobs, read, count)
         entries = [*outcome.prompt_logprobs, *outcome.logprobs]
-        return completion_logprobs(entries, self._text_of, [*outcome.prompt, *outcome.tokens])
+        return completion_logprobs(entries, read, [*outcome.prompt, *outcome.tokens])
 
     def answers(self, outcomes: Sequence[Outcome]) -> tuple[list[Answer], list[Outcome]]:
         """The answered choices (per prompt the ``n`` of its runs with the highest sum of
@@ -156,16 +154,3 @@ class ChoiceJobs:
 
 def _with_adapters(request: GenerationRequest, adapters) -> GenerationRequest:
     return replace(request, adapters=adapters)
-
-
-def _token_text(tokenizer) -> Callable[[int], str]:
-    """One token's text (as decoding it alone gives), cached per token."""
-    cache: dict[int, str] = {}
-
-    def text_of(token: int) -> str:
-        text = cache.get(token)
-        if text is None:
-            text = cache[token] = tokenizer.decode([token])
-        return text
-
-    return text_of

@@ -51,8 +51,10 @@ class ApiError(Exception):
 
     @classmethod
     def from_status(cls, error: StatusError, *, code: str | None = None, param: str | None = None) -> ApiError:
-        """The HTTP answer for one of the runtime's errors (500 for an unexpected kind)."""
+        """The HTTP answer for one of the runtime's errors (500 for an unexpected kind),
+        naming ``param`` (default: the error's own ``field``)."""
         message = " ".join(str(error.args[0] if error.args else error.code).split())
+        param = param if param is not None else error.field
         for kind, status, error_type, default_code in _STATUS_OF:
             if isinstance(error, kind):
                 return cls(status, message, error_type, code or default_code, param)

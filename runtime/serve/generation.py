@@ -19,8 +19,7 @@ from runtime import Engine, SamplerConfig, Session, SessionConfig
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.serve.logprobs import TokenLogprob, token_logprobs
 from runtime.serve.sampling import RequestSampler
-
-REPLACEMENT_CHARACTER = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+from runtime.serve.token_texts import REPLACEMENT_CHARACTER
 
 
 class TextAssembler:
@@ -122,6 +121,15 @@ class Outcome:
         return sum(entry.logprob for entry in self.logprobs)
 
 
+class EmptyPromptError(InvalidArgumentError):
+    """The prompt holds no token (an empty text or list, or a text that encodes to none)."""
+
+
+class PromptTooLongError(ResourceExhaustedError):
+    """The prompt alone leaves no room in the context: for a new token or, with echo, for
+    itself (a context overflow where the prompt, not ``max_tokens``, is the field to fix)."""
+
+
 class _Cancelled(Exception):
     """Raised from the token callback when the client went away."""
 
@@ -172,7 +180,7 @@ class GenerationJob:
         prompt = self.request.prompt
         self._prompt = self._engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not self._prompt:
-            raise InvalidArgumentError("the prompt is empty: it needs at least one token")
+            raise EmptyPromptError("the prompt is empty: it needs at least one token")
         max_tokens = self.request.max_tokens
         # None: the rest of the context (at least 1, so that a prompt filling it is refused
         # by Session.generate's own check, like any prompt too long for max_tokens).
@@ -192,7 +200,9 @@ class GenerationJob:
         raise FailedPreconditionError("the request ended before it ran")
 
     def run(self) -> Outcome:
-        """Generates on the prepared session, sending text as it comes; closes the job."""
+        """Generates on the prepared session, sending text as it comes; closes the job. A
+        prompt and ``max_tokens`` the context cannot hold: ``ResourceExhaustedError``
+        (:class:`PromptTooLongError` when the prompt alone leaves no room)."""
         self._started = time.perf_counter()
         try:
             if self._session is None:
@@ -209,6 +219,10 @@ class GenerationJob:
                 finish_reason = "stop"
             except _Cancelled:
                 finish_reason = "cancelled"
+            except ResourceExhaustedError as exc:  # the context check's; whose fault it is:
+                if len(self._prompt) + (0 if self.request.echo else 1) > self._engine.spec.kv_length:
+                    raise PromptTooLongError(*exc.args) from None
+                raise
         finally:
             self.close()
         if finish_reason != "cancelled":

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.serve.token_texts import TokenText
+
 MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
 _ROWS_AT_ONCE = 64  # log-softmax over this many positions at a time (a 512-token prompt's float64 stays small)
 
@@ -68,40 +70,44 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int) -> list[
     return entries
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob | None], text_of: Callable[[int], str],
+def completion_logprobs(entries: Sequence[TokenLogprob | None], read: Callable[[int, int], TokenText],
                         tokens: Sequence[int], offset: int = 0) -> dict:
     """OpenAI's legacy ``logprobs`` object of ``/v1/completions``: per token its text, its
     logprob (``None`` for an echoed prompt's first token, which nothing predicts), the
-    top logprobs as ``{text: logprob}`` and the offset of its text from ``offset`` on."""
+    top logprobs as ``{text: logprob}`` and the offset of its text from ``offset`` on.
+    ``read(position, token)``: how a token reads there (see :class:`TokenReader`)."""
     texts, offsets, position = [], [], offset
-    for token in tokens:
-        text = text_of(token)
+    for index, token in enumerate(tokens):
+        text = read(index, token).text
         texts.append(text)
         offsets.append(position)
         position += len(text)
     return {
         "tokens": texts,
         "token_logprobs": [None if entry is None else entry.logprob for entry in entries],
-        "top_logprobs": [None if entry is None else _top_dict(entry, text_of) for entry in entries],
+        "top_logprobs": [None if entry is None else _top_dict(entry, index, read)
+                         for index, entry in enumerate(entries)],
         "text_offset": offsets,
     }
 
 
-def _top_dict(entry: TokenLogprob, text_of: Callable[[int], str]) -> dict[str, float]:
+def _top_dict(entry: TokenLogprob, index: int, read: Callable[[int, int], TokenText]) -> dict[str, float]:
     top: dict[str, float] = {}
     for token, logprob in entry.top:
-        text = text_of(token)
+        text = read(index, token).text
         top[text] = max(logprob, top.get(text, -np.inf))  # two tokens of one text: the likelier
     return top
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], text_of: Callable[[int], str], top: int) -> dict:
+def chat_logprobs(entries: Sequence[TokenLogprob], read: Callable[[int, int], TokenText], top: int) -> dict:
     """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes,
-    top_logprobs: [{token, logprob, bytes}]}]}`` with ``top`` alternatives per token."""
-    def item(token: int, logprob: float) -> dict:
-        text = text_of(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+    top_logprobs: [{token, logprob, bytes}]}]}`` with ``top`` alternatives per token;
+    ``read(position, token)``: how a token reads there (see :class:`TokenReader`)."""
+    def item(index: int, token: int, logprob: float) -> dict:
+        text = read(index, token)
+        return {"token": text.text, "logprob": logprob, "bytes": list(text.bytes)}
 
-    return {"content": [{**item(entry.token, entry.logprob),
-                         "top_logprobs": [item(t, lp) for t, lp in entry.top[:top]]} for entry in entries],
+    return {"content": [{**item(index, entry.token, entry.logprob),
+                         "top_logprobs": [item(index, t, lp) for t, lp in entry.top[:top]]}
+                        for index, entry in enumerate(entries)],
             "refusal": None}

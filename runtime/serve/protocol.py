@@ -117,21 +117,29 @@ class _GenerationBody(_Body):
         """How many tokens to generate at most (``None``: the rest of the context)."""
         return self.max_tokens
 
-    def sampler_config(self, vocab_size: int, seed: int | None = None) -> SamplerConfig:
+    @property
+    def token_limit_param(self) -> str | None:
+        """The field :attr:`token_limit` comes from (``None``: not given, the default)."""
+        return "max_tokens" if self.max_tokens is not None else None
+
+    def sampler_config(self, known_tokens: int, seed: int | None = None) -> SamplerConfig:
         """Temperature (default 1), ``top_p``, ``top_k``, ``seed`` (or the one given: a
-        choice's own), the penalties and ``logit_bias`` (its keys token ids of the
-        vocabulary) for the core's sampler."""
+        choice's own), the penalties and ``logit_bias`` (its keys token ids in
+        ``[0, known_tokens)``, see :func:`check_token_id`) for the core's sampler."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             token = int(key) if key.isascii() and key.isdigit() and len(key) < 12 else -1
-            if not 0 <= token < vocab_size:
-                raise bad_request(f"logit_bias: key {key!r:.40} is not a token id of the vocabulary [0, {vocab_size})",
-                                  param="logit_bias")
-            bias[token] = value
+            bias[check_token_id(token, known_tokens, "logit_bias", f"logit_bias: key {key!r:.40}")] = value
         return SamplerConfig(temperature=1.0 if self.temperature is None else self.temperature,
                              top_k=max(0, self.top_k or 0), top_p=1.0 if self.top_p is None else self.top_p,
                              seed=self.seed if seed is None else seed, presence_penalty=self.presence_penalty or 0.0,
                              frequency_penalty=self.frequency_penalty or 0.0, logit_bias=tuple(sorted(bias.items())))
+
+    def adapter_param(self, name: str) -> str:
+        """The field that names adapter ``name``: ``lora.N`` for the N-th of ``lora``, else
+        ``model`` (``adapter`` or ``base::adapter``)."""
+        names = [entry.name for entry in self.lora or ()]
+        return f"lora.{names.index(name)}" if name in names else "model"
 
     @property
     def choices(self) -> int:
@@ -229,10 +237,27 @@ class CompletionBody(_GenerationBody):
                               param="prompt")
         return [p if isinstance(p, str) else tuple(p) for p in prompt]  # type: ignore[misc]
 
+    def prompt_param(self, index: int) -> str:
+        """The field that holds prompt ``index`` of :meth:`prompt_values`: ``prompt``, or
+        ``prompt.N`` in a list of prompts."""
+        prompt = self.prompt
+        return "prompt" if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt) else f"prompt.{index}"
+
     def prompt_value(self) -> str | tuple[int, ...]:
         """The one prompt: text, or token ids (a list of several is refused)."""
         prompts = self.prompt_values(1)
         return prompts[0]
+
+
+def check_token_id(token: int, known_tokens: int, param: str, what: str | None = None) -> int:
+    """``token`` if it is an id that both the model and its tokenizer know, ``[0,
+    known_tokens)`` (a model may have more embeddings than its tokenizer has tokens, as
+    Gemma 3 has: those ids have no text); else a 400 naming ``param`` and ``what`` was
+    given (default: the id)."""
+    if not 0 <= token < known_tokens:
+        raise bad_request(f"{what or f'token id {token}'} is not a token id of the model and its tokenizer: "
+                          f"expected an integer in [0, {known_tokens})", param=param)
+    return token
 
 
 class ContentPart(BaseModel):
@@ -285,6 +310,15 @@ class ChatBody(_GenerationBody):
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (OpenAI's newer name) or ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str | None:
+        """``max_completion_tokens`` when given, else as every generation body."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else super().token_limit_param
+
+    def prompt_param(self, index: int) -> str:
+        """``messages``: the field the prompt is made from."""
+        return "messages"
 
     @property
     def logprob_count(self) -> int | None:

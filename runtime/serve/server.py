@@ -12,12 +12,12 @@ from starlette.concurrency import run_in_threadpool
 from runtime import Engine
 from runtime.errors import FailedPreconditionError
 from runtime.serve.admission import Admission
-from runtime.serve.catalog import AdapterCatalog
-from runtime.serve.errors import bad_request
+from runtime.serve.catalog import AdapterCatalog, CatalogEntry
+from runtime.serve.errors import bad_request, model_not_found
 from runtime.serve.generation import GenerationJob
 from runtime.serve.metrics import ServerMetrics
 from runtime.serve.protocol import ChatMessage
-from runtime.serve.settings import ServeSettings
+from runtime.serve.settings import ADAPTER_SEPARATOR, ServeSettings
 
 
 class Server:
@@ -39,6 +39,38 @@ class Server:
         self.metrics = ServerMetrics(engine, catalog, lambda: self.admission.running)
         # What runs a generation: on this engine, or (with --replicas) forwarded to a replica.
         self.job_class = GenerationJob
+
+    @property
+    def known_tokens(self) -> int:
+        """How many token ids a request may give: ``[0, known_tokens)``, the ids both the
+        model and its tokenizer know (Gemma 3's 262,208 embeddings outnumber its 262,144
+        tokens; the ids past the tokenizer's have no text)."""
+        return min(self.engine.spec.vocab_size, self.engine.tokenizer.vocab_size)
+
+    def adapter_of(self, model: str) -> str | None:
+        """The adapter a request's ``model`` names: ``None`` for the base model, the adapter
+        for ``adapter`` or ``base::adapter`` (whether it is loaded is the catalog's to say);
+        a 404 for another base, a 400 for nothing after ``::``."""
+        base = self.settings.model_name
+        if model == base:
+            return None
+        if ADAPTER_SEPARATOR not in model:
+            return model
+        prefix, _, adapter = model.partition(ADAPTER_SEPARATOR)
+        if prefix != base:
+            raise model_not_found(f"model {prefix!r:.100} is not served here; the base model is {base!r}")
+        if not adapter:
+            raise bad_request(f"model {model!r:.100}: name an adapter after '::'", param="model")
+        return adapter
+
+    def model_entry(self, model: str) -> CatalogEntry | None:
+        """The loaded adapter ``model`` names (see :meth:`adapter_of`), ``None`` for the base
+        model; a 404 for a model not served here."""
+        adapter = self.adapter_of(model)
+        entry = None if adapter is None else self.catalog.find(adapter)
+        if adapter is not None and entry is None:
+            raise model_not_found(f"model {model!r:.140} is not served here; GET /v1/models lists what is")
+        return entry
 
     def shutdown(self) -> None:
         """Cancels running generations and waits for the workers to finish."""

@@ -16,13 +16,12 @@ from starlette.types import Receive, Scope, Send
 from runtime.errors import InvalidArgumentError, ResourceExhaustedError
 from runtime.serve.catalog import Lease
 from runtime.serve.error_handlers import as_api_error
-from runtime.serve.errors import ApiError, bad_request, model_not_found
+from runtime.serve.errors import ApiError, bad_request
 from runtime.serve.choices import ChoiceJobs
-from runtime.serve.generation import GenerationJob, Outcome
+from runtime.serve.generation import EmptyPromptError, GenerationJob, Outcome, PromptTooLongError
 from runtime.serve.protocol import ChatBody, CompletionBody, LoraWeight, Reply, sse
 from runtime.serve.sampling import NonFiniteLogits
 from runtime.serve.server import Server
-from runtime.serve.settings import ADAPTER_SEPARATOR
 
 log = logging.getLogger("runtime.serve")
 
@@ -63,11 +62,12 @@ async def generate(server: Server, body: CompletionBody | ChatBody, request: Req
     runs = [_Run(server, job, body, weights) for job in jobs.jobs]
     prepared = await asyncio.gather(*(loop.run_in_executor(server.pool, job.prepare) for job in jobs.jobs),
                                     return_exceptions=True)
-    failed = next((result for result in prepared if isinstance(result, BaseException)), None)
+    failed = next(((run, result) for run, result in zip(runs, prepared) if isinstance(result, BaseException)), None)
     if failed is not None:
         for job in jobs.jobs:
             server.pool.submit(job.close)  # off the loop: closing a session may wait for it
-        raise runs[0].error(failed) from None
+        run, error = failed
+        raise run.error(error) from None
     reply = Reply(chat=chat, model=body.model)
     if not body.stream:
         outcomes = await _watching(server, runs, jobs, request)
@@ -148,13 +148,15 @@ class _Run:
             watcher.cancel()
 
     def error(self, exc: BaseException) -> BaseException:
-        """The answer to ``exc``: the context check names ``max_tokens`` (or the prompt);
-        non-finite logits name the adapters (and mark a lone one unhealthy)."""
+        """The answer to ``exc``: an empty prompt, or one the context cannot hold, names its
+        field (``prompt``, ``prompt.N``, ``messages``); another context overflow names the
+        token limit the request gave (else the prompt); non-finite logits name the
+        adapters (and mark a lone one unhealthy)."""
+        prompt = self._body.prompt_param(self._job.request.prompt_index)
+        if isinstance(exc, (EmptyPromptError, PromptTooLongError)):
+            return ApiError.from_status(exc, param=prompt)
         if isinstance(exc, ResourceExhaustedError):
-            body = self._body
-            param = "max_tokens" if body.max_tokens is not None else (
-                "messages" if isinstance(body, ChatBody) else "prompt")
-            return ApiError.from_status(exc, param=param)
+            return ApiError.from_status(exc, param=self._body.token_limit_param or prompt)
         if isinstance(exc, NonFiniteLogits):
             return self._non_finite()
         return exc
@@ -219,16 +221,7 @@ async def _first_events(events: asyncio.Queue, request: Request, jobs: ChoiceJob
 def _blend(server: Server, model: str, lora: Sequence[LoraWeight]) -> list[tuple[str, float]]:
     """The adapters and scales a request names: ``model`` (the base, an adapter, or
     ``base::adapter``) at scale 1, then ``lora``."""
-    base = server.settings.model_name
-    adapter: str | None = model
-    if model == base:
-        adapter = None
-    elif ADAPTER_SEPARATOR in model:
-        prefix, _, adapter = model.partition(ADAPTER_SEPARATOR)
-        if prefix != base:
-            raise model_not_found(f"model {prefix!r:.100} is not served here; the base model is {base!r}")
-        if not adapter:
-            raise bad_request(f"model {model!r:.100}: name an adapter after '::'", param="model")
+    adapter = server.adapter_of(model)
     weights = [(adapter, 1.0)] if adapter is not None else []
     weights += [(entry.name, entry.scale) for entry in lora]
     names = [name for name, _ in weights]

@@ -7,7 +7,6 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from runtime.serve.catalog import CatalogEntry
-from runtime.serve.errors import model_not_found
 from runtime.serve.server import Server
 
 
@@ -23,12 +22,8 @@ def routes(server: Server) -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        if model_id == server.settings.model_name:
-            return base_card(server)
-        entry = server.catalog.find(model_id)
-        if entry is not None:
-            return card(server, entry)
-        raise model_not_found(f"model {model_id!r:.140} is not served here; GET /v1/models lists what is")
+        entry = server.model_entry(model_id)
+        return base_card(server) if entry is None else card(server, entry)
 
     return router
 

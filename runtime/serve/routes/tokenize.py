@@ -6,8 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from runtime.serve.errors import bad_request, model_not_found
-from runtime.serve.protocol import DetokenizeBody, TokenizeBody
+from runtime.serve.protocol import DetokenizeBody, TokenizeBody, check_token_id
 from runtime.serve.server import Server
 
 
@@ -37,10 +36,9 @@ def routes(server: Server) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> dict:
         _check_model(server, body.model)
-        vocab = server.engine.spec.vocab_size
+        known = server.known_tokens
         for index, token in enumerate(body.tokens):
-            if not 0 <= token < vocab:
-                raise bad_request(f"token id {token} is outside the vocabulary [0, {vocab})", param=f"tokens.{index}")
+            check_token_id(token, known, f"tokens.{index}")
         return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
 
     return router
@@ -79,8 +77,7 @@ def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 
 def _check_model(server: Server, model: str | None) -> None:
-    """``model``, if given, must be the base model or a loaded adapter (they share the tokenizer)."""
-    if model is None or model == server.settings.model_name:
-        return
-    if server.catalog.find(model) is None:
-        raise model_not_found(f"model {model!r:.140} is not served here; GET /v1/models lists what is")
+    """``model``, if given, must be the base model or a loaded adapter (they share the
+    tokenizer), named as generation names them."""
+    if model is not None:
+        server.model_entry(model)
