@@ -127,3 +127,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         done = cli(*case)
         assert done.returncode == 2, case
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (case, done.stderr)
+
+
+def refused(*args: object, naming: str) -> None:
+    """The command fails with one ``error:`` line naming ``naming``, and no traceback."""
+    done = cli(*args)
+    assert done.returncode == 2, (args, done.stderr)
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (args, done.stderr)
+    assert naming in done.stderr, (args, done.stderr)
+
+
+def test_a_negative_seed_is_refused_naming_it():
+    refused("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,2", "--seed", "-1", naming="seed=-1")
