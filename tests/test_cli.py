@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import MODEL_FILES, adapter_path
+from conftest import MODEL_FILES, MODELS, adapter_path
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -139,3 +139,11 @@ def refused(*args: object, naming: str) -> None:
 
 def test_a_negative_seed_is_refused_naming_it():
     refused("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,2", "--seed", "-1", naming="seed=-1")
+
+
+def test_a_directory_or_fifo_given_as_a_model_is_refused_naming_it(tmp_path):
+    refused("inspect", MODELS, naming=f"{MODELS}: is a directory, expected a model file")
+    refused("inspect", "--check", adapter_path("torch_r4"), "--model", MODELS,
+            naming=f"{MODELS}: is a directory, expected a model file")
+    os.mkfifo(tmp_path / "fifo")  # refused, not waited on for a writer
+    refused("inspect", tmp_path / "fifo", naming="fifo: is not a regular file, expected a model file")
