@@ -147,3 +147,21 @@ def test_a_directory_or_fifo_given_as_a_model_is_refused_naming_it(tmp_path):
             naming=f"{MODELS}: is a directory, expected a model file")
     os.mkfifo(tmp_path / "fifo")  # refused, not waited on for a writer
     refused("inspect", tmp_path / "fifo", naming="fifo: is not a regular file, expected a model file")
+
+
+def test_convert_checks_its_output_first_and_leaves_nothing_behind(tmp_path):
+    convert = ("convert", adapter_path("torch_r4"), "--model")
+    bogus = tmp_path / "bogus.tflite"
+    bogus.write_bytes(b"\0" * 100)  # the output is refused before the model is opened
+    refused(*convert, bogus, "--out", tmp_path / "nodir" / "o.tflite",
+            naming=f"o.tflite: the output directory {tmp_path / 'nodir'} does not exist")
+    (tmp_path / "somedir").mkdir()
+    refused(*convert, MODEL_FILES["default"], "--out", tmp_path / "somedir", naming="somedir: is a directory")
+    copy = tmp_path / "model.tflite"
+    copy.write_bytes(MODEL_FILES["default"].read_bytes())
+    refused(*convert, copy, "--out", copy, naming=f"would replace the input {copy}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bogus.tflite", "model.tflite", "somedir"]
+    assert list((tmp_path / "somedir").iterdir()) == []
+    done = cli(*convert, MODEL_FILES["default"], "--out", tmp_path / "o.tflite")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bogus.tflite", "model.tflite", "o.tflite", "somedir"]
