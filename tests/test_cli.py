@@ -165,3 +165,10 @@ def test_convert_checks_its_output_first_and_leaves_nothing_behind(tmp_path):
     done = cli(*convert, MODEL_FILES["default"], "--out", tmp_path / "o.tflite")
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bogus.tflite", "model.tflite", "o.tflite", "somedir"]
+
+
+def test_bench_refuses_steps_and_repeats_it_cannot_measure():
+    bench = ("bench", "--model", MODEL_FILES["default"])
+    refused(*bench, "--steps", "0", naming="--steps 0: expected at least 1")
+    refused(*bench, "--repeats", "0", naming="--repeats 0: expected at least 1")
+    refused(*bench, "--steps", "200", naming="--steps 200: ")
