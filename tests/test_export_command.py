@@ -131,3 +131,10 @@ def test_the_native_attention_kernel_with_a_bundle_or_the_default_layout(tmp_pat
     refused(export(source, "--out", tmp_path / "m.tflite", "--kv-layout", "default", "--attention-kernel", "native"),
             "--attention-kernel native with --kv-layout default: the kernel reads the transposed layout only")
     assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
+def test_a_memory_budget_that_is_not_a_finite_positive_size(tmp_path: Path, source: Path, value: str) -> None:
+    refused(export(source, "--out", tmp_path / "m.tflite", f"--max-memory={value}"),
+            f"--max-memory {float(value)}: expected a finite number of GB > 0")
+    assert files(tmp_path) == files(source.parent)

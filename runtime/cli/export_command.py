@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -196,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     check_targets(targets)
     if args.report is not None and not args.report.parent.is_dir():
         raise InvalidArgumentError(f"--report {args.report}: the directory {args.report.parent} does not exist")
+    if args.max_memory is not None and not (math.isfinite(args.max_memory) and args.max_memory > 0):
+        raise InvalidArgumentError(f"--max-memory {args.max_memory}: expected a finite number of GB > 0")
     max_memory = None if args.max_memory is None else int(args.max_memory * GB)
     plan(source.parameters, args.jobs, max_memory)  # a model that cannot fit is refused before torch is imported
     # torch and the converter log natively (fd 2) and through Python (import-time warnings,
