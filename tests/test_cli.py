@@ -172,3 +172,23 @@ def test_bench_refuses_steps_and_repeats_it_cannot_measure():
     refused(*bench, "--steps", "0", naming="--steps 0: expected at least 1")
     refused(*bench, "--repeats", "0", naming="--repeats 0: expected at least 1")
     refused(*bench, "--steps", "200", naming="--steps 200: ")
+
+
+def test_inspect_refuses_a_model_whose_attention_op_the_runtime_has_no_kernel_for(tmp_path):
+    """As opening it does (generate), not "decode attention xnnpack" and exit 0."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import DECODE_ATTENTION, rewrite_decode_attention
+    from runtime.util.flatbuffer_model import pack
+
+    data, _ = rewrite_decode_attention(MODEL_FILES["transposed"].read_bytes())  # the op form alone
+    model = schema.ModelT.InitFromPackedBuf(data, 0)
+    for code in model.operatorCodes:
+        if code.customCode == DECODE_ATTENTION.encode():
+            code.customCode = b"vendor.flash_attention"
+    path = tmp_path / "vendor.tflite"
+    path.write_bytes(pack(model))
+    naming = f"{path}: custom op 'vendor.flash_attention': this runtime has no kernel for it"
+    refused("inspect", path, naming=naming)
+    refused("generate", "--model", path, "--prompt-ids", "1,2", "--no-weight-cache",
+            naming="custom op 'vendor.flash_attention' (subgraph")
