@@ -192,3 +192,9 @@ def test_inspect_refuses_a_model_whose_attention_op_the_runtime_has_no_kernel_fo
     refused("inspect", path, naming=naming)
     refused("generate", "--model", path, "--prompt-ids", "1,2", "--no-weight-cache",
             naming="custom op 'vendor.flash_attention' (subgraph")
+
+
+def test_a_file_given_as_the_weight_cache_dir_is_refused_saying_so(tmp_path):
+    (tmp_path / "notes.md").write_text("a file")
+    refused("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,2", "--weight-cache-dir",
+            tmp_path / "notes.md", naming=f"INVALID_ARGUMENT: {tmp_path / 'notes.md'}: is a file, not a directory")

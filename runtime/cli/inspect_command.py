@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.components.lora import dora_output_scales, plan_adapter
-from runtime.errors import InvalidArgumentError, StatusError
+from runtime.errors import InvalidArgumentError, NotFoundError, StatusError
 from runtime.executor import kernels
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.weight_cache import default_max_bytes, survey, user_directory
@@ -49,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
         if args.file is not None or args.check is not None or args.model is not None:
             raise InvalidArgumentError("--weight-cache lists the cache directory: give no FILE, --check or --model")
         directory = user_directory() if args.weight_cache is True else args.weight_cache
+        if args.weight_cache is not True and not directory.is_dir():  # (the user's is made by the first model)
+            if directory.exists():
+                raise InvalidArgumentError(f"--weight-cache {directory}: is a file, not a directory: expected a "
+                                           "weight cache directory")
+            raise NotFoundError(f"--weight-cache {directory}: no such directory")
         print(survey(directory, default_max_bytes()).describe())
         return 0
     adapter = args.check or args.file
