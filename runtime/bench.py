@@ -18,6 +18,7 @@ from pathlib import Path
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.engine.session import Session
+from runtime.errors import InvalidArgumentError
 from runtime.framework.lora_source import LoraSource
 
 
@@ -163,9 +164,18 @@ def bench_switch(engine: Engine, a: LoraSource, b: LoraSource, steps: int, repea
 
 def quick_table(model: str | os.PathLike[str], adapters: Sequence[str], steps: int = 64, repeats: int = 7,
                 num_threads: int = 1) -> list[Row]:
-    """What ``python -m runtime bench`` prints: decode and switch costs on one model."""
+    """What ``python -m runtime bench`` prints: decode and switch costs on one model.
+    ``InvalidArgumentError`` naming the command's ``--steps`` or ``--repeats`` when there is
+    nothing to measure (below 1), or more steps than the model's KV cache holds (checked
+    once the model is open, before any measurement)."""
+    for flag, count in (("--steps", steps), ("--repeats", repeats)):
+        if count < 1:
+            raise InvalidArgumentError(f"{flag} {count}: expected at least 1")
     rows = []
     with Engine(model, EngineSettings(num_threads=num_threads)) as engine:
+        if steps > engine.spec.kv_length:
+            raise InvalidArgumentError(f"--steps {steps}: a run decodes that many positions from an empty cache, "
+                                       f"expected at most the model's KV cache of {engine.spec.kv_length} positions")
         sources = [LoraSource(path=p) for p in adapters]
         configs = {"base model": SessionConfig()}
         for source in sources:

@@ -10,6 +10,7 @@ import pytest
 from conftest import MODEL_FILES, WorkClock, adapter_path
 from runtime import Engine, LoraSource, SessionConfig
 from runtime import bench
+from runtime.errors import InvalidArgumentError
 
 R4 = LoraSource(path=adapter_path("torch_r4"))
 R16 = LoraSource(path=adapter_path("torch_r16"))
@@ -124,3 +125,14 @@ def test_quick_table_renders_one_line_per_row():
     assert lines[0] == "title" and lines[2].startswith("| measurement")
     assert len(lines) == 4 + len(rows)
     assert all(row.what in table for row in rows)
+
+
+@pytest.mark.parametrize("steps, repeats, match", [
+    (0, 2, "--steps 0: expected at least 1"), (-3, 2, "--steps -3: expected at least 1"),
+    (8, 0, "--repeats 0: expected at least 1"),
+    (65, 2, "--steps 65: a run decodes that many positions from an empty cache, expected at most the model's KV "
+            "cache of 64 positions"),
+])
+def test_quick_table_refuses_what_it_cannot_measure_naming_the_flag(steps, repeats, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        bench.quick_table(MODEL_FILES["default"], [], steps=steps, repeats=repeats)

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import MODEL_FILES, adapter_path
+from conftest import MODEL_FILES, MODELS, adapter_path
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -127,3 +127,74 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         done = cli(*case)
         assert done.returncode == 2, case
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (case, done.stderr)
+
+
+def refused(*args: object, naming: str) -> None:
+    """The command fails with one ``error:`` line naming ``naming``, and no traceback."""
+    done = cli(*args)
+    assert done.returncode == 2, (args, done.stderr)
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (args, done.stderr)
+    assert naming in done.stderr, (args, done.stderr)
+
+
+def test_a_negative_seed_is_refused_naming_it():
+    refused("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,2", "--seed", "-1", naming="seed=-1")
+
+
+def test_a_directory_or_fifo_given_as_a_model_is_refused_naming_it(tmp_path):
+    refused("inspect", MODELS, naming=f"{MODELS}: is a directory, expected a model file")
+    refused("inspect", "--check", adapter_path("torch_r4"), "--model", MODELS,
+            naming=f"{MODELS}: is a directory, expected a model file")
+    os.mkfifo(tmp_path / "fifo")  # refused, not waited on for a writer
+    refused("inspect", tmp_path / "fifo", naming="fifo: is not a regular file, expected a model file")
+
+
+def test_convert_checks_its_output_first_and_leaves_nothing_behind(tmp_path):
+    convert = ("convert", adapter_path("torch_r4"), "--model")
+    bogus = tmp_path / "bogus.tflite"
+    bogus.write_bytes(b"\0" * 100)  # the output is refused before the model is opened
+    refused(*convert, bogus, "--out", tmp_path / "nodir" / "o.tflite",
+            naming=f"o.tflite: the output directory {tmp_path / 'nodir'} does not exist")
+    (tmp_path / "somedir").mkdir()
+    refused(*convert, MODEL_FILES["default"], "--out", tmp_path / "somedir", naming="somedir: is a directory")
+    copy = tmp_path / "model.tflite"
+    copy.write_bytes(MODEL_FILES["default"].read_bytes())
+    refused(*convert, copy, "--out", copy, naming=f"would replace the input {copy}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bogus.tflite", "model.tflite", "somedir"]
+    assert list((tmp_path / "somedir").iterdir()) == []
+    done = cli(*convert, MODEL_FILES["default"], "--out", tmp_path / "o.tflite")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bogus.tflite", "model.tflite", "o.tflite", "somedir"]
+
+
+def test_bench_refuses_steps_and_repeats_it_cannot_measure():
+    bench = ("bench", "--model", MODEL_FILES["default"])
+    refused(*bench, "--steps", "0", naming="--steps 0: expected at least 1")
+    refused(*bench, "--repeats", "0", naming="--repeats 0: expected at least 1")
+    refused(*bench, "--steps", "200", naming="--steps 200: ")
+
+
+def test_inspect_refuses_a_model_whose_attention_op_the_runtime_has_no_kernel_for(tmp_path):
+    """As opening it does (generate), not "decode attention xnnpack" and exit 0."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.attention_rewrite import DECODE_ATTENTION, rewrite_decode_attention
+    from runtime.util.flatbuffer_model import pack
+
+    data, _ = rewrite_decode_attention(MODEL_FILES["transposed"].read_bytes())  # the op form alone
+    model = schema.ModelT.InitFromPackedBuf(data, 0)
+    for code in model.operatorCodes:
+        if code.customCode == DECODE_ATTENTION.encode():
+            code.customCode = b"vendor.flash_attention"
+    path = tmp_path / "vendor.tflite"
+    path.write_bytes(pack(model))
+    naming = f"{path}: custom op 'vendor.flash_attention': this runtime has no kernel for it"
+    refused("inspect", path, naming=naming)
+    refused("generate", "--model", path, "--prompt-ids", "1,2", "--no-weight-cache",
+            naming="custom op 'vendor.flash_attention' (subgraph")
+
+
+def test_a_file_given_as_the_weight_cache_dir_is_refused_saying_so(tmp_path):
+    (tmp_path / "notes.md").write_text("a file")
+    refused("generate", "--model", MODEL_FILES["default"], "--prompt-ids", "1,2", "--weight-cache-dir",
+            tmp_path / "notes.md", naming=f"INVALID_ARGUMENT: {tmp_path / 'notes.md'}: is a file, not a directory")

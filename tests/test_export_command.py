@@ -131,3 +131,31 @@ def test_the_native_attention_kernel_with_a_bundle_or_the_default_layout(tmp_pat
     refused(export(source, "--out", tmp_path / "m.tflite", "--kv-layout", "default", "--attention-kernel", "native"),
             "--attention-kernel native with --kv-layout default: the kernel reads the transposed layout only")
     assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-1"])
+def test_a_memory_budget_that_is_not_a_finite_positive_size(tmp_path: Path, source: Path, value: str) -> None:
+    refused(export(source, "--out", tmp_path / "m.tflite", f"--max-memory={value}"),
+            f"--max-memory {float(value)}: expected a finite number of GB > 0")
+    assert files(tmp_path) == files(source.parent)
+
+
+def test_the_report_is_checked_as_an_output_and_no_output_replaces_the_source(tmp_path: Path, source: Path) -> None:
+    """Refused before torch: each would have failed, or replaced a finished model or the
+    checkpoint, only once the whole export was done."""
+    before = files(tmp_path)
+    out = tmp_path / "e.tflite"
+    refused(export(source, "--out", out, "--report", out), f"the outputs {out}, {out} name the same file")
+    refused(export(source, "--out", out, "--bundle", tmp_path / "e.litertlm", "--report", tmp_path / "e.litertlm"),
+            "name the same file")
+    refused(export(source, "--out", out, "--report", tmp_path), f"{tmp_path}: is a directory, expected a file name")
+    refused(export(source, "--out", out, "--report", tmp_path / "nowhere" / "r.json"),
+            f"r.json: the output directory {tmp_path / 'nowhere'} does not exist")
+    refused(export(source, "--out", source / "model.safetensors"),
+            f"model.safetensors: would replace a file of the input {source}")
+    refused(export(source, "--out", out, "--report", source / "config.json"),
+            f"config.json: would replace a file of the input {source}")
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf")
+    refused(export(gguf, "--out", gguf), f"would replace the input {gguf}")
+    gguf.unlink()
+    assert files(tmp_path) == before

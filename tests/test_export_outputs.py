@@ -58,3 +58,17 @@ def test_targets_are_checked_before_anything_is_created(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="name the same file"):
         PendingOutputs([tmp_path / "m.tflite", tmp_path / "." / "m.tflite"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_target_that_would_replace_an_input_is_refused(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(InvalidArgumentError, match=f"would replace a file of the input {checkpoint}"):
+        check_targets([tmp_path / "m.tflite", checkpoint / "config.json"], sources=[checkpoint])
+    with pytest.raises(InvalidArgumentError, match=f"would replace the input {gguf}"):
+        PendingOutputs([tmp_path / "." / "model.gguf"], sources=[gguf])
+    check_targets([checkpoint / "m.tflite", tmp_path / "m.tflite"], sources=[checkpoint, gguf])  # new files: fine
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoint", "config.json", "model.gguf"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import flatbuffers
@@ -11,7 +12,7 @@ import pytest
 from ai_edge_litert import schema_py_generated as schema
 
 from conftest import MODEL_FILES, MODELS
-from runtime.errors import DataLossError, FailedPreconditionError, NotFoundError
+from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from runtime.executor.native import HostBuffer, NativeModel
 from runtime.util.model_view import (
     ModelFile, ViewRefused, patch_signatures, signature_details, signature_keys, subgraph_references, view_refusal,
@@ -157,6 +158,11 @@ def test_unknown_signatures_and_unreadable_files_are_refused(tmp_path):
         ModelFile(VIEWABLE).view([])
     with pytest.raises(NotFoundError, match="cannot open"):
         ModelFile(tmp_path / "missing.tflite").header()
+    with pytest.raises(InvalidArgumentError, match=f"{tmp_path}: is a directory, expected a model file"):
+        ModelFile(tmp_path).header()
+    os.mkfifo(tmp_path / "fifo")  # refused, not waited on for a writer
+    with pytest.raises(InvalidArgumentError, match="fifo: is not a regular file, expected a model file"):
+        ModelFile(tmp_path / "fifo").view(["decode"])
     truncated = tmp_path / "truncated.tflite"
     truncated.write_bytes(VIEWABLE.read_bytes()[:2000])
     with pytest.raises(DataLossError, match="truncated.tflite"):

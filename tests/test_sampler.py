@@ -47,10 +47,11 @@ def test_seed_reproduces():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}]
+    "kwargs", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5},
+               {"seed": -1}, {"seed": 1.5}]
 )
 def test_bad_config(kwargs):
-    with pytest.raises(InvalidArgumentError):
+    with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {next(iter(kwargs))}="):
         SamplerConfig(**kwargs)
 
 

@@ -39,6 +39,12 @@ def test_directory(tmp_path):
         ScopedFile(tmp_path)
 
 
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(InvalidArgumentError, match="fifo: is not a regular file, expected a file"):
+        ScopedFile(tmp_path / "fifo")
+
+
 def test_empty_file_cannot_be_mapped(tmp_path):
     path = tmp_path / "empty"
     path.write_bytes(b"")

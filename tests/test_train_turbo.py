@@ -247,3 +247,24 @@ def test_without_the_export_extra_one_line_names_it(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "runtime.export.turbo_training", None)  # its import fails as without torch
     err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out")])
     assert 'pip install -e ".[export]"' in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--lora-lr", "inf"), ("--head-lr", "nan"), ("--head-weight", "nan"),
+                                             ("--head-weight", "inf")])
+def test_non_finite_rates_and_weights_are_refused_naming_the_flag(model: Path, data: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture, flag: str,
+                                                                  value: str) -> None:
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"), flag, value])
+    assert f"{flag} {float(value)}: expected a finite" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("record", [b'{"model": ', b"\xff\xfe", b"[1, 2]"])
+def test_a_corrupt_checkpoint_record_is_refused_naming_it(model: Path, data: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture, record: bytes) -> None:
+    saved = tmp_path / "out" / "checkpoint" / "run.json"
+    saved.parent.mkdir(parents=True)
+    saved.write_bytes(record)
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"), "--resume"])
+    assert f"--resume: {saved} cannot be read as the checkpointed run" in err and len(err.strip().splitlines()) == 1
+    assert saved.read_bytes() == record

@@ -100,6 +100,17 @@ def test_a_directory_that_cannot_be_made_is_refused_naming_it(model, tmp_path):
         logits(model, blocker / "cache")
 
 
+def test_a_file_given_as_the_directory_is_refused_saying_so(model, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(InvalidArgumentError, match="a-file: is a file, not a directory: expected a directory"):
+        logits(model, blocker)
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    (tmp_path / "xnnpack").write_text("not a directory")  # the user's: packed in memory instead
+    assert (logits(model, WeightCacheDir.USER) == logits(model, None)).all()
+    assert blocker.read_text() == (tmp_path / "xnnpack").read_text() == "not a directory"
+
+
 def test_a_full_disk_is_refused_before_xnnpack_writes(model, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setattr(weight_cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
@@ -379,6 +390,20 @@ def test_inspect_lists_the_cache(model, tmp_path):
     head, line = done.stdout.strip().splitlines()
     assert head == f"weight cache {cache}: 1 file(s), 0 MiB (cap 2,048 MiB)"
     assert line.split()[0] == file_of(model, cache).name and line.endswith(os.path.realpath(model))
+
+
+@pytest.mark.parametrize("name, error", [
+    ("a-file", "INVALID_ARGUMENT: --weight-cache {path}: is a file, not a directory: expected a weight cache directory"),
+    ("missing", "NOT_FOUND: --weight-cache {path}: no such directory"),
+])
+def test_inspect_refuses_a_cache_directory_that_is_a_file_or_missing(tmp_path, name, error):
+    path = tmp_path / name
+    if name == "a-file":
+        path.write_text("not a directory")
+    done = subprocess.run([sys.executable, "-m", "runtime", "inspect", "--weight-cache", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"error: {error.format(path=path)}\n"
 
 
 def test_the_cap_comes_from_the_setting_the_flag_or_the_environment(monkeypatch):

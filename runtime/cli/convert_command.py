@@ -10,6 +10,7 @@ import numpy as np
 from runtime.cli.progress import progress_bar
 from runtime.components.lora_converter import convert_adapter
 from runtime.executor.litert_executor import LlmExecutor
+from runtime.export.outputs import PendingOutputs
 from runtime.adapters.adapter_formats import detect_format, open_adapter
 from runtime.adapters.lora_util import Convention
 from runtime.adapters.lora_xs import LoraXsFactors
@@ -37,19 +38,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Converts, writes the file atomically, and says what it wrote."""
-    executor = LlmExecutor(args.model)
-    try:
-        spec = executor.spec
-        lora_xs = LoraXsFactors(lambda: ModelWeights.open(args.model, str(args.model)))
-        with open_adapter(args.source, head_dim=spec.head_dim, lora_xs=lora_xs) as data:
-            blob = convert_adapter(data, spec.lora_slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype],
-                                   progress=progress_bar("converting", unit="projection"))
-    finally:
-        executor.close()
-    partial = args.out.with_name(args.out.name + ".partial")
-    partial.write_bytes(blob)
-    partial.replace(args.out)
+    """Checks ``--out`` before the model is opened, converts, writes the file atomically
+    (nothing is left behind on failure), and says what it wrote."""
+    with PendingOutputs([args.out], sources=[args.model, args.source]) as pending:
+        executor = LlmExecutor(args.model)
+        try:
+            spec = executor.spec
+            lora_xs = LoraXsFactors(lambda: ModelWeights.open(args.model, str(args.model)))
+            with open_adapter(args.source, head_dim=spec.head_dim, lora_xs=lora_xs) as data:
+                blob = convert_adapter(data, spec.lora_slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype],
+                                       progress=progress_bar("converting", unit="projection"))
+        finally:
+            executor.close()
+        pending.temporary(args.out).write_bytes(blob)
+        pending.commit()
     print(f"wrote {args.out} ({len(blob):,} bytes) from {detect_format(args.source)} adapter "
           f"{args.source}, convention {args.convention}, {args.dtype}")
     return 0

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -17,7 +18,7 @@ from runtime.cli.options import import_export_module
 from runtime.cli.progress import progress_bar
 from runtime.errors import InvalidArgumentError
 from runtime.export.budget import GB, plan
-from runtime.export.outputs import check_targets
+from runtime.export.outputs import PendingOutputs, check_targets
 from runtime.export.settings import (ATTENTION_KERNELS, DEFAULT_PREFILL_WINDOW, KV_CACHE_DTYPES, KV_LAYOUTS,
                                      LORA_DTYPES, LORA_TARGETS, MAX_DEFAULT_KV_LENGTH, NATIVE_BUNDLE, QUANTIZATIONS,
                                      ExportSettings, default_kv_length, precision_name)
@@ -193,9 +194,11 @@ def run(args: argparse.Namespace) -> int:
         lora_dtype=args.lora_dtype,
     )
     targets = [path for _, *paths in outputs for path in paths if path is not None]
-    check_targets(targets)
-    if args.report is not None and not args.report.parent.is_dir():
-        raise InvalidArgumentError(f"--report {args.report}: the directory {args.report.parent} does not exist")
+    # The report too, written after the models: a report path that is one of them, or a
+    # directory, would fail or replace a finished model only once the export is over.
+    check_targets([*targets, *([] if args.report is None else [args.report])], sources=[args.source])
+    if args.max_memory is not None and not (math.isfinite(args.max_memory) and args.max_memory > 0):
+        raise InvalidArgumentError(f"--max-memory {args.max_memory}: expected a finite number of GB > 0")
     max_memory = None if args.max_memory is None else int(args.max_memory * GB)
     plan(source.parameters, args.jobs, max_memory)  # a model that cannot fit is refused before torch is imported
     # torch and the converter log natively (fd 2) and through Python (import-time warnings,
@@ -229,11 +232,13 @@ def run(args: argparse.Namespace) -> int:
         print(report.plan.describe())
         print(measured.table())
     if args.report is not None:
-        args.report.write_text(json.dumps({
-            "source": str(args.source), "parameters": source.parameters, "settings": dataclasses.asdict(settings),
-            "quantizations": list(quantizations),
-            "plan": dataclasses.asdict(report.plan), **measured.as_dict(),
-            "outputs": {str(path): path.stat().st_size for path in targets}}, indent=2) + "\n")
+        with PendingOutputs([args.report]) as pending:  # all of it or nothing
+            pending.temporary(args.report).write_text(json.dumps({
+                "source": str(args.source), "parameters": source.parameters, "settings": dataclasses.asdict(settings),
+                "quantizations": list(quantizations),
+                "plan": dataclasses.asdict(report.plan), **measured.as_dict(),
+                "outputs": {str(path): path.stat().st_size for path in targets}}, indent=2) + "\n")
+            pending.commit()
     return 0
 
 

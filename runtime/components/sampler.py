@@ -38,6 +38,8 @@ class SamplerConfig:
             raise InvalidArgumentError(f"top_k={self.top_k}, expected >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p={self.top_p}, expected a value in (0, 1]")
+        if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and self.seed >= 0):
+            raise InvalidArgumentError(f"seed={self.seed!r}, expected an integer >= 0 (or none: unseeded)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

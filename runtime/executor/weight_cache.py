@@ -220,10 +220,11 @@ class WeightCacheFile:
         are removed until the directory fits its cap (counted from the files' sizes once
         written: a model's packed weights may take a sixth of its file, or more than it).
 
-        ``PermissionDeniedError`` when a new file cannot be made in the directory,
-        ``ResourceExhaustedError`` when the directory's disk has no room for it (XNNPACK
-        aborts the process when a write fails); with ``fallback_to_memory``,
-        :data:`IN_MEMORY` instead, and also where the directory is in memory.
+        ``InvalidArgumentError`` when the directory is a file, ``PermissionDeniedError``
+        when a new file cannot be made in the directory, ``ResourceExhaustedError`` when
+        the directory's disk has no room for it (XNNPACK aborts the process when a write
+        fails); with ``fallback_to_memory``, :data:`IN_MEMORY` instead, and also where the
+        directory is in memory.
         """
         with _locked(self.path.parent):
             found = _open_locked(self.path)
@@ -240,7 +241,7 @@ class WeightCacheFile:
             return
         try:
             building = self._start_building(model_bytes)
-        except (PermissionDeniedError, ResourceExhaustedError) as exc:
+        except (InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError) as exc:
             if not self.fallback_to_memory:
                 raise
             log.info("%s; the model's weights are packed in memory", exc)
@@ -270,6 +271,9 @@ class WeightCacheFile:
         directory = self.path.parent
         if self.fallback_to_memory and _file_system_type(directory) in _MEMORY_FILE_SYSTEMS:
             raise ResourceExhaustedError(f"{directory}: in memory (tmpfs), no weight cache is written there")
+        if directory.exists() and not directory.is_dir():  # (mkdir would say only "File exists")
+            raise InvalidArgumentError(f"{directory}: is a file, not a directory: expected a directory to keep the "
+                                       f"weight cache {self.path.name} in")
         try:
             directory.mkdir(parents=True, exist_ok=True)
             free, needed = shutil.disk_usage(directory).free, int(model_bytes * _HEADROOM)

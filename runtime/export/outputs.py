@@ -5,33 +5,41 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 from runtime.errors import InvalidArgumentError, NotFoundError
 
 
-def check_targets(targets: list[Path]) -> None:
+def check_targets(targets: list[Path], sources: Sequence[Path] = ()) -> None:
     """Checks every target can be written: an existing, writable directory holds it, it is
-    not itself a directory, and no two targets are the same file."""
+    not itself a directory, no two targets are the same file, and none would replace an
+    input of ``sources`` (a source file, or a file inside a source directory)."""
     resolved = [target.resolve() for target in targets]
     if len(set(resolved)) != len(resolved):
         raise InvalidArgumentError(f"the outputs {', '.join(map(str, targets))} name the same file")
-    for target in targets:
+    for target, where in zip(targets, resolved):
         if not target.parent.is_dir():
             raise NotFoundError(f"{target}: the output directory {target.parent} does not exist")
         if target.is_dir():
             raise InvalidArgumentError(f"{target}: is a directory, expected a file name")
         if not os.access(target.parent, os.W_OK):
             raise InvalidArgumentError(f"{target}: the output directory {target.parent} is not writable")
+        for source in sources:
+            if where == source.resolve() or (target.exists() and source.is_dir()
+                                              and where.is_relative_to(source.resolve())):
+                raise InvalidArgumentError(f"{target}: would replace {'' if where == source.resolve() else 'a file of '}"
+                                           f"the input {source}; expected an output that is not an input")
 
 
 class PendingOutputs:
     """Temporary files for ``targets``; :meth:`commit` renames them all into place, leaving
     the context without committing (an error) removes them."""
 
-    def __init__(self, targets: list[Path]) -> None:
-        """Checks the targets (:func:`check_targets`) before anything is created."""
-        check_targets(targets)
+    def __init__(self, targets: list[Path], sources: Sequence[Path] = ()) -> None:
+        """Checks the targets against each other and the inputs ``sources``
+        (:func:`check_targets`) before anything is created."""
+        check_targets(targets, sources)
         self.targets = list(targets)
         self._temporary: dict[Path, Path] = {}
         self._scratch: list[Path] = []

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import InvalidArgumentError, NotFoundError
+from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
 from runtime.export.source import inspect_source
 from runtime.export.turbo_data import Example, read_examples
 
@@ -57,13 +58,13 @@ class TurboSettings:
             if value < 1:
                 raise InvalidArgumentError(f"{flag} {value}: expected a positive integer")
         for flag, rate in {"--lora-lr": self.lora_lr, "--head-lr": self.head_lr, "--alpha": self.alpha}.items():
-            if not rate > 0:
-                raise InvalidArgumentError(f"{flag} {rate}: expected a positive number")
+            if not (rate > 0 and math.isfinite(rate)):
+                raise InvalidArgumentError(f"{flag} {rate}: expected a finite positive number")
         for flag, share in {"--warmup-ratio": self.warmup_ratio, "--holdout": self.holdout}.items():
             if not 0 <= share < 1:
                 raise InvalidArgumentError(f"{flag} {share}: expected a number in [0, 1)")
-        if self.head_weight < 0:
-            raise InvalidArgumentError(f"--head-weight {self.head_weight}: expected a number >= 0")
+        if not (self.head_weight >= 0 and math.isfinite(self.head_weight)):
+            raise InvalidArgumentError(f"--head-weight {self.head_weight}: expected a finite number >= 0")
         if self.targets not in TARGET_MODULES:
             raise InvalidArgumentError(f"--targets {self.targets!r}: expected one of {', '.join(TARGET_MODULES)}")
 
@@ -108,7 +109,7 @@ def check_run(run: TurboRun, resume: bool) -> list[Example]:
     if resume:
         if not saved.is_file():
             raise NotFoundError(f"--out {run.out}: no checkpoint to resume ({saved} is missing)")
-        before = json.loads(saved.read_text())
+        before = _recorded_run(saved, run.out)
         changed = sorted(key for key in set(before) | set(run.describe())
                          if before.get(key) != run.describe().get(key))
         if changed:
@@ -119,3 +120,17 @@ def check_run(run: TurboRun, resume: bool) -> list[Example]:
         raise InvalidArgumentError(f"--out {run.out} exists: give a new directory, or --resume to continue the run "
                                    "checkpointed there")
     return examples
+
+
+def _recorded_run(saved: Path, out: Path) -> dict[str, Any]:
+    """What a checkpoint's ``run.json`` (``saved``) says its run was; ``DataLossError``
+    naming the file where it cannot be read as one."""
+    try:
+        recorded = json.loads(saved.read_text(encoding="utf-8"))
+        problem = None if isinstance(recorded, dict) else "not a JSON object"
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        problem = str(exc)
+    if problem is not None:
+        raise DataLossError(f"--resume: {saved} cannot be read as the checkpointed run ({problem}); give a new "
+                            f"--out, or remove {out} to start again")
+    return recorded

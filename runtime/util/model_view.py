@@ -43,6 +43,7 @@ import numpy as np
 from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from runtime.util.attention_rewrite import FORMS_METADATA, LINEAR_ROWS, attention_forms, custom_codes
 from runtime.util.page_advice import advise_huge_pages
+from runtime.util.scoped_file import refuse_unless_regular
 
 # Field numbers of the tflite schema's tables this module reads.
 _MODEL_OPERATOR_CODES, _MODEL_SUBGRAPHS, _MODEL_METADATA, _MODEL_SIGNATURES = 1, 2, 6, 7
@@ -386,11 +387,12 @@ class ModelFile:
     def _map(self, private: bool) -> tuple[mmap.mmap, memoryview]:
         """The file mapped from the page holding :attr:`begin`, and the model's bytes in it."""
         start = self.begin - self.begin % mmap.ALLOCATIONGRANULARITY
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
+        try:  # (non-blocking: a FIFO is refused below rather than waited on)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as exc:
             raise NotFoundError(f"{self.path}: cannot open the model file: {exc.strerror}") from None
         try:
+            refuse_unless_regular(fd, self.path, "a model file")  # mmap would fail with "No such device"
             size = os.fstat(fd).st_size
             end = size if self.end is None else self.end
             if not self.begin < end <= size:

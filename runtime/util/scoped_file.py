@@ -17,19 +17,31 @@ from runtime.errors import (
 )
 
 
+def refuse_unless_regular(fd: int, path: Path, expected: str) -> None:
+    """``InvalidArgumentError`` naming ``path`` and ``expected`` unless the open ``fd`` is a
+    regular file: a directory, a FIFO or a device cannot be read as a model or adapter
+    (mmap fails on them, a FIFO's reads wait for a writer)."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "is a directory" if stat.S_ISDIR(mode) else "is not a regular file"
+        raise InvalidArgumentError(f"{path}: {kind}, expected {expected}")
+
+
 class ScopedFile:
     """Owns an open file descriptor for reading; usable as a context manager.
 
     Opening maps the usual OS failures onto the runtime's status errors, each naming
-    the path: a missing file is ``NotFoundError``, a directory ``InvalidArgumentError``,
-    an unreadable file ``PermissionDeniedError``.
+    the path: a missing file is ``NotFoundError``, a directory or another file that is not
+    a regular one (a FIFO, a device) ``InvalidArgumentError``, an unreadable file
+    ``PermissionDeniedError``.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            # (non-blocking: a FIFO is refused below rather than waited on for a writer)
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             raise NotFoundError(f"{self.path}: no such file") from None
         except IsADirectoryError:
@@ -38,9 +50,11 @@ class ScopedFile:
             raise PermissionDeniedError(f"{self.path}: permission denied") from None
         except OSError as exc:
             raise InvalidArgumentError(f"{self.path}: cannot open: {exc.strerror}") from None
-        if stat.S_ISDIR(os.fstat(self._fd).st_mode):
+        try:
+            refuse_unless_regular(self._fd, self.path, "a file")
+        except InvalidArgumentError:
             self.close()
-            raise InvalidArgumentError(f"{self.path}: is a directory, expected a file")
+            raise
 
     @property
     def closed(self) -> bool:
