@@ -964,6 +964,25 @@ def test_a_broken_op_node_in_a_file_of_both_forms_is_refused_naming_the_op(both,
         LlmExecutor(bad)
 
 
+@pytest.mark.parametrize("form", ["rewritten", "both"])
+def test_a_custom_op_without_a_kernel_here_is_refused_at_open(form, request, tmp_path):
+    """An op no kernel of this runtime runs, in signatures whose group compiles only when a
+    session first needs it (the LoRA slots' deltas): refused at open naming it, not at that
+    first session (a live request, in serve)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from runtime.util.flatbuffer_model import pack as _pack
+
+    model = schema.ModelT.InitFromPackedBuf(request.getfixturevalue(form)["gqa"].read_bytes(), 0)
+    for code in model.operatorCodes:
+        if code.customCode == LORA_DELTA.encode():
+            code.customCode = b"vendor.lora"
+    bad = tmp_path / "bad.tflite"
+    bad.write_bytes(_pack(model))
+    with pytest.raises(InvalidArgumentError, match=r"bad.tflite: custom op 'vendor.lora': this runtime has no kernel"):
+        Engine(bad)  # compiles on demand: the plain group alone at open
+
+
 def test_a_pairing_that_does_not_read_is_refused_naming_it(both, tmp_path):
     from ai_edge_litert import schema_py_generated as schema
 

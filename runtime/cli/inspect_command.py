@@ -18,7 +18,7 @@ from runtime.executor.weight_cache import default_max_bytes, survey, user_direct
 from runtime.adapters.adapter_data import AdapterData
 from runtime.adapters.adapter_formats import open_adapter
 from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lora_input_name
-from runtime.util.attention_rewrite import DECODE_ATTENTION, OUR_OPS, attention_forms, custom_codes
+from runtime.util.attention_rewrite import DECODE_ATTENTION, attention_forms, custom_codes
 from runtime.util.signature_names import LoraSlot
 from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.util.model_view import ModelFile, signature_details
@@ -112,15 +112,11 @@ def _read_model(path: Path) -> tuple[ModelSpec, str]:
 def _attention_form(path: Path, header: memoryview) -> str:
     """How the model's decode signatures compute attention (docs/kernels.md), and which form
     this machine runs: a file of both forms runs the op where :func:`kernels.attention_form_here`
-    says so; a file of the op alone runs it where the kernel builds (else it cannot open), and
-    a file of one form naming a custom op this runtime has no kernel for cannot open."""
-    both, codes = bool(attention_forms(header)), custom_codes(header)
-    native = DECODE_ATTENTION in codes
+    says so; a file of the op alone runs it where the kernel builds (else it cannot open); a
+    file naming a custom op this runtime has no kernel for cannot open."""
+    kernels.refuse_unknown_ops(header, str(path))  # as the open refuses it
+    both, native = bool(attention_forms(header)), DECODE_ATTENTION in custom_codes(header)
     kernel = f"native kernel ({DECODE_ATTENTION}: built with this machine's C compiler; this runtime only)"
-    unknown = sorted(codes - set(OUR_OPS))
-    if unknown and not both:  # the open's refusal: a model of one form runs every custom op it names
-        raise InvalidArgumentError(f"{path}: custom op {', '.join(map(repr, unknown))}: this runtime has no kernel "
-                                   f"for it (it has {', '.join(map(repr, OUR_OPS))})")
     if both:
         op_form, notice = kernels.attention_form_here(str(path))
         if notice:  # why not the op, and what that costs, as opening the model would say

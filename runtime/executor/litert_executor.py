@@ -402,6 +402,7 @@ class LlmExecutor:
             notice = None
             try:
                 if self._source is not None:
+                    kernels.refuse_unknown_ops(self._source.header(), str(self.model_path))  # groups compile later
                     if attention_forms(self._source.header()):
                         self._op_form, notice = kernels.attention_form_here(str(self.model_path))
                     details = signature_details(self._source.header(), source=str(self.model_path))

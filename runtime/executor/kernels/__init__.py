@@ -44,7 +44,7 @@ from importlib import resources
 from pathlib import Path
 
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
-from runtime.util.attention_rewrite import DECODE_ATTENTION, LINEAR_ROWS, LORA_DELTA, OUR_OPS
+from runtime.util.attention_rewrite import DECODE_ATTENTION, LINEAR_ROWS, LORA_DELTA, OUR_OPS, custom_codes
 from runtime.util.cache_dir import runtime_cache_dir
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,17 @@ STANDARD_FORM_COST = ("its attention takes 2-3x the kernel's time and reads the 
                       "(a short session in a 4,096-position cache: ~5x a whole int8 step of SmolLM2-135M; "
                       "float16 caches are converted whole at every step, ~1.6x a float32 cache's step; "
                       "float16 LoRA factors too, ~1.1x)")
+
+
+def refuse_unknown_ops(model: bytes | memoryview, name: str) -> None:
+    """``InvalidArgumentError`` naming the custom ops the model ``name`` names (its operator
+    table: cheap) that this runtime has no kernel for: no signature running one could run
+    here, and a model compiling its signature groups on demand would meet it only at the
+    first session needing that group."""
+    unknown = sorted(custom_codes(model) - set(OUR_OPS))
+    if unknown:
+        raise InvalidArgumentError(f"{name}: custom op {', '.join(map(repr, unknown))}: this runtime has no kernel "
+                                   f"for it (it has {', '.join(map(repr, OUR_OPS))})")
 
 
 def load_for_this_cpu() -> tuple[ctypes.CDLL | None, str]:
