@@ -80,7 +80,8 @@ def main() -> None:
                                  f"{engine.spec.kv_length} positions ({2 * args.rounds * STEPS} steps a position)")
             for session in sessions:
                 session.reset()
-                session.run_prefill([i % 97 + 1 for i in range(position)])
+                if position:  # position 0: the sessions' first step has no prompt before it
+                    session.run_prefill([i % 97 + 1 for i in range(position)])
             alone, together = [], []
             for _ in range(args.rounds):
                 alone.append(_timed(lambda: sessions[0].run_decode(5)))
