@@ -48,11 +48,33 @@ def test_seed_reproduces():
 
 @pytest.mark.parametrize(
     "kwargs", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5},
-               {"seed": -1}, {"seed": 1.5}]
+               {"seed": -1}, {"seed": 1.5},
+               # not numbers of the field's kind: refused naming it, not a TypeError or a filter silently off
+               {"temperature": None}, {"temperature": "0.5"}, {"top_k": float("nan")}, {"top_k": 2.5},
+               {"top_k": None}, {"top_k": True}, {"top_p": None}, {"seed": True}, {"presence_penalty": "1"},
+               {"frequency_penalty": None}, {"logit_bias": ((1, 2, 3),)}, {"logit_bias": (1, 2)},
+               {"logit_bias": {1: "2"}}]
 )
 def test_bad_config(kwargs):
-    with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {next(iter(kwargs))}="):
+    with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {next(iter(kwargs))}[=:[]"):
         SamplerConfig(**kwargs)
+
+
+def test_a_tiny_temperature_samples_the_best_token_instead_of_failing():
+    """Any finite temperature > 0 is documented as valid: dividing the logits by 1e-310 (or
+    large logits by 0.5) overflows to infinity, and inf - inf made NaN probabilities."""
+    for temperature, logits in ((1e-310, LOGITS), (1e-300, np.array([1e10, 2e10], np.float32)),
+                                (0.5, np.array([1e308, -1e308]))):
+        sampler = Sampler(SamplerConfig(temperature=temperature, seed=0))
+        assert {sampler.sample(logits) for _ in range(5)} == {int(np.argmax(logits))}
+    sampler = Sampler(SamplerConfig(temperature=1e-310, top_p=0.5, top_k=3, seed=0))
+    assert sampler.sample(LOGITS) == 1
+
+
+def test_a_token_biased_twice_is_refused():
+    """Pairs hold one bias per token: a second one was silently dropped (only the last applied)."""
+    with pytest.raises(InvalidArgumentError, match=r"logit_bias: token 1 is given twice"):
+        SamplerConfig(logit_bias=((1, 50.0), (1, 50.0)))
 
 
 def test_non_finite_logits():
