@@ -109,3 +109,27 @@ def test_a_token_s_own_bytes_where_the_vocabulary_spells_them(hf_json, sp_model)
     pieces = sp.encode("🙂")  # not in the corpus: '▁' and four byte pieces
     assert [sp.token_bytes(t) for t in pieces] == [None, b"\xf0", b"\x9f", b"\x99", b"\x82"]
     assert sp.token_bytes(sp.vocab_size) is None
+
+
+def test_text_that_is_not_unicode_is_refused_naming_where(hf_json, sp_model):
+    """A lone surrogate (what Python makes of a command line's bytes that are not UTF-8) was
+    a UnicodeEncodeError, a TypeError or a RuntimeError depending on the tokenizer; a
+    non-str text an AttributeError or a TypeError."""
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        with pytest.raises(InvalidArgumentError, match=r"text holds a lone surrogate '\\udcff' at character 2"):
+            tokenizer.encode("ab\udcffc")
+        for value in (None, b"abc"):
+            with pytest.raises(InvalidArgumentError, match="text is .*, expected a str"):
+                tokenizer.encode(value)
+        assert tokenizer.decode(tokenizer.encode("a\x00b")) == "a\x00b"
+
+
+def test_negative_and_huge_ids_decode_to_nothing_and_read_as_nothing(hf_json, sp_model):
+    """Decoding never fails (the protocol's promise): Hugging Face's library raised
+    OverflowError for a negative id or one past 64 bits, SentencePiece's token_text an
+    IndexError or a TypeError."""
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        ids = tokenizer.encode("hello")
+        assert tokenizer.decode([-1, *ids, 2**70, -2**70]) == "hello"
+        for token in (-1, 2**40, 2**70):
+            assert tokenizer.token_text(token) == "" and not tokenizer.token_bytes(token)

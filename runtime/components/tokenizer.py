@@ -31,6 +31,19 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 
 
+def _utf8(text: str) -> bytes:
+    """``text``'s UTF-8 bytes; ``InvalidArgumentError`` if it is not a ``str`` or holds a lone
+    surrogate (what Python makes of bytes that are not UTF-8 in a command line or a file
+    name), which no tokenizer can take."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"text is {type(text).__name__}, expected a str")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"text holds a lone surrogate {text[exc.start]!r} at character {exc.start}, "
+                                   "expected Unicode text (was it read from bytes that are not UTF-8?)") from None
+
+
 class Tokenizer(Protocol):
     """What the engine needs to take text in and give text out."""
 
@@ -68,7 +81,7 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The UTF-8 bytes of ``text`` (bytes have no special tokens to add)."""
-        return list(text.encode("utf-8"))
+        return list(_utf8(text))
 
     def token_text(self, token: int) -> str:
         """The byte as text (a byte that is not whole UTF-8 alone: U+FFFD)."""
@@ -109,11 +122,12 @@ class HfTokenizer:
         self._stop = tuple(int(t) for t in stop_token_ids)
         self._byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
         self._added = frozenset(self._tokenizer.get_added_tokens_decoder())
+        self._size = self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
     def vocab_size(self) -> int:
         """Size of the vocabulary including added tokens."""
-        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+        return self._size
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -123,18 +137,20 @@ class HfTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` (with ``add_special_tokens``, those the tokenizer's
         post-processor adds, such as a beginning-of-sequence token)."""
+        _utf8(text)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def token_text(self, token: int) -> str:
-        """The token as the vocabulary spells it (special tokens too, e.g. ``<|im_end|>``)."""
-        return self._tokenizer.id_to_token(int(token)) or ""
+        """The token as the vocabulary spells it (special tokens too, e.g. ``<|im_end|>``);
+        nothing for an id outside the vocabulary."""
+        return (self._tokenizer.id_to_token(int(token)) or "") if 0 <= token < self._size else ""
 
     def token_bytes(self, token: int) -> bytes | None:
         """The token's own bytes where the vocabulary spells them: a byte-level BPE token's
         (a part of a character too), a byte-fallback token's (``<0xC3>``); ``None`` for
         other tokens (added ones, special ones...), whose bytes are their text's."""
-        spelling = self._tokenizer.id_to_token(int(token))
-        if spelling is None or token in self._added:
+        spelling = self.token_text(token)
+        if not spelling or token in self._added:
             return None
         if self._byte_level:
             values = [_BYTE_LEVEL.get(character) for character in spelling]
@@ -148,8 +164,8 @@ class HfTokenizer:
         return next((text for text in _BOS_TOKEN_TEXTS if self._tokenizer.token_to_id(text) is not None), None)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens and ids past the vocabulary (a model's extra tokens) skipped."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        """Text of ``ids``, special tokens and ids outside the vocabulary (a model's extra tokens) skipped."""
+        return self._tokenizer.decode([token for token in ids if 0 <= token < self._size], skip_special_tokens=True)
 
 
 class SentencePieceTokenizer:
@@ -185,13 +201,14 @@ class SentencePieceTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Piece ids of ``text`` (with ``add_special_tokens``, the beginning-of-sentence id
         first, when the model has one)."""
+        _utf8(text)
         ids = list(self._processor.encode(text))
         bos = self._processor.bos_id()
         return [bos, *ids] if add_special_tokens and bos >= 0 else ids
 
     def token_text(self, token: int) -> str:
-        """The piece (special pieces too, e.g. ``</s>``)."""
-        return self._processor.id_to_piece(int(token))
+        """The piece (special pieces too, e.g. ``</s>``); nothing for an id outside the pieces."""
+        return self._processor.id_to_piece(int(token)) if 0 <= token < self._processor.get_piece_size() else ""
 
     def token_bytes(self, token: int) -> bytes | None:
         """A byte-fallback piece's byte (``<0xC3>``: a part of a character the pieces do not
