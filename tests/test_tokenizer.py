@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from runtime.components.tokenizer import ByteTokenizer, HfTokenizer, SentencePieceTokenizer, load_tokenizer
+from runtime.components.tokenizer import (ByteTokenizer, HfTokenizer, SentencePieceTokenizer, TextStream,
+                                         load_tokenizer)
 from runtime.errors import InvalidArgumentError, NotFoundError
 
 TEXTS = ["hello world", "Ünïcödé and emoji 🙂", "", "line one\nline two"]
@@ -133,3 +135,22 @@ def test_negative_and_huge_ids_decode_to_nothing_and_read_as_nothing(hf_json, sp
         assert tokenizer.decode([-1, *ids, 2**70, -2**70]) == "hello"
         for token in (-1, 2**40, 2**70):
             assert tokenizer.token_text(token) == "" and not tokenizer.token_bytes(token)
+
+
+def test_streamed_pieces_join_to_exactly_the_decoded_text(hf_json, sp_model):
+    """What ``runtime generate`` prints token by token: a character split over tokens (bytes,
+    byte-level BPE, byte-fallback pieces) comes whole with the token that completes it, and
+    SentencePiece's spaces between words stay (decoding each token alone gave U+FFFD for
+    each part of a character and dropped every word's space)."""
+    rng = np.random.default_rng(0)
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        sequences = [tokenizer.encode(text) for text in ["é🙂 and ü", "hello world 🙂", "a\u4e2d\u6587b"]]
+        sequences += [list(rng.integers(0, tokenizer.vocab_size, 40)) for _ in range(20)]  # broken bytes too
+        for ids in sequences:
+            stream = TextStream(tokenizer)
+            pieces = [stream.add(int(token)) for token in ids]
+            pieces.append(stream.finish())
+            assert "".join(pieces) == tokenizer.decode(ids), (type(tokenizer).__name__, ids)
+        stream = TextStream(tokenizer)
+        pieces = [stream.add(token) for token in tokenizer.encode("é🙂")]
+        assert "\ufffd" not in "".join(pieces) and "".join(pieces) + stream.finish() == "é🙂"

@@ -17,6 +17,8 @@ _BOS_TOKEN_TEXTS = ("<|begin_of_text|>", "<s>", "<bos>")
 # A byte-fallback token's spelling (SentencePiece's and tokenizer.json's): one byte of a
 # character the vocabulary has no token for.
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# What a tokenizer decodes an incomplete UTF-8 sequence to.
+_REPLACEMENT_CHARACTER = "\ufffd"
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -227,6 +229,41 @@ class SentencePieceTokenizer:
         """Text of ``ids``; ids past the pieces (a model's extra tokens) add nothing."""
         pieces = self._processor.get_piece_size()
         return self._processor.decode([token for token in ids if 0 <= token < pieces])
+
+
+class TextStream:
+    """A generation's tokens -> the text each one adds, for showing them as they come: the
+    pieces join to exactly ``tokenizer.decode`` of all the tokens.
+
+    Decoding each token alone does not: a token holding part of a multi-byte character
+    decodes to U+FFFD, and SentencePiece drops a piece's leading space when it stands
+    first. Here a token adds nothing while the text ends with an incomplete character (its
+    text comes with the token that completes it), and each decode covers the tokens from
+    the previous piece's on (vLLM's incremental detokenization), not the whole answer.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decode = tokenizer.decode
+        self._tokens: list[int] = []
+        self._start = self._read = 0  # decodes begin at _start; the text up to _read was given out
+
+    def add(self, token: int) -> str:
+        """Takes the next token; the text that may be shown now (maybe '')."""
+        self._tokens.append(token)
+        before = self._decode(self._tokens[self._start:self._read])
+        text = self._decode(self._tokens[self._start:])
+        if len(text) <= len(before) or text.endswith(_REPLACEMENT_CHARACTER):
+            return ""
+        self._start, self._read = self._read, len(self._tokens)
+        return text[len(before):]
+
+    def finish(self) -> str:
+        """The rest of the text when no more tokens come (a character left incomplete at
+        the end reads as ``decode`` reads it)."""
+        before = self._decode(self._tokens[self._start:self._read])
+        rest = self._decode(self._tokens[self._start:])[len(before):]
+        self._start = self._read = len(self._tokens)
+        return rest
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
