@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime import ByteTokenizer, ChatTemplate, Engine, EngineSettings, LoraSource, SessionConfig
+from runtime.errors import StatusError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "runtime" / "demo_assets"
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                              "that begin alike take instead of prefilling them (0: off)")
     parser.add_argument("--log", type=Path, help="write every call as a JSON line here")
     args = parser.parse_args(argv)
+    for name in ("npcs", "ticks", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected 1 or more")
     if not 0 <= args.prefix_cache_mb < 1 << 40:  # NaN and infinity too
         parser.error(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
 
@@ -201,4 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (StatusError, OSError) as exc:  # a user's mistake (a missing model, adapter or file): one line
+        sys.exit(f"error: {exc}")

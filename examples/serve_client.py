@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hot-load", type=Path, default=DEMO / "adapters" / "no_vowels.tflite",
                         help="the adapter file served for the hot-load")
     args = parser.parse_args(argv)
+    if not args.hot_load.is_file():  # checked before the server is asked anything: it is served at step 5
+        parser.error(f"--hot-load {args.hot_load}: no such file")
     prompt = args.prompt.rstrip("\n")
 
     with ExitStack() as stack:
@@ -185,4 +187,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except openai.APIConnectionError as exc:  # a wrong --base-url, or the server went away
+        sys.exit(f"error: cannot reach the server at {exc.request.url}: {exc}")
+    except OSError as exc:  # a file that cannot be read
+        sys.exit(f"error: {exc}")

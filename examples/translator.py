@@ -53,6 +53,7 @@ from pathlib import Path
 
 from runtime import (ByteTokenizer, ChatTemplate, DataLossError, Engine, EngineSettings, KeepAll, LoraSource, Lru,
                      OnlyActive, SessionConfig)
+from runtime.errors import StatusError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "runtime" / "demo_assets"
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory for adapter buffers the residency rule may use (KiB)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens {args.max_tokens}: expected 1 or more")
     shipped = pairs(args.pair or [f"en-upper={DEMO / 'adapters' / 'uppercase.tflite'}"])
     (new_name, new_path), = pairs([args.download or f"en-novowel={DEMO / 'adapters' / 'no_vowels.tflite'}"]).items()
     lines = args.line or ["hello world", "good morning"]
@@ -219,4 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (StatusError, OSError) as exc:  # a user's mistake (a missing model, adapter or file): one line
+        sys.exit(f"error: {exc}")

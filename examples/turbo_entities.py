@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from runtime.errors import StatusError  # noqa: E402 (the repository root is on the path from here)
+
 INSTRUCTION = ("Extract the person, organization, city and date named in the text. Answer with JSON only: "
                '{"person": ..., "organization": ..., "city": ..., "date": ...}, null for what the text does not name.')
 FIRST = ["Maria", "James", "Aiko", "Omar", "Lena", "Carlos", "Priya", "Tomas", "Grace", "Kwame", "Sofia", "Ivan",
@@ -179,4 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (StatusError, OSError) as exc:  # a user's mistake (a missing model, adapter or file): one line
+        sys.exit(f"error: {exc}")

@@ -25,13 +25,17 @@ NEWLINE = 10
 HANG_S = 300.0
 
 
-def run_example(name: str, *args: str) -> str:
+def run_example(name: str, *args: str, refused: bool = False) -> str:
     """Runs ``examples/name`` as ``python examples/name ARGS`` from the repository root;
-    its stdout. Fails past HANG_S."""
+    its stdout (``refused``: its stderr, which must be a user's error message, not a
+    traceback, with a non-zero exit). Fails past HANG_S."""
     # this checkout's runtime first, whatever is installed; the caller's path after it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, f"examples/{name}", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=HANG_S)
+    if refused:
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        return done.stderr
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -90,6 +94,35 @@ def test_translator_refuses_a_wrong_pin_accepts_the_right_one_swaps_and_unloads(
     assert after < before
     assert re.search(r"materialize \(cold switch\) p50 \d+\.\d+ ms", out), out
     assert re.search(r"residency policy: (OnlyActive|KeepAll|Lru) \(", out), out
+
+
+@pytest.mark.parametrize("name, args, message", [
+    ("npc_tick.py", ["--model", "missing.tflite"], "missing.tflite: no such model file"),
+    ("npc_tick.py", ["--planner", "missing.tflite"], "missing.tflite: no such file"),
+    ("npc_tick.py", ["--chat-template", "missing.jinja"], "No such file or directory: 'missing.jinja'"),
+    ("npc_tick.py", ["--npcs", "0"], "--npcs 0: expected 1 or more"),
+    ("npc_tick.py", ["--ticks", "0"], "--ticks 0: expected 1 or more"),
+    ("npc_tick.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+    ("translator.py", ["--model", "missing.tflite"], "missing.tflite: no such model file"),
+    ("translator.py", ["--pair", "en-fr=missing.tflite"], "missing.tflite: no such file"),
+    ("translator.py", ["--download", "en-fr=missing.tflite"], "No such file or directory: 'missing.tflite'"),
+    ("translator.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+    ("turbo_entities.py", ["evaluate", "--model", "m.litertlm", "--adapter", "a", "--data", "missing.jsonl"],
+     "No such file or directory: 'missing.jsonl'"),
+])
+def test_a_user_s_mistake_is_one_error_line_not_a_traceback(name, args, message):
+    """A missing model, adapter or file, or a count that makes no sense: the examples printed
+    a traceback (an IndexError from an empty percentile for --npcs 0)."""
+    assert message in run_example(name, *args, refused=True)
+
+
+def test_serve_client_refuses_a_missing_adapter_file_and_a_server_it_cannot_reach():
+    pytest.importorskip("openai")
+    assert "--hot-load missing.tflite: no such file" in run_example("serve_client.py", "--hot-load", "missing.tflite",
+                                                                     refused=True)
+    unreachable = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
+    message = run_example("serve_client.py", "--base-url", unreachable, refused=True)
+    assert f"error: cannot reach the server at {unreachable}/models: Connection error." in message
 
 
 def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(engine):
