@@ -40,6 +40,8 @@ def test_raise_exception_in_a_template_is_an_invalid_argument() -> None:
     "messages, match",
     [
         ([], "empty"),
+        (None, "messages is NoneType, expected a list"),
+        ("hello", "messages is str, expected a list"),
         (["hello"], r"messages\[0\] is str"),
         ([{"role": "wizard", "content": "x"}], r"messages\[0\].role='wizard'"),
         ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
@@ -60,3 +62,13 @@ def test_a_template_cannot_reach_python_internals() -> None:
 def test_unusable_templates_are_refused(source: str) -> None:
     with pytest.raises(InvalidArgumentError):
         ChatTemplate(source)
+
+
+@pytest.mark.parametrize("source", ["{{ messages[0].content + 1 }}", "{{ 1 // 0 }}", "{{ '%d' % messages[0].content }}",
+                                    "{{ range(10**9) | list }}"])
+def test_a_template_that_fails_in_python_is_an_invalid_argument(source: str) -> None:
+    """A template is data from a downloaded file: its TypeError, ZeroDivisionError or
+    OverflowError escaped as such (only Jinja's own errors were turned into INVALID_ARGUMENT)."""
+    with pytest.raises(InvalidArgumentError, match="chat template failed on these messages: "):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+

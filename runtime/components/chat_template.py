@@ -40,9 +40,13 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (each ``{"role": ..., "content": str}``), ending
-        with the assistant's turn opened when ``add_generation_prompt``."""
-        from jinja2 import TemplateError
+        with the assistant's turn opened when ``add_generation_prompt``.
 
+        ``InvalidArgumentError`` when the template fails on them (its ``raise_exception``,
+        or any error of its own: it is data from a file)."""
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+            raise InvalidArgumentError(f"messages is {type(messages).__name__}, expected a list of "
+                                       "{role, content} objects")
         checked = [_check_message(i, message) for i, message in enumerate(messages)]
         if not checked:
             raise InvalidArgumentError("messages is empty: a chat needs at least one message")
@@ -53,7 +57,7 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except TemplateError as exc:
+        except Exception as exc:  # Jinja's TemplateError, or what the template's Python operations raise
             raise InvalidArgumentError(f"chat template failed on these messages: {exc}") from None
 
 
