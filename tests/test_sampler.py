@@ -138,3 +138,15 @@ def test_sampling_without_filters_follows_the_softmax_of_a_large_vocabulary():
     picks = np.array([sampler.sample(logits) for _ in range(2000)])
     assert set(picks.tolist()) <= {i for i in range(49_152) if i % 1000 == 7}
     assert abs(np.mean(picks == 7) - 10 / 59) < 0.035  # 4 standard deviations
+
+
+def test_a_sampler_config_of_another_kind_is_refused_naming_it():
+    """A dict of settings where a SamplerConfig goes (generate's ``sampler=``,
+    SessionConfig's) failed at the first sample with an AttributeError."""
+    from runtime import SessionConfig
+
+    with pytest.raises(InvalidArgumentError, match=r"^INVALID_ARGUMENT: sampler=\{'temperature': 0.7\}, expected a "
+                                                   "SamplerConfig"):
+        Sampler({"temperature": 0.7})
+    with pytest.raises(InvalidArgumentError, match=r"sampler=\{'temperature': 0.7\}, expected a SamplerConfig"):
+        SessionConfig(sampler={"temperature": 0.7})

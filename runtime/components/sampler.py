@@ -77,7 +77,7 @@ class Sampler:
     """
 
     def __init__(self, config: SamplerConfig | None = None) -> None:
-        self.config = config or SamplerConfig()
+        self.config = SamplerConfig() if config is None else check_sampler_config(config)
         self._rng = np.random.default_rng(self.config.seed)
         self._counts: dict[int, int] = {}  # how often each token was chosen (for the penalties)
         bias = self.config.logit_bias
@@ -165,6 +165,13 @@ def top_ids(values: np.ndarray, k: int) -> np.ndarray:
     above = np.flatnonzero(values > kth)
     ids = np.concatenate([above, np.flatnonzero(values == kth)[: k - above.size]])
     return ids[np.argsort(-values[ids], kind="stable")]
+
+
+def check_sampler_config(config: object) -> SamplerConfig:
+    """``config`` if it is a :class:`SamplerConfig`, else ``InvalidArgumentError`` naming it."""
+    if not isinstance(config, SamplerConfig):
+        raise InvalidArgumentError(f"sampler={config!r:.60}, expected a SamplerConfig")
+    return config
 
 
 def _is_integer(value: object) -> bool:

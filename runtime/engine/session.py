@@ -275,7 +275,7 @@ class Session:
             raise InvalidArgumentError(f"max_new_tokens={max_new_tokens!r:.40}, expected an integer >= 1")
         max_new_tokens = count
         if not isinstance(sampler, Sampler):
-            sampler = Sampler(sampler or self._sampler_config)
+            sampler = Sampler(self._sampler_config if sampler is None else sampler)
         stops = set(self._check_tokens(stop_tokens, "stop_tokens"))
         kv_length = self.kv_length
         with self.reserve() as context:
