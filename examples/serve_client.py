@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hot-load", type=Path, default=DEMO / "adapters" / "no_vowels.tflite",
                         help="the adapter file served for the hot-load")
     args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens {args.max_tokens}: expected 1 or more")
     if not args.hot_load.is_file():  # checked before the server is asked anything: it is served at step 5
         parser.error(f"--hot-load {args.hot_load}: no such file")
     prompt = args.prompt.rstrip("\n")

@@ -84,12 +84,14 @@ def local_download_server(files: dict[str, Path]):
 
 
 def pairs(values: list[str]) -> dict[str, Path]:
-    """``NAME=PATH`` options as a dict."""
+    """``NAME=PATH`` options as a dict (each name once: a pair is known by it)."""
     out = {}
     for value in values:
         name, sep, path = value.partition("=")
         if not sep or not name:
             raise SystemExit(f"error: {value!r}: expected NAME=PATH")
+        if name in out:
+            raise SystemExit(f"error: --pair {name}: given twice")
         out[name] = Path(path)
     return out
 
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-tokens {args.max_tokens}: expected 1 or more")
     shipped = pairs(args.pair or [f"en-upper={DEMO / 'adapters' / 'uppercase.tflite'}"])
     (new_name, new_path), = pairs([args.download or f"en-novowel={DEMO / 'adapters' / 'no_vowels.tflite'}"]).items()
+    if new_name in shipped:  # the download would take the shipped pair's name, and its unload the new one
+        parser.error(f"--download {new_name}: a --pair has that name")
     lines = args.line or ["hello world", "good morning"]
 
     started = time.perf_counter()

@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--tokenizer", type=Path, help="tokenizer.json, for a .tflite")
     check.add_argument("--chat-template", type=Path, help="a Jinja2 chat template file, for a .tflite")
     args = parser.parse_args(argv)
+    for name, least in (("train", 0), ("test", 0), ("items", 1), ("max_new_tokens", 1)):
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} {value}: expected {least} or more")
     if args.step == "data":
         for path in write_data(args.out, args.train, args.test, args.seed):
             print(f"wrote {path}")

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -107,8 +108,19 @@ def test_translator_refuses_a_wrong_pin_accepts_the_right_one_swaps_and_unloads(
     ("translator.py", ["--pair", "en-fr=missing.tflite"], "missing.tflite: no such file"),
     ("translator.py", ["--download", "en-fr=missing.tflite"], "No such file or directory: 'missing.tflite'"),
     ("translator.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+    ("translator.py", ["--pair", f"en-x={DEMO / 'adapters' / 'json.tflite'}", "--download",
+                       f"en-x={DEMO / 'adapters' / 'no_vowels.tflite'}"], "--download en-x: a --pair has that name"),
+    ("translator.py", ["--pair", "en-x=a.tflite", "--pair", "en-x=b.tflite"], "--pair en-x: given twice"),
     ("turbo_entities.py", ["evaluate", "--model", "m.litertlm", "--adapter", "a", "--data", "missing.jsonl"],
      "No such file or directory: 'missing.jsonl'"),
+    # --items -1 evaluated all the items but the last; --train -5 wrote an empty train.jsonl
+    ("turbo_entities.py", ["evaluate", "--model", "m", "--adapter", "a", "--data", "d", "--items", "-1"],
+     "--items -1: expected 1 or more"),
+    ("turbo_entities.py", ["evaluate", "--model", "m", "--adapter", "a", "--data", "d", "--max-new-tokens", "0"],
+     "--max-new-tokens 0: expected 1 or more"),
+    ("turbo_entities.py", ["data", "--out", str(Path(tempfile.gettempdir()) / "refused"), "--train", "-5"],
+     "--train -5: expected 0 or more"),
+    ("serve_client.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
 ])
 def test_a_user_s_mistake_is_one_error_line_not_a_traceback(name, args, message):
     """A missing model, adapter or file, or a count that makes no sense: the examples printed
