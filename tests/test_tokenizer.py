@@ -154,3 +154,18 @@ def test_streamed_pieces_join_to_exactly_the_decoded_text(hf_json, sp_model):
         stream = TextStream(tokenizer)
         pieces = [stream.add(token) for token in tokenizer.encode("é🙂")]
         assert "\ufffd" not in "".join(pieces) and "".join(pieces) + stream.finish() == "é🙂"
+
+
+def test_a_tokenizer_path_that_is_no_file_says_what_it_is(hf_json, tmp_path):
+    """A directory (a Hugging Face checkpoint's folder, say) was 'no such tokenizer file',
+    though it exists; a tokenizer.json saved with a UTF-8 byte order mark (as Windows
+    editors do) was read as a SentencePiece model and refused as one."""
+    for load in (load_tokenizer, HfTokenizer, SentencePieceTokenizer):
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {tmp_path}: is a directory, expected a "):
+            load(tmp_path)
+        with pytest.raises(NotFoundError, match=f"{tmp_path / 'missing.json'}: no such file"):
+            load(tmp_path / "missing.json")
+    marked = tmp_path / "bom.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + hf_json.read_bytes())
+    for tokenizer in (load_tokenizer(marked), HfTokenizer(marked), HfTokenizer(marked.read_bytes())):
+        assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"

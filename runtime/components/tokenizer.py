@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
 
-from runtime.errors import InvalidArgumentError, NotFoundError
+from runtime.errors import InvalidArgumentError
+from runtime.util.scoped_file import ScopedFile
 
 # Special tokens that end a generation in common vocabularies.
 _STOP_TOKEN_TEXTS = ("</s>", "<|endoftext|>", "<eos>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
@@ -17,6 +17,8 @@ _BOS_TOKEN_TEXTS = ("<|begin_of_text|>", "<s>", "<bos>")
 # A byte-fallback token's spelling (SentencePiece's and tokenizer.json's): one byte of a
 # character the vocabulary has no token for.
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# What some editors put before a UTF-8 text file's first character.
+_UTF8_BOM = b"\xef\xbb\xbf"
 # What a tokenizer decodes an incomplete UTF-8 sequence to.
 _REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -31,6 +33,14 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _read(path: str | os.PathLike[str], size: int = -1) -> bytes:
+    """The bytes of the tokenizer file ``path`` (its first ``size`` ones, if given):
+    ``NotFoundError``, ``InvalidArgumentError`` (a directory, a FIFO) or
+    ``PermissionDeniedError`` naming it when it cannot be read as a file."""
+    with ScopedFile(path) as file, open(file.fileno(), "rb", closefd=False) as stream:
+        return stream.read(size)
 
 
 def _utf8(text: str) -> bytes:
@@ -105,18 +115,11 @@ class HfTokenizer:
     def __init__(self, source: str | os.PathLike[str] | bytes, stop_token_ids: Sequence[int] | None = None) -> None:
         from tokenizers import Tokenizer as _Tokenizer, decoders
 
+        name = "<tokenizer.json bytes>" if isinstance(source, bytes) else str(source)
+        data = source if isinstance(source, bytes) else _read(source)
         try:
-            if isinstance(source, bytes):
-                self._tokenizer = _Tokenizer.from_str(source.decode("utf-8"))
-            else:
-                path = Path(source)
-                if not path.is_file():
-                    raise NotFoundError(f"{path}: no such tokenizer file")
-                self._tokenizer = _Tokenizer.from_file(str(path))
-        except NotFoundError:
-            raise
+            self._tokenizer = _Tokenizer.from_str(data.removeprefix(_UTF8_BOM).decode("utf-8"))
         except Exception as exc:  # the library raises its own Exception subclasses
-            name = "<tokenizer.json bytes>" if isinstance(source, bytes) else str(source)
             raise InvalidArgumentError(f"{name}: not a valid tokenizer.json: {exc}") from None
         if stop_token_ids is None:
             found = (self._tokenizer.token_to_id(text) for text in _STOP_TOKEN_TEXTS)
@@ -178,10 +181,8 @@ class SentencePieceTokenizer:
 
         self._processor = sentencepiece.SentencePieceProcessor()
         name = "<sentencepiece bytes>" if isinstance(source, bytes) else str(source)
-        if not isinstance(source, bytes) and not Path(source).is_file():
-            raise NotFoundError(f"{source}: no such tokenizer file")
+        proto = source if isinstance(source, bytes) else _read(source)
         try:
-            proto = source if isinstance(source, bytes) else Path(source).read_bytes()
             self._processor.LoadFromSerializedProto(proto)
         except Exception as exc:  # RuntimeError or OSError from the library
             raise InvalidArgumentError(f"{name}: not a valid SentencePiece model: {exc}") from None
@@ -268,11 +269,6 @@ class TextStream:
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """A tokenizer from a file: ``tokenizer.json`` (Hugging Face) or a SentencePiece model."""
-    path = Path(path)
-    if not path.is_file():
-        raise NotFoundError(f"{path}: no such tokenizer file")
-    with open(path, "rb") as file:
-        head = file.read(64).lstrip()
-    if head.startswith(b"{"):
+    if _read(path, 64).removeprefix(_UTF8_BOM).lstrip().startswith(b"{"):
         return HfTokenizer(path)
     return SentencePieceTokenizer(path)
