@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         base = models[0].id
         adapters = [m.id for m in models[1:]]
         chat = bool(models[0].model_extra.get("chat_template"))
+        if not adapters:
+            raise SystemExit(f"error: the server at {base_url} serves no adapter; start it with --adapters")
         print(f"1. models: base {base!r} ({'chat template' if chat else 'no chat template: completions'}), "
               f"adapters {adapters}")
 

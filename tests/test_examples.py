@@ -137,6 +137,20 @@ def test_serve_client_refuses_a_missing_adapter_file_and_a_server_it_cannot_reac
     assert f"error: cannot reach the server at {unreachable}/models: Connection error." in message
 
 
+def test_serve_client_refuses_a_server_without_adapters():
+    """Steps 2 to 4 need an adapter: a server serving none was an IndexError after step 1."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from local_server import runtime_serve
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    with runtime_serve("--model", str(DEMO / "model.tflite"), "--byte-tokens") as url:
+        message = run_example("serve_client.py", "--base-url", url, refused=True)
+    assert f"error: the server at {url} serves no adapter; start it with --adapters" in message
+
+
 def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(engine):
     pytest.importorskip("openai")
     pytest.importorskip("fastapi")
