@@ -100,8 +100,18 @@ class Prompter:
 
 
 def run_npc(npc: int, sessions: dict, prompter: Prompter, args: argparse.Namespace, start_at: float,
-            ticks: list, calls: list) -> None:
-    """One NPC: ``args.ticks`` ticks of planner -> decider -> dialogue, after its start offset."""
+            ticks: list, calls: list, errors: list) -> None:
+    """One NPC: ``args.ticks`` ticks of planner -> decider -> dialogue, after its start offset;
+    what it raises goes to ``errors`` (for the main thread to raise)."""
+    try:
+        tick_npc(npc, sessions, prompter, args, start_at, ticks, calls)
+    except Exception as exc:  # noqa: BLE001 - raised again by main, after every NPC ended
+        errors.append(exc)
+
+
+def tick_npc(npc: int, sessions: dict, prompter: Prompter, args: argparse.Namespace, start_at: float,
+             ticks: list, calls: list) -> None:
+    """:func:`run_npc`'s work."""
     time.sleep(max(0.0, start_at - time.perf_counter()))
     last_line = ""
     for tick in range(args.ticks):
@@ -154,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     settings = EngineSettings(num_threads=args.threads, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     with Engine(args.model, settings, tokenizer=tokenizer) as engine:
+        if engine.tokenizer is None:
+            raise SystemExit(f"error: {args.model} has no tokenizer: give --tokenizer")
         template = ChatTemplate(args.chat_template.read_text()) if args.chat_template else None
         prompter = Prompter(engine, template)
         adapters = {role: engine.register_adapter(LoraSource(path=getattr(args, role))) for role in ROLES}
@@ -162,14 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - started
         ticks: list[float] = []
         calls: list[dict] = []
+        errors: list[Exception] = []
         began = time.perf_counter()
         threads = [threading.Thread(target=run_npc, args=(npc, npc_sessions[npc], prompter, args,
-                                                          began + npc * args.stagger_ms / 1e3, ticks, calls))
+                                                          began + npc * args.stagger_ms / 1e3, ticks, calls, errors))
                    for npc in range(args.npcs)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        if errors:
+            raise errors[0]
         wall = time.perf_counter() - began
         stats = engine.stats()
 

@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer is None and args.model.suffix == ".tflite":  # no bundle: byte tokens (the demo model)
         tokenizer = ByteTokenizer(stop_token_ids=[NEWLINE])
     with Engine(args.model, EngineSettings(num_threads=args.threads), tokenizer=tokenizer) as engine:
+        if engine.tokenizer is None:
+            raise SystemExit(f"error: {args.model} has no tokenizer: give --tokenizer")
         template = ChatTemplate(args.chat_template.read_text()) if args.chat_template else engine.chat_template
 
         def prompt(line: str) -> list[int]:

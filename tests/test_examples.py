@@ -128,6 +128,20 @@ def test_a_user_s_mistake_is_one_error_line_not_a_traceback(name, args, message)
     assert message in run_example(name, *args, refused=True)
 
 
+@pytest.mark.parametrize("name", ["npc_tick.py", "translator.py"])
+def test_a_model_without_a_tokenizer_or_an_answer_past_the_context_is_one_error_line(name, tmp_path):
+    """A model that brings no tokenizer (not a .tflite, no --tokenizer) was an AttributeError on
+    None; in npc_tick every NPC thread printed its traceback and then numpy's percentile of no
+    ticks failed: an NPC's error is now raised once, by the main thread."""
+    model = tmp_path / "model.bin"
+    model.write_bytes((DEMO / "model.tflite").read_bytes())
+    assert f"error: {model} has no tokenizer: give --tokenizer" in run_example(name, "--model", str(model),
+                                                                                 refused=True)
+    if name == "npc_tick.py":
+        message = run_example(name, "--npcs", "2", "--ticks", "1", "--max-tokens", "100000", refused=True)
+        assert message.count("exceeds the KV cache") == 1 and "error: RESOURCE_EXHAUSTED: " in message, message
+
+
 def test_serve_client_refuses_a_missing_adapter_file_and_a_server_it_cannot_reach():
     pytest.importorskip("openai")
     assert "--hot-load missing.tflite: no such file" in run_example("serve_client.py", "--hot-load", "missing.tflite",
