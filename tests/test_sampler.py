@@ -53,7 +53,8 @@ def test_seed_reproduces():
                {"temperature": None}, {"temperature": "0.5"}, {"top_k": float("nan")}, {"top_k": 2.5},
                {"top_k": None}, {"top_k": True}, {"top_p": None}, {"seed": True}, {"presence_penalty": "1"},
                {"frequency_penalty": None}, {"logit_bias": ((1, 2, 3),)}, {"logit_bias": (1, 2)},
-               {"logit_bias": {1: "2"}}]
+               {"logit_bias": {1: "2"}}, {"logit_bias": None}, {"logit_bias": "12"}, {"logit_bias": [[1, 2.0]]},
+               {"logit_bias": {"5": 1.0, 3: 2.0}}]
 )
 def test_bad_config(kwargs):
     with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {next(iter(kwargs))}[=:[]"):
@@ -88,6 +89,7 @@ def test_logit_bias_moves_the_greedy_choice():
     assert Sampler(SamplerConfig(logit_bias={2: 0.2})).sample(LOGITS) == 2
     assert Sampler(SamplerConfig(logit_bias=((1, -100.0),))).sample(LOGITS) == 2
     assert SamplerConfig(logit_bias={3: 1.0, 0: 2.0}).logit_bias == ((0, 2.0), (3, 1.0))
+    assert SamplerConfig(logit_bias=[(3, 1.0)]).logit_bias == ((3, 1.0),)  # kept as a tuple: the config is frozen
 
 
 def test_presence_and_frequency_penalties_count_the_sampler_s_own_choices():

@@ -5,7 +5,7 @@ both of the server's endpoints and the engine's callers get them)."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,10 +47,13 @@ class SamplerConfig:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidArgumentError(f"{name}={value}, expected a value in [-2, 2]")
-        if isinstance(self.logit_bias, Mapping):  # {token: bias} is taken too, kept as sorted pairs
-            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        mapping = isinstance(self.logit_bias, Mapping)  # {token: bias} is taken too, kept as sorted pairs
+        if not (mapping or isinstance(self.logit_bias, Sequence)) or isinstance(self.logit_bias, str | bytes):
+            raise InvalidArgumentError(f"logit_bias={self.logit_bias!r:.40}, expected (token, bias) pairs or a "
+                                       "{token: bias} mapping")
+        pairs = tuple(self.logit_bias.items() if mapping else self.logit_bias)
         seen: set[int] = set()
-        for pair in self.logit_bias:
+        for pair in pairs:
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise InvalidArgumentError(f"logit_bias: {pair!r:.40} is not a (token, bias) pair")
             token, bias = pair
@@ -62,6 +65,7 @@ class SamplerConfig:
             _check_number(f"logit_bias[{token}]", bias)
             if not -100.0 <= bias <= 100.0:
                 raise InvalidArgumentError(f"logit_bias[{token}]={bias}, expected a value in [-100, 100]")
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)) if mapping else pairs)
 
     @property
     def adjusts(self) -> bool:
