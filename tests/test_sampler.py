@@ -78,6 +78,15 @@ def test_a_token_biased_twice_is_refused():
         SamplerConfig(logit_bias=((1, 50.0), (1, 50.0)))
 
 
+def test_logits_of_more_than_one_row_are_refused():
+    """Two rows of logits (a score result's) were flattened into one vocabulary of twice the
+    size: a token id past the model's came out."""
+    rows = np.stack([LOGITS, LOGITS[::-1]])
+    with pytest.raises(InvalidArgumentError, match=r"logits have shape \(2, 5\), expected one row"):
+        greedy().sample(rows)
+    assert greedy().sample(LOGITS[None]) == 1
+
+
 def test_non_finite_logits():
     with pytest.raises(InternalError, match="non-finite"):
         greedy().sample(np.array([0.0, np.nan]))

@@ -191,9 +191,13 @@ def _check_number(name: str, value: object) -> None:
 
 def finite_logits(logits: np.ndarray) -> np.ndarray | None:
     """``logits`` as a flat float array (float32 logits as they are, no copy), or None if
-    any is NaN or infinite; ``InvalidArgumentError`` if there are none. One pass over the
-    vocabulary: a greedy step's sampling is this and an argmax."""
-    logits = np.asarray(logits).reshape(-1)
+    any is NaN or infinite; ``InvalidArgumentError`` if there are none or more than one row
+    of them (a ``score`` result's ``(tokens, vocab)``: flattened, its ids would run past the
+    vocabulary). One pass over the vocabulary: a greedy step's sampling is this and an argmax."""
+    logits = np.asarray(logits)
+    if logits.ndim > 1 and logits.size != logits.shape[-1]:
+        raise InvalidArgumentError(f"logits have shape {logits.shape}, expected one row: (vocab,)")
+    logits = logits.reshape(-1)
     if logits.dtype not in (np.float32, np.float64):
         logits = logits.astype(np.float64)
     if logits.size == 0:
