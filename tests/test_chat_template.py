@@ -72,3 +72,25 @@ def test_a_template_that_fails_in_python_is_an_invalid_argument(source: str) -> 
     with pytest.raises(InvalidArgumentError, match="chat template failed on these messages: "):
         ChatTemplate(source).render([{"role": "user", "content": "x"}])
 
+
+
+def test_hugging_face_s_template_environment_is_the_one_templates_get() -> None:
+    """Templates are written for transformers' environment: {% break %} and {% continue %}
+    (its loopcontrols extension) and {% generation %} blocks did not parse here, strftime_now
+    was undefined, and Jinja's own tojson escaped <, >, &, ' and every non-ASCII character
+    where transformers' writes them as they are."""
+    message = [{"role": "user", "content": "<é & 'x'>"}, {"role": "assistant", "content": "second"}]
+    first_only = ChatTemplate("{% for m in messages %}{% if not loop.first %}{% break %}{% endif %}{{ m.content }}"
+                              "{% endfor %}")
+    assert first_only.render(message) == "<é & 'x'>"
+    skipping = ChatTemplate("{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}"
+                            "{% endfor %}")
+    assert skipping.render(message) == "second"
+    assert ChatTemplate("{{ messages[0].content | tojson }}").render(message) == '"<é & \'x\'>"'
+    assert ChatTemplate("{{ messages[0] | tojson(indent=1) }}").render(message) == (
+        '{\n "role": "user",\n "content": "<é & \'x\'>"\n}')
+    marked = ChatTemplate("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                          "{% endgeneration %}{% else %}{{ m.content }}|{% endif %}{% endfor %}")
+    assert marked.render(message) == "<é & 'x'>|second"
+    year = ChatTemplate("{{ strftime_now('%Y') }}").render(message)
+    assert year.isdigit() and int(year) >= 2024
