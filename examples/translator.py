@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_tokens < 1:
         parser.error(f"--max-tokens {args.max_tokens}: expected 1 or more")
+    if not 0 <= args.budget_kib < 1 << 40:  # NaN and infinity too
+        parser.error(f"--budget-kib {args.budget_kib}: expected a number of KiB >= 0")
     shipped = pairs(args.pair or [f"en-upper={DEMO / 'adapters' / 'uppercase.tflite'}"])
     (new_name, new_path), = pairs([args.download or f"en-novowel={DEMO / 'adapters' / 'no_vowels.tflite'}"]).items()
     if new_name in shipped:  # the download would take the shipped pair's name, and its unload the new one

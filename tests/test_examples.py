@@ -108,6 +108,10 @@ def test_translator_refuses_a_wrong_pin_accepts_the_right_one_swaps_and_unloads(
     ("translator.py", ["--pair", "en-fr=missing.tflite"], "missing.tflite: no such file"),
     ("translator.py", ["--download", "en-fr=missing.tflite"], "No such file or directory: 'missing.tflite'"),
     ("translator.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+    # the budget was read at the end, after every step ran: a ValueError, an OverflowError, Lru's error
+    ("translator.py", ["--budget-kib", "nan"], "--budget-kib nan: expected a number of KiB >= 0"),
+    ("translator.py", ["--budget-kib", "inf"], "--budget-kib inf: expected a number of KiB >= 0"),
+    ("translator.py", ["--budget-kib", "-1"], "--budget-kib -1.0: expected a number of KiB >= 0"),
     ("translator.py", ["--pair", f"en-x={DEMO / 'adapters' / 'json.tflite'}", "--download",
                        f"en-x={DEMO / 'adapters' / 'no_vowels.tflite'}"], "--download en-x: a --pair has that name"),
     ("translator.py", ["--pair", "en-x=a.tflite", "--pair", "en-x=b.tflite"], "--pair en-x: given twice"),
