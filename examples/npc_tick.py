@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("npcs", "ticks", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected 1 or more")
+    if not 0 <= args.stagger_ms < 1e6:  # NaN and infinity too (a sleep that long fails)
+        parser.error(f"--stagger-ms {args.stagger_ms}: expected a number of ms >= 0")
     if not 0 <= args.prefix_cache_mb < 1 << 40:  # NaN and infinity too
         parser.error(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
 

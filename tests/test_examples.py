@@ -104,6 +104,8 @@ def test_translator_refuses_a_wrong_pin_accepts_the_right_one_swaps_and_unloads(
     ("npc_tick.py", ["--npcs", "0"], "--npcs 0: expected 1 or more"),
     ("npc_tick.py", ["--ticks", "0"], "--ticks 0: expected 1 or more"),
     ("npc_tick.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+    ("npc_tick.py", ["--npcs", "2", "--stagger-ms", "inf"], "--stagger-ms inf: expected a number of ms >= 0"),
+    ("npc_tick.py", ["--stagger-ms", "-1"], "--stagger-ms -1.0: expected a number of ms >= 0"),
     ("translator.py", ["--model", "missing.tflite"], "missing.tflite: no such model file"),
     ("translator.py", ["--pair", "en-fr=missing.tflite"], "missing.tflite: no such file"),
     ("translator.py", ["--download", "en-fr=missing.tflite"], "No such file or directory: 'missing.tflite'"),
