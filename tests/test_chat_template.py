@@ -29,6 +29,13 @@ def test_special_token_texts_reach_the_template() -> None:
     assert template.render([{"role": "user", "content": "x"}]) == "<s>x</s>"
 
 
+def test_special_token_texts_must_be_text() -> None:
+    """bos_token=None rendered as the text 'None' at the head of every prompt."""
+    for name in ("bos_token", "eos_token"):
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {name}=None, expected a str"):
+            ChatTemplate("{{ bos_token }}{{ messages[0].content }}", **{name: None})
+
+
 def test_raise_exception_in_a_template_is_an_invalid_argument() -> None:
     template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok")
     assert template.render([{"role": "user", "content": "a"}]) == "ok"

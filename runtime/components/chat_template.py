@@ -34,6 +34,9 @@ class ChatTemplate:
 
         if not isinstance(source, str) or not source.strip():
             raise InvalidArgumentError("a chat template must be a non-empty string")
+        for name, value in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if not isinstance(value, str):
+                raise InvalidArgumentError(f"{name}={value!r:.40}, expected a str (the token's text, '' for none)")
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
