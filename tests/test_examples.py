@@ -118,7 +118,7 @@ def test_translator_refuses_a_wrong_pin_accepts_the_right_one_swaps_and_unloads(
                        f"en-x={DEMO / 'adapters' / 'no_vowels.tflite'}"], "--download en-x: a --pair has that name"),
     ("translator.py", ["--pair", "en-x=a.tflite", "--pair", "en-x=b.tflite"], "--pair en-x: given twice"),
     ("turbo_entities.py", ["evaluate", "--model", "m.litertlm", "--adapter", "a", "--data", "missing.jsonl"],
-     "No such file or directory: 'missing.jsonl'"),
+     "missing.jsonl: no such file or directory"),
     # --items -1 evaluated all the items but the last; --train -5 wrote an empty train.jsonl
     ("turbo_entities.py", ["evaluate", "--model", "m", "--adapter", "a", "--data", "d", "--items", "-1"],
      "--items -1: expected 1 or more"),
