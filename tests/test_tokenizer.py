@@ -169,3 +169,16 @@ def test_a_tokenizer_path_that_is_no_file_says_what_it_is(hf_json, tmp_path):
     marked.write_bytes(b"\xef\xbb\xbf" + hf_json.read_bytes())
     for tokenizer in (load_tokenizer(marked), HfTokenizer(marked), HfTokenizer(marked.read_bytes())):
         assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
+
+
+def test_sentencepiece_reads_its_bos_and_eos_spellings_in_text_as_those_tokens(sp_model):
+    """A chat template inserts the tokenizer's bos_token and eos_token as text ('<s>', '</s>');
+    SentencePiece encodes control pieces' spellings as their characters, so a rendered
+    prompt began with '<', 's', '>' instead of the beginning-of-sentence token (a tokenizer.json
+    reads them as the tokens)."""
+    sp = SentencePieceTokenizer(sp_model)
+    hello = sp.encode("hello")
+    assert sp.encode("<s>hello") == [1, *hello] == sp.encode("hello", add_special_tokens=True)
+    assert sp.encode("<s>hello</s><s>hello") == [1, *hello, 2, 1, *hello]
+    assert sp.encode("hello</s>")[-1] == 2 and sp.decode(sp.encode("<s>hello</s>")) == "hello"
+    assert sp.encode("<unk>") != [0]  # only the pieces a template inserts (bos, eos, pad) are read so

@@ -190,6 +190,14 @@ class SentencePieceTokenizer:
             eos = self._processor.eos_id()
             stop_token_ids = [eos] if eos >= 0 else []
         self._stop = tuple(int(t) for t in stop_token_ids)
+        processor = self._processor
+        # The control pieces a chat template writes as text (its bos_token, eos_token), which
+        # SentencePiece itself would encode as their characters: spelling -> id.
+        self._controls = {processor.id_to_piece(token): token
+                          for token in (processor.bos_id(), processor.eos_id(), processor.pad_id())
+                          if token >= 0 and processor.is_control(token)}
+        self._control_spellings = (re.compile("|".join(map(re.escape, sorted(self._controls, key=len, reverse=True))))
+                                   if self._controls else None)
 
     @property
     def vocab_size(self) -> int:
@@ -203,9 +211,18 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Piece ids of ``text`` (with ``add_special_tokens``, the beginning-of-sentence id
-        first, when the model has one)."""
+        first, when the model has one). The spellings of the beginning- and end-of-sentence
+        and padding pieces (``<s>``, ``</s>``: what a chat template inserts) are those
+        pieces, as a ``tokenizer.json``'s special tokens are; the text between them is
+        encoded piece by piece."""
         _utf8(text)
-        ids = list(self._processor.encode(text))
+        ids: list[int] = []
+        start = 0
+        for match in self._control_spellings.finditer(text) if self._control_spellings else ():
+            ids += self._processor.encode(text[start:match.start()])
+            ids.append(self._controls[match[0]])
+            start = match.end()
+        ids += self._processor.encode(text[start:])
         bos = self._processor.bos_id()
         return [bos, *ids] if add_special_tokens and bos >= 0 else ids
 
