@@ -182,3 +182,21 @@ def test_sentencepiece_reads_its_bos_and_eos_spellings_in_text_as_those_tokens(s
     assert sp.encode("<s>hello</s><s>hello") == [1, *hello, 2, 1, *hello]
     assert sp.encode("hello</s>")[-1] == 2 and sp.decode(sp.encode("<s>hello</s>")) == "hello"
     assert sp.encode("<unk>") != [0]  # only the pieces a template inserts (bos, eos, pad) are read so
+
+
+@pytest.mark.parametrize("family, stops", [
+    ("Llama 3 (base and instruct, with tool calls)", ["<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"]),
+    ("Phi-3", ["<|endoftext|>", "<|end|>"]),
+])
+def test_a_tokenizer_json_s_end_tokens_stop_a_generation(hf_json, tmp_path, family, stops):
+    """A tokenizer.json does not say which tokens end a generation: the common spellings are
+    looked up, and Llama 3's end of text (a base model's only end), its end of a tool call and
+    Phi-3's end of turn were not among them, so those models generated past their end."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(hf_json))
+    tokenizer.add_special_tokens(stops)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    loaded = HfTokenizer(path)
+    assert {loaded.token_text(token) for token in loaded.stop_token_ids} >= set(stops), family

@@ -10,8 +10,10 @@ from typing import Protocol
 from runtime.errors import InvalidArgumentError
 from runtime.util.scoped_file import ScopedFile
 
-# Special tokens that end a generation in common vocabularies.
-_STOP_TOKEN_TEXTS = ("</s>", "<|endoftext|>", "<eos>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+# Special tokens that end a generation in common vocabularies (Llama 3's three as its
+# generation config lists them: end of text, of a turn, of a tool call; Phi-3's end of turn).
+_STOP_TOKEN_TEXTS = ("</s>", "<|endoftext|>", "<eos>", "<|im_end|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>",
+                     "<|end|>", "<end_of_turn>")
 # Special tokens that begin a sequence in common vocabularies.
 _BOS_TOKEN_TEXTS = ("<|begin_of_text|>", "<s>", "<bos>")
 # A byte-fallback token's spelling (SentencePiece's and tokenizer.json's): one byte of a
