@@ -200,3 +200,18 @@ def test_a_tokenizer_json_s_end_tokens_stop_a_generation(hf_json, tmp_path, fami
     tokenizer.save(str(path))
     loaded = HfTokenizer(path)
     assert {loaded.token_text(token) for token in loaded.stop_token_ids} >= set(stops), family
+
+
+def test_a_sentencepiece_model_s_end_of_turn_stops_a_generation_as_in_a_tokenizer_json(tmp_path):
+    """Gemma's tokenizer.model ends a chat turn with <end_of_turn>, a piece of its own: only the
+    end-of-sentence id was a stop token, so a bare SentencePiece model's chat went past it."""
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=292, byte_fallback=True,
+        character_coverage=1.0, minloglevel=2, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"])
+    sp = SentencePieceTokenizer(tmp_path / "sp.model")
+    assert [sp.token_text(token) for token in sp.stop_token_ids] == ["</s>", "<end_of_turn>"]
+    assert SentencePieceTokenizer(tmp_path / "sp.model", stop_token_ids=[2]).stop_token_ids == (2,)

@@ -188,11 +188,13 @@ class SentencePieceTokenizer:
             self._processor.LoadFromSerializedProto(proto)
         except Exception as exc:  # RuntimeError or OSError from the library
             raise InvalidArgumentError(f"{name}: not a valid SentencePiece model: {exc}") from None
-        if stop_token_ids is None:
-            eos = self._processor.eos_id()
-            stop_token_ids = [eos] if eos >= 0 else []
-        self._stop = tuple(int(t) for t in stop_token_ids)
         processor = self._processor
+        if stop_token_ids is None:  # the end-of-sentence id, then the common stop pieces the model has
+            eos = processor.eos_id()
+            found = [processor.piece_to_id(text) for text in _STOP_TOKEN_TEXTS]  # the unknown piece's id if none
+            named = [token for token, text in zip(found, _STOP_TOKEN_TEXTS) if processor.id_to_piece(token) == text]
+            stop_token_ids = list(dict.fromkeys(([eos] if eos >= 0 else []) + named))
+        self._stop = tuple(int(t) for t in stop_token_ids)
         # The control pieces a chat template writes as text (its bos_token, eos_token), which
         # SentencePiece itself would encode as their characters: spelling -> id.
         self._controls = {processor.id_to_piece(token): token
@@ -208,7 +210,8 @@ class SentencePieceTokenizer:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """The model's end-of-sequence id (or the ones given)."""
+        """The model's end-of-sequence id and the common stop pieces it has, such as Gemma's
+        ``<end_of_turn>`` (or the ones given)."""
         return self._stop
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
