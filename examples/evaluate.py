@@ -149,4 +149,7 @@ def _given(base_url: str) -> Iterator[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except OSError as exc:  # a wrong --base-url (the server cannot be reached), a file that cannot be read
+        sys.exit(f"error: {exc}")

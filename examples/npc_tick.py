@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime import ByteTokenizer, ChatTemplate, Engine, EngineSettings, LoraSource, SessionConfig
+from runtime.errors import StatusError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "runtime" / "demo_assets"
@@ -99,8 +100,18 @@ class Prompter:
 
 
 def run_npc(npc: int, sessions: dict, prompter: Prompter, args: argparse.Namespace, start_at: float,
-            ticks: list, calls: list) -> None:
-    """One NPC: ``args.ticks`` ticks of planner -> decider -> dialogue, after its start offset."""
+            ticks: list, calls: list, errors: list) -> None:
+    """One NPC: ``args.ticks`` ticks of planner -> decider -> dialogue, after its start offset;
+    what it raises goes to ``errors`` (for the main thread to raise)."""
+    try:
+        tick_npc(npc, sessions, prompter, args, start_at, ticks, calls)
+    except Exception as exc:  # noqa: BLE001 - raised again by main, after every NPC ended
+        errors.append(exc)
+
+
+def tick_npc(npc: int, sessions: dict, prompter: Prompter, args: argparse.Namespace, start_at: float,
+             ticks: list, calls: list) -> None:
+    """:func:`run_npc`'s work."""
     time.sleep(max(0.0, start_at - time.perf_counter()))
     last_line = ""
     for tick in range(args.ticks):
@@ -141,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                              "that begin alike take instead of prefilling them (0: off)")
     parser.add_argument("--log", type=Path, help="write every call as a JSON line here")
     args = parser.parse_args(argv)
+    for name in ("npcs", "ticks", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected 1 or more")
+    if not 0 <= args.stagger_ms < 1e6:  # NaN and infinity too (a sleep that long fails)
+        parser.error(f"--stagger-ms {args.stagger_ms}: expected a number of ms >= 0")
     if not 0 <= args.prefix_cache_mb < 1 << 40:  # NaN and infinity too
         parser.error(f"--prefix-cache-mb {args.prefix_cache_mb}: expected 0 or more")
 
@@ -150,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     settings = EngineSettings(num_threads=args.threads, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     with Engine(args.model, settings, tokenizer=tokenizer) as engine:
+        if engine.tokenizer is None:
+            raise SystemExit(f"error: {args.model} has no tokenizer: give --tokenizer")
         template = ChatTemplate(args.chat_template.read_text()) if args.chat_template else None
         prompter = Prompter(engine, template)
         adapters = {role: engine.register_adapter(LoraSource(path=getattr(args, role))) for role in ROLES}
@@ -158,14 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - started
         ticks: list[float] = []
         calls: list[dict] = []
+        errors: list[Exception] = []
         began = time.perf_counter()
         threads = [threading.Thread(target=run_npc, args=(npc, npc_sessions[npc], prompter, args,
-                                                          began + npc * args.stagger_ms / 1e3, ticks, calls))
+                                                          began + npc * args.stagger_ms / 1e3, ticks, calls, errors))
                    for npc in range(args.npcs)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+        if errors:
+            raise errors[0]
         wall = time.perf_counter() - began
         stats = engine.stats()
 
@@ -201,4 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (StatusError, OSError) as exc:  # a user's mistake (a missing model, adapter or file): one line
+        sys.exit(f"error: {exc}")

@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hot-load", type=Path, default=DEMO / "adapters" / "no_vowels.tflite",
                         help="the adapter file served for the hot-load")
     args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens {args.max_tokens}: expected 1 or more")
+    if not args.hot_load.is_file():  # checked before the server is asked anything: it is served at step 5
+        parser.error(f"--hot-load {args.hot_load}: no such file")
     prompt = args.prompt.rstrip("\n")
 
     with ExitStack() as stack:
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         base = models[0].id
         adapters = [m.id for m in models[1:]]
         chat = bool(models[0].model_extra.get("chat_template"))
+        if not adapters:
+            raise SystemExit(f"error: the server at {base_url} serves no adapter; start it with --adapters")
         print(f"1. models: base {base!r} ({'chat template' if chat else 'no chat template: completions'}), "
               f"adapters {adapters}")
 
@@ -185,4 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except openai.APIConnectionError as exc:  # a wrong --base-url, or the server went away
+        sys.exit(f"error: cannot reach the server at {exc.request.url}: {exc}")
+    except OSError as exc:  # a file that cannot be read
+        sys.exit(f"error: {exc}")

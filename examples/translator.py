@@ -53,6 +53,7 @@ from pathlib import Path
 
 from runtime import (ByteTokenizer, ChatTemplate, DataLossError, Engine, EngineSettings, KeepAll, LoraSource, Lru,
                      OnlyActive, SessionConfig)
+from runtime.errors import StatusError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "runtime" / "demo_assets"
@@ -83,12 +84,14 @@ def local_download_server(files: dict[str, Path]):
 
 
 def pairs(values: list[str]) -> dict[str, Path]:
-    """``NAME=PATH`` options as a dict."""
+    """``NAME=PATH`` options as a dict (each name once: a pair is known by it)."""
     out = {}
     for value in values:
         name, sep, path = value.partition("=")
         if not sep or not name:
             raise SystemExit(f"error: {value!r}: expected NAME=PATH")
+        if name in out:
+            raise SystemExit(f"error: --pair {name}: given twice")
         out[name] = Path(path)
     return out
 
@@ -108,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="memory for adapter buffers the residency rule may use (KiB)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens {args.max_tokens}: expected 1 or more")
+    if not 0 <= args.budget_kib < 1 << 40:  # NaN and infinity too
+        parser.error(f"--budget-kib {args.budget_kib}: expected a number of KiB >= 0")
     shipped = pairs(args.pair or [f"en-upper={DEMO / 'adapters' / 'uppercase.tflite'}"])
     (new_name, new_path), = pairs([args.download or f"en-novowel={DEMO / 'adapters' / 'no_vowels.tflite'}"]).items()
+    if new_name in shipped:  # the download would take the shipped pair's name, and its unload the new one
+        parser.error(f"--download {new_name}: a --pair has that name")
     lines = args.line or ["hello world", "good morning"]
 
     started = time.perf_counter()
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if tokenizer is None and args.model.suffix == ".tflite":  # no bundle: byte tokens (the demo model)
         tokenizer = ByteTokenizer(stop_token_ids=[NEWLINE])
     with Engine(args.model, EngineSettings(num_threads=args.threads), tokenizer=tokenizer) as engine:
+        if engine.tokenizer is None:
+            raise SystemExit(f"error: {args.model} has no tokenizer: give --tokenizer")
         template = ChatTemplate(args.chat_template.read_text()) if args.chat_template else engine.chat_template
 
         def prompt(line: str) -> list[int]:
@@ -219,4 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (StatusError, OSError) as exc:  # a user's mistake (a missing model, adapter or file): one line
+        sys.exit(f"error: {exc}")

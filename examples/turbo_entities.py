@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from runtime.errors import InvalidArgumentError, StatusError  # noqa: E402 (the repository root is on the path from here)
+
 INSTRUCTION = ("Extract the person, organization, city and date named in the text. Answer with JSON only: "
                '{"person": ..., "organization": ..., "city": ..., "date": ...}, null for what the text does not name.')
 FIRST = ["Maria", "James", "Aiko", "Omar", "Lena", "Carlos", "Priya", "Tomas", "Grace", "Kwame", "Sofia", "Ivan",
@@ -98,11 +100,19 @@ def write_data(out: Path, train: int, test: int, seed: int) -> tuple[Path, Path]
 
 def evaluate(model: Path, adapter: Path, data: Path, *, items: int | None = None, max_new_tokens: int = 64,
              tokenizer: Path | None = None, chat_template: str | None = None) -> dict[str, Any]:
-    """The three ways of every test item through the runtime (see the module notes)."""
+    """The three ways of every test item through the runtime (see the module notes); the
+    items as ``train-turbo`` reads them, each output a JSON object (else
+    ``InvalidArgumentError`` naming the item, before the model is opened)."""
     from runtime import Engine, EngineSettings, LoraSource, SessionConfig
+    from runtime.export.turbo_data import read_examples
 
-    records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:items]
-    totals: dict[str, Any] = {"items": len(records), "base_exact": 0, "lora_exact": 0, "identical": 0,
+    examples = read_examples(data)[:items]
+    answers = [_parsed(example.output) for example in examples]
+    for number, (example, answer) in enumerate(zip(examples, answers), 1):
+        if not isinstance(answer, dict):
+            raise InvalidArgumentError(f"{data}, item {number}: the output is not a JSON object: "
+                                       f"{example.output!r:.60}")
+    totals: dict[str, Any] = {"items": len(examples), "base_exact": 0, "lora_exact": 0, "identical": 0,
                               "plain_tokens": 0, "plain_seconds": 0.0, "turbo_tokens": 0, "turbo_seconds": 0.0,
                               "verifies": 0, "accepted": None}
     with Engine(model, EngineSettings(num_threads=1), tokenizer=tokenizer, chat_template=chat_template) as engine:
@@ -114,10 +124,8 @@ def evaluate(model: Path, adapter: Path, data: Path, *, items: int | None = None
             with engine.create_session(SessionConfig(loras=sources)) as session:
                 return session.generate(prompt, max_new_tokens=max_new_tokens), session.stats().speculation
 
-        for index, record in enumerate(records):
-            prompt = engine.chat_template.render(
-                [{"role": "user", "content": f"{record['instruction']}\n\n{record['input']}"}])
-            expected = json.loads(record["output"])
+        for index, (example, expected) in enumerate(zip(examples, answers)):
+            prompt = engine.chat_template.render([{"role": "user", "content": example.instruction}])
             base, _ = run([], prompt)
             order = [("plain", plain), ("turbo", turbo)]
             results = dict((name, run([source], prompt)) for name, source in (order if index % 2 else order[::-1]))
@@ -167,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--tokenizer", type=Path, help="tokenizer.json, for a .tflite")
     check.add_argument("--chat-template", type=Path, help="a Jinja2 chat template file, for a .tflite")
     args = parser.parse_args(argv)
+    for name, least in (("train", 0), ("test", 0), ("items", 1), ("max_new_tokens", 1)):
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            parser.error(f"--{name.replace('_', '-')} {value}: expected {least} or more")
     if args.step == "data":
         for path in write_data(args.out, args.train, args.test, args.seed):
             print(f"wrote {path}")
@@ -179,4 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (StatusError, OSError) as exc:  # a user's mistake (a missing model, adapter or file): one line
+        sys.exit(f"error: {exc}")

@@ -29,6 +29,13 @@ def test_special_token_texts_reach_the_template() -> None:
     assert template.render([{"role": "user", "content": "x"}]) == "<s>x</s>"
 
 
+def test_special_token_texts_must_be_text() -> None:
+    """bos_token=None rendered as the text 'None' at the head of every prompt."""
+    for name in ("bos_token", "eos_token"):
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {name}=None, expected a str"):
+            ChatTemplate("{{ bos_token }}{{ messages[0].content }}", **{name: None})
+
+
 def test_raise_exception_in_a_template_is_an_invalid_argument() -> None:
     template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok")
     assert template.render([{"role": "user", "content": "a"}]) == "ok"
@@ -40,6 +47,8 @@ def test_raise_exception_in_a_template_is_an_invalid_argument() -> None:
     "messages, match",
     [
         ([], "empty"),
+        (None, "messages is NoneType, expected a list"),
+        ("hello", "messages is str, expected a list"),
         (["hello"], r"messages\[0\] is str"),
         ([{"role": "wizard", "content": "x"}], r"messages\[0\].role='wizard'"),
         ([{"role": "user", "content": 5}], r"messages\[0\].content must be a string"),
@@ -60,3 +69,35 @@ def test_a_template_cannot_reach_python_internals() -> None:
 def test_unusable_templates_are_refused(source: str) -> None:
     with pytest.raises(InvalidArgumentError):
         ChatTemplate(source)
+
+
+@pytest.mark.parametrize("source", ["{{ messages[0].content + 1 }}", "{{ 1 // 0 }}", "{{ '%d' % messages[0].content }}",
+                                    "{{ range(10**9) | list }}"])
+def test_a_template_that_fails_in_python_is_an_invalid_argument(source: str) -> None:
+    """A template is data from a downloaded file: its TypeError, ZeroDivisionError or
+    OverflowError escaped as such (only Jinja's own errors were turned into INVALID_ARGUMENT)."""
+    with pytest.raises(InvalidArgumentError, match="chat template failed on these messages: "):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+
+
+
+def test_hugging_face_s_template_environment_is_the_one_templates_get() -> None:
+    """Templates are written for transformers' environment: {% break %} and {% continue %}
+    (its loopcontrols extension) and {% generation %} blocks did not parse here, strftime_now
+    was undefined, and Jinja's own tojson escaped <, >, &, ' and every non-ASCII character
+    where transformers' writes them as they are."""
+    message = [{"role": "user", "content": "<é & 'x'>"}, {"role": "assistant", "content": "second"}]
+    first_only = ChatTemplate("{% for m in messages %}{% if not loop.first %}{% break %}{% endif %}{{ m.content }}"
+                              "{% endfor %}")
+    assert first_only.render(message) == "<é & 'x'>"
+    skipping = ChatTemplate("{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.content }}"
+                            "{% endfor %}")
+    assert skipping.render(message) == "second"
+    assert ChatTemplate("{{ messages[0].content | tojson }}").render(message) == '"<é & \'x\'>"'
+    assert ChatTemplate("{{ messages[0] | tojson(indent=1) }}").render(message) == (
+        '{\n "role": "user",\n "content": "<é & \'x\'>"\n}')
+    marked = ChatTemplate("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                          "{% endgeneration %}{% else %}{{ m.content }}|{% endif %}{% endfor %}")
+    assert marked.render(message) == "<é & 'x'>|second"
+    year = ChatTemplate("{{ strftime_now('%Y') }}").render(message)
+    assert year.isdigit() and int(year) >= 2024

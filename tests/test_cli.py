@@ -8,6 +8,8 @@ import sys
 
 from conftest import MODEL_FILES, MODELS, adapter_path
 
+from runtime import ByteTokenizer, Engine, EngineSettings, SamplerConfig, SessionConfig
+
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -72,6 +74,22 @@ def test_generate_text_with_byte_tokens_and_adapter_from_stdin():
     )
     assert done.returncode == 0, done.stderr
     assert b"<in-memory buffer of 16640 bytes>" in done.stdout and b"prefill 2 tokens" in done.stdout
+
+
+def test_generate_streams_text_that_joins_to_exactly_the_generated_text():
+    """The streamed text is the answer's text: each token was decoded alone, so a character
+    split over tokens printed as one U+FFFD per part (and a broken sequence as too many)."""
+    demo = MODELS.parent.parent / "runtime" / "demo_assets" / "model.tflite"
+    sampling = ("--temperature", "50", "--seed", "3")  # near uniform bytes: characters made of 2-4 of them
+    done = subprocess.run([sys.executable, "-m", "runtime", "generate", "--model", str(demo), "--byte-tokens",
+                           "--prompt", "hello", "--max-new-tokens", "200", *sampling], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    streamed, _ = done.stdout.rsplit(b"\nmodel load ", 1)
+    with Engine(demo, EngineSettings(num_threads=1), tokenizer=ByteTokenizer()) as engine:
+        with engine.create_session(SessionConfig(sampler=SamplerConfig(temperature=50.0, seed=3))) as session:
+            expected = session.generate("hello", max_new_tokens=200).text
+    assert any(ord(character) > 0x7F and character != "\ufffd" for character in expected)  # whole characters made
+    assert streamed.decode() == expected
 
 
 def test_bench_prints_a_table():

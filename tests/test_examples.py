@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,17 @@ NEWLINE = 10
 HANG_S = 300.0
 
 
-def run_example(name: str, *args: str) -> str:
+def run_example(name: str, *args: str, refused: bool = False) -> str:
     """Runs ``examples/name`` as ``python examples/name ARGS`` from the repository root;
-    its stdout. Fails past HANG_S."""
+    its stdout (``refused``: its stderr, which must be a user's error message, not a
+    traceback, with a non-zero exit). Fails past HANG_S."""
     # this checkout's runtime first, whatever is installed; the caller's path after it
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, f"examples/{name}", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=HANG_S)
+    if refused:
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        return done.stderr
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -90,6 +95,82 @@ def test_translator_refuses_a_wrong_pin_accepts_the_right_one_swaps_and_unloads(
     assert after < before
     assert re.search(r"materialize \(cold switch\) p50 \d+\.\d+ ms", out), out
     assert re.search(r"residency policy: (OnlyActive|KeepAll|Lru) \(", out), out
+
+
+@pytest.mark.parametrize("name, args, message", [
+    ("npc_tick.py", ["--model", "missing.tflite"], "missing.tflite: no such model file"),
+    ("npc_tick.py", ["--planner", "missing.tflite"], "missing.tflite: no such file"),
+    ("npc_tick.py", ["--chat-template", "missing.jinja"], "No such file or directory: 'missing.jinja'"),
+    ("npc_tick.py", ["--npcs", "0"], "--npcs 0: expected 1 or more"),
+    ("npc_tick.py", ["--ticks", "0"], "--ticks 0: expected 1 or more"),
+    ("npc_tick.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+    ("npc_tick.py", ["--npcs", "2", "--stagger-ms", "inf"], "--stagger-ms inf: expected a number of ms >= 0"),
+    ("npc_tick.py", ["--stagger-ms", "-1"], "--stagger-ms -1.0: expected a number of ms >= 0"),
+    ("translator.py", ["--model", "missing.tflite"], "missing.tflite: no such model file"),
+    ("translator.py", ["--pair", "en-fr=missing.tflite"], "missing.tflite: no such file"),
+    ("translator.py", ["--download", "en-fr=missing.tflite"], "No such file or directory: 'missing.tflite'"),
+    ("translator.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+    # the budget was read at the end, after every step ran: a ValueError, an OverflowError, Lru's error
+    ("translator.py", ["--budget-kib", "nan"], "--budget-kib nan: expected a number of KiB >= 0"),
+    ("translator.py", ["--budget-kib", "inf"], "--budget-kib inf: expected a number of KiB >= 0"),
+    ("translator.py", ["--budget-kib", "-1"], "--budget-kib -1.0: expected a number of KiB >= 0"),
+    ("translator.py", ["--pair", f"en-x={DEMO / 'adapters' / 'json.tflite'}", "--download",
+                       f"en-x={DEMO / 'adapters' / 'no_vowels.tflite'}"], "--download en-x: a --pair has that name"),
+    ("translator.py", ["--pair", "en-x=a.tflite", "--pair", "en-x=b.tflite"], "--pair en-x: given twice"),
+    ("turbo_entities.py", ["evaluate", "--model", "m.litertlm", "--adapter", "a", "--data", "missing.jsonl"],
+     "missing.jsonl: no such file or directory"),
+    # --items -1 evaluated all the items but the last; --train -5 wrote an empty train.jsonl
+    ("turbo_entities.py", ["evaluate", "--model", "m", "--adapter", "a", "--data", "d", "--items", "-1"],
+     "--items -1: expected 1 or more"),
+    ("turbo_entities.py", ["evaluate", "--model", "m", "--adapter", "a", "--data", "d", "--max-new-tokens", "0"],
+     "--max-new-tokens 0: expected 1 or more"),
+    ("turbo_entities.py", ["data", "--out", str(Path(tempfile.gettempdir()) / "refused"), "--train", "-5"],
+     "--train -5: expected 0 or more"),
+    ("serve_client.py", ["--max-tokens", "0"], "--max-tokens 0: expected 1 or more"),
+])
+def test_a_user_s_mistake_is_one_error_line_not_a_traceback(name, args, message):
+    """A missing model, adapter or file, or a count that makes no sense: the examples printed
+    a traceback (an IndexError from an empty percentile for --npcs 0)."""
+    if name == "serve_client.py":
+        pytest.importorskip("openai")
+    assert message in run_example(name, *args, refused=True)
+
+
+@pytest.mark.parametrize("name", ["npc_tick.py", "translator.py"])
+def test_a_model_without_a_tokenizer_or_an_answer_past_the_context_is_one_error_line(name, tmp_path):
+    """A model that brings no tokenizer (not a .tflite, no --tokenizer) was an AttributeError on
+    None; in npc_tick every NPC thread printed its traceback and then numpy's percentile of no
+    ticks failed: an NPC's error is now raised once, by the main thread."""
+    model = tmp_path / "model.bin"
+    model.write_bytes((DEMO / "model.tflite").read_bytes())
+    assert f"error: {model} has no tokenizer: give --tokenizer" in run_example(name, "--model", str(model),
+                                                                                 refused=True)
+    if name == "npc_tick.py":
+        message = run_example(name, "--npcs", "2", "--ticks", "1", "--max-tokens", "100000", refused=True)
+        assert message.count("exceeds the KV cache") == 1 and "error: RESOURCE_EXHAUSTED: " in message, message
+
+
+def test_serve_client_refuses_a_missing_adapter_file_and_a_server_it_cannot_reach():
+    pytest.importorskip("openai")
+    assert "--hot-load missing.tflite: no such file" in run_example("serve_client.py", "--hot-load", "missing.tflite",
+                                                                     refused=True)
+    unreachable = "http://127.0.0.1:9/v1"  # the discard port: nothing listens
+    message = run_example("serve_client.py", "--base-url", unreachable, refused=True)
+    assert f"error: cannot reach the server at {unreachable}/models: Connection error." in message
+
+
+def test_serve_client_refuses_a_server_without_adapters():
+    """Steps 2 to 4 need an adapter: a server serving none was an IndexError after step 1."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from local_server import runtime_serve
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    with runtime_serve("--model", str(DEMO / "model.tflite"), "--byte-tokens") as url:
+        message = run_example("serve_client.py", "--base-url", url, refused=True)
+    assert f"error: the server at {url} serves no adapter; start it with --adapters" in message
 
 
 def test_serve_client_streams_blends_and_hot_loads_with_answers_equal_offline(engine):

@@ -48,11 +48,43 @@ def test_seed_reproduces():
 
 @pytest.mark.parametrize(
     "kwargs", [{"temperature": -1.0}, {"temperature": float("nan")}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5},
-               {"seed": -1}, {"seed": 1.5}]
+               {"seed": -1}, {"seed": 1.5},
+               # not numbers of the field's kind: refused naming it, not a TypeError or a filter silently off
+               {"temperature": None}, {"temperature": "0.5"}, {"top_k": float("nan")}, {"top_k": 2.5},
+               {"top_k": None}, {"top_k": True}, {"top_p": None}, {"seed": True}, {"presence_penalty": "1"},
+               {"frequency_penalty": None}, {"logit_bias": ((1, 2, 3),)}, {"logit_bias": (1, 2)},
+               {"logit_bias": {1: "2"}}, {"logit_bias": None}, {"logit_bias": "12"}, {"logit_bias": [[1, 2.0]]},
+               {"logit_bias": {"5": 1.0, 3: 2.0}}]
 )
 def test_bad_config(kwargs):
-    with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {next(iter(kwargs))}="):
+    with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {next(iter(kwargs))}[=:[]"):
         SamplerConfig(**kwargs)
+
+
+def test_a_tiny_temperature_samples_the_best_token_instead_of_failing():
+    """Any finite temperature > 0 is documented as valid: dividing the logits by 1e-310 (or
+    large logits by 0.5) overflows to infinity, and inf - inf made NaN probabilities."""
+    for temperature, logits in ((1e-310, LOGITS), (1e-300, np.array([1e10, 2e10], np.float32)),
+                                (0.5, np.array([1e308, -1e308]))):
+        sampler = Sampler(SamplerConfig(temperature=temperature, seed=0))
+        assert {sampler.sample(logits) for _ in range(5)} == {int(np.argmax(logits))}
+    sampler = Sampler(SamplerConfig(temperature=1e-310, top_p=0.5, top_k=3, seed=0))
+    assert sampler.sample(LOGITS) == 1
+
+
+def test_a_token_biased_twice_is_refused():
+    """Pairs hold one bias per token: a second one was silently dropped (only the last applied)."""
+    with pytest.raises(InvalidArgumentError, match=r"logit_bias: token 1 is given twice"):
+        SamplerConfig(logit_bias=((1, 50.0), (1, 50.0)))
+
+
+def test_logits_of_more_than_one_row_are_refused():
+    """Two rows of logits (a score result's) were flattened into one vocabulary of twice the
+    size: a token id past the model's came out."""
+    rows = np.stack([LOGITS, LOGITS[::-1]])
+    with pytest.raises(InvalidArgumentError, match=r"logits have shape \(2, 5\), expected one row"):
+        greedy().sample(rows)
+    assert greedy().sample(LOGITS[None]) == 1
 
 
 def test_non_finite_logits():
@@ -66,6 +98,7 @@ def test_logit_bias_moves_the_greedy_choice():
     assert Sampler(SamplerConfig(logit_bias={2: 0.2})).sample(LOGITS) == 2
     assert Sampler(SamplerConfig(logit_bias=((1, -100.0),))).sample(LOGITS) == 2
     assert SamplerConfig(logit_bias={3: 1.0, 0: 2.0}).logit_bias == ((0, 2.0), (3, 1.0))
+    assert SamplerConfig(logit_bias=[(3, 1.0)]).logit_bias == ((3, 1.0),)  # kept as a tuple: the config is frozen
 
 
 def test_presence_and_frequency_penalties_count_the_sampler_s_own_choices():
@@ -116,3 +149,15 @@ def test_sampling_without_filters_follows_the_softmax_of_a_large_vocabulary():
     picks = np.array([sampler.sample(logits) for _ in range(2000)])
     assert set(picks.tolist()) <= {i for i in range(49_152) if i % 1000 == 7}
     assert abs(np.mean(picks == 7) - 10 / 59) < 0.035  # 4 standard deviations
+
+
+def test_a_sampler_config_of_another_kind_is_refused_naming_it():
+    """A dict of settings where a SamplerConfig goes (generate's ``sampler=``,
+    SessionConfig's) failed at the first sample with an AttributeError."""
+    from runtime import SessionConfig
+
+    with pytest.raises(InvalidArgumentError, match=r"^INVALID_ARGUMENT: sampler=\{'temperature': 0.7\}, expected a "
+                                                   "SamplerConfig"):
+        Sampler({"temperature": 0.7})
+    with pytest.raises(InvalidArgumentError, match=r"sampler=\{'temperature': 0.7\}, expected a SamplerConfig"):
+        SessionConfig(sampler={"temperature": 0.7})

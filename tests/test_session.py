@@ -214,6 +214,19 @@ def test_switching_adapters_needs_reset(engine, weights):
     np.testing.assert_allclose(got, expected_rows(weights, adapter_deltas("litertlm_r4")), atol=TOL)
 
 
+def test_generate_s_bad_token_ids_name_their_argument(engine):
+    """A stop token or prompt id outside the vocabulary (``runtime generate --stop-token 300``)
+    was 'token id 300 is outside the vocabulary', not saying which argument held it."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match=r"^INVALID_ARGUMENT: stop_tokens: token id 300 is outside"):
+            session.generate([1, 2], max_new_tokens=2, stop_tokens=[5, 300])
+        with pytest.raises(InvalidArgumentError, match=r"^INVALID_ARGUMENT: stop_tokens must be integers, got 5"):
+            session.generate([1, 2], max_new_tokens=2, stop_tokens=5)
+        with pytest.raises(InvalidArgumentError, match=r"^INVALID_ARGUMENT: prompt: token id -1 is outside"):
+            session.generate([1, -1], max_new_tokens=2)
+        assert session.position == 0  # refused before anything ran
+
+
 def test_errors(engine):
     with pytest.raises(InvalidArgumentError, match="input size 48, expected 64"):
         engine.create_session(SessionConfig(lora_path=adapter_path("wrong_hidden_r4")))

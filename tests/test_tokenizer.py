@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from runtime.components.tokenizer import ByteTokenizer, HfTokenizer, SentencePieceTokenizer, load_tokenizer
+from runtime.components.tokenizer import (ByteTokenizer, HfTokenizer, SentencePieceTokenizer, TextStream,
+                                         load_tokenizer)
 from runtime.errors import InvalidArgumentError, NotFoundError
 
 TEXTS = ["hello world", "Ünïcödé and emoji 🙂", "", "line one\nline two"]
@@ -109,3 +111,107 @@ def test_a_token_s_own_bytes_where_the_vocabulary_spells_them(hf_json, sp_model)
     pieces = sp.encode("🙂")  # not in the corpus: '▁' and four byte pieces
     assert [sp.token_bytes(t) for t in pieces] == [None, b"\xf0", b"\x9f", b"\x99", b"\x82"]
     assert sp.token_bytes(sp.vocab_size) is None
+
+
+def test_text_that_is_not_unicode_is_refused_naming_where(hf_json, sp_model):
+    """A lone surrogate (what Python makes of a command line's bytes that are not UTF-8) was
+    a UnicodeEncodeError, a TypeError or a RuntimeError depending on the tokenizer; a
+    non-str text an AttributeError or a TypeError."""
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        with pytest.raises(InvalidArgumentError, match=r"text holds a lone surrogate '\\udcff' at character 2"):
+            tokenizer.encode("ab\udcffc")
+        for value in (None, b"abc"):
+            with pytest.raises(InvalidArgumentError, match="text is .*, expected a str"):
+                tokenizer.encode(value)
+        assert tokenizer.decode(tokenizer.encode("a\x00b")) == "a\x00b"
+
+
+def test_negative_and_huge_ids_decode_to_nothing_and_read_as_nothing(hf_json, sp_model):
+    """Decoding never fails (the protocol's promise): Hugging Face's library raised
+    OverflowError for a negative id or one past 64 bits, SentencePiece's token_text an
+    IndexError or a TypeError."""
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        ids = tokenizer.encode("hello")
+        assert tokenizer.decode([-1, *ids, 2**70, -2**70]) == "hello"
+        for token in (-1, 2**40, 2**70):
+            assert tokenizer.token_text(token) == "" and not tokenizer.token_bytes(token)
+
+
+def test_streamed_pieces_join_to_exactly_the_decoded_text(hf_json, sp_model):
+    """What ``runtime generate`` prints token by token: a character split over tokens (bytes,
+    byte-level BPE, byte-fallback pieces) comes whole with the token that completes it, and
+    SentencePiece's spaces between words stay (decoding each token alone gave U+FFFD for
+    each part of a character and dropped every word's space)."""
+    rng = np.random.default_rng(0)
+    for tokenizer in (ByteTokenizer(), HfTokenizer(hf_json), SentencePieceTokenizer(sp_model)):
+        sequences = [tokenizer.encode(text) for text in ["é🙂 and ü", "hello world 🙂", "a\u4e2d\u6587b"]]
+        sequences += [list(rng.integers(0, tokenizer.vocab_size, 40)) for _ in range(20)]  # broken bytes too
+        for ids in sequences:
+            stream = TextStream(tokenizer)
+            pieces = [stream.add(int(token)) for token in ids]
+            pieces.append(stream.finish())
+            assert "".join(pieces) == tokenizer.decode(ids), (type(tokenizer).__name__, ids)
+        stream = TextStream(tokenizer)
+        pieces = [stream.add(token) for token in tokenizer.encode("é🙂")]
+        assert "\ufffd" not in "".join(pieces) and "".join(pieces) + stream.finish() == "é🙂"
+
+
+def test_a_tokenizer_path_that_is_no_file_says_what_it_is(hf_json, tmp_path):
+    """A directory (a Hugging Face checkpoint's folder, say) was 'no such tokenizer file',
+    though it exists; a tokenizer.json saved with a UTF-8 byte order mark (as Windows
+    editors do) was read as a SentencePiece model and refused as one."""
+    for load in (load_tokenizer, HfTokenizer, SentencePieceTokenizer):
+        with pytest.raises(InvalidArgumentError, match=f"^INVALID_ARGUMENT: {tmp_path}: is a directory, expected a "):
+            load(tmp_path)
+        with pytest.raises(NotFoundError, match=f"{tmp_path / 'missing.json'}: no such file"):
+            load(tmp_path / "missing.json")
+    marked = tmp_path / "bom.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + hf_json.read_bytes())
+    for tokenizer in (load_tokenizer(marked), HfTokenizer(marked), HfTokenizer(marked.read_bytes())):
+        assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"
+
+
+def test_sentencepiece_reads_its_bos_and_eos_spellings_in_text_as_those_tokens(sp_model):
+    """A chat template inserts the tokenizer's bos_token and eos_token as text ('<s>', '</s>');
+    SentencePiece encodes control pieces' spellings as their characters, so a rendered
+    prompt began with '<', 's', '>' instead of the beginning-of-sentence token (a tokenizer.json
+    reads them as the tokens)."""
+    sp = SentencePieceTokenizer(sp_model)
+    hello = sp.encode("hello")
+    assert sp.encode("<s>hello") == [1, *hello] == sp.encode("hello", add_special_tokens=True)
+    assert sp.encode("<s>hello</s><s>hello") == [1, *hello, 2, 1, *hello]
+    assert sp.encode("hello</s>")[-1] == 2 and sp.decode(sp.encode("<s>hello</s>")) == "hello"
+    assert sp.encode("<unk>") != [0]  # only the pieces a template inserts (bos, eos, pad) are read so
+
+
+@pytest.mark.parametrize("family, stops", [
+    ("Llama 3 (base and instruct, with tool calls)", ["<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"]),
+    ("Phi-3", ["<|endoftext|>", "<|end|>"]),
+])
+def test_a_tokenizer_json_s_end_tokens_stop_a_generation(hf_json, tmp_path, family, stops):
+    """A tokenizer.json does not say which tokens end a generation: the common spellings are
+    looked up, and Llama 3's end of text (a base model's only end), its end of a tool call and
+    Phi-3's end of turn were not among them, so those models generated past their end."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(hf_json))
+    tokenizer.add_special_tokens(stops)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    loaded = HfTokenizer(path)
+    assert {loaded.token_text(token) for token in loaded.stop_token_ids} >= set(stops), family
+
+
+def test_a_sentencepiece_model_s_end_of_turn_stops_a_generation_as_in_a_tokenizer_json(tmp_path):
+    """Gemma's tokenizer.model ends a chat turn with <end_of_turn>, a piece of its own: only the
+    end-of-sentence id was a stop token, so a bare SentencePiece model's chat went past it."""
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=292, byte_fallback=True,
+        character_coverage=1.0, minloglevel=2, user_defined_symbols=["<start_of_turn>", "<end_of_turn>"])
+    sp = SentencePieceTokenizer(tmp_path / "sp.model")
+    assert [sp.token_text(token) for token in sp.stop_token_ids] == ["</s>", "<end_of_turn>"]
+    assert SentencePieceTokenizer(tmp_path / "sp.model", stop_token_ids=[2]).stop_token_ids == (2,)

@@ -43,3 +43,22 @@ def test_evaluate_runs_the_three_ways(tmp_path: Path) -> None:
     assert totals["items"] == 3 and totals["identical"] == 3  # the heads never change the output
     assert totals["verifies"] > 0 and len(totals["kept_per_verify_per_head"]) == 3
     assert totals["plain_tokens"] == totals["turbo_tokens"] > 0
+
+
+def test_evaluate_refuses_data_it_cannot_score_naming_where(tmp_path: Path) -> None:
+    """A line that is not a record (a JSONDecodeError or KeyError traceback before), or an
+    output that is not a JSON object: unparsed, it compared None with an unparsable answer
+    and counted that an exact match."""
+    import pytest
+
+    from runtime.errors import InvalidArgumentError
+
+    data = tmp_path / "test.jsonl"
+    for text, match in (("not json\n", r"test.jsonl: line 1: not valid JSON"),
+                        ('{"instruction": "x"}\n', r"test.jsonl: line 1: field 'output' is missing"),
+                        ('{"instruction": "x", "input": "y", "output": "plain text"}\n',
+                         r"test.jsonl, item 1: the output is not a JSON object: 'plain text'")):
+        data.write_text(text)
+        with pytest.raises(InvalidArgumentError, match=match):
+            turbo_entities.evaluate(MODELS / "turbo" / "default.tflite", MODELS / "turbo" / "trained_heads", data,
+                                    chat_template=checkpoints.CHAT_TEMPLATE)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from runtime.cli.options import add_compile_mode, add_weight_cache_dir, weight_cache_settings
 from runtime.components.sampler import SamplerConfig
-from runtime.components.tokenizer import ByteTokenizer, Tokenizer
+from runtime.components.tokenizer import ByteTokenizer, TextStream, Tokenizer
 from runtime.engine.config import EngineSettings, SessionConfig
 from runtime.engine.engine import Engine
 from runtime.errors import InvalidArgumentError
@@ -126,16 +126,17 @@ def run(args: argparse.Namespace) -> int:
             prompt = prompt + "\n" if isinstance(prompt, str) else [*prompt, DEMO_NEWLINE]
         elif args.prompt is not None and engine.chat_template is not None and not args.no_chat_template:
             prompt = engine.chat_template.render([{"role": "user", "content": args.prompt}])
-        text_mode = args.prompt is not None
+        stream = TextStream(engine.tokenizer) if args.prompt is not None else None
 
         def show(token: int) -> None:
-            piece = engine.tokenizer.decode([token]) if text_mode else f"{token} "
-            sys.stdout.write(piece)
+            sys.stdout.write(stream.add(token) if stream is not None else f"{token} ")
             sys.stdout.flush()
 
         with engine.profile_ops() if args.profile_ops else nullcontext() as recording:
             result = session.generate(prompt, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
                                       on_token=show)
+        if stream is not None:
+            sys.stdout.write(stream.finish())
         steps = max(len(result.tokens) - 1, 1)
         print()
         print(

@@ -8,7 +8,9 @@ so a template from a downloaded file cannot reach Python objects or the file sys
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from runtime.errors import InvalidArgumentError
@@ -18,21 +20,31 @@ _ROLES = ("system", "user", "assistant", "tool")
 
 class ChatTemplate:
     """A Jinja2 chat template with the names templates use (``messages``,
-    ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``)."""
+    ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``,
+    ``strftime_now``), in the environment of Hugging Face's ``apply_chat_template``, which
+    templates are written for: ``{% break %}``/``{% continue %}``, ``{% generation %}``
+    blocks (rendered as they are) and a ``tojson`` that writes text as it is."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
         """``source``: the template text; ``bos_token`` / ``eos_token``: the texts of the
         tokenizer's special tokens, which many templates insert."""
         from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not isinstance(source, str) or not source.strip():
             raise InvalidArgumentError("a chat template must be a non-empty string")
+        for name, value in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if not isinstance(value, str):
+                raise InvalidArgumentError(f"{name}={value!r:.40}, expected a str (the token's text, '' for none)")
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                    extensions=[loopcontrols, _generation_blocks()])
         environment.globals["raise_exception"] = _raise_template_error
+        environment.globals["strftime_now"] = _strftime_now
+        environment.filters["tojson"] = _tojson
         try:
             self._template = environment.from_string(source)
         except TemplateError as exc:
@@ -40,9 +52,13 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (each ``{"role": ..., "content": str}``), ending
-        with the assistant's turn opened when ``add_generation_prompt``."""
-        from jinja2 import TemplateError
+        with the assistant's turn opened when ``add_generation_prompt``.
 
+        ``InvalidArgumentError`` when the template fails on them (its ``raise_exception``,
+        or any error of its own: it is data from a file)."""
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+            raise InvalidArgumentError(f"messages is {type(messages).__name__}, expected a list of "
+                                       "{role, content} objects")
         checked = [_check_message(i, message) for i, message in enumerate(messages)]
         if not checked:
             raise InvalidArgumentError("messages is empty: a chat needs at least one message")
@@ -53,7 +69,7 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except TemplateError as exc:
+        except Exception as exc:  # Jinja's TemplateError, or what the template's Python operations raise
             raise InvalidArgumentError(f"chat template failed on these messages: {exc}") from None
 
 
@@ -66,6 +82,33 @@ def _check_message(index: int, message: Any) -> dict[str, str]:
     if not isinstance(content, str):
         raise InvalidArgumentError(f"messages[{index}].content must be a string, got {type(content).__name__}")
     return {"role": role, "content": content}
+
+
+def _generation_blocks() -> type:
+    """The Jinja2 extension for ``{% generation %}...{% endgeneration %}`` (what marks an
+    assistant's tokens for training in Hugging Face's templates): the body, rendered as it is."""
+    from jinja2.ext import Extension
+
+    class GenerationBlocks(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> list:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationBlocks
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Hugging Face's ``tojson``: ``json.dumps`` (Jinja's escapes ``<``, ``>``, ``&`` and ``'``
+    for HTML, which a prompt must not)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """The local time now in ``format`` (templates that state today's date)."""
+    return datetime.now().strftime(format)
 
 
 def _raise_template_error(message: str) -> None:

@@ -4,7 +4,8 @@ both of the server's endpoints and the engine's callers get them)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,25 +33,39 @@ class SamplerConfig:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
         if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
             raise InvalidArgumentError(f"temperature={self.temperature}, expected a finite value >= 0")
-        if self.top_k < 0:
-            raise InvalidArgumentError(f"top_k={self.top_k}, expected >= 0 (0 disables it)")
+        if not (_is_integer(self.top_k) and self.top_k >= 0):
+            raise InvalidArgumentError(f"top_k={self.top_k!r:.40}, expected an integer >= 0 (0 disables it)")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidArgumentError(f"top_p={self.top_p}, expected a value in (0, 1]")
-        if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and self.seed >= 0):
+        if self.seed is not None and not (_is_integer(self.seed) and self.seed >= 0):
             raise InvalidArgumentError(f"seed={self.seed!r}, expected an integer >= 0 (or none: unseeded)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidArgumentError(f"{name}={value}, expected a value in [-2, 2]")
-        if isinstance(self.logit_bias, Mapping):  # {token: bias} is taken too, kept as sorted pairs
-            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
-        for token, bias in self.logit_bias:
+        mapping = isinstance(self.logit_bias, Mapping)  # {token: bias} is taken too, kept as sorted pairs
+        if not (mapping or isinstance(self.logit_bias, Sequence)) or isinstance(self.logit_bias, str | bytes):
+            raise InvalidArgumentError(f"logit_bias={self.logit_bias!r:.40}, expected (token, bias) pairs or a "
+                                       "{token: bias} mapping")
+        pairs = tuple(self.logit_bias.items() if mapping else self.logit_bias)
+        seen: set[int] = set()
+        for pair in pairs:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidArgumentError(f"logit_bias: {pair!r:.40} is not a (token, bias) pair")
+            token, bias = pair
             if type(token) is not int or token < 0:
                 raise InvalidArgumentError(f"logit_bias: token {token!r} is not a token id (an integer >= 0)")
+            if token in seen:
+                raise InvalidArgumentError(f"logit_bias: token {token} is given twice, expected one bias per token")
+            seen.add(token)
+            _check_number(f"logit_bias[{token}]", bias)
             if not -100.0 <= bias <= 100.0:
                 raise InvalidArgumentError(f"logit_bias[{token}]={bias}, expected a value in [-100, 100]")
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)) if mapping else pairs)
 
     @property
     def adjusts(self) -> bool:
@@ -66,7 +81,7 @@ class Sampler:
     """
 
     def __init__(self, config: SamplerConfig | None = None) -> None:
-        self.config = config or SamplerConfig()
+        self.config = SamplerConfig() if config is None else check_sampler_config(config)
         self._rng = np.random.default_rng(self.config.seed)
         self._counts: dict[int, int] = {}  # how often each token was chosen (for the penalties)
         bias = self.config.logit_bias
@@ -117,8 +132,10 @@ class Sampler:
             return int(np.argmax(logits))  # float32 to float64 keeps every value and so the argmax
         logits = logits.astype(np.float64, copy=False)
         pool = top_ids(logits, config.top_k) if 0 < config.top_k < logits.size else None  # best first
-        scaled = (logits if pool is None else logits[pool]) / config.temperature
-        weights = np.exp(scaled - scaled.max())
+        candidates = logits if pool is None else logits[pool]
+        # the best at 0 before dividing: a tiny temperature sends the rest to -inf (weight 0), never inf - inf
+        with np.errstate(over="ignore"):
+            weights = np.exp((candidates - candidates.max()) / config.temperature)
         if config.top_p < 1.0:
             pool, weights = self._nucleus(logits, pool, weights)
         index = self._rng.choice(weights.size, p=weights / weights.sum())
@@ -154,11 +171,33 @@ def top_ids(values: np.ndarray, k: int) -> np.ndarray:
     return ids[np.argsort(-values[ids], kind="stable")]
 
 
+def check_sampler_config(config: object) -> SamplerConfig:
+    """``config`` if it is a :class:`SamplerConfig`, else ``InvalidArgumentError`` naming it."""
+    if not isinstance(config, SamplerConfig):
+        raise InvalidArgumentError(f"sampler={config!r:.60}, expected a SamplerConfig")
+    return config
+
+
+def _is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer (a NumPy one too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_number(name: str, value: object) -> None:
+    """``InvalidArgumentError`` naming ``name`` unless ``value`` is a real number (not a bool)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{name}={value!r:.40}, expected a number")
+
+
 def finite_logits(logits: np.ndarray) -> np.ndarray | None:
     """``logits`` as a flat float array (float32 logits as they are, no copy), or None if
-    any is NaN or infinite; ``InvalidArgumentError`` if there are none. One pass over the
-    vocabulary: a greedy step's sampling is this and an argmax."""
-    logits = np.asarray(logits).reshape(-1)
+    any is NaN or infinite; ``InvalidArgumentError`` if there are none or more than one row
+    of them (a ``score`` result's ``(tokens, vocab)``: flattened, its ids would run past the
+    vocabulary). One pass over the vocabulary: a greedy step's sampling is this and an argmax."""
+    logits = np.asarray(logits)
+    if logits.ndim > 1 and logits.size != logits.shape[-1]:
+        raise InvalidArgumentError(f"logits have shape {logits.shape}, expected one row: (vocab,)")
+    logits = logits.reshape(-1)
     if logits.dtype not in (np.float32, np.float64):
         logits = logits.astype(np.float64)
     if logits.size == 0:

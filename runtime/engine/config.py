@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.components.residency import KeepAll, ResidencyPolicy, check_policy
-from runtime.components.sampler import SamplerConfig
+from runtime.components.sampler import SamplerConfig, check_sampler_config
 from runtime.engine.speculative import SpeculationPolicy
 from runtime.errors import InvalidArgumentError
 from runtime.executor.litert_executor import COMPILE_MODES, COMPILE_ON_DEMAND
@@ -157,6 +157,7 @@ class SessionConfig:
         object.__setattr__(self, "lora_scale", check_scale(self.lora_scale, "lora_scale"))
         object.__setattr__(self, "loras", check_sources(self.loras))
         object.__setattr__(self, "adapters", check_adapters(self.adapters))
+        check_sampler_config(self.sampler)
 
     def sources(self) -> list[LoraSource]:
         """Every adapter this session asks for, as LoraSource objects."""

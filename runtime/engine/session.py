@@ -264,7 +264,7 @@ class Session:
             prompt = self._tokenizer.encode(prompt)
         if stop_tokens is None:
             stop_tokens = self._tokenizer.stop_token_ids if self._tokenizer is not None else ()
-        prompt = self._check_tokens(prompt)
+        prompt = self._check_tokens(prompt, "prompt")
         if not prompt:
             raise InvalidArgumentError("generate needs a prompt of at least one token")
         try:
@@ -275,8 +275,8 @@ class Session:
             raise InvalidArgumentError(f"max_new_tokens={max_new_tokens!r:.40}, expected an integer >= 1")
         max_new_tokens = count
         if not isinstance(sampler, Sampler):
-            sampler = Sampler(sampler or self._sampler_config)
-        stops = set(self._check_tokens(stop_tokens))
+            sampler = Sampler(self._sampler_config if sampler is None else sampler)
+        stops = set(self._check_tokens(stop_tokens, "stop_tokens"))
         kv_length = self.kv_length
         with self.reserve() as context:
             needed = context.length + len(prompt) + max_new_tokens
@@ -468,21 +468,22 @@ class Session:
             raise FailedPreconditionError("the session is closed")
         return context
 
-    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        return check_token_ids(tokens, self._vocab)
+    def _check_tokens(self, tokens: Sequence[int], field: str | None = None) -> list[int]:
+        return check_token_ids(tokens, self._vocab, field)
 
 
-def check_token_ids(tokens: Sequence[int], vocab_size: int) -> list[int]:
+def check_token_ids(tokens: Sequence[int], vocab_size: int, field: str | None = None) -> list[int]:
     """``tokens`` as a list of ints, or ``InvalidArgumentError`` naming the first that is
-    not an integer id of the vocabulary."""
+    not an integer id of the vocabulary (and ``field``, the argument that held them)."""
     try:
         ids = [int(t) for t in tokens]
         exact = all(int(t) == t for t in tokens)
     except (TypeError, ValueError, OverflowError):
-        raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}") from None
+        exact = False
     if not exact:
-        raise InvalidArgumentError(f"token ids must be integers, got {tokens!r:.80}")
+        raise InvalidArgumentError(f"{field or 'token ids'} must be integers, got {tokens!r:.80}")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidArgumentError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise InvalidArgumentError(f"{field + ': ' if field else ''}token id {bad[0]} is outside the vocabulary "
+                                   f"[0, {vocab_size})")
     return ids
