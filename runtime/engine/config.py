@@ -124,6 +124,8 @@ class EngineSettings:
             raise InvalidArgumentError(f"weight_cache_max_bytes={self.weight_cache_max_bytes!r:.60}, expected bytes "
                                        ">= 1 or None (unbounded); to keep no file, use weight_cache_dir=None")
         check_policy(self.lora_residency)
+        if not isinstance(self.speculation, SpeculationPolicy):
+            raise InvalidArgumentError(f"speculation={self.speculation!r:.60}, expected a SpeculationPolicy")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ pass over the weights).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.components.sampler import Sampler
+from runtime.errors import InvalidArgumentError
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.adapters.draft_heads import DraftHeads
@@ -76,6 +78,15 @@ class SpeculationPolicy:
     min_accepted_per_verify: float = 0.5
     pause_tokens: int = 64
     max_pause_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("probe_verifies", "pause_tokens", "max_pause_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise InvalidArgumentError(f"{name}={value!r:.40}, expected an integer >= 1")
+        rate = self.min_accepted_per_verify
+        if type(rate) not in (int, float) or not (math.isfinite(rate) and rate >= 0):
+            raise InvalidArgumentError(f"min_accepted_per_verify={rate!r:.40}, expected a finite number >= 0")
 
 
 @dataclass(frozen=True)
