@@ -328,6 +328,37 @@ def test_argument_types_are_refused_with_the_runtimes_errors(engine):
         engine.decode_together([("not a session", 1)])
 
 
+@pytest.mark.parametrize("sampler", [{"temperature": 0.5}, "greedy", 0.5], ids=["dict", "str", "float"])
+def test_a_sampler_that_is_not_one_is_refused_before_anything_runs(engine, sampler):
+    """Was an AttributeError (a dict's ``seed``) from deep inside generate."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match="sampler=.*expected a Sampler, a SamplerConfig or None"):
+            session.generate([1, 2], max_new_tokens=2, sampler=sampler)
+        assert session.position == 0
+    with pytest.raises(InvalidArgumentError, match="sampler=.*expected a SamplerConfig"):
+        SessionConfig(sampler=sampler)
+
+
+def test_an_on_token_that_is_not_callable_is_refused_before_the_prompt_runs(engine):
+    """Was a TypeError after the prompt's prefill, which stayed in the context."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match="on_token=5, expected a callable or None"):
+            session.generate([1, 2], max_new_tokens=2, on_token=5)
+        assert session.position == 0
+
+
+def test_decode_together_refuses_steps_that_are_not_pairs_and_steps_a_generator(engine):
+    """A bare session or a 1-tuple was a raw TypeError or ValueError; a generator of
+    steps was read up to find the sessions and then stepped none of them."""
+    with engine.create_session() as session:
+        for steps in ([session], [(session,)], [(session, 1, 2)]):
+            with pytest.raises(InvalidArgumentError, match=r"decode_together steps \(session, token\) pairs"):
+                engine.decode_together(steps)
+        assert session.position == 0
+        (logits,) = engine.decode_together((pair for pair in [(session, 1)]))
+        assert logits.shape == (engine.spec.vocab_size,) and session.position == 1
+
+
 @pytest.mark.parametrize("loras", ["adapter.tflite", [b"bytes"], 5])
 def test_set_adapters_refuses_what_is_not_lora_sources_and_keeps_the_old_ones(loras):
     with Engine(MODEL_FILES["default"]) as engine:

@@ -208,6 +208,13 @@ class Engine:
         Sessions must be distinct and idle. Nothing runs unless every session has room
         for its token; if the run fails, no session advances."""
         self._check_open()
+        try:
+            steps = list(steps)  # a generator is read once
+        except TypeError:
+            raise InvalidArgumentError(f"decode_together steps (session, token) pairs; got {steps!r:.80}") from None
+        odd = [step for step in steps if not isinstance(step, tuple | list) or len(step) != 2]
+        if odd:
+            raise InvalidArgumentError(f"decode_together steps (session, token) pairs; got {odd[0]!r:.80}")
         sessions = [session for session, _ in steps]
         strangers = [session for session in sessions if not isinstance(session, Session)]
         if strangers:
