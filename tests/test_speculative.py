@@ -93,6 +93,36 @@ def test_stop_tokens_end_generation_where_plain_decoding_does(engine):
         assert turbo_position == plain_position
 
 
+class _Stop(Exception):
+    """What a caller's ``on_token`` raises to end a generation (a stop string seen)."""
+
+
+def test_a_generation_stopped_from_on_token_inside_a_kept_draft_leaves_plain_decodings_context(engine):
+    """Raising from ``on_token`` is how a caller stops a generation (a stop string): the
+    session holds what plain decoding's would, every streamed token before the one it
+    raised on. Stopping on a kept draft left the session where its verify run started,
+    without the trunk's token and the drafts before it that the caller had been given, so
+    the conversation went on from another context than plain decoding's."""
+    prompt = TRAINED_PROMPTS[0]
+    for stop_at in range(1, 12):
+        outcomes = []
+        for heads in (True, False):
+            with engine.create_session(SessionConfig(loras=[LoraSource(path=TURBO / "trained_heads",
+                                                                       heads=heads)])) as session:
+                streamed: list[int] = []
+
+                def on_token(token: int) -> None:
+                    streamed.append(token)
+                    if len(streamed) == stop_at:
+                        raise _Stop
+
+                with pytest.raises(_Stop):
+                    session.generate(prompt, max_new_tokens=20, on_token=on_token)
+                outcomes.append((streamed, session.position, session.generate([3, 4], max_new_tokens=8).tokens))
+        assert outcomes[0] == outcomes[1], stop_at
+        assert outcomes[0][1] == len(prompt) + stop_at - 1
+
+
 def test_a_session_goes_on_after_a_speculative_generation_as_after_a_plain_one(engine):
     outputs = []
     for heads in (True, False):

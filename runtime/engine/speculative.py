@@ -314,6 +314,7 @@ class SpeculativeDecoder:
                 continue
             drafts = drafts[: min(self._length - 1, max_new_tokens - len(generated))]
             logits, hidden = self._resources.verify(context, [last, *drafts])
+            start = context.position
             counters.verifies += 1
             counters.drafted += len(drafts)
             kept = 0
@@ -325,12 +326,15 @@ class SpeculativeDecoder:
                 counters.accepted[kept] += 1
                 kept += 1
                 generated.append(choice)
+                # The context plain decoding holds while on_token sees this draft (t and the
+                # drafts before it), so that a caller stopping here by raising leaves that.
+                context.position = start + kept
                 if on_token is not None:
                     on_token(choice)
                 if choice in stops or len(generated) == max_new_tokens:
                     stopped = "stop_token" if choice in stops else "max_new_tokens"
                     break
-            context.position += 1 + kept  # the trunk's token and the kept drafts
+            context.position = start + 1 + kept  # the trunk's token and the kept drafts
             counters.tokens += 1 + kept
             if drafts:
                 gate.verified(kept)
