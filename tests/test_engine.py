@@ -205,6 +205,27 @@ def test_the_engine_answers_for_one_adapter():
             engine.adapter(lora_id)
 
 
+@pytest.mark.parametrize("bad", [True, 1.0, "1", None, 0], ids=["True", "1.0", "'1'", "None", "0"])
+def test_an_adapter_id_that_is_not_one_is_refused_and_unloads_nothing(bad):
+    """``unload_adapter(True)`` and ``unload_adapter(1.0)`` unloaded adapter 1 (equal keys
+    of the registry's dicts), and ``adapter("1")`` answered that id 1 is not registered."""
+    with Engine(MODEL_FILES["default"]) as engine:
+        lora_id = engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+        assert lora_id == 1
+        for call in (engine.unload_adapter, engine.adapter):
+            with pytest.raises(InvalidArgumentError, match=r"lora_id=.*, expected an adapter id \(an int >= 1\)"):
+                call(bad)
+        assert engine.adapter_ids() == [lora_id]
+
+
+@pytest.mark.parametrize("config", ["x", {"lora_path": "a.tflite"}, SessionConfig], ids=["str", "dict", "the class"])
+def test_a_session_config_that_is_not_one_is_refused(config):
+    """Was an AttributeError (or TypeError) from reading its sources."""
+    with Engine(MODEL_FILES["default"]) as engine:
+        with pytest.raises(InvalidArgumentError, match="create_session takes a SessionConfig"):
+            engine.create_session(config)
+
+
 # -- signature groups compiled ahead of an adapter's first request --------------------
 
 

@@ -32,6 +32,14 @@ def check_sources(loras: Iterable[LoraSource]) -> tuple[LoraSource, ...]:
     return sources
 
 
+def check_lora_id(lora_id: object) -> int:
+    """``lora_id`` if it is an adapter id (an int >= 1: not a bool, a float or a string,
+    which registry lookups would take for another id or none), else ``InvalidArgumentError``."""
+    if type(lora_id) is not int or lora_id < 1:
+        raise InvalidArgumentError(f"lora_id={lora_id!r:.40}, expected an adapter id (an int >= 1)")
+    return lora_id
+
+
 def check_adapters(adapters: Mapping[int, float]) -> dict[int, float]:
     """``adapters`` (registered adapter id -> scale) as a dict, or ``InvalidArgumentError``
     naming the entry that is not an integer id with a finite scale."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.engine.config import EngineSettings, SessionConfig, check_adapters
+from runtime.engine.config import EngineSettings, SessionConfig, check_adapters, check_lora_id
 from runtime.components.chat_template import ChatTemplate
 from runtime.components.residency import ResidencyPolicy
 from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
@@ -168,6 +168,7 @@ class Engine:
     def unload_adapter(self, lora_id: int) -> None:
         """Unregisters an adapter no live session uses and frees its buffers."""
         self._check_open()
+        check_lora_id(lora_id)
         self._resources.unload_adapter(lora_id)
         self._speculation.forget(lora_id)
 
@@ -178,7 +179,7 @@ class Engine:
     def adapter(self, lora_id: int) -> AdapterStats:
         """What adapter ``lora_id`` is: its source, format, rank, projections, bytes and
         sessions; ``NotFoundError`` when no adapter has that id."""
-        return self._adapters.stats(lora_id)
+        return self._adapters.stats(check_lora_id(lora_id))
 
     def slot_for(self, adapters: Mapping[int, float], *, names: Mapping[int, str] | None = None) -> LoraSlot | None:
         """The LoRA slot a session with ``adapters`` (id -> scale, a blend when several)
@@ -195,7 +196,9 @@ class Engine:
     def create_session(self, config: SessionConfig | None = None) -> Session:
         """A new, empty session running with the adapters ``config`` names."""
         self._check_open()
-        config = config or SessionConfig()
+        config = SessionConfig() if config is None else config
+        if not isinstance(config, SessionConfig):
+            raise InvalidArgumentError(f"create_session takes a SessionConfig, got {config!r:.80}")
         context = self._resources.create_context_handler(config.sources(), config.adapters.items())
         return Session(self._resources, self._batcher, context, config.sampler, self._sessions, self.tokenizer)
 
