@@ -359,6 +359,24 @@ def test_decode_together_refuses_steps_that_are_not_pairs_and_steps_a_generator(
         assert logits.shape == (engine.spec.vocab_size,) and session.position == 1
 
 
+def test_flags_and_counts_take_bools_and_integers_only(engine):
+    """``reset="no"`` cleared the session's context and ``decode_steps="no"`` scored by
+    decode steps (any truthy value counted as True), and ``max_new_tokens=True`` generated
+    one token."""
+    with engine.create_session() as session:
+        session.run_prefill([1, 2, 3])
+        with pytest.raises(InvalidArgumentError, match="reset='no', expected True or False"):
+            session.set_adapters(reset="no")
+        assert session.position == 3
+        with pytest.raises(InvalidArgumentError, match="decode_steps='no', expected True or False"):
+            session.score([4, 5], decode_steps="no")
+        with pytest.raises(InvalidArgumentError, match="max_new_tokens=True, expected an integer >= 1"):
+            session.generate([4], max_new_tokens=True)
+        assert session.position == 3
+        session.set_adapters(reset=True)
+        assert session.position == 0
+
+
 @pytest.mark.parametrize("loras", ["adapter.tflite", [b"bytes"], 5])
 def test_set_adapters_refuses_what_is_not_lora_sources_and_keeps_the_old_ones(loras):
     with Engine(MODEL_FILES["default"]) as engine:

@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from runtime.components.residency import KeepAll, ResidencyPolicy, check_policy
 from runtime.components.sampler import SamplerConfig
 from runtime.engine.speculative import SpeculationPolicy
@@ -30,6 +32,14 @@ def check_sources(loras: Iterable[LoraSource]) -> tuple[LoraSource, ...]:
         if not isinstance(source, LoraSource):
             raise InvalidArgumentError(f"loras holds {source!r:.80}, expected LoraSource objects")
     return sources
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` if it is a bool, else ``InvalidArgumentError`` naming ``name`` (a string
+    such as ``"no"`` would count as True)."""
+    if not isinstance(value, bool | np.bool_):
+        raise InvalidArgumentError(f"{name}={value!r:.40}, expected True or False")
+    return bool(value)
 
 
 def check_lora_id(lora_id: object) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.components.tokenizer import Tokenizer
-from runtime.engine.config import check_adapters, check_sources
+from runtime.engine.config import check_adapters, check_flag, check_sources
 from runtime.engine.speculative import Speculation, SpeculationCounters, SpeculativeDecoder
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
@@ -179,6 +179,7 @@ class Session:
         return logits (``--prefill-logits``); with ``decode_steps`` any model, at one
         decode step per token. Else ``FailedPreconditionError`` naming the export flags,
         before anything runs."""
+        decode_steps = check_flag(decode_steps, "decode_steps")
         if isinstance(tokens, str):
             if self._tokenizer is None:
                 raise FailedPreconditionError("a text prompt needs an engine with a tokenizer")
@@ -268,7 +269,7 @@ class Session:
         if not prompt:
             raise InvalidArgumentError("generate needs a prompt of at least one token")
         try:
-            count = operator.index(max_new_tokens)
+            count = 0 if isinstance(max_new_tokens, bool) else operator.index(max_new_tokens)
         except TypeError:
             count = 0
         if count < 1:
@@ -367,6 +368,7 @@ class Session:
         must be reset: pass ``reset=True``, or get ``FailedPreconditionError``. On any
         error the session keeps its old adapters.
         """
+        reset = check_flag(reset, "reset")
         with self.reserve() as context:
             if context.length and not reset:
                 raise FailedPreconditionError(
