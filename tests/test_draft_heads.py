@@ -95,6 +95,12 @@ def test_adapter_without_heads_has_none():
     ({"medusa_head.0.foo": np.zeros(4)}, "medusa_head.0.foo"),
     ({"medusa_head.0.linear.weight": np.full((2, 2), np.nan), "medusa_head.0.linear.bias": np.zeros(2)}, "NaN"),
     ({"medusa_head.0.linear.weight": np.zeros((2, 2), np.int32), "medusa_head.0.linear.bias": np.zeros(2)}, "dtype"),
+    # Heads of another width than head 0's passed (check_heads compares head 0's with the
+    # model's), and the first draft raised numpy's ValueError inside every generation.
+    ({"medusa_head.0.linear.weight": np.zeros((4, 4)), "medusa_head.0.linear.bias": np.zeros(4),
+      "medusa_head.1.linear.weight": np.zeros((3, 3)), "medusa_head.1.linear.bias": np.zeros(3)},
+     "draft head 1 block 0: 'medusa_head.1.linear.weight' is [3, 3] and 'medusa_head.1.linear.bias' [3], expected "
+     "[hidden, hidden] and [hidden] (hidden = 4, head 0's)"),
 ])
 def test_malformed_heads_are_refused_naming_the_tensor(state, needle):
     with pytest.raises(InvalidArgumentError) as caught:

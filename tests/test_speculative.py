@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 from pathlib import Path
+import shutil
 import threading
 
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 from conftest import MODEL_FILES, MODELS
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
 from runtime.engine.speculative import AcceptanceGate, SpeculationPolicy
-from runtime.errors import FailedPreconditionError, ResourceExhaustedError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 TURBO = MODELS / "turbo"
 LAYOUTS = {"default": TURBO / "default.tflite", "transposed": TURBO / "transposed.tflite"}
@@ -178,6 +179,24 @@ def test_wrong_width_heads_are_refused_and_load_alone_with_heads_false(engine):
     assert all(a.source != str(TURBO / "wrong_width_heads") for a in engine.stats().adapters)
     lora_id = engine.register_adapter(LoraSource(path=TURBO / "wrong_width_heads", heads=False))
     engine.unload_adapter(lora_id)
+
+
+def test_heads_of_mixed_widths_are_refused_at_register_not_in_a_generation(engine, tmp_path):
+    """Head 0 of the model's width and head 2 narrower: the width check read head 0's
+    alone, so the adapter registered and its sessions' generations raised numpy's
+    ValueError at the first draft."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(TURBO / "trained_heads", tmp_path / "mixed")
+    weights = tmp_path / "mixed" / "adapter_model.safetensors"
+    state = load_file(weights)
+    state["medusa_head.2.linear.weight"] = state["medusa_head.2.linear.weight"][:32, :32].copy()
+    state["medusa_head.2.linear.bias"] = state["medusa_head.2.linear.bias"][:32].copy()
+    save_file(state, weights)
+    before = engine.adapter_ids()
+    with pytest.raises(InvalidArgumentError, match=r"draft head 2 block 0: .* \[32, 32\] .*hidden = 64, head 0's"):
+        engine.create_session(SessionConfig(loras=[LoraSource(path=tmp_path / "mixed")]))
+    assert engine.adapter_ids() == before
 
 
 def test_a_model_without_verify_signatures_refuses_heads():
