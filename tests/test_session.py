@@ -328,17 +328,6 @@ def test_argument_types_are_refused_with_the_runtimes_errors(engine):
         engine.decode_together([("not a session", 1)])
 
 
-@pytest.mark.parametrize("sampler", [{"temperature": 0.5}, "greedy", 0.5], ids=["dict", "str", "float"])
-def test_a_sampler_that_is_not_one_is_refused_before_anything_runs(engine, sampler):
-    """Was an AttributeError (a dict's ``seed``) from deep inside generate."""
-    with engine.create_session() as session:
-        with pytest.raises(InvalidArgumentError, match="sampler=.*expected a Sampler, a SamplerConfig or None"):
-            session.generate([1, 2], max_new_tokens=2, sampler=sampler)
-        assert session.position == 0
-    with pytest.raises(InvalidArgumentError, match="sampler=.*expected a SamplerConfig"):
-        SessionConfig(sampler=sampler)
-
-
 def test_an_on_token_that_is_not_callable_is_refused_before_the_prompt_runs(engine):
     """Was a TypeError after the prompt's prefill, which stayed in the context."""
     with engine.create_session() as session:

@@ -177,8 +177,6 @@ class SessionConfig:
         object.__setattr__(self, "lora_scale", check_scale(self.lora_scale, "lora_scale"))
         object.__setattr__(self, "loras", check_sources(self.loras))
         object.__setattr__(self, "adapters", check_adapters(self.adapters))
-        if not isinstance(self.sampler, SamplerConfig):
-            raise InvalidArgumentError(f"sampler={self.sampler!r:.60}, expected a SamplerConfig")
 
     def sources(self) -> list[LoraSource]:
         """Every adapter this session asks for, as LoraSource objects."""

@@ -259,6 +259,8 @@ class Session:
         Raises ``ResourceExhaustedError`` before doing anything when the prompt plus
         ``max_new_tokens`` would not fit the KV cache.
         """
+        if on_token is not None and not callable(on_token):
+            raise InvalidArgumentError(f"on_token={on_token!r:.60}, expected a callable or None")
         if isinstance(prompt, str):
             if self._tokenizer is None:
                 raise FailedPreconditionError("a text prompt needs an engine with a tokenizer")
@@ -275,10 +277,6 @@ class Session:
         if count < 1:
             raise InvalidArgumentError(f"max_new_tokens={max_new_tokens!r:.40}, expected an integer >= 1")
         max_new_tokens = count
-        if sampler is not None and not isinstance(sampler, Sampler | SamplerConfig):
-            raise InvalidArgumentError(f"sampler={sampler!r:.60}, expected a Sampler, a SamplerConfig or None")
-        if on_token is not None and not callable(on_token):
-            raise InvalidArgumentError(f"on_token={on_token!r:.60}, expected a callable or None")
         if not isinstance(sampler, Sampler):
             sampler = Sampler(sampler or self._sampler_config)
         stops = set(self._check_tokens(stop_tokens))
