@@ -169,6 +169,14 @@ def test_a_bad_scale_is_refused_when_the_config_is_made(scale):
         SessionConfig(lora_path="a", lora_scale=scale)
 
 
+@pytest.mark.parametrize(("kwargs", "field"), [({"lora_path": 5}, "path"), ({"lora_buffer": "a.tflite"}, "buffer"),
+                                               ({"lora_buffer": {}, "lora_peft_config": ["r"]}, "peft_config")])
+def test_a_single_adapter_that_is_not_one_is_refused_when_the_config_is_made(kwargs, field):
+    """Was taken, and the session's creation raised TypeError."""
+    with pytest.raises(InvalidArgumentError, match=rf"LoraSource {field}="):
+        SessionConfig(**kwargs)
+
+
 @pytest.mark.parametrize("scale", [np.float32(0.5), np.int64(2), np.float64(0.25), 3])
 def test_numpy_and_integer_scales_become_floats(scale):
     config = SessionConfig(lora_path="a", lora_scale=scale)

@@ -177,6 +177,7 @@ class SessionConfig:
         object.__setattr__(self, "lora_scale", check_scale(self.lora_scale, "lora_scale"))
         object.__setattr__(self, "loras", check_sources(self.loras))
         object.__setattr__(self, "adapters", check_adapters(self.adapters))
+        self.sources()  # the single adapter's LoraSource checks its path or buffer now, not at the session's creation
 
     def sources(self) -> list[LoraSource]:
         """Every adapter this session asks for, as LoraSource objects."""
