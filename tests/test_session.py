@@ -366,6 +366,14 @@ def test_flags_and_counts_take_bools_and_integers_only(engine):
         assert session.position == 0
 
 
+@pytest.mark.parametrize("adapters", [np.array([1, 2]), [(1, 1.0)], 5], ids=["array", "pairs", "int"])
+def test_set_adapters_refuses_adapters_that_are_not_a_mapping(engine, adapters):
+    """An array was numpy's ValueError (its truth value read before the check)."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match="adapters=.*expected a mapping of adapter id to scale"):
+            session.set_adapters(adapters=adapters, reset=True)
+
+
 @pytest.mark.parametrize("loras", ["adapter.tflite", [b"bytes"], 5])
 def test_set_adapters_refuses_what_is_not_lora_sources_and_keeps_the_old_ones(loras):
     with Engine(MODEL_FILES["default"]) as engine:

@@ -373,7 +373,8 @@ class Session:
                     f"the session holds {context.length} tokens computed with its current "
                     "adapters; pass reset=True to clear them and switch"
                 )
-            self._resources.set_adapters(context, check_sources(loras), check_adapters(adapters or {}).items())
+            self._resources.set_adapters(context, check_sources(loras),
+                                         check_adapters({} if adapters is None else adapters).items())
             context.position, context.pending = 0, None
 
     def close(self) -> None:
