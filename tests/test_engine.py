@@ -83,6 +83,24 @@ def test_config_errors():
         Engine("/nonexistent/model.tflite")
 
 
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({"settings": {"num_threads": 1}}, "settings=.*expected an EngineSettings"),
+    ({"settings": EngineSettings}, "settings=.*expected an EngineSettings"),
+    ({"model_path": 5}, "model_path=5, expected a model file path"),
+    ({"model_path": None}, "model_path=None, expected a model file path"),
+    ({"model_path": str(MODEL_FILES["default"]).encode()}, "model_path=b.*expected a model file path"),
+    ({"tokenizer": 5}, "tokenizer=5, expected a Tokenizer"),
+    ({"chat_template": 5}, "chat_template=5, expected a ChatTemplate"),
+], ids=["settings dict", "settings class", "path int", "path None", "path bytes", "tokenizer int", "template int"])
+def test_an_engines_arguments_of_the_wrong_kind_are_refused_before_the_model_opens(kwargs, expected):
+    """Settings and paths of the wrong kind were an AttributeError or TypeError; a tokenizer
+    or chat template of the wrong kind was taken, and failed at the first text prompt."""
+    arguments = {"model_path": MODEL_FILES["default"], **kwargs}
+    model_path = arguments.pop("model_path")
+    with pytest.raises(InvalidArgumentError, match=expected):
+        Engine(model_path, **arguments)
+
+
 def _alternate(engine, steps=6):
     a = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
     b = engine.create_session(SessionConfig(lora_path=adapter_path("litertlm_r4")))

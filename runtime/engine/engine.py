@@ -60,6 +60,18 @@ class Engine:
         ``tokenizer.json`` or SentencePiece model). ``chat_template``: how a conversation
         becomes prompt text (a ChatTemplate or its Jinja2 source); ``None`` takes the
         bundle's template (and its bundle's stop tokens go to the bundled tokenizer)."""
+        if not isinstance(model_path, str | os.PathLike) or isinstance(os.fspath(model_path), bytes):
+            raise InvalidArgumentError(f"model_path={model_path!r:.80}, expected a model file path (a str or "
+                                       "os.PathLike)")
+        if settings is not None and not isinstance(settings, EngineSettings):
+            raise InvalidArgumentError(f"settings={settings!r:.80}, expected an EngineSettings or None")
+        if tokenizer is not None and not isinstance(tokenizer, str | os.PathLike) and not all(
+                callable(getattr(tokenizer, method, None)) for method in ("encode", "decode")):
+            raise InvalidArgumentError(f"tokenizer={tokenizer!r:.80}, expected a Tokenizer (with encode and "
+                                       "decode), the path of a tokenizer file, or None")
+        if chat_template is not None and not isinstance(chat_template, ChatTemplate | str):
+            raise InvalidArgumentError(f"chat_template={chat_template!r:.80}, expected a ChatTemplate, its Jinja2 "
+                                       "source, or None")
         self.model_path = Path(model_path)
         self.settings = settings or EngineSettings()
         executor_settings = ExecutorSettings(num_threads=self.settings.num_threads,
