@@ -120,7 +120,8 @@ def read_draft_heads(shapes: Mapping[str, tuple[int, ...]], load: Callable[[str]
     vocab = None
     if VOCAB_KEY in shapes:
         vocab = np.asarray(load(VOCAB_KEY))
-        if vocab.ndim != 1 or vocab.dtype.kind not in "iu" or not vocab.size or vocab.min() < 0:
+        if (vocab.ndim != 1 or vocab.dtype.kind not in "iu" or not vocab.size or vocab.min() < 0
+                or vocab.max() > np.iinfo(np.int64).max):  # (uint64 ids past it would turn negative below)
             raise InvalidArgumentError(f"{source}: {VOCAB_KEY!r} is {list(vocab.shape)} {vocab.dtype}, expected "
                                        "[V] non-negative integer token ids")
         vocab = vocab.astype(np.int64)
