@@ -175,12 +175,17 @@ class SessionConfig:
                 "lora_peft_config goes with a lora_buffer state dict (a PEFT directory brings its own)"
             )
         object.__setattr__(self, "lora_scale", check_scale(self.lora_scale, "lora_scale"))
+        self._single()  # its LoraSource checks the path or buffer now, not at the session's creation
         object.__setattr__(self, "loras", check_sources(self.loras))
         object.__setattr__(self, "adapters", check_adapters(self.adapters))
-        self.sources()  # the single adapter's LoraSource checks its path or buffer now, not at the session's creation
 
     def sources(self) -> list[LoraSource]:
         """Every adapter this session asks for, as LoraSource objects."""
+        return self._single() + list(self.loras)
+
+    def _single(self) -> list[LoraSource]:
+        """The one adapter ``lora_path`` or ``lora_buffer`` names, as a LoraSource (none:
+        an empty list)."""
         single = []
         if self.lora_path is not None:
             single.append(LoraSource(path=self.lora_path, scale=self.lora_scale))
@@ -188,4 +193,4 @@ class SessionConfig:
             single.append(
                 LoraSource(buffer=self.lora_buffer, scale=self.lora_scale, peft_config=self.lora_peft_config)
             )
-        return single + list(self.loras)
+        return single
