@@ -348,6 +348,19 @@ def test_decode_together_refuses_steps_that_are_not_pairs_and_steps_a_generator(
         assert logits.shape == (engine.spec.vocab_size,) and session.position == 1
 
 
+def test_token_ids_from_a_generator_are_checked_as_a_list_is(engine):
+    """A generator was read once to convert its items and then found empty by the check
+    that they are whole numbers, so 1.5 and 2.7 ran as the tokens 1 and 2."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match=r"must be integers, got \[1.5, 2.7\]"):
+            session.run_prefill(t for t in [1.5, 2.7])
+        with pytest.raises(InvalidArgumentError, match="must be integers"):
+            session.generate((t for t in [1, 2.5]), max_new_tokens=1)
+        assert session.position == 0
+        session.run_prefill(t for t in [1.0, 2])  # whole numbers, from a generator too
+        assert session.position == 2
+
+
 def test_flags_and_counts_take_bools_and_integers_only(engine):
     """``reset="no"`` cleared the session's context and ``decode_steps="no"`` scored by
     decode steps (any truthy value counted as True), and ``max_new_tokens=True`` generated

@@ -481,6 +481,7 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int) -> list[int]:
     """``tokens`` as a list of ints, or ``InvalidArgumentError`` naming the first that is
     not an integer id of the vocabulary."""
     try:
+        tokens = list(tokens)  # read twice below: a generator only once
         ids = [int(t) for t in tokens]
         exact = all(int(t) == t for t in tokens)
     except (TypeError, ValueError, OverflowError):
