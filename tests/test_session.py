@@ -250,6 +250,24 @@ def test_one_session_refuses_a_concurrent_second_call(engine):
         session.run_decode(1)
 
 
+@pytest.mark.parametrize("call", ["clone", "reset", "score", "run_decode", "generate"])
+def test_a_call_from_inside_the_sessions_own_call_says_so(engine, call):
+    """Cloning (or any call) from the session's own ``on_token`` callback, mid-generation,
+    was refused as 'being used by another call': there is no other call, the caller's own
+    generation holds it. The generation ends with the error; the session goes on after."""
+    calls = {"clone": lambda s: s.clone(), "reset": lambda s: s.reset(), "score": lambda s: s.score([1]),
+             "run_decode": lambda s: s.run_decode(1), "generate": lambda s: s.generate([1], 1)}
+    with engine.create_session() as session:
+        def on_token(token: int) -> None:
+            calls[call](session)
+
+        with pytest.raises(FailedPreconditionError, match=r"session \d+ is inside its own call \(from its on_token "
+                                                          r"callback\?\): make this call after that one returns"):
+            session.generate([1, 2, 3], max_new_tokens=4, on_token=on_token)
+        with session.clone() as copy:
+            assert copy.position == session.position == 3
+
+
 def _within(seconds, call):
     """``call()``'s outcome (its value, or the exception it raised) from another thread;
     fails the test instead of hanging when it has not ended after ``seconds``."""

@@ -204,7 +204,7 @@ class Session:
         if type(token) is not int or not 0 <= token < self._vocab:  # the fast check first
             (token,) = self._check_tokens([token])
         if not self._lock.acquire(blocking=False):
-            raise FailedPreconditionError("the session is being used by another call")
+            raise self._busy()
         self._holder = threading.get_ident()
         try:
             context = self._require_open()
@@ -459,13 +459,21 @@ class Session:
         other calls for the block (a concurrent call raises ``FailedPreconditionError``).
         For the engine, which steps many reserved sessions together."""
         if not self._lock.acquire(blocking=False):
-            raise FailedPreconditionError("the session is being used by another call")
+            raise self._busy()
         self._holder = threading.get_ident()
         try:
             yield self._require_open()
         finally:
             self._holder = None
             self._lock.release()
+
+    def _busy(self) -> FailedPreconditionError:
+        """The error for a call that finds the session held: by another thread's call, or
+        by the caller's own (a call from its ``on_token`` callback, which no waiting ends)."""
+        if self.held_by_this_thread:
+            return FailedPreconditionError(f"session {self.session_id} is inside its own call (from its on_token "
+                                           "callback?): make this call after that one returns")
+        return FailedPreconditionError("the session is being used by another call")
 
     def _require_open(self) -> ContextHandler:
         context = self._context
