@@ -11,7 +11,8 @@ import pytest
 
 from conftest import MODEL_FILES, adapter_deltas, adapter_path
 from reference_model import reference_logits
-from runtime import Engine, LoraSource, SamplerConfig, SessionConfig
+from runtime import Engine, EngineSettings, LoraSource, SamplerConfig, SessionConfig
+from runtime.components.sampler import Sampler
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 TOL = 1e-4
@@ -377,6 +378,51 @@ def test_token_ids_from_a_generator_are_checked_as_a_list_is(engine):
         assert session.position == 0
         session.run_prefill(t for t in [1.0, 2])  # whole numbers, from a generator too
         assert session.position == 2
+
+
+def test_a_sampler_picking_outside_the_vocabulary_fails_its_own_generation_only():
+    """A Sampler subclass returning token 300 (vocabulary 256) sent it to the model: LiteRT
+    failed the decode batch it was in ('Embedding Lookup: index out of bounds'), and the
+    other session of that batch got the INTERNAL error too."""
+    both_sampled = threading.Barrier(2)
+
+    class Synchronized(Sampler):
+        """Greedy; its second pick waits for the other session's, so that both sessions'
+        next decode steps are submitted together (one batch)."""
+
+        def __init__(self, second: int | None = None) -> None:
+            super().__init__()
+            self.picks, self.second = 0, second
+
+        def sample(self, logits: np.ndarray) -> int:
+            self.picks += 1
+            if self.picks == 2:
+                both_sampled.wait(10)
+                if self.second is not None:
+                    return self.second
+            return super().sample(logits)
+
+    with Engine(MODEL_FILES["default"], EngineSettings(batch_wait_s=0.25)) as engine:
+        with engine.create_session() as session:
+            expected = session.generate([4, 5, 6], max_new_tokens=6).tokens
+        outcomes: dict[str, object] = {}
+
+        def generate(name: str, sampler: Sampler) -> None:
+            try:
+                with engine.create_session() as session:
+                    outcomes[name] = session.generate([4, 5, 6], max_new_tokens=6, sampler=sampler).tokens
+            except Exception as exc:  # the test reads which
+                outcomes[name] = exc
+
+        threads = [threading.Thread(target=generate, args=("bad", Synchronized(300))),
+                   threading.Thread(target=generate, args=("good", Synchronized()))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert outcomes["good"] == expected
+    assert isinstance(outcomes["bad"], InvalidArgumentError), outcomes["bad"]
+    assert "returned 300, expected a token id in [0, 256)" in str(outcomes["bad"])
 
 
 def test_flags_and_counts_take_bools_and_integers_only(engine):

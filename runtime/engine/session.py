@@ -279,6 +279,7 @@ class Session:
         max_new_tokens = count
         if not isinstance(sampler, Sampler):
             sampler = Sampler(sampler or self._sampler_config)
+        sample = self._checked(sampler)
         stops = set(self._check_tokens(stop_tokens))
         kv_length = self.kv_length
         with self.reserve() as context:
@@ -299,19 +300,19 @@ class Session:
                                              gate)
             logits = self._prefill(context, prompt, decoder)
             prefill_done = time.perf_counter()
-            generated = [sampler.sample(logits)]
+            generated = [sample(logits)]
             first_token = time.perf_counter()
             if decoder is not None:
                 before = self._counters.decode_seconds
                 try:
-                    generated, stop_reason = decoder.run(generated[0], sampler, max_new_tokens, stops, on_token)
+                    generated, stop_reason = decoder.run(generated[0], sample, max_new_tokens, stops, on_token)
                 finally:
                     self._counters.decode_tokens += decoder.counters.tokens
                     self._counters.decode_seconds = before + time.perf_counter() - first_token
                     self._speculation.add(decoder.counters)
                     self._registry.speculation.counters.add(decoder.counters)
             else:
-                stop_reason = self._plain_loop(context, generated, sampler, max_new_tokens, stops, on_token)
+                stop_reason = self._plain_loop(context, generated, sample, max_new_tokens, stops, on_token)
             end = time.perf_counter()
             self._counters.time_to_first_token_s = first_token - start
         text = None
@@ -327,8 +328,8 @@ class Session:
             text=text,
         )
 
-    def _plain_loop(self, context: ContextHandler, generated: list[int], sampler: Sampler, max_new_tokens: int,
-                    stops: set[int], on_token: Callable[[int], None] | None) -> str:
+    def _plain_loop(self, context: ContextHandler, generated: list[int], sample: Callable[[np.ndarray], int],
+                    max_new_tokens: int, stops: set[int], on_token: Callable[[int], None] | None) -> str:
         """Plain decoding from ``generated[0]``: one decode step per token, appended to
         ``generated``; returns the stop reason."""
         with self._batcher.streaming():  # decode batches being formed wait for this session's steps
@@ -338,7 +339,26 @@ class Session:
                 if generated[-1] in stops or len(generated) == max_new_tokens:
                     context.pending = generated[-1]  # no step for logits nobody reads
                     return "stop_token" if generated[-1] in stops else "max_new_tokens"
-                generated.append(sampler.sample(self._decode(context, generated[-1])))
+                generated.append(sample(self._decode(context, generated[-1])))
+
+    def _checked(self, sampler: Sampler) -> Callable[[np.ndarray], int]:
+        """``sampler.sample``, refusing a pick that is not a token id of the vocabulary (a
+        Sampler subclass's mistake) before it reaches the model, where it would fail the
+        decode batch of every session in it: ``InvalidArgumentError`` naming the sampler."""
+        vocab = self._vocab
+
+        def sample(logits: np.ndarray) -> int:
+            token = sampler.sample(logits)
+            if type(token) is int and 0 <= token < vocab:  # the fast check first
+                return token
+            try:
+                (token,) = check_token_ids([token], vocab)
+            except InvalidArgumentError:
+                raise InvalidArgumentError(f"sampler ({type(sampler).__name__}) returned {token!r:.40}, expected a "
+                                           f"token id in [0, {vocab})") from None
+            return token
+
+        return sample
 
     # -- context management --------------------------------------------------------
 

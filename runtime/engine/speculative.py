@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.components.sampler import Sampler
 from runtime.errors import InvalidArgumentError
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.resource_manager import ResourceManager
@@ -288,10 +287,11 @@ class SpeculativeDecoder:
             return np.einsum("kj,vj->kv", rows, self._lm_head)
         return rows @ self._lm_head.T
 
-    def run(self, first: int, sampler: Sampler, max_new_tokens: int, stops: set[int],
+    def run(self, first: int, sample: Callable[[np.ndarray], int], max_new_tokens: int, stops: set[int],
             on_token: Callable[[int], None] | None) -> tuple[list[int], str]:
         """Generates from ``first`` (the token prefill's logits gave, not yet in the cache)
-        until a stop token or ``max_new_tokens``; returns the tokens and why it stopped."""
+        until a stop token or ``max_new_tokens``, ``sample(logits)`` picking each token (the
+        session's sampler); returns the tokens and why it stopped."""
         context, counters, gate = self._context, self.counters, self._gate
         kv_length = self._resources.spec.kv_length
         generated = [first]
@@ -309,7 +309,7 @@ class SpeculativeDecoder:
                 counters.plain_steps += 1
                 if not heads_on:
                     gate.plain_step()
-                generated.append(sampler.sample(logits))
+                generated.append(sample(logits))
                 drafts = []
                 continue
             drafts = drafts[: min(self._length - 1, max_new_tokens - len(generated))]
@@ -320,7 +320,7 @@ class SpeculativeDecoder:
             kept = 0
             stopped = None
             while True:
-                choice = sampler.sample(logits[kept])  # the trunk's token after t, d_0 .. d_{kept-1}
+                choice = sample(logits[kept])  # the trunk's token after t, d_0 .. d_{kept-1}
                 if kept == len(drafts) or choice != drafts[kept]:
                     break
                 counters.accepted[kept] += 1
