@@ -279,7 +279,6 @@ class Session:
         max_new_tokens = count
         if not isinstance(sampler, Sampler):
             sampler = Sampler(sampler or self._sampler_config)
-        sample = self._checked(sampler)
         stops = set(self._check_tokens(stop_tokens))
         kv_length = self.kv_length
         with self.reserve() as context:
@@ -291,6 +290,7 @@ class Session:
                     f"{kv_length} positions"
                 )
             start = time.perf_counter()
+            sample = self._checked(sampler)
             speculation = self._registry.speculation
             drafting = speculation.heads_for(context.blend, self._speculation)
             decoder = None
