@@ -240,6 +240,24 @@ def test_errors(engine):
             call()
 
 
+def test_a_full_kv_cache_is_refused_naming_the_flag_that_gives_more(engine):
+    """Every other refusal a re-export fixes names its flag (--verify-lengths,
+    --score-lengths, --lora-ranks); the KV cache's said only how many positions it holds."""
+    hint = r"positions \(a model exported with a larger --kv-length holds more\)"
+    with engine.create_session() as session, engine.create_session() as other:
+        with pytest.raises(ResourceExhaustedError, match=f"exceeds the KV cache of 64 {hint}"):
+            session.generate(list(range(60)), max_new_tokens=10)
+        with pytest.raises(ResourceExhaustedError, match=f"exceeds the KV cache of 64 {hint}"):
+            session.score(list(range(65)), decode_steps=True)
+        with pytest.raises(ResourceExhaustedError, match=f"would exceed the KV cache of 64 {hint}"):
+            session.run_prefill(list(range(65)))
+        session.run_prefill(list(range(64)))
+        with pytest.raises(ResourceExhaustedError, match=f"would exceed the KV cache of 64 {hint}"):
+            session.run_decode(1)
+        with pytest.raises(ResourceExhaustedError, match=f"would exceed the KV cache of 64 {hint}"):
+            engine.decode_together([(session, 1), (other, 1)])
+
+
 def test_one_session_refuses_a_concurrent_second_call(engine):
     with engine.create_session() as session:
         session._lock.acquire()  # as if another thread were inside a call

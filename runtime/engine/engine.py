@@ -21,7 +21,7 @@ from runtime.engine.session import Session, SessionRegistry, check_token_ids
 from runtime.engine.speculative import Speculation
 from runtime.engine.stats import AdapterStats, EngineStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError, StatusError
-from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
+from runtime.executor.litert_executor import KV_LENGTH_HINT, ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.op_profile import OpRecording, summarize
 from runtime.executor.weight_cache import IN_MEMORY, weight_cache_file
@@ -252,7 +252,7 @@ class Engine:
                 if context.length + 1 > self.spec.kv_length:
                     raise ResourceExhaustedError(
                         f"session {session.session_id}: 1 token after its {context.length} would exceed "
-                        f"the KV cache of {self.spec.kv_length} positions")
+                        f"the KV cache of {self.spec.kv_length} positions {KV_LENGTH_HINT}")
             for session, context in zip(sessions, contexts):
                 session.write_pending(context)  # a generation's last token, alone (rare: after generate)
             start = time.perf_counter()

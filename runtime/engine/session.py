@@ -17,6 +17,7 @@ from runtime.engine.config import check_adapters, check_flag, check_sources
 from runtime.engine.speculative import Speculation, SpeculationCounters, SpeculativeDecoder
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime.executor.litert_executor import KV_LENGTH_HINT
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
@@ -192,7 +193,7 @@ class Session:
             needed = context.length + len(tokens)
             if needed > self.kv_length:
                 raise ResourceExhaustedError(f"{context.length} tokens in context + {len(tokens)} to score = {needed} "
-                                             f"exceeds the KV cache of {self.kv_length} positions")
+                                             f"exceeds the KV cache of {self.kv_length} positions {KV_LENGTH_HINT}")
             logits = self._resources.score(context, run, decode_steps)
             context.position += len(run)
             context.pending = None
@@ -232,7 +233,7 @@ class Session:
             last_run = context.position + (max(len(tokens) - 1, 0) // length) * length
             if last_run + length > self.kv_length:
                 raise ResourceExhaustedError(f"{len(tokens)} tokens after {context.position} do not fit the KV "
-                                             f"cache of {self.kv_length} in verify{length} runs")
+                                             f"cache of {self.kv_length} in verify{length} runs {KV_LENGTH_HINT}")
             rows = []
             for start in range(0, len(tokens), length):
                 chunk = tokens[start:start + length]
@@ -287,7 +288,7 @@ class Session:
                 raise ResourceExhaustedError(
                     f"{context.length} tokens in context + {len(prompt)} prompt + "
                     f"{max_new_tokens} new tokens = {needed} exceeds the KV cache of "
-                    f"{kv_length} positions"
+                    f"{kv_length} positions {KV_LENGTH_HINT}"
                 )
             start = time.perf_counter()
             sample = self._checked(sampler)
