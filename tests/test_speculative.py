@@ -317,3 +317,6 @@ def test_hidden_states_need_verify_signatures_and_room():
                                                          r"exported with a larger --kv-length holds more\)"):
             session.hidden_states(list(range(62)))  # the last verify4 run would take positions 61 ... 64
         assert session.hidden_states(list(range(60))).shape == (60, 64)  # the last one 57 ... 60
+        session.run_prefill([1, 2, 3])
+        # No tokens need no room: refused as a verify run past the cache's end before.
+        assert session.hidden_states([]).shape == (0, 64) and session.position == 64

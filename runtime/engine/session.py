@@ -231,7 +231,7 @@ class Session:
             length = lengths[-1]
             self.write_pending(context)
             last_run = context.position + (max(len(tokens) - 1, 0) // length) * length
-            if last_run + length > self.kv_length:
+            if tokens and last_run + length > self.kv_length:
                 raise ResourceExhaustedError(f"{len(tokens)} tokens after {context.position} do not fit the KV "
                                              f"cache of {self.kv_length} in verify{length} runs {KV_LENGTH_HINT}")
             rows = []
