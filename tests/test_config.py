@@ -11,6 +11,7 @@ from conftest import adapter_path
 from runtime.components.residency import KeepAll, Lru, OnlyActive
 from runtime.components.sampler import SamplerConfig
 from runtime.engine.config import EngineSettings, SessionConfig
+from runtime.engine.speculative import SpeculationPolicy
 from runtime.errors import InvalidArgumentError
 from runtime.framework.lora_source import LoraSource
 
@@ -168,6 +169,14 @@ def test_a_bad_scale_is_refused_when_the_config_is_made(scale):
         SessionConfig(lora_path="a", lora_scale=scale)
 
 
+@pytest.mark.parametrize(("kwargs", "field"), [({"lora_path": 5}, "path"), ({"lora_buffer": "a.tflite"}, "buffer"),
+                                               ({"lora_buffer": {}, "lora_peft_config": ["r"]}, "peft_config")])
+def test_a_single_adapter_that_is_not_one_is_refused_when_the_config_is_made(kwargs, field):
+    """Was taken, and the session's creation raised TypeError."""
+    with pytest.raises(InvalidArgumentError, match=rf"LoraSource {field}="):
+        SessionConfig(**kwargs)
+
+
 @pytest.mark.parametrize("scale", [np.float32(0.5), np.int64(2), np.float64(0.25), 3])
 def test_numpy_and_integer_scales_become_floats(scale):
     config = SessionConfig(lora_path="a", lora_scale=scale)
@@ -207,3 +216,32 @@ def test_compile_mode_is_checked():
     assert EngineSettings(compile="all").compile == "all"
     with pytest.raises(InvalidArgumentError, match="compile='lazy', expected one of \\['on-demand', 'all'\\]"):
         EngineSettings(compile="lazy")
+
+
+@pytest.mark.parametrize("policy", [None, "always", SpeculationPolicy], ids=["None", "str", "the class"])
+def test_a_speculation_policy_that_is_not_one_is_refused_up_front(policy):
+    """Was taken, and the first session of a Turbo adapter failed inside its generation
+    with an AttributeError."""
+    with pytest.raises(InvalidArgumentError, match="speculation=.*expected a SpeculationPolicy"):
+        EngineSettings(speculation=policy)
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("probe_verifies", 0, "an integer >= 1"), ("probe_verifies", 2.5, "an integer >= 1"),
+    ("probe_verifies", True, "an integer >= 1"), ("min_accepted_per_verify", -0.5, "a finite number >= 0"),
+    ("min_accepted_per_verify", float("nan"), "a finite number >= 0"),
+    ("min_accepted_per_verify", "1", "a finite number >= 0"), ("pause_tokens", None, "an integer >= 1"),
+    ("pause_tokens", 0, "an integer >= 1"), ("pause_tokens", 1.5, "an integer >= 1"),
+    ("max_pause_tokens", -3, "an integer >= 1"), ("max_pause_tokens", 64.0, "an integer >= 1"),
+])
+def test_a_speculation_policy_refuses_bad_counts_naming_the_field(field, value, expected):
+    """Each was taken: a None pause raised TypeError inside the failed probe of the
+    adapter's shared gate, after which every generation of the adapter raised again."""
+    with pytest.raises(InvalidArgumentError, match=rf"{field}={value!r:.8}.*expected {expected}"):
+        SpeculationPolicy(**{field: value})
+
+
+def test_a_speculation_policy_keeps_its_counts():
+    policy = SpeculationPolicy(probe_verifies=2, min_accepted_per_verify=0, pause_tokens=3, max_pause_tokens=3)
+    assert (policy.probe_verifies, policy.min_accepted_per_verify, policy.pause_tokens) == (2, 0, 3)
+    assert EngineSettings(speculation=policy).speculation is policy

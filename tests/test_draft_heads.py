@@ -95,6 +95,12 @@ def test_adapter_without_heads_has_none():
     ({"medusa_head.0.foo": np.zeros(4)}, "medusa_head.0.foo"),
     ({"medusa_head.0.linear.weight": np.full((2, 2), np.nan), "medusa_head.0.linear.bias": np.zeros(2)}, "NaN"),
     ({"medusa_head.0.linear.weight": np.zeros((2, 2), np.int32), "medusa_head.0.linear.bias": np.zeros(2)}, "dtype"),
+    # Heads of another width than head 0's passed (check_heads compares head 0's with the
+    # model's), and the first draft raised numpy's ValueError inside every generation.
+    ({"medusa_head.0.linear.weight": np.zeros((4, 4)), "medusa_head.0.linear.bias": np.zeros(4),
+      "medusa_head.1.linear.weight": np.zeros((3, 3)), "medusa_head.1.linear.bias": np.zeros(3)},
+     "draft head 1 block 0: 'medusa_head.1.linear.weight' is [3, 3] and 'medusa_head.1.linear.bias' [3], expected "
+     "[hidden, hidden] and [hidden] (hidden = 4, head 0's)"),
 ])
 def test_malformed_heads_are_refused_naming_the_tensor(state, needle):
     with pytest.raises(InvalidArgumentError) as caught:
@@ -114,3 +120,15 @@ def test_heads_the_model_cannot_run_are_refused_with_the_way_out():
     for width in (None, 32):
         with pytest.raises(FailedPreconditionError, match="--verify-lengths.*heads=False"):
             check_heads(heads, width, 256, "t")
+
+
+@pytest.mark.parametrize("vocab", [np.array([5, 2**64 - 1], np.uint64), np.array([2**63], np.uint64),
+                                   np.array([[1, 2]]), np.array([1.0, 2.0]), np.array([3, -1])],
+                         ids=["uint64 max", "2**63", "2-d", "float", "negative"])
+def test_a_draft_vocabulary_that_is_not_token_ids_is_refused(vocab):
+    """uint64 ids past int64's range became negative ids on the cast after the check, which
+    check_heads' bound let through: the heads drafted token -1 and every verify run failed
+    with LiteRT's 'Embedding Lookup: index out of bounds'."""
+    state = {**medusa_state(W_REF, B_REF), "medusa_head.vocab": vocab}
+    with pytest.raises(InvalidArgumentError, match="'medusa_head.vocab' is .* expected \\[V\\] non-negative integer"):
+        _heads(state)

@@ -83,6 +83,24 @@ def test_config_errors():
         Engine("/nonexistent/model.tflite")
 
 
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({"settings": {"num_threads": 1}}, "settings=.*expected an EngineSettings"),
+    ({"settings": EngineSettings}, "settings=.*expected an EngineSettings"),
+    ({"model_path": 5}, "model_path=5, expected a model file path"),
+    ({"model_path": None}, "model_path=None, expected a model file path"),
+    ({"model_path": str(MODEL_FILES["default"]).encode()}, "model_path=b.*expected a model file path"),
+    ({"tokenizer": 5}, "tokenizer=5, expected a Tokenizer"),
+    ({"chat_template": 5}, "chat_template=5, expected a ChatTemplate"),
+], ids=["settings dict", "settings class", "path int", "path None", "path bytes", "tokenizer int", "template int"])
+def test_an_engines_arguments_of_the_wrong_kind_are_refused_before_the_model_opens(kwargs, expected):
+    """Settings and paths of the wrong kind were an AttributeError or TypeError; a tokenizer
+    or chat template of the wrong kind was taken, and failed at the first text prompt."""
+    arguments = {"model_path": MODEL_FILES["default"], **kwargs}
+    model_path = arguments.pop("model_path")
+    with pytest.raises(InvalidArgumentError, match=expected):
+        Engine(model_path, **arguments)
+
+
 def _alternate(engine, steps=6):
     a = engine.create_session(SessionConfig(lora_path=adapter_path("torch_r4")))
     b = engine.create_session(SessionConfig(lora_path=adapter_path("litertlm_r4")))
@@ -203,6 +221,27 @@ def test_the_engine_answers_for_one_adapter():
         engine.unload_adapter(lora_id)
         with pytest.raises(NotFoundError):
             engine.adapter(lora_id)
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "1", None, 0], ids=["True", "1.0", "'1'", "None", "0"])
+def test_an_adapter_id_that_is_not_one_is_refused_and_unloads_nothing(bad):
+    """``unload_adapter(True)`` and ``unload_adapter(1.0)`` unloaded adapter 1 (equal keys
+    of the registry's dicts), and ``adapter("1")`` answered that id 1 is not registered."""
+    with Engine(MODEL_FILES["default"]) as engine:
+        lora_id = engine.register_adapter(LoraSource(path=adapter_path("torch_r4")))
+        assert lora_id == 1
+        for call in (engine.unload_adapter, engine.adapter):
+            with pytest.raises(InvalidArgumentError, match=r"lora_id=.*, expected an adapter id \(an int >= 1\)"):
+                call(bad)
+        assert engine.adapter_ids() == [lora_id]
+
+
+@pytest.mark.parametrize("config", ["x", {"lora_path": "a.tflite"}, SessionConfig], ids=["str", "dict", "the class"])
+def test_a_session_config_that_is_not_one_is_refused(config):
+    """Was an AttributeError (or TypeError) from reading its sources."""
+    with Engine(MODEL_FILES["default"]) as engine:
+        with pytest.raises(InvalidArgumentError, match="create_session takes a SessionConfig"):
+            engine.create_session(config)
 
 
 # -- signature groups compiled ahead of an adapter's first request --------------------

@@ -51,6 +51,37 @@ def test_a_path_like_is_kept_as_given():
     assert LoraSource(path=path).path is path
 
 
+@pytest.mark.parametrize("path", [5, True, b"adapter.tflite", ["a.tflite"], ""],
+                         ids=["int", "bool", "bytes", "list", "empty"])
+def test_a_path_that_is_not_one_is_refused_when_made(path):
+    """Each was taken, and registering it raised TypeError (bytes also left an
+    AttributeError in a ScopedFile's destructor), or for '' reported '.: is a directory'."""
+    with pytest.raises(InvalidArgumentError, match=r"LoraSource path=.*, expected a file or directory path"):
+        LoraSource(path=path)
+
+
+@pytest.mark.parametrize("buffer", [5, "adapter.tflite", [1, 2], np.zeros(4)], ids=["int", "str", "list", "array"])
+def test_a_buffer_that_is_not_one_is_refused_when_made(buffer):
+    """Was a TypeError ('object of type int has no len()') at registration."""
+    with pytest.raises(InvalidArgumentError, match=r"LoraSource buffer=.*, expected the bytes of an adapter file "
+                                                   r"or a PEFT state dict"):
+        LoraSource(buffer=buffer)
+
+
+@pytest.mark.parametrize("heads", ["no", 1, None, [True]], ids=["str", "int", "None", "list"])
+def test_heads_take_a_bool_only(heads, tmp_path):
+    """``heads="no"`` loaded the heads and registered the adapter under another id than
+    ``heads=True`` (the id's key holds the value), a list raised TypeError (unhashable)."""
+    with pytest.raises(InvalidArgumentError, match=r"LoraSource heads=.*, expected True or False"):
+        LoraSource(path="a", heads=heads)
+    assert LoraSource(path="a", heads=np.bool_(False)).heads is False
+
+
+def test_a_peft_config_that_is_not_a_mapping_is_refused():
+    with pytest.raises(InvalidArgumentError, match=r"LoraSource peft_config=\['r'\], expected a mapping"):
+        LoraSource(buffer={"w": np.zeros(2)}, peft_config=["r"])
+
+
 # -- scale ---------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import MODEL_FILES, adapter_path
 from reference_model import reference_logits
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
-from runtime.errors import InvalidArgumentError
+from runtime.errors import InvalidArgumentError, ResourceExhaustedError
 from runtime.executor.litert_executor import KvPrefix
 from runtime.framework.resource_management.prefix_cache import PrefixCache
 
@@ -170,3 +170,26 @@ def test_sessions_on_many_threads_share_the_cache_exactly(engines):
         t.join()
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_a_prompt_too_long_for_the_cache_is_refused_as_without_a_prefix_cache(engines):
+    """A prompt one token longer than the KV cache, beginning with a cached one, took the
+    cached rows (a hit, its positions counted as reused) before its prefill was refused
+    as '1 token(s) at position 64'; it is refused as without a cache, taking nothing."""
+    plain, cached = engines
+    prompt = [t % 250 + 1 for t in range(cached.spec.kv_length + 1)]
+    with cached.create_session() as session:
+        session.run_prefill(prompt[:-1])
+    before = cached.stats().prefix_cache
+    errors = []
+    for engine in (plain, cached):
+        with engine.create_session() as session:
+            with pytest.raises(ResourceExhaustedError) as caught:
+                session.run_prefill(prompt)
+            errors.append(str(caught.value))
+            assert session.position == 0
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"RESOURCE_EXHAUSTED: {len(prompt)} token(s) at position 0 would exceed the KV cache "
+                                f"of {cached.spec.kv_length} positions")
+    after = cached.stats().prefix_cache
+    assert (after.hits, after.reused_tokens) == (before.hits, before.reused_tokens)

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import MODEL_FILES, adapter_deltas, adapter_path
 from reference_model import reference_logits
-from runtime import Engine, LoraSource, SamplerConfig, SessionConfig
+from runtime import Engine, EngineSettings, LoraSource, SamplerConfig, SessionConfig
+from runtime.components.sampler import Sampler
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 TOL = 1e-4
@@ -252,6 +253,24 @@ def test_errors(engine):
             call()
 
 
+def test_a_full_kv_cache_is_refused_naming_the_flag_that_gives_more(engine):
+    """Every other refusal a re-export fixes names its flag (--verify-lengths,
+    --score-lengths, --lora-ranks); the KV cache's said only how many positions it holds."""
+    hint = r"positions \(a model exported with a larger --kv-length holds more\)"
+    with engine.create_session() as session, engine.create_session() as other:
+        with pytest.raises(ResourceExhaustedError, match=f"exceeds the KV cache of 64 {hint}"):
+            session.generate(list(range(60)), max_new_tokens=10)
+        with pytest.raises(ResourceExhaustedError, match=f"exceeds the KV cache of 64 {hint}"):
+            session.score(list(range(65)), decode_steps=True)
+        with pytest.raises(ResourceExhaustedError, match=f"would exceed the KV cache of 64 {hint}"):
+            session.run_prefill(list(range(65)))
+        session.run_prefill(list(range(64)))
+        with pytest.raises(ResourceExhaustedError, match=f"would exceed the KV cache of 64 {hint}"):
+            session.run_decode(1)
+        with pytest.raises(ResourceExhaustedError, match=f"would exceed the KV cache of 64 {hint}"):
+            engine.decode_together([(session, 1), (other, 1)])
+
+
 def test_one_session_refuses_a_concurrent_second_call(engine):
     with engine.create_session() as session:
         session._lock.acquire()  # as if another thread were inside a call
@@ -261,6 +280,24 @@ def test_one_session_refuses_a_concurrent_second_call(engine):
         finally:
             session._lock.release()
         session.run_decode(1)
+
+
+@pytest.mark.parametrize("call", ["clone", "reset", "score", "run_decode", "generate"])
+def test_a_call_from_inside_the_sessions_own_call_says_so(engine, call):
+    """Cloning (or any call) from the session's own ``on_token`` callback, mid-generation,
+    was refused as 'being used by another call': there is no other call, the caller's own
+    generation holds it. The generation ends with the error; the session goes on after."""
+    calls = {"clone": lambda s: s.clone(), "reset": lambda s: s.reset(), "score": lambda s: s.score([1]),
+             "run_decode": lambda s: s.run_decode(1), "generate": lambda s: s.generate([1], 1)}
+    with engine.create_session() as session:
+        def on_token(token: int) -> None:
+            calls[call](session)
+
+        with pytest.raises(FailedPreconditionError, match=r"session \d+ is inside its own call \(from its on_token "
+                                                          r"callback\?\): make this call after that one returns"):
+            session.generate([1, 2, 3], max_new_tokens=4, on_token=on_token)
+        with session.clone() as copy:
+            assert copy.position == session.position == 3
 
 
 def _within(seconds, call):
@@ -339,6 +376,110 @@ def test_argument_types_are_refused_with_the_runtimes_errors(engine):
         engine.register_adapter(str(adapter_path("torch_r4")))
     with pytest.raises(InvalidArgumentError, match="session"):
         engine.decode_together([("not a session", 1)])
+
+
+def test_an_on_token_that_is_not_callable_is_refused_before_the_prompt_runs(engine):
+    """Was a TypeError after the prompt's prefill, which stayed in the context."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match="on_token=5, expected a callable or None"):
+            session.generate([1, 2], max_new_tokens=2, on_token=5)
+        assert session.position == 0
+
+
+def test_decode_together_refuses_steps_that_are_not_pairs_and_steps_a_generator(engine):
+    """A bare session or a 1-tuple was a raw TypeError or ValueError; a generator of
+    steps was read up to find the sessions and then stepped none of them."""
+    with engine.create_session() as session:
+        for steps in ([session], [(session,)], [(session, 1, 2)]):
+            with pytest.raises(InvalidArgumentError, match=r"decode_together steps \(session, token\) pairs"):
+                engine.decode_together(steps)
+        assert session.position == 0
+        (logits,) = engine.decode_together((pair for pair in [(session, 1)]))
+        assert logits.shape == (engine.spec.vocab_size,) and session.position == 1
+
+
+def test_token_ids_from_a_generator_are_checked_as_a_list_is(engine):
+    """A generator was read once to convert its items and then found empty by the check
+    that they are whole numbers, so 1.5 and 2.7 ran as the tokens 1 and 2."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match=r"must be integers, got \[1.5, 2.7\]"):
+            session.run_prefill(t for t in [1.5, 2.7])
+        with pytest.raises(InvalidArgumentError, match="must be integers"):
+            session.generate((t for t in [1, 2.5]), max_new_tokens=1)
+        assert session.position == 0
+        session.run_prefill(t for t in [1.0, 2])  # whole numbers, from a generator too
+        assert session.position == 2
+
+
+def test_a_sampler_picking_outside_the_vocabulary_fails_its_own_generation_only():
+    """A Sampler subclass returning token 300 (vocabulary 256) sent it to the model: LiteRT
+    failed the decode batch it was in ('Embedding Lookup: index out of bounds'), and the
+    other session of that batch got the INTERNAL error too."""
+    both_sampled = threading.Barrier(2)
+
+    class Synchronized(Sampler):
+        """Greedy; its second pick waits for the other session's, so that both sessions'
+        next decode steps are submitted together (one batch)."""
+
+        def __init__(self, second: int | None = None) -> None:
+            super().__init__()
+            self.picks, self.second = 0, second
+
+        def sample(self, logits: np.ndarray) -> int:
+            self.picks += 1
+            if self.picks == 2:
+                both_sampled.wait(10)
+                if self.second is not None:
+                    return self.second
+            return super().sample(logits)
+
+    with Engine(MODEL_FILES["default"], EngineSettings(batch_wait_s=0.25)) as engine:
+        with engine.create_session() as session:
+            expected = session.generate([4, 5, 6], max_new_tokens=6).tokens
+        outcomes: dict[str, object] = {}
+
+        def generate(name: str, sampler: Sampler) -> None:
+            try:
+                with engine.create_session() as session:
+                    outcomes[name] = session.generate([4, 5, 6], max_new_tokens=6, sampler=sampler).tokens
+            except Exception as exc:  # the test reads which
+                outcomes[name] = exc
+
+        threads = [threading.Thread(target=generate, args=("bad", Synchronized(300))),
+                   threading.Thread(target=generate, args=("good", Synchronized()))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert outcomes["good"] == expected
+    assert isinstance(outcomes["bad"], InvalidArgumentError), outcomes["bad"]
+    assert "returned 300, expected a token id in [0, 256)" in str(outcomes["bad"])
+
+
+def test_flags_and_counts_take_bools_and_integers_only(engine):
+    """``reset="no"`` cleared the session's context and ``decode_steps="no"`` scored by
+    decode steps (any truthy value counted as True), and ``max_new_tokens=True`` generated
+    one token."""
+    with engine.create_session() as session:
+        session.run_prefill([1, 2, 3])
+        with pytest.raises(InvalidArgumentError, match="reset='no', expected True or False"):
+            session.set_adapters(reset="no")
+        assert session.position == 3
+        with pytest.raises(InvalidArgumentError, match="decode_steps='no', expected True or False"):
+            session.score([4, 5], decode_steps="no")
+        with pytest.raises(InvalidArgumentError, match="max_new_tokens=True, expected an integer >= 1"):
+            session.generate([4], max_new_tokens=True)
+        assert session.position == 3
+        session.set_adapters(reset=True)
+        assert session.position == 0
+
+
+@pytest.mark.parametrize("adapters", [np.array([1, 2]), [(1, 1.0)], 5], ids=["array", "pairs", "int"])
+def test_set_adapters_refuses_adapters_that_are_not_a_mapping(engine, adapters):
+    """An array was numpy's ValueError (its truth value read before the check)."""
+    with engine.create_session() as session:
+        with pytest.raises(InvalidArgumentError, match="adapters=.*expected a mapping of adapter id to scale"):
+            session.set_adapters(adapters=adapters, reset=True)
 
 
 @pytest.mark.parametrize("loras", ["adapter.tflite", [b"bytes"], 5])

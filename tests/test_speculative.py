@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 from pathlib import Path
+import shutil
 import threading
 
 import numpy as np
@@ -20,7 +21,7 @@ import pytest
 from conftest import MODEL_FILES, MODELS
 from runtime import Engine, EngineSettings, LoraSource, SessionConfig
 from runtime.engine.speculative import AcceptanceGate, SpeculationPolicy
-from runtime.errors import FailedPreconditionError, ResourceExhaustedError
+from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 TURBO = MODELS / "turbo"
 LAYOUTS = {"default": TURBO / "default.tflite", "transposed": TURBO / "transposed.tflite"}
@@ -93,6 +94,36 @@ def test_stop_tokens_end_generation_where_plain_decoding_does(engine):
         assert turbo_position == plain_position
 
 
+class _Stop(Exception):
+    """What a caller's ``on_token`` raises to end a generation (a stop string seen)."""
+
+
+def test_a_generation_stopped_from_on_token_inside_a_kept_draft_leaves_plain_decodings_context(engine):
+    """Raising from ``on_token`` is how a caller stops a generation (a stop string): the
+    session holds what plain decoding's would, every streamed token before the one it
+    raised on. Stopping on a kept draft left the session where its verify run started,
+    without the trunk's token and the drafts before it that the caller had been given, so
+    the conversation went on from another context than plain decoding's."""
+    prompt = TRAINED_PROMPTS[0]
+    for stop_at in range(1, 12):
+        outcomes = []
+        for heads in (True, False):
+            with engine.create_session(SessionConfig(loras=[LoraSource(path=TURBO / "trained_heads",
+                                                                       heads=heads)])) as session:
+                streamed: list[int] = []
+
+                def on_token(token: int) -> None:
+                    streamed.append(token)
+                    if len(streamed) == stop_at:
+                        raise _Stop
+
+                with pytest.raises(_Stop):
+                    session.generate(prompt, max_new_tokens=20, on_token=on_token)
+                outcomes.append((streamed, session.position, session.generate([3, 4], max_new_tokens=8).tokens))
+        assert outcomes[0] == outcomes[1], stop_at
+        assert outcomes[0][1] == len(prompt) + stop_at - 1
+
+
 def test_a_session_goes_on_after_a_speculative_generation_as_after_a_plain_one(engine):
     outputs = []
     for heads in (True, False):
@@ -148,6 +179,24 @@ def test_wrong_width_heads_are_refused_and_load_alone_with_heads_false(engine):
     assert all(a.source != str(TURBO / "wrong_width_heads") for a in engine.stats().adapters)
     lora_id = engine.register_adapter(LoraSource(path=TURBO / "wrong_width_heads", heads=False))
     engine.unload_adapter(lora_id)
+
+
+def test_heads_of_mixed_widths_are_refused_at_register_not_in_a_generation(engine, tmp_path):
+    """Head 0 of the model's width and head 2 narrower: the width check read head 0's
+    alone, so the adapter registered and its sessions' generations raised numpy's
+    ValueError at the first draft."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(TURBO / "trained_heads", tmp_path / "mixed")
+    weights = tmp_path / "mixed" / "adapter_model.safetensors"
+    state = load_file(weights)
+    state["medusa_head.2.linear.weight"] = state["medusa_head.2.linear.weight"][:32, :32].copy()
+    state["medusa_head.2.linear.bias"] = state["medusa_head.2.linear.bias"][:32].copy()
+    save_file(state, weights)
+    before = engine.adapter_ids()
+    with pytest.raises(InvalidArgumentError, match=r"draft head 2 block 0: .* \[32, 32\] .*hidden = 64, head 0's"):
+        engine.create_session(SessionConfig(loras=[LoraSource(path=tmp_path / "mixed")]))
+    assert engine.adapter_ids() == before
 
 
 def test_a_model_without_verify_signatures_refuses_heads():
@@ -264,6 +313,10 @@ def test_hidden_states_need_verify_signatures_and_room():
             session.hidden_states([1, 2, 3])
     with Engine(LAYOUTS["default"]) as engine, engine.create_session() as session:
         session.run_prefill([7])
-        with pytest.raises(ResourceExhaustedError, match="do not fit the KV cache of 64"):
+        with pytest.raises(ResourceExhaustedError, match=r"do not fit the KV cache of 64 in verify4 runs \(a model "
+                                                         r"exported with a larger --kv-length holds more\)"):
             session.hidden_states(list(range(62)))  # the last verify4 run would take positions 61 ... 64
         assert session.hidden_states(list(range(60))).shape == (60, 64)  # the last one 57 ... 60
+        session.run_prefill([1, 2, 3])
+        # No tokens need no room: refused as a verify run past the cache's end before.
+        assert session.hidden_states([]).shape == (0, 64) and session.position == 64

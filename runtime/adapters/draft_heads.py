@@ -120,7 +120,8 @@ def read_draft_heads(shapes: Mapping[str, tuple[int, ...]], load: Callable[[str]
     vocab = None
     if VOCAB_KEY in shapes:
         vocab = np.asarray(load(VOCAB_KEY))
-        if vocab.ndim != 1 or vocab.dtype.kind not in "iu" or not vocab.size or vocab.min() < 0:
+        if (vocab.ndim != 1 or vocab.dtype.kind not in "iu" or not vocab.size or vocab.min() < 0
+                or vocab.max() > np.iinfo(np.int64).max):  # (uint64 ids past it would turn negative below)
             raise InvalidArgumentError(f"{source}: {VOCAB_KEY!r} is {list(vocab.shape)} {vocab.dtype}, expected "
                                        "[V] non-negative integer token ids")
         vocab = vocab.astype(np.int64)
@@ -140,8 +141,9 @@ def read_draft_heads(shapes: Mapping[str, tuple[int, ...]], load: Callable[[str]
     if sorted(parts) != list(range(count)):
         raise InvalidArgumentError(f"{source}: draft heads {sorted(parts)} are not numbered 0 .. {count - 1}")
     layers = _num_layers(parts[0], config, source)
-    heads = [_head(k, parts[k], layers, shapes, load, source) for k in range(count)]
-    width = heads[0].blocks[0][0].shape[0]
+    first = _head(0, parts[0], layers, shapes, load, source)
+    width = first.blocks[0][0].shape[0]
+    heads = [first, *(_head(k, parts[k], layers, shapes, load, source, width) for k in range(1, count))]
     declared = config.get("medusa_num_heads")
     if declared is not None and declared != count:
         raise InvalidArgumentError(f"{source}: medusa_num_heads is {declared!r} but the file holds {count} heads")
@@ -174,7 +176,10 @@ def _num_layers(first: Mapping[tuple[int, str], str], config: Mapping[str, Any],
 
 
 def _head(k: int, parts: Mapping[tuple[int, str], str], layers: int, shapes: Mapping[str, tuple[int, ...]],
-          load: Callable[[str], np.ndarray], source: str) -> DraftHead:
+          load: Callable[[str], np.ndarray], source: str, width: int | None = None) -> DraftHead:
+    """Head ``k``'s blocks and output projection, every block ``width`` wide (``None``:
+    as wide as its first block, for head 0; the others must be as wide as head 0, whose
+    width alone is checked against the model's)."""
     expected = {(j, part) for j in range(layers) for part in ("weight", "bias")}
     outs = {key for key in parts if key[1] == "out"}
     missing = sorted(expected - set(parts))
@@ -185,14 +190,14 @@ def _head(k: int, parts: Mapping[tuple[int, str], str], layers: int, shapes: Map
             f"projection(s) {sorted(b for b, _ in outs)}: expected weight and bias of blocks 0 .. {layers - 1} "
             f"like head 0, and at most one output projection medusa_head.{k}.{layers}.weight")
     blocks = []
-    width = None
+    like = f" (hidden = {width}, head 0's)" if width else ""
     for j in range(layers):
         w_key, b_key = parts[(j, "weight")], parts[(j, "bias")]
         w_shape, b_shape = shapes[w_key], shapes[b_key]
         width = width or (w_shape[0] if w_shape else 0)
         if len(w_shape) != 2 or w_shape != (width, width) or b_shape != (width,) or not width:
             raise InvalidArgumentError(f"{source}: draft head {k} block {j}: {w_key!r} is {list(w_shape)} and "
-                                       f"{b_key!r} {list(b_shape)}, expected [hidden, hidden] and [hidden]")
+                                       f"{b_key!r} {list(b_shape)}, expected [hidden, hidden] and [hidden]{like}")
         blocks.append((_float32(load(w_key), w_key, source), _float32(load(b_key), b_key, source)))
     out = None
     if outs:

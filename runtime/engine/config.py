@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from runtime.components.residency import KeepAll, ResidencyPolicy, check_policy
 from runtime.components.sampler import SamplerConfig, check_sampler_config
 from runtime.engine.speculative import SpeculationPolicy
@@ -30,6 +32,22 @@ def check_sources(loras: Iterable[LoraSource]) -> tuple[LoraSource, ...]:
         if not isinstance(source, LoraSource):
             raise InvalidArgumentError(f"loras holds {source!r:.80}, expected LoraSource objects")
     return sources
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` if it is a bool, else ``InvalidArgumentError`` naming ``name`` (a string
+    such as ``"no"`` would count as True)."""
+    if not isinstance(value, bool | np.bool_):
+        raise InvalidArgumentError(f"{name}={value!r:.40}, expected True or False")
+    return bool(value)
+
+
+def check_lora_id(lora_id: object) -> int:
+    """``lora_id`` if it is an adapter id (an int >= 1: not a bool, a float or a string,
+    which registry lookups would take for another id or none), else ``InvalidArgumentError``."""
+    if type(lora_id) is not int or lora_id < 1:
+        raise InvalidArgumentError(f"lora_id={lora_id!r:.40}, expected an adapter id (an int >= 1)")
+    return lora_id
 
 
 def check_adapters(adapters: Mapping[int, float]) -> dict[int, float]:
@@ -124,6 +142,8 @@ class EngineSettings:
             raise InvalidArgumentError(f"weight_cache_max_bytes={self.weight_cache_max_bytes!r:.60}, expected bytes "
                                        ">= 1 or None (unbounded); to keep no file, use weight_cache_dir=None")
         check_policy(self.lora_residency)
+        if not isinstance(self.speculation, SpeculationPolicy):
+            raise InvalidArgumentError(f"speculation={self.speculation!r:.60}, expected a SpeculationPolicy")
 
 
 @dataclass(frozen=True)
@@ -155,12 +175,18 @@ class SessionConfig:
                 "lora_peft_config goes with a lora_buffer state dict (a PEFT directory brings its own)"
             )
         object.__setattr__(self, "lora_scale", check_scale(self.lora_scale, "lora_scale"))
+        self._single()  # its LoraSource checks the path or buffer now, not at the session's creation
         object.__setattr__(self, "loras", check_sources(self.loras))
         object.__setattr__(self, "adapters", check_adapters(self.adapters))
         check_sampler_config(self.sampler)
 
     def sources(self) -> list[LoraSource]:
         """Every adapter this session asks for, as LoraSource objects."""
+        return self._single() + list(self.loras)
+
+    def _single(self) -> list[LoraSource]:
+        """The one adapter ``lora_path`` or ``lora_buffer`` names, as a LoraSource (none:
+        an empty list)."""
         single = []
         if self.lora_path is not None:
             single.append(LoraSource(path=self.lora_path, scale=self.lora_scale))
@@ -168,4 +194,4 @@ class SessionConfig:
             single.append(
                 LoraSource(buffer=self.lora_buffer, scale=self.lora_scale, peft_config=self.lora_peft_config)
             )
-        return single + list(self.loras)
+        return single

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.engine.config import EngineSettings, SessionConfig, check_adapters
+from runtime.engine.config import EngineSettings, SessionConfig, check_adapters, check_lora_id
 from runtime.components.chat_template import ChatTemplate
 from runtime.components.residency import ResidencyPolicy
 from runtime.components.tokenizer import HfTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
@@ -21,7 +21,7 @@ from runtime.engine.session import Session, SessionRegistry, check_token_ids
 from runtime.engine.speculative import Speculation
 from runtime.engine.stats import AdapterStats, EngineStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError, StatusError
-from runtime.executor.litert_executor import ExecutorSettings, LlmExecutor
+from runtime.executor.litert_executor import KV_LENGTH_HINT, ExecutorSettings, LlmExecutor
 from runtime.executor.model_spec import ModelSpec
 from runtime.executor.op_profile import OpRecording, summarize
 from runtime.executor.weight_cache import IN_MEMORY, weight_cache_file
@@ -60,6 +60,18 @@ class Engine:
         ``tokenizer.json`` or SentencePiece model). ``chat_template``: how a conversation
         becomes prompt text (a ChatTemplate or its Jinja2 source); ``None`` takes the
         bundle's template (and its bundle's stop tokens go to the bundled tokenizer)."""
+        if not isinstance(model_path, str | os.PathLike) or isinstance(os.fspath(model_path), bytes):
+            raise InvalidArgumentError(f"model_path={model_path!r:.80}, expected a model file path (a str or "
+                                       "os.PathLike)")
+        if settings is not None and not isinstance(settings, EngineSettings):
+            raise InvalidArgumentError(f"settings={settings!r:.80}, expected an EngineSettings or None")
+        if tokenizer is not None and not isinstance(tokenizer, str | os.PathLike) and not all(
+                callable(getattr(tokenizer, method, None)) for method in ("encode", "decode")):
+            raise InvalidArgumentError(f"tokenizer={tokenizer!r:.80}, expected a Tokenizer (with encode and "
+                                       "decode), the path of a tokenizer file, or None")
+        if chat_template is not None and not isinstance(chat_template, ChatTemplate | str):
+            raise InvalidArgumentError(f"chat_template={chat_template!r:.80}, expected a ChatTemplate, its Jinja2 "
+                                       "source, or None")
         self.model_path = Path(model_path)
         self.settings = settings or EngineSettings()
         executor_settings = ExecutorSettings(num_threads=self.settings.num_threads,
@@ -168,6 +180,7 @@ class Engine:
     def unload_adapter(self, lora_id: int) -> None:
         """Unregisters an adapter no live session uses and frees its buffers."""
         self._check_open()
+        check_lora_id(lora_id)
         self._resources.unload_adapter(lora_id)
         self._speculation.forget(lora_id)
 
@@ -178,7 +191,7 @@ class Engine:
     def adapter(self, lora_id: int) -> AdapterStats:
         """What adapter ``lora_id`` is: its source, format, rank, projections, bytes and
         sessions; ``NotFoundError`` when no adapter has that id."""
-        return self._adapters.stats(lora_id)
+        return self._adapters.stats(check_lora_id(lora_id))
 
     def slot_for(self, adapters: Mapping[int, float], *, names: Mapping[int, str] | None = None) -> LoraSlot | None:
         """The LoRA slot a session with ``adapters`` (id -> scale, a blend when several)
@@ -195,7 +208,9 @@ class Engine:
     def create_session(self, config: SessionConfig | None = None) -> Session:
         """A new, empty session running with the adapters ``config`` names."""
         self._check_open()
-        config = config or SessionConfig()
+        config = SessionConfig() if config is None else config
+        if not isinstance(config, SessionConfig):
+            raise InvalidArgumentError(f"create_session takes a SessionConfig, got {config!r:.80}")
         context = self._resources.create_context_handler(config.sources(), config.adapters.items())
         return Session(self._resources, self._batcher, context, config.sampler, self._sessions, self.tokenizer)
 
@@ -208,6 +223,13 @@ class Engine:
         Sessions must be distinct and idle. Nothing runs unless every session has room
         for its token; if the run fails, no session advances."""
         self._check_open()
+        try:
+            steps = list(steps)  # a generator is read once
+        except TypeError:
+            raise InvalidArgumentError(f"decode_together steps (session, token) pairs; got {steps!r:.80}") from None
+        odd = [step for step in steps if not isinstance(step, tuple | list) or len(step) != 2]
+        if odd:
+            raise InvalidArgumentError(f"decode_together steps (session, token) pairs; got {odd[0]!r:.80}")
         sessions = [session for session, _ in steps]
         strangers = [session for session in sessions if not isinstance(session, Session)]
         if strangers:
@@ -230,7 +252,7 @@ class Engine:
                 if context.length + 1 > self.spec.kv_length:
                     raise ResourceExhaustedError(
                         f"session {session.session_id}: 1 token after its {context.length} would exceed "
-                        f"the KV cache of {self.spec.kv_length} positions")
+                        f"the KV cache of {self.spec.kv_length} positions {KV_LENGTH_HINT}")
             for session, context in zip(sessions, contexts):
                 session.write_pending(context)  # a generation's last token, alone (rare: after generate)
             start = time.perf_counter()

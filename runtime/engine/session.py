@@ -13,10 +13,11 @@ import numpy as np
 
 from runtime.components.sampler import Sampler, SamplerConfig
 from runtime.components.tokenizer import Tokenizer
-from runtime.engine.config import check_adapters, check_sources
+from runtime.engine.config import check_adapters, check_flag, check_sources
 from runtime.engine.speculative import Speculation, SpeculationCounters, SpeculativeDecoder
 from runtime.engine.stats import SessionStats
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime.executor.litert_executor import KV_LENGTH_HINT
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.decode_batcher import DecodeBatcher
@@ -179,6 +180,7 @@ class Session:
         return logits (``--prefill-logits``); with ``decode_steps`` any model, at one
         decode step per token. Else ``FailedPreconditionError`` naming the export flags,
         before anything runs."""
+        decode_steps = check_flag(decode_steps, "decode_steps")
         if isinstance(tokens, str):
             if self._tokenizer is None:
                 raise FailedPreconditionError("a text prompt needs an engine with a tokenizer")
@@ -191,7 +193,7 @@ class Session:
             needed = context.length + len(tokens)
             if needed > self.kv_length:
                 raise ResourceExhaustedError(f"{context.length} tokens in context + {len(tokens)} to score = {needed} "
-                                             f"exceeds the KV cache of {self.kv_length} positions")
+                                             f"exceeds the KV cache of {self.kv_length} positions {KV_LENGTH_HINT}")
             logits = self._resources.score(context, run, decode_steps)
             context.position += len(run)
             context.pending = None
@@ -203,7 +205,7 @@ class Session:
         if type(token) is not int or not 0 <= token < self._vocab:  # the fast check first
             (token,) = self._check_tokens([token])
         if not self._lock.acquire(blocking=False):
-            raise FailedPreconditionError("the session is being used by another call")
+            raise self._busy()
         self._holder = threading.get_ident()
         try:
             context = self._require_open()
@@ -229,9 +231,9 @@ class Session:
             length = lengths[-1]
             self.write_pending(context)
             last_run = context.position + (max(len(tokens) - 1, 0) // length) * length
-            if last_run + length > self.kv_length:
+            if tokens and last_run + length > self.kv_length:
                 raise ResourceExhaustedError(f"{len(tokens)} tokens after {context.position} do not fit the KV "
-                                             f"cache of {self.kv_length} in verify{length} runs")
+                                             f"cache of {self.kv_length} in verify{length} runs {KV_LENGTH_HINT}")
             rows = []
             for start in range(0, len(tokens), length):
                 chunk = tokens[start:start + length]
@@ -258,6 +260,8 @@ class Session:
         Raises ``ResourceExhaustedError`` before doing anything when the prompt plus
         ``max_new_tokens`` would not fit the KV cache.
         """
+        if on_token is not None and not callable(on_token):
+            raise InvalidArgumentError(f"on_token={on_token!r:.60}, expected a callable or None")
         if isinstance(prompt, str):
             if self._tokenizer is None:
                 raise FailedPreconditionError("a text prompt needs an engine with a tokenizer")
@@ -268,7 +272,7 @@ class Session:
         if not prompt:
             raise InvalidArgumentError("generate needs a prompt of at least one token")
         try:
-            count = operator.index(max_new_tokens)
+            count = 0 if isinstance(max_new_tokens, bool) else operator.index(max_new_tokens)
         except TypeError:
             count = 0
         if count < 1:
@@ -284,9 +288,10 @@ class Session:
                 raise ResourceExhaustedError(
                     f"{context.length} tokens in context + {len(prompt)} prompt + "
                     f"{max_new_tokens} new tokens = {needed} exceeds the KV cache of "
-                    f"{kv_length} positions"
+                    f"{kv_length} positions {KV_LENGTH_HINT}"
                 )
             start = time.perf_counter()
+            sample = self._checked(sampler)
             speculation = self._registry.speculation
             drafting = speculation.heads_for(context.blend, self._speculation)
             decoder = None
@@ -296,19 +301,19 @@ class Session:
                                              gate)
             logits = self._prefill(context, prompt, decoder)
             prefill_done = time.perf_counter()
-            generated = [sampler.sample(logits)]
+            generated = [sample(logits)]
             first_token = time.perf_counter()
             if decoder is not None:
                 before = self._counters.decode_seconds
                 try:
-                    generated, stop_reason = decoder.run(generated[0], sampler, max_new_tokens, stops, on_token)
+                    generated, stop_reason = decoder.run(generated[0], sample, max_new_tokens, stops, on_token)
                 finally:
                     self._counters.decode_tokens += decoder.counters.tokens
                     self._counters.decode_seconds = before + time.perf_counter() - first_token
                     self._speculation.add(decoder.counters)
                     self._registry.speculation.counters.add(decoder.counters)
             else:
-                stop_reason = self._plain_loop(context, generated, sampler, max_new_tokens, stops, on_token)
+                stop_reason = self._plain_loop(context, generated, sample, max_new_tokens, stops, on_token)
             end = time.perf_counter()
             self._counters.time_to_first_token_s = first_token - start
         text = None
@@ -324,8 +329,8 @@ class Session:
             text=text,
         )
 
-    def _plain_loop(self, context: ContextHandler, generated: list[int], sampler: Sampler, max_new_tokens: int,
-                    stops: set[int], on_token: Callable[[int], None] | None) -> str:
+    def _plain_loop(self, context: ContextHandler, generated: list[int], sample: Callable[[np.ndarray], int],
+                    max_new_tokens: int, stops: set[int], on_token: Callable[[int], None] | None) -> str:
         """Plain decoding from ``generated[0]``: one decode step per token, appended to
         ``generated``; returns the stop reason."""
         with self._batcher.streaming():  # decode batches being formed wait for this session's steps
@@ -335,7 +340,26 @@ class Session:
                 if generated[-1] in stops or len(generated) == max_new_tokens:
                     context.pending = generated[-1]  # no step for logits nobody reads
                     return "stop_token" if generated[-1] in stops else "max_new_tokens"
-                generated.append(sampler.sample(self._decode(context, generated[-1])))
+                generated.append(sample(self._decode(context, generated[-1])))
+
+    def _checked(self, sampler: Sampler) -> Callable[[np.ndarray], int]:
+        """``sampler.sample``, refusing a pick that is not a token id of the vocabulary (a
+        Sampler subclass's mistake) before it reaches the model, where it would fail the
+        decode batch of every session in it: ``InvalidArgumentError`` naming the sampler."""
+        vocab = self._vocab
+
+        def sample(logits: np.ndarray) -> int:
+            token = sampler.sample(logits)
+            if type(token) is int and 0 <= token < vocab:  # the fast check first
+                return token
+            try:
+                (token,) = check_token_ids([token], vocab)
+            except InvalidArgumentError:
+                raise InvalidArgumentError(f"sampler ({type(sampler).__name__}) returned {token!r:.40}, expected a "
+                                           f"token id in [0, {vocab})") from None
+            return token
+
+        return sample
 
     # -- context management --------------------------------------------------------
 
@@ -363,13 +387,15 @@ class Session:
         must be reset: pass ``reset=True``, or get ``FailedPreconditionError``. On any
         error the session keeps its old adapters.
         """
+        reset = check_flag(reset, "reset")
         with self.reserve() as context:
             if context.length and not reset:
                 raise FailedPreconditionError(
                     f"the session holds {context.length} tokens computed with its current "
                     "adapters; pass reset=True to clear them and switch"
                 )
-            self._resources.set_adapters(context, check_sources(loras), check_adapters(adapters or {}).items())
+            self._resources.set_adapters(context, check_sources(loras),
+                                         check_adapters({} if adapters is None else adapters).items())
             context.position, context.pending = 0, None
 
     def close(self) -> None:
@@ -454,13 +480,21 @@ class Session:
         other calls for the block (a concurrent call raises ``FailedPreconditionError``).
         For the engine, which steps many reserved sessions together."""
         if not self._lock.acquire(blocking=False):
-            raise FailedPreconditionError("the session is being used by another call")
+            raise self._busy()
         self._holder = threading.get_ident()
         try:
             yield self._require_open()
         finally:
             self._holder = None
             self._lock.release()
+
+    def _busy(self) -> FailedPreconditionError:
+        """The error for a call that finds the session held: by another thread's call, or
+        by the caller's own (a call from its ``on_token`` callback, which no waiting ends)."""
+        if self.held_by_this_thread:
+            return FailedPreconditionError(f"session {self.session_id} is inside its own call (from its on_token "
+                                           "callback?): make this call after that one returns")
+        return FailedPreconditionError("the session is being used by another call")
 
     def _require_open(self) -> ContextHandler:
         context = self._context
@@ -476,6 +510,7 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, field: str | None = 
     """``tokens`` as a list of ints, or ``InvalidArgumentError`` naming the first that is
     not an integer id of the vocabulary (and ``field``, the argument that held them)."""
     try:
+        tokens = list(tokens)  # read twice below: a generator only once
         ids = [int(t) for t in tokens]
         exact = all(int(t) == t for t in tokens)
     except (TypeError, ValueError, OverflowError):

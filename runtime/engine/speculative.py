@@ -46,13 +46,14 @@ pass over the weights).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.components.sampler import Sampler
+from runtime.errors import InvalidArgumentError
 from runtime.framework.resource_management.context_handler import ContextHandler
 from runtime.framework.resource_management.resource_manager import ResourceManager
 from runtime.adapters.draft_heads import DraftHeads
@@ -76,6 +77,15 @@ class SpeculationPolicy:
     min_accepted_per_verify: float = 0.5
     pause_tokens: int = 64
     max_pause_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("probe_verifies", "pause_tokens", "max_pause_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise InvalidArgumentError(f"{name}={value!r:.40}, expected an integer >= 1")
+        rate = self.min_accepted_per_verify
+        if type(rate) not in (int, float) or not (math.isfinite(rate) and rate >= 0):
+            raise InvalidArgumentError(f"min_accepted_per_verify={rate!r:.40}, expected a finite number >= 0")
 
 
 @dataclass(frozen=True)
@@ -277,10 +287,11 @@ class SpeculativeDecoder:
             return np.einsum("kj,vj->kv", rows, self._lm_head)
         return rows @ self._lm_head.T
 
-    def run(self, first: int, sampler: Sampler, max_new_tokens: int, stops: set[int],
+    def run(self, first: int, sample: Callable[[np.ndarray], int], max_new_tokens: int, stops: set[int],
             on_token: Callable[[int], None] | None) -> tuple[list[int], str]:
         """Generates from ``first`` (the token prefill's logits gave, not yet in the cache)
-        until a stop token or ``max_new_tokens``; returns the tokens and why it stopped."""
+        until a stop token or ``max_new_tokens``, ``sample(logits)`` picking each token (the
+        session's sampler); returns the tokens and why it stopped."""
         context, counters, gate = self._context, self.counters, self._gate
         kv_length = self._resources.spec.kv_length
         generated = [first]
@@ -298,28 +309,32 @@ class SpeculativeDecoder:
                 counters.plain_steps += 1
                 if not heads_on:
                     gate.plain_step()
-                generated.append(sampler.sample(logits))
+                generated.append(sample(logits))
                 drafts = []
                 continue
             drafts = drafts[: min(self._length - 1, max_new_tokens - len(generated))]
             logits, hidden = self._resources.verify(context, [last, *drafts])
+            start = context.position
             counters.verifies += 1
             counters.drafted += len(drafts)
             kept = 0
             stopped = None
             while True:
-                choice = sampler.sample(logits[kept])  # the trunk's token after t, d_0 .. d_{kept-1}
+                choice = sample(logits[kept])  # the trunk's token after t, d_0 .. d_{kept-1}
                 if kept == len(drafts) or choice != drafts[kept]:
                     break
                 counters.accepted[kept] += 1
                 kept += 1
                 generated.append(choice)
+                # The context plain decoding holds while on_token sees this draft (t and the
+                # drafts before it), so that a caller stopping here by raising leaves that.
+                context.position = start + kept
                 if on_token is not None:
                     on_token(choice)
                 if choice in stops or len(generated) == max_new_tokens:
                     stopped = "stop_token" if choice in stops else "max_new_tokens"
                     break
-            context.position += 1 + kept  # the trunk's token and the kept drafts
+            context.position = start + 1 + kept  # the trunk's token and the kept drafts
             counters.tokens += 1 + kept
             if drafts:
                 gate.verified(kept)

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 COMPILE_ON_DEMAND = "on-demand"  # the plain group at open, every other group when first needed
 COMPILE_ALL = "all"  # every signature at open (a model that cannot be viewed always opens so)
 COMPILE_MODES = (COMPILE_ON_DEMAND, COMPILE_ALL)
+# What every "exceeds the KV cache of N positions" refusal adds: the export flag that gives more.
+KV_LENGTH_HINT = "(a model exported with a larger --kv-length holds more)"
 
 _noticed: set[str] = set()  # the notices given in this process: each once, however many opens
 _noticed_lock = threading.Lock()
@@ -993,7 +995,7 @@ class LlmExecutor:
         if start + count > self.spec.kv_length:
             raise ResourceExhaustedError(
                 f"{count} token(s) at position {start} would exceed the KV cache of "
-                f"{self.spec.kv_length} positions"
+                f"{self.spec.kv_length} positions {KV_LENGTH_HINT}"
             )
 
     def _check_open(self) -> None:

@@ -56,6 +56,19 @@ class LoraSource:
     def __post_init__(self) -> None:
         if (self.path is None) == (self.buffer is None):
             raise InvalidArgumentError("LoraSource takes exactly one of path= or buffer=")
+        if self.path is not None and (not isinstance(self.path, str | os.PathLike) or not os.fspath(self.path)
+                                      or isinstance(os.fspath(self.path), bytes)):
+            raise InvalidArgumentError(f"LoraSource path={self.path!r:.80}, expected a file or directory path (a "
+                                       "non-empty str or os.PathLike)")
+        if self.buffer is not None and not isinstance(self.buffer, AdapterBuffer | Mapping):
+            raise InvalidArgumentError(f"LoraSource buffer={self.buffer!r:.80}, expected the bytes of an adapter "
+                                       "file or a PEFT state dict (a mapping of tensor name to array)")
+        if self.peft_config is not None and not isinstance(self.peft_config, Mapping):
+            raise InvalidArgumentError(f"LoraSource peft_config={self.peft_config!r:.80}, expected a mapping (the "
+                                       "adapter_config.json dict)")
+        if not isinstance(self.heads, bool | np.bool_):
+            raise InvalidArgumentError(f"LoraSource heads={self.heads!r:.40}, expected True or False")
+        object.__setattr__(self, "heads", bool(self.heads))  # the registry's key holds it: np.True_ is True
         object.__setattr__(self, "scale", check_scale(self.scale, "LoraSource scale"))
         if self.sha256 is not None:
             check_sha256(self.sha256, "LoraSource sha256")

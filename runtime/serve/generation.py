@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from runtime import Engine, SamplerConfig, Session, SessionConfig
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from runtime.executor.litert_executor import KV_LENGTH_HINT
 from runtime.serve.logprobs import TokenLogprob, token_logprobs
 from runtime.serve.sampling import RequestSampler
 from runtime.serve.token_texts import REPLACEMENT_CHARACTER
@@ -252,7 +253,7 @@ class GenerationJob:
         prompt, max_tokens = self._prompt, self._max_tokens
         if len(prompt) + max_tokens > session.kv_length:
             raise ResourceExhaustedError(f"{len(prompt)} prompt tokens + {max_tokens} new tokens exceed the KV cache "
-                                         f"of {session.kv_length} positions")
+                                         f"of {session.kv_length} positions {KV_LENGTH_HINT}")
         logits = session.score(prompt, decode_steps=self.request.score_by_decode)
         self._prompt_logprobs = [None, *token_logprobs(logits[:-1], prompt[1:], self.request.logprobs or 0)]
         if max_tokens == 0:

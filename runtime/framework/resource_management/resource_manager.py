@@ -152,11 +152,12 @@ class ResourceManager:
         starts from the longest cached head of its blend whose rest runs the decode steps
         a whole prefill would (the same positions computed the same way: the logits are
         a fresh prefill's, bit for bit), and the positions its prefill signatures wrote
-        are cached after."""
+        are cached after. A prompt longer than the KV cache takes nothing from the cache:
+        its prefill refuses it as without one."""
         cache = self.prefix_cache
         with self.acquire_executor_with_context_handler(context) as binding:
             executor = binding.executor
-            if cache is None or context.position:
+            if cache is None or context.position or len(tokens) > self.spec.kv_length:
                 return executor.prefill(binding, tokens, context.position)
             decoded = executor.prefill_decode_steps(len(tokens), 0)
             hit = cache.lookup(context.blend, tokens, usable=lambda length: decoded == executor.prefill_decode_steps(
