@@ -217,5 +217,6 @@ def test_mutable_buffer_is_snapshotted_at_registration(manager):
 
 
 def test_wrong_buffer_type(manager):
-    with pytest.raises(InvalidArgumentError, match="got str"):
+    with pytest.raises(InvalidArgumentError, match="buffer='not bytes', expected the bytes of an adapter"):
         manager.registry.register(LoraSource(buffer="not bytes"))
+    assert manager.registry.ids() == []
