@@ -30,6 +30,8 @@ from runtime import ByteTokenizer, Engine, LoraSource, SessionConfig
 from runtime.cli.main import build_parser
 from runtime.errors import InvalidArgumentError
 from runtime.serve.cluster.replica import adapter_set_id, parse_adapter_set_id
+from runtime.serve.cluster import state as state_module
+from runtime.serve.cluster.state import ClusterCatalog, file_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(str(resources.files("runtime") / "demo_assets"))
@@ -218,6 +220,74 @@ def test_adapter_set_ids_are_sorted_and_read_back():
     assert adapter_set_id(digests) == f"a@{'1' * 64}+b@{'2' * 64}"
     assert parse_adapter_set_id(adapter_set_id(digests)) == sorted(digests.items())
     assert adapter_set_id({}) == "" and parse_adapter_set_id("") == []
+
+
+@pytest.fixture
+def ingress_catalog(tmp_path):
+    """A ClusterCatalog over the demo model and its adapters' directory (not scanned), and
+    what it published, in order; ``hooks["publish"]`` runs before each is kept."""
+    for path in DEMO_ADAPTERS:
+        shutil.copy(path, tmp_path)
+    published: list[dict[str, dict[str, str]]] = []
+    hooks = {"publish": lambda entries: None}
+
+    def publish(entries: dict[str, dict[str, str]]) -> None:
+        hooks["publish"](entries)
+        published.append(entries)
+
+    engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]))
+    yield ClusterCatalog(engine, tmp_path, publish=publish), published, hooks
+    engine.close()
+
+
+def test_the_ingress_lists_an_adapter_only_while_the_replicas_have_it(ingress_catalog, monkeypatch):
+    """A request may lease what the ingress lists: its digest and the replicas' entry must be
+    there (it was listed while its file was hashed, then published: a KeyError (500) for its
+    digest, then a 404 from the replica)."""
+    catalog, published, hooks = ingress_catalog
+    known = [{}]
+
+    def check_listed(what: str) -> None:
+        for entry in catalog.entries():
+            assert entry.name in known[0], f"{entry.name} listed {what}, the replicas not told"
+            assert catalog.digest(entry.name) == known[0][entry.name]["sha256"]
+
+    def hashing(path: Path) -> str:
+        check_listed("while its file was hashed")
+        return file_sha256(path)
+
+    def publishing(entries: dict[str, dict[str, str]]) -> None:
+        check_listed("before it was published")
+        known[0] = entries
+
+    monkeypatch.setattr(state_module, "file_sha256", hashing)
+    hooks["publish"] = publishing
+    for name in ADAPTERS:
+        catalog.load_path(name, f"{name}.tflite")
+    catalog.unload("json")
+    assert set(published[-1]) == {"uppercase", "no_vowels"} and set(known[0]) == {"uppercase", "no_vowels"}
+
+
+def test_concurrent_loads_publish_a_catalogue_with_both(ingress_catalog):
+    """Each publication is the whole catalogue: a slower one built before another must not
+    be sent after it (the replicas lost the other adapter: 404s for an adapter listed)."""
+    catalog, published, hooks = ingress_catalog
+    first_publishing, second_published = threading.Event(), threading.Event()
+
+    def publishing(entries: dict[str, dict[str, str]]) -> None:
+        if set(entries) == {"uppercase"}:
+            first_publishing.set()
+            second_published.wait(1.0)  # the fix makes the second wait for this one: 1 s
+        else:
+            second_published.set()
+
+    hooks["publish"] = publishing
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(catalog.load_path, "uppercase", "uppercase.tflite")
+        assert first_publishing.wait(30)
+        second = pool.submit(catalog.load_path, "json", "json.tflite")
+        first.result(), second.result()
+    assert set(published[-1]) == {"uppercase", "json"}, published
 
 
 def test_replicas_without_the_extra_is_one_line_naming_it(tmp_path):
