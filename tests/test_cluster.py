@@ -32,6 +32,7 @@ from runtime.errors import InvalidArgumentError
 from runtime.serve.cluster.replica import adapter_set_id, parse_adapter_set_id
 from runtime.serve.cluster import state as state_module
 from runtime.serve.cluster.state import ClusterCatalog, file_sha256
+from test_serve import huge_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(str(resources.files("runtime") / "demo_assets"))
@@ -497,6 +498,20 @@ def test_a_replica_checks_the_digest_of_what_it_loads(served):
 
 
 # -- faults ----------------------------------------------------------------------
+
+
+@cluster
+def test_an_adapter_that_makes_non_finite_logits_is_a_4xx_and_marked_unhealthy(served):
+    """As in one process (the replica's NonFiniteLogits, no status error, was a 500 'internal')."""
+    huge_adapter(DEMO / "adapters" / "json.tflite", served.adapters / "huge.tflite")
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "huge", "lora_path": "huge.tflite"})[0] == 200
+    try:
+        status, body, _ = served.call("/v1/completions", {"model": "huge", "prompt": "hi\n", "max_tokens": 4})
+        assert (status, body["error"]["code"], body["error"]["param"]) == (400, "non_finite_logits", "model"), body
+        card = served.call("/v1/models/huge")[1]
+        assert card["healthy"] is False and "non-finite" in card["problem"]
+    finally:
+        assert served.call("/v1/unload_lora_adapter", {"lora_name": "huge"})[0] == 200
 
 
 @cluster
