@@ -58,9 +58,10 @@ class ClusterServer:
     """``python -m runtime serve --replicas 2`` in a subprocess of its own session."""
 
     def __init__(self, tmp: Path, model: Path = MODEL, adapters: tuple[Path, ...] = DEMO_ADAPTERS,
-                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2")) -> None:
+                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2"),
+                 environment: dict[str, str] | None = None) -> None:
         self.adapters = tmp / "adapters"
-        self.adapters.mkdir()
+        self.adapters.mkdir(parents=True)
         for path in adapters:
             shutil.copy(path, self.adapters)
         template = tmp / "template.jinja"
@@ -70,7 +71,8 @@ class ClusterServer:
             [sys.executable, "-m", "runtime", "serve", "--model", str(model), "--byte-tokens", *options,
              "--chat-template", str(template), "--adapters", str(self.adapters), "--served-model-name", "demo",
              "--port", "0", "--api-key", KEY, "--max-adapters-per-replica", "4"],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=_environment(), start_new_session=True)
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**_environment(), **(environment or {})},
+            start_new_session=True)
         self.url = ""
         deadline = time.monotonic() + START_TIMEOUT_S
         lines = []
@@ -172,6 +174,20 @@ def _descendants(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
+
+
+def _gcs_address(server: ClusterServer) -> str:
+    """HOST:PORT of the local Ray that ``server`` started (as its raylet was given it)."""
+    for pid in _descendants(server.process.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                arguments = file.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for argument in arguments:
+            if argument.startswith("--gcs-address="):
+                return argument.partition("=")[2]
+    raise AssertionError("no Ray process of the server names its GCS address")
 
 
 def _alive(pid: int) -> bool:
@@ -360,12 +376,21 @@ def test_models_are_the_catalogue_of_one_process(served):
 
 
 @cluster
-def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path):
-    """The tiny test model has a rank-16 slot: two rank-4 adapters blend, as one multiplexed set."""
+def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path, offline):
+    """The tiny test model has a rank-16 slot: two rank-4 adapters blend, as one multiplexed set.
+
+    Meanwhile a second server (the demo model) joins the first's Ray with --ray-address: each
+    has its own replicas and catalogue (they shared one Serve application by name, so the
+    second replaced the first's replicas with its own, and removed them on exit)."""
     pytest.importorskip("ray")
-    server = ClusterServer(tmp_path, TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
+    server = ClusterServer(tmp_path / "first", TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
+    joined = None
     engine = Engine(TINY_MODEL, tokenizer=ByteTokenizer())
     try:
+        joined = ClusterServer(tmp_path / "joined", options=("--stop-token", "10", "--replicas", "1", "--ray-address",
+                                                             _gcs_address(server)),
+                               environment={"RAY_AUTH_MODE": "token"})
+        assert joined.complete("json", "green tea\n")[0] == offline("green tea\n", [("json", 1.0)])
         prompt = [5, 17, 42]
 
         def offline(loras) -> str:
@@ -388,7 +413,14 @@ def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path):
             assert time.monotonic() < deadline, server.metrics()
             time.sleep(0.2)
         assert sum(server.replica_values("runtime_replica_adapter_loads_total").values()) == 1
+        _stop(joined)
+        assert joined.process.returncode == signal.SIGTERM
+        status, body, _ = server.call("/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 6,
+                                                          "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == offline([]), body
     finally:
+        if joined is not None:
+            _stop(joined)
         _stop(server)
         engine.close()
 
