@@ -23,6 +23,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,7 +32,7 @@ from runtime.cli.main import build_parser
 from runtime.errors import InvalidArgumentError
 from runtime.serve.cluster.replica import adapter_set_id, parse_adapter_set_id
 from runtime.serve.cluster import state as state_module
-from runtime.serve.cluster.state import ClusterCatalog, file_sha256
+from runtime.serve.cluster.state import ClusterCatalog, ClusterState, file_sha256
 from test_serve import huge_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,6 +306,21 @@ def test_concurrent_loads_publish_a_catalogue_with_both(ingress_catalog):
         second = pool.submit(catalog.load_path, "json", "json.tflite")
         first.result(), second.result()
     assert set(published[-1]) == {"uppercase", "json"}, published
+
+
+def test_a_replica_silent_for_a_minute_leaves_the_reports(monkeypatch):
+    """A killed replica's replacement has a new name: the dead one is shown as down for a
+    while, then dropped (every replica that ever ran stayed on /metrics, one series each)."""
+    clock = [1000.0]
+    monkeypatch.setattr(state_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    state = ClusterState()
+    state.sync("killed", {"requests": 3})
+    clock[0] += 30
+    state.sync("replacement", {"requests": 1})
+    assert set(state.reports()) == {"killed", "replacement"}
+    clock[0] += state_module.REPORT_KEEP_S - 29
+    state.sync("replacement", {"requests": 2})
+    assert state.reports() == {"replacement": (clock[0], {"requests": 2, "catalogue_version": 0})}
 
 
 def test_replicas_without_the_extra_is_one_line_naming_it(tmp_path):

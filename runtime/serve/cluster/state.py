@@ -22,6 +22,7 @@ from runtime.adapters.peft_data import WEIGHTS_FILE
 from runtime.serve.catalog import AdapterCatalog, CatalogEntry
 
 STATE_ACTOR = "runtime-cluster-state"
+REPORT_KEEP_S = 60.0  # a replica silent for longer is gone (replaced, or its node lost): its numbers are dropped
 
 
 class ClusterState:
@@ -49,7 +50,12 @@ class ClusterState:
         return self._version, self._entries
 
     def reports(self) -> dict[str, tuple[float, dict]]:
-        """Each replica's last numbers and when they came (Unix time)."""
+        """Each replica's last numbers and when they came (Unix time), for the replicas
+        heard from in the last ``REPORT_KEEP_S``: Ray Serve names a replacement anew, so
+        the numbers of every replica that ever ran would otherwise stay on ``/metrics``."""
+        now = time.time()
+        self._reports = {replica: report for replica, report in self._reports.items()
+                         if now - report[0] < REPORT_KEEP_S}
         return dict(self._reports)
 
 
