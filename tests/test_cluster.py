@@ -344,6 +344,8 @@ def test_a_replicas_option_without_replicas_is_refused(flag, value):
 @pytest.mark.parametrize("args,words", [
     (["--model", "/no/such/model.tflite", "--byte-tokens"], "/no/such/model.tflite: no such model file"),
     (["--model", str(MODEL), "--byte-tokens", "--port", "70000"], "--port 70000: expected 0-65535"),
+    (["--model", str(MODEL), "--byte-tokens", "--threads", "0", "--port", "70000"],
+     "--threads 0: expected an integer >= 1 with --replicas"),
 ])
 def test_what_one_process_refuses_is_refused_before_ray_starts(args, words):
     """As one line, as without --replicas (a model the replicas could not open was a Ray

@@ -202,7 +202,7 @@ def _cluster_options(args: argparse.Namespace, settings):
     from runtime.serve.cluster.launch import ClusterOptions, check_reachable
 
     options = ClusterOptions(args.replicas, args.ray_address, max_ongoing=settings.max_concurrent,
-                             **({} if max_adapters is None else {"max_adapters": max_adapters}))
+                             threads=args.threads, **({} if max_adapters is None else {"max_adapters": max_adapters}))
     if args.ray_address is not None:
         check_reachable(args.ray_address)
     import_ray()  # one line naming the extra if it is missing
@@ -223,7 +223,7 @@ def _start_cluster(args: argparse.Namespace, options, engine_settings):
                            draft_heads=not args.no_draft_heads)
     print(f"starting {args.replicas} replicas on "
           f"{f'the Ray cluster at {args.ray_address}' if args.ray_address else 'a local Ray'}", flush=True)
-    return Cluster.start(options, config, args.threads)
+    return Cluster.start(options, config)
 
 
 def _read_template(path: Path) -> str:

@@ -39,18 +39,23 @@ _WORKER_NICENESS = "RAY_worker_niceness"
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """``--replicas``, ``--ray-address`` and ``--max-adapters-per-replica``, checked."""
+    """``--replicas``, ``--ray-address``, ``--max-adapters-per-replica`` and the ``--threads``
+    of each replica (the CPUs it asks Ray for), checked."""
 
     replicas: int
     address: str | None = None
     max_adapters: int = 8
     max_ongoing: int = 16  # requests one replica takes at once (the server's --max-concurrent)
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or self.replicas < 1:
             raise InvalidArgumentError(f"--replicas {self.replicas!r}: expected an integer >= 1")
         if type(self.max_adapters) is not int or self.max_adapters < 1:
             raise InvalidArgumentError(f"--max-adapters-per-replica {self.max_adapters!r}: expected an integer >= 1")
+        if type(self.threads) is not int or self.threads < 1:
+            raise InvalidArgumentError(f"--threads {self.threads!r}: expected an integer >= 1 with --replicas (each "
+                                       "replica asks Ray for that many CPUs; 0, all the machine's, is no number)")
         if self.address is not None and not self.address.strip():
             raise InvalidArgumentError("--ray-address must not be empty")
 
@@ -67,9 +72,9 @@ class Cluster:
         self.handle = handle
 
     @classmethod
-    def start(cls, options: ClusterOptions, config: ReplicaConfig, threads: int) -> Cluster:
+    def start(cls, options: ClusterOptions, config: ReplicaConfig) -> Cluster:
         """Joins or starts Ray, then deploys ``options.replicas`` engine replicas (built
-        from ``config``, ``threads`` CPUs each) and waits until they are ready. The Serve
+        from ``config``, ``options.threads`` CPUs each) and waits until they are ready. The Serve
         application and the catalogue actor are named for this server alone: servers
         joined to one cluster neither share nor replace each other's."""
         if options.address is None:
@@ -84,7 +89,7 @@ class Cluster:
         ray, serve = import_ray()
         try:
             if options.address is None:
-                ray.init(num_cpus=max(os.cpu_count() or 1, options.replicas * threads), include_dashboard=False,
+                ray.init(num_cpus=max(os.cpu_count() or 1, options.replicas * options.threads), include_dashboard=False,
                          namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=True)
             else:
                 ray.init(address=options.address, namespace=NAMESPACE, logging_level=logging.WARNING)
@@ -101,7 +106,7 @@ class Cluster:
             _remove_orphans(ray, serve)
             state = ray.remote(ClusterState).options(name=state_actor, namespace=NAMESPACE, num_cpus=0).remote()
             config = ReplicaConfig(**{**config.__dict__, "state_actor": state_actor, "namespace": NAMESPACE})
-            handle = serve.run(deployment(serve, options, threads).bind(config), name=application,
+            handle = serve.run(deployment(serve, options).bind(config), name=application,
                                route_prefix=None)
         except BaseException:
             _stop(ray, serve, options, application, state)
@@ -131,13 +136,13 @@ class Cluster:
         return self._ray.get(self.state.reports.remote(), timeout=2)
 
 
-def deployment(serve, options: ClusterOptions, threads: int):
+def deployment(serve, options: ClusterOptions):
     """The replicas' Ray Serve deployment: :class:`EngineReplica` with its multiplexed
     loader bounded by ``options.max_adapters``."""
     loader = serve.multiplexed(max_num_models_per_replica=options.max_adapters)(EngineReplica.load_adapter_set)
     replica_class = type("EngineReplica", (EngineReplica,), {"load_adapter_set": loader})
     return serve.deployment(replica_class, name="EngineReplica", num_replicas=options.replicas,
-                            ray_actor_options={"num_cpus": threads}, max_ongoing_requests=options.max_ongoing,
+                            ray_actor_options={"num_cpus": options.threads}, max_ongoing_requests=options.max_ongoing,
                             health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
                             logging_config={"log_level": "WARNING"})
 
