@@ -358,6 +358,28 @@ def test_what_one_process_refuses_is_refused_before_ray_starts(args, words):
     assert len(lines) == 1 and words in lines[0], done.stderr[-2000:]
 
 
+@cluster
+def test_replicas_that_cannot_open_the_model_end_the_start_with_their_error(tmp_path):
+    """As where the model is not at the ingress's path on a replica's node: the replicas' own
+    error as the last line, exit 2 (was a Python traceback of Ray Serve's, exit 1)."""
+    pytest.importorskip("ray")
+    model = tmp_path / "model.tflite"
+    shutil.copy(MODEL, model)
+    process = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model", str(model), "--byte-tokens",
+                                "--replicas", "1", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=_environment(), start_new_session=True)
+    try:
+        assert process.stdout.readline().startswith("starting 1 replicas")
+        model.unlink()  # the ingress has it open; the replicas open it by its path after Ray started
+        _, err = process.communicate(timeout=START_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    last = err.strip().splitlines()[-1]
+    assert process.returncode == 2 and last.startswith("error: UNAVAILABLE: the replicas did not start: "), err[-3000:]
+    assert f"NOT_FOUND: {model}: no such model file" in last, last
+
+
 # -- answers ---------------------------------------------------------------------
 
 

@@ -106,8 +106,12 @@ class Cluster:
             _remove_orphans(ray, serve)
             state = ray.remote(ClusterState).options(name=state_actor, namespace=NAMESPACE, num_cpus=0).remote()
             config = ReplicaConfig(**{**config.__dict__, "state_actor": state_actor, "namespace": NAMESPACE})
-            handle = serve.run(deployment(serve, options).bind(config), name=application,
-                               route_prefix=None)
+            try:
+                handle = serve.run(deployment(serve, options).bind(config), name=application,
+                                   route_prefix=None)
+            except RuntimeError as exc:  # Ray Serve gave up starting them: one line, with the replicas' error
+                raise UnavailableError(f"the replicas did not start: {_replica_error(serve, application, exc)}"
+                                       ) from None
         except BaseException:
             _stop(ray, serve, options, application, state)
             raise
@@ -165,6 +169,17 @@ def _stop(ray, serve, options: ClusterOptions, application: str, state) -> None:
     remover.start()
     remover.join(STOP_TIMEOUT_S)
     ray.shutdown()
+
+
+def _replica_error(serve, application: str, exc: RuntimeError) -> str:
+    """Why the replicas of ``application`` did not start: the last line of the traceback Ray
+    Serve kept (the replica's own error, e.g. a model file not at that path on its node)."""
+    try:
+        deployments = serve.status().applications[application].deployments.values()
+        lines = [line.strip() for state in deployments for line in (state.message or "").splitlines()]
+    except Exception:  # Ray Serve's own message, then
+        lines = []
+    return next((line for line in reversed(lines) if line), str(exc))[:500]
 
 
 def _remove_orphans(ray, serve) -> None:
