@@ -347,6 +347,7 @@ def test_a_replicas_option_without_replicas_is_refused(flag, value):
     (["--model", str(MODEL), "--byte-tokens", "--threads", "0", "--port", "70000"],
      "--threads 0: expected an integer >= 1 with --replicas"),
 ])
+@cluster
 def test_what_one_process_refuses_is_refused_before_ray_starts(args, words):
     """As one line, as without --replicas (a model the replicas could not open was a Ray
     traceback of 190 lines after ~20 s of starting Ray and the replicas)."""
