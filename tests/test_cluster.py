@@ -23,11 +23,17 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from runtime import ByteTokenizer, Engine, LoraSource, SessionConfig
+from runtime.cli.main import build_parser
+from runtime.errors import InvalidArgumentError
 from runtime.serve.cluster.replica import adapter_set_id, parse_adapter_set_id
+from runtime.serve.cluster import state as state_module
+from runtime.serve.cluster.state import ClusterCatalog, ClusterState, file_sha256
+from test_serve import huge_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = Path(str(resources.files("runtime") / "demo_assets"))
@@ -53,9 +59,10 @@ class ClusterServer:
     """``python -m runtime serve --replicas 2`` in a subprocess of its own session."""
 
     def __init__(self, tmp: Path, model: Path = MODEL, adapters: tuple[Path, ...] = DEMO_ADAPTERS,
-                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2")) -> None:
+                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2"),
+                 environment: dict[str, str] | None = None) -> None:
         self.adapters = tmp / "adapters"
-        self.adapters.mkdir()
+        self.adapters.mkdir(parents=True)
         for path in adapters:
             shutil.copy(path, self.adapters)
         template = tmp / "template.jinja"
@@ -65,7 +72,8 @@ class ClusterServer:
             [sys.executable, "-m", "runtime", "serve", "--model", str(model), "--byte-tokens", *options,
              "--chat-template", str(template), "--adapters", str(self.adapters), "--served-model-name", "demo",
              "--port", "0", "--api-key", KEY, "--max-adapters-per-replica", "4"],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=_environment(), start_new_session=True)
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**_environment(), **(environment or {})},
+            start_new_session=True)
         self.url = ""
         deadline = time.monotonic() + START_TIMEOUT_S
         lines = []
@@ -169,6 +177,20 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _gcs_address(server: ClusterServer) -> str:
+    """HOST:PORT of the local Ray that ``server`` started (as its raylet was given it)."""
+    for pid in _descendants(server.process.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                arguments = file.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for argument in arguments:
+            if argument.startswith("--gcs-address="):
+                return argument.partition("=")[2]
+    raise AssertionError("no Ray process of the server names its GCS address")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -218,6 +240,89 @@ def test_adapter_set_ids_are_sorted_and_read_back():
     assert adapter_set_id({}) == "" and parse_adapter_set_id("") == []
 
 
+@pytest.fixture
+def ingress_catalog(tmp_path):
+    """A ClusterCatalog over the demo model and its adapters' directory (not scanned), and
+    what it published, in order; ``hooks["publish"]`` runs before each is kept."""
+    for path in DEMO_ADAPTERS:
+        shutil.copy(path, tmp_path)
+    published: list[dict[str, dict[str, str]]] = []
+    hooks = {"publish": lambda entries: None}
+
+    def publish(entries: dict[str, dict[str, str]]) -> None:
+        hooks["publish"](entries)
+        published.append(entries)
+
+    engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]))
+    yield ClusterCatalog(engine, tmp_path, publish=publish), published, hooks
+    engine.close()
+
+
+def test_the_ingress_lists_an_adapter_only_while_the_replicas_have_it(ingress_catalog, monkeypatch):
+    """A request may lease what the ingress lists: its digest and the replicas' entry must be
+    there (it was listed while its file was hashed, then published: a KeyError (500) for its
+    digest, then a 404 from the replica)."""
+    catalog, published, hooks = ingress_catalog
+    known = [{}]
+
+    def check_listed(what: str) -> None:
+        for entry in catalog.entries():
+            assert entry.name in known[0], f"{entry.name} listed {what}, the replicas not told"
+            assert catalog.digest(entry.name) == known[0][entry.name]["sha256"]
+
+    def hashing(path: Path) -> str:
+        check_listed("while its file was hashed")
+        return file_sha256(path)
+
+    def publishing(entries: dict[str, dict[str, str]]) -> None:
+        check_listed("before it was published")
+        known[0] = entries
+
+    monkeypatch.setattr(state_module, "file_sha256", hashing)
+    hooks["publish"] = publishing
+    for name in ADAPTERS:
+        catalog.load_path(name, f"{name}.tflite")
+    catalog.unload("json")
+    assert set(published[-1]) == {"uppercase", "no_vowels"} and set(known[0]) == {"uppercase", "no_vowels"}
+
+
+def test_concurrent_loads_publish_a_catalogue_with_both(ingress_catalog):
+    """Each publication is the whole catalogue: a slower one built before another must not
+    be sent after it (the replicas lost the other adapter: 404s for an adapter listed)."""
+    catalog, published, hooks = ingress_catalog
+    first_publishing, second_published = threading.Event(), threading.Event()
+
+    def publishing(entries: dict[str, dict[str, str]]) -> None:
+        if set(entries) == {"uppercase"}:
+            first_publishing.set()
+            second_published.wait(1.0)  # the fix makes the second wait for this one: 1 s
+        else:
+            second_published.set()
+
+    hooks["publish"] = publishing
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(catalog.load_path, "uppercase", "uppercase.tflite")
+        assert first_publishing.wait(30)
+        second = pool.submit(catalog.load_path, "json", "json.tflite")
+        first.result(), second.result()
+    assert set(published[-1]) == {"uppercase", "json"}, published
+
+
+def test_a_replica_silent_for_a_minute_leaves_the_reports(monkeypatch):
+    """A killed replica's replacement has a new name: the dead one is shown as down for a
+    while, then dropped (every replica that ever ran stayed on /metrics, one series each)."""
+    clock = [1000.0]
+    monkeypatch.setattr(state_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    state = ClusterState()
+    state.sync("killed", {"requests": 3})
+    clock[0] += 30
+    state.sync("replacement", {"requests": 1})
+    assert set(state.reports()) == {"killed", "replacement"}
+    clock[0] += state_module.REPORT_KEEP_S - 29
+    state.sync("replacement", {"requests": 2})
+    assert state.reports() == {"replacement": (clock[0], {"requests": 2, "catalogue_version": 0})}
+
+
 def test_replicas_without_the_extra_is_one_line_naming_it(tmp_path):
     hide_ray = ("import sys; sys.modules['ray'] = None; from runtime.cli.main import main; "
                 f"sys.exit(main(['serve', '--model', {str(MODEL)!r}, '--byte-tokens', '--replicas', '2']))")
@@ -228,21 +333,52 @@ def test_replicas_without_the_extra_is_one_line_naming_it(tmp_path):
     assert len(lines) == 1 and 'pip install -e ".[cluster]"' in lines[0], done.stderr
 
 
-def test_ray_address_without_replicas_is_refused():
-    done = subprocess.run([sys.executable, "-m", "runtime", "serve", "--model", str(MODEL), "--byte-tokens",
-                           "--ray-address", "127.0.0.1:1"], capture_output=True, text=True, env=_environment(),
-                          timeout=120)
-    assert done.returncode == 2 and "--ray-address goes with --replicas" in done.stderr
+@pytest.mark.parametrize("flag,value", [("--ray-address", "127.0.0.1:1"), ("--max-adapters-per-replica", "4")])
+def test_a_replicas_option_without_replicas_is_refused(flag, value):
+    parsed = build_parser().parse_args(["serve", "--model", str(MODEL), "--byte-tokens", flag, value,
+                                        "--port", "70000"])  # were it not refused: an error, not a server
+    with pytest.raises(InvalidArgumentError, match=f": {flag} goes with --replicas N$"):
+        parsed.run(parsed)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--model", "/no/such/model.tflite", "--byte-tokens"], "/no/such/model.tflite: no such model file"),
+    (["--model", str(MODEL), "--byte-tokens", "--port", "70000"], "--port 70000: expected 0-65535"),
+    (["--model", str(MODEL), "--byte-tokens", "--threads", "0", "--port", "70000"],
+     "--threads 0: expected an integer >= 1 with --replicas"),
+])
+@cluster
+def test_what_one_process_refuses_is_refused_before_ray_starts(args, words):
+    """As one line, as without --replicas (a model the replicas could not open was a Ray
+    traceback of 190 lines after ~20 s of starting Ray and the replicas)."""
+    pytest.importorskip("ray")
+    done = subprocess.run([sys.executable, "-m", "runtime", "serve", *args, "--replicas", "2"], capture_output=True,
+                          text=True, env=_environment(), timeout=120)
+    assert done.returncode == 2 and "starting" not in done.stdout, done.stdout + done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], done.stderr[-2000:]
 
 
 @cluster
-def test_an_unreachable_ray_address_is_a_clear_error_naming_it():
+def test_replicas_that_cannot_open_the_model_end_the_start_with_their_error(tmp_path):
+    """As where the model is not at the ingress's path on a replica's node: the replicas' own
+    error as the last line, exit 2 (was a Python traceback of Ray Serve's, exit 1)."""
     pytest.importorskip("ray")
-    done = subprocess.run([sys.executable, "-m", "runtime", "serve", "--model", str(MODEL), "--byte-tokens",
-                           "--replicas", "2", "--ray-address", "127.0.0.1:9"], capture_output=True, text=True,
-                          env=_environment(), timeout=120)
-    assert done.returncode == 2
-    assert "--ray-address 127.0.0.1:9: cannot reach the Ray cluster" in done.stderr, done.stderr
+    model = tmp_path / "model.tflite"
+    shutil.copy(MODEL, model)
+    process = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model", str(model), "--byte-tokens",
+                                "--replicas", "1", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=_environment(), start_new_session=True)
+    try:
+        assert process.stdout.readline().startswith("starting 1 replicas")
+        model.unlink()  # the ingress has it open; the replicas open it by its path after Ray started
+        _, err = process.communicate(timeout=START_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    last = err.strip().splitlines()[-1]
+    assert process.returncode == 2 and last.startswith("error: UNAVAILABLE: the replicas did not start: "), err[-3000:]
+    assert f"NOT_FOUND: {model}: no such model file" in last, last
 
 
 # -- answers ---------------------------------------------------------------------
@@ -281,12 +417,21 @@ def test_models_are_the_catalogue_of_one_process(served):
 
 
 @cluster
-def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path):
-    """The tiny test model has a rank-16 slot: two rank-4 adapters blend, as one multiplexed set."""
+def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path, offline):
+    """The tiny test model has a rank-16 slot: two rank-4 adapters blend, as one multiplexed set.
+
+    Meanwhile a second server (the demo model) joins the first's Ray with --ray-address: each
+    has its own replicas and catalogue (they shared one Serve application by name, so the
+    second replaced the first's replicas with its own, and removed them on exit)."""
     pytest.importorskip("ray")
-    server = ClusterServer(tmp_path, TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
+    server = ClusterServer(tmp_path / "first", TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
+    joined = None
     engine = Engine(TINY_MODEL, tokenizer=ByteTokenizer())
     try:
+        joined = ClusterServer(tmp_path / "joined", options=("--stop-token", "10", "--replicas", "1", "--ray-address",
+                                                             _gcs_address(server)),
+                               environment={"RAY_AUTH_MODE": "token"})
+        assert joined.complete("json", "green tea\n")[0] == offline("green tea\n", [("json", 1.0)])
         prompt = [5, 17, 42]
 
         def offline(loras) -> str:
@@ -309,7 +454,14 @@ def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path):
             assert time.monotonic() < deadline, server.metrics()
             time.sleep(0.2)
         assert sum(server.replica_values("runtime_replica_adapter_loads_total").values()) == 1
+        _stop(joined)
+        assert joined.process.returncode == signal.SIGTERM
+        status, body, _ = server.call("/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 6,
+                                                          "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == offline([]), body
     finally:
+        if joined is not None:
+            _stop(joined)
         _stop(server)
         engine.close()
 
@@ -419,6 +571,20 @@ def test_a_replica_checks_the_digest_of_what_it_loads(served):
 
 
 # -- faults ----------------------------------------------------------------------
+
+
+@cluster
+def test_an_adapter_that_makes_non_finite_logits_is_a_4xx_and_marked_unhealthy(served):
+    """As in one process (the replica's NonFiniteLogits, no status error, was a 500 'internal')."""
+    huge_adapter(DEMO / "adapters" / "json.tflite", served.adapters / "huge.tflite")
+    assert served.call("/v1/load_lora_adapter", {"lora_name": "huge", "lora_path": "huge.tflite"})[0] == 200
+    try:
+        status, body, _ = served.call("/v1/completions", {"model": "huge", "prompt": "hi\n", "max_tokens": 4})
+        assert (status, body["error"]["code"], body["error"]["param"]) == (400, "non_finite_logits", "model"), body
+        card = served.call("/v1/models/huge")[1]
+        assert card["healthy"] is False and "non-finite" in card["problem"]
+    finally:
+        assert served.call("/v1/unload_lora_adapter", {"lora_name": "huge"})[0] == 200
 
 
 @cluster

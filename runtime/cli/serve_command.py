@@ -90,7 +90,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--ray-address", metavar="HOST:PORT",
                          help="with --replicas: join this Ray cluster (default: start a local Ray, stopped with the "
                          "server)")
-    cluster.add_argument("--max-adapters-per-replica", type=int, default=8, metavar="K",
+    cluster.add_argument("--max-adapters-per-replica", type=int, metavar="K",
                          help="with --replicas: adapter sets one replica holds, the least recently used let go "
                          "beyond it (default: 8)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -136,76 +136,94 @@ def run(args: argparse.Namespace) -> int:
     engine_settings = EngineSettings(num_threads=args.threads, executors=args.executors,
                                      prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
                                      compile=args.compile, **weight_cache_settings(args))
-    cluster = _start_cluster(args, settings, engine_settings)
-    try:
-        return _serve(args, settings, engine_settings, tokenizer, chat_template, downloads, cluster)
-    finally:
-        if cluster is not None:
-            cluster.stop()
+    options = _cluster_options(args, settings)
+    from runtime import Engine
+
+    # What one process checks (the model, the tokenizer, the port) is checked before Ray starts.
+    with Engine(args.model, engine_settings, tokenizer=tokenizer, chat_template=chat_template) as engine:
+        listener = _bind(args.host, args.port)
+        try:
+            cluster = _start_cluster(args, options, engine_settings)
+            try:
+                return _serve(args, settings, engine, listener, downloads, cluster)
+            finally:
+                if cluster is not None:
+                    cluster.stop()
+        finally:
+            listener.close()
 
 
-def _serve(args, settings, engine_settings, tokenizer, chat_template, downloads, cluster) -> int:
+def _serve(args, settings, engine, listener, downloads, cluster) -> int:
     import uvicorn
 
-    from runtime import Engine
     from runtime.serve.app import create_app
     from runtime.serve.catalog import AdapterCatalog
     from runtime.serve.connection import uvicorn_config
     from runtime.serve.hosts import is_loopback
 
-    with Engine(args.model, engine_settings,
-                tokenizer=tokenizer, chat_template=chat_template) as engine:
-        catalog = (cluster.catalog if cluster is not None else AdapterCatalog)(
-            engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,
-            draft_heads=not args.no_draft_heads)
-        entries = catalog.scan(strict=args.strict_adapters)
-        for skipped in catalog.skipped:
-            print_to_stderr(f"warning: skipped adapter {skipped.file}: {skipped.reason}")
-        app = create_app(engine, catalog, settings, extend=cluster.extend if cluster is not None else None)
-        listener = _bind(args.host, args.port)
-        host, port = listener.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        print(f"serving {settings.model_name} at http://{shown}:{port}/v1 "
-              f"({len(entries)} adapters: {', '.join(e.name for e in entries) or 'none'}; "
-              f"{'chat template' if engine.chat_template else 'no chat template'}; "
-              f"{'API key required' if settings.api_key else 'no API key'}"
-              f"{f'; {args.replicas} replicas' if cluster is not None else ''})", flush=True)
-        if settings.api_key is None and not is_loopback(host):
-            print_to_stderr(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
-        # The event loop sends each token as soon as it gets the GIL from the threads that
-        # generate; with the default 5 ms switch interval tokens would leave in bursts.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        config = uvicorn_config(app, settings, log_level=args.log_level,
-                                access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5)
-        try:
-            uvicorn.Server(config).run(sockets=[listener])
-        except KeyboardInterrupt:
-            pass  # uvicorn shut down gracefully, then re-raised the Ctrl-C it had caught
+    catalog = (cluster.catalog if cluster is not None else AdapterCatalog)(
+        engine, args.adapters, reserved_names=[settings.model_name], downloads=downloads,
+        draft_heads=not args.no_draft_heads)
+    entries = catalog.scan(strict=args.strict_adapters)
+    for skipped in catalog.skipped:
+        print_to_stderr(f"warning: skipped adapter {skipped.file}: {skipped.reason}")
+    app = create_app(engine, catalog, settings, extend=cluster.extend if cluster is not None else None)
+    host, port = listener.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {settings.model_name} at http://{shown}:{port}/v1 "
+          f"({len(entries)} adapters: {', '.join(e.name for e in entries) or 'none'}; "
+          f"{'chat template' if engine.chat_template else 'no chat template'}; "
+          f"{'API key required' if settings.api_key else 'no API key'}"
+          f"{f'; {args.replicas} replicas' if cluster is not None else ''})", flush=True)
+    if settings.api_key is None and not is_loopback(host):
+        print_to_stderr(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
+    # The event loop sends each token as soon as it gets the GIL from the threads that
+    # generate; with the default 5 ms switch interval tokens would leave in bursts.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    config = uvicorn_config(app, settings, log_level=args.log_level,
+                            access_log=args.log_level in ("info", "debug"), timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[listener])
+    except KeyboardInterrupt:
+        pass  # uvicorn shut down gracefully, then re-raised the Ctrl-C it had caught
     return 0
 
 
-def _start_cluster(args: argparse.Namespace, settings, engine_settings):
-    """With ``--replicas``: Ray (joined or started) and the engine replicas, ready; else ``None``."""
+def _cluster_options(args: argparse.Namespace, settings):
+    """With ``--replicas``: the cluster's options, checked (and the extra's presence) before
+    anything starts; else ``None``, refusing the options that need ``--replicas``."""
+    max_adapters = args.max_adapters_per_replica
     if args.replicas is None:
-        if args.ray_address is not None:
-            raise InvalidArgumentError("--ray-address goes with --replicas N")
+        for flag, value in (("--ray-address", args.ray_address), ("--max-adapters-per-replica", max_adapters)):
+            if value is not None:
+                raise InvalidArgumentError(f"{flag} goes with --replicas N")
         return None
     from runtime.serve.cluster import import_ray
-    from runtime.serve.cluster.launch import Cluster, ClusterOptions, check_reachable
+    from runtime.serve.cluster.launch import ClusterOptions, check_reachable
+
+    options = ClusterOptions(args.replicas, args.ray_address, max_ongoing=settings.max_concurrent,
+                             threads=args.threads, **({} if max_adapters is None else {"max_adapters": max_adapters}))
+    if args.ray_address is not None:
+        check_reachable(args.ray_address)
+    import_ray()  # one line naming the extra if it is missing
+    return options
+
+
+def _start_cluster(args: argparse.Namespace, options, engine_settings):
+    """With ``options`` (``--replicas``): Ray (joined or started) and the engine replicas,
+    ready; else ``None``."""
+    if options is None:
+        return None
+    from runtime.serve.cluster.launch import Cluster
     from runtime.serve.cluster.replica import ReplicaConfig
 
-    options = ClusterOptions(args.replicas, args.ray_address, args.max_adapters_per_replica,
-                             settings.max_concurrent)
     config = ReplicaConfig(str(args.model.resolve()), engine_settings,
                            tokenizer=None if args.tokenizer is None else str(args.tokenizer.resolve()),
                            byte_tokens=args.byte_tokens, stop_tokens=tuple(args.stop_token or ()),
                            draft_heads=not args.no_draft_heads)
-    if args.ray_address is not None:
-        check_reachable(args.ray_address)
-    import_ray()  # one line naming the extra if it is missing, before anything starts
     print(f"starting {args.replicas} replicas on "
           f"{f'the Ray cluster at {args.ray_address}' if args.ray_address else 'a local Ray'}", flush=True)
-    return Cluster.start(options, config, args.threads)
+    return Cluster.start(options, config)
 
 
 def _read_template(path: Path) -> str:

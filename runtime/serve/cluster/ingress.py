@@ -24,6 +24,7 @@ from runtime.errors import FailedPreconditionError, InternalError, StatusError, 
 from runtime.serve.catalog import AdapterCatalog
 from runtime.serve.cluster.replica import adapter_set_id
 from runtime.serve.generation import GenerationRequest, Outcome
+from runtime.serve.sampling import NonFiniteLogits
 
 REPLICA_HEADER = "x-runtime-replica"
 REPORT_MAX_AGE_S = 5.0  # a replica silent for longer is shown as down
@@ -149,7 +150,7 @@ class RemoteJob:
                     _cancel(response)
         except ray_errors.task as exc:
             cause = getattr(exc, "cause", None)
-            if isinstance(cause, StatusError):
+            if isinstance(cause, (StatusError, NonFiniteLogits)):  # the request's, answered as in one process
                 raise cause from None
             if isinstance(cause, ray_errors.dead) or isinstance(exc, ray_errors.dead):
                 self._gone(replica, exc)

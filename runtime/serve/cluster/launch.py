@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from runtime.serve.cluster.state import STATE_ACTOR, ClusterCatalog, ClusterStat
 from runtime.serve.server import Server
 
 NAMESPACE = "runtime"
-APPLICATION = "runtime"
+APPLICATION = "runtime"  # each server's own Serve application: this, a dash and a random suffix
 CONNECT_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 20.0  # for the replicas to finish what they run and go
 # Ray's switch for a Ray on one machine: every address it uses stays on the loopback.
@@ -38,18 +39,23 @@ _WORKER_NICENESS = "RAY_worker_niceness"
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """``--replicas``, ``--ray-address`` and ``--max-adapters-per-replica``, checked."""
+    """``--replicas``, ``--ray-address``, ``--max-adapters-per-replica`` and the ``--threads``
+    of each replica (the CPUs it asks Ray for), checked."""
 
     replicas: int
     address: str | None = None
     max_adapters: int = 8
     max_ongoing: int = 16  # requests one replica takes at once (the server's --max-concurrent)
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or self.replicas < 1:
             raise InvalidArgumentError(f"--replicas {self.replicas!r}: expected an integer >= 1")
         if type(self.max_adapters) is not int or self.max_adapters < 1:
             raise InvalidArgumentError(f"--max-adapters-per-replica {self.max_adapters!r}: expected an integer >= 1")
+        if type(self.threads) is not int or self.threads < 1:
+            raise InvalidArgumentError(f"--threads {self.threads!r}: expected an integer >= 1 with --replicas (each "
+                                       "replica asks Ray for that many CPUs; 0, all the machine's, is no number)")
         if self.address is not None and not self.address.strip():
             raise InvalidArgumentError("--ray-address must not be empty")
 
@@ -57,17 +63,20 @@ class ClusterOptions:
 class Cluster:
     """Ray, the catalogue actor and the replicas of one server; :meth:`stop` undoes :meth:`start`."""
 
-    def __init__(self, ray, serve, options: ClusterOptions, state, handle) -> None:
+    def __init__(self, ray, serve, options: ClusterOptions, application: str, state, handle) -> None:
         self._ray = ray
         self._serve = serve
         self.options = options
+        self.application = application
         self.state = state
         self.handle = handle
 
     @classmethod
-    def start(cls, options: ClusterOptions, config: ReplicaConfig, threads: int) -> Cluster:
+    def start(cls, options: ClusterOptions, config: ReplicaConfig) -> Cluster:
         """Joins or starts Ray, then deploys ``options.replicas`` engine replicas (built
-        from ``config``, ``threads`` CPUs each) and waits until they are ready."""
+        from ``config``, ``options.threads`` CPUs each) and waits until they are ready. The Serve
+        application and the catalogue actor are named for this server alone: servers
+        joined to one cluster neither share nor replace each other's."""
         if options.address is None:
             os.environ[_LOCAL_ONLY] = "0"
             # Ray starts its workers at nice 15; the replicas do the serving, not background work.
@@ -80,7 +89,7 @@ class Cluster:
         ray, serve = import_ray()
         try:
             if options.address is None:
-                ray.init(num_cpus=max(os.cpu_count() or 1, options.replicas * threads), include_dashboard=False,
+                ray.init(num_cpus=max(os.cpu_count() or 1, options.replicas * options.threads), include_dashboard=False,
                          namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=True)
             else:
                 ray.init(address=options.address, namespace=NAMESPACE, logging_level=logging.WARNING)
@@ -89,17 +98,24 @@ class Cluster:
             hint = (" (a cluster with token authentication, Ray's default, needs RAY_AUTH_MODE=token here and its "
                     "token in RAY_AUTH_TOKEN or ~/.ray/auth_token)" if options.address else "")
             raise UnavailableError(f"cannot start or join {where}: {' '.join(str(exc).split())[:300]}{hint}") from None
+        suffix = uuid.uuid4().hex[:12]
+        application, state_actor = f"{APPLICATION}-{suffix}", f"{STATE_ACTOR}-{suffix}"
+        state = None
         try:
             serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-            state = ray.remote(ClusterState).options(name=STATE_ACTOR, namespace=NAMESPACE, num_cpus=0,
-                                                     get_if_exists=True).remote()
-            config = ReplicaConfig(**{**config.__dict__, "state_actor": STATE_ACTOR, "namespace": NAMESPACE})
-            handle = serve.run(deployment(serve, options, threads).bind(config), name=APPLICATION,
-                               route_prefix=None)
+            _remove_orphans(ray, serve)
+            state = ray.remote(ClusterState).options(name=state_actor, namespace=NAMESPACE, num_cpus=0).remote()
+            config = ReplicaConfig(**{**config.__dict__, "state_actor": state_actor, "namespace": NAMESPACE})
+            try:
+                handle = serve.run(deployment(serve, options).bind(config), name=application,
+                                   route_prefix=None)
+            except RuntimeError as exc:  # Ray Serve gave up starting them: one line, with the replicas' error
+                raise UnavailableError(f"the replicas did not start: {_replica_error(serve, application, exc)}"
+                                       ) from None
         except BaseException:
-            _stop(ray, serve, options)
+            _stop(ray, serve, options, application, state)
             raise
-        return cls(ray, serve, options, state, handle)
+        return cls(ray, serve, options, application, state, handle)
 
     def catalog(self, *args, **kwargs) -> ClusterCatalog:
         """The ingress's adapter catalogue, publishing to every replica."""
@@ -115,7 +131,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Removes the replicas (each finishing what it runs), then stops a local Ray."""
-        _stop(self._ray, self._serve, self.options)
+        _stop(self._ray, self._serve, self.options, self.application, self.state)
 
     def _publish(self, entries: dict[str, dict[str, str]]) -> None:
         self._ray.get(self.state.publish.remote(entries))
@@ -124,25 +140,26 @@ class Cluster:
         return self._ray.get(self.state.reports.remote(), timeout=2)
 
 
-def deployment(serve, options: ClusterOptions, threads: int):
+def deployment(serve, options: ClusterOptions):
     """The replicas' Ray Serve deployment: :class:`EngineReplica` with its multiplexed
     loader bounded by ``options.max_adapters``."""
     loader = serve.multiplexed(max_num_models_per_replica=options.max_adapters)(EngineReplica.load_adapter_set)
     replica_class = type("EngineReplica", (EngineReplica,), {"load_adapter_set": loader})
     return serve.deployment(replica_class, name="EngineReplica", num_replicas=options.replicas,
-                            ray_actor_options={"num_cpus": threads}, max_ongoing_requests=options.max_ongoing,
+                            ray_actor_options={"num_cpus": options.threads}, max_ongoing_requests=options.max_ongoing,
                             health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
                             logging_config={"log_level": "WARNING"})
 
 
-def _stop(ray, serve, options: ClusterOptions) -> None:
+def _stop(ray, serve, options: ClusterOptions, application: str, state) -> None:
     def remove() -> None:
         try:
             if options.address is None:
                 serve.shutdown()
             else:
-                serve.delete(APPLICATION)
-                ray.kill(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+                serve.delete(application)
+                if state is not None:
+                    ray.kill(state)
         except Exception as exc:  # stopping goes on: Ray itself is stopped below
             print(f"warning: stopping the replicas: {exc}", file=sys.stderr, flush=True)
 
@@ -152,6 +169,30 @@ def _stop(ray, serve, options: ClusterOptions) -> None:
     remover.start()
     remover.join(STOP_TIMEOUT_S)
     ray.shutdown()
+
+
+def _replica_error(serve, application: str, exc: RuntimeError) -> str:
+    """Why the replicas of ``application`` did not start: the last line of the traceback Ray
+    Serve kept (the replica's own error, e.g. a model file not at that path on its node)."""
+    try:
+        deployments = serve.status().applications[application].deployments.values()
+        lines = [line.strip() for state in deployments for line in (state.message or "").splitlines()]
+    except Exception:  # Ray Serve's own message, then
+        lines = []
+    return next((line for line in reversed(lines) if line), str(exc))[:500]
+
+
+def _remove_orphans(ray, serve) -> None:
+    """Deletes the applications of servers that exited without removing theirs (killed):
+    a server's catalogue actor lives only as long as the server, its application does not."""
+    for name in serve.status().applications:
+        suffix = name.removeprefix(f"{APPLICATION}-")
+        if suffix == name:
+            continue
+        try:
+            ray.get_actor(f"{STATE_ACTOR}-{suffix}", namespace=NAMESPACE)
+        except ValueError:  # no such actor: its server is gone
+            serve.delete(name, _blocking=False)
 
 
 def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:

@@ -13,6 +13,7 @@ allowed, SHA-256 pins, files changed since registration) stays the one of one pr
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from runtime.adapters.peft_data import WEIGHTS_FILE
 from runtime.serve.catalog import AdapterCatalog, CatalogEntry
 
 STATE_ACTOR = "runtime-cluster-state"
+REPORT_KEEP_S = 60.0  # a replica silent for longer is gone (replaced, or its node lost): its numbers are dropped
 
 
 class ClusterState:
@@ -48,7 +50,12 @@ class ClusterState:
         return self._version, self._entries
 
     def reports(self) -> dict[str, tuple[float, dict]]:
-        """Each replica's last numbers and when they came (Unix time)."""
+        """Each replica's last numbers and when they came (Unix time), for the replicas
+        heard from in the last ``REPORT_KEEP_S``: Ray Serve names a replacement anew, so
+        the numbers of every replica that ever ran would otherwise stay on ``/metrics``."""
+        now = time.time()
+        self._reports = {replica: report for replica, report in self._reports.items()
+                         if now - report[0] < REPORT_KEEP_S}
         return dict(self._reports)
 
 
@@ -65,38 +72,40 @@ def file_sha256(path: Path) -> str:
 
 class ClusterCatalog(AdapterCatalog):
     """An adapter catalogue that publishes each change to every replica (``publish``
-    takes the whole catalogue as name -> ``{"path", "sha256"}``)."""
+    takes the whole catalogue as name -> ``{"path", "sha256"}``).
+
+    An adapter is published before the ingress lists it (so a request for a listed adapter
+    finds it in the replicas' catalogue, with its digest) and withdrawn after the ingress
+    dropped it; changes are published one at a time, each whole, in the order they were made."""
 
     def __init__(self, *args, publish: Callable[[dict[str, dict[str, str]]], None], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._publish = publish
-        self._digests: dict[str, str] = {}
+        self._published: dict[str, dict[str, str]] = {}  # replaced whole, never changed in place
+        self._publishing = threading.Lock()
 
     def digest(self, name: str) -> str:
         """The SHA-256 of adapter ``name``'s file when it was registered."""
-        return self._digests[name]
-
-    def load_path(self, name: str, lora_path: str, sha256: str | None = None) -> CatalogEntry:
-        return self._published(super().load_path(name, lora_path, sha256))
-
-    def load_url(self, name: str, url: str, sha256: str) -> CatalogEntry:
-        return self._published(super().load_url(name, url, sha256))
+        return self._published[name]["sha256"]
 
     def unload(self, name: str) -> CatalogEntry:
         entry = super().unload(name)
-        self._digests.pop(name, None)
-        self._send()
+        self._change(name, None)
         return entry
 
-    def _published(self, entry: CatalogEntry) -> CatalogEntry:
+    def _register(self, name: str, path: Path, sha256: str | None = None) -> CatalogEntry:
+        self._change(name, {"path": str(path), "sha256": file_sha256(path)})
         try:
-            self._digests[entry.name] = file_sha256(entry.path)
-            self._send()
+            return super()._register(name, path, sha256)
         except BaseException:
-            super().unload(entry.name)
+            self._change(name, None)
             raise
-        return entry
 
-    def _send(self) -> None:
-        self._publish({entry.name: {"path": str(entry.path), "sha256": self._digests[entry.name]}
-                       for entry in self.entries() if entry.name in self._digests})
+    def _change(self, name: str, entry: dict[str, str] | None) -> None:
+        """Publishes the catalogue with ``name`` set to ``entry`` (``None``: removed)."""
+        with self._publishing:
+            published = {key: value for key, value in self._published.items() if key != name}
+            if entry is not None:
+                published[name] = entry
+            self._publish(published)
+            self._published = published
