@@ -10,7 +10,7 @@ LiteRT-LM's ``LoadLoRA`` / ``UseLoRA``); a blend becomes *resident* when
 * :meth:`LoraManager.acquire` builds a blend's slot buffers on first use and keeps them
   for the next, as the residency policy allows.
 * :meth:`LoraManager.unload_lora` forgets an adapter and drops its buffers, unless a
-  live session still holds it (:meth:`pin`).
+  live session still holds it (:meth:`pin`) or a run is using it (:meth:`acquire`).
 * Residency: :meth:`acquire` / :meth:`release` bracket a run; an active blend is never
   evicted, the others are kept or dropped as the :mod:`residency policy
   <runtime.components.residency>` says. A new blend is built before anything is
@@ -302,7 +302,8 @@ class LoraManager:
         """Forgets ``lora_id`` and drops every buffer built from it.
 
         ``NotFoundError`` for an unknown id; ``FailedPreconditionError`` while a live
-        session holds it.
+        session holds it, or while a blend of it is active (acquired and not yet
+        released: a run is reading its buffers).
         """
         with self._lock:
             plan = self._require(lora_id)
@@ -310,6 +311,11 @@ class LoraManager:
                 raise FailedPreconditionError(
                     f"LoRA id {lora_id} ({plan.source_name}) is used by "
                     f"{self._pins[lora_id]} live session(s); close them first"
+                )
+            runs = sum(count for (blend, _), count in self._active.items() if any(i == lora_id for i, _ in blend))
+            if runs:
+                raise FailedPreconditionError(
+                    f"LoRA id {lora_id} ({plan.source_name}) is being run by {runs} run(s); unload it after they end"
                 )
             del self._plans[lora_id]
             for blend in [b for b in self._slot_of if any(i == lora_id for i, _ in b)]:
