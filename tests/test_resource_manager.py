@@ -220,3 +220,22 @@ def test_wrong_buffer_type(manager):
     with pytest.raises(InvalidArgumentError, match="buffer='not bytes', expected the bytes of an adapter"):
         manager.registry.register(LoraSource(buffer="not bytes"))
     assert manager.registry.ids() == []
+
+
+def test_a_context_whose_kv_cache_cannot_be_made_leaves_nothing_registered_or_pinned(manager, monkeypatch):
+    """Under memory pressure the KV cache's allocation fails after the adapters were
+    registered and pinned: the adapters the call brought go again, the others keep their
+    pins as they were."""
+    kept = manager.registry.register(LoraSource(path=adapter_path("litertlm_r4")))
+    holder = manager.create_context_handler([], [(kept, 1.0)])
+
+    def out_of_memory():
+        raise MemoryError("no room for a KV cache")
+
+    monkeypatch.setattr(manager.pool.primary, "create_kv_cache", out_of_memory)
+    with pytest.raises(MemoryError):
+        manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))], [(kept, 0.5)])
+    assert manager.registry.ids() == [kept] and sessions_using(manager, kept) == 1
+    monkeypatch.undo()
+    manager.release_context(holder)
+    assert sessions_using(manager, kept) == 0

@@ -88,13 +88,16 @@ class ResourceManager:
     def create_context_handler(self, sources: Iterable[LoraSource] = (),
                                registered: Iterable[tuple[int, float]] = ()) -> ContextHandler:
         """A fresh context using ``sources`` (registered if needed) and the already
-        registered ``(lora_id, scale)`` entries; an unload cannot slip in between."""
-        blend = self.registry.pinned_blend(sources, registered)
+        registered ``(lora_id, scale)`` entries; an unload cannot slip in between. The KV
+        cache is made first, so a failure (an adapter refused, no memory for the cache)
+        leaves no adapter registered or pinned by this call."""
+        kv = self.pool.primary.create_kv_cache()
         try:
-            context = ContextHandler(blend, self.pool.primary.create_kv_cache())
+            blend = self.registry.pinned_blend(sources, registered)
         except BaseException:
-            self.registry.unpin(blend)
+            kv.close()
             raise
+        context = ContextHandler(blend, kv)
         self._track(context)
         return context
 
