@@ -204,6 +204,7 @@ def test_unload_frees_and_refuses_pinned(manager):
     manager.unload_lora(1)
     assert manager.loaded_ids() == [2]
     assert [b for b, _ in manager.resident()] == [((2, 1.0),)]  # every blend holding 1 went with it
+    assert manager.residency_stats().evictions == 0  # unloaded, not evicted: KeepAll evicts nothing
     with pytest.raises(NotFoundError):
         manager.acquire(((1, 1.0),))
 

@@ -65,7 +65,7 @@ class ResidencyStats:
 
     hits: int
     misses: int
-    evictions: int
+    evictions: int  # by the residency policy (buffers dropped with their adapter's unload are not counted)
     materialize: LatencySummary
 
 
@@ -262,6 +262,7 @@ class LoraManager:
             protected.add(protect)
         sizes = {key: lora.nbytes for key, lora in self._resident.items()}
         for key in choose_evictions(self._residency, sizes, protected):
+            self._evictions += 1
             self._drop(key)
 
     def _within(self, policy: Lru) -> bool:
@@ -270,8 +271,8 @@ class LoraManager:
         return policy.max_bytes is None or sum(l.nbytes for l in self._resident.values()) <= policy.max_bytes
 
     def _drop(self, key: Materialized) -> None:
+        """Drops ``key``'s buffers (an eviction, or its adapter unloaded) and tells the listeners."""
         lora = self._resident.pop(key)
-        self._evictions += 1
         for listener in self._evict_listeners:
             listener(key[0], lora)
 
