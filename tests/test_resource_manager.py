@@ -239,3 +239,37 @@ def test_a_context_whose_kv_cache_cannot_be_made_leaves_nothing_registered_or_pi
     monkeypatch.undo()
     manager.release_context(holder)
     assert sessions_using(manager, kept) == 0
+
+
+def test_an_eviction_while_a_base_model_run_starts_never_lends_it_the_evicted_binding(manager):
+    """A context switched to the base model still holds its binding to the adapter it ran
+    before; an eviction of that adapter's buffers on another thread, landing just after the
+    run read the binding and before it read what the binding was for, made the run take the
+    old binding as the base model's: the adapter's delta in a base-model run."""
+    from runtime.framework.resource_management.context_handler import ContextHandler
+
+    class EvictionAfterTheBindingIsRead(ContextHandler):
+        evict = None  # called once, right after the binding is next read
+
+        @property
+        def binding(self):
+            value = self.__dict__["_binding"]
+            evict, self.evict = self.evict, None
+            if evict is not None:
+                evict()
+            return value
+
+        @binding.setter
+        def binding(self, value):
+            self.__dict__["_binding"] = value
+
+    context = manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))])
+    assert bound(manager, context).lora_slot == LoraSlot(4)
+    manager.set_adapters(context, [])
+    context.__dict__["_binding"] = context.__dict__.pop("binding")
+    context.__class__ = EvictionAfterTheBindingIsRead
+    context.evict = lambda: manager.registry.set_residency(OnlyActive())  # the adapter is idle: it goes
+    with manager.acquire_executor_with_context_handler(context) as binding:
+        assert binding.lora_slot is None
+    assert manager.registry.report().resident == ()
+    manager.release_context(context)

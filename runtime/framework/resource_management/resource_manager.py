@@ -257,8 +257,14 @@ class Run:
             self._executor = resources.pool.take()
         executor = self._executor
         try:
-            binding = context.binding  # the session's own thread is the only one setting it
-            if binding is None or context.bound_lora is not lora or binding.executor is not executor:
+            # Only the session's own thread binds (use_binding); an eviction on another thread
+            # may drop the binding meanwhile (forget_lora). Both write the binding before its
+            # LoRA, so the LoRA is read first: the other way round, a binding read just before
+            # an eviction of its buffers, its LoRA read as None just after, passed for a
+            # base-model binding.
+            bound_lora = context.bound_lora
+            binding = context.binding
+            if binding is None or bound_lora is not lora or binding.executor is not executor:
                 binding = resources._bind(context, lora, executor)
         except BaseException:
             self.__exit__()
