@@ -273,3 +273,24 @@ def test_an_eviction_while_a_base_model_run_starts_never_lends_it_the_evicted_bi
         assert binding.lora_slot is None
     assert manager.registry.report().resident == ()
     manager.release_context(context)
+
+
+def test_a_run_interrupted_waiting_for_an_executor_leaves_its_adapter_idle(manager, monkeypatch):
+    """Ctrl-C lands where a run waits, for an executor of a busy pool: the blend the run had
+    acquired must be released, else it stays active for ever (never evicted, never unloaded)."""
+    context = manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))])
+    (lora_id,) = context.lora_ids
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manager.pool, "take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with manager.acquire_executor_with_context_handler(context):
+            pass
+    monkeypatch.undo()
+    manager.registry.set_residency(OnlyActive())
+    assert manager.registry.report().resident == ()
+    manager.release_context(context)
+    manager.registry.unload(lora_id)
+    assert manager.registry.ids() == []

@@ -253,10 +253,10 @@ class Run:
         resources, context = self._resources, self._context
         self._blend = blend = context.blend
         lora = resources.registry.acquire(blend, self._slot) if blend else None
-        if self._pooled:
-            self._executor = resources.pool.take()
-        executor = self._executor
         try:
+            if self._pooled:  # waits while the pool's executors are busy: an interrupt lands here
+                self._executor = resources.pool.take()
+            executor = self._executor
             # Only the session's own thread binds (use_binding); an eviction on another thread
             # may drop the binding meanwhile (forget_lora). Both write the binding before its
             # LoRA, so the LoRA is read first: the other way round, a binding read just before
@@ -274,7 +274,7 @@ class Run:
         return binding
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._pooled:
+        if self._pooled and self._executor is not None:  # None: interrupted before the pool lent one
             self._resources.pool.give_back(self._executor)
         if self._blend:
             self._resources.registry.release(self._blend, self._slot)
