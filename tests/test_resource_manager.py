@@ -294,3 +294,27 @@ def test_a_run_interrupted_waiting_for_an_executor_leaves_its_adapter_idle(manag
     manager.release_context(context)
     manager.registry.unload(lora_id)
     assert manager.registry.ids() == []
+
+
+def test_an_adapter_without_draft_heads_has_one_id_whatever_its_heads_flag(manager):
+    """``heads`` picks whether a Turbo LoRA's draft heads come with it; an adapter that
+    carries none is the same adapter either way, not a second registration (and a second
+    set of buffers) under another id."""
+    from conftest import MODELS
+
+    peft = MODELS / "peft"
+    for path in (adapter_path("torch_r4"), peft / "qkvo_r4"):  # with heads (the default) first
+        first = manager.registry.register(LoraSource(path=path))
+        assert manager.registry.register(LoraSource(path=path, heads=False)) == first
+    for path in (adapter_path("litertlm_r4"), peft / "qkvo_r4_b"):  # without first
+        first = manager.registry.register(LoraSource(path=path, heads=False))
+        assert manager.registry.register(LoraSource(path=path)) == first
+    turbo = manager.registry.register(LoraSource(path=MODELS / "turbo" / "trained_heads", heads=False))
+    with pytest.raises(FailedPreconditionError, match="heads=False"):  # it has heads: not its heads=False twin
+        manager.registry.register(LoraSource(path=MODELS / "turbo" / "trained_heads"))
+    ids = manager.registry.ids()
+    assert ids == [1, 2, 3, 4, turbo]
+    for lora_id in ids:
+        manager.registry.unload(lora_id)  # every name of it goes
+    again = manager.registry.register(LoraSource(path=peft / "qkvo_r4", heads=False))
+    assert manager.registry.register(LoraSource(path=peft / "qkvo_r4")) == again == turbo + 1
