@@ -318,3 +318,30 @@ def test_an_adapter_without_draft_heads_has_one_id_whatever_its_heads_flag(manag
         manager.registry.unload(lora_id)  # every name of it goes
     again = manager.registry.register(LoraSource(path=peft / "qkvo_r4", heads=False))
     assert manager.registry.register(LoraSource(path=peft / "qkvo_r4")) == again == turbo + 1
+
+
+def test_a_blend_of_in_memory_adapters_of_one_size_lies_in_one_order_whatever_was_registered_first():
+    """A blend's adapters lie along the rank in their sources' order, so its sums do not
+    depend on registration order; in-memory adapters are named by their size, and two of
+    one size (same architecture and format: the common case) tied and fell back to id order."""
+    from runtime.adapters.lora_data import LoraData
+    from runtime.adapters.lora_writer import serialize_lora_tensors
+
+    with LoraData.create_from_file_path(adapter_path("torch_r4")) as data:
+        tensors = {name: data.read_tensor(name).astype(np.float32) for name in data.get_all_tensor_names()}
+    blobs = [serialize_lora_tensors({name: array * factor for name, array in tensors.items()}, external_data=False)
+             for factor in (1.0, -0.5)]
+    assert len(blobs[0]) == len(blobs[1]) and blobs[0] != blobs[1]
+    built = []
+    for order in (blobs, blobs[::-1]):
+        resources = make_resource_manager(MODEL_FILES["default"])
+        try:
+            ids = {blob: resources.registry.register(LoraSource(buffer=blob)) for blob in order}
+            blend = tuple(sorted([(ids[blobs[0]], 0.7), (ids[blobs[1]], 0.3)]))
+            lora = resources.registry.acquire(blend)
+            built.append({name: buffer.array.copy() for name, buffer in lora.buffers.items()})
+            resources.registry.release(blend)
+        finally:
+            resources.close()
+    for name in built[0]:
+        assert np.array_equal(built[0][name], built[1][name]), name

@@ -88,6 +88,7 @@ class LoraManager:
         self._allow_non_finite = allow_non_finite
         self._residency = KeepAll() if residency is None else check_policy(residency)
         self._plans: dict[int, AdapterPlan] = {}
+        self._order: dict[int, tuple[str, str]] = {}  # where each lies in a blend: (source name, identity)
         # Registered adapters of one layout share one pairs mapping, and how many use it: each
         # would otherwise keep a ProjectionPair per projection (24 KiB at SmolLM2 all-linear).
         self._layouts: dict[Layout, tuple[Mapping[tuple[int, str], ProjectionPair], int]] = {}
@@ -105,8 +106,10 @@ class LoraManager:
 
     # -- loading -------------------------------------------------------------------
 
-    def load_lora(self, lora_id: int, data: AdapterData) -> AdapterPlan:
+    def load_lora(self, lora_id: int, data: AdapterData, *, identity: str = "") -> AdapterPlan:
         """Checks ``data`` against the model and registers it under ``lora_id``.
+        ``identity``: what tells it apart from another adapter of the same source name
+        (two in-memory adapters of one size), for the order of a blend's adapters.
 
         ``AlreadyExistsError`` when the id is taken; ``InvalidArgumentError`` when the
         adapter does not fit (nothing is registered then).
@@ -120,6 +123,7 @@ class LoraManager:
             self._layouts[layout] = pairs, users + 1
             plan = replace(plan, pairs=pairs)
             self._plans[lora_id] = plan
+            self._order[lora_id] = plan.source_name, identity
         return plan
 
     def has_lora(self, lora_id: int) -> bool:
@@ -236,8 +240,8 @@ class LoraManager:
         blend, slot = key
         # Side by side in the order of their sources, not of their ids: a blend's sums do not
         # depend on which of its adapters this engine happened to register first.
-        plans = sorted(((self._require(lora_id), scale) for lora_id, scale in blend),
-                       key=lambda entry: entry[0].source_name)
+        plans = [(self._require(lora_id), scale, self._order[lora_id]) for lora_id, scale in blend]
+        plans = [(plan, scale) for plan, scale, _ in sorted(plans, key=lambda entry: entry[2])]
         with self._materialize_latency.time():
             lora = LoRA(
                 plans,
@@ -319,6 +323,7 @@ class LoraManager:
                     f"LoRA id {lora_id} ({plan.source_name}) is being run by {runs} run(s); unload it after they end"
                 )
             del self._plans[lora_id]
+            del self._order[lora_id]
             for blend in [b for b in self._slot_of if any(i == lora_id for i, _ in b)]:
                 del self._slot_of[blend]
             layout = tuple(plan.pairs.items())

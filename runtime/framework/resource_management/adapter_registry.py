@@ -103,7 +103,7 @@ class AdapterRegistry:
                         return twin
                     if heads is not None:
                         check_heads(heads, self._draft_width, self._vocab_size, origin.name)
-                    self._manager.load_lora(lora_id, data)
+                    self._manager.load_lora(lora_id, data, identity=repr(origin.key))
                 except BaseException:
                     data.close()
                     raise
