@@ -345,3 +345,15 @@ def test_a_blend_of_in_memory_adapters_of_one_size_lies_in_one_order_whatever_wa
             resources.close()
     for name in built[0]:
         assert np.array_equal(built[0][name], built[1][name]), name
+
+
+@pytest.mark.parametrize("given", [str(adapter_path("torch_r4")), adapter_path("torch_r4"), b"bytes"],
+                         ids=["a path string", "a Path", "bytes"])
+def test_an_adapter_that_is_not_a_lora_source_is_refused_by_name(manager, given):
+    """LiteRT-LM's AssignLoraId takes a path: passed here, it failed as an AttributeError
+    ('str' object has no attribute 'origin') instead of the runtime's error naming it."""
+    with pytest.raises(InvalidArgumentError, match=r"expected a LoraSource \(LoraSource\(path=\.\.\.\)"):
+        manager.assign_lora_id(given)
+    with pytest.raises(InvalidArgumentError, match="expected a LoraSource"):
+        manager.create_context_handler([LoraSource(path=adapter_path("litertlm_r4")), given])
+    assert manager.registry.ids() == []

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from runtime.components.lora import LoRA
 from runtime.components.lora_manager import Blend, LoraManager, normalize_blend
 from runtime.components.residency import ResidencyPolicy
-from runtime.errors import NotFoundError, StatusError
+from runtime.errors import InvalidArgumentError, NotFoundError, StatusError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
 from runtime.adapters.adapter_formats import AdapterKey
@@ -74,6 +74,9 @@ class AdapterRegistry:
     def register(self, source: LoraSource) -> int:
         """Registers ``source`` once and returns its id; a failure registers nothing. A
         ``sha256`` it carries is checked every time, the adapter registered already or not."""
+        if not isinstance(source, LoraSource):  # LiteRT-LM's AssignLoraId takes a path
+            raise InvalidArgumentError(f"adapter {source!r:.80}: expected a LoraSource (LoraSource(path=...) names "
+                                       "a file, LoraSource(buffer=...) its bytes)")
         origin = source.origin()
         key = (origin.key, source.heads)
         with self._lock:
