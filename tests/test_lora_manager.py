@@ -204,9 +204,31 @@ def test_unload_frees_and_refuses_pinned(manager):
     manager.unload_lora(1)
     assert manager.loaded_ids() == [2]
     assert [b for b, _ in manager.resident()] == [((2, 1.0),)]  # every blend holding 1 went with it
+    assert manager.residency_stats().evictions == 0  # unloaded, not evicted: KeepAll evicts nothing
     with pytest.raises(NotFoundError):
         manager.acquire(((1, 1.0),))
 
+
+
+def test_unload_refuses_an_adapter_a_run_is_using(manager):
+    """An adapter of a blend being run (acquired, not yet released) is not unloaded: its
+    buffers would go while the run reads them, and the run's release could no longer find
+    the blend (NotFoundError), leaving it counted active for ever."""
+    from runtime.components.residency import OnlyActive
+
+    manager.load_lora(1, data("torch_r4"))
+    manager.load_lora(2, data("litertlm_r4"))
+    blend = normalize_blend([(1, 0.5), (2, 0.5)])
+    running = manager.acquire(blend)  # no session pins it: LiteRT-LM's UseLoRA callers hold none
+    for lora_id in (1, 2):
+        with pytest.raises(FailedPreconditionError, match=r"torch_r4|litertlm_r4") as refused:
+            manager.unload_lora(lora_id)
+        assert "being run" in str(refused.value)
+    assert manager.loaded_ids() == [1, 2] and manager.resident()[(blend, R16)] is running
+    manager.release(blend)
+    manager.unload_lora(1)
+    manager.set_residency(OnlyActive())  # nothing runs: nothing stays resident
+    assert manager.loaded_ids() == [2] and manager.resident() == {}
 
 
 def test_an_id_loaded_again_after_unloading_gets_its_new_adapters_slot(manager):

@@ -30,3 +30,16 @@ def test_lru_by_count_and_bytes_skips_protected():
 def test_bad_lru(kwargs):
     with pytest.raises(InvalidArgumentError):
         Lru(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_resident": "3"}, "max_resident"),  # compared with 1: a TypeError, not the runtime's error
+    ({"max_resident": True}, "max_resident"),  # a bool passed for 1
+    ({"max_resident": 2.5}, "max_resident"),
+    ({"max_resident": None, "max_bytes": float("nan")}, "max_bytes"),  # never exceeded: nothing ever evicted
+    ({"max_resident": None, "max_bytes": "1e6"}, "max_bytes"),
+])
+def test_lru_limits_must_be_integers(kwargs, field):
+    with pytest.raises(InvalidArgumentError, match=f"Lru {field}="):
+        Lru(**kwargs)
+

@@ -220,3 +220,140 @@ def test_wrong_buffer_type(manager):
     with pytest.raises(InvalidArgumentError, match="buffer='not bytes', expected the bytes of an adapter"):
         manager.registry.register(LoraSource(buffer="not bytes"))
     assert manager.registry.ids() == []
+
+
+def test_a_context_whose_kv_cache_cannot_be_made_leaves_nothing_registered_or_pinned(manager, monkeypatch):
+    """Under memory pressure the KV cache's allocation fails after the adapters were
+    registered and pinned: the adapters the call brought go again, the others keep their
+    pins as they were."""
+    kept = manager.registry.register(LoraSource(path=adapter_path("litertlm_r4")))
+    holder = manager.create_context_handler([], [(kept, 1.0)])
+
+    def out_of_memory():
+        raise MemoryError("no room for a KV cache")
+
+    monkeypatch.setattr(manager.pool.primary, "create_kv_cache", out_of_memory)
+    with pytest.raises(MemoryError):
+        manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))], [(kept, 0.5)])
+    assert manager.registry.ids() == [kept] and sessions_using(manager, kept) == 1
+    monkeypatch.undo()
+    manager.release_context(holder)
+    assert sessions_using(manager, kept) == 0
+
+
+def test_an_eviction_while_a_base_model_run_starts_never_lends_it_the_evicted_binding(manager):
+    """A context switched to the base model still holds its binding to the adapter it ran
+    before; an eviction of that adapter's buffers on another thread, landing just after the
+    run read the binding and before it read what the binding was for, made the run take the
+    old binding as the base model's: the adapter's delta in a base-model run."""
+    from runtime.framework.resource_management.context_handler import ContextHandler
+
+    class EvictionAfterTheBindingIsRead(ContextHandler):
+        evict = None  # called once, right after the binding is next read
+
+        @property
+        def binding(self):
+            value = self.__dict__["_binding"]
+            evict, self.evict = self.evict, None
+            if evict is not None:
+                evict()
+            return value
+
+        @binding.setter
+        def binding(self, value):
+            self.__dict__["_binding"] = value
+
+    context = manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))])
+    assert bound(manager, context).lora_slot == LoraSlot(4)
+    manager.set_adapters(context, [])
+    context.__dict__["_binding"] = context.__dict__.pop("binding")
+    context.__class__ = EvictionAfterTheBindingIsRead
+    context.evict = lambda: manager.registry.set_residency(OnlyActive())  # the adapter is idle: it goes
+    with manager.acquire_executor_with_context_handler(context) as binding:
+        assert binding.lora_slot is None
+    assert manager.registry.report().resident == ()
+    manager.release_context(context)
+
+
+def test_a_run_interrupted_waiting_for_an_executor_leaves_its_adapter_idle(manager, monkeypatch):
+    """Ctrl-C lands where a run waits, for an executor of a busy pool: the blend the run had
+    acquired must be released, else it stays active for ever (never evicted, never unloaded)."""
+    context = manager.create_context_handler([LoraSource(path=adapter_path("torch_r4"))])
+    (lora_id,) = context.lora_ids
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manager.pool, "take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with manager.acquire_executor_with_context_handler(context):
+            pass
+    monkeypatch.undo()
+    manager.registry.set_residency(OnlyActive())
+    assert manager.registry.report().resident == ()
+    manager.release_context(context)
+    manager.registry.unload(lora_id)
+    assert manager.registry.ids() == []
+
+
+def test_an_adapter_without_draft_heads_has_one_id_whatever_its_heads_flag(manager):
+    """``heads`` picks whether a Turbo LoRA's draft heads come with it; an adapter that
+    carries none is the same adapter either way, not a second registration (and a second
+    set of buffers) under another id."""
+    from conftest import MODELS
+
+    peft = MODELS / "peft"
+    for path in (adapter_path("torch_r4"), peft / "qkvo_r4"):  # with heads (the default) first
+        first = manager.registry.register(LoraSource(path=path))
+        assert manager.registry.register(LoraSource(path=path, heads=False)) == first
+    for path in (adapter_path("litertlm_r4"), peft / "qkvo_r4_b"):  # without first
+        first = manager.registry.register(LoraSource(path=path, heads=False))
+        assert manager.registry.register(LoraSource(path=path)) == first
+    turbo = manager.registry.register(LoraSource(path=MODELS / "turbo" / "trained_heads", heads=False))
+    with pytest.raises(FailedPreconditionError, match="heads=False"):  # it has heads: not its heads=False twin
+        manager.registry.register(LoraSource(path=MODELS / "turbo" / "trained_heads"))
+    ids = manager.registry.ids()
+    assert ids == [1, 2, 3, 4, turbo]
+    for lora_id in ids:
+        manager.registry.unload(lora_id)  # every name of it goes
+    again = manager.registry.register(LoraSource(path=peft / "qkvo_r4", heads=False))
+    assert manager.registry.register(LoraSource(path=peft / "qkvo_r4")) == again == turbo + 1
+
+
+def test_a_blend_of_in_memory_adapters_of_one_size_lies_in_one_order_whatever_was_registered_first():
+    """A blend's adapters lie along the rank in their sources' order, so its sums do not
+    depend on registration order; in-memory adapters are named by their size, and two of
+    one size (same architecture and format: the common case) tied and fell back to id order."""
+    from runtime.adapters.lora_data import LoraData
+    from runtime.adapters.lora_writer import serialize_lora_tensors
+
+    with LoraData.create_from_file_path(adapter_path("torch_r4")) as data:
+        tensors = {name: data.read_tensor(name).astype(np.float32) for name in data.get_all_tensor_names()}
+    blobs = [serialize_lora_tensors({name: array * factor for name, array in tensors.items()}, external_data=False)
+             for factor in (1.0, -0.5)]
+    assert len(blobs[0]) == len(blobs[1]) and blobs[0] != blobs[1]
+    built = []
+    for order in (blobs, blobs[::-1]):
+        resources = make_resource_manager(MODEL_FILES["default"])
+        try:
+            ids = {blob: resources.registry.register(LoraSource(buffer=blob)) for blob in order}
+            blend = tuple(sorted([(ids[blobs[0]], 0.7), (ids[blobs[1]], 0.3)]))
+            lora = resources.registry.acquire(blend)
+            built.append({name: buffer.array.copy() for name, buffer in lora.buffers.items()})
+            resources.registry.release(blend)
+        finally:
+            resources.close()
+    for name in built[0]:
+        assert np.array_equal(built[0][name], built[1][name]), name
+
+
+@pytest.mark.parametrize("given", [str(adapter_path("torch_r4")), adapter_path("torch_r4"), b"bytes"],
+                         ids=["a path string", "a Path", "bytes"])
+def test_an_adapter_that_is_not_a_lora_source_is_refused_by_name(manager, given):
+    """LiteRT-LM's AssignLoraId takes a path: passed here, it failed as an AttributeError
+    ('str' object has no attribute 'origin') instead of the runtime's error naming it."""
+    with pytest.raises(InvalidArgumentError, match=r"expected a LoraSource \(LoraSource\(path=\.\.\.\)"):
+        manager.assign_lora_id(given)
+    with pytest.raises(InvalidArgumentError, match="expected a LoraSource"):
+        manager.create_context_handler([LoraSource(path=adapter_path("litertlm_r4")), given])
+    assert manager.registry.ids() == []

@@ -10,7 +10,7 @@ LiteRT-LM's ``LoadLoRA`` / ``UseLoRA``); a blend becomes *resident* when
 * :meth:`LoraManager.acquire` builds a blend's slot buffers on first use and keeps them
   for the next, as the residency policy allows.
 * :meth:`LoraManager.unload_lora` forgets an adapter and drops its buffers, unless a
-  live session still holds it (:meth:`pin`).
+  live session still holds it (:meth:`pin`) or a run is using it (:meth:`acquire`).
 * Residency: :meth:`acquire` / :meth:`release` bracket a run; an active blend is never
   evicted, the others are kept or dropped as the :mod:`residency policy
   <runtime.components.residency>` says. A new blend is built before anything is
@@ -65,7 +65,7 @@ class ResidencyStats:
 
     hits: int
     misses: int
-    evictions: int
+    evictions: int  # by the residency policy (buffers dropped with their adapter's unload are not counted)
     materialize: LatencySummary
 
 
@@ -88,6 +88,7 @@ class LoraManager:
         self._allow_non_finite = allow_non_finite
         self._residency = KeepAll() if residency is None else check_policy(residency)
         self._plans: dict[int, AdapterPlan] = {}
+        self._order: dict[int, tuple[str, str]] = {}  # where each lies in a blend: (source name, identity)
         # Registered adapters of one layout share one pairs mapping, and how many use it: each
         # would otherwise keep a ProjectionPair per projection (24 KiB at SmolLM2 all-linear).
         self._layouts: dict[Layout, tuple[Mapping[tuple[int, str], ProjectionPair], int]] = {}
@@ -105,8 +106,10 @@ class LoraManager:
 
     # -- loading -------------------------------------------------------------------
 
-    def load_lora(self, lora_id: int, data: AdapterData) -> AdapterPlan:
+    def load_lora(self, lora_id: int, data: AdapterData, *, identity: str = "") -> AdapterPlan:
         """Checks ``data`` against the model and registers it under ``lora_id``.
+        ``identity``: what tells it apart from another adapter of the same source name
+        (two in-memory adapters of one size), for the order of a blend's adapters.
 
         ``AlreadyExistsError`` when the id is taken; ``InvalidArgumentError`` when the
         adapter does not fit (nothing is registered then).
@@ -120,6 +123,7 @@ class LoraManager:
             self._layouts[layout] = pairs, users + 1
             plan = replace(plan, pairs=pairs)
             self._plans[lora_id] = plan
+            self._order[lora_id] = plan.source_name, identity
         return plan
 
     def has_lora(self, lora_id: int) -> bool:
@@ -236,8 +240,8 @@ class LoraManager:
         blend, slot = key
         # Side by side in the order of their sources, not of their ids: a blend's sums do not
         # depend on which of its adapters this engine happened to register first.
-        plans = sorted(((self._require(lora_id), scale) for lora_id, scale in blend),
-                       key=lambda entry: entry[0].source_name)
+        plans = [(self._require(lora_id), scale, self._order[lora_id]) for lora_id, scale in blend]
+        plans = [(plan, scale) for plan, scale, _ in sorted(plans, key=lambda entry: entry[2])]
         with self._materialize_latency.time():
             lora = LoRA(
                 plans,
@@ -262,6 +266,7 @@ class LoraManager:
             protected.add(protect)
         sizes = {key: lora.nbytes for key, lora in self._resident.items()}
         for key in choose_evictions(self._residency, sizes, protected):
+            self._evictions += 1
             self._drop(key)
 
     def _within(self, policy: Lru) -> bool:
@@ -270,8 +275,8 @@ class LoraManager:
         return policy.max_bytes is None or sum(l.nbytes for l in self._resident.values()) <= policy.max_bytes
 
     def _drop(self, key: Materialized) -> None:
+        """Drops ``key``'s buffers (an eviction, or its adapter unloaded) and tells the listeners."""
         lora = self._resident.pop(key)
-        self._evictions += 1
         for listener in self._evict_listeners:
             listener(key[0], lora)
 
@@ -302,7 +307,8 @@ class LoraManager:
         """Forgets ``lora_id`` and drops every buffer built from it.
 
         ``NotFoundError`` for an unknown id; ``FailedPreconditionError`` while a live
-        session holds it.
+        session holds it, or while a blend of it is active (acquired and not yet
+        released: a run is reading its buffers).
         """
         with self._lock:
             plan = self._require(lora_id)
@@ -311,7 +317,13 @@ class LoraManager:
                     f"LoRA id {lora_id} ({plan.source_name}) is used by "
                     f"{self._pins[lora_id]} live session(s); close them first"
                 )
+            runs = sum(count for (blend, _), count in self._active.items() if any(i == lora_id for i, _ in blend))
+            if runs:
+                raise FailedPreconditionError(
+                    f"LoRA id {lora_id} ({plan.source_name}) is being run by {runs} run(s); unload it after they end"
+                )
             del self._plans[lora_id]
+            del self._order[lora_id]
             for blend in [b for b in self._slot_of if any(i == lora_id for i, _ in b)]:
                 del self._slot_of[blend]
             layout = tuple(plan.pairs.items())

@@ -7,6 +7,7 @@ running is never evicted, whatever the policy.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Hashable, Mapping, Set
 from dataclasses import dataclass
 
@@ -29,10 +30,11 @@ class Lru:
     def __post_init__(self) -> None:
         if self.max_resident is None and self.max_bytes is None:
             raise InvalidArgumentError("Lru needs max_resident, max_bytes or both")
-        if self.max_resident is not None and self.max_resident < 1:
-            raise InvalidArgumentError(f"Lru max_resident={self.max_resident}, expected >= 1")
-        if self.max_bytes is not None and self.max_bytes < 0:
-            raise InvalidArgumentError(f"Lru max_bytes={self.max_bytes}, expected >= 0")
+        for name, value, least in (("max_resident", self.max_resident, 1), ("max_bytes", self.max_bytes, 0)):
+            # An integer: a string failed the comparison with a TypeError, NaN was never exceeded.
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+                                      or value < least):
+                raise InvalidArgumentError(f"Lru {name}={value!r:.40}, expected an integer >= {least} or None")
 
 
 @dataclass(frozen=True)

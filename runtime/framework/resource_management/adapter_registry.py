@@ -3,7 +3,9 @@
 * The same adapter gets the same id: a file (or a PEFT directory's files) is identified
   by device, inode, size and modification time (so another path or a symlink to it is
   the same adapter, and a rewritten file is a new one); an in-memory blob by the
-  SHA-256 of its content. Ids are assigned here and nowhere else.
+  SHA-256 of its content; an adapter without draft heads is the same whatever its
+  ``heads`` flag (a Turbo LoRA's heads=False registration is apart from the one with
+  its heads). Ids are assigned here and nowhere else.
 * Each adapter is parsed once, under the lock; one that fails leaves no id behind.
 * Sessions pin the adapters of their blend, so an adapter a live session uses cannot be
   unloaded; a blend is registered and pinned under one lock, so an unload cannot slip in
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from runtime.components.lora import LoRA
 from runtime.components.lora_manager import Blend, LoraManager, normalize_blend
 from runtime.components.residency import ResidencyPolicy
-from runtime.errors import NotFoundError, StatusError
+from runtime.errors import InvalidArgumentError, NotFoundError, StatusError
 from runtime.framework.lora_source import LoraSource
 from runtime.framework.resource_management.adapter_stats import AdapterReport, AdapterStats, ResidentStats
 from runtime.adapters.adapter_formats import AdapterKey
@@ -72,11 +74,22 @@ class AdapterRegistry:
     def register(self, source: LoraSource) -> int:
         """Registers ``source`` once and returns its id; a failure registers nothing. A
         ``sha256`` it carries is checked every time, the adapter registered already or not."""
+        if not isinstance(source, LoraSource):  # LiteRT-LM's AssignLoraId takes a path
+            raise InvalidArgumentError(f"adapter {source!r:.80}: expected a LoraSource (LoraSource(path=...) names "
+                                       "a file, LoraSource(buffer=...) its bytes)")
         origin = source.origin()
         key = (origin.key, source.heads)
         with self._lock:
             if source.sha256 is not None:
                 origin.check_sha256(source.sha256)
+            # The same adapter registered with the other heads flag, carrying no draft heads:
+            # without heads, the flag changes nothing, and it is that adapter again.
+            twin = self._ids.get((origin.key, not source.heads))
+            if twin is not None and (twin in self._heads or not self._manager.has_lora(twin)):
+                twin = None
+            if twin is not None and not source.heads:
+                self._ids[key] = twin
+                return twin
             known = key in self._ids
             lora_id = self._id_for(key)
             if self._manager.has_lora(lora_id):
@@ -86,17 +99,19 @@ class AdapterRegistry:
                 data = origin.open(head_dim=self._head_dim, lora_xs=self._lora_xs, heads=source.heads)
                 try:
                     heads = data.draft_heads
+                    if heads is None and twin is not None:  # it has none: the twin registered without
+                        data.close()
+                        self._give_back(key, lora_id, known)
+                        self._ids[key] = twin
+                        return twin
                     if heads is not None:
                         check_heads(heads, self._draft_width, self._vocab_size, origin.name)
-                    self._manager.load_lora(lora_id, data)
+                    self._manager.load_lora(lora_id, data, identity=repr(origin.key))
                 except BaseException:
                     data.close()
                     raise
             except BaseException:
-                if not known:
-                    del self._ids[key]
-                    if lora_id == self._next_id - 1:
-                        self._next_id = lora_id  # nothing saw the id: the next adapter takes it
+                self._give_back(key, lora_id, known)
                 raise
             if heads is not None:
                 self._heads[lora_id] = heads
@@ -234,6 +249,13 @@ class AdapterRegistry:
             draft_heads=heads.count if heads else 0,
             draft_head_bytes=heads.nbytes if heads else 0,
         )
+
+    def _give_back(self, key: tuple[AdapterKey, bool], lora_id: int, known: bool) -> None:
+        """Forgets the id :meth:`_id_for` just gave ``key`` (unless it was ``known`` before)."""
+        if not known:
+            del self._ids[key]
+            if lora_id == self._next_id - 1:
+                self._next_id = lora_id  # nothing saw the id: the next adapter takes it
 
     def _id_for(self, key: tuple[AdapterKey, bool]) -> int:
         if key not in self._ids:

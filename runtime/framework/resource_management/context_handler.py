@@ -62,7 +62,7 @@ class ContextHandler:
             self.recent[key] = (lora, binding)  # most recent last
             while len(self.recent) > self.RECENT_BINDINGS:
                 del self.recent[next(iter(self.recent))]
-            self.binding, self.bound_lora = binding, lora
+            self.binding, self.bound_lora = binding, lora  # the binding first: see Run.__enter__
             return binding
 
     def forget_lora(self, lora: LoRA) -> None:
@@ -71,7 +71,7 @@ class ContextHandler:
             for key in [k for k, (cached, _) in self.recent.items() if cached is lora]:
                 del self.recent[key]
             if self.bound_lora is lora:
-                self.binding = self.bound_lora = None
+                self.binding = self.bound_lora = None  # the binding first: see Run.__enter__
 
     def forget_binding(self) -> None:
         """Drops all bindings (when closing)."""

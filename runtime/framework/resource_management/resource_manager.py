@@ -88,13 +88,16 @@ class ResourceManager:
     def create_context_handler(self, sources: Iterable[LoraSource] = (),
                                registered: Iterable[tuple[int, float]] = ()) -> ContextHandler:
         """A fresh context using ``sources`` (registered if needed) and the already
-        registered ``(lora_id, scale)`` entries; an unload cannot slip in between."""
-        blend = self.registry.pinned_blend(sources, registered)
+        registered ``(lora_id, scale)`` entries; an unload cannot slip in between. The KV
+        cache is made first, so a failure (an adapter refused, no memory for the cache)
+        leaves no adapter registered or pinned by this call."""
+        kv = self.pool.primary.create_kv_cache()
         try:
-            context = ContextHandler(blend, self.pool.primary.create_kv_cache())
+            blend = self.registry.pinned_blend(sources, registered)
         except BaseException:
-            self.registry.unpin(blend)
+            kv.close()
             raise
+        context = ContextHandler(blend, kv)
         self._track(context)
         return context
 
@@ -250,12 +253,18 @@ class Run:
         resources, context = self._resources, self._context
         self._blend = blend = context.blend
         lora = resources.registry.acquire(blend, self._slot) if blend else None
-        if self._pooled:
-            self._executor = resources.pool.take()
-        executor = self._executor
         try:
-            binding = context.binding  # the session's own thread is the only one setting it
-            if binding is None or context.bound_lora is not lora or binding.executor is not executor:
+            if self._pooled:  # waits while the pool's executors are busy: an interrupt lands here
+                self._executor = resources.pool.take()
+            executor = self._executor
+            # Only the session's own thread binds (use_binding); an eviction on another thread
+            # may drop the binding meanwhile (forget_lora). Both write the binding before its
+            # LoRA, so the LoRA is read first: the other way round, a binding read just before
+            # an eviction of its buffers, its LoRA read as None just after, passed for a
+            # base-model binding.
+            bound_lora = context.bound_lora
+            binding = context.binding
+            if binding is None or bound_lora is not lora or binding.executor is not executor:
                 binding = resources._bind(context, lora, executor)
         except BaseException:
             self.__exit__()
@@ -265,7 +274,7 @@ class Run:
         return binding
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._pooled:
+        if self._pooled and self._executor is not None:  # None: interrupted before the pool lent one
             self._resources.pool.give_back(self._executor)
         if self._blend:
             self._resources.registry.release(self._blend, self._slot)
