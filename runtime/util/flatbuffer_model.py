@@ -28,7 +28,7 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-from runtime.errors import InvalidArgumentError
+from runtime.errors import DataLossError, InvalidArgumentError
 
 ALIGNMENT = 64
 FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
@@ -39,18 +39,27 @@ READ_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
 _schema_patch_lock = threading.Lock()
 
 
-def unpack(data: bytes) -> schema.ModelT:
-    """``data``'s model in object form, every buffer's data inside it.
-    ``InvalidArgumentError`` when that would make a flatbuffer of 2 GB or more."""
-    model = schema.ModelT.InitFromPackedBuf(data, 0)
-    outside = 0
-    for buffer in model.buffers or ():
-        if buffer.offset > 1:  # data after the flatbuffer (the quantizer writes some so): brought inside
-            buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
-            outside += buffer.size
-            buffer.offset = buffer.size = 0
+def unpack(data: bytes, source: str = "the model") -> schema.ModelT:
+    """``data``'s model in object form, every buffer's data inside it. ``source`` names the
+    bytes in errors: ``InvalidArgumentError`` when they are not a ``.tflite`` (no ``TFL3``
+    file identifier: a ``.litertlm`` bundle, an unrelated file) or when the model would make
+    a flatbuffer of 2 GB or more; ``DataLossError`` when an offset in them points outside
+    them (a truncated or corrupt file)."""
+    if bytes(data[4:8]) != b"TFL3":
+        raise InvalidArgumentError(f"{source}: not a .tflite model (no TFL3 file identifier at byte 4)")
+    try:
+        model = schema.ModelT.InitFromPackedBuf(data, 0)
+        outside = 0
+        for buffer in model.buffers or ():
+            if buffer.offset > 1:  # data after the flatbuffer (the quantizer writes some so): brought inside
+                buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
+                outside += buffer.size
+                buffer.offset = buffer.size = 0
+    except READ_ERRORS as exc:
+        raise DataLossError(f"{source}: a .tflite model truncated or corrupt: its flatbuffer points outside "
+                            f"its {len(data):,} bytes ({exc})") from None
     if outside and len(data) >= FLATBUFFER_LIMIT:
-        raise InvalidArgumentError(f"the model is {len(data):,} bytes, its weights partly outside the flatbuffer: "
+        raise InvalidArgumentError(f"{source}: {len(data):,} bytes, its weights partly outside the flatbuffer: "
                                    "a pass over its graph writes one flatbuffer, at most 2 GB")
     return model
 
