@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -109,6 +111,24 @@ def test_bundle_tokenizer_gives_text_in_text_out(bundle_path):
     assert streamed == result.tokens
     assert result.prompt_tokens == 2  # "hello", "world"
     assert result.text == engine.tokenizer.decode(result.tokens[:-1] if result.stop_reason == "stop_token" else result.tokens)
+
+
+def test_a_fifo_is_no_bundle_and_is_not_waited_on(tmp_path):
+    """``Engine(fifo)`` (``generate --model``, ``inspect``) waited forever for a writer in
+    is_litertlm's open, before the refusal of a file that is not a regular one."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    answers: list[bool] = []
+    probe = threading.Thread(target=lambda: answers.append(is_litertlm(fifo)), daemon=True)
+    probe.start()
+    probe.join(10)
+    waited = probe.is_alive()
+    if waited:  # let the blocked open go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        probe.join()
+    assert not waited and answers == [False]
+    with pytest.raises(InvalidArgumentError, match="fifo: is not a regular file, expected a model file"):
+        Engine(fifo)
 
 
 def test_corrupt_bundles(tmp_path, bundle_path):

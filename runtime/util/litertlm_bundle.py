@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -197,12 +198,18 @@ class LitertLmBundle:
 
 
 def is_litertlm(path: str | os.PathLike[str]) -> bool:
-    """Whether the file starts with the ``.litertlm`` magic."""
+    """Whether the file is a regular one starting with the ``.litertlm`` magic (opened
+    without blocking: a FIFO is no bundle, and is not waited on for a writer)."""
     try:
-        with open(path, "rb") as file:
-            return file.read(8) == MAGIC
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @functools.cache
