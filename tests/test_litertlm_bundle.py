@@ -113,6 +113,30 @@ def test_bundle_tokenizer_gives_text_in_text_out(bundle_path):
     assert result.text == engine.tokenizer.decode(result.tokens[:-1] if result.stop_reason == "stop_token" else result.tokens)
 
 
+def cli(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_inspect_and_convert_take_a_bundle_as_their_model_as_generate_does(bundle_path, tmp_path):
+    """``generate --model`` runs a bundle's model; ``inspect`` called the bundle neither a model
+    nor an adapter, and ``inspect --check --model`` and ``convert --model`` refused it."""
+    bare, bundled = cli("inspect", MODEL_FILES["default"]), cli("inspect", bundle_path)
+    assert bundled.returncode == 0, bundled.stderr
+    with LitertLmBundle(bundle_path) as bundle:
+        section = bundle.model_section()
+    assert f"  bundle: the model at bytes [{section.begin:,}, {section.end:,}); sections tflite_model, " \
+           "hf_tokenizer_zlib" in bundled.stdout
+    assert set(bare.stdout.splitlines()[1:]) <= set(bundled.stdout.splitlines()[1:])  # the same model described
+    fits = cli("inspect", "--check", adapter_path("torch_r4"), "--model", bundle_path)
+    assert fits.returncode == 0 and f"fits {bundle_path}" in fits.stdout, fits.stderr
+    outs = [tmp_path / "from_bare.tflite", tmp_path / "from_bundle.tflite"]
+    for model, out in zip((MODEL_FILES["default"], bundle_path), outs):
+        done = cli("convert", adapter_path("torch_r4"), "--model", model, "--out", out)
+        assert done.returncode == 0, done.stderr
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+
+
 def test_a_fifo_is_no_bundle_and_is_not_waited_on(tmp_path):
     """``Engine(fifo)`` (``generate --model``, ``inspect``) waited forever for a writer in
     is_litertlm's open, before the refusal of a file that is not a regular one."""

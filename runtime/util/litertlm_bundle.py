@@ -27,6 +27,7 @@ from typing import Any
 
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
 from runtime.util.flatbuffer_table import FlatTable
+from runtime.util.model_view import ModelFile
 from runtime.util.scoped_file import ScopedFile
 
 MAGIC = b"LITERTLM"
@@ -210,6 +211,16 @@ def is_litertlm(path: str | os.PathLike[str]) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """The LLM a model file holds, as the engine opens it: a ``.litertlm`` bundle's
+    :data:`PREFILL_DECODE` model section, any other file whole."""
+    if not is_litertlm(path):
+        return ModelFile(Path(path))
+    with LitertLmBundle(path) as bundle:
+        section = bundle.model_section()
+    return ModelFile(Path(path), section.begin, section.end)
 
 
 @functools.cache
