@@ -72,7 +72,7 @@ def test_a_failed_write_leaves_the_file_as_it_was(tmp_path, monkeypatch):
         file.write = write
         return file
 
-    monkeypatch.setattr(flatbuffer_model.tempfile, "NamedTemporaryFile", full_disk)
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", full_disk)
     with pytest.raises(OSError, match="No space left"):
         flatbuffer_model.write(model, out)
     assert out.read_bytes() == b"the model before" and os.listdir(tmp_path) == ["model.tflite"]

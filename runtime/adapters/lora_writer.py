@@ -22,6 +22,7 @@ from ai_edge_litert import schema_py_generated as schema
 from runtime.errors import InvalidArgumentError
 from runtime.adapters.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, tflite_dtype
 from runtime.adapters.lora_util import Convention, from_graph_layout, lora_input_name
+from runtime.util.file_output import write_whole
 
 DATA_ALIGNMENT = 64
 _TYPE_CODES = {"float32": schema.TensorType.FLOAT32, "float16": schema.TensorType.FLOAT16,
@@ -121,9 +122,10 @@ def write_lora_file(
     *,
     dtype: np.dtype | type | None = None,
 ) -> Path:
-    """Writes :func:`serialize_lora_weights` of ``weights`` to ``path``."""
+    """Writes :func:`serialize_lora_weights` of ``weights`` to ``path``, whole or not at all
+    (a failed write leaves ``path`` as it was)."""
     path = Path(path)
-    path.write_bytes(serialize_lora_weights(weights, convention, dtype=dtype))
+    write_whole(path, serialize_lora_weights(weights, convention, dtype=dtype))
     return path
 
 

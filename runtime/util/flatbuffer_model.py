@@ -17,9 +17,7 @@ A SmolLM2-135M f32 export (543 MB) peaks at 1.27 GB in ``tools/attention_kernel.
 
 from __future__ import annotations
 
-import os
 import struct
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +27,7 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import DataLossError, InvalidArgumentError
+from runtime.util.file_output import write_whole
 
 ALIGNMENT = 64
 FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
@@ -72,23 +71,7 @@ def pack(model: schema.ModelT) -> bytes:
 def write(model: schema.ModelT, path: Path) -> int:
     """Writes ``model`` to ``path`` as a ``.tflite`` (see the module) under a temporary name
     beside it, then renamed: a failure leaves ``path`` as it was. Returns the bytes written."""
-    packed = _packed(model)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
-        temporary = Path(file.name)
-        try:
-            file.write(packed)
-        except BaseException:
-            temporary.unlink()
-            raise
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # a temporary file is private; the model is not
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return len(packed)
+    return write_whole(path, _packed(model))
 
 
 def _packed(model: schema.ModelT) -> memoryview:
