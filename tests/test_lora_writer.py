@@ -20,6 +20,7 @@ from runtime.adapters.lora_writer import (
     LoraWeights,
     name_adapter_tensors,
     serialize_lora_tensors,
+    serialize_lora_weights,
     write_lora_file,
 )
 
@@ -106,6 +107,18 @@ def test_names_default_dtype_is_float32():
     assert {a.dtype for a in name_adapter_tensors(weights, Convention.LITERT_TORCH).values()} == {
         np.dtype(np.float32)
     }
+
+
+def test_values_that_overflow_float16_are_refused_naming_the_tensor():
+    """Cast silently, 1e5 became Inf in float16: ``runtime convert`` (float16 by default)
+    wrote an adapter the runtime then refused to load ("holds NaN or Inf values")."""
+    weights = make_weights()
+    weights[(1, "k")] = LoraWeights(weights[(1, "k")].a, weights[(1, "k")].b * 1e5)
+    name = lora_input_name(Convention.LITERT_LM, 1, "k", "b")
+    with pytest.raises(InvalidArgumentError, match=rf"tensor '{name}': values up to .* overflow float16 .* float32"):
+        serialize_lora_weights(weights, Convention.LITERT_LM)
+    stored = name_adapter_tensors(weights, Convention.LITERT_LM, np.float32)  # where they fit
+    assert np.isfinite(stored[name]).all()
 
 
 def test_names_refuse_an_unknown_projection():

@@ -42,14 +42,21 @@ def name_adapter_tensors(
     convention: Convention,
     dtype: np.dtype | type = np.float32,
 ) -> dict[str, np.ndarray]:
-    """Names and lays out ``{(layer, projection): LoraWeights}`` as ``convention`` stores them."""
+    """Names and lays out ``{(layer, projection): LoraWeights}`` as ``convention`` stores them.
+    ``InvalidArgumentError`` naming the tensor when finite values overflow ``dtype`` (the
+    runtime refuses a file of Inf weights when it is loaded)."""
     tensors: dict[str, np.ndarray] = {}
     for (layer, projection), pair in sorted(weights.items()):
         for side, array in (("a", pair.a), ("b", pair.b)):
+            name = lora_input_name(convention, layer, projection, side)
             stored = from_graph_layout(convention, side, np.asarray(array))
-            tensors[lora_input_name(convention, layer, projection, side)] = np.ascontiguousarray(
-                stored, dtype=dtype
-            )
+            with np.errstate(over="ignore"):  # (checked below)
+                cast = np.ascontiguousarray(stored, dtype=dtype)
+            if not np.isfinite(cast).all() and np.isfinite(stored).all():
+                raise InvalidArgumentError(
+                    f"tensor {name!r}: values up to {np.abs(stored).max():.6g} overflow {cast.dtype.name} "
+                    "(they would be stored as Inf); write the adapter in float32")
+            tensors[name] = cast
     return tensors
 
 
