@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import threading
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -171,6 +172,37 @@ def test_corrupt_bundles(tmp_path, bundle_path):
                 pass
         assert isinstance(info.value, (InvalidArgumentError, DataLossError)), (name, info.value)
         assert str(path) in str(info.value)
+
+
+def test_a_tokenizer_section_is_inflated_no_further_than_its_declared_size(tmp_path, hf_json):
+    """A section declaring 100 bytes of JSON but inflating to 20 MB (corrupt, or a zlib bomb)
+    was inflated whole before its size was compared, the memory taken first."""
+    big = tmp_path / "tokenizer.json"
+    big.write_text(hf_json.read_text()[:-1] + ', "padding": "' + " " * 20_000_000 + '"}')
+    path = build_bundle(tmp_path / "bomb.litertlm", MODEL_FILES["default"], big)
+    with LitertLmBundle(path) as bundle:
+        section = next(s for s in bundle.sections if s.data_type == "hf_tokenizer_zlib")
+    blob = bytearray(path.read_bytes())
+    blob[section.begin:section.begin + 8] = struct.pack("<Q", 100)
+    path.write_bytes(blob)
+    with LitertLmBundle(path) as bundle:
+        tracemalloc.start()
+        try:
+            with pytest.raises(DataLossError, match=rf"{path}: tokenizer section 1 inflates to more than 100 bytes"):
+                bundle.tokenizer()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 1_000_000
+    truncated = build_bundle(tmp_path / "cut.litertlm", MODEL_FILES["default"], hf_json)
+    with LitertLmBundle(truncated) as bundle:
+        section = next(s for s in bundle.sections if s.data_type == "hf_tokenizer_zlib")
+    blob = bytearray(truncated.read_bytes())
+    blob[section.begin + 8 + (section.size - 8) // 2:section.end] = bytes(section.end - section.begin - 8
+                                                                        - (section.size - 8) // 2)
+    truncated.write_bytes(blob)
+    with LitertLmBundle(truncated) as bundle, pytest.raises(DataLossError, match=r"tokenizer section 1"):
+        bundle.tokenizer()
 
 
 def test_llm_metadata_is_read(chat_bundle_path, bundle_path):

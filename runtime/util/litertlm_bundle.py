@@ -20,6 +20,7 @@ import functools
 import os
 import stat
 import struct
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,14 +148,19 @@ class LitertLmBundle:
                 if len(raw) < 8:
                     raise DataLossError(f"{self.path}: tokenizer section {section.index} is truncated")
                 size = struct.unpack_from("<Q", raw, 0)[0]
-                try:
-                    text = zlib.decompress(raw[8:])
+                inflate = zlib.decompressobj()
+                try:  # no further than one byte past the declared size (a corrupt size or a zlib bomb)
+                    text = inflate.decompress(raw[8:], min(size, sys.maxsize - 1) + 1)
                 except zlib.error as exc:
                     raise DataLossError(f"{self.path}: tokenizer section {section.index}: {exc}") from None
-                if len(text) != size:
+                if len(text) > size:
                     raise DataLossError(
-                        f"{self.path}: tokenizer section {section.index} inflates to {len(text)} bytes, expected {size}"
-                    )
+                        f"{self.path}: tokenizer section {section.index} inflates to more than {size} bytes, "
+                        "its declared size")
+                if not inflate.eof or len(text) != size:
+                    raise DataLossError(
+                        f"{self.path}: tokenizer section {section.index} inflates to {len(text)} bytes"
+                        f"{'' if inflate.eof else ' and is cut short'}, expected {size}")
                 return "hf", text
             if section.data_type == "sentencepiece_tokenizer":
                 return "sentencepiece", bytes(self.section_bytes(section))
