@@ -96,6 +96,23 @@ def test_a_truncated_or_foreign_file_is_refused_naming_it(tmp_path):
     assert os.listdir(tmp_path) == ["cut.tflite"]
 
 
+@pytest.mark.parametrize("break_it, naming", [
+    (lambda m: setattr(m.signatureDefs[0].inputs[0], "tensorIndex", 10**6), "entry b'"),
+    (lambda m: setattr(m.signatureDefs[0], "subgraphIndex", 999), "subgraph 999 of"),
+    (lambda m: setattr(m.subgraphs[0].operators[0], "opcodeIndex", 999), "operator 0: operator code 999 of"),
+    (lambda m: setattr(m.subgraphs[0].tensors[0], "buffer", 10**6), "tensor 0: buffer 1000000 of"),
+    (lambda m: setattr(m.signatureDefs[0].inputs[0], "name", b"kv_cache_\xc8"), "entry b'kv_cache_\\xc8'"),
+], ids=["signature tensor", "signature subgraph", "operator code", "buffer", "name not UTF-8"])
+def test_a_model_whose_indices_point_at_nothing_is_refused_naming_them(break_it, naming):
+    """A corrupt file that still parses: the passes indexed by it and ended in a raw
+    IndexError, AttributeError or UnicodeDecodeError (tools/attention_kernel.py: a traceback)."""
+    model = flatbuffer_model.unpack(SOURCES["gqa"].read_bytes())
+    break_it(model)
+    with pytest.raises(DataLossError, match="broken.tflite: a .tflite model corrupt: ") as info:
+        flatbuffer_model.unpack(flatbuffer_model.pack(model), "broken.tflite")
+    assert naming in str(info.value)
+
+
 def test_buffers_are_packed_from_their_arrays_and_lists_alike(tmp_path):
     model = flatbuffer_model.unpack(SOURCES["gqa"].read_bytes())
     as_lists = flatbuffer_model.unpack(SOURCES["gqa"].read_bytes())

@@ -60,7 +60,52 @@ def unpack(data: bytes, source: str = "the model") -> schema.ModelT:
     if outside and len(data) >= FLATBUFFER_LIMIT:
         raise InvalidArgumentError(f"{source}: {len(data):,} bytes, its weights partly outside the flatbuffer: "
                                    "a pass over its graph writes one flatbuffer, at most 2 GB")
+    problem = _broken_reference(model)
+    if problem is not None:
+        raise DataLossError(f"{source}: a .tflite model corrupt: {problem}")
     return model
+
+
+def _broken_reference(model: schema.ModelT) -> str | None:
+    """The first index or name of ``model`` the passes would follow into nothing (an operator
+    code, a tensor or a buffer that is not there, a subgraph a signature names, a name that
+    is not UTF-8), or ``None``: a corrupt file parses, and the passes index by these."""
+    codes, buffers = len(model.operatorCodes or ()), len(model.buffers or ())
+    subgraphs = model.subgraphs or []
+    for g, graph in enumerate(subgraphs):
+        tensors = len(graph.tensors or ())
+        for t, tensor in enumerate(graph.tensors or ()):
+            if not 0 <= tensor.buffer < max(buffers, 1) or (tensor.name is not None and not _utf8(tensor.name)):
+                return f"subgraph {g}, tensor {t}: buffer {tensor.buffer} of {buffers}, name {tensor.name!r:.60}"
+        for j, op in enumerate(graph.operators or ()):
+            indices = [i for i in (*_ints(op.inputs), *_ints(op.outputs)) if i != -1]
+            if not 0 <= op.opcodeIndex < codes or any(not 0 <= i < tensors for i in indices):
+                return (f"subgraph {g}, operator {j}: operator code {op.opcodeIndex} of {codes}, tensors "
+                        f"{indices} of {tensors}")
+        if any(not 0 <= i < tensors for i in (*_ints(graph.inputs), *_ints(graph.outputs))):
+            return f"subgraph {g}: inputs or outputs outside its {tensors} tensors"
+    for sig in model.signatureDefs or ():
+        if not _utf8(sig.signatureKey) or not 0 <= sig.subgraphIndex < len(subgraphs):
+            return f"signature {sig.signatureKey!r:.60}: subgraph {sig.subgraphIndex} of {len(subgraphs)}"
+        tensors = len(subgraphs[sig.subgraphIndex].tensors or ())
+        for entry in (*(sig.inputs or ()), *(sig.outputs or ())):
+            if not _utf8(entry.name) or not 0 <= entry.tensorIndex < tensors:
+                return (f"signature {sig.signatureKey.decode()!r}, entry {entry.name!r:.60}: tensor "
+                        f"{entry.tensorIndex} of {tensors}")
+    return None
+
+
+def _ints(values: object) -> list[int]:
+    """An index vector of the object form (an array, a list or ``None``) as ints."""
+    return [] if values is None else [int(v) for v in values]
+
+
+def _utf8(name: bytes | None) -> bool:
+    """Whether ``name`` is there and decodes as UTF-8."""
+    try:
+        return name is not None and isinstance(name.decode(), str)
+    except UnicodeDecodeError:
+        return False
 
 
 def pack(model: schema.ModelT) -> bytes:
