@@ -89,8 +89,7 @@ def test_a_truncated_or_foreign_file_is_refused_naming_it(tmp_path):
     cut = tmp_path / "cut.tflite"
     cut.write_bytes(data[:3000])
     tool = subprocess.run([sys.executable, str(ROOT / "tools" / "attention_kernel.py"), str(cut), "--out",
-                           str(tmp_path / "out.tflite")], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+                           str(tmp_path / "out.tflite")], capture_output=True, text=True, timeout=120)
     assert tool.returncode == 1 and "Traceback" not in tool.stderr, tool.stderr
     assert f"error: DATA_LOSS: {cut}: a .tflite model truncated or corrupt" in tool.stderr
     assert os.listdir(tmp_path) == ["cut.tflite"]

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's runtime, not an installed one
+
 from runtime.errors import StatusError
 from runtime.export.settings import KV_CACHE_DTYPES, LORA_DTYPES
 from runtime.util import flatbuffer_model
