@@ -159,3 +159,19 @@ def test_the_report_is_checked_as_an_output_and_no_output_replaces_the_source(tm
     refused(export(gguf, "--out", gguf), f"would replace the input {gguf}")
     gguf.unlink()
     assert files(tmp_path) == before
+
+
+@pytest.mark.export
+def test_the_export_api_refuses_an_output_that_would_replace_its_source(tmp_path: Path) -> None:
+    """``export`` checked its outputs against each other only: called with the GGUF file it
+    reads as ``model_out``, it would have renamed the finished model over the checkpoint."""
+    from runtime.errors import InvalidArgumentError
+    from runtime.export import exporter
+    from runtime.export.settings import ExportSettings
+    from runtime.export.source import inspect_source
+
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf")
+    before = gguf.read_bytes()
+    with pytest.raises(InvalidArgumentError, match=f"would replace the input {gguf}"):
+        exporter.export(inspect_source(gguf), ExportSettings(), model_out=gguf)
+    assert gguf.read_bytes() == before and files(tmp_path) == {"tiny.gguf"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -13,11 +15,13 @@ import numpy as np
 import pytest
 
 from conftest import MODELS, run_signature
+from runtime.errors import DataLossError, InvalidArgumentError
 from runtime.executor.native import NativeModel
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import rewrite_attention
 from runtime.util.kv_cache_precision import kv_caches_to_float16
 
+ROOT = Path(__file__).resolve().parent.parent
 # The passes' fixtures: both attention forms where the caches lie transposed, float16 caches in all.
 SOURCES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite",
            "default layout": MODELS / "gqa_default.tflite"}
@@ -68,10 +72,44 @@ def test_a_failed_write_leaves_the_file_as_it_was(tmp_path, monkeypatch):
         file.write = write
         return file
 
-    monkeypatch.setattr(flatbuffer_model.tempfile, "NamedTemporaryFile", full_disk)
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", full_disk)
     with pytest.raises(OSError, match="No space left"):
         flatbuffer_model.write(model, out)
     assert out.read_bytes() == b"the model before" and os.listdir(tmp_path) == ["model.tflite"]
+
+
+def test_a_truncated_or_foreign_file_is_refused_naming_it(tmp_path):
+    """Given bytes that are not a whole .tflite, the pass (and tools/attention_kernel.py over
+    it) refuses them naming the file and what was expected, not with a raw struct.error."""
+    data = SOURCES["gqa"].read_bytes()
+    with pytest.raises(DataLossError, match=r"cut\.tflite: a \.tflite model truncated or corrupt"):
+        flatbuffer_model.unpack(data[:3000], "cut.tflite")
+    with pytest.raises(InvalidArgumentError, match=r"m\.litertlm: not a \.tflite model \(no TFL3"):
+        flatbuffer_model.unpack(b"LITERTLM" + bytes(100), "m.litertlm")
+    cut = tmp_path / "cut.tflite"
+    cut.write_bytes(data[:3000])
+    tool = subprocess.run([sys.executable, str(ROOT / "tools" / "attention_kernel.py"), str(cut), "--out",
+                           str(tmp_path / "out.tflite")], capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 1 and "Traceback" not in tool.stderr, tool.stderr
+    assert f"error: DATA_LOSS: {cut}: a .tflite model truncated or corrupt" in tool.stderr
+    assert os.listdir(tmp_path) == ["cut.tflite"]
+
+
+@pytest.mark.parametrize("break_it, naming", [
+    (lambda m: setattr(m.signatureDefs[0].inputs[0], "tensorIndex", 10**6), "entry b'"),
+    (lambda m: setattr(m.signatureDefs[0], "subgraphIndex", 999), "subgraph 999 of"),
+    (lambda m: setattr(m.subgraphs[0].operators[0], "opcodeIndex", 999), "operator 0: operator code 999 of"),
+    (lambda m: setattr(m.subgraphs[0].tensors[0], "buffer", 10**6), "tensor 0: buffer 1000000 of"),
+    (lambda m: setattr(m.signatureDefs[0].inputs[0], "name", b"kv_cache_\xc8"), "entry b'kv_cache_\\xc8'"),
+], ids=["signature tensor", "signature subgraph", "operator code", "buffer", "name not UTF-8"])
+def test_a_model_whose_indices_point_at_nothing_is_refused_naming_them(break_it, naming):
+    """A corrupt file that still parses: the passes indexed by it and ended in a raw
+    IndexError, AttributeError or UnicodeDecodeError (tools/attention_kernel.py: a traceback)."""
+    model = flatbuffer_model.unpack(SOURCES["gqa"].read_bytes())
+    break_it(model)
+    with pytest.raises(DataLossError, match="broken.tflite: a .tflite model corrupt: ") as info:
+        flatbuffer_model.unpack(flatbuffer_model.pack(model), "broken.tflite")
+    assert naming in str(info.value)
 
 
 def test_buffers_are_packed_from_their_arrays_and_lists_alike(tmp_path):

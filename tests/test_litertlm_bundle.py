@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
 import sys
+import threading
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -111,6 +114,48 @@ def test_bundle_tokenizer_gives_text_in_text_out(bundle_path):
     assert result.text == engine.tokenizer.decode(result.tokens[:-1] if result.stop_reason == "stop_token" else result.tokens)
 
 
+def cli(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_inspect_and_convert_take_a_bundle_as_their_model_as_generate_does(bundle_path, tmp_path):
+    """``generate --model`` runs a bundle's model; ``inspect`` called the bundle neither a model
+    nor an adapter, and ``inspect --check --model`` and ``convert --model`` refused it."""
+    bare, bundled = cli("inspect", MODEL_FILES["default"]), cli("inspect", bundle_path)
+    assert bundled.returncode == 0, bundled.stderr
+    with LitertLmBundle(bundle_path) as bundle:
+        section = bundle.model_section()
+    assert f"  bundle: the model at bytes [{section.begin:,}, {section.end:,}); sections tflite_model, " \
+           "hf_tokenizer_zlib" in bundled.stdout
+    assert set(bare.stdout.splitlines()[1:]) <= set(bundled.stdout.splitlines()[1:])  # the same model described
+    fits = cli("inspect", "--check", adapter_path("torch_r4"), "--model", bundle_path)
+    assert fits.returncode == 0 and f"fits {bundle_path}" in fits.stdout, fits.stderr
+    outs = [tmp_path / "from_bare.tflite", tmp_path / "from_bundle.tflite"]
+    for model, out in zip((MODEL_FILES["default"], bundle_path), outs):
+        done = cli("convert", adapter_path("torch_r4"), "--model", model, "--out", out)
+        assert done.returncode == 0, done.stderr
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+
+
+def test_a_fifo_is_no_bundle_and_is_not_waited_on(tmp_path):
+    """``Engine(fifo)`` (``generate --model``, ``inspect``) waited forever for a writer in
+    is_litertlm's open, before the refusal of a file that is not a regular one."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    answers: list[bool] = []
+    probe = threading.Thread(target=lambda: answers.append(is_litertlm(fifo)), daemon=True)
+    probe.start()
+    probe.join(10)
+    waited = probe.is_alive()
+    if waited:  # let the blocked open go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        probe.join()
+    assert not waited and answers == [False]
+    with pytest.raises(InvalidArgumentError, match="fifo: is not a regular file, expected a model file"):
+        Engine(fifo)
+
+
 def test_corrupt_bundles(tmp_path, bundle_path):
     blob = bundle_path.read_bytes()
     cases = {
@@ -127,6 +172,37 @@ def test_corrupt_bundles(tmp_path, bundle_path):
                 pass
         assert isinstance(info.value, (InvalidArgumentError, DataLossError)), (name, info.value)
         assert str(path) in str(info.value)
+
+
+def test_a_tokenizer_section_is_inflated_no_further_than_its_declared_size(tmp_path, hf_json):
+    """A section declaring 100 bytes of JSON but inflating to 20 MB (corrupt, or a zlib bomb)
+    was inflated whole before its size was compared, the memory taken first."""
+    big = tmp_path / "tokenizer.json"
+    big.write_text(hf_json.read_text()[:-1] + ', "padding": "' + " " * 20_000_000 + '"}')
+    path = build_bundle(tmp_path / "bomb.litertlm", MODEL_FILES["default"], big)
+    with LitertLmBundle(path) as bundle:
+        section = next(s for s in bundle.sections if s.data_type == "hf_tokenizer_zlib")
+    blob = bytearray(path.read_bytes())
+    blob[section.begin:section.begin + 8] = struct.pack("<Q", 100)
+    path.write_bytes(blob)
+    with LitertLmBundle(path) as bundle:
+        tracemalloc.start()
+        try:
+            with pytest.raises(DataLossError, match=rf"{path}: tokenizer section 1 inflates to more than 100 bytes"):
+                bundle.tokenizer()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 1_000_000
+    truncated = build_bundle(tmp_path / "cut.litertlm", MODEL_FILES["default"], hf_json)
+    with LitertLmBundle(truncated) as bundle:
+        section = next(s for s in bundle.sections if s.data_type == "hf_tokenizer_zlib")
+    blob = bytearray(truncated.read_bytes())
+    blob[section.begin + 8 + (section.size - 8) // 2:section.end] = bytes(section.end - section.begin - 8
+                                                                        - (section.size - 8) // 2)
+    truncated.write_bytes(blob)
+    with LitertLmBundle(truncated) as bundle, pytest.raises(DataLossError, match=r"tokenizer section 1"):
+        bundle.tokenizer()
 
 
 def test_llm_metadata_is_read(chat_bundle_path, bundle_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import resource
+import signal
 
 import ml_dtypes
 import numpy as np
@@ -18,6 +20,7 @@ from runtime.adapters.lora_writer import (
     LoraWeights,
     name_adapter_tensors,
     serialize_lora_tensors,
+    serialize_lora_weights,
     write_lora_file,
 )
 
@@ -104,6 +107,18 @@ def test_names_default_dtype_is_float32():
     assert {a.dtype for a in name_adapter_tensors(weights, Convention.LITERT_TORCH).values()} == {
         np.dtype(np.float32)
     }
+
+
+def test_values_that_overflow_float16_are_refused_naming_the_tensor():
+    """Cast silently, 1e5 became Inf in float16: ``runtime convert`` (float16 by default)
+    wrote an adapter the runtime then refused to load ("holds NaN or Inf values")."""
+    weights = make_weights()
+    weights[(1, "k")] = LoraWeights(weights[(1, "k")].a, weights[(1, "k")].b * 1e5)
+    name = lora_input_name(Convention.LITERT_LM, 1, "k", "b")
+    with pytest.raises(InvalidArgumentError, match=rf"tensor '{name}': values up to .* overflow float16 .* float32"):
+        serialize_lora_weights(weights, Convention.LITERT_LM)
+    stored = name_adapter_tensors(weights, Convention.LITERT_LM, np.float32)  # where they fit
+    assert np.isfinite(stored[name]).all()
 
 
 def test_names_refuse_an_unknown_projection():
@@ -331,6 +346,24 @@ def test_write_refuses_an_unwritable_dtype(tmp_path):
     with pytest.raises(InvalidArgumentError, match="dtype int32 cannot be written"):
         write_lora_file(tmp_path / "a.tflite", make_weights(), Convention.LITERT_TORCH, dtype=np.int32)
     assert not (tmp_path / "a.tflite").exists()
+
+
+def test_a_failed_write_leaves_the_file_as_it_was(tmp_path):
+    """A disk filling up mid-write (here: the file size limit) left a truncated adapter under
+    the target's name, which then failed to load in place of the one it replaced."""
+    path = tmp_path / "adapter.tflite"
+    write_lora_file(path, make_weights(), Convention.LITERT_LM)
+    before = path.read_bytes()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        with pytest.raises(OSError, match="too large"):
+            write_lora_file(path, make_weights(rank=8, hidden=64), Convention.LITERT_LM)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["adapter.tflite"]
 
 
 def test_write_reproduces_the_committed_fixtures_byte_for_byte(adapter_manifest, expected_tensors):

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's runtime, not an installed one
+
 from runtime.errors import StatusError
 from runtime.export.settings import KV_CACHE_DTYPES, LORA_DTYPES
 from runtime.util import flatbuffer_model
@@ -52,7 +54,11 @@ def main() -> int:
         parser.error("--out must differ from the model (written under a temporary name, then renamed)")
     start = time.perf_counter()
     try:
-        model = flatbuffer_model.unpack(args.model.read_bytes())
+        model = flatbuffer_model.unpack(args.model.read_bytes(), str(args.model))
+    except (OSError, StatusError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
         made_again = standard_form_only(model)
         caches = kv_caches_to_float16(model) if args.kv_cache_dtype == "float16" else {}
         factors = lora_factors_to_float16(model) if args.lora_dtype == "float16" else {}

@@ -22,6 +22,7 @@ from ai_edge_litert import schema_py_generated as schema
 from runtime.errors import InvalidArgumentError
 from runtime.adapters.lora_data import FILE_IDENTIFIER, LORA_RANK_METADATA, tflite_dtype
 from runtime.adapters.lora_util import Convention, from_graph_layout, lora_input_name
+from runtime.util.file_output import write_whole
 
 DATA_ALIGNMENT = 64
 _TYPE_CODES = {"float32": schema.TensorType.FLOAT32, "float16": schema.TensorType.FLOAT16,
@@ -41,14 +42,21 @@ def name_adapter_tensors(
     convention: Convention,
     dtype: np.dtype | type = np.float32,
 ) -> dict[str, np.ndarray]:
-    """Names and lays out ``{(layer, projection): LoraWeights}`` as ``convention`` stores them."""
+    """Names and lays out ``{(layer, projection): LoraWeights}`` as ``convention`` stores them.
+    ``InvalidArgumentError`` naming the tensor when finite values overflow ``dtype`` (the
+    runtime refuses a file of Inf weights when it is loaded)."""
     tensors: dict[str, np.ndarray] = {}
     for (layer, projection), pair in sorted(weights.items()):
         for side, array in (("a", pair.a), ("b", pair.b)):
+            name = lora_input_name(convention, layer, projection, side)
             stored = from_graph_layout(convention, side, np.asarray(array))
-            tensors[lora_input_name(convention, layer, projection, side)] = np.ascontiguousarray(
-                stored, dtype=dtype
-            )
+            with np.errstate(over="ignore"):  # (checked below)
+                cast = np.ascontiguousarray(stored, dtype=dtype)
+            if not np.isfinite(cast).all() and np.isfinite(stored).all():
+                raise InvalidArgumentError(
+                    f"tensor {name!r}: values up to {np.abs(stored).max():.6g} overflow {cast.dtype.name} "
+                    "(they would be stored as Inf); write the adapter in float32")
+            tensors[name] = cast
     return tensors
 
 
@@ -121,9 +129,10 @@ def write_lora_file(
     *,
     dtype: np.dtype | type | None = None,
 ) -> Path:
-    """Writes :func:`serialize_lora_weights` of ``weights`` to ``path``."""
+    """Writes :func:`serialize_lora_weights` of ``weights`` to ``path``, whole or not at all
+    (a failed write leaves ``path`` as it was)."""
     path = Path(path)
-    path.write_bytes(serialize_lora_weights(weights, convention, dtype=dtype))
+    write_whole(path, serialize_lora_weights(weights, convention, dtype=dtype))
     return path
 
 

@@ -14,6 +14,7 @@ from runtime.export.outputs import PendingOutputs
 from runtime.adapters.adapter_formats import detect_format, open_adapter
 from runtime.adapters.lora_util import Convention
 from runtime.adapters.lora_xs import LoraXsFactors
+from runtime.util.litertlm_bundle import model_file
 from runtime.util.model_weights import ModelWeights
 
 _DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
@@ -30,7 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "flatbuffer, lora_rank metadata; litert-torch: lora_atten names, inline data).",
     )
     parser.add_argument("source", type=Path, help="a PEFT directory, a GGUF LoRA or a .tflite LoRA file")
-    parser.add_argument("--model", type=Path, required=True, help="the .tflite model it is for")
+    parser.add_argument("--model", type=Path, required=True,
+                        help="the .tflite model it is for, or a .litertlm bundle holding it")
     parser.add_argument("--out", type=Path, required=True, help="the .tflite file to write")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="f16")
     parser.add_argument("--convention", choices=sorted(_CONVENTIONS), default="litert-lm")
@@ -41,10 +43,11 @@ def run(args: argparse.Namespace) -> int:
     """Checks ``--out`` before the model is opened, converts, writes the file atomically
     (nothing is left behind on failure), and says what it wrote."""
     with PendingOutputs([args.out], sources=[args.model, args.source]) as pending:
-        executor = LlmExecutor(args.model)
+        model = model_file(args.model)  # a bundle's model section, or the whole file
+        executor = LlmExecutor(model.header(), name=str(args.model), source=model)
         try:
             spec = executor.spec
-            lora_xs = LoraXsFactors(lambda: ModelWeights.open(args.model, str(args.model)))
+            lora_xs = LoraXsFactors(lambda: ModelWeights.open(model.header(), str(args.model)))
             with open_adapter(args.source, head_dim=spec.head_dim, lora_xs=lora_xs) as data:
                 blob = convert_adapter(data, spec.lora_slots, _CONVENTIONS[args.convention], _DTYPES[args.dtype],
                                        progress=progress_bar("converting", unit="projection"))

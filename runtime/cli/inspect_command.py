@@ -21,6 +21,7 @@ from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lo
 from runtime.util.attention_rewrite import DECODE_ATTENTION, attention_forms, custom_codes
 from runtime.util.signature_names import LoraSlot
 from runtime.adapters.lora_xs import LoraXsFactors
+from runtime.util.litertlm_bundle import LitertLmBundle, is_litertlm, model_file
 from runtime.util.model_view import ModelFile, signature_details
 from runtime.util.model_weights import ModelWeights
 from runtime.util.tensor_spec import TensorSpec
@@ -34,7 +35,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Prints a model's signatures, inputs and LoRA rank slots, or an adapter's "
         "convention, rank and tensors. With --model, also says whether the adapter fits.",
     )
-    parser.add_argument("file", type=Path, nargs="?", help="a .tflite model or an adapter")
+    parser.add_argument("file", type=Path, nargs="?", help="a .tflite model, a .litertlm bundle or an adapter")
     parser.add_argument("--check", type=Path, metavar="ADAPTER", help="the adapter to check against --model")
     parser.add_argument("--model", type=Path, help="check that the adapter fits this model")
     parser.add_argument("--weight-cache", type=Path, metavar="DIR", nargs="?", const=True,
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_fit(adapter_path: Path, model_path: Path) -> int:
     spec = _read_model(model_path)[0]
-    lora_xs = LoraXsFactors(lambda: ModelWeights.open(model_path, str(model_path)))
+    lora_xs = LoraXsFactors(lambda: ModelWeights.open(model_file(model_path).header(), str(model_path)))
     with open_adapter(adapter_path, head_dim=spec.head_dim, lora_xs=lora_xs) as adapter:
         print(describe_adapter(adapter))
         plan = plan_adapter(adapter, spec.lora_slots)
@@ -100,9 +101,10 @@ def _check_fit(adapter_path: Path, model_path: Path) -> int:
 
 def _read_model(path: Path) -> tuple[ModelSpec, str]:
     """A model's spec and how its decode attention runs here (:func:`_attention_form`), read
-    from the file's header as :class:`~runtime.executor.litert_executor.LlmExecutor` reads it:
-    nothing is compiled, so inspecting a model costs milliseconds, not an open."""
-    header = ModelFile(path).header()
+    from the file's header as :class:`~runtime.executor.litert_executor.LlmExecutor` reads it
+    (a ``.litertlm`` bundle's model section, as the engine opens it): nothing is compiled, so
+    inspecting a model costs milliseconds, not an open."""
+    header = model_file(path).header()
     if bytes(header[4:8]) != b"TFL3":
         raise InvalidArgumentError(f"{path}: not a .tflite model (no TFL3 file identifier at byte 4)")
     spec = ModelSpec.from_details(signature_details(header, source=str(path)), str(path))
@@ -144,13 +146,14 @@ def describe_model(path: Path, spec: ModelSpec, attention: str) -> str:
     decode attention runs on this machine (:func:`_read_model`)."""
     lines = [
         f"model {path} ({path.stat().st_size:,} bytes)",
+        *_bundle(path),
         f"  layers {spec.num_layers}, vocab {spec.vocab_size}, KV cache {spec.kv_length} positions "
         f"({spec.kv_layout} layout, {'/'.join(sorted({str(c.dtype) for c in spec.kv_inputs}))}, "
         f"{spec.kv_cache_bytes:,} bytes per session)",
         f"  prefill lengths {list(spec.prefill_lengths)}"
         f"{'' if spec.prefill_has_logits else ' (no logits on prefill: the last token is decoded)'}",
         _slots(spec),
-        f"  base weights map {_weights_map(path)}",
+        f"  base weights map {_weights_map(model_file(path))}",
         f"  decode attention {attention}",
     ]
     slots = [None, *spec.slots]
@@ -216,10 +219,20 @@ def _ranges(values: list[int]) -> str:
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
-def _weights_map(path: Path) -> str:
+def _bundle(path: Path) -> list[str]:
+    """Where a ``.litertlm`` bundle holds its model, and what sections it has (no lines for a ``.tflite``)."""
+    if not is_litertlm(path):
+        return []
+    with LitertLmBundle(path) as bundle:
+        section = bundle.model_section()
+        kinds = ", ".join(s.data_type for s in bundle.sections)
+    return [f"  bundle: the model at bytes [{section.begin:,}, {section.end:,}); sections {kinds}"]
+
+
+def _weights_map(model: ModelFile) -> str:
     """Whether the export says where its base weights lie (what R-only LoRA-XS adapters need)."""
     try:
-        ModelWeights.open(path, str(path))
+        ModelWeights.open(model.header(), str(model.path))
     except StatusError:
         return "none (exported before runtime.projections metadata): R-only LoRA-XS adapters cannot run"
     return "present: R-only LoRA-XS and DoRA adapters can run"

@@ -380,6 +380,9 @@ class LlmExecutor:
         self.model_path = Path(name or "<in-memory model>") if in_memory else Path(model)
         self.settings = settings or ExecutorSettings()
         if not in_memory and not self.model_path.is_file():
+            if self.model_path.exists():  # a directory, a FIFO, a device: as ScopedFile refuses them
+                kind = "is a directory" if self.model_path.is_dir() else "is not a regular file"
+                raise InvalidArgumentError(f"{self.model_path}: {kind}, expected a model file")
             raise NotFoundError(f"{self.model_path}: no such model file")
         if not self.settings.native_logs:
             mute_native_logs_at_exit()

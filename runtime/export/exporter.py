@@ -64,7 +64,8 @@ def export(
     signatures in up to ``jobs`` worker processes within ``max_memory`` bytes
     (:func:`runtime.export.budget.plan`; one job lowers in this process), and the same
     model at each precision of ``also``. Each output is written under a temporary name in
-    its directory and renamed at the end; on any failure nothing is left behind.
+    its directory and renamed at the end; on any failure nothing is left behind. An output
+    that is ``source`` or would replace a file in it is refused before anything starts.
     ``progress`` wraps the iteration over the steps (a stage or a signature each), which
     yields each step's name when it is done."""
     precisions = [AlsoAt(settings.quantize, model_out, bundle_out), *also]
@@ -82,7 +83,7 @@ def export(
     plan = budget.plan(source.parameters, jobs, max_memory)
     measurements = Measurements(jobs=plan.jobs)
     start = time.perf_counter()
-    with PendingOutputs(targets) as outputs, MemoryWatch() as watch:
+    with PendingOutputs(targets, sources=[source.path]) as outputs, MemoryWatch() as watch:
         job = _Job(source, settings, outputs, precisions, plan.jobs, measurements, watch)
         for _ in progress(job.steps()):
             pass

@@ -122,7 +122,7 @@ def _run(finish: Finish, tell: Callable[[str, Any], None]) -> None:
                 shutil.copyfile(passes.file, passes.standard_copy)
             done(f"{passes.name}: not done, the model is over 2 GB")
             continue
-        model = flatbuffer_model.unpack(passes.file.read_bytes())
+        model = flatbuffer_model.unpack(passes.file.read_bytes(), str(passes.file))
         if passes.kv_cache_float16:
             kv_caches_to_float16(model)
         if passes.lora_float16:

@@ -17,9 +17,7 @@ A SmolLM2-135M f32 export (543 MB) peaks at 1.27 GB in ``tools/attention_kernel.
 
 from __future__ import annotations
 
-import os
 import struct
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +26,8 @@ import flatbuffers
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
-from runtime.errors import InvalidArgumentError
+from runtime.errors import DataLossError, InvalidArgumentError
+from runtime.util.file_output import write_whole
 
 ALIGNMENT = 64
 FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; room for the tables
@@ -39,20 +38,74 @@ READ_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
 _schema_patch_lock = threading.Lock()
 
 
-def unpack(data: bytes) -> schema.ModelT:
-    """``data``'s model in object form, every buffer's data inside it.
-    ``InvalidArgumentError`` when that would make a flatbuffer of 2 GB or more."""
-    model = schema.ModelT.InitFromPackedBuf(data, 0)
-    outside = 0
-    for buffer in model.buffers or ():
-        if buffer.offset > 1:  # data after the flatbuffer (the quantizer writes some so): brought inside
-            buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
-            outside += buffer.size
-            buffer.offset = buffer.size = 0
+def unpack(data: bytes, source: str = "the model") -> schema.ModelT:
+    """``data``'s model in object form, every buffer's data inside it. ``source`` names the
+    bytes in errors: ``InvalidArgumentError`` when they are not a ``.tflite`` (no ``TFL3``
+    file identifier: a ``.litertlm`` bundle, an unrelated file) or when the model would make
+    a flatbuffer of 2 GB or more; ``DataLossError`` when an offset in them points outside
+    them (a truncated or corrupt file)."""
+    if bytes(data[4:8]) != b"TFL3":
+        raise InvalidArgumentError(f"{source}: not a .tflite model (no TFL3 file identifier at byte 4)")
+    try:
+        model = schema.ModelT.InitFromPackedBuf(data, 0)
+        outside = 0
+        for buffer in model.buffers or ():
+            if buffer.offset > 1:  # data after the flatbuffer (the quantizer writes some so): brought inside
+                buffer.data = np.frombuffer(data, np.uint8, count=buffer.size, offset=buffer.offset)
+                outside += buffer.size
+                buffer.offset = buffer.size = 0
+    except READ_ERRORS as exc:
+        raise DataLossError(f"{source}: a .tflite model truncated or corrupt: its flatbuffer points outside "
+                            f"its {len(data):,} bytes ({exc})") from None
     if outside and len(data) >= FLATBUFFER_LIMIT:
-        raise InvalidArgumentError(f"the model is {len(data):,} bytes, its weights partly outside the flatbuffer: "
+        raise InvalidArgumentError(f"{source}: {len(data):,} bytes, its weights partly outside the flatbuffer: "
                                    "a pass over its graph writes one flatbuffer, at most 2 GB")
+    problem = _broken_reference(model)
+    if problem is not None:
+        raise DataLossError(f"{source}: a .tflite model corrupt: {problem}")
     return model
+
+
+def _broken_reference(model: schema.ModelT) -> str | None:
+    """The first index or name of ``model`` the passes would follow into nothing (an operator
+    code, a tensor or a buffer that is not there, a subgraph a signature names, a name that
+    is not UTF-8), or ``None``: a corrupt file parses, and the passes index by these."""
+    codes, buffers = len(model.operatorCodes or ()), len(model.buffers or ())
+    subgraphs = model.subgraphs or []
+    for g, graph in enumerate(subgraphs):
+        tensors = len(graph.tensors or ())
+        for t, tensor in enumerate(graph.tensors or ()):
+            if not 0 <= tensor.buffer < max(buffers, 1) or (tensor.name is not None and not _utf8(tensor.name)):
+                return f"subgraph {g}, tensor {t}: buffer {tensor.buffer} of {buffers}, name {tensor.name!r:.60}"
+        for j, op in enumerate(graph.operators or ()):
+            indices = [i for i in (*_ints(op.inputs), *_ints(op.outputs)) if i != -1]
+            if not 0 <= op.opcodeIndex < codes or any(not 0 <= i < tensors for i in indices):
+                return (f"subgraph {g}, operator {j}: operator code {op.opcodeIndex} of {codes}, tensors "
+                        f"{indices} of {tensors}")
+        if any(not 0 <= i < tensors for i in (*_ints(graph.inputs), *_ints(graph.outputs))):
+            return f"subgraph {g}: inputs or outputs outside its {tensors} tensors"
+    for sig in model.signatureDefs or ():
+        if not _utf8(sig.signatureKey) or not 0 <= sig.subgraphIndex < len(subgraphs):
+            return f"signature {sig.signatureKey!r:.60}: subgraph {sig.subgraphIndex} of {len(subgraphs)}"
+        tensors = len(subgraphs[sig.subgraphIndex].tensors or ())
+        for entry in (*(sig.inputs or ()), *(sig.outputs or ())):
+            if not _utf8(entry.name) or not 0 <= entry.tensorIndex < tensors:
+                return (f"signature {sig.signatureKey.decode()!r}, entry {entry.name!r:.60}: tensor "
+                        f"{entry.tensorIndex} of {tensors}")
+    return None
+
+
+def _ints(values: object) -> list[int]:
+    """An index vector of the object form (an array, a list or ``None``) as ints."""
+    return [] if values is None else [int(v) for v in values]
+
+
+def _utf8(name: bytes | None) -> bool:
+    """Whether ``name`` is there and decodes as UTF-8."""
+    try:
+        return name is not None and isinstance(name.decode(), str)
+    except UnicodeDecodeError:
+        return False
 
 
 def pack(model: schema.ModelT) -> bytes:
@@ -63,23 +116,7 @@ def pack(model: schema.ModelT) -> bytes:
 def write(model: schema.ModelT, path: Path) -> int:
     """Writes ``model`` to ``path`` as a ``.tflite`` (see the module) under a temporary name
     beside it, then renamed: a failure leaves ``path`` as it was. Returns the bytes written."""
-    packed = _packed(model)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as file:
-        temporary = Path(file.name)
-        try:
-            file.write(packed)
-        except BaseException:
-            temporary.unlink()
-            raise
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # a temporary file is private; the model is not
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return len(packed)
+    return write_whole(path, _packed(model))
 
 
 def _packed(model: schema.ModelT) -> memoryview:

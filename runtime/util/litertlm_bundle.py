@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 import struct
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
 from runtime.util.flatbuffer_table import FlatTable
+from runtime.util.model_view import ModelFile
 from runtime.util.scoped_file import ScopedFile
 
 MAGIC = b"LITERTLM"
@@ -145,14 +148,19 @@ class LitertLmBundle:
                 if len(raw) < 8:
                     raise DataLossError(f"{self.path}: tokenizer section {section.index} is truncated")
                 size = struct.unpack_from("<Q", raw, 0)[0]
-                try:
-                    text = zlib.decompress(raw[8:])
+                inflate = zlib.decompressobj()
+                try:  # no further than one byte past the declared size (a corrupt size or a zlib bomb)
+                    text = inflate.decompress(raw[8:], min(size, sys.maxsize - 1) + 1)
                 except zlib.error as exc:
                     raise DataLossError(f"{self.path}: tokenizer section {section.index}: {exc}") from None
-                if len(text) != size:
+                if len(text) > size:
                     raise DataLossError(
-                        f"{self.path}: tokenizer section {section.index} inflates to {len(text)} bytes, expected {size}"
-                    )
+                        f"{self.path}: tokenizer section {section.index} inflates to more than {size} bytes, "
+                        "its declared size")
+                if not inflate.eof or len(text) != size:
+                    raise DataLossError(
+                        f"{self.path}: tokenizer section {section.index} inflates to {len(text)} bytes"
+                        f"{'' if inflate.eof else ' and is cut short'}, expected {size}")
                 return "hf", text
             if section.data_type == "sentencepiece_tokenizer":
                 return "sentencepiece", bytes(self.section_bytes(section))
@@ -197,12 +205,28 @@ class LitertLmBundle:
 
 
 def is_litertlm(path: str | os.PathLike[str]) -> bool:
-    """Whether the file starts with the ``.litertlm`` magic."""
+    """Whether the file is a regular one starting with the ``.litertlm`` magic (opened
+    without blocking: a FIFO is no bundle, and is not waited on for a writer)."""
     try:
-        with open(path, "rb") as file:
-            return file.read(8) == MAGIC
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """The LLM a model file holds, as the engine opens it: a ``.litertlm`` bundle's
+    :data:`PREFILL_DECODE` model section, any other file whole."""
+    if not is_litertlm(path):
+        return ModelFile(Path(path))
+    with LitertLmBundle(path) as bundle:
+        section = bundle.model_section()
+    return ModelFile(Path(path), section.begin, section.end)
 
 
 @functools.cache
