@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             prompt = prompt + "\n" if isinstance(prompt, str) else [*prompt, DEMO_NEWLINE]
         elif args.prompt is not None and engine.chat_template is not None and not args.no_chat_template:
             prompt = engine.chat_template.render([{"role": "user", "content": args.prompt}])
-        stream = TextStream(engine.tokenizer) if args.prompt is not None else None
+        stream = TextStream(engine.tokenizer.decode) if args.prompt is not None else None
 
         def show(token: int) -> None:
             sys.stdout.write(stream.add(token) if stream is not None else f"{token} ")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from runtime.errors import InvalidArgumentError
@@ -265,8 +265,9 @@ class TextStream:
     the previous piece's on (vLLM's incremental detokenization), not the whole answer.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._decode = tokenizer.decode
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        """``decode``: the tokenizer's ids -> text (``Tokenizer.decode``)."""
+        self._decode = decode
         self._tokens: list[int] = []
         self._start = self._read = 0  # decodes begin at _start; the text up to _read was given out
 

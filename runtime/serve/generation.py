@@ -16,26 +16,26 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from runtime import Engine, SamplerConfig, Session, SessionConfig
+from runtime.components.tokenizer import TextStream
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from runtime.executor.litert_executor import KV_LENGTH_HINT
 from runtime.serve.logprobs import TokenLogprob, token_logprobs
 from runtime.serve.sampling import RequestSampler
-from runtime.serve.token_texts import REPLACEMENT_CHARACTER
 
 
 class TextAssembler:
     """Generated tokens -> the text deltas that are safe to send now.
 
-    Holds back an incomplete multi-byte character and any tail that could be the start
-    of a stop string; once a stop string appears, the text ends just before it.
+    Holds back an incomplete multi-byte character (:class:`TextStream`, which decodes a
+    few tokens at a time, not the whole answer at every token) and any tail that could be
+    the start of a stop string; once a stop string appears, the text ends just before it.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
         """``decode``: the tokenizer's ids -> text; ``stop``: strings that end the text."""
-        self._decode = decode
+        self._stream = TextStream(decode)
         self._stop = tuple(s for s in stop if s)
         self._longest_stop = max(map(len, self._stop), default=0)
-        self._tokens: list[int] = []
         self._text = ""
         self._sent = 0
         self.stopped = False
@@ -49,8 +49,18 @@ class TextAssembler:
         """Takes one generated token; returns the text that may be sent now (maybe '')."""
         if self.stopped:
             raise FailedPreconditionError("the text already ended at a stop string")
-        self._tokens.append(token)
-        text = self._text = self._decode(self._tokens)
+        return self._extend(self._stream.add(token))
+
+    def finish(self) -> str:
+        """The rest of the text, when no more tokens come."""
+        delta = "" if self.stopped else self._extend(self._stream.finish())
+        return delta + self._flush(len(self._text))
+
+    def _extend(self, piece: str) -> str:
+        """Appends ``piece`` to the text, ending it at a stop string; the text to send now."""
+        if not piece:
+            return ""
+        text = self._text = self._text + piece
         if self._stop:
             start = max(0, self._sent - self._longest_stop + 1)
             hits = [i for i in (text.find(s, start) for s in self._stop) if i >= 0]
@@ -58,13 +68,7 @@ class TextAssembler:
                 self.stopped = True
                 self._text = text[: min(hits)]
                 return self._flush(len(self._text))
-        if text.endswith(REPLACEMENT_CHARACTER):
-            return ""
         return self._flush(len(text) - self._stop_prefix_length(text))
-
-    def finish(self) -> str:
-        """The rest of the text, when no more tokens come."""
-        return self._flush(len(self._text))
 
     def _stop_prefix_length(self, text: str) -> int:
         """Length of the longest tail of ``text`` that begins some stop string."""
