@@ -22,7 +22,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # What some editors put before a UTF-8 text file's first character.
 _UTF8_BOM = b"\xef\xbb\xbf"
 # What a tokenizer decodes an incomplete UTF-8 sequence to.
-_REPLACEMENT_CHARACTER = "\ufffd"
+REPLACEMENT_CHARACTER = "\ufffd"
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -276,7 +276,7 @@ class TextStream:
         self._tokens.append(token)
         before = self._decode(self._tokens[self._start:self._read])
         text = self._decode(self._tokens[self._start:])
-        if len(text) <= len(before) or text.endswith(_REPLACEMENT_CHARACTER):
+        if len(text) <= len(before) or text.endswith(REPLACEMENT_CHARACTER):
             return ""
         self._start, self._read = self._read, len(self._tokens)
         return text[len(before):]

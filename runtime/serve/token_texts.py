@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from runtime.components.tokenizer import Tokenizer
-
-REPLACEMENT_CHARACTER = "\ufffd"  # what a tokenizer decodes an incomplete UTF-8 sequence to
+from runtime.components.tokenizer import REPLACEMENT_CHARACTER, Tokenizer
 
 
 @dataclass(frozen=True)
