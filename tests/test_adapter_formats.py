@@ -138,7 +138,7 @@ def test_identity_follows_the_files_and_says_why_it_cannot(tmp_path, peft_dir):
     assert file_identity(peft_dir) != before
     plain = tmp_path / "plain.tflite"
     shutil.copy(adapter_path("torch_r4"), plain)
-    assert file_identity(plain) == file_identity(str(plain)) and len(file_identity(plain)) == 5
+    assert file_identity(plain) == file_identity(str(plain)) and len(file_identity(plain)) == 6
     with pytest.raises(NotFoundError, match="missing.tflite"):
         file_identity(tmp_path / "missing.tflite")
     empty = tmp_path / "empty_dir"

@@ -101,3 +101,38 @@ def test_hugging_face_s_template_environment_is_the_one_templates_get() -> None:
     assert marked.render(message) == "<é & 'x'>|second"
     year = ChatTemplate("{{ strftime_now('%Y') }}").render(message)
     assert year.isdigit() and int(year) >= 2024
+
+
+# The shape of Gemma 2's and Mistral's first templates: user and model turns only, a system message skipped.
+NO_SYSTEM = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ '<u>' + message['content'] + '</u>' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<a>' + message['content'] + '</a>' }}{% endif %}{% endfor %}"
+)
+
+
+def test_a_system_message_is_joined_to_the_next_user_turn_where_the_template_has_no_place_for_it() -> None:
+    """The template skipped the system message: the instruction vanished from the prompt without a word."""
+    template = ChatTemplate(NO_SYSTEM)
+    assert not template.renders_system
+    text = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}])
+    assert text == "<u>Be brief.\n\nHi</u><a>Hello</a><u>Again</u>"
+
+
+def test_a_system_message_with_no_user_turn_after_it_becomes_a_user_turn() -> None:
+    text = ChatTemplate(NO_SYSTEM).render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                                           {"role": "system", "content": "Now be formal."}])
+    assert text == "<u>Hi</u><a>Hello</a><u>Now be formal.</u>"
+
+
+def test_a_template_refusing_the_system_role_gets_it_in_the_user_turn() -> None:
+    template = ChatTemplate("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
+                            "{% endif %}{{ m.content }}{% endfor %}")
+    assert template.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == "S\n\nU"
+
+
+def test_a_template_with_a_system_slot_keeps_its_own_rendering() -> None:
+    template = ChatTemplate(CHATML)
+    assert template.renders_system
+    assert template.render([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == \
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, adapter_path, gate_group_view
+from conftest import MODEL_FILES, MODELS, adapter_path, gate_group_view
 from runtime import Engine, EngineSettings, LoraSource, Lru, OnlyActive, SessionConfig
-from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.weight_cache import survey
 
@@ -29,6 +34,41 @@ def test_register_unload_and_sessions():
         assert engine.adapter_ids() == []
         with pytest.raises(NotFoundError):
             engine.unload_adapter(lora_id)
+
+
+def test_an_adapter_rewritten_in_place_with_the_same_size_and_mtime_is_another_adapter(tmp_path):
+    """``cp -p new.safetensors adapter/`` rewrites the file in place (same inode) with the
+    same size and, from the source, the same modification time: the registry gave the new
+    contents the old adapter's id, and that id read them at its first use. The inode's
+    change time (which no tool sets) tells the rewrite apart."""
+    from safetensors.numpy import load_file
+
+    directory = tmp_path / "qkvo_r4"
+    shutil.copytree(MODELS / "peft" / "qkvo_r4", directory)
+    weights = directory / "adapter_model.safetensors"
+    other = tmp_path / "other.safetensors"
+    raw = bytearray(weights.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")  # then the tensors' bytes, float32 all
+    np.frombuffer(raw, np.float32, offset=header)[:] *= 2  # the same header: the same size
+    other.write_bytes(raw)
+    before = weights.stat()
+    os.utime(other, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with Engine(MODEL_FILES["default"], EngineSettings(num_threads=1)) as engine:
+        old_id = engine.register_adapter(LoraSource(path=directory))
+        time.sleep(0.01)  # past a tick of the kernel's coarse clock (before Linux 6.13, ctime's resolution)
+        subprocess.run(["cp", "-p", str(other), str(weights)], check=True)
+        after = weights.stat()
+        assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+        new_id = engine.register_adapter(LoraSource(path=directory))
+        assert new_id != old_id
+        with engine.create_session(SessionConfig(adapters={old_id: 1.0})) as session:
+            with pytest.raises(DataLossError, match="adapter_model.safetensors: .*modified after it was opened"):
+                session.run_prefill([1, 2, 3])  # its file no longer holds what was registered
+        with engine.create_session(SessionConfig(adapters={new_id: 1.0})) as session:
+            doubled = session.run_prefill([1, 2, 3])
+        with engine.create_session(SessionConfig(loras=[LoraSource(buffer=load_file(other), peft_config=json.loads(
+                (directory / "adapter_config.json").read_text()))])) as session:
+            assert (session.run_prefill([1, 2, 3]) == doubled).all()  # the new contents, under the new id
 
 
 def test_sessions_take_registered_adapters_by_id(tmp_path):

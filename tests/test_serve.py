@@ -230,9 +230,10 @@ def test_completion_from_token_ids_and_hitting_max_tokens(served, offline):
 
 
 def test_chat_equals_offline_through_the_template(served, offline):
-    messages = [{"role": "system", "content": "ignored by this template"}, {"role": "user", "content": "green tea"}]
+    messages = [{"role": "system", "content": "joined to the user turn"}, {"role": "user", "content": "green tea"}]
     answer = served.client().chat.completions.create(model="demo::uppercase", messages=messages, temperature=0)
     prompt = offline.engine.chat_template.render(messages)
+    assert prompt == "joined to the user turn\n\ngreen tea\n"  # the demo's template renders the last message only
     expected = offline(prompt, [("uppercase", 1.0)], 256 - len(prompt.encode()))  # default: the rest of the context
     assert answer.choices[0].message.content == expected.text
     assert answer.choices[0].message.role == "assistant"

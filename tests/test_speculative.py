@@ -124,6 +124,41 @@ def test_a_generation_stopped_from_on_token_inside_a_kept_draft_leaves_plain_dec
         assert outcomes[0][1] == len(prompt) + stop_at - 1
 
 
+def test_speculation_stats_count_what_a_generation_ended_inside_a_kept_draft_gave(engine):
+    """A stop token, ``max_new_tokens`` or ``on_token`` raising on a kept draft ends the
+    generation there. The stats counted the trunk's token after it (never made) for a stop,
+    nothing of the run (its kept drafts streamed to the caller) for a raise, and the drafts
+    after the end as proposed and rejected: decode tokens are what was streamed after the
+    first (the prefill's), as plainly, and each verify run gives its kept drafts plus the
+    trunk's token unless the generation ended on a kept draft."""
+    prompt = TRAINED_PROMPTS[0]
+    reference = _generate(engine, LoraSource(path=TURBO / "trained_heads", heads=False), prompt,
+                          max_new_tokens=20)[0].tokens
+    ends = [{"stop_at": n} for n in range(2, 12)] + [{"stop_tokens": [reference[n]]} for n in (3, 7, 10)] + [
+        {"max_new_tokens": n} for n in (3, 7, 10)]
+    for end in ends:
+        with engine.create_session(SessionConfig(loras=[LoraSource(path=TURBO / "trained_heads")])) as session:
+            streamed: list[int] = []
+            stop_at = end.get("stop_at")
+
+            def on_token(token: int) -> None:
+                streamed.append(token)
+                if len(streamed) == stop_at:
+                    raise _Stop
+
+            try:
+                session.generate(prompt, max_new_tokens=end.get("max_new_tokens", 20),
+                                 stop_tokens=end.get("stop_tokens", ()), on_token=on_token)
+            except _Stop:
+                pass
+            stats = session.stats()
+        spec = stats.speculation
+        assert stats.decode_tokens == spec.tokens + spec.plain_steps == len(streamed) - 1, (end, spec)
+        ended_on_draft = spec.tokens - sum(spec.accepted) - spec.verifies  # 0, or -1: the last run gave no trunk token
+        assert ended_on_draft in (0, -1), (end, spec)
+        assert spec.drafted >= sum(spec.accepted) and spec.acceptance_rate > 0.5, (end, spec)
+
+
 def test_a_session_goes_on_after_a_speculative_generation_as_after_a_plain_one(engine):
     outputs = []
     for heads in (True, False):

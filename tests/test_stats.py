@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import numpy as np
 import pytest
 
-from conftest import MODEL_FILES, adapter_path
+from conftest import MODEL_FILES, MODELS, adapter_path
 from runtime import Engine, EngineSettings, LoraSource, Lru, SessionConfig
 from runtime.engine.stats import AdapterStats, EngineStats, ResidentStats, SessionStats
+from runtime.errors import DataLossError
 from runtime.util.latency import LatencySummary
 
 # torch_r4 holds, per layer, q/o: a 64x4 + b 4x64 and k/v: a 64x4 + b 4x32, float32, 2 layers;
@@ -222,6 +224,23 @@ def test_unloading_removes_the_adapter_and_its_buffers(engine):
     stats = engine.stats()
     assert stats.adapters == () and stats.resident == () and stats.resident_bytes == 0
     assert stats.load.count == 1 and stats.residency_misses == 1  # history is kept
+
+
+def test_a_failed_materialization_is_a_miss(engine, tmp_path):
+    """An adapter whose file no longer reads at its first use: the materialization was timed
+    but not counted as a miss, so misses and materializations disagreed and the failures
+    were invisible in the residency counters."""
+    directory = tmp_path / "qkvo_r4"
+    shutil.copytree(MODELS / "peft" / "qkvo_r4", directory)
+    lora_id = engine.register_adapter(LoraSource(path=directory))
+    (directory / "adapter_model.safetensors").unlink()
+    for attempt in (1, 2):
+        with engine.create_session(SessionConfig(adapters={lora_id: 1.0})) as session:
+            with pytest.raises(DataLossError, match="adapter_model.safetensors: cannot be read any more"):
+                session.run_prefill([1, 2])
+        stats = engine.stats()
+        assert (stats.residency_misses, stats.residency_hits, stats.materialize.count) == (attempt, 0, attempt)
+        assert stats.resident == ()
 
 
 def test_evictions_under_an_lru_policy():

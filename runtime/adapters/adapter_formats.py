@@ -95,9 +95,12 @@ def open_adapter(path: str | os.PathLike[str], *, head_dim: int | None = None,
 class AdapterOrigin:
     """Where one adapter comes from, and the ``key`` it is known by again.
 
-    For files, ``key`` is the device, inode, size and modification time of the adapter's
-    files: another path or a link to the same files gives the same key; rewriting them
-    gives another. For memory, it is the SHA-256 of the content (and PEFT config): the
+    For files, ``key`` is the device, inode, size, modification and change time of the
+    adapter's files: another path or a link to the same files gives the same key; rewriting
+    them gives another, also in place with the size and modification time kept (``cp -p``):
+    the change time, which the kernel sets on every write and no call sets back, moves.
+    (It moves on a ``chmod`` or a new hard link too: the same bytes are then registered
+    again under a new id, which costs a parse; never new bytes under an old id.) For memory, it is the SHA-256 of the content (and PEFT config): the
     same bytes give the same key. ``path`` is the adapter file or PEFT directory;
     ``buffer`` an in-memory adapter no caller can change any more.
     """
@@ -120,11 +123,10 @@ class AdapterOrigin:
         first = _stat(name)
         folder = _peft_folder(name, first)
         if folder is None:
-            return cls(("file", first.st_dev, first.st_ino, first.st_size, first.st_mtime_ns), name, name)
+            return cls(("file", *_identity(first)), name, name)
         key: list[Any] = ["file"]
         for file in (os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)):
-            status = _stat(file)
-            key += [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns]
+            key += _identity(_stat(file))
         return cls(tuple(key), folder, folder, peft=True)
 
     @classmethod
@@ -195,6 +197,11 @@ class AdapterOrigin:
         if _file_format(Path(self.path)) == GGUF:
             return read_gguf_lora(self.path, head_dim=head_dim)
         return LoraData.create_from_file_path(self.path)
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What tells one file's contents from another's without reading them (see :class:`AdapterOrigin`)."""
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
 def _stat(name: str) -> os.stat_result:

@@ -61,7 +61,9 @@ def normalize_blend(entries: Iterable[tuple[int, float]]) -> Blend:
 
 @dataclass(frozen=True)
 class ResidencyStats:
-    """How often a requested blend was resident, and what materializing cost."""
+    """How often a requested blend was resident (``hits``) or had to be materialized
+    (``misses``, failed materializations included: an adapter whose source no longer reads),
+    and what materializing cost (failed attempts included)."""
 
     hits: int
     misses: int
@@ -237,6 +239,9 @@ class LoraManager:
             self._hits += 1
             self._resident.move_to_end(key)
             return lora
+        # A miss is a request the resident buffers could not answer, counted before the build:
+        # one that fails (a source no longer readable) is a miss that materialized nothing.
+        self._misses += 1
         blend, slot = key
         # Side by side in the order of their sources, not of their ids: a blend's sums do not
         # depend on which of its adapters this engine happened to register first.
@@ -252,7 +257,6 @@ class LoraManager:
             )
         for plan, _ in plans:
             plan.data.release_memory()  # the weights now live in the buffers
-        self._misses += 1
         self._resident[key] = lora
         return lora
 

@@ -92,7 +92,9 @@ class SpeculationPolicy:
 class SpeculationStats:
     """Draft heads at work: ``drafted`` tokens proposed, ``accepted`` per head (head k's
     draft kept), ``verifies`` runs, ``tokens`` produced by them (accepted drafts plus the
-    trunk's own token per run), ``plain_steps`` decode steps taken while the heads were off
+    trunk's own token per run, but for a run the generation ended in on a kept draft:
+    a stop token, ``max_new_tokens`` or ``on_token`` raising; the drafts past that end are
+    not counted as drafted), ``plain_steps`` decode steps taken while the heads were off
     (rare acceptance, the end of the cache), and ``blends_without_heads``:
     generations whose blend of several adapters, some with heads, used none."""
 
@@ -316,29 +318,42 @@ class SpeculativeDecoder:
             logits, hidden = self._resources.verify(context, [last, *drafts])
             start = context.position
             counters.verifies += 1
-            counters.drafted += len(drafts)
             kept = 0
             stopped = None
-            while True:
-                choice = sample(logits[kept])  # the trunk's token after t, d_0 .. d_{kept-1}
-                if kept == len(drafts) or choice != drafts[kept]:
-                    break
-                counters.accepted[kept] += 1
-                kept += 1
-                generated.append(choice)
-                # The context plain decoding holds while on_token sees this draft (t and the
-                # drafts before it), so that a caller stopping here by raising leaves that.
-                context.position = start + kept
-                if on_token is not None:
-                    on_token(choice)
-                if choice in stops or len(generated) == max_new_tokens:
-                    stopped = "stop_token" if choice in stops else "max_new_tokens"
-                    break
+            ended = True  # until the trunk's own token is picked: the generation ends inside this run
+            try:
+                while True:
+                    choice = sample(logits[kept])  # the trunk's token after t, d_0 .. d_{kept-1}
+                    if kept == len(drafts) or choice != drafts[kept]:
+                        ended = False
+                        break
+                    kept += 1
+                    generated.append(choice)
+                    # The context plain decoding holds while on_token sees this draft (t and the
+                    # drafts before it), so that a caller stopping here by raising leaves that.
+                    context.position = start + kept
+                    if on_token is not None:
+                        on_token(choice)
+                    if choice in stops or len(generated) == max_new_tokens:
+                        stopped = "stop_token" if choice in stops else "max_new_tokens"
+                        break
+            finally:
+                self._count_run(len(drafts), kept, ended)
             context.position = start + 1 + kept  # the trunk's token and the kept drafts
-            counters.tokens += 1 + kept
-            if drafts:
-                gate.verified(kept)
             if stopped is not None:
                 return generated, stopped  # its last token (kept) is in the cache
             generated.append(choice)  # the first choice unlike its draft, or the one after every draft
             drafts = self._heads.draft(hidden[kept], self._project)
+
+    def _count_run(self, drafts: int, kept: int, ended: bool) -> None:
+        """Counts one verify run of ``drafts`` drafts that gave the first ``kept`` of them,
+        then the trunk's own token unless the generation ``ended`` on a kept draft (a stop
+        token, ``max_new_tokens``, ``on_token`` raising): the drafts past that end were never
+        judged, so they count as neither proposed nor rejected, in the stats and the gate."""
+        counters = self.counters
+        counters.drafted += kept if ended else drafts
+        for k in range(kept):
+            counters.accepted[k] += 1
+        counters.tokens += kept if ended else kept + 1
+        if drafts:
+            self._gate.verified(kept)

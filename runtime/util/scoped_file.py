@@ -106,12 +106,17 @@ class ScopedFile:
 
 
 class FileWatch:
-    """Remembers a file's size and modification time, to refuse reading it once changed.
+    """Remembers a file's size, modification and change time, to refuse reading it once changed.
 
     Memory-mapped files that shrink turn the next read of a lost page into SIGBUS, which
     kills the process; a file rewritten in place would silently change a registered
-    adapter. Readers call :meth:`check` before touching mapped bytes. (A change racing
-    the few microseconds between the check and the read is not covered.)
+    adapter. The change time (``st_ctime_ns``) is what catches a rewrite that keeps the
+    size and sets the old modification time back (``cp -p``, ``rsync --inplace -t``): the
+    kernel sets it on every write and no call sets it back. It also moves on a metadata
+    change (``chmod``, a new hard link), which is then refused as a change: a false alarm
+    costs registering the adapter again, a missed rewrite served other weights. Readers
+    call :meth:`check` before touching mapped bytes. (A change racing the few
+    microseconds between the check and the read is not covered.)
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -122,20 +127,21 @@ class FileWatch:
             raise NotFoundError(f"{self.path}: no such file") from None
         except OSError as exc:
             raise InvalidArgumentError(f"{self.path}: cannot stat: {exc.strerror}") from None
-        self._size, self._mtime = st.st_size, st.st_mtime_ns
+        self._size, self._times = st.st_size, (st.st_mtime_ns, st.st_ctime_ns)
 
-    def _stat(self) -> tuple[int, int]:
+    def _stat(self) -> tuple[int, tuple[int, int]]:
         try:
             st = os.stat(self.path)
         except OSError as exc:
             raise DataLossError(f"{self.path}: cannot be read any more: {exc.strerror}") from None
-        return st.st_size, st.st_mtime_ns
+        return st.st_size, (st.st_mtime_ns, st.st_ctime_ns)
 
     def check(self, what: str = "") -> None:
         """``DataLossError`` if the file is gone, smaller, or modified since it was opened."""
-        size, mtime = self._stat()
+        size, times = self._stat()
         where = f"{self.path}: {what}: " if what else f"{self.path}: "
         if size < self._size:
             raise DataLossError(f"{where}file shrank from {self._size} to {size} bytes after it was opened")
-        if (size, mtime) != (self._size, self._mtime):
-            raise DataLossError(f"{where}file was modified after it was opened")
+        if (size, times) != (self._size, self._times):
+            raise DataLossError(f"{where}file was modified after it was opened (its size, modification or change "
+                                "time differ)")

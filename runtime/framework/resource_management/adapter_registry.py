@@ -1,8 +1,8 @@
 """AdapterRegistry: adapter ids, and the LoRA manager that holds each adapter's buffers.
 
 * The same adapter gets the same id: a file (or a PEFT directory's files) is identified
-  by device, inode, size and modification time (so another path or a symlink to it is
-  the same adapter, and a rewritten file is a new one); an in-memory blob by the
+  by device, inode, size, modification and change time (so another path or a symlink to
+  it is the same adapter, and a rewritten file is a new one, ``cp -p`` in place too); an in-memory blob by the
   SHA-256 of its content; an adapter without draft heads is the same whatever its
   ``heads`` flag (a Turbo LoRA's heads=False registration is apart from the one with
   its heads). Ids are assigned here and nowhere else.
