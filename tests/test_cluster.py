@@ -458,7 +458,9 @@ def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path, offline):
 
     Meanwhile a second server (the demo model) joins the first's Ray with --ray-address: each
     has its own replicas and catalogue (they shared one Serve application by name, so the
-    second replaced the first's replicas with its own, and removed them on exit)."""
+    second replaced the first's replicas with its own, and removed them on exit).
+
+    Last, its one replica is killed: /health says unavailable until Ray Serve replaced it."""
     pytest.importorskip("ray")
     server = ClusterServer(tmp_path / "first", TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
     joined = None
@@ -495,6 +497,18 @@ def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path, offline):
         status, body, _ = server.call("/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 6,
                                                           "temperature": 0})
         assert status == 200 and body["choices"][0]["text"] == offline([]), body
+        # /health while its one replica is gone (killed, then replaced): unavailable (it said ok).
+        status, body, _ = server.call("/health")
+        assert status == 200 and body["status"] == "ok" and body["replicas"] == 1, body
+        (pid,) = server.live_replicas().values()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (answer := server.call("/health"))[0] == 200:
+            assert time.monotonic() < deadline, "/health said ok with no replica running"
+            time.sleep(0.1)
+        status, body, _ = answer
+        assert status == 503 and body["error"]["code"] == "unavailable", answer
+        assert body["error"]["message"].startswith("no replica of the engine is running ("), body
     finally:
         if joined is not None:
             _stop(joined)

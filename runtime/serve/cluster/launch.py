@@ -15,13 +15,17 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 
 from runtime.errors import InvalidArgumentError, UnavailableError
+from runtime.serve.errors import ApiError
 from runtime.serve.cluster import import_ray
 from runtime.serve.cluster.ingress import Forwarder, ReplicaHeader
 from runtime.serve.cluster.replica import EngineReplica, ReplicaConfig
@@ -33,6 +37,7 @@ APPLICATION = "runtime"  # each server's own Serve application: this, a dash and
 CONNECT_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 20.0  # for the replicas to finish what they run and go
 REPLICA_TIMEOUT_S = 60.0  # the default --replica-timeout
+HEALTH_CACHE_S = 1.0  # /health asks Ray Serve's controller at most this often
 DEPLOYMENT = "EngineReplica"
 # Ray's switch for a Ray on one machine: every address it uses stays on the loopback.
 _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -108,6 +113,7 @@ class Cluster:
         self.application = application
         self.state = state
         self.handle = handle
+        self._health_cache: tuple[float, tuple[int, str]] | None = None
 
     @classmethod
     def start(cls, options: ClusterOptions, config: ReplicaConfig) -> Cluster:
@@ -169,6 +175,36 @@ class Cluster:
         server.job_class = forwarder.job
         server.metrics.registry.register(forwarder)
         app.add_middleware(ReplicaHeader)
+        # /health of one process says the process is up; the ingress's is up while a replica
+        # is: this route goes first, before the one of one process (behind the same gate).
+        app.router.routes.insert(0, APIRoute("/health", self._health, methods=["GET", "HEAD"]))
+
+    async def _health(self) -> dict:
+        running, detail = await run_in_threadpool(self.running_replicas)
+        if not running:
+            raise ApiError(503, f"no replica of the engine is running ({detail}): Ray Serve is starting "
+                           "replacements; generations wait for one or fail after --replica-timeout",
+                           "server_error", "unavailable")
+        return {"status": "ok", "replicas": running}
+
+    def running_replicas(self) -> tuple[int, str]:
+        """How many replicas Ray Serve's controller counts as running (healthy), and its
+        count of each replica state (asked at most every ``HEALTH_CACHE_S``)."""
+        now = time.monotonic()
+        cached = self._health_cache
+        if cached is not None and now - cached[0] < HEALTH_CACHE_S:
+            return cached[1]
+        try:
+            application = self._serve.status().applications.get(self.application)
+            deployment = None if application is None else application.deployments.get(DEPLOYMENT)
+            states = {str(getattr(state, "value", state)): count
+                      for state, count in (deployment.replica_states if deployment is not None else {}).items()}
+            found = (states.get("RUNNING", 0), ", ".join(f"{count} {state.lower()}" for state, count in
+                                                          sorted(states.items())) or "none deployed")
+        except Exception as exc:  # the controller is gone or does not answer
+            found = (0, f"Ray Serve did not answer: {type(exc).__name__}")
+        self._health_cache = (now, found)
+        return found
 
     def stop(self) -> None:
         """Removes the replicas (each finishing what it runs), then stops a local Ray."""
