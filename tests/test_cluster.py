@@ -356,8 +356,8 @@ def test_each_replica_reserves_the_cpus_it_runs():
     launch.deployment(serve, options)
     assert options.cpus_per_replica == 6 and made["ray_actor_options"] == {"num_cpus": 6}
     options.check_fits(12)
-    with pytest.raises(InvalidArgumentError, match=r": --replicas 2 x --threads 2 x --executors 3 needs 12 CPUs .* has 11 "
-                       r"available: at most 1 replicas"):
+    with pytest.raises(InvalidArgumentError, match=r": --replicas 2 x --threads 2 x --executors 3 needs 12 CPUs .* "
+                       r"has 11 available: at most 1 replicas"):
         options.check_fits(11)
 
 

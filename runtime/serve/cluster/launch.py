@@ -223,7 +223,8 @@ def deployment(serve, options: ClusterOptions):
     loader = serve.multiplexed(max_num_models_per_replica=options.max_adapters)(EngineReplica.load_adapter_set)
     replica_class = type("EngineReplica", (EngineReplica,), {"load_adapter_set": loader})
     return serve.deployment(replica_class, name=DEPLOYMENT, num_replicas=options.replicas,
-                            ray_actor_options={"num_cpus": options.cpus_per_replica}, max_ongoing_requests=options.max_ongoing,
+                            ray_actor_options={"num_cpus": options.cpus_per_replica},
+                            max_ongoing_requests=options.max_ongoing,
                             health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
                             logging_config={"log_level": "WARNING"})
 
