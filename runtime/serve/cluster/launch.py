@@ -182,8 +182,8 @@ class Cluster:
     async def _health(self) -> dict:
         running, detail = await run_in_threadpool(self.running_replicas)
         if not running:
-            raise ApiError(503, f"no replica of the engine is running ({detail}): Ray Serve is starting "
-                           "replacements; generations wait for one or fail after --replica-timeout",
+            raise ApiError(503, f"no replica of the engine is running ({detail}): generations wait for one (Ray "
+                           "Serve replaces the replicas that die) or end after --replica-timeout",
                            "server_error", "unavailable")
         return {"status": "ok", "replicas": running}
 
