@@ -30,6 +30,8 @@ import pytest
 from runtime import ByteTokenizer, Engine, LoraSource, SessionConfig
 from runtime.cli.main import build_parser
 from runtime.errors import InvalidArgumentError
+from runtime.serve.cluster import launch
+from runtime.serve.cluster.launch import ClusterOptions
 from runtime.serve.cluster.replica import adapter_set_id, parse_adapter_set_id
 from runtime.serve.cluster import state as state_module
 from runtime.serve.cluster.state import ClusterCatalog, ClusterState, file_sha256
@@ -47,6 +49,7 @@ DEMO_ADAPTERS = tuple(DEMO / "adapters" / f"{name}.tflite" for name in ADAPTERS)
 TINY_MODEL = ROOT / "tests" / "models" / "gqa_default.tflite"  # random weights, rank slots 4 and 16
 TINY_ADAPTERS = tuple(ROOT / "tests" / "models" / "adapters" / f"{name}.tflite" for name in ("torch_r4", "litertlm_r4"))
 START_TIMEOUT_S = 180
+REPLICA_TIMEOUT_S = 5  # the module's server's --replica-timeout
 
 cluster = pytest.mark.cluster
 
@@ -59,7 +62,8 @@ class ClusterServer:
     """``python -m runtime serve --replicas 2`` in a subprocess of its own session."""
 
     def __init__(self, tmp: Path, model: Path = MODEL, adapters: tuple[Path, ...] = DEMO_ADAPTERS,
-                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2"),
+                 options: tuple[str, ...] = ("--stop-token", "10", "--replicas", "2", "--replica-timeout",
+                                             str(REPLICA_TIMEOUT_S)),
                  environment: dict[str, str] | None = None) -> None:
         self.adapters = tmp / "adapters"
         self.adapters.mkdir(parents=True)
@@ -333,7 +337,8 @@ def test_replicas_without_the_extra_is_one_line_naming_it(tmp_path):
     assert len(lines) == 1 and 'pip install -e ".[cluster]"' in lines[0], done.stderr
 
 
-@pytest.mark.parametrize("flag,value", [("--ray-address", "127.0.0.1:1"), ("--max-adapters-per-replica", "4")])
+@pytest.mark.parametrize("flag,value", [("--ray-address", "127.0.0.1:1"), ("--max-adapters-per-replica", "4"),
+                                        ("--replica-timeout", "5")])
 def test_a_replicas_option_without_replicas_is_refused(flag, value):
     parsed = build_parser().parse_args(["serve", "--model", str(MODEL), "--byte-tokens", flag, value,
                                         "--port", "70000"])  # were it not refused: an error, not a server
@@ -341,8 +346,39 @@ def test_a_replicas_option_without_replicas_is_refused(flag, value):
         parsed.run(parsed)
 
 
+def test_each_replica_reserves_the_cpus_it_runs():
+    """A replica runs --executors copies of the model, each on --threads threads: it asks Ray for
+    that many CPUs (it asked for --threads alone, and a machine took more replicas than it has cores)."""
+    made = {}
+    serve = SimpleNamespace(multiplexed=lambda **_: (lambda function: function),
+                            deployment=lambda replica_class, **options: made.update(options))
+    options = ClusterOptions(2, threads=2, executors=3)
+    launch.deployment(serve, options)
+    assert options.cpus_per_replica == 6 and made["ray_actor_options"] == {"num_cpus": 6}
+    options.check_fits(12)
+    with pytest.raises(InvalidArgumentError, match=r": --replicas 2 x --threads 2 x --executors 3 needs 12 CPUs .* "
+                       r"has 11 available: at most 1 replicas"):
+        options.check_fits(11)
+
+
+def test_more_replicas_than_the_machine_has_cpus_are_refused_before_ray_starts(monkeypatch):
+    """A local Ray was started with as many CPUs as the replicas asked for, whatever the machine had."""
+    monkeypatch.setattr(launch, "available_cpus", lambda: 4)
+    parsed = build_parser().parse_args(["serve", "--model", str(MODEL), "--byte-tokens", "--replicas", "3",
+                                        "--threads", "2", "--port", "70000"])
+    with pytest.raises(InvalidArgumentError, match=r": --replicas 3 x --threads 2 needs 6 CPUs .* has 4 available: "
+                       r"at most 2 replicas"):
+        parsed.run(parsed)
+    parsed = build_parser().parse_args(["serve", "--model", str(MODEL), "--byte-tokens", "--replicas", "2",
+                                        "--threads", "2", "--executors", "2", "--port", "70000"])
+    with pytest.raises(InvalidArgumentError, match=r"--executors 2 needs 8 CPUs"):
+        parsed.run(parsed)
+
+
 @pytest.mark.parametrize("args,words", [
     (["--model", "/no/such/model.tflite", "--byte-tokens"], "/no/such/model.tflite: no such model file"),
+    (["--model", str(MODEL), "--byte-tokens", "--threads", str(os.cpu_count())],
+     f"--replicas 2 x --threads {os.cpu_count()} needs {2 * os.cpu_count()} CPUs"),
     (["--model", str(MODEL), "--byte-tokens", "--port", "70000"], "--port 70000: expected 0-65535"),
     (["--model", str(MODEL), "--byte-tokens", "--threads", "0", "--port", "70000"],
      "--threads 0: expected an integer >= 1 with --replicas"),
@@ -422,7 +458,9 @@ def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path, offline):
 
     Meanwhile a second server (the demo model) joins the first's Ray with --ray-address: each
     has its own replicas and catalogue (they shared one Serve application by name, so the
-    second replaced the first's replicas with its own, and removed them on exit)."""
+    second replaced the first's replicas with its own, and removed them on exit).
+
+    Last, its one replica is killed: /health says unavailable until Ray Serve replaced it."""
     pytest.importorskip("ray")
     server = ClusterServer(tmp_path / "first", TINY_MODEL, TINY_ADAPTERS, ("--replicas", "1"))
     joined = None
@@ -459,6 +497,18 @@ def test_a_blend_of_two_adapters_is_one_set_on_a_replica(tmp_path, offline):
         status, body, _ = server.call("/v1/completions", {"model": "demo", "prompt": prompt, "max_tokens": 6,
                                                           "temperature": 0})
         assert status == 200 and body["choices"][0]["text"] == offline([]), body
+        # /health while its one replica is gone (killed, then replaced): unavailable (it said ok).
+        status, body, _ = server.call("/health")
+        assert status == 200 and body["status"] == "ok" and body["replicas"] == 1, body
+        (pid,) = server.live_replicas().values()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (answer := server.call("/health"))[0] == 200:
+            assert time.monotonic() < deadline, "/health said ok with no replica running"
+            time.sleep(0.1)
+        status, body, _ = answer
+        assert status == 503 and body["error"]["code"] == "unavailable", answer
+        assert body["error"]["message"].startswith("no replica of the engine is running ("), body
     finally:
         if joined is not None:
             _stop(joined)
@@ -648,6 +698,46 @@ def test_a_killed_replica_ends_its_streams_with_an_error_and_is_replaced(served,
     assert cut, "no stream was running on the killed replica in three tries"
     for name in ADAPTERS:
         assert served.complete(name, "the cat sat\n")[0] == offline("the cat sat\n", [(name, 1.0)])
+
+
+@cluster
+def test_a_hung_replica_ends_its_streams_after_the_replica_timeout(served, offline):
+    """A replica frozen in the middle of a stream (SIGSTOP: as one stuck in a step): the stream
+    ends after --replica-timeout with an error event naming the replica and the time-out (it
+    waited ~95 s, until Ray Serve's health checks gave the replica up, 3 x 30 s)."""
+    body = {"model": "json", "prompt": "hello world\n", "max_tokens": 230, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    for _ in range(5):  # the stream may end before the replica is stopped: again
+        live = served.live_replicas()
+        assert len(live) == 2, live
+        request = urllib.request.Request(served.url + "/v1/completions", data=json.dumps(body).encode())
+        request.add_header("Authorization", f"Bearer {KEY}")
+        request.add_header("Content-Type", "application/json")
+        response = urllib.request.urlopen(request, timeout=60)
+        replica = response.headers["x-runtime-replica"]
+        os.kill(live[replica], signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            lines = [raw.decode().strip() for raw in response]
+            waited = time.monotonic() - stopped
+        finally:
+            os.kill(live[replica], signal.SIGCONT)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]", lines[-3:]
+        errors = [event["error"] for event in events if "error" in event]
+        if errors:
+            break
+    assert errors, "no stream was running when its replica was stopped, in five tries"
+    assert REPLICA_TIMEOUT_S - 0.5 < waited < REPLICA_TIMEOUT_S + 10, waited
+    assert errors[0]["code"] == "unavailable", errors
+    assert f"replica {replica} sent nothing for {REPLICA_TIMEOUT_S} s (--replica-timeout" in errors[0]["message"]
+    # The replica, going on, is answered by as before.
+    deadline = time.monotonic() + 30
+    while len(served.live_replicas()) < 2:
+        assert time.monotonic() < deadline, "the stopped replica did not report again"
+        time.sleep(0.2)
+    for name in ADAPTERS:
+        assert served.complete(name, "green tea\n")[0] == offline("green tea\n", [(name, 1.0)])
 
 
 @cluster

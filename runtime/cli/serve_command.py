@@ -93,6 +93,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     cluster.add_argument("--max-adapters-per-replica", type=int, metavar="K",
                          help="with --replicas: adapter sets one replica holds, the least recently used let go "
                          "beyond it (default: 8)")
+    cluster.add_argument("--replica-timeout", type=float, metavar="SECONDS",
+                         help="with --replicas: a request whose replica sends nothing of its answer (no token, not its "
+                         "end) for this long, or that no replica takes, ends with a 503 naming the replica "
+                         "(default: 60; 0: wait forever)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     parser.set_defaults(run=run)
 
@@ -194,17 +198,22 @@ def _cluster_options(args: argparse.Namespace, settings):
     anything starts; else ``None``, refusing the options that need ``--replicas``."""
     max_adapters = args.max_adapters_per_replica
     if args.replicas is None:
-        for flag, value in (("--ray-address", args.ray_address), ("--max-adapters-per-replica", max_adapters)):
+        for flag, value in (("--ray-address", args.ray_address), ("--max-adapters-per-replica", max_adapters),
+                            ("--replica-timeout", args.replica_timeout)):
             if value is not None:
                 raise InvalidArgumentError(f"{flag} goes with --replicas N")
         return None
     from runtime.serve.cluster import import_ray
-    from runtime.serve.cluster.launch import ClusterOptions, check_reachable
+    from runtime.serve.cluster.launch import ClusterOptions, available_cpus, check_reachable
 
+    given = {"max_adapters": max_adapters, "replica_timeout": args.replica_timeout}
     options = ClusterOptions(args.replicas, args.ray_address, max_ongoing=settings.max_concurrent,
-                             threads=args.threads, **({} if max_adapters is None else {"max_adapters": max_adapters}))
+                             threads=args.threads, executors=args.executors,
+                             **{key: value for key, value in given.items() if value is not None})
     if args.ray_address is not None:
         check_reachable(args.ray_address)
+    else:  # a local Ray: the replicas must fit on this machine
+        options.check_fits(available_cpus())
     import_ray()  # one line naming the extra if it is missing
     return options
 

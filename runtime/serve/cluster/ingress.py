@@ -7,11 +7,17 @@ the deployment handle with its adapter set as the multiplexed model id and relay
 replica streams. A replica that dies before anything came back is not the request's fault:
 it is sent once more (Ray Serve's router then picks another replica); one that dies later
 ends the request with a 503 naming the replica (in a stream: an error event), never a hang.
+A replica that sends nothing of an answer (no token, not its end) for ``--replica-timeout``
+seconds, hung in a step or frozen whole, is given up on the same way: the request is
+cancelled and ends with a 503 naming the replica and the time-out. Ray Serve's own request
+time-out (``request_timeout_s``) belongs to its HTTP and gRPC proxies, which the ingress
+does not use: a deployment handle's stream has none, hence this one.
 """
 
 from __future__ import annotations
 
 import contextvars
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -126,8 +132,9 @@ class RemoteJob:
             _cancel(response)
         replica = None
         first_token = None
+        timeout = self._forwarder.timeout
         try:
-            for item in _events(response):
+            for item in _events(response, timeout):
                 kind = item[0]
                 if kind == "replica":
                     replica = item[1]
@@ -161,6 +168,13 @@ class RemoteJob:
             self._gone(replica, exc)
         except ray_errors.cancelled:
             pass
+        except _Silent:
+            threading.Thread(target=_cancel, args=(response,), daemon=True).start()
+            if self._cancelled.is_set():
+                return Outcome("", "cancelled", 0, 0, self._queue_wait, None, 0.0)
+            what = f"replica {replica} sent nothing" if replica else "no replica took the request"
+            raise UnavailableError(f"{what} for {timeout:g} s (--replica-timeout {timeout:g}): the request was "
+                                   "cancelled; retry") from None
         if self._cancelled.is_set():
             return Outcome("", "cancelled", 0, 0, self._queue_wait, None, 0.0)
         raise UnavailableError(f"replica {replica or '?'} ended the stream without an outcome")
@@ -182,9 +196,39 @@ class _BeforeAnything(Exception):
         self.error = error
 
 
-def _events(response) -> Iterator[tuple]:
-    """The events of a replica's stream (which sends them in lists)."""
-    for batch in response:
+class _Silent(Exception):
+    """The replica sent nothing for the forwarder's time-out."""
+
+
+def _events(response, timeout: float = 0.0) -> Iterator[tuple]:
+    """The events of a replica's stream (which sends them in lists); ``_Silent`` if nothing
+    comes for ``timeout`` seconds (0: no limit). The stream is read by a thread of its own:
+    Ray's iterator has no time-out, and a hung replica would hold this one forever."""
+    if not timeout:
+        for batch in response:
+            yield from batch
+        return
+    batches: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            for batch in response:
+                batches.put((batch, None))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the job's thread
+            batches.put((None, exc))
+        else:
+            batches.put((None, None))
+
+    threading.Thread(target=read, name="replica-stream", daemon=True).start()
+    while True:
+        try:
+            batch, error = batches.get(timeout=timeout)
+        except queue.Empty:
+            raise _Silent from None
+        if error is not None:
+            raise error
+        if batch is None:
+            return
         yield from batch
 
 
@@ -213,8 +257,9 @@ class Forwarder:
     catalogue (the ingress's adapter ids -> names and digests), the replicas' reports."""
 
     def __init__(self, handle, catalog: AdapterCatalog, digest: Callable[[str], str],
-                 reports: Callable[[], dict[str, tuple[float, dict]]]) -> None:
+                 reports: Callable[[], dict[str, tuple[float, dict]]], timeout: float = 0.0) -> None:
         self.handle = handle
+        self.timeout = timeout  # --replica-timeout: seconds a replica may send nothing (0: no limit)
         self.ray_errors = RayErrors()
         self._catalog = catalog
         self._digest = digest

@@ -15,13 +15,17 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 
 from runtime.errors import InvalidArgumentError, UnavailableError
+from runtime.serve.errors import ApiError
 from runtime.serve.cluster import import_ray
 from runtime.serve.cluster.ingress import Forwarder, ReplicaHeader
 from runtime.serve.cluster.replica import EngineReplica, ReplicaConfig
@@ -32,6 +36,9 @@ NAMESPACE = "runtime"
 APPLICATION = "runtime"  # each server's own Serve application: this, a dash and a random suffix
 CONNECT_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 20.0  # for the replicas to finish what they run and go
+REPLICA_TIMEOUT_S = 60.0  # the default --replica-timeout
+HEALTH_CACHE_S = 1.0  # /health asks Ray Serve's controller at most this often
+DEPLOYMENT = "EngineReplica"
 # Ray's switch for a Ray on one machine: every address it uses stays on the loopback.
 _LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _WORKER_NICENESS = "RAY_worker_niceness"
@@ -39,14 +46,17 @@ _WORKER_NICENESS = "RAY_worker_niceness"
 
 @dataclass(frozen=True)
 class ClusterOptions:
-    """``--replicas``, ``--ray-address``, ``--max-adapters-per-replica`` and the ``--threads``
-    of each replica (the CPUs it asks Ray for), checked."""
+    """``--replicas``, ``--ray-address``, ``--max-adapters-per-replica``, ``--replica-timeout``,
+    and the ``--threads`` and ``--executors`` of each replica (what it runs, so what it asks Ray
+    for: :attr:`cpus_per_replica`), checked."""
 
     replicas: int
     address: str | None = None
     max_adapters: int = 8
     max_ongoing: int = 16  # requests one replica takes at once (the server's --max-concurrent)
     threads: int = 1
+    executors: int = 1
+    replica_timeout: float = REPLICA_TIMEOUT_S  # seconds a replica may send nothing of an answer; 0: no limit
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or self.replicas < 1:
@@ -56,8 +66,41 @@ class ClusterOptions:
         if type(self.threads) is not int or self.threads < 1:
             raise InvalidArgumentError(f"--threads {self.threads!r}: expected an integer >= 1 with --replicas (each "
                                        "replica asks Ray for that many CPUs; 0, all the machine's, is no number)")
+        if type(self.executors) is not int or self.executors < 1:
+            raise InvalidArgumentError(f"--executors {self.executors!r}: expected an integer >= 1")
+        if type(self.replica_timeout) not in (int, float) or not 0 <= self.replica_timeout < 1e9:  # NaN too
+            raise InvalidArgumentError(f"--replica-timeout {self.replica_timeout!r}: expected seconds >= 0 "
+                                       "(0: no limit)")
         if self.address is not None and not self.address.strip():
             raise InvalidArgumentError("--ray-address must not be empty")
+
+    @property
+    def cpus_per_replica(self) -> int:
+        """The CPUs one replica asks Ray for: what it runs at once, ``--executors`` copies of
+        the model each stepping on ``--threads`` threads (the one place this rule lives)."""
+        return self.threads * self.executors
+
+    def check_fits(self, cpus: int) -> None:
+        """``InvalidArgumentError`` naming ``--replicas``, ``--threads`` (and ``--executors``)
+        and ``cpus`` unless the replicas' CPUs fit in ``cpus`` (a local Ray's: the machine's)."""
+        needed = self.replicas * self.cpus_per_replica
+        if needed <= cpus:
+            return
+        executors = f" x --executors {self.executors}" if self.executors != 1 else ""
+        most = cpus // self.cpus_per_replica
+        raise InvalidArgumentError(
+            f"--replicas {self.replicas} x --threads {self.threads}{executors} needs {needed} CPUs (each replica "
+            f"reserves --threads x --executors), and this machine has {cpus} available: at most {most} replicas "
+            f"with these --threads{' and --executors' if executors else ''}, or fewer threads, or a Ray cluster "
+            "with --ray-address")
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class Cluster:
@@ -70,6 +113,7 @@ class Cluster:
         self.application = application
         self.state = state
         self.handle = handle
+        self._health_cache: tuple[float, tuple[int, str]] | None = None
 
     @classmethod
     def start(cls, options: ClusterOptions, config: ReplicaConfig) -> Cluster:
@@ -78,6 +122,8 @@ class Cluster:
         application and the catalogue actor are named for this server alone: servers
         joined to one cluster neither share nor replace each other's."""
         if options.address is None:
+            cpus = available_cpus()
+            options.check_fits(cpus)
             os.environ[_LOCAL_ONLY] = "0"
             # Ray starts its workers at nice 15; the replicas do the serving, not background work.
             os.environ.setdefault(_WORKER_NICENESS, "0")
@@ -89,7 +135,7 @@ class Cluster:
         ray, serve = import_ray()
         try:
             if options.address is None:
-                ray.init(num_cpus=max(os.cpu_count() or 1, options.replicas * options.threads), include_dashboard=False,
+                ray.init(num_cpus=cpus, include_dashboard=False,
                          namespace=NAMESPACE, logging_level=logging.WARNING, configure_logging=True)
             else:
                 ray.init(address=options.address, namespace=NAMESPACE, logging_level=logging.WARNING)
@@ -124,10 +170,41 @@ class Cluster:
     def extend(self, app: FastAPI, server: Server) -> None:
         """Makes the app of one process the ingress: generations go to the replicas, each
         answer names its replica, ``/metrics`` shows the replicas' numbers."""
-        forwarder = Forwarder(self.handle, server.catalog, server.catalog.digest, self._reports)
+        forwarder = Forwarder(self.handle, server.catalog, server.catalog.digest, self._reports,
+                              timeout=self.options.replica_timeout)
         server.job_class = forwarder.job
         server.metrics.registry.register(forwarder)
         app.add_middleware(ReplicaHeader)
+        # /health of one process says the process is up; the ingress's is up while a replica
+        # is: this route goes first, before the one of one process (behind the same gate).
+        app.router.routes.insert(0, APIRoute("/health", self._health, methods=["GET", "HEAD"]))
+
+    async def _health(self) -> dict:
+        running, detail = await run_in_threadpool(self.running_replicas)
+        if not running:
+            raise ApiError(503, f"no replica of the engine is running ({detail}): generations wait for one (Ray "
+                           "Serve replaces the replicas that die) or end after --replica-timeout",
+                           "server_error", "unavailable")
+        return {"status": "ok", "replicas": running}
+
+    def running_replicas(self) -> tuple[int, str]:
+        """How many replicas Ray Serve's controller counts as running (healthy), and its
+        count of each replica state (asked at most every ``HEALTH_CACHE_S``)."""
+        now = time.monotonic()
+        cached = self._health_cache
+        if cached is not None and now - cached[0] < HEALTH_CACHE_S:
+            return cached[1]
+        try:
+            application = self._serve.status().applications.get(self.application)
+            deployment = None if application is None else application.deployments.get(DEPLOYMENT)
+            states = {str(getattr(state, "value", state)): count
+                      for state, count in (deployment.replica_states if deployment is not None else {}).items()}
+            found = (states.get("RUNNING", 0), ", ".join(f"{count} {state.lower()}" for state, count in
+                                                          sorted(states.items())) or "none deployed")
+        except Exception as exc:  # the controller is gone or does not answer
+            found = (0, f"Ray Serve did not answer: {type(exc).__name__}")
+        self._health_cache = (now, found)
+        return found
 
     def stop(self) -> None:
         """Removes the replicas (each finishing what it runs), then stops a local Ray."""
@@ -145,8 +222,9 @@ def deployment(serve, options: ClusterOptions):
     loader bounded by ``options.max_adapters``."""
     loader = serve.multiplexed(max_num_models_per_replica=options.max_adapters)(EngineReplica.load_adapter_set)
     replica_class = type("EngineReplica", (EngineReplica,), {"load_adapter_set": loader})
-    return serve.deployment(replica_class, name="EngineReplica", num_replicas=options.replicas,
-                            ray_actor_options={"num_cpus": options.threads}, max_ongoing_requests=options.max_ongoing,
+    return serve.deployment(replica_class, name=DEPLOYMENT, num_replicas=options.replicas,
+                            ray_actor_options={"num_cpus": options.cpus_per_replica},
+                            max_ongoing_requests=options.max_ongoing,
                             health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
                             logging_config={"log_level": "WARNING"})
 
