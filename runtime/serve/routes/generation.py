@@ -127,8 +127,13 @@ class _Run:
         self._models = [name for name, _ in weights] or [server.settings.model_name]
 
     def __call__(self) -> Outcome:
+        """The job's outcome; a job the server stopped because it shuts down ends with the
+        server's refusal (503) instead."""
         outcome = self._job.run()
         self._server.metrics.record(self._models, outcome)
+        refusal = self._server.admission.refusal() if outcome.finish_reason == "cancelled" else None
+        if refusal is not None:
+            raise refusal
         return outcome
 
     async def watching(self, request: Request) -> Outcome:
