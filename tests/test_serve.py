@@ -735,6 +735,20 @@ def test_a_client_that_goes_away_frees_its_session_at_once(slow):
         assert metric(metrics, "runtime_generations_total", model=model, finish_reason="cancelled") == 1
 
 
+def test_a_prompt_that_fails_stops_the_other_prompts_of_its_request_at_once(slow):
+    def cancelled():
+        return metric(slow.call("/metrics")[1]["text"], "runtime_generations_total", model="slow",
+                      finish_reason="cancelled") or 0
+
+    before = cancelled()
+    # prompt.0 cannot fit the context; prompt.1's 40 tokens at ~50 ms each would take 2 s for nobody
+    status, body = slow.call("/v1/completions", {"model": "slow", "prompt": ["x" * 70, "hello\n"], "max_tokens": 40},
+                             key=None)
+    assert (status, body["error"]["param"]) == (400, "prompt.0")
+    assert cancelled() == before + 1
+    slow.wait_until_idle()
+
+
 def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
     client = slow.client()
     streams = [client.completions.create(model="torch_r4", prompt="hi\n", max_tokens=50, stream=True)
