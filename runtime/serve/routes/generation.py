@@ -143,22 +143,6 @@ class _Run:
             raise refusal
         return outcome
 
-    async def watching(self, request: Request) -> Outcome:
-        """Runs the job in the pool; if the client disconnects first, cancels it at once."""
-        loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._server.pool, self)
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if running not in done:
-                self._job.cancel()
-            return await running
-        except BaseException as exc:
-            self._job.cancel()
-            raise self.error(exc) from None
-        finally:
-            watcher.cancel()
-
     def error(self, exc: BaseException) -> BaseException:
         """The answer to ``exc``: an empty prompt, or one the context cannot hold, names its
         field (``prompt``, ``prompt.N``, ``messages``); another context overflow names the
