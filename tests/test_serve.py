@@ -736,6 +736,20 @@ def test_a_client_that_goes_away_frees_its_session_at_once(slow):
         assert metric(metrics, "runtime_generations_total", model=model, finish_reason="cancelled") == 1
 
 
+def test_a_prompt_that_fails_stops_the_other_prompts_of_its_request_at_once(slow):
+    def cancelled():
+        return metric(slow.call("/metrics")[1]["text"], "runtime_generations_total", model="slow",
+                      finish_reason="cancelled") or 0
+
+    before = cancelled()
+    # prompt.0 cannot fit the context; prompt.1's 40 tokens at ~50 ms each would take 2 s for nobody
+    status, body = slow.call("/v1/completions", {"model": "slow", "prompt": ["x" * 70, "hello\n"], "max_tokens": 40},
+                             key=None)
+    assert (status, body["error"]["param"]) == (400, "prompt.0")
+    assert cancelled() == before + 1
+    slow.wait_until_idle()
+
+
 def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
     client = slow.client()
     streams = [client.completions.create(model="torch_r4", prompt="hi\n", max_tokens=50, stream=True)
@@ -752,6 +766,38 @@ def test_more_than_max_concurrent_gets_429_and_unloading_in_use_gets_409(slow):
     slow.wait_until_idle()
     assert client.completions.create(model="slow", prompt="hi\n", max_tokens=2).usage.completion_tokens == 2
     assert slow.call("/v1/unload_lora_adapter", {"lora_name": "torch_r4"})[0] == 200
+
+
+def test_shutting_down_ends_running_generations_with_a_503_at_once_and_leaves_no_worker(tmp_path):
+    shutil.copy(TINY_ADAPTER_DIR / "torch_r4.tflite", tmp_path)
+    others = set(threading.enumerate())  # the other servers' workers
+    engine = Engine(TINY_MODEL, tokenizer=SlowByteTokenizer())
+    server, thread, url = start_server(engine, tmp_path, ServeSettings("slow", max_concurrent=2))
+    served = Served(url, engine, tmp_path)
+    try:
+        chunks = iter(served.client().completions.create(model="torch_r4", prompt="hello\n", max_tokens=50,
+                                                         stream=True))
+        next(chunks)
+        whole = []
+        waiting = threading.Thread(target=lambda: whole.append(
+            served.call("/v1/completions", {"model": "slow", "prompt": "hello\n", "max_tokens": 50}, key=None)))
+        waiting.start()
+        deadline = time.monotonic() + 5
+        while served.live_sessions() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        started = time.perf_counter()
+        stop_server(server, thread)  # 50 tokens at ~50 ms each would take 2.5 s
+        assert not thread.is_alive() and time.perf_counter() - started < 1.0
+        with pytest.raises(openai.APIError, match="shutting down"):
+            list(chunks)  # an error event ends the stream
+        waiting.join()
+        status, body = whole[0]
+        assert (status, body["error"]["type"], body["error"]["code"]) == (503, "server_error", "unavailable")
+        assert not served.live_sessions()
+        assert not [t.name for t in set(threading.enumerate()) - others if t.name.startswith("serve-request")]
+    finally:
+        engine.close()
 
 
 def test_metrics_report_adapters_and_requests(served):

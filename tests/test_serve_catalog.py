@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -159,3 +161,36 @@ def test_a_request_uses_the_registered_adapter_and_a_changed_file_is_refused(eng
     catalog.lease(["a"]).release()
     assert again.lora_id != entry.lora_id and engine.adapter_ids() == [again.lora_id]
     catalog.unload("a")
+
+
+def test_one_file_loaded_under_two_names_at_once_is_one_adapter(engine, folder, monkeypatch):
+    # Each load waits (up to 0.5 s) inside its registration for the other to get there too:
+    # the two would otherwise both be registered, sharing the engine's id of the file.
+    catalog = AdapterCatalog(engine, folder)
+    meeting = threading.Barrier(2, timeout=0.5)
+    registered = engine.adapter
+
+    def adapter(lora_id):
+        with contextlib.suppress(threading.BrokenBarrierError):
+            meeting.wait()
+        return registered(lora_id)
+
+    monkeypatch.setattr(engine, "adapter", adapter)
+    outcomes = {}
+
+    def load(name):
+        try:
+            outcomes[name] = catalog.load_path(name, "alpha.tflite")
+        except AlreadyExistsError as exc:
+            outcomes[name] = exc
+
+    loads = [threading.Thread(target=load, args=(name,)) for name in ("a", "b")]
+    for thread in loads:
+        thread.start()
+    for thread in loads:
+        thread.join()
+    refused = [name for name, outcome in outcomes.items() if isinstance(outcome, AlreadyExistsError)]
+    assert len(refused) == 1 and "already loaded" in str(outcomes[refused[0]])
+    (kept,) = catalog.entries()
+    catalog.unload(kept.name)
+    assert catalog.entries() == [] and engine.adapter_ids() == []

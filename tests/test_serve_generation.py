@@ -100,11 +100,19 @@ def test_without_max_tokens_a_job_may_fill_the_context(engine):
 
 
 def test_a_cancelled_job_stops_before_its_next_step(engine):
-    run = job(engine, "hi", 50)
+    run = job(engine, "hi", 50, on_start=lambda: run.cancel())  # cancelled while it runs
     run.prepare()
-    run.cancel()
     outcome = run.run()
     assert (outcome.finish_reason, outcome.completion_tokens) == ("cancelled", 1)  # no decode after the first token
+    assert not engine.stats().sessions
+
+
+def test_a_job_cancelled_before_it_ran_runs_nothing(engine):
+    run = job(engine, "hi", 50)
+    run.prepare()
+    run.cancel()  # the client went away, or the server shuts down, before a worker took it
+    outcome = run.run()
+    assert (outcome.finish_reason, outcome.completion_tokens, outcome.text) == ("cancelled", 0, "")
     assert not engine.stats().sessions
 
 

@@ -5,7 +5,8 @@ Every generation runs in a worker thread of the server's own pool (never on the 
 loop); the loop only parses, admits, and relays text as it comes. Safe by default: an
 API key (if set) guards every endpoint but ``/health``, compared in constant time; the
 request body is capped; more than ``max_concurrent`` running requests get 429; every
-error is OpenAI-shaped JSON and leaves the server serving.
+error is OpenAI-shaped JSON and leaves the server serving. At shutdown, new requests get
+503 and running generations end with a 503 error (a stream with its error event).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def create_app(engine: Engine, catalog: AdapterCatalog, settings: ServeSettings,
         await run_in_threadpool(server.shutdown)
 
     app = FastAPI(title="runtime", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.drain = server.drain  # what uvicorn_config's protocol calls when uvicorn begins to shut down
     for family in (operations, models, generation, adapters, tokenize):
         app.include_router(family.routes(server))
     app.include_router(page.routes())

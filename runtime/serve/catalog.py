@@ -12,6 +12,8 @@ Each name keeps the engine's id of the adapter registered (and checked) when it 
 loaded: a request runs with that id and never goes back to the path. A file changed
 after it was loaded is refused until it is loaded again. A request holds a
 :class:`Lease` on the adapters it runs with; unloading a leased adapter is refused.
+Registering and unloading run one at a time: the engine gives the same file the same id,
+so two names loaded from one file at once would share an id that unloading either frees.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ class AdapterCatalog:
         self._problems: dict[str, str] = {}  # name -> why it is unhealthy
         self.skipped: list[Skipped] = []  # what the start-up scan could not register
         self._lock = threading.Lock()
+        # Held while an adapter is registered or unloaded (the engine's ids change), not
+        # while one is leased: requests never wait for a load.
+        self._changing = threading.Lock()
 
     # -- reading -------------------------------------------------------------------
 
@@ -287,7 +292,7 @@ class AdapterCatalog:
     def unload(self, name: str) -> CatalogEntry:
         """Unregisters ``name`` and frees its buffers; refused while a request uses it.
         Its file stays in the adapters directory. Errors are about ``lora_name``."""
-        with _about("lora_name"), self._lock:
+        with _about("lora_name"), self._changing, self._lock:
             entry = self._entries.get(name)
             if entry is None:
                 raise NotFoundError(f"adapter {name!r:.140} is not loaded")
@@ -319,6 +324,12 @@ class AdapterCatalog:
             self._pending.discard(name)
 
     def _register(self, name: str, path: Path, sha256: str | None = None) -> CatalogEntry:
+        """Registers ``path`` with the engine as ``name``; refused when its id is another
+        name's already (the same file). One registration or unloading at a time."""
+        with self._changing:
+            return self._register_alone(name, path, sha256)
+
+    def _register_alone(self, name: str, path: Path, sha256: str | None) -> CatalogEntry:
         key = AdapterOrigin.of_file(path).key
         started = time.perf_counter()
         with _about("sha256", DataLossError if sha256 is not None else ()):  # the bytes are not the digest's

@@ -1,11 +1,13 @@
 """Connection time limits uvicorn lacks: a request's head must arrive within the header
 timeout, on a new connection as on a kept-alive one (else the connection is closed), so
-that half-sent requests do not hold connections open forever; and the uvicorn settings
-that go with them."""
+that half-sent requests do not hold connections open forever; the app told when uvicorn's
+graceful shutdown begins (so that running generations end with an error, not cut off when
+the grace period ends); and the uvicorn settings that go with them."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -19,7 +21,16 @@ class HeaderTimeoutProtocol(H11Protocol):
     arrived ``header_timeout_s`` after the connection opened or the last answer ended."""
 
     header_timeout_s: float = 10.0
+    on_shutdown: Callable[[], None] | None = None  # the app's: uvicorn begins to shut down
     _header_timer: asyncio.TimerHandle | None = None
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown begins: tells the app (whose running requests then
+        end with an answer), then lets uvicorn close the connection once its request is
+        answered."""
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        super().shutdown()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Starts the clock for the first request's head."""
@@ -63,7 +74,9 @@ class HeaderTimeoutProtocol(H11Protocol):
 
 
 def uvicorn_config(app: FastAPI, settings: ServeSettings, **options: object) -> uvicorn.Config:
-    """uvicorn's settings for ``app``: the header timeout protocol, the idle (keep-alive)
-    timeout; ``options`` go to ``uvicorn.Config`` as they are."""
-    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": settings.header_timeout_s})
+    """uvicorn's settings for ``app`` (made by :func:`~runtime.serve.app.create_app`): the
+    header timeout protocol, which drains the app when a graceful shutdown begins, the idle
+    (keep-alive) timeout; ``options`` go to ``uvicorn.Config`` as they are."""
+    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
+                    {"header_timeout_s": settings.header_timeout_s, "on_shutdown": staticmethod(app.state.drain)})
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=settings.idle_timeout_s, **options)

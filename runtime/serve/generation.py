@@ -207,12 +207,15 @@ class GenerationJob:
     def run(self) -> Outcome:
         """Generates on the prepared session, sending text as it comes; closes the job. A
         prompt and ``max_tokens`` the context cannot hold: ``ResourceExhaustedError``
-        (:class:`PromptTooLongError` when the prompt alone leaves no room)."""
+        (:class:`PromptTooLongError` when the prompt alone leaves no room). A job cancelled
+        before it runs ends at once, cancelled, with no token."""
         self._started = time.perf_counter()
         try:
             if self._session is None:
                 raise FailedPreconditionError("run() before prepare()")
             try:
+                if self._cancelled.is_set():  # before it ran: not even the prompt's prefill
+                    raise _Cancelled
                 if self.request.echo:
                     finish_reason = self._echo(self._session)
                 else:

@@ -72,9 +72,15 @@ class Server:
             raise model_not_found(f"model {model!r:.140} is not served here; GET /v1/models lists what is")
         return entry
 
+    def drain(self) -> None:
+        """The server begins to shut down: new generations are refused and running ones
+        end now with a 503 error (a stream with its error event) rather than being cut
+        off; any thread, any number of times."""
+        self.admission.close("the server is shutting down; retry on another server or once it is back")
+
     def shutdown(self) -> None:
-        """Cancels running generations and waits for the workers to finish."""
-        self.admission.cancel_all()
+        """Drains the server (:meth:`drain`) and waits for the workers to finish."""
+        self.drain()
         self.pool.shutdown(wait=True)
 
     async def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:

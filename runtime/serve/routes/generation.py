@@ -90,9 +90,17 @@ async def generate(server: Server, body: CompletionBody | ChatBody, request: Req
 
 async def _watching(server: Server, runs: list[_Run], jobs: ChoiceJobs, request: Request) -> list[Outcome]:
     """Runs every job in the pool; if the client disconnects first, cancels them at once.
-    One job's error cancels the others and is the answer."""
+    One job's error cancels the others at once and is the answer."""
     loop = asyncio.get_running_loop()
-    running = asyncio.gather(*(loop.run_in_executor(server.pool, run) for run in runs), return_exceptions=True)
+
+    def cancel_on_error(future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            jobs.cancel()
+
+    futures = [loop.run_in_executor(server.pool, run) for run in runs]
+    for future in futures:
+        future.add_done_callback(cancel_on_error)
+    running = asyncio.gather(*futures, return_exceptions=True)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -106,7 +114,6 @@ async def _watching(server: Server, runs: list[_Run], jobs: ChoiceJobs, request:
         watcher.cancel()
     for run, result in zip(runs, results):
         if isinstance(result, BaseException):
-            jobs.cancel()
             raise run.error(result) from None
     return results
 
@@ -127,25 +134,14 @@ class _Run:
         self._models = [name for name, _ in weights] or [server.settings.model_name]
 
     def __call__(self) -> Outcome:
+        """The job's outcome; a job the server stopped because it shuts down ends with the
+        server's refusal (503) instead."""
         outcome = self._job.run()
         self._server.metrics.record(self._models, outcome)
+        refusal = self._server.admission.refusal() if outcome.finish_reason == "cancelled" else None
+        if refusal is not None:
+            raise refusal
         return outcome
-
-    async def watching(self, request: Request) -> Outcome:
-        """Runs the job in the pool; if the client disconnects first, cancels it at once."""
-        loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._server.pool, self)
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if running not in done:
-                self._job.cancel()
-            return await running
-        except BaseException as exc:
-            self._job.cancel()
-            raise self.error(exc) from None
-        finally:
-            watcher.cancel()
 
     def error(self, exc: BaseException) -> BaseException:
         """The answer to ``exc``: an empty prompt, or one the context cannot hold, names its
