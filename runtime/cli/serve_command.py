@@ -49,7 +49,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-concurrent", type=int, default=16, help="running requests beyond it get 429 "
                         "(default: 16)")
     parser.add_argument("--max-prompts", type=int, default=64, help="prompts in one /v1/completions request's "
-                        "list; more get 400 (default: 64)")
+                        "list; more get 400, as do more prompts x choices than --max-concurrent (default: 64)")
     parser.add_argument("--score-by-decode", action="store_true",
                         help="answer echo (a prompt's logprobs, what lm-eval's loglikelihood asks) on a model whose "
                         "prefill returns no logits and that has no score signatures with one decode step per prompt "
