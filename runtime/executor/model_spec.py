@@ -314,7 +314,8 @@ class ModelSpec:
         if not kv_inputs:
             raise InvalidArgumentError(f"{source}: signature 'decode' has no kv_cache_* inputs")
         kv = {s.name: s for s in kv_inputs}
-        layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1))
+        layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1),
+                                       f"{source}: signature {decode.key!r}")
         for spec in signatures.values():
             _check_window_span(spec, kv_length, source)
             cache = _window_caches(kv, layout, spec.window)
@@ -327,10 +328,11 @@ class ModelSpec:
         vocab = decode.outputs[LOGITS].shape[-1] if decode.outputs[LOGITS].shape else 0
         for spec in signatures.values():
             logits = spec.outputs.get(LOGITS)
-            if logits is not None and (not logits.shape or logits.shape[-1] != vocab or vocab < 1
+            if logits is not None and (logits.shape != (spec.rows, spec.seq_len, vocab) or vocab < 1
                                        or logits.dtype != np.float32):
                 raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {logits.describe()}: expected "
-                                           f"float32 logits of the vocabulary 'decode' returns ({vocab}) a row")
+                                           f"[{spec.rows}, {spec.seq_len}, {vocab}] float32, logits of the "
+                                           f"vocabulary 'decode' returns ({vocab}) for each of its tokens")
             if spec.kind == VERIFY:
                 _check_verify(spec, signatures, vocab, source)
             elif spec.kind == SCORE:
@@ -391,6 +393,14 @@ def _signature(
     if named.kind in (VERIFY, SCORE) and named.seq_len != seq_len:
         raise InvalidArgumentError(f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected "
                                    f"[1, {named.seq_len}] int32")
+    positions = ins[INPUT_POS]
+    if positions.shape != (seq_len,) or positions.dtype != np.int32:
+        raise InvalidArgumentError(f"{source}: signature {key!r} input {INPUT_POS!r} is {_shape(positions)}, expected "
+                                   f"[{seq_len}] int32: a position per token")
+    unbound = [n for n in outs if n not in (LOGITS, HIDDEN) and not _KV_NAME.fullmatch(n)]
+    if unbound:
+        raise UnimplementedError(f"{source}: signature {key!r} has outputs this runtime cannot bind: {unbound} "
+                                 "(expected the kv_cache_* it takes, 'logits' and, on verify, 'hidden')")
     lora_slot = _lora_slot(key, ins, source)
     if named.lora_slot is not None and named.lora_slot != lora_slot:
         raise InvalidArgumentError(
@@ -588,7 +598,8 @@ def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], whole: Map
                 got = actual.describe() if actual else "nothing"
                 hint = (" (an attention window's caches hold its positions only since 2026-12-03: this export "
                         "takes the whole cache; export the model again)"
-                        if actual is not None and actual.shape == whole[name].shape else "")
+                        if spec.window is not None and actual is not None and actual.shape == whole[name].shape
+                        else "")
                 raise InvalidArgumentError(
                     f"{source}: signature {spec.key!r} {side} {name!r} is {got}, expected {expected.describe()}{hint}"
                 )
@@ -613,10 +624,18 @@ def _window_caches(kv: Mapping[str, TensorSpec], layout: str, window: int | None
     return caches
 
 
-def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int) -> tuple[str, int]:
-    k, v = kv.get("kv_cache_k_0"), kv.get("kv_cache_v_0")
-    if k is None or v is None or len(k.shape) != 4:
-        raise InvalidArgumentError("expected 4-D kv_cache_k_0 and kv_cache_v_0 inputs")
+def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int, where: str) -> tuple[str, int]:
+    """The layout and length of the KV caches ``kv`` (by name) that ``where`` (the source
+    and signature, for errors) takes: every one 4-D, layer 0's K and V among them."""
+    for name in ("kv_cache_k_0", "kv_cache_v_0"):
+        if name not in kv:
+            raise InvalidArgumentError(f"{where} has no {name!r} input (expected a K and a V cache per layer from 0)")
+    for name, spec in kv.items():
+        if len(spec.shape) != 4:
+            raise InvalidArgumentError(f"{where} input {name!r} is {_shape(spec)}, expected 4-D: [1, positions, "
+                                       "groups, head_dim], or [1, groups, positions, head_dim] (V: [1, groups, "
+                                       "head_dim, positions])")
+    k, v = kv["kv_cache_k_0"], kv["kv_cache_v_0"]
     if k.shape == v.shape and k.shape[1] >= longest_input:
         return KV_LAYOUT_DEFAULT, k.shape[1]
     return KV_LAYOUT_TRANSPOSED, k.shape[2]
