@@ -141,8 +141,26 @@ def test_files_left_by_builders_that_died_are_removed(model, tmp_path):
     unrelated = cache / "another-model.12345678.0123456789abcdef.xnnpack"
     for path in (dead, living, unrelated):
         path.write_bytes(b"partial")
-    logits(model, cache)
+    with open(living, "rb") as held:  # a build going on holds its file
+        fcntl.flock(held.fileno(), fcntl.LOCK_SH)
+        logits(model, cache)
     assert not dead.exists() and living.exists() and unrelated.exists()
+
+
+def test_files_left_by_killed_builds_go_though_their_pid_runs_again(model, tmp_path):
+    """A build killed midway leaves its file unheld; its pid may name a process that runs now
+    (reused, e.g. after a reboot): the file goes all the same, and with it its size beyond
+    the cap, which counts published files only. (It stayed as long as that pid ran.)"""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = WeightCacheFile.for_model(cache, model).path.name
+    left = [cache / f"{name}.1.0badf00d.building", cache / f"another-model.12345678.0123456789abcdef.xnnpack.1.0badf00d"
+            ".building", cache / f"another-model.12345678.0123456789abcdef.xnnpack.source.1.0badf00d.building"]
+    for path in left:
+        path.write_bytes(b"partial")
+    logits(model, cache)
+    assert not any(path.exists() for path in left)
+    assert written(cache) == [name, name + ".source"]
 
 
 def test_a_file_being_written_under_a_pid_not_seen_here_stays_while_its_builder_holds_it(model, tmp_path):

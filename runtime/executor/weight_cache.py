@@ -240,15 +240,14 @@ class WeightCacheFile:
                 raise
             return
         try:
-            building = self._start_building(model_bytes)
+            use = self._start_building(model_bytes)
         except (InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError) as exc:
             if not self.fallback_to_memory:
                 raise
             log.info("%s; the model's weights are packed in memory", exc)
             yield WeightCacheUse(IN_MEMORY)
             return
-        use = WeightCacheUse(str(building), os.open(building, os.O_RDONLY))
-        fcntl.flock(use._fd, fcntl.LOCK_SH)  # the lock goes with the file when it is renamed
+        building = Path(use.path)
         try:
             yield use
             with open(building, "rb") as written:
@@ -266,8 +265,10 @@ class WeightCacheFile:
         finally:
             building.unlink(missing_ok=True)
 
-    def _start_building(self, model_bytes: int) -> Path:
-        """Makes the empty file that XNNPACK will write, once the directory is known to hold it."""
+    def _start_building(self, model_bytes: int) -> WeightCacheUse:
+        """Makes the empty file that XNNPACK will write, once the directory is known to hold it,
+        held in use from the start (the lock goes with the file when it is renamed): a file
+        being written that no process holds is a killed build's, whatever pid its name gives."""
         directory = self.path.parent
         if self.fallback_to_memory and _file_system_type(directory) in _MEMORY_FILE_SYSTEMS:
             raise ResourceExhaustedError(f"{directory}: in memory (tmpfs), no weight cache is written there")
@@ -288,11 +289,13 @@ class WeightCacheFile:
                     f"{directory}: {free / 2**20:.0f} MiB free, the weight cache {self.path.name} needs about "
                     f"{needed / 2**20:.0f} MiB; free some space or open the model without a weight cache directory")
             building = directory / f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}{_BUILDING}"
-            building.touch(exist_ok=False)
+            with _locked(directory):  # made and held at once: no removal sees it unheld
+                fd = os.open(building, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                fcntl.flock(fd, fcntl.LOCK_SH)
         except OSError as exc:
             raise PermissionDeniedError(
                 f"{directory}: cannot write the weight cache {self.path.name} there: {exc.strerror}") from None
-        return building
+        return WeightCacheUse(str(building), fd)
 
     def _write_source(self) -> None:
         """Records beside the file which model it was packed from, so that it goes with that model."""
@@ -308,12 +311,12 @@ class WeightCacheFile:
             log.info("%s: cannot record its model: %s", source, exc.strerror)
 
     def _remove_stale(self) -> None:
-        """Removes this model path's files of other identities, and files whose builder
-        process is gone, where no process uses them."""
+        """Removes this model path's files of other identities, and files being written that
+        no process holds (killed builds'), where no process uses them."""
         for other in self.path.parent.glob(escape(self._model_prefix) + "*"):
             if other == self.path:
                 continue
-            if other.name.endswith(SUFFIX) or (other.name.endswith(_BUILDING) and not _alive(other)):
+            if other.name.endswith((SUFFIX, _BUILDING)):
                 _remove_unless_used(other)
 
     def stats(self, in_memory: bool = False) -> WeightCacheStats:
@@ -336,7 +339,7 @@ def survey(directory: str | os.PathLike[str], max_bytes: int | None = None) -> W
 def trim(directory: str | os.PathLike[str], max_bytes: int | None) -> list[Path]:
     """Removes from ``directory`` the files whose model is gone, then the least recently used
     ones until the rest take at most ``max_bytes`` (``None``: no cap), skipping files in use;
-    also leftovers: files being written by processes that are gone, and ``.source`` files
+    also leftovers: files being written that no process holds (killed builds'), and ``.source`` files
     without theirs. Returns the files removed. The caller holds the directory's lock."""
     directory = Path(directory)
     removed = []
@@ -357,9 +360,9 @@ def trim(directory: str | os.PathLike[str], max_bytes: int | None) -> list[Path]
     for leftover in directory.glob("*" + _SOURCE):
         if not leftover.with_name(leftover.name[:-len(_SOURCE)]).exists():
             _remove_unless_used(leftover)
+    # A builder holds its file from its making (a .source is written under the lock): one unheld was killed.
     for leftover in directory.glob("*" + _BUILDING):
-        if not _alive(leftover):  # its builder holds it in use: a pid of another namespace is safe too
-            _remove_unless_used(leftover)
+        _remove_unless_used(leftover)
     if removed:
         log.info("weight cache %s: removed %s", directory, ", ".join(path.name for path in removed))
     return removed
@@ -521,14 +524,3 @@ def _file_system_type(directory: Path) -> str:
 def _digest(*parts: object) -> str:
     return hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=16).hexdigest()
 
-
-def _alive(building: Path) -> bool:
-    """Whether the process that writes ``building`` (its pid is in the name) still runs."""
-    try:
-        pid = int(building.name[:-len(_BUILDING)].rsplit(".", 2)[1])
-        os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
