@@ -246,3 +246,25 @@ def test_a_kv_cache_of_another_dtype_in_a_whole_cache_signature_gets_no_window_h
     with pytest.raises(InvalidArgumentError, match="'prefill_8' input 'kv_cache_k_0'") as refused:
         ModelSpec.from_details(changed, "m.tflite")
     assert "attention window" not in str(refused.value)
+
+
+def test_signatures_of_a_lora_slot_that_disagree_are_refused_naming_the_tensor(details):
+    """A slot's prefill without its decode signature was accepted (an adapter's buffers are
+    made for the decode signature: NotFoundError at the slot's first use); LoRA inputs or
+    outputs that differ named the signatures but not the tensor."""
+    windowless = {key: tensors for key, tensors in details.items() if "attend" not in key}
+    reshaped = _with(windowless, "prefill_8_lora_r4", 0, "lora_atten_k_b_prime_weight_1", (4, 31))
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "signature 'prefill_8_lora_r4' LoRA inputs differ from 'decode_lora_r4''s, e.g. "
+            "['lora_atten_k_b_prime_weight_1']")):
+        ModelSpec.from_details(reshaped, "m.tflite")
+    no_decode = {key: tensors for key, tensors in windowless.items()
+                 if not (key.startswith("decode") and key.endswith("_lora_r4"))}
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "has no decode signature of its LoRA slot beside it (expected 'decode_lora_r4')")):
+        ModelSpec.from_details(no_decode, "m.tflite")
+    no_logits = _with(details, "decode_attend16", 1, "logits", None)
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "signature 'decode_attend16' takes or returns other tensors than its whole-cache counterpart 'decode', "
+            "e.g. ['logits']")):
+        ModelSpec.from_details(no_logits, "m.tflite")

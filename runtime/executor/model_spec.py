@@ -338,13 +338,8 @@ class ModelSpec:
             elif spec.kind == SCORE:
                 _check_score(spec, signatures, vocab, source)
         for spec in signatures.values():
-            if spec.kind == "decode" and spec.lora_slot:
-                for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
-                    prefill = signatures.get(str(SignatureName("prefill", length, lora_slot=spec.lora_slot)))
-                    if prefill is not None and prefill.lora_inputs != spec.lora_inputs:
-                        raise InvalidArgumentError(
-                            f"{source}: LoRA inputs of {prefill.key!r} differ from {spec.key!r}"
-                        )
+            if spec.kind == "prefill" and spec.lora_slot and spec.window is None:  # windows: by _check_window
+                _check_same_lora_as_decode(spec, signatures, source)
         return cls(
             signatures=signatures,
             kv_inputs=kv_inputs,
@@ -466,9 +461,8 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} has no single-session counterpart "
             f"{SignatureName('decode', lora_slot=spec.lora_slot)}")
-    if spec.lora_inputs != single.lora_inputs:
-        differ = sorted(set(spec.lora_inputs) ^ set(single.lora_inputs)) or sorted(
-            name for name in spec.lora_inputs if spec.lora_inputs[name] != single.lora_inputs[name])
+    differ = _differing(spec.lora_inputs, single.lora_inputs)
+    if differ:
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} LoRA inputs differ from {single.key!r}'s stacked over "
             f"{spec.rows} rows, e.g. {differ[:3]}")
@@ -498,11 +492,7 @@ def _check_verify(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
     if hidden is None or len(hidden.shape) != 3 or hidden.shape[:2] != (1, length) or hidden.dtype != np.float32:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {HIDDEN!r} is "
                                    f"{_shape(hidden) if hidden else 'missing'}, expected [1, {length}, width] float32")
-    decode = next((s for s in signatures.values() if (s.kind, s.lora_slot, s.rows, s.window)
-                   == ("decode", spec.lora_slot, 1, None)), None)
-    if decode is None or decode.lora_inputs != spec.lora_inputs:
-        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature with the same "
-                                   "LoRA inputs beside it")
+    _check_same_lora_as_decode(spec, signatures, source)
 
 
 def _check_score(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], vocab: int, source: str) -> None:
@@ -515,11 +505,28 @@ def _check_score(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], v
                                    f"{_shape(logits) if logits else 'missing'}, expected [1, {length}, {vocab}] float32")
     if spec.window is not None:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r}: a score signature attends over the whole cache")
-    decode = next((s for s in signatures.values() if (s.kind, s.lora_slot, s.rows, s.window)
-                   == ("decode", spec.lora_slot, 1, None)), None)
-    if decode is None or decode.lora_inputs != spec.lora_inputs:
-        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature with the same "
-                                   "LoRA inputs beside it")
+    _check_same_lora_as_decode(spec, signatures, source)
+
+
+def _check_same_lora_as_decode(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], source: str) -> None:
+    """``spec`` (a prefill, verify or score signature) has its LoRA slot's decode signature
+    beside it, taking the same LoRA inputs: an adapter's buffers, made for the decode
+    signature, serve both."""
+    decode = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_slot, s.rows, s.window)
+                   == ("decode", 1, spec.lora_slot, 1, None)), None)
+    if decode is None:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature of its LoRA slot "
+                                   f"beside it (expected {str(SignatureName('decode', lora_slot=spec.lora_slot))!r})")
+    differ = _differing(spec.lora_inputs, decode.lora_inputs)
+    if differ:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} LoRA inputs differ from {decode.key!r}'s, "
+                                   f"e.g. {differ[:3]}")
+
+
+def _differing(first: Mapping[str, TensorSpec], second: Mapping[str, TensorSpec]) -> list[str]:
+    """The names of the tensors ``first`` and ``second`` do not hold alike (one of them lacks
+    it, or its shape or dtype differs), sorted."""
+    return sorted(name for name in first.keys() | second.keys() if first.get(name) != second.get(name))
 
 
 def _check_window_span(spec: SignatureSpec, kv_length: int, source: str) -> None:
@@ -540,9 +547,10 @@ def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
     if whole is None:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no whole-cache counterpart "
                                    f"of {spec.rows} row(s) for the same LoRA slot")
-    if whole.lora_inputs != spec.lora_inputs or set(whole.outputs) != set(spec.outputs):
+    differ = _differing(spec.lora_inputs, whole.lora_inputs) + sorted(set(spec.outputs) ^ set(whole.outputs))
+    if differ:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} takes or returns other tensors than its "
-                                   f"whole-cache counterpart {whole.key!r}")
+                                   f"whole-cache counterpart {whole.key!r}, e.g. {differ[:3]}")
 
 
 def _shape(spec: TensorSpec) -> str:
