@@ -1053,3 +1053,11 @@ def test_a_build_failing_for_another_reason_than_openmp_is_not_run_again_without
         kernels.build_library()
     builds = calls.read_text().splitlines()
     assert len(builds) == 1 and kernels._OPENMP in builds[0].split()
+
+
+@needs_cc
+def test_without_a_cache_directory_the_kernel_is_refused_saying_why(without_home):
+    """No cache variable and no home directory: build_library's refusal (the standard form
+    runs, with the notice), not the RuntimeError of Path.home, which failed the open."""
+    with pytest.raises(FailedPreconditionError, match="no cache directory for the runtime"):
+        kernels.build_library()

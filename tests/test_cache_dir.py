@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.errors import FailedPreconditionError
 from runtime.util.cache_dir import runtime_cache_dir
 
 
@@ -24,3 +25,8 @@ def test_the_cache_directory_comes_from_the_environment(runtime_cache, xdg, expe
         else:
             monkeypatch.setenv(name, value)
     assert runtime_cache_dir() == Path(expected).expanduser()
+
+
+def test_without_a_home_the_cache_directory_is_refused_saying_what_to_set(without_home):
+    with pytest.raises(FailedPreconditionError, match=r"no cache directory .* set RUNTIME_CACHE"):
+        runtime_cache_dir()

@@ -196,6 +196,14 @@ def test_by_default_a_directory_that_cannot_be_made_packs_in_memory(model, tmp_p
     assert blocker.read_text() == "not a directory"
 
 
+def test_by_default_a_user_without_a_home_directory_packs_in_memory(model, request):
+    """No $RUNTIME_CACHE, $XDG_CACHE_HOME nor home directory (a container's arbitrary uid):
+    the model opens with its weights packed in memory (the open raised RuntimeError)."""
+    expected = logits(model, None)
+    request.getfixturevalue("without_home")
+    assert (logits(model, WeightCacheDir.USER) == expected).all()
+
+
 def test_by_default_a_full_disk_packs_in_memory_and_leaves_no_file(model, tmp_path, monkeypatch):
     monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "user"))
     monkeypatch.setattr(weight_cache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))

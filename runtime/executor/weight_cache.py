@@ -64,7 +64,9 @@ from glob import escape
 from importlib.metadata import version
 from pathlib import Path
 
-from runtime.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
+from runtime.errors import (
+    FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError,
+)
 from runtime.util.cache_dir import runtime_cache_dir
 
 log = logging.getLogger(__name__)
@@ -391,12 +393,17 @@ def weight_cache_file(directory: str | os.PathLike[str] | WeightCacheDir | None,
                       part: str = "", max_bytes: int | None = DEFAULT_MAX_BYTES) -> WeightCacheFile | None:
     """The file that ``EngineSettings.weight_cache_dir`` (``directory``) asks for, for the
     model in ``model_file`` (``part``: see :meth:`WeightCacheFile.for_model`), in a
-    directory capped at ``max_bytes``; ``None``: no file, weights packed in memory."""
+    directory capped at ``max_bytes``; ``None``: no file, weights packed in memory (also where
+    the user has no cache directory for :data:`WeightCacheDir.USER`)."""
     if directory is None:
         return None
     if directory is WeightCacheDir.USER:
-        return WeightCacheFile.for_model(user_directory(), model_file, part, fallback_to_memory=True,
-                                         max_bytes=max_bytes)
+        try:
+            folder = user_directory()
+        except FailedPreconditionError as exc:
+            log.info("%s; the model's weights are packed in memory", exc.args[0])
+            return None
+        return WeightCacheFile.for_model(folder, model_file, part, fallback_to_memory=True, max_bytes=max_bytes)
     return WeightCacheFile.for_model(directory, model_file, part, max_bytes=max_bytes)
 
 
