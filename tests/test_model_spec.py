@@ -222,6 +222,9 @@ def _with(details, key: str, side: int, name: str, shape, dtype=np.float32):
     # An output the executor binds no buffer to: binding the signature failed on a KeyError.
     ("prefill_8", 1, "attention_probs", (1, 8), np.float32, UnimplementedError,
      "signature 'prefill_8' has outputs this runtime cannot bind: ['attention_probs']"),
+    # A final hidden state of the last token only: the executor's open failed on a numpy reshape.
+    ("prefill_8", 1, "hidden", (1, 1, 32), np.float32, InvalidArgumentError,
+     "signature 'prefill_8' output 'hidden' is [1, 1, 32] float32, expected [1, 8, width] float32"),
     # Logits of the last token only: a prefill chunk's logits were read past them (IndexError).
     ("prefill_8", 1, "logits", (1, 1, 256), np.float32, InvalidArgumentError,
      "signature 'prefill_8' output logits [1, 1, 256] float32: expected [1, 8, 256] float32"),

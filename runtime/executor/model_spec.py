@@ -396,6 +396,11 @@ def _signature(
     if unbound:
         raise UnimplementedError(f"{source}: signature {key!r} has outputs this runtime cannot bind: {unbound} "
                                  "(expected the kv_cache_* it takes, 'logits' and, on verify, 'hidden')")
+    hidden = outs.get(HIDDEN)
+    if hidden is not None and (len(hidden.shape) != 3 or hidden.shape[:2] != (1, seq_len)
+                               or hidden.dtype != np.float32):
+        raise InvalidArgumentError(f"{source}: signature {key!r} output {HIDDEN!r} is {_shape(hidden)}, expected "
+                                   f"[1, {seq_len}, width] float32: a final hidden state per token")
     lora_slot = _lora_slot(key, ins, source)
     if named.lora_slot is not None and named.lora_slot != lora_slot:
         raise InvalidArgumentError(
@@ -485,13 +490,13 @@ def _check_verify(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
     """A ``verify{L}`` signature returns ``logits`` ``[1, L, vocab]`` and ``hidden``
     ``[1, L, width]`` float32, and takes the LoRA inputs of its slot's decode signature."""
     length = spec.seq_len
-    logits, hidden = spec.outputs.get(LOGITS), spec.outputs.get(HIDDEN)
+    logits = spec.outputs.get(LOGITS)
     if logits is None or logits.shape != (1, length, vocab) or logits.dtype != np.float32:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} output 'logits' is "
                                    f"{_shape(logits) if logits else 'missing'}, expected [1, {length}, {vocab}] float32")
-    if hidden is None or len(hidden.shape) != 3 or hidden.shape[:2] != (1, length) or hidden.dtype != np.float32:
-        raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {HIDDEN!r} is "
-                                   f"{_shape(hidden) if hidden else 'missing'}, expected [1, {length}, width] float32")
+    if HIDDEN not in spec.outputs:  # its shape: checked with every signature's (_signature)
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {HIDDEN!r} is missing, expected "
+                                   f"[1, {length}, width] float32")
     _check_same_lora_as_decode(spec, signatures, source)
 
 
