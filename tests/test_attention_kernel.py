@@ -1044,7 +1044,8 @@ def test_a_build_failing_for_another_reason_than_openmp_is_not_run_again_without
     compiler = tmp_path / "cc"
     compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'cc 1.0'; exit 0; fi\n"
                         f"echo \"$*\" >> {calls}\n"
-                        "echo 'decode_attention.c: fatal error: error writing to /tmp/ccX.s: No space left on device' >&2\n"
+                        "echo 'decode_attention.c: fatal error: error writing to /tmp/ccX.s: No space left on device' "
+                        ">&2\n"
                         "exit 1\n")
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))

@@ -530,4 +530,3 @@ def _file_system_type(directory: Path) -> str:
 
 def _digest(*parts: object) -> str:
     return hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=16).hexdigest()
-
