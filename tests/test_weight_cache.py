@@ -60,6 +60,22 @@ def test_the_first_open_writes_the_file_and_later_opens_read_it(model, tmp_path)
     assert published(cache) == files and files[0].stat().st_mtime_ns == mtime  # read, not written again
 
 
+def test_a_published_file_cut_short_is_replaced_not_written_in_place(model, tmp_path):
+    """A published file shorter than it was written (a copy or restore of the directory cut
+    short) is not given to XNNPACK, which rewrote it in place under every process mapping it
+    (and aborts the process where that write fails: a read-only or full directory): it goes,
+    and a new whole file is published under its name."""
+    cache = tmp_path / "cache"
+    expected = logits(model, cache)
+    (file,) = published(cache)
+    whole, inode = file.stat().st_size, file.stat().st_ino
+    os.truncate(file, whole // 2)
+    with open(file, "rb") as cut_short:  # its inode stays while held, so a new file gets another
+        assert (logits(model, cache) == expected).all()
+        assert os.fstat(cut_short.fileno()).st_size == whole // 2  # not written again
+    assert published(cache) == [file] and file.stat().st_size == whole and file.stat().st_ino != inode
+
+
 def test_executors_of_one_engine_share_the_file(model, tmp_path):
     cache = tmp_path / "cache"
     with Engine(model, EngineSettings(weight_cache_dir=cache, executors=2)) as engine:

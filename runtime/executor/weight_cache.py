@@ -17,7 +17,9 @@ old one is removed once no process uses it.
 XNNPACK rewrites in place a file it cannot load, truncating it under any process that
 maps it. So a file is built under a name of its own and renamed into place once the
 model compiled and its data is on disk: a published file is complete and never written
-again. Of processes that build at once, the first to finish publishes its whole file.
+again. Of processes that build at once, the first to finish publishes its whole file. A
+published file whose size is not the one recorded at publishing (a copy of the directory
+cut short) is not given to XNNPACK: it goes, once unused, and a new file is built.
 
 By default (:data:`WeightCacheDir.USER`) the files live in the user's cache directory,
 ``$RUNTIME_CACHE/xnnpack`` (``~/.cache/runtime/xnnpack``), and a model opens with its
@@ -76,6 +78,7 @@ _BUILDING = ".building"  # a file being written: f"{published name}.{pid}.{rando
 _HEADROOM = 1.25  # free space asked for, times the model's size (packed int4 weights take more than the file)
 IN_MEMORY = ":memory:"  # XNNPACK's name for a weight cache without a file
 _SOURCE = ".source"  # beside a published file: f"{its name}{_SOURCE}", the model it was packed from (JSON)
+_SIZE = "packed_bytes"  # in a .source beside the model's identity: the size the file was published with
 _LOCK = ".lock"  # the directory's lock: lookups, publishing and removals take it in turn
 DEFAULT_MAX_BYTES = 5 * 2**30
 """The directory's default cap, 5 GiB: the packed weights of the few models one switches
@@ -230,6 +233,10 @@ class WeightCacheFile:
         """
         with _locked(self.path.parent):
             found = _open_locked(self.path)
+            if found is not None and not _whole(self.path, found):  # XNNPACK would rewrite it in place
+                os.close(found)
+                found = None
+                _remove_unless_used(self.path)  # one in use stays: this model's file is not published
         if found is not None:
             use = WeightCacheUse(str(self.path), found)
             try:
@@ -256,7 +263,7 @@ class WeightCacheFile:
                 os.fsync(written.fileno())
             with _locked(self.path.parent):
                 if not self.path.exists():  # else another process published first: its file stays, in use
-                    self._write_source()
+                    self._write_source(os.fstat(use._fd).st_size)
                     os.replace(building, self.path)
                 use.path = str(self.path)
                 self._remove_stale()
@@ -299,14 +306,15 @@ class WeightCacheFile:
                 f"{directory}: cannot write the weight cache {self.path.name} there: {exc.strerror}") from None
         return WeightCacheUse(str(building), fd)
 
-    def _write_source(self) -> None:
-        """Records beside the file which model it was packed from, so that it goes with that model."""
+    def _write_source(self, nbytes: int) -> None:
+        """Records beside the file which model it was packed from, so that it goes with that
+        model, and its size, ``nbytes``, so that a copy cut short is known (:func:`_whole`)."""
         if self.model is None:
             return
         source = self.path.with_name(self.path.name + _SOURCE)
         partial = source.with_name(f"{source.name}.{os.getpid()}.{secrets.token_hex(4)}{_BUILDING}")
         try:
-            partial.write_text(json.dumps(vars(self.model)))
+            partial.write_text(json.dumps({**vars(self.model), _SIZE: nbytes}))
             os.replace(partial, source)
         except OSError as exc:  # the file is still good: it only goes by its last use
             partial.unlink(missing_ok=True)
@@ -488,12 +496,31 @@ def _published(directory: Path) -> list[tuple[Path, os.stat_result]]:
     return sorted(found, key=lambda item: (item[1].st_atime_ns, item[0].name))
 
 
+def _record(path: Path) -> dict:
+    """What the ``.source`` beside a published file records (empty where it cannot be read)."""
+    try:
+        record = json.loads(path.with_name(path.name + _SOURCE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _source(path: Path) -> ModelIdentity | None:
     """The model a published file was packed from, where recorded."""
+    record = _record(path)
+    record.pop(_SIZE, None)
     try:
-        return ModelIdentity(**json.loads(path.with_name(path.name + _SOURCE).read_text()))
-    except (OSError, ValueError, TypeError):
+        return ModelIdentity(**record) if record else None
+    except TypeError:
         return None
+
+
+def _whole(path: Path, fd: int) -> bool:
+    """Whether the published file ``path``, open as ``fd``, has the size it was written with
+    (where recorded: a file of an older runtime, or whose record could not be written, counts
+    as whole)."""
+    recorded = _record(path).get(_SIZE)
+    return not isinstance(recorded, int) or os.fstat(fd).st_size == recorded
 
 
 def _touch(fd: int) -> None:
