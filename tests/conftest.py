@@ -61,6 +61,19 @@ def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         yield path
 
 
+@pytest.fixture
+def without_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No $RUNTIME_CACHE, $XDG_CACHE_HOME nor home directory, as for a container's arbitrary
+    uid without $HOME or a passwd entry (where Path.home raises RuntimeError)."""
+    for name in ("RUNTIME_CACHE", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def home(cls: type[Path]) -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", classmethod(home))
+
+
 @pytest.fixture(scope="session")
 def adapter_manifest() -> dict:
     return json.loads((ADAPTERS / "MANIFEST.json").read_text())

@@ -1034,3 +1034,31 @@ def test_a_prompt_that_extends_a_cached_one_gives_a_fresh_prefills_logits_bit_fo
             with cached.create_session() as second, fresh.create_session() as alone:
                 assert np.array_equal(second.run_prefill(prompt), alone.run_prefill(prompt)), (head, tail)
             assert cached.stats().prefix_cache.hits == hits + taken, (head, tail)
+
+
+def test_a_build_failing_for_another_reason_than_openmp_is_not_run_again_without_it(tmp_path, monkeypatch):
+    """A compile that fails for want of room (or time, or anything but OpenMP) is refused once:
+    it was run a second time without OpenMP, doubling the wait at every open, and where the
+    second succeeded (room freed meanwhile) a one-thread library was kept for good."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'cc 1.0'; exit 0; fi\n"
+                        f"echo \"$*\" >> {calls}\n"
+                        "echo 'decode_attention.c: fatal error: error writing to /tmp/ccX.s: No space left on device' "
+                        ">&2\n"
+                        "exit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FailedPreconditionError, match="No space left on device"):
+        kernels.build_library()
+    builds = calls.read_text().splitlines()
+    assert len(builds) == 1 and kernels._OPENMP in builds[0].split()
+
+
+@needs_cc
+def test_without_a_cache_directory_the_kernel_is_refused_saying_why(without_home):
+    """No cache variable and no home directory: build_library's refusal (the standard form
+    runs, with the notice), not the RuntimeError of Path.home, which failed the open."""
+    with pytest.raises(FailedPreconditionError, match="no cache directory for the runtime"):
+        kernels.build_library()

@@ -488,3 +488,15 @@ def test_closing_while_a_group_compiles_drops_the_compiled_group(tmp_path, monke
     # The weight cache file is no longer held by this process: the group's use went with it.
     (entry,) = survey(tmp_path).entries
     assert not entry.in_use
+
+
+def test_a_closed_executor_refuses_to_stop_profiling():
+    """Closing while recording frees the profiler with the compiled model: stopping after
+    that is refused, not a call into freed memory (it crashed the process)."""
+    executor = LlmExecutor(MODEL_FILES["default"], ExecutorSettings(profile_ops=True))
+    executor.start_profiling()
+    executor.close()
+    with pytest.raises(FailedPreconditionError, match="executor is closed"):
+        executor.stop_profiling()
+    with pytest.raises(FailedPreconditionError, match="executor is closed"):
+        executor.start_profiling()

@@ -146,8 +146,8 @@ def test_refuses_exports_it_cannot_drive(details):
     for shape in ([], [1, 1, 255]):
         logits = copy.deepcopy(details)
         logits["decode_lora_r4"][1]["logits"]["shape"] = shape
-        expected = f"signature 'decode_lora_r4' output logits {shape} float32: expected float32 logits of the " \
-                   "vocabulary 'decode' returns (256) a row"
+        expected = f"signature 'decode_lora_r4' output logits {shape} float32: expected [1, 1, 256] float32, logits " \
+                   "of the vocabulary 'decode' returns (256) for each of its tokens"
         with pytest.raises(InvalidArgumentError, match=re.escape(expected)):
             ModelSpec.from_details(logits, "m")
 
@@ -194,3 +194,80 @@ def test_signatures_are_grouped_by_what_a_session_needs_together(details):
 ])
 def test_group_names(kind, rows, slot, group):
     assert signature_group(kind, rows, slot) == group
+
+
+def _with(details, key: str, side: int, name: str, shape, dtype=np.float32):
+    """``details`` with tensor ``name`` of signature ``key`` (``side`` 0: inputs, 1: outputs)
+    set to ``shape`` and ``dtype`` (``shape`` None: removed), in every signature when
+    ``key`` is None."""
+    changed = copy.deepcopy(details)
+    for signature in ([key] if key else list(changed)):
+        tensors = changed[signature][side]
+        if shape is None:
+            tensors.pop(name, None)
+        else:
+            tensors[name] = {"shape": shape, "dtype": dtype}
+    return changed
+
+
+@pytest.mark.parametrize("key, side, name, shape, dtype, error, message", [
+    # A run fills a position per token: a shorter input_pos made the first prefill fail on a
+    # numpy broadcast, a longer one ran positions nobody wrote.
+    ("prefill_8", 0, "input_pos", (1,), np.int32, InvalidArgumentError,
+     "signature 'prefill_8' input 'input_pos' is [1] int32, expected [8] int32"),
+    ("decode", 0, "input_pos", (2,), np.int32, InvalidArgumentError,
+     "signature 'decode' input 'input_pos' is [2] int32, expected [1] int32"),
+    ("decode", 0, "input_pos", (1,), np.float32, InvalidArgumentError,
+     "signature 'decode' input 'input_pos' is [1] float32, expected [1] int32"),
+    # An output the executor binds no buffer to: binding the signature failed on a KeyError.
+    ("prefill_8", 1, "attention_probs", (1, 8), np.float32, UnimplementedError,
+     "signature 'prefill_8' has outputs this runtime cannot bind: ['attention_probs']"),
+    # A final hidden state of the last token only: the executor's open failed on a numpy reshape.
+    ("prefill_8", 1, "hidden", (1, 1, 32), np.float32, InvalidArgumentError,
+     "signature 'prefill_8' output 'hidden' is [1, 1, 32] float32, expected [1, 8, width] float32"),
+    # Logits of the last token only: a prefill chunk's logits were read past them (IndexError).
+    ("prefill_8", 1, "logits", (1, 1, 256), np.float32, InvalidArgumentError,
+     "signature 'prefill_8' output logits [1, 1, 256] float32: expected [1, 8, 256] float32"),
+    ("decode", 1, "logits", (1, 2, 256), np.float32, InvalidArgumentError,
+     "signature 'decode' output logits [1, 2, 256] float32: expected [1, 1, 256] float32"),
+    # Layer 0's caches missing, or a cache not 4-D: named with the signature, not a bare "expected 4-D".
+    (None, 0, "kv_cache_v_0", None, None, InvalidArgumentError,
+     "m.tflite: signature 'decode' has no 'kv_cache_v_0' input"),
+    ("decode", 0, "kv_cache_k_1", (1, 64, 32), np.float32, InvalidArgumentError,
+     "m.tflite: signature 'decode' input 'kv_cache_k_1' is [1, 64, 32] float32, expected 4-D"),
+])
+def test_malformed_signatures_are_refused_naming_the_signature_and_tensor(details, key, side, name, shape, dtype,
+                                                                         error, message):
+    windowless = {key: tensors for key, tensors in details.items() if "attend" not in key}
+    with pytest.raises(error, match=re.escape(message)):
+        ModelSpec.from_details(_with(windowless, key, side, name, shape, dtype), "m.tflite")
+
+
+def test_a_kv_cache_of_another_dtype_in_a_whole_cache_signature_gets_no_window_hint(details):
+    """The hint about windows' caches (an older export) is for windowed signatures only."""
+    changed = _with(details, "prefill_8", 0, "kv_cache_k_0", (1, 64, 2, 16), np.float16)
+    with pytest.raises(InvalidArgumentError, match="'prefill_8' input 'kv_cache_k_0'") as refused:
+        ModelSpec.from_details(changed, "m.tflite")
+    assert "attention window" not in str(refused.value)
+
+
+def test_signatures_of_a_lora_slot_that_disagree_are_refused_naming_the_tensor(details):
+    """A slot's prefill without its decode signature was accepted (an adapter's buffers are
+    made for the decode signature: NotFoundError at the slot's first use); LoRA inputs or
+    outputs that differ named the signatures but not the tensor."""
+    windowless = {key: tensors for key, tensors in details.items() if "attend" not in key}
+    reshaped = _with(windowless, "prefill_8_lora_r4", 0, "lora_atten_k_b_prime_weight_1", (4, 31))
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "signature 'prefill_8_lora_r4' LoRA inputs differ from 'decode_lora_r4''s, e.g. "
+            "['lora_atten_k_b_prime_weight_1']")):
+        ModelSpec.from_details(reshaped, "m.tflite")
+    no_decode = {key: tensors for key, tensors in windowless.items()
+                 if not (key.startswith("decode") and key.endswith("_lora_r4"))}
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "has no decode signature of its LoRA slot beside it (expected 'decode_lora_r4')")):
+        ModelSpec.from_details(no_decode, "m.tflite")
+    no_logits = _with(details, "decode_attend16", 1, "logits", None)
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "signature 'decode_attend16' takes or returns other tensors than its whole-cache counterpart 'decode', "
+            "e.g. ['logits']")):
+        ModelSpec.from_details(no_logits, "m.tflite")

@@ -60,6 +60,22 @@ def test_the_first_open_writes_the_file_and_later_opens_read_it(model, tmp_path)
     assert published(cache) == files and files[0].stat().st_mtime_ns == mtime  # read, not written again
 
 
+def test_a_published_file_cut_short_is_replaced_not_written_in_place(model, tmp_path):
+    """A published file shorter than it was written (a copy or restore of the directory cut
+    short) is not given to XNNPACK, which rewrote it in place under every process mapping it
+    (and aborts the process where that write fails: a read-only or full directory): it goes,
+    and a new whole file is published under its name."""
+    cache = tmp_path / "cache"
+    expected = logits(model, cache)
+    (file,) = published(cache)
+    whole, inode = file.stat().st_size, file.stat().st_ino
+    os.truncate(file, whole // 2)
+    with open(file, "rb") as cut_short:  # its inode stays while held, so a new file gets another
+        assert (logits(model, cache) == expected).all()
+        assert os.fstat(cut_short.fileno()).st_size == whole // 2  # not written again
+    assert published(cache) == [file] and file.stat().st_size == whole and file.stat().st_ino != inode
+
+
 def test_executors_of_one_engine_share_the_file(model, tmp_path):
     cache = tmp_path / "cache"
     with Engine(model, EngineSettings(weight_cache_dir=cache, executors=2)) as engine:
@@ -141,8 +157,26 @@ def test_files_left_by_builders_that_died_are_removed(model, tmp_path):
     unrelated = cache / "another-model.12345678.0123456789abcdef.xnnpack"
     for path in (dead, living, unrelated):
         path.write_bytes(b"partial")
-    logits(model, cache)
+    with open(living, "rb") as held:  # a build going on holds its file
+        fcntl.flock(held.fileno(), fcntl.LOCK_SH)
+        logits(model, cache)
     assert not dead.exists() and living.exists() and unrelated.exists()
+
+
+def test_files_left_by_killed_builds_go_though_their_pid_runs_again(model, tmp_path):
+    """A build killed midway leaves its file unheld; its pid may name a process that runs now
+    (reused, e.g. after a reboot): the file goes all the same, and with it its size beyond
+    the cap, which counts published files only. (It stayed as long as that pid ran.)"""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = WeightCacheFile.for_model(cache, model).path.name
+    left = [cache / f"{name}.1.0badf00d.building", cache / f"another-model.12345678.0123456789abcdef.xnnpack.1.0badf00d"
+            ".building", cache / f"another-model.12345678.0123456789abcdef.xnnpack.source.1.0badf00d.building"]
+    for path in left:
+        path.write_bytes(b"partial")
+    logits(model, cache)
+    assert not any(path.exists() for path in left)
+    assert written(cache) == [name, name + ".source"]
 
 
 def test_a_file_being_written_under_a_pid_not_seen_here_stays_while_its_builder_holds_it(model, tmp_path):
@@ -176,6 +210,14 @@ def test_by_default_a_directory_that_cannot_be_made_packs_in_memory(model, tmp_p
     monkeypatch.setenv("RUNTIME_CACHE", str(blocker))
     assert (logits(model, WeightCacheDir.USER) == logits(model, None)).all()
     assert blocker.read_text() == "not a directory"
+
+
+def test_by_default_a_user_without_a_home_directory_packs_in_memory(model, request):
+    """No $RUNTIME_CACHE, $XDG_CACHE_HOME nor home directory (a container's arbitrary uid):
+    the model opens with its weights packed in memory (the open raised RuntimeError)."""
+    expected = logits(model, None)
+    request.getfixturevalue("without_home")
+    assert (logits(model, WeightCacheDir.USER) == expected).all()
 
 
 def test_by_default_a_full_disk_packs_in_memory_and_leaves_no_file(model, tmp_path, monkeypatch):

@@ -601,8 +601,11 @@ class LlmExecutor:
             self._profiling = True
 
     def stop_profiling(self) -> list[ProfiledEvent]:
-        """Stops recording; what the runs since :meth:`start_profiling` recorded."""
+        """Stops recording; what the runs since :meth:`start_profiling` recorded.
+        ``FailedPreconditionError`` when not recording, or when the executor is closed (its
+        profiler went with the compiled model)."""
         with self._lock:
+            self._check_open()
             if not self._profiling:
                 raise FailedPreconditionError(f"{self.model_path}: its runs are not being recorded")
             self._profiling = False

@@ -314,7 +314,8 @@ class ModelSpec:
         if not kv_inputs:
             raise InvalidArgumentError(f"{source}: signature 'decode' has no kv_cache_* inputs")
         kv = {s.name: s for s in kv_inputs}
-        layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1))
+        layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1),
+                                       f"{source}: signature {decode.key!r}")
         for spec in signatures.values():
             _check_window_span(spec, kv_length, source)
             cache = _window_caches(kv, layout, spec.window)
@@ -327,22 +328,18 @@ class ModelSpec:
         vocab = decode.outputs[LOGITS].shape[-1] if decode.outputs[LOGITS].shape else 0
         for spec in signatures.values():
             logits = spec.outputs.get(LOGITS)
-            if logits is not None and (not logits.shape or logits.shape[-1] != vocab or vocab < 1
+            if logits is not None and (logits.shape != (spec.rows, spec.seq_len, vocab) or vocab < 1
                                        or logits.dtype != np.float32):
                 raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {logits.describe()}: expected "
-                                           f"float32 logits of the vocabulary 'decode' returns ({vocab}) a row")
+                                           f"[{spec.rows}, {spec.seq_len}, {vocab}] float32, logits of the "
+                                           f"vocabulary 'decode' returns ({vocab}) for each of its tokens")
             if spec.kind == VERIFY:
                 _check_verify(spec, signatures, vocab, source)
             elif spec.kind == SCORE:
                 _check_score(spec, signatures, vocab, source)
         for spec in signatures.values():
-            if spec.kind == "decode" and spec.lora_slot:
-                for length in {s.seq_len for s in signatures.values() if s.kind == "prefill"}:
-                    prefill = signatures.get(str(SignatureName("prefill", length, lora_slot=spec.lora_slot)))
-                    if prefill is not None and prefill.lora_inputs != spec.lora_inputs:
-                        raise InvalidArgumentError(
-                            f"{source}: LoRA inputs of {prefill.key!r} differ from {spec.key!r}"
-                        )
+            if spec.kind == "prefill" and spec.lora_slot and spec.window is None:  # windows: by _check_window
+                _check_same_lora_as_decode(spec, signatures, source)
         return cls(
             signatures=signatures,
             kv_inputs=kv_inputs,
@@ -391,6 +388,19 @@ def _signature(
     if named.kind in (VERIFY, SCORE) and named.seq_len != seq_len:
         raise InvalidArgumentError(f"{source}: signature {key!r} input 'tokens' is {tokens.describe()}, expected "
                                    f"[1, {named.seq_len}] int32")
+    positions = ins[INPUT_POS]
+    if positions.shape != (seq_len,) or positions.dtype != np.int32:
+        raise InvalidArgumentError(f"{source}: signature {key!r} input {INPUT_POS!r} is {_shape(positions)}, expected "
+                                   f"[{seq_len}] int32: a position per token")
+    unbound = [n for n in outs if n not in (LOGITS, HIDDEN) and not _KV_NAME.fullmatch(n)]
+    if unbound:
+        raise UnimplementedError(f"{source}: signature {key!r} has outputs this runtime cannot bind: {unbound} "
+                                 "(expected the kv_cache_* it takes, 'logits' and, on verify, 'hidden')")
+    hidden = outs.get(HIDDEN)
+    if hidden is not None and (len(hidden.shape) != 3 or hidden.shape[:2] != (1, seq_len)
+                               or hidden.dtype != np.float32):
+        raise InvalidArgumentError(f"{source}: signature {key!r} output {HIDDEN!r} is {_shape(hidden)}, expected "
+                                   f"[1, {seq_len}, width] float32: a final hidden state per token")
     lora_slot = _lora_slot(key, ins, source)
     if named.lora_slot is not None and named.lora_slot != lora_slot:
         raise InvalidArgumentError(
@@ -456,9 +466,8 @@ def _check_batch(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], k
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} has no single-session counterpart "
             f"{SignatureName('decode', lora_slot=spec.lora_slot)}")
-    if spec.lora_inputs != single.lora_inputs:
-        differ = sorted(set(spec.lora_inputs) ^ set(single.lora_inputs)) or sorted(
-            name for name in spec.lora_inputs if spec.lora_inputs[name] != single.lora_inputs[name])
+    differ = _differing(spec.lora_inputs, single.lora_inputs)
+    if differ:
         raise InvalidArgumentError(
             f"{source}: signature {spec.key!r} LoRA inputs differ from {single.key!r}'s stacked over "
             f"{spec.rows} rows, e.g. {differ[:3]}")
@@ -481,18 +490,14 @@ def _check_verify(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
     """A ``verify{L}`` signature returns ``logits`` ``[1, L, vocab]`` and ``hidden``
     ``[1, L, width]`` float32, and takes the LoRA inputs of its slot's decode signature."""
     length = spec.seq_len
-    logits, hidden = spec.outputs.get(LOGITS), spec.outputs.get(HIDDEN)
+    logits = spec.outputs.get(LOGITS)
     if logits is None or logits.shape != (1, length, vocab) or logits.dtype != np.float32:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} output 'logits' is "
                                    f"{_shape(logits) if logits else 'missing'}, expected [1, {length}, {vocab}] float32")
-    if hidden is None or len(hidden.shape) != 3 or hidden.shape[:2] != (1, length) or hidden.dtype != np.float32:
-        raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {HIDDEN!r} is "
-                                   f"{_shape(hidden) if hidden else 'missing'}, expected [1, {length}, width] float32")
-    decode = next((s for s in signatures.values() if (s.kind, s.lora_slot, s.rows, s.window)
-                   == ("decode", spec.lora_slot, 1, None)), None)
-    if decode is None or decode.lora_inputs != spec.lora_inputs:
-        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature with the same "
-                                   "LoRA inputs beside it")
+    if HIDDEN not in spec.outputs:  # its shape: checked with every signature's (_signature)
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} output {HIDDEN!r} is missing, expected "
+                                   f"[1, {length}, width] float32")
+    _check_same_lora_as_decode(spec, signatures, source)
 
 
 def _check_score(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], vocab: int, source: str) -> None:
@@ -505,11 +510,28 @@ def _check_score(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], v
                                    f"{_shape(logits) if logits else 'missing'}, expected [1, {length}, {vocab}] float32")
     if spec.window is not None:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r}: a score signature attends over the whole cache")
-    decode = next((s for s in signatures.values() if (s.kind, s.lora_slot, s.rows, s.window)
-                   == ("decode", spec.lora_slot, 1, None)), None)
-    if decode is None or decode.lora_inputs != spec.lora_inputs:
-        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature with the same "
-                                   "LoRA inputs beside it")
+    _check_same_lora_as_decode(spec, signatures, source)
+
+
+def _check_same_lora_as_decode(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], source: str) -> None:
+    """``spec`` (a prefill, verify or score signature) has its LoRA slot's decode signature
+    beside it, taking the same LoRA inputs: an adapter's buffers, made for the decode
+    signature, serve both."""
+    decode = next((s for s in signatures.values() if (s.kind, s.seq_len, s.lora_slot, s.rows, s.window)
+                   == ("decode", 1, spec.lora_slot, 1, None)), None)
+    if decode is None:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no decode signature of its LoRA slot "
+                                   f"beside it (expected {str(SignatureName('decode', lora_slot=spec.lora_slot))!r})")
+    differ = _differing(spec.lora_inputs, decode.lora_inputs)
+    if differ:
+        raise InvalidArgumentError(f"{source}: signature {spec.key!r} LoRA inputs differ from {decode.key!r}'s, "
+                                   f"e.g. {differ[:3]}")
+
+
+def _differing(first: Mapping[str, TensorSpec], second: Mapping[str, TensorSpec]) -> list[str]:
+    """The names of the tensors ``first`` and ``second`` do not hold alike (one of them lacks
+    it, or its shape or dtype differs), sorted."""
+    return sorted(name for name in first.keys() | second.keys() if first.get(name) != second.get(name))
 
 
 def _check_window_span(spec: SignatureSpec, kv_length: int, source: str) -> None:
@@ -530,9 +552,10 @@ def _check_window(spec: SignatureSpec, signatures: Mapping[str, SignatureSpec], 
     if whole is None:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} has no whole-cache counterpart "
                                    f"of {spec.rows} row(s) for the same LoRA slot")
-    if whole.lora_inputs != spec.lora_inputs or set(whole.outputs) != set(spec.outputs):
+    differ = _differing(spec.lora_inputs, whole.lora_inputs) + sorted(set(spec.outputs) ^ set(whole.outputs))
+    if differ:
         raise InvalidArgumentError(f"{source}: signature {spec.key!r} takes or returns other tensors than its "
-                                   f"whole-cache counterpart {whole.key!r}")
+                                   f"whole-cache counterpart {whole.key!r}, e.g. {differ[:3]}")
 
 
 def _shape(spec: TensorSpec) -> str:
@@ -588,7 +611,8 @@ def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], whole: Map
                 got = actual.describe() if actual else "nothing"
                 hint = (" (an attention window's caches hold its positions only since 2026-12-03: this export "
                         "takes the whole cache; export the model again)"
-                        if actual is not None and actual.shape == whole[name].shape else "")
+                        if spec.window is not None and actual is not None and actual.shape == whole[name].shape
+                        else "")
                 raise InvalidArgumentError(
                     f"{source}: signature {spec.key!r} {side} {name!r} is {got}, expected {expected.describe()}{hint}"
                 )
@@ -613,10 +637,18 @@ def _window_caches(kv: Mapping[str, TensorSpec], layout: str, window: int | None
     return caches
 
 
-def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int) -> tuple[str, int]:
-    k, v = kv.get("kv_cache_k_0"), kv.get("kv_cache_v_0")
-    if k is None or v is None or len(k.shape) != 4:
-        raise InvalidArgumentError("expected 4-D kv_cache_k_0 and kv_cache_v_0 inputs")
+def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int, where: str) -> tuple[str, int]:
+    """The layout and length of the KV caches ``kv`` (by name) that ``where`` (the source
+    and signature, for errors) takes: every one 4-D, layer 0's K and V among them."""
+    for name in ("kv_cache_k_0", "kv_cache_v_0"):
+        if name not in kv:
+            raise InvalidArgumentError(f"{where} has no {name!r} input (expected a K and a V cache per layer from 0)")
+    for name, spec in kv.items():
+        if len(spec.shape) != 4:
+            raise InvalidArgumentError(f"{where} input {name!r} is {_shape(spec)}, expected 4-D: [1, positions, "
+                                       "groups, head_dim], or [1, groups, positions, head_dim] (V: [1, groups, "
+                                       "head_dim, positions])")
+    k, v = kv["kv_cache_k_0"], kv["kv_cache_v_0"]
     if k.shape == v.shape and k.shape[1] >= longest_input:
         return KV_LAYOUT_DEFAULT, k.shape[1]
     return KV_LAYOUT_TRANSPOSED, k.shape[2]

@@ -17,7 +17,9 @@ old one is removed once no process uses it.
 XNNPACK rewrites in place a file it cannot load, truncating it under any process that
 maps it. So a file is built under a name of its own and renamed into place once the
 model compiled and its data is on disk: a published file is complete and never written
-again. Of processes that build at once, the first to finish publishes its whole file.
+again. Of processes that build at once, the first to finish publishes its whole file. A
+published file whose size is not the one recorded at publishing (a copy of the directory
+cut short) is not given to XNNPACK: it goes, once unused, and a new file is built.
 
 By default (:data:`WeightCacheDir.USER`) the files live in the user's cache directory,
 ``$RUNTIME_CACHE/xnnpack`` (``~/.cache/runtime/xnnpack``), and a model opens with its
@@ -64,7 +66,9 @@ from glob import escape
 from importlib.metadata import version
 from pathlib import Path
 
-from runtime.errors import InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
+from runtime.errors import (
+    FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError,
+)
 from runtime.util.cache_dir import runtime_cache_dir
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,7 @@ _BUILDING = ".building"  # a file being written: f"{published name}.{pid}.{rando
 _HEADROOM = 1.25  # free space asked for, times the model's size (packed int4 weights take more than the file)
 IN_MEMORY = ":memory:"  # XNNPACK's name for a weight cache without a file
 _SOURCE = ".source"  # beside a published file: f"{its name}{_SOURCE}", the model it was packed from (JSON)
+_SIZE = "packed_bytes"  # in a .source beside the model's identity: the size the file was published with
 _LOCK = ".lock"  # the directory's lock: lookups, publishing and removals take it in turn
 DEFAULT_MAX_BYTES = 5 * 2**30
 """The directory's default cap, 5 GiB: the packed weights of the few models one switches
@@ -228,6 +233,10 @@ class WeightCacheFile:
         """
         with _locked(self.path.parent):
             found = _open_locked(self.path)
+            if found is not None and not _whole(self.path, found):  # XNNPACK would rewrite it in place
+                os.close(found)
+                found = None
+                _remove_unless_used(self.path)  # one in use stays: this model's file is not published
         if found is not None:
             use = WeightCacheUse(str(self.path), found)
             try:
@@ -240,22 +249,21 @@ class WeightCacheFile:
                 raise
             return
         try:
-            building = self._start_building(model_bytes)
+            use = self._start_building(model_bytes)
         except (InvalidArgumentError, PermissionDeniedError, ResourceExhaustedError) as exc:
             if not self.fallback_to_memory:
                 raise
             log.info("%s; the model's weights are packed in memory", exc)
             yield WeightCacheUse(IN_MEMORY)
             return
-        use = WeightCacheUse(str(building), os.open(building, os.O_RDONLY))
-        fcntl.flock(use._fd, fcntl.LOCK_SH)  # the lock goes with the file when it is renamed
+        building = Path(use.path)
         try:
             yield use
             with open(building, "rb") as written:
                 os.fsync(written.fileno())
             with _locked(self.path.parent):
                 if not self.path.exists():  # else another process published first: its file stays, in use
-                    self._write_source()
+                    self._write_source(os.fstat(use._fd).st_size)
                     os.replace(building, self.path)
                 use.path = str(self.path)
                 self._remove_stale()
@@ -266,8 +274,10 @@ class WeightCacheFile:
         finally:
             building.unlink(missing_ok=True)
 
-    def _start_building(self, model_bytes: int) -> Path:
-        """Makes the empty file that XNNPACK will write, once the directory is known to hold it."""
+    def _start_building(self, model_bytes: int) -> WeightCacheUse:
+        """Makes the empty file that XNNPACK will write, once the directory is known to hold it,
+        held in use from the start (the lock goes with the file when it is renamed): a file
+        being written that no process holds is a killed build's, whatever pid its name gives."""
         directory = self.path.parent
         if self.fallback_to_memory and _file_system_type(directory) in _MEMORY_FILE_SYSTEMS:
             raise ResourceExhaustedError(f"{directory}: in memory (tmpfs), no weight cache is written there")
@@ -288,32 +298,35 @@ class WeightCacheFile:
                     f"{directory}: {free / 2**20:.0f} MiB free, the weight cache {self.path.name} needs about "
                     f"{needed / 2**20:.0f} MiB; free some space or open the model without a weight cache directory")
             building = directory / f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}{_BUILDING}"
-            building.touch(exist_ok=False)
+            with _locked(directory):  # made and held at once: no removal sees it unheld
+                fd = os.open(building, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                fcntl.flock(fd, fcntl.LOCK_SH)
         except OSError as exc:
             raise PermissionDeniedError(
                 f"{directory}: cannot write the weight cache {self.path.name} there: {exc.strerror}") from None
-        return building
+        return WeightCacheUse(str(building), fd)
 
-    def _write_source(self) -> None:
-        """Records beside the file which model it was packed from, so that it goes with that model."""
+    def _write_source(self, nbytes: int) -> None:
+        """Records beside the file which model it was packed from, so that it goes with that
+        model, and its size, ``nbytes``, so that a copy cut short is known (:func:`_whole`)."""
         if self.model is None:
             return
         source = self.path.with_name(self.path.name + _SOURCE)
         partial = source.with_name(f"{source.name}.{os.getpid()}.{secrets.token_hex(4)}{_BUILDING}")
         try:
-            partial.write_text(json.dumps(vars(self.model)))
+            partial.write_text(json.dumps({**vars(self.model), _SIZE: nbytes}))
             os.replace(partial, source)
         except OSError as exc:  # the file is still good: it only goes by its last use
             partial.unlink(missing_ok=True)
             log.info("%s: cannot record its model: %s", source, exc.strerror)
 
     def _remove_stale(self) -> None:
-        """Removes this model path's files of other identities, and files whose builder
-        process is gone, where no process uses them."""
+        """Removes this model path's files of other identities, and files being written that
+        no process holds (killed builds'), where no process uses them."""
         for other in self.path.parent.glob(escape(self._model_prefix) + "*"):
             if other == self.path:
                 continue
-            if other.name.endswith(SUFFIX) or (other.name.endswith(_BUILDING) and not _alive(other)):
+            if other.name.endswith((SUFFIX, _BUILDING)):
                 _remove_unless_used(other)
 
     def stats(self, in_memory: bool = False) -> WeightCacheStats:
@@ -336,7 +349,7 @@ def survey(directory: str | os.PathLike[str], max_bytes: int | None = None) -> W
 def trim(directory: str | os.PathLike[str], max_bytes: int | None) -> list[Path]:
     """Removes from ``directory`` the files whose model is gone, then the least recently used
     ones until the rest take at most ``max_bytes`` (``None``: no cap), skipping files in use;
-    also leftovers: files being written by processes that are gone, and ``.source`` files
+    also leftovers: files being written that no process holds (killed builds'), and ``.source`` files
     without theirs. Returns the files removed. The caller holds the directory's lock."""
     directory = Path(directory)
     removed = []
@@ -357,9 +370,9 @@ def trim(directory: str | os.PathLike[str], max_bytes: int | None) -> list[Path]
     for leftover in directory.glob("*" + _SOURCE):
         if not leftover.with_name(leftover.name[:-len(_SOURCE)]).exists():
             _remove_unless_used(leftover)
+    # A builder holds its file from its making (a .source is written under the lock): one unheld was killed.
     for leftover in directory.glob("*" + _BUILDING):
-        if not _alive(leftover):  # its builder holds it in use: a pid of another namespace is safe too
-            _remove_unless_used(leftover)
+        _remove_unless_used(leftover)
     if removed:
         log.info("weight cache %s: removed %s", directory, ", ".join(path.name for path in removed))
     return removed
@@ -388,12 +401,17 @@ def weight_cache_file(directory: str | os.PathLike[str] | WeightCacheDir | None,
                       part: str = "", max_bytes: int | None = DEFAULT_MAX_BYTES) -> WeightCacheFile | None:
     """The file that ``EngineSettings.weight_cache_dir`` (``directory``) asks for, for the
     model in ``model_file`` (``part``: see :meth:`WeightCacheFile.for_model`), in a
-    directory capped at ``max_bytes``; ``None``: no file, weights packed in memory."""
+    directory capped at ``max_bytes``; ``None``: no file, weights packed in memory (also where
+    the user has no cache directory for :data:`WeightCacheDir.USER`)."""
     if directory is None:
         return None
     if directory is WeightCacheDir.USER:
-        return WeightCacheFile.for_model(user_directory(), model_file, part, fallback_to_memory=True,
-                                         max_bytes=max_bytes)
+        try:
+            folder = user_directory()
+        except FailedPreconditionError as exc:
+            log.info("%s; the model's weights are packed in memory", exc.args[0])
+            return None
+        return WeightCacheFile.for_model(folder, model_file, part, fallback_to_memory=True, max_bytes=max_bytes)
     return WeightCacheFile.for_model(directory, model_file, part, max_bytes=max_bytes)
 
 
@@ -478,12 +496,31 @@ def _published(directory: Path) -> list[tuple[Path, os.stat_result]]:
     return sorted(found, key=lambda item: (item[1].st_atime_ns, item[0].name))
 
 
+def _record(path: Path) -> dict:
+    """What the ``.source`` beside a published file records (empty where it cannot be read)."""
+    try:
+        record = json.loads(path.with_name(path.name + _SOURCE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _source(path: Path) -> ModelIdentity | None:
     """The model a published file was packed from, where recorded."""
+    record = _record(path)
+    record.pop(_SIZE, None)
     try:
-        return ModelIdentity(**json.loads(path.with_name(path.name + _SOURCE).read_text()))
-    except (OSError, ValueError, TypeError):
+        return ModelIdentity(**record) if record else None
+    except TypeError:
         return None
+
+
+def _whole(path: Path, fd: int) -> bool:
+    """Whether the published file ``path``, open as ``fd``, has the size it was written with
+    (where recorded: a file of an older runtime, or whose record could not be written, counts
+    as whole)."""
+    recorded = _record(path).get(_SIZE)
+    return not isinstance(recorded, int) or os.fstat(fd).st_size == recorded
 
 
 def _touch(fd: int) -> None:
@@ -520,15 +557,3 @@ def _file_system_type(directory: Path) -> str:
 
 def _digest(*parts: object) -> str:
     return hashlib.blake2b("\0".join(map(str, parts)).encode(), digest_size=16).hexdigest()
-
-
-def _alive(building: Path) -> bool:
-    """Whether the process that writes ``building`` (its pid is in the name) still runs."""
-    try:
-        pid = int(building.name[:-len(_BUILDING)].rsplit(".", 2)[1])
-        os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True

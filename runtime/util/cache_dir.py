@@ -5,10 +5,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from runtime.errors import FailedPreconditionError
+
 
 def runtime_cache_dir() -> Path:
     """``$RUNTIME_CACHE``, else ``$XDG_CACHE_HOME/runtime``, else ``~/.cache/runtime``
-    (an unset or empty variable counts as absent)."""
+    (an unset or empty variable counts as absent, and so does a relative
+    ``$XDG_CACHE_HOME``, which the XDG Base Directory specification says to ignore: the
+    cache would move with the working directory, the kernels built again in each one).
+    ``FailedPreconditionError`` when neither variable is set and this user has no home
+    directory (no ``$HOME`` and no passwd entry: a container run under an arbitrary uid)."""
     if os.environ.get("RUNTIME_CACHE"):
         return Path(os.environ["RUNTIME_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "runtime"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "runtime"
+    try:
+        home = Path.home()
+    except RuntimeError:  # what Python raises where "~" does not expand
+        raise FailedPreconditionError("no cache directory for the runtime: $RUNTIME_CACHE and $XDG_CACHE_HOME are "
+                                      "unset and this user has no home directory ($HOME unset, no passwd entry); "
+                                      "set RUNTIME_CACHE to a directory") from None
+    return home / ".cache" / "runtime"

@@ -33,6 +33,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -218,8 +219,10 @@ def build_library() -> ctypes.CDLL:
                         "~10 s)", folder)
             try:
                 _compile(cc, (*flags, _OPENMP), sources, folder, path)
-            except FailedPreconditionError:  # no OpenMP with this compiler: one thread
-                _compile(cc, flags, sources, folder, path)
+            except _CompileError as exc:
+                if not _refuses_openmp(exc.stderr):  # room, time, the sources: the same without OpenMP
+                    raise
+                _compile(cc, flags, sources, folder, path)  # no OpenMP with this compiler: one thread
         try:
             with _briefly_spinning_openmp_threads():
                 library = ctypes.CDLL(str(path))
@@ -274,6 +277,23 @@ def _briefly_spinning_openmp_threads() -> Iterator[None]:
 
 
 _STALE_BUILD_S = 3600  # a scratch folder this old is a build whose process was killed
+# What a compiler says when it cannot build with OpenMP: the flag refused, or its header or
+# runtime library (GCC's libgomp, LLVM's libomp, Intel's libiomp) missing.
+_NO_OPENMP = re.compile(r"openmp|\bomp\.h\b|-l[gi]?omp\b", re.IGNORECASE)
+
+
+class _CompileError(FailedPreconditionError):
+    """The compiler failed on the sources; ``stderr``: all it said."""
+
+    def __init__(self, message: str, stderr: str) -> None:
+        super().__init__(message)
+        self.stderr = stderr
+
+
+def _refuses_openmp(stderr: str) -> bool:
+    """Whether a failed build's ``stderr`` says that the compiler cannot build with
+    :data:`_OPENMP` (then the library is built without it) rather than anything else."""
+    return _OPENMP in stderr or _NO_OPENMP.search(stderr) is not None
 
 
 def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path, path: Path) -> None:
@@ -289,7 +309,7 @@ def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path
             done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=300)
             if done.returncode:
                 first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
-                raise FailedPreconditionError(f"{' '.join(command[:1 + len(flags)])} failed: {first.strip()}")
+                raise _CompileError(f"{' '.join(command[:1 + len(flags)])} failed: {first.strip()}", done.stderr)
             with open(built, "rb+") as file:  # on the disk before it is published
                 digest = hashlib.sha256(file.read()).hexdigest()
                 os.fsync(file.fileno())
