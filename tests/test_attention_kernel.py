@@ -11,6 +11,7 @@ import ctypes
 import itertools
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -706,6 +707,40 @@ def test_a_cached_library_cut_short_is_built_again_not_loaded(tmp_path, monkeypa
         assert again.returncode == 0 and again.stdout.strip() == "True", (again.returncode, again.stderr)
         assert "building the native kernels" in again.stderr
         assert library.read_bytes() == whole
+
+
+def test_a_kernels_folder_every_user_can_write_is_refused_and_the_standard_form_runs(tmp_path, monkeypatch):
+    """Loading a library runs its code: one from a folder another user could write into (a
+    cache under /tmp) is never loaded, whatever it holds; the model runs XNNPACK's form."""
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    folder.chmod(0o777)
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    with pytest.raises(FailedPreconditionError, match=rf"{folder} is writable by every user \(mode 777\)"):
+        kernels.build_library()
+    assert list(folder.iterdir()) == []  # nothing built there either
+    library, why = kernels.load_for_this_cpu()
+    if {"-mavx2", "-mfma"} <= set(kernels.isa_flags()):
+        assert library is None and "writable by every user" in why
+
+
+@needs_cc
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="gives a file to another user: root only")
+def test_a_library_another_user_owns_is_not_loaded(tmp_path, monkeypatch):
+    """A library whose bytes match its digest but which another user owns (who could have
+    written both) is refused before it is loaded, naming its owner; this user's build is."""
+    kernels.build_library()  # built in the session's cache: the same name in any cache
+    (built,) = Path(os.environ["RUNTIME_CACHE"], "kernels").glob("kernels-*.so")
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    for file in (built, built.with_name(built.name + ".sha256")):
+        shutil.copy(file, folder / file.name)
+    os.chown(folder / built.name, 4242, 4242)
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    with pytest.raises(FailedPreconditionError, match=rf"{folder / built.name} belongs to user id 4242"):
+        kernels.build_library()
+    os.chown(folder / built.name, os.geteuid(), os.getegid())
+    assert kernels.build_library()._name == str(folder / built.name)  # this user's own: loaded
 
 
 @needs_cc

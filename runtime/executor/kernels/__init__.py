@@ -214,6 +214,7 @@ def build_library() -> ctypes.CDLL:
         path = folder / f"kernels-{key}.so"
         if str(path) in _loaded:
             return _loaded[str(path)]
+        _refuse_if_others_can_write(folder)
         if not _intact(path):  # not built yet, or not the bytes its build wrote (cut short by a crash, a full disk)
             log.warning("building the native kernels for this CPU into %s (once per compiler and runtime version, "
                         "~10 s)", folder)
@@ -223,6 +224,7 @@ def build_library() -> ctypes.CDLL:
                 if not _refuses_openmp(exc.stderr):  # room, time, the sources: the same without OpenMP
                     raise
                 _compile(cc, flags, sources, folder, path)  # no OpenMP with this compiler: one thread
+        _refuse_if_others_can_write(folder, path)
         try:
             with _briefly_spinning_openmp_threads():
                 library = ctypes.CDLL(str(path))
@@ -234,6 +236,31 @@ def build_library() -> ctypes.CDLL:
                                           "build these sources into it); delete it to rebuild")
         _loaded[str(path)] = library
         return library
+
+
+def _refuse_if_others_can_write(*paths: Path) -> None:
+    """``FailedPreconditionError`` if another user could have put their own library at these
+    paths (the kernels' folder, the library itself): one owned by another user (root aside),
+    or writable by everyone. Loading a library runs its code in this process, so a cache
+    directory such as ``/tmp/...`` that other users write into is refused, not trusted.
+    (Paths that do not exist yet pass: this user's build makes them.)"""
+    if not hasattr(os, "geteuid"):
+        return  # no POSIX owners here
+    me = os.geteuid()
+    for path in paths:
+        try:
+            status = path.stat()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise FailedPreconditionError(f"cannot check who owns {path} ({exc})") from None
+        if status.st_uid not in (me, 0):
+            raise FailedPreconditionError(f"{path} belongs to user id {status.st_uid}, not to this user ({me}): its "
+                                          "kernel library is not loaded; set RUNTIME_CACHE to a directory of yours")
+        if status.st_mode & 0o002:
+            raise FailedPreconditionError(f"{path} is writable by every user (mode {status.st_mode & 0o7777:o}): its "
+                                          "kernel library is not loaded; chmod o-w it, or set RUNTIME_CACHE to a "
+                                          "directory only you can write")
 
 
 def _digest_path(library: Path) -> Path:
@@ -298,7 +325,7 @@ def _refuses_openmp(stderr: str) -> bool:
 
 def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path, path: Path) -> None:
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)  # whatever the umask: only this user writes it
         _remove_stale_builds(folder)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as scratch:
             for name, source in zip((*_SOURCES, *_HEADERS), sources):
@@ -310,6 +337,7 @@ def _compile(cc: str, flags: tuple[str, ...], sources: list[bytes], folder: Path
             if done.returncode:
                 first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
                 raise _CompileError(f"{' '.join(command[:1 + len(flags)])} failed: {first.strip()}", done.stderr)
+            built.chmod(0o755)  # the compiler's output follows the umask; no other user may write a library we load
             with open(built, "rb+") as file:  # on the disk before it is published
                 digest = hashlib.sha256(file.read()).hexdigest()
                 os.fsync(file.fileno())
