@@ -686,6 +686,25 @@ def test_malformed_requests_get_a_clear_4xx_and_do_not_disturb_others(served, of
     served.wait_until_idle()
 
 
+def test_a_json_body_sent_as_another_content_type_is_refused_naming_the_header(served):
+    """curl -d sends form encoding unless told: the answer names the header, not the body."""
+    request = {"model": "demo", "prompt": "hi", "max_tokens": 1}
+    status, body = served.call("/v1/completions", request, content_type="application/x-www-form-urlencoded")
+    assert status == 400 and body["error"]["code"] == "unsupported_content_type", body
+    assert "Content-Type: application/json (it came with Content-Type: application/x-www-form-urlencoded)" in \
+        body["error"]["message"]
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        assert served.call("/v1/completions", request, content_type=content_type)[0] == 200, content_type
+    status, body = served.call("/v1/completions", [1, 2])  # JSON, but not an object: named as such
+    assert status == 400 and "must be a JSON object" in body["error"]["message"]
+
+
+def test_the_tokenizer_info_endpoint_is_counted_under_its_own_name(served):
+    served.call("/tokenizer_info")
+    text = served.call("/metrics")[1]["text"]
+    assert metric(text, "runtime_requests_total", endpoint="/tokenizer_info", status="200") >= 1
+
+
 def test_a_body_past_the_cap_gets_413_before_it_is_read(served):
     port = int(served.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:

@@ -22,8 +22,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API, with per-request adapters",
         description="Serves /v1/completions, /v1/chat/completions (streaming too), /v1/models[/ID], "
-        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/adapter_files, /tokenize, /detokenize, /health, "
-        "/metrics, and a chat page at /. A request's model "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/adapter_files, /tokenize, /detokenize, /tokenizer_info, "
+        "/health, /metrics, and a chat page at /. A request's model "
         "is the base model's name, an adapter's name, or BASE::ADAPTER; its 'lora' field "
         "([{\"name\", \"scale\"}]) blends adapters. Needs: pip install 'runtime[serve]'.",
     )
@@ -46,8 +46,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--allowed-hosts", nargs="+", metavar="HOST[:PORT]",
                         help="Host headers answered (against DNS rebinding); '*': any (default: the loopback "
                         "names localhost, 127.0.0.1, ::1 when --host is a loopback address, else any)")
-    parser.add_argument("--max-concurrent", type=int, default=16, help="running requests beyond it get 429 "
-                        "(default: 16)")
+    parser.add_argument("--max-concurrent", type=int, default=16, help="generations running at once (each prompt x "
+                        "choice of a request); a request past it gets 429, one asking more on its own 400 (default: 16)")
     parser.add_argument("--max-prompts", type=int, default=64, help="prompts in one /v1/completions request's "
                         "list; more get 400, as do more prompts x choices than --max-concurrent (default: 64)")
     parser.add_argument("--score-by-decode", action="store_true",

@@ -28,8 +28,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError.from_status(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(list(exc.errors())))
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(list(exc.errors()), request.headers.get("content-type")))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:

@@ -21,7 +21,7 @@ from runtime.serve.settings import ServeSettings
 OPEN_PATHS = frozenset({"/health", "/"})  # answered without the API key (and the page's files under /ui/)
 _ENDPOINTS = frozenset({"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
                         "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/adapter_files", "/tokenize",
-                        "/detokenize"})
+                        "/detokenize", "/tokenizer_info"})
 
 
 class Gate:

@@ -379,10 +379,15 @@ class DetokenizeBody(BaseModel):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-def validation_error(errors: list[dict[str, Any]]) -> ApiError:
-    """The first of pydantic's complaints about a body as a 400 that names the field."""
+def validation_error(errors: list[dict[str, Any]], content_type: str | None = None) -> ApiError:
+    """The first of pydantic's complaints about a body as a 400 that names the field.
+    ``content_type``: the request's header; a body sent as anything but JSON (which FastAPI
+    then hands over unparsed) is refused naming the header, not its contents."""
     if not errors:
         return bad_request("invalid request body")
+    if content_type and not _is_json(content_type) and [error.get("loc") for error in errors] == [("body",)]:
+        return bad_request(f"the request body must be sent as JSON, with Content-Type: application/json (it came "
+                           f"with Content-Type: {content_type:.80})", code="unsupported_content_type")
     # A value a union refuses gets one complaint per member; the checks of this module
     # (value errors) say more than "not an integer".
     first = next((error for error in errors if error.get("type") == "value_error"), errors[0])
@@ -397,6 +402,13 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     if first.get("type") == "missing":
         return bad_request(f"{param} is required", param=param, code="missing_field")
     return bad_request(f"{param}: {message}", param=param)
+
+
+def _is_json(content_type: str) -> bool:
+    """Whether a Content-Type header names JSON (``application/json``, ``application/*+json``),
+    as FastAPI decides whether to parse a body."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _is_type_tag(part: object) -> bool:

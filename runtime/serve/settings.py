@@ -16,7 +16,8 @@ class ServeSettings:
 
     ``model_name``: the base model's id in requests and ``/v1/models``. ``api_key``: if
     set, every endpoint but ``/health`` needs ``Authorization: Bearer <api_key>``.
-    ``max_concurrent``: running requests beyond it get 429. ``max_body_bytes``: larger
+    ``max_concurrent``: generations running at once (each prompt x choice of a request); a
+    request past it gets 429, one asking more on its own 400. ``max_body_bytes``: larger
     request bodies get 413. ``allowed_hosts``: the ``Host`` headers (and ``Origin``
     hosts) answered, as ``HOST[:PORT]`` patterns (default: the loopback names, any port;
     ``None``: any host, but an ``Origin`` must still be the request's own host): against
