@@ -79,7 +79,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=defaults.attention_kernel,
                         help="auto (the default): each decode signature's attention in standard ops and, beside "
                         "them in the same file sharing every weight, as one custom op per layer whose kernel the "
-                        "runtime compiles with the system C compiler at first open (0.57-0.80x the attention's time "
+                        "runtime compiles with the system C compiler at first open (0.34-0.50x the attention's time "
                         "at SmolLM2's shapes with AVX2; reads only the positions in use), the LoRA deltas likewise "
                         "(odml_runtime.lora_delta: a batch of 8 SmolLM2 int8 rows with adapters 0.78x the step) "
                         "and float32 linear layers (odml_runtime.linear_rows: 8 SmolLM2 f32 rows 0.64x the step, "
