@@ -76,6 +76,31 @@ def test_a_published_file_cut_short_is_replaced_not_written_in_place(model, tmp_
     assert published(cache) == [file] and file.stat().st_size == whole and file.stat().st_ino != inode
 
 
+def test_a_directory_every_user_can_write_is_not_used(model, tmp_path, monkeypatch):
+    """XNNPACK trusts the packed weights it reads: a directory another user could write into
+    (a cache under /tmp) is refused when named, and packs in memory by default."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)
+    with pytest.raises(PermissionDeniedError, match=rf"{cache} is writable by every user \(mode 777\): the weight "):
+        logits(model, cache)
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path))
+    (tmp_path / "xnnpack").mkdir(mode=0o777)
+    (tmp_path / "xnnpack").chmod(0o777)
+    assert (logits(model, WeightCacheDir.USER) == logits(model, None)).all()
+    assert os.listdir(cache) == os.listdir(tmp_path / "xnnpack") == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user: root only")
+def test_a_published_file_another_user_owns_is_replaced_not_read(model, tmp_path):
+    cache = tmp_path / "cache"
+    expected = logits(model, cache)
+    (file,) = published(cache)
+    os.chown(file, 4242, 4242)
+    assert (logits(model, cache) == expected).all()
+    assert published(cache) == [file] and file.stat().st_uid == os.geteuid()
+
+
 def test_executors_of_one_engine_share_the_file(model, tmp_path):
     cache = tmp_path / "cache"
     with Engine(model, EngineSettings(weight_cache_dir=cache, executors=2)) as engine:

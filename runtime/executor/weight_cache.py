@@ -69,7 +69,7 @@ from pathlib import Path
 from runtime.errors import (
     FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError,
 )
-from runtime.util.cache_dir import runtime_cache_dir
+from runtime.util.cache_dir import foreign_writer, runtime_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -226,13 +226,27 @@ class WeightCacheFile:
         written: a model's packed weights may take a sixth of its file, or more than it).
 
         ``InvalidArgumentError`` when the directory is a file, ``PermissionDeniedError``
-        when a new file cannot be made in the directory, ``ResourceExhaustedError`` when
-        the directory's disk has no room for it (XNNPACK aborts the process when a write
-        fails); with ``fallback_to_memory``, :data:`IN_MEMORY` instead, and also where the
-        directory is in memory.
+        when a new file cannot be made in the directory or when another user could have
+        written it or the published file (:func:`foreign_writer`: XNNPACK trusts what it
+        reads there), ``ResourceExhaustedError`` when the directory's disk has no room for it
+        (XNNPACK aborts the process when a write fails); with ``fallback_to_memory``,
+        :data:`IN_MEMORY` instead, and also where the directory is in memory.
         """
+        why = foreign_writer(self.path.parent)
+        if why is not None:
+            refusal = PermissionDeniedError(f"{why}: the weight cache {self.path.name} is not used there; set "
+                                            "RUNTIME_CACHE to a directory only you can write")
+            if not self.fallback_to_memory:
+                raise refusal
+            log.info("%s; the model's weights are packed in memory", refusal.args[0])
+            yield WeightCacheUse(IN_MEMORY)
+            return
         with _locked(self.path.parent):
             found = _open_locked(self.path)
+            if found is not None and foreign_writer(self.path, os.fstat(found)) is not None:
+                os.close(found)  # another user's file under this model's name: built anew beside it
+                found = None
+                _remove_unless_used(self.path)
             if found is not None and not _whole(self.path, found):  # XNNPACK would rewrite it in place
                 os.close(found)
                 found = None

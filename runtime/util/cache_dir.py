@@ -27,3 +27,25 @@ def runtime_cache_dir() -> Path:
                                       "unset and this user has no home directory ($HOME unset, no passwd entry); "
                                       "set RUNTIME_CACHE to a directory") from None
     return home / ".cache" / "runtime"
+
+
+def foreign_writer(path: Path, status: os.stat_result | None = None) -> str | None:
+    """Why another user could have written ``path`` (its ``status``, else stat'ed here): owned
+    by another user (root aside), or writable by everyone; ``None`` when only this user (or
+    root) could have, where ``path`` cannot be stat'ed (absent: nothing to trust), and where
+    files have no POSIX owners.
+    What the cache holds is loaded as code (the kernels) or read by XNNPACK as its own packed
+    weights, so a cache directory other users write into, as one under ``/tmp`` may be, is
+    not trusted."""
+    if not hasattr(os, "geteuid"):
+        return None
+    try:
+        status = status or path.stat()
+    except OSError:  # absent or not reachable: nothing there to trust, and its use says why it fails
+        return None
+    me = os.geteuid()
+    if status.st_uid not in (me, 0):
+        return f"{path} belongs to user id {status.st_uid}, not to this user ({me})"
+    if status.st_mode & 0o002:
+        return f"{path} is writable by every user (mode {status.st_mode & 0o7777:o})"
+    return None

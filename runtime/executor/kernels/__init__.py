@@ -46,7 +46,7 @@ from pathlib import Path
 
 from runtime.errors import FailedPreconditionError, InternalError, InvalidArgumentError
 from runtime.util.attention_rewrite import DECODE_ATTENTION, LINEAR_ROWS, LORA_DELTA, OUR_OPS, custom_codes
-from runtime.util.cache_dir import runtime_cache_dir
+from runtime.util.cache_dir import foreign_writer, runtime_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -240,26 +240,12 @@ def build_library() -> ctypes.CDLL:
 
 def _refuse_if_others_can_write(*paths: Path) -> None:
     """``FailedPreconditionError`` if another user could have put their own library at these
-    paths (the kernels' folder, the library itself): one owned by another user (root aside),
-    or writable by everyone. Loading a library runs its code in this process, so a cache
-    directory such as ``/tmp/...`` that other users write into is refused, not trusted.
-    (Paths that do not exist yet pass: this user's build makes them.)"""
-    if not hasattr(os, "geteuid"):
-        return  # no POSIX owners here
-    me = os.geteuid()
+    paths (the kernels' folder, the library itself; :func:`foreign_writer`): loading a library
+    runs its code in this process. Paths that do not exist yet pass: this user's build makes them."""
     for path in paths:
-        try:
-            status = path.stat()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise FailedPreconditionError(f"cannot check who owns {path} ({exc})") from None
-        if status.st_uid not in (me, 0):
-            raise FailedPreconditionError(f"{path} belongs to user id {status.st_uid}, not to this user ({me}): its "
-                                          "kernel library is not loaded; set RUNTIME_CACHE to a directory of yours")
-        if status.st_mode & 0o002:
-            raise FailedPreconditionError(f"{path} is writable by every user (mode {status.st_mode & 0o7777:o}): its "
-                                          "kernel library is not loaded; chmod o-w it, or set RUNTIME_CACHE to a "
+        why = foreign_writer(path)
+        if why is not None:
+            raise FailedPreconditionError(f"{why}: its kernel library is not loaded; set RUNTIME_CACHE to a "
                                           "directory only you can write")
 
 
