@@ -91,6 +91,18 @@ def test_a_directory_every_user_can_write_is_not_used(model, tmp_path, monkeypat
     assert os.listdir(cache) == os.listdir(tmp_path / "xnnpack") == []
 
 
+def test_a_directory_made_under_umask_0_is_still_used(model, tmp_path):
+    old = os.umask(0)
+    try:
+        expected = logits(model, tmp_path / "cache")
+    finally:
+        os.umask(old)
+    (file,) = published(tmp_path / "cache")
+    inode = file.stat().st_ino
+    assert (logits(model, tmp_path / "cache") == expected).all()
+    assert published(tmp_path / "cache") == [file] and file.stat().st_ino == inode  # read, not built again
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user: root only")
 def test_a_published_file_another_user_owns_is_replaced_not_read(model, tmp_path):
     cache = tmp_path / "cache"

@@ -299,7 +299,7 @@ class WeightCacheFile:
             raise InvalidArgumentError(f"{directory}: is a file, not a directory: expected a directory to keep the "
                                        f"weight cache {self.path.name} in")
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o755, parents=True, exist_ok=True)  # whatever the umask: see foreign_writer
             free, needed = shutil.disk_usage(directory).free, int(model_bytes * _HEADROOM)
             if free < needed:  # room made from the least recently used files no process has open, if they hold it
                 with _locked(directory):
@@ -313,7 +313,7 @@ class WeightCacheFile:
                     f"{needed / 2**20:.0f} MiB; free some space or open the model without a weight cache directory")
             building = directory / f"{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}{_BUILDING}"
             with _locked(directory):  # made and held at once: no removal sees it unheld
-                fd = os.open(building, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                fd = os.open(building, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 fcntl.flock(fd, fcntl.LOCK_SH)
         except OSError as exc:
             raise PermissionDeniedError(
