@@ -9,6 +9,7 @@ SIGTERM and checks that none of its processes (Ray's included) is left.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from runtime.cli.main import build_parser
 from runtime.errors import InvalidArgumentError
 from runtime.serve.cluster import launch
 from runtime.serve.cluster.launch import ClusterOptions
-from runtime.serve.cluster.replica import adapter_set_id, parse_adapter_set_id
+from runtime.serve.cluster.replica import adapter_set_id, batches, parse_adapter_set_id
 from runtime.serve.cluster import state as state_module
 from runtime.serve.cluster.state import ClusterCatalog, ClusterState, file_sha256
 from test_serve import huge_adapter
@@ -260,6 +261,32 @@ def ingress_catalog(tmp_path):
     engine = Engine(MODEL, tokenizer=ByteTokenizer(stop_token_ids=[NEWLINE]))
     yield ClusterCatalog(engine, tmp_path, publish=publish), published, hooks
     engine.close()
+
+
+def test_a_waiting_stream_says_alive_only_while_its_engine_steps():
+    """A request queued behind others' prefills sends ("alive",) while the engine runs steps,
+    so that --replica-timeout ends only a stuck replica's streams; a stuck engine's stream
+    sends nothing until the job does."""
+    async def scenario() -> None:
+        events: asyncio.Queue = asyncio.Queue()
+        runs = 0
+
+        async def steps() -> int:
+            return runs
+
+        stream = batches(events, steps, interval=0.02)
+        events.put_nowait(("start",))
+        events.put_nowait(("text", "a"))
+        assert await anext(stream) == [("start",), ("text", "a")]  # what came meanwhile: one list
+        runs = 5  # the engine steps for other requests
+        assert await asyncio.wait_for(anext(stream), 1) == [("alive",)]
+        pending = asyncio.ensure_future(anext(stream))  # the engine stuck: no step any more
+        done, _ = await asyncio.wait({pending}, timeout=0.2)
+        assert not done
+        events.put_nowait(("outcome", None))
+        assert await asyncio.wait_for(pending, 1) == [("outcome", None)]
+
+    asyncio.run(scenario())
 
 
 def test_the_ingress_lists_an_adapter_only_while_the_replicas_have_it(ingress_catalog, monkeypatch):
@@ -603,9 +630,10 @@ def test_a_file_changed_after_loading_is_refused_with_409(served):
 
 
 @cluster
-def test_a_replica_checks_the_digest_of_what_it_loads(served):
-    """A file rewritten in place with its size and time kept passes the ingress's quick check
-    (device, inode, size, time); the replica loading it checks its SHA-256 and refuses (409)."""
+def test_a_file_rewritten_in_place_with_its_size_and_time_kept_is_refused_with_409(served):
+    """A file rewritten in place with its size and modification time kept (cp -p) is caught
+    by the ingress's quick check, whose change time moved (the replica's SHA-256 check stays
+    behind it, for a rewrite racing that check)."""
     twin = served.adapters / "twin.tflite"
     shutil.copy(DEMO / "adapters" / "uppercase.tflite", twin)
     assert served.call("/v1/load_lora_adapter", {"lora_name": "twin", "lora_path": "twin.tflite"})[0] == 200
@@ -616,7 +644,7 @@ def test_a_replica_checks_the_digest_of_what_it_loads(served):
         file.write(other)
     os.utime(twin, ns=(status.st_atime_ns, status.st_mtime_ns))
     status, body, _ = served.call("/v1/completions", {"model": "twin", "prompt": "hello world\n"})
-    assert status == 409 and "SHA-256" in body["error"]["message"], body
+    assert status == 409 and "its file changed" in body["error"]["message"], body
     assert served.call("/v1/unload_lora_adapter", {"lora_name": "twin"})[0] == 200
 
 

@@ -7,8 +7,9 @@ the deployment handle with its adapter set as the multiplexed model id and relay
 replica streams. A replica that dies before anything came back is not the request's fault:
 it is sent once more (Ray Serve's router then picks another replica); one that dies later
 ends the request with a 503 naming the replica (in a stream: an error event), never a hang.
-A replica that sends nothing of an answer (no token, not its end) for ``--replica-timeout``
-seconds, hung in a step or frozen whole, is given up on the same way: the request is
+A replica that sends nothing of an answer (no token, not its end, no word that its engine
+still runs steps while the request waits) for ``--replica-timeout`` seconds, hung in a step
+or frozen whole, is given up on the same way: the request is
 cancelled and ends with a 503 naming the replica and the time-out. Ray Serve's own request
 time-out (``request_timeout_s``) belongs to its HTTP and gRPC proxies, which the ingress
 does not use: a deployment handle's stream has none, hence this one.
@@ -149,6 +150,8 @@ class RemoteJob:
                     self._sent = True
                     if self._on_text is not None:
                         self._on_text(item[1])
+                elif kind == "alive":  # the replica's engine still runs steps: _events' time-out starts again
+                    pass
                 elif kind == "outcome":
                     outcome: Outcome = item[1]
                     ttft = first_token - self._admitted if first_token is not None else None

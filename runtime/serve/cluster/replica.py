@@ -14,7 +14,10 @@ What a stream yields, in order: ``("replica", id, hit)``, then ``("start",)`` at
 generated token and ``("text", delta)`` as text comes, and last ``("outcome", Outcome)``,
 as lists of these events (what came while the last list was on its way leaves as one: one
 item of Ray's stream per token costs ~0.6 ms); an error is raised (a status error of the
-runtime, as in one process).
+runtime, as in one process). While a request waits with nothing to send (queued behind
+other requests' prefills) but the engine runs steps, ``("alive",)`` every
+:data:`PROGRESS_INTERVAL_S`: the ingress's ``--replica-timeout`` then ends only the
+streams of a replica whose engine is stuck (or that is frozen whole), never a busy one's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from runtime import ByteTokenizer, Engine, EngineSettings, LoraSource
@@ -35,6 +38,7 @@ from runtime.serve.generation import GenerationJob, GenerationRequest, Outcome
 log = logging.getLogger("runtime.serve")
 
 SYNC_INTERVAL_S = 0.5
+PROGRESS_INTERVAL_S = 2.0  # how often a waiting stream says that its engine still runs steps
 _MULTIPLEX_WRAPPER = "__serve_multiplex_wrapper"  # where @serve.multiplexed keeps a replica's sets
 
 
@@ -46,6 +50,28 @@ def adapter_set_id(digests: dict[str, str]) -> str:
 def parse_adapter_set_id(model_id: str) -> list[tuple[str, str]]:
     """``(name, sha256)`` pairs of a multiplexed model id."""
     return [tuple(part.rsplit("@", 1)) for part in model_id.split("+")] if model_id else []
+
+
+async def batches(events: asyncio.Queue, steps: Callable[[], Awaitable[int]],
+                  interval: float = PROGRESS_INTERVAL_S) -> AsyncIterator[list]:
+    """The lists a request's stream yields: what its job put in ``events``, all that came
+    while the last list was on its way as one list; and ``[("alive",)]`` after each
+    ``interval`` in which the job put nothing but the engine ran steps (``steps()``: how
+    many it has run so far). Never ends by itself: the caller stops at the outcome."""
+    last = await steps()
+    while True:
+        try:
+            first = await asyncio.wait_for(events.get(), interval)
+        except asyncio.TimeoutError:
+            now = await steps()
+            if now != last:
+                last = now
+                yield [("alive",)]
+            continue
+        batch = [first]
+        while not events.empty():
+            batch.append(events.get_nowait())
+        yield batch
 
 
 @dataclass(frozen=True)
@@ -176,10 +202,7 @@ class EngineReplica:
         try:
             yield [("replica", self.name, hit)]
             worker.start()
-            while True:
-                batch = [await events.get()]
-                while not events.empty():  # what came meanwhile leaves as one item of the stream
-                    batch.append(events.get_nowait())
+            async for batch in batches(events, lambda: asyncio.to_thread(lambda: self.engine.stats().invokes)):
                 for item in batch:
                     if isinstance(item, BaseException):
                         raise item
