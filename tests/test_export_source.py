@@ -111,3 +111,154 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(UnimplementedError, match="GGUF architecture 'gpt2' is not supported; supported: Llama"):
         inspect_source(path)
+
+
+def rewrite_config(directory: Path, **changes: object) -> None:
+    """config.json with ``changes`` (None: the field removed)."""
+    config = json.loads((directory / "config.json").read_text())
+    for field, value in changes.items():
+        if value is None:
+            config.pop(field, None)
+        else:
+            config[field] = value
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def rewrite_weights(directory: Path, **changes: object) -> None:
+    """model.safetensors with ``changes`` by tensor name (None: the tensor removed)."""
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(directory / "model.safetensors")
+    for name, value in changes.items():
+        if value is None:
+            del weights[name]
+        else:
+            weights[name] = value
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    ({"model_type": ["llama"]}, UnimplementedError, "model_type ['llama']) is not supported"),
+    ({"hidden_size": None}, InvalidArgumentError, "config.json: no hidden_size (expected a positive integer)"),
+    ({"vocab_size": "96"}, InvalidArgumentError, "config.json: vocab_size '96': expected a positive integer"),
+    ({"num_hidden_layers": 0}, InvalidArgumentError, "num_hidden_layers 0: expected a positive integer"),
+    ({"num_key_value_heads": 3}, InvalidArgumentError,
+     "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"head_dim": None, "num_attention_heads": 3, "num_key_value_heads": 1}, InvalidArgumentError,
+     "hidden_size 32 is not a multiple of num_attention_heads 3 (and no head_dim is given)"),
+    ({"hidden_act": "relu"}, UnimplementedError, "hidden_act 'relu' is not supported; supported: silu"),
+    ({"tie_word_embeddings": "yes"}, InvalidArgumentError, "tie_word_embeddings 'yes': expected true or false"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, UnimplementedError,
+     "rope_scaling type 'dynamic' recomputes RoPE from the sequence length"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, UnimplementedError,
+     "rope_parameters type 'longrope'"),
+    ({"use_sliding_window": True}, UnimplementedError, "sliding-window attention"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, UnimplementedError,
+     "quantization_config (gptq): quantized checkpoints are not exported"),
+])
+def test_config_values_the_export_cannot_take(tmp_path: Path, changes: dict, error: type, match: str) -> None:
+    """Refused from config.json before transformers fills in its defaults or loads a weight."""
+    directory = write_llama_directory(tmp_path / "m", tokenizer=False)
+    rewrite_config(directory, **changes)
+    with pytest.raises(error) as info:
+        inspect_source(directory)
+    assert match in str(info.value) and "config.json" in str(info.value)
+
+
+def test_untied_embeddings_need_their_lm_head(tmp_path: Path) -> None:
+    """transformers would initialize a missing lm_head at random and only log it: the export
+    would run and be wrong. Llama's default is untied, so a config without the field needs it too."""
+    directory = write_llama_directory(tmp_path / "m", tokenizer=False)
+    for tie in (False, None):
+        rewrite_config(directory, tie_word_embeddings=tie)
+        with pytest.raises(NotFoundError, match=r"no tensor lm_head.weight \[96, 32\] \(tie_word_embeddings is false"):
+            inspect_source(directory)
+    import numpy as np
+
+    rewrite_weights(directory, **{"lm_head.weight": np.zeros((96, 32), np.float32)})
+    assert inspect_source(directory).parameters == 21664 + 96 * 32
+
+
+def test_tensors_missing_misshapen_or_not_float(tmp_path: Path) -> None:
+    import numpy as np
+
+    directory = write_llama_directory(tmp_path / "m", tokenizer=False)
+    rewrite_weights(directory, **{"model.layers.1.mlp.up_proj.weight": None})
+    with pytest.raises(NotFoundError, match=r"no tensor model.layers.1.mlp.up_proj.weight \[64, 32\]"):
+        inspect_source(directory)
+    rewrite_weights(directory, **{"model.layers.1.mlp.up_proj.weight": np.zeros((64, 32), np.int32)})
+    with pytest.raises(UnimplementedError, match="model.safetensors: tensor model.layers.1.mlp.up_proj.weight is "
+                       r"I32, expected a float type"):
+        inspect_source(directory)
+    rewrite_weights(directory, **{"model.layers.1.mlp.up_proj.weight": np.zeros((32, 64), np.float32)})
+    with pytest.raises(InvalidArgumentError, match=r"tensor model.layers.1.mlp.up_proj.weight has shape \[32, 64\], "
+                       r"expected \[64, 32\] from config.json"):
+        inspect_source(directory)
+    rewrite_config(directory, intermediate_size=48)  # the config disagreeing with every MLP tensor
+    with pytest.raises(InvalidArgumentError, match=r"model.layers.0.mlp.gate_proj.weight has shape \[64, 32\], "
+                       r"expected \[48, 32\]"):
+        inspect_source(directory)
+
+
+def write_shards(directory: Path) -> dict[str, str]:
+    """``directory``'s model.safetensors split in two shards with an index; returns its weight_map."""
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    names = sorted(weights)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({name: weights[name] for name in part}, str(directory / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_sharded_weights(tmp_path: Path) -> None:
+    """The shards an index names are read, each must exist; shards without an index are not
+    what transformers reads."""
+    directory = write_llama_directory(tmp_path / "m", tokenizer=False)
+    weight_map = write_shards(directory)
+    assert inspect_source(directory).parameters == 21664
+    (directory / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(NotFoundError, match=r"model.safetensors.index.json: names shard "
+                       r"model-00002-of-00002.safetensors \(e.g. for model\.\S+\), which is not a file in"):
+        inspect_source(directory)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        name: "../elsewhere.safetensors" for name in weight_map}}))
+    with pytest.raises(NotFoundError, match="names shard ../elsewhere.safetensors"):
+        inspect_source(directory)
+    (directory / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(InvalidArgumentError, match="model.safetensors.index.json: not a readable JSON object"):
+        inspect_source(directory)
+    (directory / "model.safetensors.index.json").unlink()
+    with pytest.raises(NotFoundError, match="no model.safetensors or model.safetensors.index.json .* found "
+                       "model-00001-of-00002.safetensors"):
+        inspect_source(directory)
+
+
+def test_a_peft_adapter_directory_is_not_a_model(tmp_path: Path) -> None:
+    adapter = shutil.copytree(MODELS / "peft" / "qkvo_r4", tmp_path / "adapter")
+    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or "unnamed"
+    with pytest.raises(InvalidArgumentError, match=f"adapter: a PEFT adapter \\(adapter_config.json\\), not a model: "
+                       f"export its base model \\({base}\\)"):
+        inspect_source(adapter)
+
+
+def test_symbolic_links_that_lead_nowhere(tmp_path: Path) -> None:
+    """A link loop or a dangling link is named as such, not reported as a missing file."""
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(NotFoundError, match="loop: a symbolic link that leads to no file"):
+        inspect_source(tmp_path / "loop")
+    directory = write_llama_directory(tmp_path / "m", tokenizer=False)
+    (directory / "config.json").unlink()
+    (directory / "config.json").symlink_to("config.json")
+    with pytest.raises(NotFoundError, match="config.json: a symbolic link that leads to no file"):
+        inspect_source(directory)
+    directory = write_llama_directory(tmp_path / "n", tokenizer=False)
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    with pytest.raises(NotFoundError, match="model.safetensors: a symbolic link that leads to no file"):
+        inspect_source(directory)

@@ -3,7 +3,9 @@
 A source is a Hugging Face model directory (``config.json`` and ``*.safetensors``) or a
 GGUF model file. This module reads only headers (JSON, safetensors headers, GGUF
 metadata) with packages the runtime already depends on, so a wrong path, an unsupported
-architecture or a truncated weights file is refused in a second, without torch.
+architecture, a config value the export cannot take, a weight missing, misshapen or not a
+float (:mod:`runtime.export.layout`) or a truncated weights file is refused in a second,
+without torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.adapters.gguf_data import GGUF_MAGIC, check_gguf_header
+from runtime.export import layout
 
 # Hugging Face model_type -> the family's name, for messages.
 FAMILIES = {
@@ -24,6 +27,8 @@ FAMILIES = {
     "qwen3": "Qwen3",
     "gemma3_text": "Gemma 3 (text)",
 }
+# The weights files transformers reads from a directory: the one file, else the index of shards.
+SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 # GGUF general.architecture -> the model_type transformers gives it.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
@@ -61,6 +66,7 @@ def inspect_source(path: str | os.PathLike[str]) -> Source:
     path = Path(path)
     if path.is_dir():
         return _inspect_directory(path)
+    _refuse_broken_link(path)
     if not path.exists():
         raise NotFoundError(f"{path}: no such file or directory (expected a Hugging Face model directory or a "
                             "GGUF file)")
@@ -73,43 +79,108 @@ def inspect_source(path: str | os.PathLike[str]) -> Source:
 
 def _inspect_directory(path: Path) -> Source:
     config_file = path / "config.json"
+    _refuse_broken_link(config_file)
     if not config_file.is_file():
+        if (path / "adapter_config.json").is_file():
+            raise InvalidArgumentError(
+                f"{path}: a PEFT adapter (adapter_config.json), not a model: export its base model "
+                f"({_adapter_base(path / 'adapter_config.json')}) and give the adapter to generate/serve as a LoRA"
+            )
         raise NotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidArgumentError(f"{config_file}: not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"{config_file}: cannot be read: {exc.strerror or exc}") from None
     if not isinstance(config, dict):
         raise InvalidArgumentError(f"{config_file}: expected a JSON object")
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        architecture = ", ".join(config.get("architectures") or []) or "unnamed"
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        names = config.get("architectures")
+        architecture = ", ".join(map(str, names)) if isinstance(names, list) and names else "unnamed"
         raise UnimplementedError(
             f"{config_file}: architecture {architecture} (model_type {model_type!r}) is not supported; "
             f"supported: {supported_architectures()}"
         )
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise NotFoundError(f"{path}: no *.safetensors weights (other weight formats are not read)")
-    parameters = sum(_safetensors_parameters(file) for file in weights)
+    dims = layout.check_config(config_file, config, model_type)
+    tensors = _safetensors_tensors(_weights_files(path))
+    layout.check_tensors(config_file, config, model_type, dims, tensors)
     text_config = config.get("text_config")  # multimodal checkpoints (Gemma 3) keep the text model's apart
     context = config.get("max_position_embeddings", text_config.get("max_position_embeddings")
                          if isinstance(text_config, dict) else None)
-    return Source(path=path, model_type=model_type, gguf_file=None, parameters=parameters,
+    return Source(path=path, model_type=model_type, gguf_file=None,
+                  parameters=sum(math.prod(info.shape) for info in tensors.values()),
                   context_length=_positive_int(context))
 
 
-def _safetensors_parameters(file: Path) -> int:
-    """The number of weights in ``file``, from its header; refuses a corrupt or truncated file."""
+def _refuse_broken_link(path: Path) -> None:
+    """Raises ``NotFoundError`` when ``path`` is a symbolic link that leads to no file (its
+    target is missing, or links form a loop), which would otherwise read as "no such file"."""
+    if path.is_symlink() and not path.exists():
+        raise NotFoundError(f"{path}: a symbolic link that leads to no file (its target {os.readlink(path)} is "
+                            "missing, or the links form a loop)")
+
+
+def _adapter_base(adapter_config: Path) -> str:
+    """The base model a PEFT adapter config names, for a message."""
+    try:
+        config = json.loads(adapter_config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "unnamed"
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return str(base) if base else "unnamed"
+
+
+def _weights_files(path: Path) -> list[Path]:
+    """The safetensors files transformers loads from directory ``path``: model.safetensors,
+    else the shards model.safetensors.index.json names (each of which must exist)."""
+    single, index = path / SAFE_WEIGHTS, path / SAFE_WEIGHTS_INDEX
+    _refuse_broken_link(single)
+    _refuse_broken_link(index)
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise InvalidArgumentError(f"{index}: not a readable JSON object: {exc}") from None
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(shard, str) for shard in weight_map.values()):
+            raise InvalidArgumentError(f"{index}: expected a weight_map of tensor names to shard file names")
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            _refuse_broken_link(path / shard)
+            if Path(shard).name != shard or not (path / shard).is_file():
+                tensor = next(name for name, file in weight_map.items() if file == shard)
+                raise NotFoundError(f"{index}: names shard {shard} (e.g. for {tensor}), which is not a file in {path}")
+        return [path / shard for shard in shards]
+    others = sorted(file.name for file in path.glob("*.safetensors"))
+    if others:
+        raise NotFoundError(f"{path}: no {SAFE_WEIGHTS} or {SAFE_WEIGHTS_INDEX} (transformers reads only those; "
+                            f"found {', '.join(others[:3])}{', ...' if len(others) > 3 else ''})")
+    raise NotFoundError(f"{path}: no *.safetensors weights (other weight formats are not read)")
+
+
+def _safetensors_tensors(files: list[Path]) -> dict[str, layout.TensorInfo]:
+    """Every tensor of ``files`` by name, from their headers; refuses a corrupt or truncated
+    file, or a tensor found in two files."""
     from safetensors import SafetensorError, safe_open
 
-    try:
-        with safe_open(file, framework="numpy") as opened:
-            return sum(math.prod(opened.get_slice(name).get_shape()) for name in opened.keys())
-    except SafetensorError as exc:
-        raise DataLossError(f"{file}: corrupt or truncated safetensors file: {exc}") from None
-    except OSError as exc:
-        raise InvalidArgumentError(f"{file}: cannot be read: {exc}") from None
+    tensors: dict[str, layout.TensorInfo] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="numpy") as opened:
+                for name in opened.keys():
+                    if name in tensors:
+                        raise InvalidArgumentError(f"{file}: tensor {name} is also in {tensors[name].file.name}")
+                    piece = opened.get_slice(name)
+                    tensors[name] = layout.TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype())
+        except SafetensorError as exc:
+            raise DataLossError(f"{file}: corrupt or truncated safetensors file: {exc}") from None
+        except OSError as exc:
+            raise InvalidArgumentError(f"{file}: cannot be read: {exc}") from None
+    return tensors
 
 
 def _inspect_gguf(path: Path) -> Source:
