@@ -262,3 +262,46 @@ def test_symbolic_links_that_lead_nowhere(tmp_path: Path) -> None:
     (directory / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
     with pytest.raises(NotFoundError, match="model.safetensors: a symbolic link that leads to no file"):
         inspect_source(directory)
+
+
+def write_gguf(path: Path, architecture: str = "llama", metadata: bool = True, **tensors: object) -> Path:
+    """A GGUF model file of ``tensors`` (name -> numpy array), with the dimensions' metadata
+    transformers reads unless not ``metadata``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    if metadata:
+        writer.add_block_count(1)
+        writer.add_embedding_length(4)
+        writer.add_feed_forward_length(8)
+        writer.add_head_count(2)
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_tensor_types_transformers_cannot_dequantize(tmp_path: Path) -> None:
+    """gguf's dequantize, which transformers loads with, reads no integer or F64 tensors: the
+    load failed after torch with NotImplementedError."""
+    import numpy as np
+
+    path = write_gguf(tmp_path / "m.gguf", **{"token_embd.weight": np.zeros((4, 4), np.float32),
+                                              "blk.0.attn_q.weight": np.zeros((4, 4), np.int32)})
+    with pytest.raises(UnimplementedError, match=r"m.gguf: tensor blk.0.attn_q.weight is I32 \(1 tensors of type "
+                       r"I32\), which transformers cannot dequantize; readable: F32, F16, BF16, Q4_0"):
+        inspect_source(path)
+    path = write_gguf(tmp_path / "f.gguf", **{"token_embd.weight": np.zeros((4, 4), np.float16)})
+    assert inspect_source(path).parameters == 16
+
+
+def test_gguf_metadata_the_model_is_built_from(tmp_path: Path) -> None:
+    import numpy as np
+
+    path = write_gguf(tmp_path / "m.gguf", metadata=False, **{"token_embd.weight": np.zeros((4, 4), np.float32)})
+    with pytest.raises(InvalidArgumentError, match="m.gguf: metadata llama.block_count is None, expected a positive "
+                       "integer"):
+        inspect_source(path)

@@ -31,6 +31,14 @@ FAMILIES = {
 SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
 # GGUF general.architecture -> the model_type transformers gives it.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# The {architecture}.* metadata transformers builds the model's config from (it would fill a
+# missing one with its class default, then fail or mis-shape the weights).
+GGUF_REQUIRED_FIELDS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
+# GGUF tensor types transformers dequantizes (with gguf's dequantize, which reads no others:
+# Q8_1 and Q8_K are llama.cpp's internal ones, I8-I64 and F64 no model weights).
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                     "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+                     "TQ1_0", "TQ2_0", "MXFP4")
 
 
 @dataclass(frozen=True)
@@ -196,9 +204,21 @@ def _inspect_gguf(path: Path) -> Source:
     if general_type != "model":
         raise InvalidArgumentError(f"{path}: general.type is {general_type!r}, expected a model, not an adapter")
     architecture = fields.get("general.architecture")
-    if architecture not in GGUF_ARCHITECTURES:
+    if not isinstance(architecture, str) or architecture not in GGUF_ARCHITECTURES:
         raise UnimplementedError(
             f"{path}: GGUF architecture {architecture!r} is not supported; supported: {supported_architectures()}"
+        )
+    for key in GGUF_REQUIRED_FIELDS:
+        value = fields.get(f"{architecture}.{key}")
+        if _positive_int(value) is None:
+            raise InvalidArgumentError(f"{path}: metadata {architecture}.{key} is {value!r}, expected a positive "
+                                       "integer")
+    unreadable = [tensor for tensor in reader.tensors if tensor.tensor_type.name not in GGUF_TENSOR_TYPES]
+    if unreadable:
+        kinds = sorted({tensor.tensor_type.name for tensor in unreadable})
+        raise UnimplementedError(
+            f"{path}: tensor {unreadable[0].name} is {unreadable[0].tensor_type.name} ({len(unreadable)} tensors of "
+            f"type {', '.join(kinds)}), which transformers cannot dequantize; readable: {', '.join(GGUF_TENSOR_TYPES)}"
         )
     parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
     return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters,
