@@ -189,3 +189,13 @@ def test_checkpoint_contents_refused_before_torch(tmp_path: Path, source: Path) 
     refused(export(source, "--out", tmp_path / "m.tflite"), "num_attention_heads 4 is not a multiple of "
             "num_key_value_heads 3")
     assert files(tmp_path) == before
+
+
+def test_a_bundle_without_a_tokenizer(tmp_path: Path) -> None:
+    source = write_llama_directory(tmp_path / "llama", tokenizer=False)
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf")
+    before = files(tmp_path)
+    refused(export(source, "--bundle", tmp_path / "m.litertlm"), "llama: no tokenizer (tokenizer.json or")
+    refused(export(gguf, "--out", tmp_path / "m.tflite", "--bundle", tmp_path / "m.litertlm"),
+            "tiny.gguf: no tokenizer (tokenizer.ggml.model metadata), which a bundle carries")
+    assert files(tmp_path) == before

@@ -11,7 +11,7 @@ import pytest
 from checkpoints import write_llama_directory, write_llama_gguf
 from conftest import MODELS
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.export.source import inspect_source
+from runtime.export.source import check_tokenizer, inspect_source
 
 
 def test_a_model_directory(tmp_path: Path) -> None:
@@ -305,3 +305,21 @@ def test_gguf_metadata_the_model_is_built_from(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="m.gguf: metadata llama.block_count is None, expected a positive "
                        "integer"):
         inspect_source(path)
+
+
+def test_the_tokenizer_a_bundle_carries(tmp_path: Path) -> None:
+    """Missing or unreadable, refused by name before torch (transformers said "Couldn't
+    instantiate the backend tokenizer" after importing it)."""
+    directory = write_llama_directory(tmp_path / "m")
+    check_tokenizer(inspect_source(directory))
+    (directory / "tokenizer.json").write_text("{broken")
+    with pytest.raises(InvalidArgumentError, match="tokenizer.json: not a readable JSON file"):
+        check_tokenizer(inspect_source(directory))
+    (directory / "tokenizer.json").write_text("[]")
+    with pytest.raises(InvalidArgumentError, match="tokenizer.json: expected a Hugging Face tokenizer"):
+        check_tokenizer(inspect_source(directory))
+    (directory / "tokenizer.json").unlink()
+    with pytest.raises(NotFoundError, match=r"m: no tokenizer \(tokenizer.json or tokenizer.model or vocab.json"):
+        check_tokenizer(inspect_source(directory))
+    with pytest.raises(NotFoundError, match=r"tiny.gguf: no tokenizer \(tokenizer.ggml.model metadata\)"):
+        check_tokenizer(inspect_source(write_llama_gguf(tmp_path / "tiny.gguf")))

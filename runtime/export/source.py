@@ -29,6 +29,8 @@ FAMILIES = {
 }
 # The weights files transformers reads from a directory: the one file, else the index of shards.
 SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+# The files transformers builds a directory's tokenizer from, one sufficing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # GGUF general.architecture -> the model_type transformers gives it.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # The {architecture}.* metadata transformers builds the model's config from (it would fill a
@@ -56,11 +58,32 @@ class Source:
     # The longest context the checkpoint was made for (config.json's max_position_embeddings,
     # a GGUF file's {architecture}.context_length); None where the source does not say.
     context_length: int | None = None
+    # What the tokenizer is read from: a file of :data:`TOKENIZER_FILES` in the directory, or
+    # the GGUF file's tokenizer.ggml.model; None when the source has no tokenizer.
+    tokenizer: str | None = None
 
     @property
     def directory(self) -> Path:
         """The directory transformers loads from."""
         return self.path.parent if self.gguf_file else self.path
+
+
+def check_tokenizer(source: Source) -> None:
+    """Checks that ``source`` has a tokenizer for a bundle to carry (a directory's tokenizer.json
+    must be JSON); raises a StatusError naming the source or the file otherwise. Checked
+    before torch is imported, where transformers' own error came after it."""
+    if source.tokenizer is None:
+        where = "tokenizer.ggml.model metadata" if source.gguf_file else " or ".join(TOKENIZER_FILES)
+        raise NotFoundError(f"{source.path}: no tokenizer ({where}), which a bundle carries")
+    if source.gguf_file or source.tokenizer != "tokenizer.json":
+        return
+    file = source.directory / source.tokenizer
+    try:
+        tokenizer = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgumentError(f"{file}: not a readable JSON file: {exc}") from None
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("model"), dict):
+        raise InvalidArgumentError(f"{file}: expected a Hugging Face tokenizer (a JSON object with a model)")
 
 
 def supported_architectures() -> str:
@@ -119,7 +142,8 @@ def _inspect_directory(path: Path) -> Source:
                          if isinstance(text_config, dict) else None)
     return Source(path=path, model_type=model_type, gguf_file=None,
                   parameters=sum(math.prod(info.shape) for info in tensors.values()),
-                  context_length=_positive_int(context))
+                  context_length=_positive_int(context),
+                  tokenizer=next((name for name in TOKENIZER_FILES if (path / name).is_file()), None))
 
 
 def _refuse_broken_link(path: Path) -> None:
@@ -222,7 +246,8 @@ def _inspect_gguf(path: Path) -> Source:
         )
     parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
     return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters,
-                  context_length=_positive_int(fields.get(f"{architecture}.context_length")))
+                  context_length=_positive_int(fields.get(f"{architecture}.context_length")),
+                  tokenizer=tokenizer if isinstance(tokenizer := fields.get("tokenizer.ggml.model"), str) else None)
 
 
 def _positive_int(value: object) -> int | None:
