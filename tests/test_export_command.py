@@ -199,3 +199,11 @@ def test_a_bundle_without_a_tokenizer(tmp_path: Path) -> None:
     refused(export(gguf, "--out", tmp_path / "m.tflite", "--bundle", tmp_path / "m.litertlm"),
             "tiny.gguf: no tokenizer (tokenizer.ggml.model metadata), which a bundle carries")
     assert files(tmp_path) == before
+
+
+def test_a_quantization_block_that_does_not_divide_the_weights(tmp_path: Path, source: Path) -> None:
+    """Refused before torch; the quantizer said so only after every signature was lowered."""
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m-{precision}.tflite", "--quantize", "none,int4-block128"),
+            "quantize='int4-block128' does not fit this model: its hidden_size 32 is not divisible by block size 128")
+    assert files(tmp_path) == before

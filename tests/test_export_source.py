@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from checkpoints import write_llama_directory, write_llama_gguf
 from conftest import MODELS
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.export.source import check_tokenizer, inspect_source
+from runtime.export.source import check_settings, check_tokenizer, inspect_source
 
 
 def test_a_model_directory(tmp_path: Path) -> None:
@@ -323,3 +324,28 @@ def test_the_tokenizer_a_bundle_carries(tmp_path: Path) -> None:
         check_tokenizer(inspect_source(directory))
     with pytest.raises(NotFoundError, match=r"tiny.gguf: no tokenizer \(tokenizer.ggml.model metadata\)"):
         check_tokenizer(inspect_source(write_llama_gguf(tmp_path / "tiny.gguf")))
+
+
+def test_settings_the_model_cannot_take(tmp_path: Path) -> None:
+    """Refused from the config's dimensions, before loading: the quantizer named a block that
+    does not divide the weights only after every signature was lowered, and DoRA slots for
+    Gemma 3 were refused once its weights were loaded."""
+    for source in (inspect_source(write_llama_directory(tmp_path / "m", tokenizer=False)),
+                   inspect_source(write_llama_gguf(tmp_path / "tiny.gguf"))):
+        check_settings(source, ["none", "int4-block32"], dora_ranks=(8,))
+        with pytest.raises(InvalidArgumentError, match=r"quantize='int4-block128' does not fit this model: its "
+                           "hidden_size 32 is not divisible by block size 128"):
+            check_settings(source, ["int8", "int4-block128"], dora_ranks=())
+    gemma = replace(source, model_type="gemma3_text")
+    check_settings(gemma, ["none"], dora_ranks=())
+    with pytest.raises(UnimplementedError, match="tiny.gguf: --dora-ranks is not available for gemma3_text"):
+        check_settings(gemma, ["none"], dora_ranks=(8,))
+
+
+@pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                                          ("use_bidirectional_attention", True)])
+def test_gemma3_values_its_decoder_does_not_compute(tmp_path: Path, field: str, value: object) -> None:
+    directory = write_llama_directory(tmp_path / "m", tokenizer=False)
+    rewrite_config(directory, model_type="gemma3_text", hidden_act=None, **{field: value})
+    with pytest.raises(UnimplementedError, match=f"config.json: {field} {value} is not supported for gemma3_text"):
+        inspect_source(directory)

@@ -10,7 +10,8 @@ or the tensor and what was expected.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Weight element types (safetensors' names) transformers loads as float32 for the export.
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+# The blockwise quantizations' block sizes: each linear layer's input width must split into
+# whole blocks (ai-edge-quantizer says otherwise only once every signature is lowered).
+QUANTIZATION_BLOCKS = {"int4-block32": 32, "int4-block128": 128}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,10 @@ class FamilyLayout:
     qkv_bias_always: bool = False
     # Layers may attend over a sliding window (layer_types); the others' decoders have none.
     sliding_window_layers: bool = False
+    # Exported with DoRA slots (--dora-ranks): litert-torch's standard decoder, not Gemma 3's own.
+    dora: bool = True
+    # Config values the family's decoder does not compute (field -> the only value it takes).
+    fixed: tuple[tuple[str, object], ...] = ()
 
 
 LAYOUTS: dict[str, FamilyLayout] = {
@@ -54,7 +62,9 @@ LAYOUTS: dict[str, FamilyLayout] = {
                           activation="silu", qk_norm=True, sandwich_norms=False),
     "gemma3_text": FamilyLayout(tie_word_embeddings=True, head_dim=256, activation_field="hidden_activation",
                                 activation="gelu_pytorch_tanh", qk_norm=True, sandwich_norms=True,
-                                sliding_window_layers=True),
+                                sliding_window_layers=True, dora=False,
+                                fixed=(("final_logit_softcapping", None), ("attn_logit_softcapping", None),
+                                       ("use_bidirectional_attention", False))),
 }
 
 
@@ -98,6 +108,10 @@ def check_config(config_file: Path, config: Mapping[str, object], model_type: st
     for field in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
         if field in config and not isinstance(config[field], bool):
             raise InvalidArgumentError(f"{config_file}: {field} {config[field]!r}: expected true or false")
+    for field, only in layout.fixed:
+        if config.get(field, only) != only:
+            raise UnimplementedError(f"{config_file}: {field} {config[field]!r} is not supported for {model_type} "
+                                     f"(only {json.dumps(only)})")
     layer_types = config.get("layer_types") or ["full_attention"]
     if not layout.sliding_window_layers and (config.get("use_sliding_window") or not isinstance(layer_types, list)
                                              or set(layer_types) != {"full_attention"}):
@@ -110,6 +124,24 @@ def check_config(config_file: Path, config: Mapping[str, object], model_type: st
                                          "sequence length, which an exported graph cannot; supported: fixed tables "
                                          "(default, linear, llama3, yarn)")
     return dims
+
+
+def check_export(source: Path, model_type: str, dims: Mapping[str, int], quantizations: Sequence[str],
+                 dora_ranks: Sequence[int]) -> None:
+    """Refuses what a ``model_type`` model of ``dims`` (from ``source``) cannot be exported
+    with, before it is loaded: a blockwise quantization whose block does not divide a linear
+    layer's input width, DoRA slots for a family without them."""
+    if dora_ranks and not LAYOUTS[model_type].dora:
+        raise UnimplementedError(f"{source}: --dora-ranks is not available for {model_type}: DoRA slots are "
+                                 "exported for Llama, Qwen2 and Qwen3")
+    widths = {"hidden_size": dims["hidden"], "intermediate_size": dims["intermediate"],
+              "num_attention_heads x head_dim": dims["heads"] * dims["head_dim"]}
+    for quantize in quantizations:
+        block = QUANTIZATION_BLOCKS.get(quantize)
+        for name, width in widths.items() if block else ():
+            if width % block:
+                raise InvalidArgumentError(f"{source}: quantize={quantize!r} does not fit this model: its "
+                                           f"{name} {width} is not divisible by block size {block}")
 
 
 def check_tensors(config_file: Path, config: Mapping[str, object], model_type: str, dims: Mapping[str, int],

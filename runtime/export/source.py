@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,11 +62,23 @@ class Source:
     # What the tokenizer is read from: a file of :data:`TOKENIZER_FILES` in the directory, or
     # the GGUF file's tokenizer.ggml.model; None when the source has no tokenizer.
     tokenizer: str | None = None
+    # The model's dimensions as the config or GGUF metadata state them (hidden, intermediate,
+    # layers, heads, kv_heads, head_dim; from config.json also vocab): what
+    # :func:`runtime.export.layout.check_export` checks settings against.
+    dimensions: Mapping[str, int] | None = None
 
     @property
     def directory(self) -> Path:
         """The directory transformers loads from."""
         return self.path.parent if self.gguf_file else self.path
+
+
+def check_settings(source: Source, quantizations: Sequence[str], dora_ranks: Sequence[int]) -> None:
+    """Refuses export settings ``source``'s model cannot take (a quantization block that does
+    not divide its layers, DoRA slots for Gemma 3: :func:`runtime.export.layout.check_export`),
+    before it is loaded."""
+    if source.dimensions is not None:
+        layout.check_export(source.path, source.model_type, source.dimensions, quantizations, dora_ranks)
 
 
 def check_tokenizer(source: Source) -> None:
@@ -143,7 +156,8 @@ def _inspect_directory(path: Path) -> Source:
     return Source(path=path, model_type=model_type, gguf_file=None,
                   parameters=sum(math.prod(info.shape) for info in tensors.values()),
                   context_length=_positive_int(context),
-                  tokenizer=next((name for name in TOKENIZER_FILES if (path / name).is_file()), None))
+                  tokenizer=next((name for name in TOKENIZER_FILES if (path / name).is_file()), None),
+                  dimensions=dims)
 
 
 def _refuse_broken_link(path: Path) -> None:
@@ -247,7 +261,21 @@ def _inspect_gguf(path: Path) -> Source:
     parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
     return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters,
                   context_length=_positive_int(fields.get(f"{architecture}.context_length")),
-                  tokenizer=tokenizer if isinstance(tokenizer := fields.get("tokenizer.ggml.model"), str) else None)
+                  tokenizer=tokenizer if isinstance(tokenizer := fields.get("tokenizer.ggml.model"), str) else None,
+                  dimensions=_gguf_dimensions(fields, architecture))
+
+
+def _gguf_dimensions(fields: Mapping[str, object], architecture: str) -> dict[str, int]:
+    """The model's dimensions from a GGUF file's {architecture}.* metadata (its required
+    fields checked present): those of :func:`runtime.export.layout.check_config` but the
+    vocabulary, which GGUF files state in the tokenizer's metadata."""
+    def field(key: str) -> int | None:
+        return _positive_int(fields.get(f"{architecture}.{key}"))
+
+    hidden, heads = field("embedding_length"), field("attention.head_count")
+    return {"hidden": hidden, "intermediate": field("feed_forward_length"), "layers": field("block_count"),
+            "heads": heads, "kv_heads": field("attention.head_count_kv") or heads,
+            "head_dim": field("attention.key_length") or hidden // heads}
 
 
 def _positive_int(value: object) -> int | None:
