@@ -349,3 +349,11 @@ def test_gemma3_values_its_decoder_does_not_compute(tmp_path: Path, field: str, 
     rewrite_config(directory, model_type="gemma3_text", hidden_act=None, **{field: value})
     with pytest.raises(UnimplementedError, match=f"config.json: {field} {value} is not supported for gemma3_text"):
         inspect_source(directory)
+
+
+def test_every_family_has_a_layout() -> None:
+    """The checks before loading know every family the source check accepts."""
+    from runtime.export.layout import LAYOUTS
+    from runtime.export.source import FAMILIES
+
+    assert set(LAYOUTS) == set(FAMILIES)
