@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import write_llama_directory, write_llama_gguf
+from checkpoints import write_llama_directory, write_llama_gguf, write_tokenizer
 from conftest import MODELS
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.export.source import check_settings, check_tokenizer, inspect_source
@@ -313,6 +313,10 @@ def test_the_tokenizer_a_bundle_carries(tmp_path: Path) -> None:
     instantiate the backend tokenizer" after importing it)."""
     directory = write_llama_directory(tmp_path / "m")
     check_tokenizer(inspect_source(directory))
+    write_tokenizer(directory, vocab=120)  # ids 96-119 have no embedding row
+    with pytest.raises(InvalidArgumentError, match="tokenizer.json: token ids up to 119, but the model's vocab_size "
+                       "is 96"):
+        check_tokenizer(inspect_source(directory))
     (directory / "tokenizer.json").write_text("{broken")
     with pytest.raises(InvalidArgumentError, match="tokenizer.json: not a readable JSON file"):
         check_tokenizer(inspect_source(directory))

@@ -83,7 +83,7 @@ def check_settings(source: Source, quantizations: Sequence[str], dora_ranks: Seq
 
 def check_tokenizer(source: Source) -> None:
     """Checks that ``source`` has a tokenizer for a bundle to carry (a directory's tokenizer.json
-    must be JSON); raises a StatusError naming the source or the file otherwise. Checked
+    must be JSON, its token ids within the model's vocabulary); raises a StatusError naming the source or the file otherwise. Checked
     before torch is imported, where transformers' own error came after it."""
     if source.tokenizer is None:
         where = "tokenizer.ggml.model metadata" if source.gguf_file else " or ".join(TOKENIZER_FILES)
@@ -97,6 +97,22 @@ def check_tokenizer(source: Source) -> None:
         raise InvalidArgumentError(f"{file}: not a readable JSON file: {exc}") from None
     if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("model"), dict):
         raise InvalidArgumentError(f"{file}: expected a Hugging Face tokenizer (a JSON object with a model)")
+    vocab = (source.dimensions or {}).get("vocab")
+    ids = _token_id_count(tokenizer)
+    if vocab is not None and ids > vocab:
+        raise InvalidArgumentError(f"{file}: token ids up to {ids - 1}, but the model's vocab_size is {vocab}: the "
+                                   "embedding has no row for the rest (a tokenizer of another model?)")
+
+
+def _token_id_count(tokenizer: Mapping[str, object]) -> int:
+    """One more than the highest token id a tokenizer.json object gives: its model's
+    vocabulary (a token -> id map, or a list of entries) and its added tokens."""
+    vocab = tokenizer["model"].get("vocab") if isinstance(tokenizer["model"], dict) else None
+    ids = [value for value in vocab.values() if isinstance(value, int)] if isinstance(vocab, dict) else []
+    count = len(vocab) if isinstance(vocab, list) else max(ids, default=-1) + 1
+    added = tokenizer.get("added_tokens")
+    added_ids = [token.get("id") for token in added if isinstance(token, dict)] if isinstance(added, list) else []
+    return max([count, *(i + 1 for i in added_ids if isinstance(i, int))])
 
 
 def supported_architectures() -> str:
