@@ -7,6 +7,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from checkpoints import write_llama_directory, write_llama_gguf, write_tokenizer
@@ -265,19 +266,24 @@ def test_symbolic_links_that_lead_nowhere(tmp_path: Path) -> None:
         inspect_source(directory)
 
 
-def write_gguf(path: Path, architecture: str = "llama", metadata: bool = True, **tensors: object) -> Path:
-    """A GGUF model file of ``tensors`` (name -> numpy array), with the dimensions' metadata
-    transformers reads unless not ``metadata``."""
+def write_gguf(path: Path, metadata: bool = True, dtype: type = np.float32, **tensors: object) -> Path:
+    """A one-block Llama GGUF model (hidden 4, MLP 8, 2 heads) of ``dtype`` tensors, with
+    ``tensors`` (name -> numpy array, None: left out) in place of its own; the dimensions'
+    metadata transformers reads unless not ``metadata``."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), architecture)
+    writer = gguf.GGUFWriter(str(path), "llama")
     if metadata:
         writer.add_block_count(1)
         writer.add_embedding_length(4)
         writer.add_feed_forward_length(8)
         writer.add_head_count(2)
-    for name, tensor in tensors.items():
-        writer.add_tensor(name, tensor)
+    shapes = {"token_embd.weight": (16, 4), "output_norm.weight": (4,), "blk.0.attn_norm.weight": (4,),
+              "blk.0.ffn_norm.weight": (4,), "blk.0.ffn_gate.weight": (8, 4), "blk.0.ffn_up.weight": (8, 4),
+              "blk.0.ffn_down.weight": (4, 8), **{f"blk.0.attn_{p}.weight": (4, 4) for p in ("q", "k", "v", "output")}}
+    for name, tensor in {**{name: np.zeros(shape, dtype) for name, shape in shapes.items()}, **tensors}.items():
+        if tensor is not None:
+            writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -288,24 +294,20 @@ def write_gguf(path: Path, architecture: str = "llama", metadata: bool = True, *
 def test_gguf_tensor_types_transformers_cannot_dequantize(tmp_path: Path) -> None:
     """gguf's dequantize, which transformers loads with, reads no integer or F64 tensors: the
     load failed after torch with NotImplementedError."""
-    import numpy as np
-
-    path = write_gguf(tmp_path / "m.gguf", **{"token_embd.weight": np.zeros((4, 4), np.float32),
-                                              "blk.0.attn_q.weight": np.zeros((4, 4), np.int32)})
+    path = write_gguf(tmp_path / "m.gguf", **{"blk.0.attn_q.weight": np.zeros((4, 4), np.int32)})
     with pytest.raises(UnimplementedError, match=r"m.gguf: tensor blk.0.attn_q.weight is I32 \(1 tensors of type "
                        r"I32\), which transformers cannot dequantize; readable: F32, F16, BF16, Q4_0"):
         inspect_source(path)
-    path = write_gguf(tmp_path / "f.gguf", **{"token_embd.weight": np.zeros((4, 4), np.float16)})
-    assert inspect_source(path).parameters == 16
+    assert inspect_source(write_gguf(tmp_path / "f.gguf", dtype=np.float16)).parameters == 236
 
 
-def test_gguf_metadata_the_model_is_built_from(tmp_path: Path) -> None:
-    import numpy as np
-
-    path = write_gguf(tmp_path / "m.gguf", metadata=False, **{"token_embd.weight": np.zeros((4, 4), np.float32)})
+def test_gguf_metadata_and_tensors_the_model_is_built_from(tmp_path: Path) -> None:
+    """transformers fills missing metadata with its defaults and a missing tensor at random."""
     with pytest.raises(InvalidArgumentError, match="m.gguf: metadata llama.block_count is None, expected a positive "
                        "integer"):
-        inspect_source(path)
+        inspect_source(write_gguf(tmp_path / "m.gguf", metadata=False))
+    with pytest.raises(NotFoundError, match=r"n.gguf: no tensor blk.0.ffn_up.weight \(a llama model of 1 blocks"):
+        inspect_source(write_gguf(tmp_path / "n.gguf", **{"blk.0.ffn_up.weight": None}))
 
 
 def test_the_tokenizer_a_bundle_carries(tmp_path: Path) -> None:

@@ -165,6 +165,27 @@ def check_tensors(config_file: Path, config: Mapping[str, object], model_type: s
                                      f"({', '.join(FLOAT_DTYPES)})")
 
 
+def check_gguf_tensors(path: Path, model_type: str, layers: int, names: set[str]) -> None:
+    """Checks that a GGUF file (``path``) of ``model_type`` with ``layers`` blocks holds every
+    tensor its model loads (``names``: the file's tensor names, llama.cpp's), which transformers
+    would otherwise initialize at random; raises ``NotFoundError`` naming the first one missing."""
+    layout = LAYOUTS[model_type]
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down"]
+    if layout.qk_norm:
+        per_layer += ["attn_q_norm", "attn_k_norm"]
+    if layout.sandwich_norms:
+        per_layer += ["post_attention_norm", "post_ffw_norm"]
+    expected = ["token_embd.weight", "output_norm.weight"]
+    for i in range(layers):
+        expected += [f"blk.{i}.{name}.weight" for name in per_layer]
+        if layout.qkv_bias_always:
+            expected += [f"blk.{i}.attn_{p}.bias" for p in "qkv"]
+    for name in expected:
+        if name not in names:
+            raise NotFoundError(f"{path}: no tensor {name} (a {model_type} model of {layers} blocks needs it)")
+
+
 def expected_shapes(config: Mapping[str, object], model_type: str,
                     dims: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
     """Every weight a ``model_type`` model of ``dims`` (from :func:`check_config`) loads,

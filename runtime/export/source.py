@@ -274,11 +274,14 @@ def _inspect_gguf(path: Path) -> Source:
             f"{path}: tensor {unreadable[0].name} is {unreadable[0].tensor_type.name} ({len(unreadable)} tensors of "
             f"type {', '.join(kinds)}), which transformers cannot dequantize; readable: {', '.join(GGUF_TENSOR_TYPES)}"
         )
+    dims = _gguf_dimensions(fields, architecture)
+    layout.check_gguf_tensors(path, GGUF_ARCHITECTURES[architecture], dims["layers"],
+                              {tensor.name for tensor in reader.tensors})
     parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
     return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters,
                   context_length=_positive_int(fields.get(f"{architecture}.context_length")),
                   tokenizer=tokenizer if isinstance(tokenizer := fields.get("tokenizer.ggml.model"), str) else None,
-                  dimensions=_gguf_dimensions(fields, architecture))
+                  dimensions=dims)
 
 
 def _gguf_dimensions(fields: Mapping[str, object], architecture: str) -> dict[str, int]:
