@@ -363,3 +363,16 @@ def test_every_family_has_a_layout() -> None:
     from runtime.export.source import FAMILIES
 
     assert set(LAYOUTS) == set(FAMILIES)
+
+
+def test_a_file_of_a_model_directory_or_a_directory_of_gguf_files(tmp_path: Path) -> None:
+    """Named for what it is, not "no GGUF magic" / "no config.json" alone."""
+    directory = write_llama_directory(tmp_path / "m", tokenizer=False)
+    for name in ("config.json", "model.safetensors"):
+        with pytest.raises(InvalidArgumentError, match=f"m/{name}: a file of the model directory .*m; give the "
+                           "directory"):
+            inspect_source(directory / name)
+    (tmp_path / "g").mkdir()
+    write_llama_gguf(tmp_path / "g" / "tiny.gguf")
+    with pytest.raises(NotFoundError, match="g: no config.json .*; it holds tiny.gguf: give a GGUF file itself"):
+        inspect_source(tmp_path / "g")

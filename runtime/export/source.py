@@ -133,6 +133,8 @@ def inspect_source(path: str | os.PathLike[str]) -> Source:
     with open(path, "rb") as file:
         magic = file.read(4)
     if magic != GGUF_MAGIC:
+        if (path.parent / "config.json").is_file():
+            raise InvalidArgumentError(f"{path}: a file of the model directory {path.parent}; give the directory")
         raise InvalidArgumentError(f"{path}: neither a directory nor a GGUF file (no GGUF magic)")
     return _inspect_gguf(path)
 
@@ -146,7 +148,9 @@ def _inspect_directory(path: Path) -> Source:
                 f"{path}: a PEFT adapter (adapter_config.json), not a model: export its base model "
                 f"({_adapter_base(path / 'adapter_config.json')}) and give the adapter to generate/serve as a LoRA"
             )
-        raise NotFoundError(f"{path}: no config.json (expected a Hugging Face model directory)")
+        ggufs = sorted(file.name for file in path.glob("*.gguf"))
+        found = f"; it holds {', '.join(ggufs[:3])}: give a GGUF file itself" if ggufs else ""
+        raise NotFoundError(f"{path}: no config.json (expected a Hugging Face model directory){found}")
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
