@@ -154,6 +154,8 @@ def rewrite_weights(directory: Path, **changes: object) -> None:
      "rope_scaling type 'dynamic' recomputes RoPE from the sequence length"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, UnimplementedError,
      "rope_parameters type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, UnimplementedError,
+     "rope_parameters type 'su' is not a RoPE type transformers computes; supported: default, linear"),
     ({"use_sliding_window": True}, UnimplementedError, "sliding-window attention"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, UnimplementedError,
      "quantization_config (gptq): quantized checkpoints are not exported"),

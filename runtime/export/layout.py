@@ -21,6 +21,8 @@ from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedErr
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # RoPE types transformers recomputes from the sequence length; a graph holds fixed tables.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# RoPE types whose tables transformers computes once (the families export them as they are).
+FIXED_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
 # Weight element types (safetensors' names) transformers loads as float32 for the export.
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # The blockwise quantizations' block sizes: each linear layer's input width must split into
@@ -122,7 +124,10 @@ def check_config(config_file: Path, config: Mapping[str, object], model_type: st
             if rope_type in LENGTH_DEPENDENT_ROPE:
                 raise UnimplementedError(f"{config_file}: {field} type {rope_type!r} recomputes RoPE from the "
                                          "sequence length, which an exported graph cannot; supported: fixed tables "
-                                         "(default, linear, llama3, yarn)")
+                                         f"({', '.join(FIXED_ROPE)})")
+            if rope_type is not None and rope_type not in FIXED_ROPE:
+                raise UnimplementedError(f"{config_file}: {field} type {rope_type!r} is not a RoPE type transformers "
+                                         f"computes; supported: {', '.join(FIXED_ROPE)}")
     return dims
 
 
