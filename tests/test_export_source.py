@@ -157,6 +157,7 @@ def rewrite_weights(directory: Path, **changes: object) -> None:
     ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, UnimplementedError,
      "rope_parameters type 'su' is not a RoPE type transformers computes; supported: default, linear"),
     ({"use_sliding_window": True}, UnimplementedError, "sliding-window attention"),
+    ({"layer_types": [["full_attention"]]}, InvalidArgumentError, "layer_types [['full_attention']]: expected a list"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, UnimplementedError,
      "quantization_config (gptq): quantized checkpoints are not exported"),
 ])
