@@ -117,7 +117,8 @@ def check_config(config_file: Path, config: Mapping[str, object], model_type: st
     layer_types = config.get("layer_types") or ["full_attention"]
     if not isinstance(layer_types, list) or not all(isinstance(kind, str) for kind in layer_types):
         raise InvalidArgumentError(f"{config_file}: layer_types {layer_types!r}: expected a list of attention types")
-    if not layout.sliding_window_layers and (config.get("use_sliding_window") or set(layer_types) != {"full_attention"}):
+    sliding = config.get("use_sliding_window") or set(layer_types) != {"full_attention"}
+    if sliding and not layout.sliding_window_layers:
         raise UnimplementedError(f"{config_file}: sliding-window attention (use_sliding_window / layer_types) is not "
                                  f"supported for {model_type}")
     for field in ("rope_parameters", "rope_scaling"):
