@@ -227,6 +227,14 @@ def test_sharded_weights(tmp_path: Path) -> None:
     directory = write_llama_directory(tmp_path / "m", tokenizer=False)
     weight_map = write_shards(directory)
     assert inspect_source(directory).parameters == 21664
+    from safetensors.numpy import load_file, save_file
+
+    first = load_file(directory / "model-00001-of-00002.safetensors")
+    save_file({**load_file(directory / "model-00002-of-00002.safetensors"), **first},
+              str(directory / "model-00002-of-00002.safetensors"))
+    with pytest.raises(InvalidArgumentError, match=r"model-00002-of-00002.safetensors: tensor \S+ is also in "
+                       "model-00001-of-00002.safetensors"):
+        inspect_source(directory)
     (directory / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(NotFoundError, match=r"model.safetensors.index.json: names shard "
                        r"model-00002-of-00002.safetensors \(e.g. for model\.\S+\), which is not a file in"):
