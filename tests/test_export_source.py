@@ -148,6 +148,8 @@ def rewrite_weights(directory: Path, **changes: object) -> None:
      "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ({"head_dim": None, "num_attention_heads": 3, "num_key_value_heads": 1}, InvalidArgumentError,
      "hidden_size 32 is not a multiple of num_attention_heads 3 (and no head_dim is given)"),
+    ({"head_dim": 7}, InvalidArgumentError, "a head size of 7 (head_dim, or hidden_size / num_attention_heads): "
+     "expected an even number"),
     ({"hidden_act": "relu"}, UnimplementedError, "hidden_act 'relu' is not supported; supported: silu"),
     ({"tie_word_embeddings": "yes"}, InvalidArgumentError, "tie_word_embeddings 'yes': expected true or false"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, UnimplementedError,

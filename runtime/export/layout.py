@@ -103,6 +103,9 @@ def check_config(config_file: Path, config: Mapping[str, object], model_type: st
         dims["head_dim"] = dims["hidden"] // dims["heads"]
     else:
         dims["head_dim"] = _positive_int(config_file, config, "head_dim", default=layout.head_dim)
+    if dims["head_dim"] % 2:
+        raise InvalidArgumentError(f"{config_file}: a head size of {dims['head_dim']} (head_dim, or hidden_size / "
+                                   "num_attention_heads): expected an even number, RoPE rotates pairs")
     activation = config.get(layout.activation_field, layout.activation)
     if activation not in ACTIVATIONS:
         raise UnimplementedError(f"{config_file}: {layout.activation_field} {activation!r} is not supported; "
