@@ -176,3 +176,34 @@ def test_the_export_api_refuses_an_output_that_would_replace_its_source(tmp_path
     with pytest.raises(InvalidArgumentError, match=f"would replace the input {gguf}"):
         exporter.export(inspect_source(gguf), ExportSettings(), model_out=gguf)
     assert gguf.read_bytes() == before and files(tmp_path) == {"tiny.gguf"}
+
+
+def test_checkpoint_contents_refused_before_torch(tmp_path: Path, source: Path) -> None:
+    """config.json's values and the weights' tensors are checked from headers: one line naming
+    the field or tensor, nothing written (transformers would fill an untied lm_head at random)."""
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m.tflite"), "the weights have no tensor lm_head.weight [96, 32]")
+    (source / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    refused(export(source, "--out", tmp_path / "m.tflite"), "num_attention_heads 4 is not a multiple of "
+            "num_key_value_heads 3")
+    assert files(tmp_path) == before
+
+
+def test_a_bundle_without_a_tokenizer(tmp_path: Path) -> None:
+    source = write_llama_directory(tmp_path / "llama", tokenizer=False)
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf")
+    before = files(tmp_path)
+    refused(export(source, "--bundle", tmp_path / "m.litertlm"), "llama: no tokenizer (tokenizer.json or")
+    refused(export(gguf, "--out", tmp_path / "m.tflite", "--bundle", tmp_path / "m.litertlm"),
+            "tiny.gguf: no tokenizer (tokenizer.ggml.model metadata), which a bundle carries")
+    assert files(tmp_path) == before
+
+
+def test_a_quantization_block_that_does_not_divide_the_weights(tmp_path: Path, source: Path) -> None:
+    """Refused before torch; the quantizer said so only after every signature was lowered."""
+    before = files(tmp_path)
+    refused(export(source, "--out", tmp_path / "m-{precision}.tflite", "--quantize", "none,int4-block128"),
+            "quantize='int4-block128' does not fit this model: its hidden_size 32 is not divisible by block size 128")
+    assert files(tmp_path) == before

@@ -22,7 +22,7 @@ from runtime.export.outputs import PendingOutputs, check_targets
 from runtime.export.settings import (ATTENTION_KERNELS, DEFAULT_PREFILL_WINDOW, KV_CACHE_DTYPES, KV_LAYOUTS,
                                      LORA_DTYPES, LORA_TARGETS, MAX_DEFAULT_KV_LENGTH, NATIVE_BUNDLE, QUANTIZATIONS,
                                      ExportSettings, default_kv_length, precision_name)
-from runtime.export.source import inspect_source, supported_architectures
+from runtime.export.source import check_settings, check_tokenizer, inspect_source, supported_architectures
 from runtime.util.native_logs import muted_native_logs
 
 PRECISION_FIELD = "{precision}"  # where --out / --bundle name each precision's file
@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     outputs = [(quantize, output_path("--out", args.out, quantize, quantizations),
                 output_path("--bundle", args.bundle, quantize, quantizations)) for quantize in quantizations]
     source = inspect_source(args.source)
+    if args.bundle is not None:
+        check_tokenizer(source)
     settings = ExportSettings(
         lora_ranks=parse_integers("--lora-ranks", args.lora_ranks),
         lora_targets=args.lora_targets,
@@ -193,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         lora_dtype=args.lora_dtype,
     )
+    check_settings(source, quantizations, settings.dora_ranks)
     targets = [path for _, *paths in outputs for path in paths if path is not None]
     # The report too, written after the models: a report path that is one of them, or a
     # directory, would fail or replace a finished model only once the export is over.

@@ -15,7 +15,7 @@ from runtime.export import budget, bundle, checkpoint, convert, families, finish
 from runtime.export.measure import Measurements, MemoryWatch, process_peak_rss_bytes, release_freed_memory
 from runtime.export.outputs import PendingOutputs
 from runtime.export.settings import NATIVE_BUNDLE, QUANTIZATIONS, ExportSettings
-from runtime.export.source import Source
+from runtime.export.source import Source, check_settings, check_tokenizer
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import rewrite_attention
 from runtime.util.kv_cache_precision import kv_caches_to_float16
@@ -76,6 +76,9 @@ def export(
             raise InvalidArgumentError(f"quantize={precision.quantize!r}: expected one of {', '.join(QUANTIZATIONS)}")
     if settings.attention_kernel == "native" and any(precision.bundle_out is not None for precision in precisions):
         raise InvalidArgumentError(NATIVE_BUNDLE)
+    if any(precision.bundle_out is not None for precision in precisions):
+        check_tokenizer(source)
+    check_settings(source, [precision.quantize for precision in precisions], settings.dora_ranks)
     if len({precision.quantize for precision in precisions}) < len(precisions):
         raise InvalidArgumentError(f"quantizations {', '.join(p.quantize for p in precisions)}: each at most once")
     targets = [path for precision in precisions for path in (precision.model_out, precision.bundle_out)

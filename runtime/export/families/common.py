@@ -27,15 +27,15 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export.layout import LENGTH_DEPENDENT_ROPE
 from runtime.export.litert import cfg, model_builder
 from runtime.export.litert import loader as loading
 
+# runtime.export.layout.ACTIVATIONS names these keys for the check before loading.
 _ACTIVATIONS = {
     "silu": cfg.ActivationType.SILU,
     "gelu_pytorch_tanh": cfg.ActivationType.GELU_TANH,
 }
-# transformers recomputes these RoPE tables from the sequence length; a graph cannot.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def build_decoder_only(hf_model: Any, kv_length: int, *, qk_norm: bool, qkv_bias: bool,
@@ -147,7 +147,7 @@ def rope_table(rotary_embedding: nn.Module, layer_type: str | None = None) -> tu
     rope_type = rotary_embedding.rope_type
     if isinstance(rope_type, dict):
         rope_type = rope_type[layer_type]
-    if rope_type in _LENGTH_DEPENDENT_ROPE:
+    if rope_type in LENGTH_DEPENDENT_ROPE:
         raise UnimplementedError(f"RoPE type {rope_type!r} depends on the sequence length; it cannot be exported")
     inv_freq = getattr(rotary_embedding, f"{prefix}inv_freq").detach().to(torch.float32).clone()
     return inv_freq, float(getattr(rotary_embedding, f"{prefix}attention_scaling"))
