@@ -8,6 +8,7 @@ refused by name."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -190,12 +191,34 @@ def _refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     ("e.json", '{"instruction": "x", "output": "y"}', "e.json: expected a JSON list"),
     ("f.json", '[{"instruction": "x", "output": ""}]', "f.json: item 0: field 'output' must be a non-empty"),
     ("g.json", "[]", "g.json: no examples"),
+    ("h.json", "\n", "h.json: empty (expected a JSON list"),
+    ("i.jsonl", '{"instruction": "x", "output": "y"}\n{"instruction": "x", "output": "y", "input": "a \\ud800"}\n',
+     "i.jsonl: line 2: field 'input' holds '\\ud800' at character 2, a lone UTF-16 surrogate"),
 ])
 def test_bad_data_is_refused_naming_file_line_and_field(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
                                                         name: str, text: str, expected: str) -> None:
     (tmp_path / name).write_text(text)
     err = _refusal(capsys, ["--model", str(model), "--data", str(tmp_path / name), "--out", str(tmp_path / "out")])
     assert expected in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_is_read_as_json_reads_it(tmp_path: Path) -> None:
+    """A byte-order mark, and U+2028 / U+0085 raw inside a JSONL line's strings (valid JSON,
+    which ``str.splitlines`` would break the line at)."""
+    from runtime.export.turbo_data import read_examples
+
+    lines = [json.dumps({"instruction": f"a\u2028b{i}\x85", "output": "c"}, ensure_ascii=False) for i in range(3)]
+    (tmp_path / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    assert [example.instruction for example in read_examples(tmp_path / "a.jsonl")] == [
+        f"a\u2028b{i}\x85" for i in range(3)]
+
+
+def test_data_that_is_not_a_regular_file_is_refused(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)  # reading it would block until a writer came
+    err = _refusal(capsys, ["--model", str(model), "--data", str(fifo), "--out", str(tmp_path / "out")])
+    assert f"{fifo}: not a regular file or directory" in err
     assert not (tmp_path / "out").exists()
 
 

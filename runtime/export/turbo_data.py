@@ -39,6 +39,9 @@ def read_examples(path: str | os.PathLike[str]) -> list[Example]:
             raise NotFoundError(f"{path}: no {' or '.join(SUFFIXES)} files in the directory")
     elif path.is_file():
         files = [path]
+    elif path.exists():  # a FIFO, a socket, a device: nothing a data set is read from twice
+        raise InvalidArgumentError(f"{path}: not a regular file or directory (expected a .json or .jsonl file of "
+                                   "{\"instruction\", \"output\"} records, or a directory of them)")
     else:
         raise NotFoundError(f"{path}: no such file or directory (expected a .json or .jsonl file of "
                             "{\"instruction\", \"output\"} records, or a directory of them)")
@@ -49,18 +52,24 @@ def read_examples(path: str | os.PathLike[str]) -> list[Example]:
 
 
 def _read_file(file: Path) -> list[Example]:
+    """The examples of one file. UTF-8, a byte-order mark allowed; a JSONL file's lines end
+    at ``\\n`` only (U+2028 and the other breaks ``str.splitlines`` knows may stand raw in
+    a JSON string)."""
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise InvalidArgumentError(f"{file}: not UTF-8 text: {exc}") from None
     except OSError as exc:
         raise InvalidArgumentError(f"{file}: cannot be read: {exc.strerror}") from None
     if file.suffix == ".jsonl":
         records = []
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(text.split("\n"), 1):
             if line.strip():
                 records.append((f"{file}: line {number}", _parse(line, f"{file}: line {number}")))
     else:
+        if not text.strip():
+            raise InvalidArgumentError(f"{file}: empty (expected a JSON list of {{\"instruction\", \"output\"}} "
+                                       "records)")
         document = _parse(text, str(file))
         if not isinstance(document, list):
             raise InvalidArgumentError(f"{file}: expected a JSON list of {{\"instruction\", \"output\"}} records "
@@ -87,9 +96,21 @@ def _example(record: Any, where: str) -> Example:
         value = record[name]
         if not isinstance(value, str) or not value.strip():
             raise InvalidArgumentError(f"{where}: field {name!r} must be a non-empty string, got {value!r:.60}")
-        fields[name] = value
+        fields[name] = _text(value, name, where)
     extra = record.get("input", "")
     if not isinstance(extra, str):
         raise InvalidArgumentError(f"{where}: field 'input' must be a string, got {extra!r:.60}")
+    extra = _text(extra, "input", where)
     instruction = f"{fields['instruction']}\n\n{extra}" if extra.strip() else fields["instruction"]
     return Example(instruction=instruction, output=fields["output"])
+
+
+def _text(value: str, name: str, where: str) -> str:
+    """``value``, refused when it holds a lone surrogate (a ``\\ud800`` escape JSON allows but no
+    tokenizer encodes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(f"{where}: field {name!r} holds {value[exc.start]!r} at character {exc.start}, "
+                                   "a lone UTF-16 surrogate: expected text that is valid Unicode") from None
+    return value
