@@ -222,6 +222,17 @@ def test_data_that_is_not_a_regular_file_is_refused(model: Path, tmp_path: Path,
     assert not (tmp_path / "out").exists()
 
 
+def test_an_out_that_could_not_be_created_is_refused(model: Path, data: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """In a folder that does not exist (not created: ``export --out`` refuses it too), or
+    under a file: one line before the model loads, nothing written."""
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "missing" / "deeper" / "out", tmp_path / "file" / "out"):
+        err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(out)])
+        assert f"--out {out}: {out.parent} is not an existing directory" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_bad_runs_are_refused_before_any_training(model: Path, data: Path, trained: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     out = str(tmp_path / "out")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,20 @@ def check_run(run: TurboRun, resume: bool) -> list[Example]:
     elif run.out.exists():
         raise InvalidArgumentError(f"--out {run.out} exists: give a new directory, or --resume to continue the run "
                                    "checkpointed there")
+    else:
+        _check_parent(run.out)
     return examples
+
+
+def _check_parent(out: Path) -> None:
+    """Refuses an ``--out`` that could not be created: the directory that would hold it
+    must exist (as ``export --out`` wants) and be writable."""
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise NotFoundError(f"--out {out}: {parent} is not an existing directory; create it first, or give an --out "
+                            "in one")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"--out {out}: the directory {parent} is not writable")
 
 
 def _recorded_run(saved: Path, out: Path) -> dict[str, Any]:
