@@ -99,24 +99,46 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(model: Path, data: P
     same adapter, bit for bit, as the run never interrupted."""
     out = tmp_path / "turbo"
     argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
-
-    def interrupt_at(line: str):
-        def log(text: str) -> None:
-            if text.startswith(line):
-                raise KeyboardInterrupt
-        return log
-
     for stop in ("lora step 4/", "heads step 10/"):
-        with monkeypatch.context() as patch:
-            patch.setattr(train_turbo_command, "_log", interrupt_at(stop))
-            with pytest.raises(KeyboardInterrupt):
-                main(argv + (["--resume"] if out.exists() else []))
+        _interrupted(argv + (["--resume"] if out.exists() else []), stop, monkeypatch)
         assert (out / "checkpoint" / "state.pt").is_file()
     assert main(argv + ["--resume"]) == 0
     resumed, uninterrupted = _tensors(out), _tensors(trained)
     assert sorted(resumed) == sorted(uninterrupted)
     for key, value in uninterrupted.items():
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
+def _interrupted(argv: list[str], at: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs ``argv`` until a log line starts with ``at``, as Ctrl-C would stop it there."""
+    def log(text: str) -> None:
+        if text.startswith(at):
+            raise KeyboardInterrupt
+    with monkeypatch.context() as patch:
+        patch.setattr(train_turbo_command, "_log", log)
+        with pytest.raises(KeyboardInterrupt):
+            main(argv)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other shapes"])
+def test_a_corrupt_checkpoint_state_is_refused_naming_it(model: Path, data: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture, damage: str) -> None:
+    out = tmp_path / "turbo"
+    argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
+    _interrupted(argv, "lora step 4/", monkeypatch)
+    state = out / "checkpoint" / "state.pt"
+    if damage == "garbage":
+        state.write_bytes(b"not a checkpoint")
+    elif damage == "truncated":
+        state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])
+    else:  # a checkpoint whose LoRA has another rank than its run.json says
+        saved = torch.load(state, weights_only=True)
+        saved["params"] = {name: torch.zeros(8, *value.shape[1:]) for name, value in saved["params"].items()}
+        torch.save(saved, state)
+    capsys.readouterr()
+    err = _refusal(capsys, argv[1:] + ["--resume"])
+    assert f"--resume: {state} cannot be read as this run's checkpoint" in err and len(err.strip().splitlines()) == 1
 
 
 def test_heads_trained_on_the_exported_trunks_own_hidden_states(model: Path, data: Path, tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from runtime.export import checkpoint as hf
 from runtime.export.draft_head_training import (
     DraftHeadStack, cross_entropy_loss, future_targets, head_top1, regression_loss, restrict, write_turbo_adapter)
@@ -46,6 +46,7 @@ from runtime.export.turbo_settings import CHECKPOINT_DIR, TARGET_MODULES, WEIGHT
 
 REGRESSION_SHARE = 0.6  # of the heads' steps: regression first, cross-entropy after
 HEAD_DECAY = 0.8  # joint training: head k's loss weighted by HEAD_DECAY ** k
+_STATE_KEYS = {"phase", "step", "record", "params", "optimizer"}  # what _save_state writes
 
 
 class Trunk(Protocol):
@@ -300,10 +301,15 @@ class _Training:
         first = 0
         history = self.record["phases"].setdefault(phase, {"steps": steps, "log": []})
         if state is not None and state["phase"] in (phase, f"{phase} done"):
-            with torch.no_grad():
-                for name, value in state["params"].items():
-                    params[name].copy_(value)
-            optimizer.load_state_dict(state["optimizer"])
+            try:
+                if state["params"].keys() != params.keys():
+                    raise ValueError(f"its {phase} parameters are not this run's")
+                with torch.no_grad():
+                    for name, value in state["params"].items():
+                        params[name].copy_(value)
+                optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, RuntimeError, KeyError, AttributeError) as exc:  # names, shapes, optimizer groups
+                self._corrupt(self.checkpoint / "state.pt", (str(exc).strip() or type(exc).__name__).splitlines()[0])
             first = state["step"]
         warmup = int(steps * settings.warmup_ratio)
         for index in self.progress(phase)(range(first, steps)):
@@ -328,8 +334,24 @@ class _Training:
         os.replace(tmp, self.checkpoint / "state.pt")
 
     def _load_state(self) -> dict[str, Any] | None:
+        """The checkpoint's state, if there is one (tensors and plain data only, no pickled
+        code); ``DataLossError`` naming the file when it does not read as one."""
         path = self.checkpoint / "state.pt"
-        return torch.load(path, weights_only=False) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            state = torch.load(path, weights_only=True)
+            problem = None if isinstance(state, dict) and _STATE_KEYS <= state.keys() else "not a checkpoint's state"
+        except Exception as exc:  # torch raises UnpicklingError, RuntimeError, OSError, EOFError... for a bad file
+            problem = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        if problem is not None:
+            self._corrupt(path, problem)
+        return state
+
+    def _corrupt(self, path: Path, problem: str) -> None:
+        """Raises ``DataLossError`` for the checkpoint file ``path``."""
+        raise DataLossError(f"--resume: {path} cannot be read as this run's checkpoint ({problem}); give a new "
+                            f"--out, or remove {self.run_spec.out} to start again")
 
     def _batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step ``index``'s right-padded batch (ids, attention mask, labels: -100 off the
