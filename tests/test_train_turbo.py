@@ -7,6 +7,7 @@ refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +28,8 @@ from runtime import Engine, EngineSettings, LoraSource, SessionConfig  # noqa: E
 from runtime.cli import train_turbo_command  # noqa: E402
 from runtime.cli.main import main  # noqa: E402
 from runtime.engine.speculative import SpeculationPolicy  # noqa: E402
+from runtime.export.source import inspect_source  # noqa: E402
+from runtime.export.turbo_data import read_examples  # noqa: E402
 from runtime.export.turbo_settings import TurboRun, TurboSettings, check_run  # noqa: E402
 
 pytestmark = pytest.mark.export
@@ -160,7 +163,7 @@ def test_heads_trained_on_the_exported_trunks_own_hidden_states(model: Path, dat
     out = tmp_path / "turbo"
     assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), "--lora", str(LORA),
                  "--trunk", str(TRUNK), *FLAGS]) == 0
-    assert json.loads((out / "training.json").read_text())["run"]["trunk"] == str(TRUNK)
+    assert json.loads((out / "training.json").read_text())["run"]["trunk"] == str(TRUNK.resolve())
     lora = {key: value for key, value in _tensors(LORA).items()}
     written = _tensors(out)
     for key, value in lora.items():
@@ -287,15 +290,24 @@ def test_a_lora_of_another_model_is_refused_and_leaves_nothing(model: Path, data
     assert not (tmp_path / "out").exists()
 
 
-def test_a_resumed_run_must_be_given_the_same_settings(model: Path, data: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_a_resumed_run_must_be_given_the_same_settings_and_data(model: Path, data: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     (out / "checkpoint").mkdir(parents=True)
     spec = TurboRun(model=model, data=data, out=out, settings=TurboSettings(rank=4))
-    (out / "checkpoint" / "run.json").write_text(json.dumps(spec.describe()))
+    (out / "checkpoint" / "run.json").write_text(json.dumps(spec.describe(inspect_source(model), read_examples(data))))
     check_run(spec, resume=True)
+    monkeypatch.chdir(model.parent)  # the same model named by a relative path is the same run
+    check_run(dataclasses.replace(spec, model=Path(model.name)), resume=True)
     err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(out), "--resume", "--rank", "8"])
-    assert "other settings (rank: 4)" in err
+    assert "other settings (rank: 4, now 8)" in err
+    edited = tmp_path / data.name  # the same examples but one, at the path the checkpoint names
+    edited.write_text(data.read_text().replace("w", "v", 1))
+    spec = dataclasses.replace(spec, data=edited)
+    (out / "checkpoint" / "run.json").write_text(json.dumps(spec.describe(inspect_source(model), read_examples(data))))
+    err = _refusal(capsys, ["--model", str(model), "--data", str(edited), "--out", str(out), "--resume", "--rank", "4"])
+    assert "other settings (data_sha256: " in err and len(err.strip().splitlines()) == 1
 
 
 def test_without_the_export_extra_one_line_names_it(monkeypatch: pytest.MonkeyPatch, model: Path, data: Path,

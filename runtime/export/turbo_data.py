@@ -9,8 +9,10 @@ library: a bad file is refused before torch is imported.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,13 @@ def read_examples(path: str | os.PathLike[str]) -> list[Example]:
     if not examples:
         raise InvalidArgumentError(f"{path}: no examples")
     return examples
+
+
+def digest(examples: Sequence[Example]) -> str:
+    """The SHA-256 of the examples as read (not of the files: a directory's order and a
+    file's layout do not count), what a resumed run checks its data against."""
+    text = json.dumps([[example.instruction, example.output] for example in examples], ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _read_file(file: Path) -> list[Example]:

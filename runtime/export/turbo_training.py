@@ -82,9 +82,9 @@ class _Training:
         self.make_trunk, self.progress, self.log = make_trunk, progress, log
         self.checkpoint = run.out / CHECKPOINT_DIR
         self.lora_dir = run.lora or self.checkpoint / "lora"
-        self.record: dict[str, Any] = {"run": run.describe(), "phases": {}}
         torch.set_num_threads(self.settings.threads)
         source = inspect_source(run.model)
+        self.record: dict[str, Any] = {"run": run.describe(source, examples), "phases": {}}
         self.tokenizer = hf.load_hf_tokenizer(source)
         if not self.tokenizer.chat_template:
             raise FailedPreconditionError(f"{run.model}: the tokenizer has no chat template to render the examples "
@@ -114,7 +114,7 @@ class _Training:
         first checkpoint leaves no ``out`` behind (a later run need not ``--resume``)."""
         created = not self.run_spec.out.exists()
         self.checkpoint.mkdir(parents=True, exist_ok=True)
-        (self.checkpoint / "run.json").write_text(json.dumps(self.run_spec.describe(), indent=2) + "\n")
+        (self.checkpoint / "run.json").write_text(json.dumps(self.record["run"], indent=2) + "\n")
         try:
             return self._phases()
         except BaseException:
