@@ -281,6 +281,18 @@ def test_bad_runs_are_refused_before_any_training(model: Path, data: Path, train
     assert not (tmp_path / "out").exists()
 
 
+def test_examples_longer_than_the_models_context_are_left_out(model: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """The tiny model's context is 64 positions: a --seq-len above it does not let longer
+    examples in."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"instruction": " ".join(["w30"] * 80), "output": "w31"}) + "\n")
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"),
+                            "--seq-len", "1000"])
+    assert f"{data}: every example is longer than the model's context (64; --seq-len 1000) tokens" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_lora_of_another_model_is_refused_and_leaves_nothing(model: Path, data: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture) -> None:
     other = MODELS / "families" / "qwen3" / "adapter"

@@ -51,7 +51,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
          "L-1 of them)"),
         ("--rank", int, "LoRA rank"), ("--alpha", int, "LoRA alpha"),
         ("--epochs", int, "passes over the examples (LoRA, or joint)"), ("--batch", int, "examples per step"),
-        ("--seq-len", int, "longest prompt + answer in tokens (longer examples are left out)"),
+        ("--seq-len", int, "longest prompt + answer in tokens, at most the model's context (longer examples "
+         "are left out)"),
         ("--lora-lr", float, "the LoRA's peak learning rate"), ("--head-lr", float, "the heads' peak learning rate"),
         ("--warmup-ratio", float, "share of each phase's steps warming the learning rate up"),
         ("--head-steps", int, "steps training the heads on the cached hidden states"),

@@ -94,13 +94,17 @@ class _Training:
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stops)
         self.lm_head = self.base.get_output_embeddings().weight.detach()
         encoded = [_encode(self.tokenizer, example, self.stops) for example in examples]
-        kept = [pair for pair in encoded if len(pair[0]) + len(pair[1]) <= self.settings.seq_len]
+        # The longest example trained on: --seq-len, or the model's context where that is shorter
+        # (positions past it are ones the model never runs at).
+        self.seq_len = min(self.settings.seq_len, source.context_length or self.settings.seq_len)
+        limit = (f"--seq-len {self.seq_len}" if self.seq_len == self.settings.seq_len
+                 else f"the model's context ({self.seq_len}; --seq-len {self.settings.seq_len})")
+        kept = [pair for pair in encoded if len(pair[0]) + len(pair[1]) <= self.seq_len]
         if len(kept) < len(encoded):
-            log(f"{len(encoded) - len(kept)} of {len(encoded)} examples are longer than --seq-len "
-                f"{self.settings.seq_len} tokens: left out")
+            log(f"{len(encoded) - len(kept)} of {len(encoded)} examples are longer than {limit} tokens: left out")
         if not kept:
-            raise InvalidArgumentError(f"{run.data}: every example is longer than --seq-len {self.settings.seq_len} "
-                                       "tokens once the chat template is applied")
+            raise InvalidArgumentError(f"{run.data}: every example is longer than {limit} tokens once the chat "
+                                       "template is applied")
         order = np.random.default_rng(self.settings.seed).permutation(len(kept))
         held = int(len(kept) * self.settings.holdout)
         self.train = [kept[i] for i in sorted(order[held:])]
@@ -197,7 +201,7 @@ class _Training:
             for name, pairs in (("train", self.train), ("test", self.test)):
                 prompts = [prompt for prompt, _ in pairs]
                 longest = max(len(answer) for _, answer in pairs) if pairs else 0
-                room = min(self.settings.seq_len - len(p) for p in prompts) if prompts else 0
+                room = min(self.seq_len - len(p) for p in prompts) if prompts else 0
                 self.log(f"the trunk answers {len(prompts)} {name} prompts")
                 answers = trunk.answers(prompts, max(1, min(longest + 16, room)), self.stops) if prompts else []
                 rows = [trunk.states(p, a) for p, a in self.progress(f"states ({name})")(list(zip(prompts, answers)))]
