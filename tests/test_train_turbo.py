@@ -185,6 +185,24 @@ def test_joint_training_writes_a_loadable_adapter(model: Path, data: Path, tmp_p
             engine, LoraSource(path=out, heads=False), PROMPTS[0])[0]
 
 
+def test_repeated_examples_are_not_held_out_against_themselves(model: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """Eight copies of one example: nothing is left to hold out, and the run says so (with
+    what it trained on) rather than reporting the heads' top-1 on copies of their training
+    data."""
+    data = tmp_path / "same.jsonl"
+    data.write_text((json.dumps({"instruction": "w20 w30", "output": "w30 w20"}) + "\n") * 8)
+    out = tmp_path / "turbo"
+    assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "training.json").read_text())
+    assert (record["distinct_examples"], record["train_examples"], record["held_out_examples"]) == (1, 8, 0)
+    assert "7 of 8 examples repeat an earlier one" in printed
+    assert printed.strip().splitlines()[-1].endswith(
+        "trained on 8 of 8 examples (lora 4 steps, heads 12 steps), 0 s; no held-out examples to measure the heads "
+        "on (--holdout 0.25 of 1 distinct examples)")
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 def test_other_families_train(family: str, data: Path, tmp_path: Path) -> None:
     """The tiny random model of each other family (tools/build_family_fixtures.py), with the

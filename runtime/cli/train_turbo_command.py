@@ -92,11 +92,25 @@ def run(args: argparse.Namespace) -> int:
         with muted_native_logs():
             training = import_export_module("turbo_training", "train-turbo", "torch, transformers, peft")
         record = training.train_turbo(spec, examples, make_trunk=make_trunk, progress=progress, log=_log)
-    top1 = record.get("held_out_top1_per_head") or []
-    held = f"; held-out top-1 per head {' '.join(f'{x:.2f}' for x in top1)}" if top1 else ""
-    print(f"wrote {args.out}: {settings.num_heads} heads, draft vocabulary {record['draft_vocabulary']}, "
-          f"{record['seconds']:.0f} s{held}", flush=True)
+    print(_summary(args.out, record, settings), flush=True)
     return 0
+
+
+def _summary(out: Path, record: dict, settings: TurboSettings) -> str:
+    """The run's last line: what was written, what it was trained on and for how many steps,
+    and the heads' held-out top-1, or why there is none."""
+    steps = ", ".join(f"{phase} {history['steps']} steps" for phase, history in record["phases"].items())
+    top1 = record.get("held_out_top1_per_head") or []
+    if top1:
+        held = f"held-out top-1 per head {' '.join(f'{x:.2f}' for x in top1)}"
+    elif settings.joint:
+        held = "no held-out top-1 (--joint measures the heads on the training batches only)"
+    else:
+        held = (f"no held-out examples to measure the heads on (--holdout {settings.holdout} of "
+                f"{record['distinct_examples']} distinct examples)")
+    return (f"wrote {out}: {settings.num_heads} heads, draft vocabulary {record['draft_vocabulary']}, "
+            f"trained on {record['train_examples']} of {record['examples']} examples ({steps}), "
+            f"{record['seconds']:.0f} s; {held}")
 
 
 def _log(line: str) -> None:

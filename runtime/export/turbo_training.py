@@ -105,11 +105,19 @@ class _Training:
         if not kept:
             raise InvalidArgumentError(f"{run.data}: every example is longer than {limit} tokens once the chat "
                                        "template is applied")
-        order = np.random.default_rng(self.settings.seed).permutation(len(kept))
-        held = int(len(kept) * self.settings.holdout)
-        self.train = [kept[i] for i in sorted(order[held:])]
-        self.test = [kept[i] for i in sorted(order[:held])]
-        self.record.update(examples=len(examples), train_examples=len(self.train), held_out_examples=len(self.test))
+        # The held-out share is drawn from the distinct examples, a repeated one held out whole
+        # (once): a copy of a training example would measure the heads on what they learnt.
+        distinct: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        group = [distinct.setdefault((tuple(prompt), tuple(answer)), len(distinct)) for prompt, answer in kept]
+        if len(distinct) < len(kept):
+            log(f"{len(kept) - len(distinct)} of {len(kept)} examples repeat an earlier one: the held-out share is "
+                f"drawn from the {len(distinct)} distinct ones")
+        order = np.random.default_rng(self.settings.seed).permutation(len(distinct))
+        held = {int(g) for g in order[:int(len(distinct) * self.settings.holdout)]}
+        self.train = [pair for pair, g in zip(kept, group) if g not in held]
+        self.test = [kept[group.index(g)] for g in sorted(held)]
+        self.record.update(examples=len(examples), distinct_examples=len(distinct), train_examples=len(self.train),
+                           held_out_examples=len(self.test))
 
     # -- the run -------------------------------------------------------------------
 
