@@ -97,13 +97,14 @@ def test_the_output_loads_with_its_heads_and_greedy_output_is_unchanged(trained:
 
 
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(model: Path, data: Path, trained: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
     """Interrupted in the LoRA's phase, resumed, interrupted in the heads', resumed: the
     same adapter, bit for bit, as the run never interrupted."""
     out = tmp_path / "turbo"
     argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
     for stop in ("lora step 4/", "heads step 10/"):
-        _interrupted(argv + (["--resume"] if out.exists() else []), stop, monkeypatch)
+        _interrupted(argv + (["--resume"] if out.exists() else []), stop, monkeypatch, capsys)
         assert (out / "checkpoint" / "state.pt").is_file()
     assert main(argv + ["--resume"]) == 0
     resumed, uninterrupted = _tensors(out), _tensors(trained)
@@ -112,15 +113,28 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(model: Path, data: P
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
 
 
-def _interrupted(argv: list[str], at: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs ``argv`` until a log line starts with ``at``, as Ctrl-C would stop it there."""
+def _interrupted(argv: list[str], at: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> str:
+    """Runs ``argv`` until a log line starts with ``at``, as Ctrl-C would stop it there;
+    returns what it said on stderr."""
     def log(text: str) -> None:
         if text.startswith(at):
             raise KeyboardInterrupt
+    capsys.readouterr()
     with monkeypatch.context() as patch:
         patch.setattr(train_turbo_command, "_log", log)
-        with pytest.raises(KeyboardInterrupt):
-            main(argv)
+        assert main(argv) == train_turbo_command.INTERRUPTED
+    return capsys.readouterr().err
+
+
+def test_an_interrupted_run_says_what_it_kept(model: Path, data: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "turbo"
+    argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
+    assert _interrupted(argv, "lora step 2/", monkeypatch, capsys).strip().splitlines() == [
+        "interrupted before the first checkpoint: nothing kept"]  # checkpoints every 3 steps
+    assert not out.exists()
+    assert _interrupted(argv, "lora step 4/", monkeypatch, capsys).strip().splitlines() == [
+        f"interrupted: the checkpoint in {out / 'checkpoint'} is kept; the same command with --resume continues it"]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other shapes"])
@@ -129,7 +143,7 @@ def test_a_corrupt_checkpoint_state_is_refused_naming_it(model: Path, data: Path
                                                          capsys: pytest.CaptureFixture, damage: str) -> None:
     out = tmp_path / "turbo"
     argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
-    _interrupted(argv, "lora step 4/", monkeypatch)
+    _interrupted(argv, "lora step 4/", monkeypatch, capsys)
     state = out / "checkpoint" / "state.pt"
     if damage == "garbage":
         state.write_bytes(b"not a checkpoint")
@@ -139,7 +153,6 @@ def test_a_corrupt_checkpoint_state_is_refused_naming_it(model: Path, data: Path
         saved = torch.load(state, weights_only=True)
         saved["params"] = {name: torch.zeros(8, *value.shape[1:]) for name, value in saved["params"].items()}
         torch.save(saved, state)
-    capsys.readouterr()
     err = _refusal(capsys, argv[1:] + ["--resume"])
     assert f"--resume: {state} cannot be read as this run's checkpoint" in err and len(err.strip().splitlines()) == 1
 

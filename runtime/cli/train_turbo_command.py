@@ -17,8 +17,10 @@ import numpy as np
 from runtime.cli.options import import_export_module
 from runtime.cli.progress import progress_bar
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
-from runtime.export.turbo_settings import TARGET_MODULES, TurboRun, TurboSettings, check_run
+from runtime.export.turbo_settings import CHECKPOINT_DIR, TARGET_MODULES, TurboRun, TurboSettings, check_run
 from runtime.util.native_logs import muted_native_logs
+
+INTERRUPTED = 130  # the exit code of a Ctrl-C (128 + SIGINT), as a shell reports it
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -71,7 +73,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Checks the run (data, model family, --out) without loading a model, then trains."""
+    """Checks the run (data, model family, --out) without loading a model, then trains. A
+    Ctrl-C ends it with one line saying whether a checkpoint was kept to ``--resume``."""
     settings = TurboSettings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TurboSettings)})
     spec = TurboRun(model=args.model, data=args.data, out=args.out, settings=settings, lora=args.lora,
                     trunk=args.trunk)
@@ -88,10 +91,17 @@ def run(args: argparse.Namespace) -> int:
                 return progress_bar(f"train-turbo {phase}", unit="step")(items)
         return wrap
 
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
-        with muted_native_logs():
-            training = import_export_module("turbo_training", "train-turbo", "torch, transformers, peft")
-        record = training.train_turbo(spec, examples, make_trunk=make_trunk, progress=progress, log=_log)
+    try:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+            with muted_native_logs():
+                training = import_export_module("turbo_training", "train-turbo", "torch, transformers, peft")
+            record = training.train_turbo(spec, examples, make_trunk=make_trunk, progress=progress, log=_log)
+    except KeyboardInterrupt:
+        kept = (args.out / CHECKPOINT_DIR / "state.pt").is_file()
+        print(f"interrupted: the checkpoint in {args.out / CHECKPOINT_DIR} is kept; the same command with --resume "
+              "continues it" if kept else "interrupted before the first checkpoint: nothing kept",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED
     print(_summary(args.out, record, settings), flush=True)
     return 0
 
