@@ -198,6 +198,25 @@ def test_joint_training_writes_a_loadable_adapter(model: Path, data: Path, tmp_p
             engine, LoraSource(path=out, heads=False), PROMPTS[0])[0]
 
 
+def test_every_long_phase_shows_progress(model: Path, data: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trunk's answers too (generation: the longest wait before the heads' steps)."""
+    shown = []
+
+    def bar(description: str, unit: str = "it"):
+        def wrap(items):
+            items = list(items)
+            shown.append((description, len(items)))
+            return items
+        return wrap
+
+    monkeypatch.setattr(train_turbo_command, "progress_bar", bar)
+    assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "turbo"),
+                 *FLAGS]) == 0
+    assert shown == [("train-turbo lora", 6), ("train-turbo answers (train)", 1), ("train-turbo states (train)", 12),
+                     ("train-turbo answers (test)", 1), ("train-turbo states (test)", 4), ("train-turbo heads", 12)]
+
+
 def test_repeated_examples_are_not_held_out_against_themselves(model: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture) -> None:
     """Eight copies of one example: nothing is left to hold out, and the run says so (with

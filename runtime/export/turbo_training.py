@@ -211,7 +211,11 @@ class _Training:
                 longest = max(len(answer) for _, answer in pairs) if pairs else 0
                 room = min(self.seq_len - len(p) for p in prompts) if prompts else 0
                 self.log(f"the trunk answers {len(prompts)} {name} prompts")
-                answers = trunk.answers(prompts, max(1, min(longest + 16, room)), self.stops) if prompts else []
+                budget = max(1, min(longest + 16, room))
+                size = _TorchTrunk.batch_size(self.settings)  # a call per generation batch, for the progress
+                calls = [prompts[start:start + size] for start in range(0, len(prompts), size)]
+                answers = [answer for chunk in self.progress(f"answers ({name})")(calls)
+                           for answer in trunk.answers(chunk, budget, self.stops)]
                 rows = [trunk.states(p, a) for p, a in self.progress(f"states ({name})")(list(zip(prompts, answers)))]
                 arrays.update(_positions(name, prompts, answers, rows, self.settings.num_heads, self.lm_head.shape[1]))
             tmp = cache.with_suffix(".tmp.npz")
@@ -397,7 +401,12 @@ class _TorchTrunk:
     """torch's float32 model with the LoRA as the trunk."""
 
     def __init__(self, model: Any, pad: int, settings: TurboSettings) -> None:
-        self.model, self.pad, self.batch = model, pad, settings.batch * 4
+        self.model, self.pad, self.batch = model, pad, self.batch_size(settings)
+
+    @staticmethod
+    def batch_size(settings: TurboSettings) -> int:
+        """Prompts generated together."""
+        return settings.batch * 4
 
     def answers(self, prompts: Sequence[list[int]], max_new_tokens: int, stops: set[int]) -> list[list[int]]:
         """Greedy answers, generated in left-padded batches."""
