@@ -267,6 +267,8 @@ def _refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     ("f.json", '[{"instruction": "x", "output": ""}]', "f.json: item 0: field 'output' must be a non-empty"),
     ("g.json", "[]", "g.json: no examples"),
     ("h.json", "\n", "h.json: empty (expected a JSON list"),
+    ("j.jsonl", '{"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}\n',
+     "j.jsonl: line 1: field 'messages' holds a chat, which is not read: expected \"instruction\" and \"output\""),
     ("i.jsonl", '{"instruction": "x", "output": "y"}\n{"instruction": "x", "output": "y", "input": "a \\ud800"}\n',
      "i.jsonl: line 2: field 'input' holds '\\ud800' at character 2, a lone UTF-16 surrogate"),
 ])

@@ -20,6 +20,7 @@ from typing import Any
 from runtime.errors import InvalidArgumentError, NotFoundError
 
 SUFFIXES = (".json", ".jsonl")
+CHAT_FIELDS = ("messages", "conversations")  # chat-format data sets (OpenAI's, ShareGPT's): refused by name
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,10 @@ def _example(record: Any, where: str) -> Example:
     if not isinstance(record, dict):
         raise InvalidArgumentError(f"{where}: expected an object with \"instruction\" and \"output\", got a "
                                    f"{type(record).__name__}")
+    chat = next((name for name in CHAT_FIELDS if name in record), None)
+    if chat is not None and "instruction" not in record:
+        raise InvalidArgumentError(f"{where}: field {chat!r} holds a chat, which is not read: expected \"instruction\" "
+                                   "and \"output\" fields (the user's message and the answer)")
     fields = {}
     for name in ("instruction", "output"):
         if name not in record:
