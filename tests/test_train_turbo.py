@@ -187,6 +187,34 @@ def test_heads_trained_on_the_exported_trunks_own_hidden_states(model: Path, dat
                 engine, LoraSource(path=out, heads=False), prompt)[0]
 
 
+def _near_the_trunks_end(path: Path, words: int, count: int) -> list[str]:
+    """Writes ``count`` examples whose prompts of ``words`` + 1 words leave the exported
+    trunk's 64-position KV cache room for an answer of 1 token (55) or 2 (54); returns the
+    flags training heads for it on that trunk."""
+    path.write_text("".join(json.dumps({"instruction": " ".join(["w30"] * words + [f"w{40 + i}"]),
+                                        "output": "w31 w32"}) + "\n" for i in range(count)))
+    return ["--lora", str(LORA), "--trunk", str(TRUNK), "--num-heads", "3", "--holdout", "0", "--threads", "1"]
+
+
+def test_answers_too_short_for_any_head_are_refused(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data = tmp_path / "long.jsonl"
+    flags = _near_the_trunks_end(data, 55, 4)
+    err = _refusal(capsys, ["--model", str(model), "--data", str(data), "--out", str(tmp_path / "out"), *flags])
+    assert f"{data}: the trunk answered each of the 4 training prompts with a single token: no head has a token" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_heads_train_when_few_positions_have_a_target(model: Path, tmp_path: Path) -> None:
+    """One example answered in 2 tokens: of its 2 positions one has a target; a heads batch
+    drawn from both could hold none (no loss to step on: it stopped the run)."""
+    data = tmp_path / "long.jsonl"
+    flags = _near_the_trunks_end(data, 54, 1)
+    out = tmp_path / "out"
+    assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *flags,
+                 "--head-steps", "30"]) == 0
+    assert json.loads((out / "training.json").read_text())["phases"]["heads"]["log"][-1]["top1"][0] == 1.0
+
+
 def test_joint_training_writes_a_loadable_adapter(model: Path, data: Path, tmp_path: Path) -> None:
     out = tmp_path / "joint"
     assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), "--joint",

@@ -239,10 +239,18 @@ class _Training:
         optimizer = torch.optim.AdamW(params.values(), lr=settings.head_lr, weight_decay=0.0)
         regress = int(settings.head_steps * REGRESSION_SHARE)
         generator = torch.Generator()
+        # The positions where head 0 (hence any head) has a token to learn: the others (each
+        # answer's last) add nothing to either loss, and a batch of only them none at all.
+        pool = torch.nonzero(targets[:, 0] >= 0).squeeze(1)
+        if not len(pool):
+            raise InvalidArgumentError(
+                f"{self.run_spec.data}: the trunk answered each of the {len(self.train)} training prompts with a "
+                "single token: no head has a token to learn (head k drafts the token k+2 ahead, so answers need 2 "
+                "tokens or more; an exported --trunk answers less where a prompt leaves its KV cache little room)")
 
         def step(index: int) -> tuple[float, list[float]]:
-            rows = torch.randint(0, len(hidden), (min(settings.head_batch, len(hidden)),),
-                                 generator=generator.manual_seed(settings.seed * 1_000_003 + index))
+            rows = pool[torch.randint(0, len(pool), (min(settings.head_batch, len(pool)),),
+                                      generator=generator.manual_seed(settings.seed * 1_000_003 + index))]
             if index < regress:
                 loss = regression_loss(heads, hidden[rows], mapped[rows], hidden[future[rows]])
                 top1 = []
