@@ -119,9 +119,9 @@ def check_run(run: TurboRun, resume: bool) -> list[Example]:
         before, now = _recorded_run(saved, run.out), run.describe(source, examples)
         changed = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
         if changed:
+            differences = ", ".join(f"{key}: {before.get(key)!r}, now {now.get(key)!r}" for key in changed)
             raise InvalidArgumentError(f"--resume: the checkpoint in {run.out} was made with other settings "
-                                       f"({', '.join(f'{k}: {before.get(k)!r}, now {now.get(k)!r}' for k in changed)}); "
-                                       "give the same flags and data, or a new --out")
+                                       f"({differences}); give the same flags and data, or a new --out")
     elif run.out.exists():
         raise InvalidArgumentError(f"--out {run.out} exists: give a new directory, or --resume to continue the run "
                                    "checkpointed there")
