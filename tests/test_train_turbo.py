@@ -157,6 +157,23 @@ def test_a_corrupt_checkpoint_state_is_refused_naming_it(model: Path, data: Path
     assert f"--resume: {state} cannot be read as this run's checkpoint" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_corrupt_distillation_cache_is_computed_again(model: Path, data: Path, trained: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """checkpoint/distill.npz is what the trunk answered: unreadable, it is answered again,
+    to the same adapter as the run never interrupted."""
+    out = tmp_path / "turbo"
+    argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
+    _interrupted(argv, "heads step 4/", monkeypatch, capsys)
+    cache = out / "checkpoint" / "distill.npz"
+    cache.write_bytes(cache.read_bytes()[:100])
+    assert main(argv + ["--resume"]) == 0
+    assert f"{cache} cannot be read (" in capsys.readouterr().out
+    resumed, uninterrupted = _tensors(out), _tensors(trained)
+    for key, value in uninterrupted.items():
+        np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
 def test_heads_trained_on_the_exported_trunks_own_hidden_states(model: Path, data: Path, tmp_path: Path) -> None:
     """--trunk: the exported model answers and its verify signature's hidden states train the
     heads, here on an existing LoRA (--lora); those states are torch's, to float error."""

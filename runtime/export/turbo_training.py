@@ -47,6 +47,8 @@ from runtime.export.turbo_settings import CHECKPOINT_DIR, TARGET_MODULES, WEIGHT
 REGRESSION_SHARE = 0.6  # of the heads' steps: regression first, cross-entropy after
 HEAD_DECAY = 0.8  # joint training: head k's loss weighted by HEAD_DECAY ** k
 _STATE_KEYS = {"phase", "step", "record", "params", "optimizer"}  # what _save_state writes
+_CACHE_ARRAYS = {f"{split}_{kind}" for split in ("train", "test")  # what _positions writes, per split
+                 for kind in ("hidden", "targets", "future", "answers")}
 
 
 class Trunk(Protocol):
@@ -203,9 +205,10 @@ class _Training:
         (hidden, targets); the draft vocabulary (every token of the trunk's training
         answers). Cached in the checkpoint."""
         cache = self.checkpoint / "distill.npz"
-        if not cache.is_file():
+        arrays = self._read_cache(cache) if cache.is_file() else None
+        if arrays is None:
             trunk = self.make_trunk(self.lora_dir) if self.make_trunk else _TorchTrunk(model, self.pad, self.settings)
-            arrays: dict[str, np.ndarray] = {}
+            arrays = {}
             for name, pairs in (("train", self.train), ("test", self.test)):
                 prompts = [prompt for prompt, _ in pairs]
                 longest = max(len(answer) for _, answer in pairs) if pairs else 0
@@ -221,10 +224,24 @@ class _Training:
             tmp = cache.with_suffix(".tmp.npz")
             np.savez(tmp, **arrays)
             os.replace(tmp, cache)
-        with np.load(cache) as data:
-            train = (torch.from_numpy(data["train_hidden"]), torch.from_numpy(data["train_targets"]),
-                     torch.from_numpy(data["train_future"]))
-            return *train, (data["test_hidden"], data["test_targets"]), np.unique(data["train_answers"])
+        train = (torch.from_numpy(arrays["train_hidden"]), torch.from_numpy(arrays["train_targets"]),
+                 torch.from_numpy(arrays["train_future"]))
+        return *train, (arrays["test_hidden"], arrays["test_targets"]), np.unique(arrays["train_answers"])
+
+    def _read_cache(self, path: Path) -> dict[str, np.ndarray] | None:
+        """The arrays of the checkpoint's distillation cache ``path``, or None (logged) when
+        it does not read whole: the trunk's answers are then computed again, as they were."""
+        try:
+            with np.load(path) as data:
+                arrays = {name: data[name] for name in data.files}
+            missing = sorted(_CACHE_ARRAYS - arrays.keys())
+            if missing:
+                raise ValueError(f"no {', '.join(missing)}")
+            return arrays
+        except Exception as exc:  # numpy raises BadZipFile, ValueError, OSError, EOFError... for a bad file
+            first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+            self.log(f"{path} cannot be read ({first}): the trunk answers again")
+            return None
 
     # -- phase 3: the heads --------------------------------------------------------
 
