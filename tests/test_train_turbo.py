@@ -312,6 +312,8 @@ def _refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     ("f.json", '[{"instruction": "x", "output": ""}]', "f.json: item 0: field 'output' must be a non-empty"),
     ("g.json", "[]", "g.json: no examples"),
     ("h.json", "\n", "h.json: empty (expected a JSON list"),
+    pytest.param("k.jsonl", '{"instruction": "x", "output": "y"}\n' + "[" * 100_000 + "\n",
+                 "k.jsonl: line 2: JSON nested too deeply", id="k.jsonl-deep"),
     ("j.jsonl", '{"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}\n',
      "j.jsonl: line 1: field 'messages' holds a chat, which is not read: expected \"instruction\" and \"output\""),
     ("i.jsonl", '{"instruction": "x", "output": "y"}\n{"instruction": "x", "output": "y", "input": "a \\ud800"}\n',

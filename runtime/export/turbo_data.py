@@ -89,10 +89,15 @@ def _read_file(file: Path) -> list[Example]:
 
 
 def _parse(text: str, where: str) -> Any:
+    """``text`` as JSON; refused naming ``where`` when it is not, or nests deeper than the
+    parser recurses."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidArgumentError(f"{where}: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidArgumentError(f"{where}: JSON nested too deeply to read (expected {{\"instruction\", "
+                                   "\"output\"} records)") from None
 
 
 def _example(record: Any, where: str) -> Example:
