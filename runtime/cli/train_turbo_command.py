@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _summary(out: Path, record: dict, settings: TurboSettings) -> str:
+def _summary(out: Path, record: dict[str, Any], settings: TurboSettings) -> str:
     """The run's last line: what was written, what it was trained on and for how many steps,
     and the heads' held-out top-1, or why there is none."""
     steps = ", ".join(f"{phase} {history['steps']} steps" for phase, history in record["phases"].items())

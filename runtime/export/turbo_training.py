@@ -117,7 +117,8 @@ class _Training:
         order = np.random.default_rng(self.settings.seed).permutation(len(distinct))
         held = {int(g) for g in order[:int(len(distinct) * self.settings.holdout)]}
         self.train = [pair for pair, g in zip(kept, group) if g not in held]
-        self.test = [kept[group.index(g)] for g in sorted(held)]
+        first = {g: index for index, g in reversed(list(enumerate(group)))}  # each distinct example's first copy
+        self.test = [kept[first[g]] for g in sorted(held)]
         self.record.update(examples=len(examples), distinct_examples=len(distinct), train_examples=len(self.train),
                            held_out_examples=len(self.test))
 
