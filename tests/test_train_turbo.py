@@ -137,15 +137,18 @@ def test_an_interrupted_run_says_what_it_kept(model: Path, data: Path, tmp_path:
         f"interrupted: the checkpoint in {out / 'checkpoint'} is kept; the same command with --resume continues it"]
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other shapes"])
-def test_a_corrupt_checkpoint_state_is_refused_naming_it(model: Path, data: Path, tmp_path: Path,
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other shapes", "its LoRA truncated"])
+def test_a_corrupt_checkpoint_is_refused_naming_the_file(model: Path, data: Path, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture, damage: str) -> None:
     out = tmp_path / "turbo"
     argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
-    _interrupted(argv, "lora step 4/", monkeypatch, capsys)
+    _interrupted(argv, "heads step 4/" if damage == "its LoRA truncated" else "lora step 4/", monkeypatch, capsys)
     state = out / "checkpoint" / "state.pt"
-    if damage == "garbage":
+    if damage == "its LoRA truncated":  # the LoRA phase's result, saved before the heads' phase
+        state = out / "checkpoint" / "lora" / "adapter_model.safetensors"  # the file the refusal must name
+        state.write_bytes(state.read_bytes()[:100])
+    elif damage == "garbage":
         state.write_bytes(b"not a checkpoint")
     elif damage == "truncated":
         state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])

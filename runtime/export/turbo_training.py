@@ -169,6 +169,8 @@ class _Training:
                 return PeftModel.from_pretrained(self.base, str(self.lora_dir)).eval()
             except Exception as exc:  # peft raises ValueError, KeyError, RuntimeError... for a LoRA of another model
                 first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+                if self.run_spec.lora is None:  # the checkpoint's own LoRA, saved for this model: damaged since
+                    self._corrupt(self.lora_dir / WEIGHTS_FILE, first)
                 raise InvalidArgumentError(f"{self.lora_dir}: peft cannot load this LoRA on {self.run_spec.model}: "
                                            f"{first}") from None
         settings = self.settings
