@@ -126,6 +126,29 @@ def _interrupted(argv: list[str], at: str, monkeypatch: pytest.MonkeyPatch, caps
     return capsys.readouterr().err
 
 
+def test_a_run_interrupted_while_writing_the_adapter_leaves_no_partial_file(
+        model: Path, data: Path, trained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Ctrl-C half-way through the adapter's weights: only the checkpoint is left, and
+    --resume writes the adapter the run never interrupted writes."""
+    import safetensors.numpy
+
+    def half_written(tensors, path):
+        Path(path).write_bytes(b"\0" * 100)
+        raise KeyboardInterrupt
+
+    out = tmp_path / "turbo"
+    argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.numpy, "save_file", half_written)
+        assert main(argv) == train_turbo_command.INTERRUPTED
+    assert [path.name for path in out.iterdir()] == ["checkpoint"]
+    assert main(argv + ["--resume"]) == 0
+    resumed, uninterrupted = _tensors(out), _tensors(trained)
+    for key, value in uninterrupted.items():
+        np.testing.assert_array_equal(resumed[key], value, err_msg=key)
+
+
 def test_an_interrupted_run_says_what_it_kept(model: Path, data: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "turbo"
