@@ -271,7 +271,8 @@ def test_joint_training_writes_a_loadable_adapter(model: Path, data: Path, tmp_p
 
 def test_every_long_phase_shows_progress(model: Path, data: Path, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trunk's answers too (generation: the longest wait before the heads' steps)."""
+    """The examples' encoding and the trunk's answers too (generation: the longest wait
+    before the heads' steps)."""
     shown = []
 
     def bar(description: str, unit: str = "it"):
@@ -284,7 +285,7 @@ def test_every_long_phase_shows_progress(model: Path, data: Path, tmp_path: Path
     monkeypatch.setattr(train_turbo_command, "progress_bar", bar)
     assert main(["train-turbo", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "turbo"),
                  *FLAGS]) == 0
-    assert shown == [("train-turbo lora", 6), ("train-turbo answers (train)", 1), ("train-turbo states (train)", 12),
+    assert shown == [("train-turbo examples", 16), ("train-turbo lora", 6), ("train-turbo answers (train)", 1), ("train-turbo states (train)", 12),
                      ("train-turbo answers (test)", 1), ("train-turbo states (test)", 4), ("train-turbo heads", 12)]
 
 

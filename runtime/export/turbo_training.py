@@ -95,7 +95,7 @@ class _Training:
         self.stops = _stop_ids(self.tokenizer, self.base)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stops)
         self.lm_head = self.base.get_output_embeddings().weight.detach()
-        encoded = [_encode(self.tokenizer, example, self.stops) for example in examples]
+        encoded = [_encode(self.tokenizer, example, self.stops) for example in self.progress("examples")(examples)]
         # The longest example trained on: --seq-len, or the model's context where that is shorter
         # (positions past it are ones the model never runs at).
         self.seq_len = min(self.settings.seq_len, source.context_length or self.settings.seq_len)
