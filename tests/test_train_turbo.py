@@ -264,6 +264,7 @@ def test_joint_training_writes_a_loadable_adapter(model: Path, data: Path, tmp_p
                  *FLAGS]) == 0
     record = json.loads((out / "training.json").read_text())
     assert list(record["phases"]) == ["joint"] and len(record["phases"]["joint"]["log"][-1]["top1"]) == 3
+    assert len(record["held_out_top1_per_head"]) == 3  # the 4 examples --holdout 0.25 kept out, measured
     with Engine(TRUNK) as engine:
         assert _generate(engine, LoraSource(path=out), PROMPTS[0])[0] == _generate(
             engine, LoraSource(path=out, heads=False), PROMPTS[0])[0]

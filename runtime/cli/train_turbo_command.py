@@ -114,8 +114,6 @@ def _summary(out: Path, record: dict[str, Any], settings: TurboSettings) -> str:
     top1 = record.get("held_out_top1_per_head") or []
     if top1:
         held = f"held-out top-1 per head {' '.join(f'{x:.2f}' for x in top1)}"
-    elif settings.joint:
-        held = "no held-out top-1 (--joint measures the heads on the training batches only)"
     else:
         held = (f"no held-out examples to measure the heads on (--holdout {settings.holdout} of "
                 f"{record['distinct_examples']} distinct examples)")

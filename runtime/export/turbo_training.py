@@ -290,7 +290,8 @@ class _Training:
     # -- or one joint phase --------------------------------------------------------
 
     def _joint(self, state: dict[str, Any] | None) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
-        """The LoRA and the heads trained together on the examples' own answers."""
+        """The LoRA and the heads trained together on the examples' own answers; the heads'
+        top-1 on the held-out examples' own answers recorded."""
         settings = self.settings
         model = self._new_lora()
         heads = DraftHeadStack(settings.num_heads, self.lm_head.shape[1])
@@ -321,7 +322,15 @@ class _Training:
         self._loop("joint", steps, step, optimizer, [(settings.lora_lr, 0), (settings.head_lr, 1)], params, state)
         model.eval()
         model.save_pretrained(str(self.lora_dir))
-        return heads.as_arrays(), vocab
+        arrays, top1 = heads.as_arrays(), []
+        if self.test:  # the held-out examples teacher-forced on their own answers, as the heads trained
+            trunk = _TorchTrunk(model, self.pad, settings)
+            held = _positions("test", [prompt for prompt, _ in self.test], [answer for _, answer in self.test],
+                              [trunk.states(prompt, answer) for prompt, answer in self.test], settings.num_heads,
+                              self.lm_head.shape[1])
+            top1 = head_top1(arrays, held["test_hidden"], held["test_targets"], self.lm_head.numpy(), vocab)
+        self.record["held_out_top1_per_head"] = [round(x, 4) for x in top1]
+        return arrays, vocab
 
     # -- shared pieces -------------------------------------------------------------
 
