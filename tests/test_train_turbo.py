@@ -337,6 +337,8 @@ def _refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     ("c.jsonl", '{"instruction": "x", "output": "y"}\nnot json\n', "c.jsonl: line 2: not valid JSON"),
     ("d.json", '[{"instruction": "x", "output": "y"}, ["x", "y"]]', "d.json: item 1: expected an object"),
     ("e.json", '{"instruction": "x", "output": "y"}', "e.json: expected a JSON list"),
+    ("l.json", '{"instruction": "x", "output": "y"}\n{"instruction": "x", "output": "y"}\n',
+     "l.json: not valid JSON: Extra data: line 2 column 1 (char 36) (a record a line is JSONL: name the file .jsonl)"),
     ("f.json", '[{"instruction": "x", "output": ""}]', "f.json: item 0: field 'output' must be a non-empty"),
     ("g.json", "[]", "g.json: no examples"),
     ("h.json", "\n", "h.json: empty (expected a JSON list"),

@@ -80,7 +80,7 @@ def _read_file(file: Path) -> list[Example]:
         if not text.strip():
             raise InvalidArgumentError(f"{file}: empty (expected a JSON list of {{\"instruction\", \"output\"}} "
                                        "records)")
-        document = _parse(text, str(file))
+        document = _parse(text, str(file), whole_file=True)
         if not isinstance(document, list):
             raise InvalidArgumentError(f"{file}: expected a JSON list of {{\"instruction\", \"output\"}} records "
                                        f"(or a .jsonl file, one record a line), got a {type(document).__name__}")
@@ -88,13 +88,15 @@ def _read_file(file: Path) -> list[Example]:
     return [_example(record, where) for where, record in records]
 
 
-def _parse(text: str, where: str) -> Any:
-    """``text`` as JSON; refused naming ``where`` when it is not, or nests deeper than the
-    parser recurses."""
+def _parse(text: str, where: str, whole_file: bool = False) -> Any:
+    """``text`` as JSON; refused naming ``where`` when it is not (for a ``whole_file`` that
+    holds more than one value, saying that a record a line is a ``.jsonl`` file's layout), or
+    nests deeper than the parser recurses."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidArgumentError(f"{where}: not valid JSON: {exc}") from None
+        hint = " (a record a line is JSONL: name the file .jsonl)" if whole_file and exc.msg == "Extra data" else ""
+        raise InvalidArgumentError(f"{where}: not valid JSON: {exc}{hint}") from None
     except RecursionError:
         raise InvalidArgumentError(f"{where}: JSON nested too deeply to read (expected {{\"instruction\", "
                                    "\"output\"} records)") from None
