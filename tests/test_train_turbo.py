@@ -149,6 +149,34 @@ def test_a_run_interrupted_while_writing_the_adapter_leaves_no_partial_file(
         np.testing.assert_array_equal(resumed[key], value, err_msg=key)
 
 
+def test_a_run_interrupted_while_removing_its_checkpoint_has_written_its_adapter(
+        model: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """Half of the checkpoint removed (here run.json, without which --resume refuses) must not
+    be left for a checkpoint: the adapter is complete, and the run says so."""
+    import shutil
+
+    from runtime.export import turbo_training
+
+    rmtree = shutil.rmtree
+
+    def half_removed(path, ignore_errors=False):
+        if ignore_errors:
+            return rmtree(path, ignore_errors=True)
+        (Path(path) / "run.json").unlink()
+        raise KeyboardInterrupt
+
+    out = tmp_path / "turbo"
+    with monkeypatch.context() as patch:
+        patch.setattr(turbo_training.shutil, "rmtree", half_removed)
+        argv = ["train-turbo", "--model", str(model), "--data", str(data), "--out", str(out), *FLAGS]
+        assert main(argv) == train_turbo_command.INTERRUPTED
+    assert capsys.readouterr().err.strip() == f"interrupted as the run ended: {out} is written"
+    assert not (out / "checkpoint").exists()
+    with Engine(TRUNK) as engine:
+        assert _generate(engine, LoraSource(path=out), PROMPTS[0])[1].verifies > 0
+
+
 def test_an_interrupted_run_says_what_it_kept(model: Path, data: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "turbo"

@@ -18,7 +18,8 @@ import numpy as np
 from runtime.cli.options import import_export_module
 from runtime.cli.progress import progress_bar
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
-from runtime.export.turbo_settings import CHECKPOINT_DIR, TARGET_MODULES, TurboRun, TurboSettings, check_run
+from runtime.export.turbo_settings import (
+    CHECKPOINT_DIR, CONFIG_FILE, TARGET_MODULES, TurboRun, TurboSettings, check_run)
 from runtime.util.native_logs import muted_native_logs
 
 INTERRUPTED = 130  # the exit code of a Ctrl-C (128 + SIGINT), as a shell reports it
@@ -98,10 +99,14 @@ def run(args: argparse.Namespace) -> int:
                 training = import_export_module("turbo_training", "train-turbo", "torch, transformers, peft")
             record = training.train_turbo(spec, examples, make_trunk=make_trunk, progress=progress, log=_log)
     except KeyboardInterrupt:
-        kept = (args.out / CHECKPOINT_DIR / "state.pt").is_file()
-        print(f"interrupted: the checkpoint in {args.out / CHECKPOINT_DIR} is kept; the same command with --resume "
-              "continues it" if kept else "interrupted before the first checkpoint: nothing kept",
-              file=sys.stderr, flush=True)
+        if (args.out / CHECKPOINT_DIR / "state.pt").is_file():
+            said = (f"interrupted: the checkpoint in {args.out / CHECKPOINT_DIR} is kept; the same command with "
+                    "--resume continues it")
+        elif (args.out / CONFIG_FILE).is_file():  # written last, the checkpoint already put aside
+            said = f"interrupted as the run ended: {args.out} is written"
+        else:
+            said = "interrupted before the first checkpoint: nothing kept"
+        print(said, file=sys.stderr, flush=True)
         return INTERRUPTED
     print(_summary(args.out, record, settings), flush=True)
     return 0

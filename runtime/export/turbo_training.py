@@ -42,7 +42,8 @@ from runtime.export.draft_head_training import (
     DraftHeadStack, cross_entropy_loss, future_targets, head_top1, regression_loss, restrict, write_turbo_adapter)
 from runtime.export.source import inspect_source
 from runtime.export.turbo_data import Example
-from runtime.export.turbo_settings import CHECKPOINT_DIR, TARGET_MODULES, WEIGHTS_FILE, TurboRun, TurboSettings
+from runtime.export.turbo_settings import (
+    CHECKPOINT_DIR, CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, TurboRun, TurboSettings)
 
 REGRESSION_SHARE = 0.6  # of the heads' steps: regression first, cross-entropy after
 HEAD_DECAY = 0.8  # joint training: head k's loss weighted by HEAD_DECAY ** k
@@ -126,14 +127,16 @@ class _Training:
 
     def run(self) -> dict[str, Any]:
         """Every phase not done yet, then the output directory. A run that fails before its
-        first checkpoint leaves no ``out`` behind (a later run need not ``--resume``)."""
+        first checkpoint leaves no ``out`` behind (a later run need not ``--resume``); one that
+        fails after writing the adapter (its config is written last) leaves the adapter."""
         created = not self.run_spec.out.exists()
         self.checkpoint.mkdir(parents=True, exist_ok=True)
         (self.checkpoint / "run.json").write_text(json.dumps(self.record["run"], indent=2) + "\n")
         try:
             return self._phases()
         except BaseException:
-            if created and not (self.checkpoint / "state.pt").exists():
+            if (created and not (self.checkpoint / "state.pt").exists()
+                    and not (self.run_spec.out / CONFIG_FILE).is_file()):
                 shutil.rmtree(self.run_spec.out, ignore_errors=True)
             raise
 
@@ -155,7 +158,12 @@ class _Training:
         self.record.update(draft_vocabulary=int(len(vocab)), seconds=round(time.perf_counter() - started, 1),
                            versions=_versions())
         write_turbo_adapter(self.lora_dir, self.run_spec.out, heads, self.record, vocab)
-        shutil.rmtree(self.checkpoint)
+        # Out of the way in one rename, then removed: a run stopped while removing it leaves the
+        # adapter and no half of a checkpoint that --resume would take for one.
+        removed = self.run_spec.out / f".{CHECKPOINT_DIR}.removed"
+        shutil.rmtree(removed, ignore_errors=True)
+        os.replace(self.checkpoint, removed)
+        shutil.rmtree(removed)
         return self.record
 
     # -- phase 1: the LoRA ---------------------------------------------------------
