@@ -11,14 +11,18 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from runtime.cli.options import import_export_module
 from runtime.cli.progress import progress_bar
 from runtime.errors import FailedPreconditionError, InvalidArgumentError
-from runtime.export.turbo_settings import TARGET_MODULES, TurboRun, TurboSettings, check_run
+from runtime.export.turbo_settings import (
+    CHECKPOINT_DIR, CONFIG_FILE, TARGET_MODULES, TurboRun, TurboSettings, check_run)
 from runtime.util.native_logs import muted_native_logs
+
+INTERRUPTED = 130  # the exit code of a Ctrl-C (128 + SIGINT), as a shell reports it
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -51,7 +55,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
          "L-1 of them)"),
         ("--rank", int, "LoRA rank"), ("--alpha", int, "LoRA alpha"),
         ("--epochs", int, "passes over the examples (LoRA, or joint)"), ("--batch", int, "examples per step"),
-        ("--seq-len", int, "longest prompt + answer in tokens (longer examples are left out)"),
+        ("--seq-len", int, "longest prompt + answer in tokens, at most the model's context (longer examples "
+         "are left out)"),
         ("--lora-lr", float, "the LoRA's peak learning rate"), ("--head-lr", float, "the heads' peak learning rate"),
         ("--warmup-ratio", float, "share of each phase's steps warming the learning rate up"),
         ("--head-steps", int, "steps training the heads on the cached hidden states"),
@@ -70,7 +75,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Checks the run (data, model family, --out) without loading a model, then trains."""
+    """Checks the run (data, model family, --out) without loading a model, then trains. A
+    Ctrl-C ends it with one line saying whether a checkpoint was kept to ``--resume``."""
     settings = TurboSettings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(TurboSettings)})
     spec = TurboRun(model=args.model, data=args.data, out=args.out, settings=settings, lora=args.lora,
                     trunk=args.trunk)
@@ -87,15 +93,38 @@ def run(args: argparse.Namespace) -> int:
                 return progress_bar(f"train-turbo {phase}", unit="step")(items)
         return wrap
 
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
-        with muted_native_logs():
-            training = import_export_module("turbo_training", "train-turbo", "torch, transformers, peft")
-        record = training.train_turbo(spec, examples, make_trunk=make_trunk, progress=progress, log=_log)
-    top1 = record.get("held_out_top1_per_head") or []
-    held = f"; held-out top-1 per head {' '.join(f'{x:.2f}' for x in top1)}" if top1 else ""
-    print(f"wrote {args.out}: {settings.num_heads} heads, draft vocabulary {record['draft_vocabulary']}, "
-          f"{record['seconds']:.0f} s{held}", flush=True)
+    try:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):
+            with muted_native_logs():
+                training = import_export_module("turbo_training", "train-turbo", "torch, transformers, peft")
+            record = training.train_turbo(spec, examples, make_trunk=make_trunk, progress=progress, log=_log)
+    except KeyboardInterrupt:
+        if (args.out / CHECKPOINT_DIR / "state.pt").is_file():
+            said = (f"interrupted: the checkpoint in {args.out / CHECKPOINT_DIR} is kept; the same command with "
+                    "--resume continues it")
+        elif (args.out / CONFIG_FILE).is_file():  # written last, the checkpoint already put aside
+            said = f"interrupted as the run ended: {args.out} is written"
+        else:
+            said = "interrupted before the first checkpoint: nothing kept"
+        print(said, file=sys.stderr, flush=True)
+        return INTERRUPTED
+    print(_summary(args.out, record, settings), flush=True)
     return 0
+
+
+def _summary(out: Path, record: dict[str, Any], settings: TurboSettings) -> str:
+    """The run's last line: what was written, what it was trained on and for how many steps,
+    and the heads' held-out top-1, or why there is none."""
+    steps = ", ".join(f"{phase} {history['steps']} steps" for phase, history in record["phases"].items())
+    top1 = record.get("held_out_top1_per_head") or []
+    if top1:
+        held = f"held-out top-1 per head {' '.join(f'{x:.2f}' for x in top1)}"
+    else:
+        held = (f"no held-out examples to measure the heads on (--holdout {settings.holdout} of "
+                f"{record['distinct_examples']} distinct examples)")
+    return (f"wrote {out}: {settings.num_heads} heads, draft vocabulary {record['draft_vocabulary']}, "
+            f"trained on {record['train_examples']} of {record['examples']} examples ({steps}), "
+            f"{record['seconds']:.0f} s; {held}")
 
 
 def _log(line: str) -> None:

@@ -18,6 +18,8 @@ and ``medusa_head.vocab`` in the LoRA's ``adapter_model.safetensors``, and
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +129,8 @@ def write_turbo_adapter(lora_dir: Path, out_dir: Path, heads: list[tuple[np.ndar
                         record: dict[str, Any] | None = None, vocab: np.ndarray | None = None) -> None:
     """Writes ``lora_dir``'s PEFT adapter with ``heads`` (and the draft vocabulary
     ``medusa_head.vocab``, if given) added, as ``out_dir``; ``record`` as its
-    ``training.json``."""
+    ``training.json``. Each file is written whole or not at all, ``adapter_config.json``
+    last: an interrupted write leaves no directory that reads as an adapter."""
     from safetensors.numpy import load_file, save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,9 +141,22 @@ def write_turbo_adapter(lora_dir: Path, out_dir: Path, heads: list[tuple[np.ndar
         tensors[f"medusa_head.{k}.linear.bias"] = np.ascontiguousarray(bias, np.float32)
     if vocab is not None:
         tensors["medusa_head.vocab"] = np.ascontiguousarray(vocab, np.int32)
-    save_file(tensors, str(out_dir / WEIGHTS_FILE))
+    _write_whole(out_dir / WEIGHTS_FILE, lambda path: save_file(tensors, str(path)))
     config = json.loads((lora_dir / CONFIG_FILE).read_text())
     config.update(medusa_num_heads=len(heads), medusa_num_layers=1)
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if record is not None:
-        (out_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+        text = json.dumps(record, indent=2) + "\n"
+        _write_whole(out_dir / "training.json", lambda path: path.write_text(text))
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    _write_whole(out_dir / CONFIG_FILE, lambda path: path.write_text(text))
+
+
+def _write_whole(target: Path, write: Callable[[Path], object]) -> None:
+    """``write(temporary)`` beside ``target``, then renamed to it; the temporary is removed
+    whatever happens, so an interrupted write leaves neither file half-written."""
+    temporary = target.with_name(f".{target.name}.tmp")
+    try:
+        write(temporary)
+        os.replace(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
-from runtime.export.source import inspect_source
-from runtime.export.turbo_data import Example, read_examples
+from runtime.export.source import Source, inspect_source
+from runtime.export.turbo_data import Example, digest, read_examples
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -80,10 +82,15 @@ class TurboRun:
     lora: Path | None = None  # an existing PEFT LoRA: heads only
     trunk: Path | None = None  # an exported model the heads are trained on (its own hidden states)
 
-    def describe(self) -> dict[str, Any]:
-        """The run as JSON: what a resumed run must match."""
-        return {"model": str(self.model), "data": str(self.data), "lora": str(self.lora) if self.lora else None,
-                "trunk": str(self.trunk) if self.trunk else None, **dataclasses.asdict(self.settings)}
+    def describe(self, source: Source, examples: Sequence[Example]) -> dict[str, Any]:
+        """The run as JSON: what a resumed run must match. Paths are resolved (``model`` and
+        ``./model`` name one run); the model's family and size (``source``) and the
+        examples' digest are kept too, so that another model or other data put at the same
+        path is not taken for this run's."""
+        return {"model": str(self.model.resolve()), "model_type": source.model_type,
+                "model_parameters": source.parameters, "data": str(self.data.resolve()),
+                "data_sha256": digest(examples), "lora": str(self.lora.resolve()) if self.lora else None,
+                "trunk": str(self.trunk.resolve()) if self.trunk else None, **dataclasses.asdict(self.settings)}
 
 
 def check_run(run: TurboRun, resume: bool) -> list[Example]:
@@ -97,7 +104,7 @@ def check_run(run: TurboRun, resume: bool) -> list[Example]:
     if run.settings.joint and run.trunk is not None:
         raise InvalidArgumentError("--trunk trains the heads on an exported model's hidden states, which --joint "
                                    "(torch's states, the LoRA moving) cannot use: drop one of them")
-    inspect_source(run.model)
+    source = inspect_source(run.model)
     examples = read_examples(run.data)
     if run.lora is not None:
         for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -109,17 +116,29 @@ def check_run(run: TurboRun, resume: bool) -> list[Example]:
     if resume:
         if not saved.is_file():
             raise NotFoundError(f"--out {run.out}: no checkpoint to resume ({saved} is missing)")
-        before = _recorded_run(saved, run.out)
-        changed = sorted(key for key in set(before) | set(run.describe())
-                         if before.get(key) != run.describe().get(key))
+        before, now = _recorded_run(saved, run.out), run.describe(source, examples)
+        changed = sorted(key for key in set(before) | set(now) if before.get(key) != now.get(key))
         if changed:
+            differences = ", ".join(f"{key}: {before.get(key)!r}, now {now.get(key)!r}" for key in changed)
             raise InvalidArgumentError(f"--resume: the checkpoint in {run.out} was made with other settings "
-                                       f"({', '.join(f'{k}: {before.get(k)!r}' for k in changed)}); "
-                                       "give the same flags, or a new --out")
+                                       f"({differences}); give the same flags and data, or a new --out")
     elif run.out.exists():
         raise InvalidArgumentError(f"--out {run.out} exists: give a new directory, or --resume to continue the run "
                                    "checkpointed there")
+    else:
+        _check_parent(run.out)
     return examples
+
+
+def _check_parent(out: Path) -> None:
+    """Refuses an ``--out`` that could not be created: the directory that would hold it
+    must exist (as ``export --out`` wants) and be writable."""
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise NotFoundError(f"--out {out}: {parent} is not an existing directory; create it first, or give an --out "
+                            "in one")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"--out {out}: the directory {parent} is not writable")
 
 
 def _recorded_run(saved: Path, out: Path) -> dict[str, Any]:

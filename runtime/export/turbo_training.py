@@ -36,16 +36,20 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from runtime.errors import FailedPreconditionError, InvalidArgumentError
+from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from runtime.export import checkpoint as hf
 from runtime.export.draft_head_training import (
     DraftHeadStack, cross_entropy_loss, future_targets, head_top1, regression_loss, restrict, write_turbo_adapter)
 from runtime.export.source import inspect_source
 from runtime.export.turbo_data import Example
-from runtime.export.turbo_settings import CHECKPOINT_DIR, TARGET_MODULES, WEIGHTS_FILE, TurboRun, TurboSettings
+from runtime.export.turbo_settings import (
+    CHECKPOINT_DIR, CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, TurboRun, TurboSettings)
 
 REGRESSION_SHARE = 0.6  # of the heads' steps: regression first, cross-entropy after
 HEAD_DECAY = 0.8  # joint training: head k's loss weighted by HEAD_DECAY ** k
+_STATE_KEYS = {"phase", "step", "record", "params", "optimizer"}  # what _save_state writes
+_CACHE_ARRAYS = {f"{split}_{kind}" for split in ("train", "test")  # what _positions writes, per split
+                 for kind in ("hidden", "targets", "future", "answers")}
 
 
 class Trunk(Protocol):
@@ -81,9 +85,9 @@ class _Training:
         self.make_trunk, self.progress, self.log = make_trunk, progress, log
         self.checkpoint = run.out / CHECKPOINT_DIR
         self.lora_dir = run.lora or self.checkpoint / "lora"
-        self.record: dict[str, Any] = {"run": run.describe(), "phases": {}}
         torch.set_num_threads(self.settings.threads)
         source = inspect_source(run.model)
+        self.record: dict[str, Any] = {"run": run.describe(source, examples), "phases": {}}
         self.tokenizer = hf.load_hf_tokenizer(source)
         if not self.tokenizer.chat_template:
             raise FailedPreconditionError(f"{run.model}: the tokenizer has no chat template to render the examples "
@@ -92,32 +96,47 @@ class _Training:
         self.stops = _stop_ids(self.tokenizer, self.base)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stops)
         self.lm_head = self.base.get_output_embeddings().weight.detach()
-        encoded = [_encode(self.tokenizer, example, self.stops) for example in examples]
-        kept = [pair for pair in encoded if len(pair[0]) + len(pair[1]) <= self.settings.seq_len]
+        encoded = [_encode(self.tokenizer, example, self.stops) for example in self.progress("examples")(examples)]
+        # The longest example trained on: --seq-len, or the model's context where that is shorter
+        # (positions past it are ones the model never runs at).
+        self.seq_len = min(self.settings.seq_len, source.context_length or self.settings.seq_len)
+        limit = (f"--seq-len {self.seq_len}" if self.seq_len == self.settings.seq_len
+                 else f"the model's context ({self.seq_len}; --seq-len {self.settings.seq_len})")
+        kept = [pair for pair in encoded if len(pair[0]) + len(pair[1]) <= self.seq_len]
         if len(kept) < len(encoded):
-            log(f"{len(encoded) - len(kept)} of {len(encoded)} examples are longer than --seq-len "
-                f"{self.settings.seq_len} tokens: left out")
+            log(f"{len(encoded) - len(kept)} of {len(encoded)} examples are longer than {limit} tokens: left out")
         if not kept:
-            raise InvalidArgumentError(f"{run.data}: every example is longer than --seq-len {self.settings.seq_len} "
-                                       "tokens once the chat template is applied")
-        order = np.random.default_rng(self.settings.seed).permutation(len(kept))
-        held = int(len(kept) * self.settings.holdout)
-        self.train = [kept[i] for i in sorted(order[held:])]
-        self.test = [kept[i] for i in sorted(order[:held])]
-        self.record.update(examples=len(examples), train_examples=len(self.train), held_out_examples=len(self.test))
+            raise InvalidArgumentError(f"{run.data}: every example is longer than {limit} tokens once the chat "
+                                       "template is applied")
+        # The held-out share is drawn from the distinct examples, a repeated one held out whole
+        # (once): a copy of a training example would measure the heads on what they learnt.
+        distinct: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        group = [distinct.setdefault((tuple(prompt), tuple(answer)), len(distinct)) for prompt, answer in kept]
+        if len(distinct) < len(kept):
+            log(f"{len(kept) - len(distinct)} of {len(kept)} examples repeat an earlier one: the held-out share is "
+                f"drawn from the {len(distinct)} distinct ones")
+        order = np.random.default_rng(self.settings.seed).permutation(len(distinct))
+        held = {int(g) for g in order[:int(len(distinct) * self.settings.holdout)]}
+        self.train = [pair for pair, g in zip(kept, group) if g not in held]
+        first = {g: index for index, g in reversed(list(enumerate(group)))}  # each distinct example's first copy
+        self.test = [kept[first[g]] for g in sorted(held)]
+        self.record.update(examples=len(examples), distinct_examples=len(distinct), train_examples=len(self.train),
+                           held_out_examples=len(self.test))
 
     # -- the run -------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         """Every phase not done yet, then the output directory. A run that fails before its
-        first checkpoint leaves no ``out`` behind (a later run need not ``--resume``)."""
+        first checkpoint leaves no ``out`` behind (a later run need not ``--resume``); one that
+        fails after writing the adapter (its config is written last) leaves the adapter."""
         created = not self.run_spec.out.exists()
         self.checkpoint.mkdir(parents=True, exist_ok=True)
-        (self.checkpoint / "run.json").write_text(json.dumps(self.run_spec.describe(), indent=2) + "\n")
+        (self.checkpoint / "run.json").write_text(json.dumps(self.record["run"], indent=2) + "\n")
         try:
             return self._phases()
         except BaseException:
-            if created and not (self.checkpoint / "state.pt").exists():
+            if (created and not (self.checkpoint / "state.pt").exists()
+                    and not (self.run_spec.out / CONFIG_FILE).is_file()):
                 shutil.rmtree(self.run_spec.out, ignore_errors=True)
             raise
 
@@ -139,7 +158,12 @@ class _Training:
         self.record.update(draft_vocabulary=int(len(vocab)), seconds=round(time.perf_counter() - started, 1),
                            versions=_versions())
         write_turbo_adapter(self.lora_dir, self.run_spec.out, heads, self.record, vocab)
-        shutil.rmtree(self.checkpoint)
+        # Out of the way in one rename, then removed: a run stopped while removing it leaves the
+        # adapter and no half of a checkpoint that --resume would take for one.
+        removed = self.run_spec.out / f".{CHECKPOINT_DIR}.removed"
+        shutil.rmtree(removed, ignore_errors=True)
+        os.replace(self.checkpoint, removed)
+        shutil.rmtree(removed)
         return self.record
 
     # -- phase 1: the LoRA ---------------------------------------------------------
@@ -153,6 +177,8 @@ class _Training:
                 return PeftModel.from_pretrained(self.base, str(self.lora_dir)).eval()
             except Exception as exc:  # peft raises ValueError, KeyError, RuntimeError... for a LoRA of another model
                 first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+                if self.run_spec.lora is None:  # the checkpoint's own LoRA, saved for this model: damaged since
+                    self._corrupt(self.lora_dir / WEIGHTS_FILE, first)
                 raise InvalidArgumentError(f"{self.lora_dir}: peft cannot load this LoRA on {self.run_spec.model}: "
                                            f"{first}") from None
         settings = self.settings
@@ -190,24 +216,43 @@ class _Training:
         (hidden, targets); the draft vocabulary (every token of the trunk's training
         answers). Cached in the checkpoint."""
         cache = self.checkpoint / "distill.npz"
-        if not cache.is_file():
+        arrays = self._read_cache(cache) if cache.is_file() else None
+        if arrays is None:
             trunk = self.make_trunk(self.lora_dir) if self.make_trunk else _TorchTrunk(model, self.pad, self.settings)
-            arrays: dict[str, np.ndarray] = {}
+            arrays = {}
             for name, pairs in (("train", self.train), ("test", self.test)):
                 prompts = [prompt for prompt, _ in pairs]
                 longest = max(len(answer) for _, answer in pairs) if pairs else 0
-                room = min(self.settings.seq_len - len(p) for p in prompts) if prompts else 0
+                room = min(self.seq_len - len(p) for p in prompts) if prompts else 0
                 self.log(f"the trunk answers {len(prompts)} {name} prompts")
-                answers = trunk.answers(prompts, max(1, min(longest + 16, room)), self.stops) if prompts else []
+                budget = max(1, min(longest + 16, room))
+                size = _TorchTrunk.batch_size(self.settings)  # a call per generation batch, for the progress
+                calls = [prompts[start:start + size] for start in range(0, len(prompts), size)]
+                answers = [answer for chunk in self.progress(f"answers ({name})")(calls)
+                           for answer in trunk.answers(chunk, budget, self.stops)]
                 rows = [trunk.states(p, a) for p, a in self.progress(f"states ({name})")(list(zip(prompts, answers)))]
                 arrays.update(_positions(name, prompts, answers, rows, self.settings.num_heads, self.lm_head.shape[1]))
             tmp = cache.with_suffix(".tmp.npz")
             np.savez(tmp, **arrays)
             os.replace(tmp, cache)
-        with np.load(cache) as data:
-            train = (torch.from_numpy(data["train_hidden"]), torch.from_numpy(data["train_targets"]),
-                     torch.from_numpy(data["train_future"]))
-            return *train, (data["test_hidden"], data["test_targets"]), np.unique(data["train_answers"])
+        train = (torch.from_numpy(arrays["train_hidden"]), torch.from_numpy(arrays["train_targets"]),
+                 torch.from_numpy(arrays["train_future"]))
+        return *train, (arrays["test_hidden"], arrays["test_targets"]), np.unique(arrays["train_answers"])
+
+    def _read_cache(self, path: Path) -> dict[str, np.ndarray] | None:
+        """The arrays of the checkpoint's distillation cache ``path``, or None (logged) when
+        it does not read whole: the trunk's answers are then computed again, as they were."""
+        try:
+            with np.load(path) as data:
+                arrays = {name: data[name] for name in data.files}
+            missing = sorted(_CACHE_ARRAYS - arrays.keys())
+            if missing:
+                raise ValueError(f"no {', '.join(missing)}")
+            return arrays
+        except Exception as exc:  # numpy raises BadZipFile, ValueError, OSError, EOFError... for a bad file
+            first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+            self.log(f"{path} cannot be read ({first}): the trunk answers again")
+            return None
 
     # -- phase 3: the heads --------------------------------------------------------
 
@@ -222,10 +267,18 @@ class _Training:
         optimizer = torch.optim.AdamW(params.values(), lr=settings.head_lr, weight_decay=0.0)
         regress = int(settings.head_steps * REGRESSION_SHARE)
         generator = torch.Generator()
+        # The positions where head 0 (hence any head) has a token to learn: the others (each
+        # answer's last) add nothing to either loss, and a batch of only them none at all.
+        pool = torch.nonzero(targets[:, 0] >= 0).squeeze(1)
+        if not len(pool):
+            raise InvalidArgumentError(
+                f"{self.run_spec.data}: the trunk answered each of the {len(self.train)} training prompts with a "
+                "single token: no head has a token to learn (head k drafts the token k+2 ahead, so answers need 2 "
+                "tokens or more; an exported --trunk answers less where a prompt leaves its KV cache little room)")
 
         def step(index: int) -> tuple[float, list[float]]:
-            rows = torch.randint(0, len(hidden), (min(settings.head_batch, len(hidden)),),
-                                 generator=generator.manual_seed(settings.seed * 1_000_003 + index))
+            rows = pool[torch.randint(0, len(pool), (min(settings.head_batch, len(pool)),),
+                                      generator=generator.manual_seed(settings.seed * 1_000_003 + index))]
             if index < regress:
                 loss = regression_loss(heads, hidden[rows], mapped[rows], hidden[future[rows]])
                 top1 = []
@@ -245,7 +298,8 @@ class _Training:
     # -- or one joint phase --------------------------------------------------------
 
     def _joint(self, state: dict[str, Any] | None) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
-        """The LoRA and the heads trained together on the examples' own answers."""
+        """The LoRA and the heads trained together on the examples' own answers; the heads'
+        top-1 on the held-out examples' own answers recorded."""
         settings = self.settings
         model = self._new_lora()
         heads = DraftHeadStack(settings.num_heads, self.lm_head.shape[1])
@@ -276,7 +330,15 @@ class _Training:
         self._loop("joint", steps, step, optimizer, [(settings.lora_lr, 0), (settings.head_lr, 1)], params, state)
         model.eval()
         model.save_pretrained(str(self.lora_dir))
-        return heads.as_arrays(), vocab
+        arrays, top1 = heads.as_arrays(), []
+        if self.test:  # the held-out examples teacher-forced on their own answers, as the heads trained
+            trunk = _TorchTrunk(model, self.pad, settings)
+            held = _positions("test", [prompt for prompt, _ in self.test], [answer for _, answer in self.test],
+                              [trunk.states(prompt, answer) for prompt, answer in self.test], settings.num_heads,
+                              self.lm_head.shape[1])
+            top1 = head_top1(arrays, held["test_hidden"], held["test_targets"], self.lm_head.numpy(), vocab)
+        self.record["held_out_top1_per_head"] = [round(x, 4) for x in top1]
+        return arrays, vocab
 
     # -- shared pieces -------------------------------------------------------------
 
@@ -300,10 +362,15 @@ class _Training:
         first = 0
         history = self.record["phases"].setdefault(phase, {"steps": steps, "log": []})
         if state is not None and state["phase"] in (phase, f"{phase} done"):
-            with torch.no_grad():
-                for name, value in state["params"].items():
-                    params[name].copy_(value)
-            optimizer.load_state_dict(state["optimizer"])
+            try:
+                if state["params"].keys() != params.keys():
+                    raise ValueError(f"its {phase} parameters are not this run's")
+                with torch.no_grad():
+                    for name, value in state["params"].items():
+                        params[name].copy_(value)
+                optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, RuntimeError, KeyError, AttributeError) as exc:  # names, shapes, optimizer groups
+                self._corrupt(self.checkpoint / "state.pt", (str(exc).strip() or type(exc).__name__).splitlines()[0])
             first = state["step"]
         warmup = int(steps * settings.warmup_ratio)
         for index in self.progress(phase)(range(first, steps)):
@@ -328,8 +395,24 @@ class _Training:
         os.replace(tmp, self.checkpoint / "state.pt")
 
     def _load_state(self) -> dict[str, Any] | None:
+        """The checkpoint's state, if there is one (tensors and plain data only, no pickled
+        code); ``DataLossError`` naming the file when it does not read as one."""
         path = self.checkpoint / "state.pt"
-        return torch.load(path, weights_only=False) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            state = torch.load(path, weights_only=True)
+            problem = None if isinstance(state, dict) and _STATE_KEYS <= state.keys() else "not a checkpoint's state"
+        except Exception as exc:  # torch raises UnpicklingError, RuntimeError, OSError, EOFError... for a bad file
+            problem = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        if problem is not None:
+            self._corrupt(path, problem)
+        return state
+
+    def _corrupt(self, path: Path, problem: str) -> None:
+        """Raises ``DataLossError`` for the checkpoint file ``path``."""
+        raise DataLossError(f"--resume: {path} cannot be read as this run's checkpoint ({problem}); give a new "
+                            f"--out, or remove {self.run_spec.out} to start again")
 
     def _batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step ``index``'s right-padded batch (ids, attention mask, labels: -100 off the
@@ -363,7 +446,12 @@ class _TorchTrunk:
     """torch's float32 model with the LoRA as the trunk."""
 
     def __init__(self, model: Any, pad: int, settings: TurboSettings) -> None:
-        self.model, self.pad, self.batch = model, pad, settings.batch * 4
+        self.model, self.pad, self.batch = model, pad, self.batch_size(settings)
+
+    @staticmethod
+    def batch_size(settings: TurboSettings) -> int:
+        """Prompts generated together."""
+        return settings.batch * 4
 
     def answers(self, prompts: Sequence[list[int]], max_new_tokens: int, stops: set[int]) -> list[list[int]]:
         """Greedy answers, generated in left-padded batches."""
