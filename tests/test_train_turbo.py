@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -424,6 +425,11 @@ def test_bad_runs_are_refused_before_any_training(model: Path, data: Path, train
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     assert "model_type 'gpt2') is not supported; supported: Llama" in _refusal(
         capsys, ["--model", str(gpt2), "--data", str(data), "--out", out])
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(model, untokenized, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    assert "no tokenizer (tokenizer.json or tokenizer.model or vocab.json or vocab.txt), which train-turbo encodes " \
+           "the examples with" in \
+        _refusal(capsys, ["--model", str(untokenized), "--data", str(data), "--out", out])
     assert f"--out {trained} exists" in _refusal(capsys, [*common, "--out", str(trained)])
     assert "no checkpoint to resume" in _refusal(capsys, [*common, "--out", str(trained), "--resume"])
     assert "no such file or directory" in _refusal(capsys, ["--model", str(model), "--data", str(tmp_path / "none"),

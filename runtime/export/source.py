@@ -81,14 +81,14 @@ def check_settings(source: Source, quantizations: Sequence[str], dora_ranks: Seq
         layout.check_export(source.path, source.model_type, source.dimensions, quantizations, dora_ranks)
 
 
-def check_tokenizer(source: Source) -> None:
-    """Checks that ``source`` has a tokenizer for a bundle to carry (a directory's tokenizer.json
-    must be JSON, its token ids within the model's vocabulary); raises a StatusError naming
-    the source or the file otherwise. Checked before torch is imported, where transformers'
-    own error came after it."""
+def check_tokenizer(source: Source, needed_by: str = "a bundle carries") -> None:
+    """Checks that ``source`` has a tokenizer, which ``needed_by`` says what needs (a
+    directory's tokenizer.json must be JSON, its token ids within the model's vocabulary);
+    raises a StatusError naming the source or the file otherwise. Checked before torch is
+    imported, where transformers' own error came after it."""
     if source.tokenizer is None:
         where = "tokenizer.ggml.model metadata" if source.gguf_file else " or ".join(TOKENIZER_FILES)
-        raise NotFoundError(f"{source.path}: no tokenizer ({where}), which a bundle carries")
+        raise NotFoundError(f"{source.path}: no tokenizer ({where}), which {needed_by}")
     if source.gguf_file or source.tokenizer != "tokenizer.json":
         return
     file = source.directory / source.tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError
-from runtime.export.source import Source, inspect_source
+from runtime.export.source import Source, check_tokenizer, inspect_source
 from runtime.export.turbo_data import Example, digest, read_examples
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -105,6 +105,7 @@ def check_run(run: TurboRun, resume: bool) -> list[Example]:
         raise InvalidArgumentError("--trunk trains the heads on an exported model's hidden states, which --joint "
                                    "(torch's states, the LoRA moving) cannot use: drop one of them")
     source = inspect_source(run.model)
+    check_tokenizer(source, "train-turbo encodes the examples with")
     examples = read_examples(run.data)
     if run.lora is not None:
         for name in (CONFIG_FILE, WEIGHTS_FILE):
