@@ -571,14 +571,20 @@ def test_no_compiler_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch)
     NativeModel(FIXTURES["gqa"], num_threads=1, weight_cache=":memory:", name="gqa").close()
 
 
-def test_a_compile_error_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch):
+def use_fake_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_with: str) -> None:
+    """$CC a script that says it is 'cc 1.0' and fails every build running ``failing_with``
+    (shell lines); the runtime's cache a fresh folder under ``tmp_path``."""
     compiler = tmp_path / "bin" / "cc"
     compiler.parent.mkdir()
-    compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'fake cc 1.0'; exit 0; fi\n"
-                        "echo 'decode_attention.c:1:1: error: no room' >&2\nexit 1\n")
+    compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'cc 1.0'; exit 0; fi\n"
+                        f"{failing_with}\nexit 1\n")
     compiler.chmod(0o755)
-    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+
+
+def test_a_compile_error_refuses_the_model_at_open(rewritten, tmp_path, monkeypatch):
+    use_fake_compiler(tmp_path, monkeypatch, "echo 'decode_attention.c:1:1: error: no room' >&2")
     with pytest.raises(FailedPreconditionError, match="failed: decode_attention.c:1:1: error: no room.*"
                                                       "re-export with --attention-kernel auto"):
         LlmExecutor(rewritten["gqa"])
@@ -752,12 +758,7 @@ def test_a_library_without_the_kernels_is_refused_naming_the_function(tmp_path, 
 
 
 def test_a_compiler_that_fails_in_bytes_not_utf8_is_a_clean_refusal(tmp_path, monkeypatch):
-    compiler = tmp_path / "cc"
-    compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'cc 1.0'; exit 0; fi\n"
-                        "printf 'error: \\377\\376 bad\\n' >&2\nexit 1\n")
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    use_fake_compiler(tmp_path, monkeypatch, "printf 'error: \\377\\376 bad\\n' >&2")
     with pytest.raises(FailedPreconditionError, match="failed: error: .* bad"):
         kernels.build_library()
 
@@ -1076,15 +1077,9 @@ def test_a_build_failing_for_another_reason_than_openmp_is_not_run_again_without
     it was run a second time without OpenMP, doubling the wait at every open, and where the
     second succeeded (room freed meanwhile) a one-thread library was kept for good."""
     calls = tmp_path / "calls"
-    compiler = tmp_path / "cc"
-    compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'cc 1.0'; exit 0; fi\n"
-                        f"echo \"$*\" >> {calls}\n"
-                        "echo 'decode_attention.c: fatal error: error writing to /tmp/ccX.s: No space left on device' "
-                        ">&2\n"
-                        "exit 1\n")
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    use_fake_compiler(tmp_path, monkeypatch, f"echo \"$*\" >> {calls}\n"
+                      "echo 'decode_attention.c: fatal error: error writing to /tmp/ccX.s: No space left on device' "
+                      ">&2")
     with pytest.raises(FailedPreconditionError, match="No space left on device"):
         kernels.build_library()
     builds = calls.read_text().splitlines()
