@@ -435,6 +435,7 @@ class LlmExecutor:
         if notice:  # after the native logs are let through again
             _notice(notice)
         self.weight_cache = cache  # the file the packed weights are mapped from, in use until close
+        cache.refill_huge_pages()
         # One lock per group not compiled yet: its first need compiles it once.
         self._group_locks = {group: threading.Lock() for group in self.spec.groups if group not in self._models}
         self._scratch_kv: KvCache | None = None  # the KV cache of padding rows (their results are dropped)
