@@ -188,6 +188,33 @@ def _op_form_file(tmp_path) -> Path:
     return path
 
 
+@needs_kernel
+def test_a_model_whose_steps_read_its_weights_in_place_has_its_file_read_again_in_huge_pages(tmp_path, monkeypatch):
+    """The engine asks for such a model's file in 2 MB pages (tests/test_page_advice.py: what
+    that does) before any of its views maps it; a model whose weights XNNPACK reads from its
+    packed copy, or shown in the standard form, is not asked for."""
+    from runtime.executor import litert_executor
+    asked = []
+
+    def read_again(path):
+        with open("/proc/self/maps") as maps:  # (start-end perms offset device inode path)
+            private = [line for line in maps if line.rstrip().endswith(str(path)) and line.split()[1][3] == "p"]
+        asked.append((Path(path), private))
+
+    monkeypatch.setattr(litert_executor, "read_again_in_huge_pages", read_again)
+    both, plain = _op_form_file(tmp_path), tmp_path / "plain.tflite"
+    plain.write_bytes(MODEL_FILES["transposed"].read_bytes())
+    for path in (both, plain):
+        with Engine(path, EngineSettings(weight_cache_dir=tmp_path / "cache")) as engine:
+            with engine.create_session(SessionConfig()) as session:
+                session.generate([1, 2, 3], 2)
+    assert asked == [(both, [])]
+    monkeypatch.setattr(litert_executor.kernels, "attention_form_here", lambda name: (False, "the standard form"))
+    with Engine(both, EngineSettings(weight_cache_dir=tmp_path / "cache")):
+        pass
+    assert len(asked) == 1
+
+
 @pytest.mark.skipif(not _huge_page_advice_taken(), reason="no /proc/self/smaps or transparent huge pages here")
 @needs_kernel
 def test_a_model_whose_steps_read_its_weights_in_place_is_mapped_for_huge_pages(tmp_path):

@@ -41,7 +41,8 @@ from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCach
 from runtime.util.latency import LatencyRecorder
 from runtime.executor import kernels
 from runtime.util.attention_rewrite import attention_forms
-from runtime.util.model_view import ModelFile, signature_details, view_refusal
+from runtime.util.model_view import ModelFile, signature_details, view_refusal, weights_read_in_place
+from runtime.util.page_advice import read_again_in_huge_pages
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
 from runtime.util.signature_names import VERIFY, LoraSlot
 from runtime.executor.model_spec import HIDDEN, INPUT_POS, LOGITS, PLAIN_GROUP, TOKENS, ModelSpec, SignatureSpec
@@ -56,6 +57,17 @@ KV_LENGTH_HINT = "(a model exported with a larger --kv-length holds more)"
 
 _noticed: set[str] = set()  # the notices given in this process: each once, however many opens
 _noticed_lock = threading.Lock()
+
+
+def _read_again_in_huge_pages(model_path: Path) -> None:
+    """For a model whose steps read its weights from its file's mapping: the file's pages read
+    again 2 MB at a time where the page cache holds most of them in small ones (SmolLM2-135M
+    f32's step 33.9 -> 28.6 ms on an AMD EPYC Zen 4; :func:`read_again_in_huge_pages`); logged."""
+    refill = read_again_in_huge_pages(model_path)
+    if refill is not None:
+        log.info("%s: %.0f of %.0f MiB were in small pages; read again, %.0f MiB now in 2 MB pages (%.2f s)",
+                 model_path, (refill.mapped_bytes - refill.huge_before) / 2**20, refill.mapped_bytes / 2**20,
+                 refill.huge_after / 2**20, refill.seconds)
 
 
 def _notice(message: str) -> None:
@@ -410,6 +422,8 @@ class LlmExecutor:
                     kernels.refuse_unknown_ops(self._source.header(), str(self.model_path))  # groups compile later
                     if attention_forms(self._source.header()):
                         self._op_form, notice = kernels.attention_form_here(str(self.model_path))
+                    if self._op_form is not False and weights_read_in_place(self._source.header()):
+                        _read_again_in_huge_pages(self.model_path)  # before any view maps it
                     details = signature_details(self._source.header(), source=str(self.model_path))
                     self.spec = ModelSpec.from_details(details, str(self.model_path))
                     self._models[PLAIN_GROUP], io = self._compile_group(PLAIN_GROUP, cache.path)

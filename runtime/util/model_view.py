@@ -350,17 +350,23 @@ def select_attention_form(model: Any, forms: dict[int, int], op_form: bool) -> N
     _U32.pack_into(model, metadata_first - 4, len(entries) - 1)
 
 
-def advise_weights_read_in_place(mapping: mmap.mmap, model: memoryview | bytes) -> bool:
-    """For a model whose steps read its weights from this mapping (the float32 linear layers'
-    op, ``LINEAR_ROWS``), asks for the pages not in memory yet to come 2 MB at a time
-    (:mod:`runtime.util.page_advice`); whether it asked and the system took it. Other models'
-    steps read XNNPACK's packed copy, and the advice would only bring 2 MB runs of weights
-    around the open's scattered reads into memory (an int8 SmolLM2: 103 MB against 13)."""
+def weights_read_in_place(model: memoryview | bytes) -> bool:
+    """Whether the steps of ``model`` (its bytes, in the form shown) read its weights from the
+    model's own mapping: the float32 linear layers' op, ``LINEAR_ROWS``. Other models' steps
+    read XNNPACK's packed copy."""
     try:
-        in_place = LINEAR_ROWS in custom_codes(model)
+        return LINEAR_ROWS in custom_codes(model)
     except (struct.error, TypeError, ValueError, IndexError):  # a table the flatbuffers package cannot read
         return False
-    return in_place and advise_huge_pages(mapping)
+
+
+def advise_weights_read_in_place(mapping: mmap.mmap, model: memoryview | bytes) -> bool:
+    """For a model whose steps read its weights from this mapping (:func:`weights_read_in_place`),
+    asks for the pages not in memory yet to come 2 MB at a time (:mod:`runtime.util.page_advice`);
+    whether it asked and the system took it. Other models' steps read XNNPACK's packed copy, and
+    the advice would only bring 2 MB runs of weights around the open's scattered reads into
+    memory (an int8 SmolLM2: 103 MB against 13)."""
+    return weights_read_in_place(model) and advise_huge_pages(mapping)
 
 
 @dataclass

@@ -9,14 +9,15 @@ engine, came back with 494 MB of 515 in 2 MB pages, 78 MB without the advice (th
 land scattered). The float32 step took 33.9 ms from a file the page cache held in 4 KB pages
 against 28.6 ms from the same file read again in 2 MB ones (AMD EPYC Zen 4, 1 thread,
 docs/kernels.md). Pages already in memory stay as they are (``MADV_COLLAPSE`` needs a kernel
-with read-only file THP), except where :func:`refill_in_huge_pages` reads them again.
+with read-only file THP): :func:`read_again_in_huge_pages` reads such a file again at open.
 
 XNNPACK's packed weights (an int8 model's whole step) are read from its weight-cache file, and
 how the page cache holds that file moves the step as much: SmolLM2-135M int8's took 8.8 ms a
 step with the file in 4 KB pages against 6.6 ms with the same bytes in 2 MB ones (two copies of
 the file in one process, alternating; AMD EPYC Zen 4, 1 thread). The file is written in one
 piece when the model is first opened, and what the writes leave (here 26 of 134 MB in 2 MB
-pages) stays until the system drops the pages.
+pages) stays until the system drops the pages: :func:`refill_in_huge_pages` reads it again
+once XNNPACK maps it (docs/weight-cache.md).
 """
 
 from __future__ import annotations
@@ -74,37 +75,55 @@ class HugePageRefill:
 
 def refill_in_huge_pages(fd: int) -> HugePageRefill | None:
     """Where this process maps the file open as ``fd`` shared (as XNNPACK maps its weight
-    cache) and the page cache holds most of it in small pages, reads it again 2 MB at a time:
-    its mappings asked for huge pages and their page-table entries dropped, the file's cached
-    pages given back (``POSIX_FADV_DONTNEED``: those no other process maps), and the mappings
-    filled again from disk. Nothing else changes: the mappings keep their addresses and read
-    the same bytes (a shared mapping's pages are the file's; private mappings, whose written
-    pages dropping would lose, are left as they are). ``None`` where nothing was done: not
-    Linux, no shared mapping of the file, most of it in 2 MB pages already, or the system
-    refused (a kernel without transparent huge pages)."""
+    cache): its mappings asked for 2 MB pages and filled (the pages not in memory read so);
+    then, where the page cache holds most of the file in small pages, read again 2 MB at a
+    time: the mappings' page-table entries dropped, the file's cached pages given back
+    (``POSIX_FADV_DONTNEED``: those no other process maps) and the mappings filled again
+    from disk. Nothing else changes: the mappings keep their addresses and read the same
+    bytes (a shared mapping's pages are the file's; private mappings, whose written pages
+    dropping would lose, are left as they are). What was read again, or ``None``: not Linux,
+    no shared mapping of the file, most of it in 2 MB pages already, or the system refused (a
+    kernel without transparent huge pages, or before 5.14)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         stat = os.fstat(fd)
-        mappings, huge_before = _shared_mappings(stat)
+        mappings, _ = _shared_mappings(stat)
+        madvise = _libc_madvise()
+        for start, end in mappings:  # (what a mapping has not touched yet is not counted below)
+            if madvise(start, end - start, _MADV_HUGEPAGE) != 0 or madvise(start, end - start, _MADV_POPULATE_READ):
+                return None
+        _, huge_before = _shared_mappings(stat)
         stretches = sum((end - start) // HUGE_PAGE * HUGE_PAGE for start, end in mappings)
         if not stretches or huge_before >= (1 - _SMALL_PAGES_TOLERATED) * stretches:
             return None
         begun = time.perf_counter()
-        madvise = _libc_madvise()
-        for start, end in mappings:
-            if madvise(start, end - start, _MADV_HUGEPAGE) != 0:
-                return None
         for start, end in mappings:
             madvise(start, end - start, _MADV_DONTNEED)  # their pages stay the file's, cached or on disk
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        for start, end in mappings:  # (a kernel before 5.14 refuses: the pages then come back at first use)
+        for start, end in mappings:
             madvise(start, end - start, _MADV_POPULATE_READ)
         _, huge_after = _shared_mappings(stat)
     except (OSError, AttributeError):  # no /proc/self/smaps, or no posix_fadvise
         return None
     return HugePageRefill(sum(end - start for start, end in mappings), huge_before, huge_after,
                           time.perf_counter() - begun)
+
+
+def read_again_in_huge_pages(path: str | os.PathLike[str]) -> HugePageRefill | None:
+    """:func:`refill_in_huge_pages` for a file this process does not map yet (a model whose
+    steps read its weights from its own mapping, before that mapping is made): the file mapped
+    whole, shared and read-only, for the while, every page brought in 2 MB at a time where
+    it was not in memory, and read again where the page cache held most of it in small pages.
+    Mappings made afterwards map the 2 MB pages. ``None`` as there, or where the file cannot
+    be mapped."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ):
+            return refill_in_huge_pages(file.fileno())
+    except (OSError, ValueError):  # unreadable or empty
+        return None
 
 
 def _shared_mappings(stat: os.stat_result) -> tuple[list[tuple[int, int]], int]:
