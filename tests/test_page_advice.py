@@ -37,7 +37,7 @@ def _in_small_pages(fd: int, size: int) -> None:
 
 
 def _huge_bytes(fd: int) -> int:
-    return page_advice._shared_mappings(os.fstat(fd))[1]
+    return page_advice._huge_bytes(page_advice._shared_mappings(os.fstat(fd)))
 
 
 def _file_huge_pages_here(directory) -> bool:

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 HUGE_PAGE = 2 << 20
 # Linux's madvise(2) advice; Python's mmap module names only some, and only on some builds.
 _MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_READ = 4, 14, 22
-# A mapping's line in /proc/self/smaps: start-end perms offset major:minor inode [path]
-_SMAPS_HEADER = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) [0-9a-f]+ ([0-9a-f]+):([0-9a-f]+) (\d+)")
+# The line of /proc/self/smaps that begins a mapping's entry: start-end perms offset device inode [path]
+_SMAPS_HEADER = re.compile(rb"^([0-9a-f]+)-[0-9a-f]+ ")
 # The share of a file's mapped 2 MB stretches that may be in small pages before it is read again.
 _SMALL_PAGES_TOLERATED = 0.1
 
@@ -88,12 +88,12 @@ def refill_in_huge_pages(fd: int) -> HugePageRefill | None:
         return None
     try:
         stat = os.fstat(fd)
-        mappings, _ = _shared_mappings(stat)
+        mappings = _shared_mappings(stat)
         madvise = _libc_madvise()
         for start, end in mappings:  # (what a mapping has not touched yet is not counted below)
             if madvise(start, end - start, _MADV_HUGEPAGE) != 0 or madvise(start, end - start, _MADV_POPULATE_READ):
                 return None
-        _, huge_before = _shared_mappings(stat)
+        huge_before = _huge_bytes(mappings)
         stretches = sum((end - start) // HUGE_PAGE * HUGE_PAGE for start, end in mappings)
         if not stretches or huge_before >= (1 - _SMALL_PAGES_TOLERATED) * stretches:
             return None
@@ -103,7 +103,7 @@ def refill_in_huge_pages(fd: int) -> HugePageRefill | None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         for start, end in mappings:
             madvise(start, end - start, _MADV_POPULATE_READ)
-        _, huge_after = _shared_mappings(stat)
+        huge_after = _huge_bytes(mappings)
     except (OSError, AttributeError):  # no /proc/self/smaps, or no posix_fadvise
         return None
     return HugePageRefill(sum(end - start for start, end in mappings), huge_before, huge_after,
@@ -126,23 +126,31 @@ def read_again_in_huge_pages(path: str | os.PathLike[str]) -> HugePageRefill | N
         return None
 
 
-def _shared_mappings(stat: os.stat_result) -> tuple[list[tuple[int, int]], int]:
-    """This process's shared mappings of the file ``stat`` describes (start, end), and their
-    bytes mapped 2 MB at a time, from ``/proc/self/smaps``."""
-    mappings, huge, current = [], 0, False
-    major, minor = os.major(stat.st_dev), os.minor(stat.st_dev)
+def _shared_mappings(stat: os.stat_result) -> list[tuple[int, int]]:
+    """This process's shared mappings of the file ``stat`` describes (start, end), from
+    ``/proc/self/maps``."""
+    mappings = []
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}"
+    with open("/proc/self/maps") as maps:  # start-end perms offset major:minor inode [path]
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if fields[4] == str(stat.st_ino) and fields[3] == device and fields[1][3] == "s":
+                start, end = fields[0].split("-")
+                mappings.append((int(start, 16), int(end, 16)))
+    return mappings
+
+
+def _huge_bytes(mappings: list[tuple[int, int]]) -> int:
+    """The bytes of these mappings mapped 2 MB at a time (``FilePmdMapped`` in ``/proc/self/smaps``)."""
+    starts, huge, current = {start for start, _ in mappings}, 0, False
     with open("/proc/self/smaps", "rb") as smaps:
         for line in smaps:
             header = _SMAPS_HEADER.match(line)
             if header:
-                start, end, perms, dev_major, dev_minor, inode = header.groups()
-                current = (perms[3:4] == b"s" and int(inode) == stat.st_ino
-                           and (int(dev_major, 16), int(dev_minor, 16)) == (major, minor))
-                if current:
-                    mappings.append((int(start, 16), int(end, 16)))
+                current = int(header.group(1), 16) in starts
             elif current and line.startswith(b"FilePmdMapped:"):
                 huge += int(line.split()[1]) * 1024
-    return mappings, huge
+    return huge
 
 
 def _libc_madvise():
