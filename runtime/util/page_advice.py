@@ -104,7 +104,7 @@ def refill_in_huge_pages(fd: int) -> HugePageRefill | None:
         for start, end in mappings:
             madvise(start, end - start, _MADV_POPULATE_READ)
         huge_after = _huge_bytes(mappings)
-    except (OSError, AttributeError):  # no /proc/self/smaps, or no posix_fadvise
+    except (OSError, AttributeError, ValueError):  # no /proc/self/smaps, no posix_fadvise, or a line not as read
         return None
     return HugePageRefill(sum(end - start for start, end in mappings), huge_before, huge_after,
                           time.perf_counter() - begun)
