@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import threading
 import time
@@ -196,10 +197,11 @@ def test_a_model_whose_steps_read_its_weights_in_place_has_its_file_read_again_i
     from runtime.executor import litert_executor
     asked = []
 
-    def read_again(path):
+    def read_again(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
         with open("/proc/self/maps") as maps:  # (start-end perms offset device inode path)
             private = [line for line in maps if line.rstrip().endswith(str(path)) and line.split()[1][3] == "p"]
-        asked.append((Path(path), private))
+        asked.append((path, private))
 
     monkeypatch.setattr(litert_executor, "read_again_in_huge_pages", read_again)
     both, plain = _op_form_file(tmp_path), tmp_path / "plain.tflite"

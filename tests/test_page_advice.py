@@ -1,5 +1,5 @@
-"""Tests for runtime.util.page_advice.refill_in_huge_pages: a file this process maps, read
-again 2 MB at a time where the page cache holds it in small pages."""
+"""Tests for runtime.util.page_advice.read_again_in_huge_pages: a file read again 2 MB at a
+time where the page cache holds it in small pages."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from runtime.util import page_advice
-from runtime.util.page_advice import HUGE_PAGE, refill_in_huge_pages
+from runtime.util.page_advice import HUGE_PAGE, read_again_in_huge_pages
 
 SIZE = 8 * HUGE_PAGE
 
@@ -73,39 +73,54 @@ def small_pages_file(tmp_path):
     os.close(fd)
 
 
-def test_a_mapped_file_in_small_pages_is_read_again_in_huge_ones_with_the_same_bytes(small_pages_file):
-    path, fd, data = small_pages_file
-    with mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ) as mapping:
-        assert hashlib.sha256(mapping).digest() == hashlib.sha256(data).digest()  # every page mapped, small
-        assert _huge_bytes(fd) == 0
-        refill = refill_in_huge_pages(fd)
-        assert refill is not None
-        assert (refill.mapped_bytes, refill.huge_before) == (SIZE, 0)
-        assert refill.huge_after > 0
-        assert _huge_bytes(fd) == refill.huge_after
-        assert mapping[:] == data
-        assert refill_in_huge_pages(fd) is None  # in huge pages now: nothing to do
+def _mapped_huge(fd: int, size: int = SIZE) -> int:
+    """The bytes a new shared mapping of the file, filled, maps 2 MB at a time."""
+    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mapping:
+        _ = mapping[:]
+        return _huge_bytes(fd)
 
 
-def test_nothing_is_done_for_a_file_this_process_does_not_map(small_pages_file):
-    _, fd, _ = small_pages_file
-    assert refill_in_huge_pages(fd) is None
+def test_a_file_in_small_pages_is_read_again_in_huge_ones_with_the_same_bytes(small_pages_file):
+    _, fd, data = small_pages_file
+    assert _mapped_huge(fd) == 0
+    refill = read_again_in_huge_pages(fd)
+    assert refill is not None
+    assert (refill.file_bytes, refill.huge_before) == (SIZE, 0) and refill.huge_after > 0
+    assert _mapped_huge(fd) > 0  # a mapping made afterwards maps them 2 MB at a time
+    with open(small_pages_file[0], "rb") as file:
+        assert file.read() == data
+    assert read_again_in_huge_pages(fd) is None  # in 2 MB pages now: nothing to do
+
+
+def test_a_mapping_held_meanwhile_reads_the_same_bytes_and_the_pages_come_back_large(small_pages_file):
+    """A shared mapping that exists already (XNNPACK's, after it built the file) keeps its
+    address and bytes; its pages are reclaimed, so the page cache holds the file in 2 MB pages."""
+    _, fd, data = small_pages_file
+    with mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ) as held:
+        assert held[:] == data
+        refill = read_again_in_huge_pages(fd)
+        assert refill is not None and refill.huge_after > 0
+        assert held[:] == data
+    assert _mapped_huge(fd) > 0
 
 
 def test_a_private_mapping_keeps_what_was_written_to_it(small_pages_file):
-    """Private mappings are left alone (dropping their entries would lose the pages written);
-    the shared ones are read again."""
     path, fd, data = small_pages_file
     with open(path, "r+b") as writable:
         private = mmap.mmap(writable.fileno(), SIZE, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-    shared = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
     try:
         private[:4] = b"mine"
-        _ = shared[:]  # every page mapped
-        refill = refill_in_huge_pages(fd)
-        assert refill is not None and refill.mapped_bytes == SIZE  # the shared mapping only
+        assert read_again_in_huge_pages(fd) is not None
         assert private[:4] == b"mine" and private[4:] == data[4:]
-        assert shared[:] == data
     finally:
         private.close()
-        shared.close()
+
+
+def test_a_file_shorter_than_a_huge_page_is_left_alone(tmp_path):
+    path = tmp_path / "small.bin"
+    _write(path, HUGE_PAGE - 1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_again_in_huge_pages(fd) is None
+    finally:
+        os.close(fd)

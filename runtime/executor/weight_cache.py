@@ -70,7 +70,7 @@ from runtime.errors import (
     FailedPreconditionError, InvalidArgumentError, NotFoundError, PermissionDeniedError, ResourceExhaustedError,
 )
 from runtime.util.cache_dir import foreign_writer, runtime_cache_dir
-from runtime.util.page_advice import HugePageRefill, refill_in_huge_pages
+from runtime.util.page_advice import read_again_in_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -137,20 +137,6 @@ class WeightCacheUse:
 
     path: str
     _fd: int | None = field(default=None, repr=False)
-
-    def refill_huge_pages(self) -> HugePageRefill | None:
-        """Once XNNPACK maps the file: reads it again 2 MB at a time where the page cache holds
-        most of it in small pages (an int8 step reads every packed weight from it and took 1.3x
-        as long so; :func:`~runtime.util.page_advice.refill_in_huge_pages`); what was done,
-        logged, or ``None``."""
-        if self._fd is None:
-            return None
-        refill = refill_in_huge_pages(self._fd)
-        if refill is not None:
-            log.info("%s: %s of the %s mapped were in small pages; read again, %s now in 2 MB pages (%.2f s)",
-                     self.path, _mib(refill.mapped_bytes - refill.huge_before), _mib(refill.mapped_bytes),
-                     _mib(refill.huge_after), refill.seconds)
-        return refill
 
     def release(self) -> None:
         """Marks the file used now and lets it be removed; releasing twice is harmless."""
@@ -269,6 +255,7 @@ class WeightCacheFile:
         if found is not None:
             use = WeightCacheUse(str(self.path), found)
             try:
+                _read_again_in_huge_pages(self.path, found)  # before XNNPACK maps it
                 _touch(found)
                 with _locked(self.path.parent):
                     trim(self.path.parent, self.max_bytes)
@@ -297,6 +284,7 @@ class WeightCacheFile:
                 use.path = str(self.path)
                 self._remove_stale()
                 trim(self.path.parent, self.max_bytes)
+            _read_again_in_huge_pages(Path(use.path), use._fd)  # what XNNPACK's writes left, for the next opens
         except BaseException:
             use.release()
             raise
@@ -550,6 +538,15 @@ def _whole(path: Path, fd: int) -> bool:
     as whole)."""
     recorded = _record(path).get(_SIZE)
     return not isinstance(recorded, int) or os.fstat(fd).st_size == recorded
+
+
+def _read_again_in_huge_pages(path: Path, fd: int) -> None:
+    """The file's pages read again 2 MB at a time where the page cache holds most of them in
+    small ones (:func:`~runtime.util.page_advice.read_again_in_huge_pages`: every int8 step
+    reads every packed weight from this file, and took 1.3-1.5x as long so); logged."""
+    refill = read_again_in_huge_pages(fd)
+    if refill is not None:
+        log.info("%s: %s", path, refill.summary())
 
 
 def _touch(fd: int) -> None:

@@ -9,15 +9,16 @@ engine, came back with 494 MB of 515 in 2 MB pages, 78 MB without the advice (th
 land scattered). The float32 step took 33.9 ms from a file the page cache held in 4 KB pages
 against 28.6 ms from the same file read again in 2 MB ones (AMD EPYC Zen 4, 1 thread,
 docs/kernels.md). Pages already in memory stay as they are (``MADV_COLLAPSE`` needs a kernel
-with read-only file THP): :func:`read_again_in_huge_pages` reads such a file again at open.
+with read-only file THP): :func:`read_again_in_huge_pages` reads such a file again at open,
+before its views map it.
 
 XNNPACK's packed weights (an int8 model's whole step) are read from its weight-cache file, and
 how the page cache holds that file moves the step as much: SmolLM2-135M int8's took 8.8 ms a
 step with the file in 4 KB pages against 6.6 ms with the same bytes in 2 MB ones (two copies of
 the file in one process, alternating; AMD EPYC Zen 4, 1 thread). The file is written in one
 piece when the model is first opened, and what the writes leave (here 26 of 134 MB in 2 MB
-pages) stays until the system drops the pages: :func:`refill_in_huge_pages` reads it again
-once XNNPACK maps it (docs/weight-cache.md).
+pages) stays until the system drops the pages: :func:`read_again_in_huge_pages` reads it
+again before XNNPACK maps it, and after a build (docs/weight-cache.md).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 HUGE_PAGE = 2 << 20
 # Linux's madvise(2) advice; Python's mmap module names only some, and only on some builds.
-_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_READ = 4, 14, 22
+_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_PAGEOUT, _MADV_POPULATE_READ = 4, 14, 21, 22
 # The line of /proc/self/smaps that begins a mapping's entry: start-end perms offset device inode [path]
 _SMAPS_HEADER = re.compile(rb"^([0-9a-f]+)-[0-9a-f]+ ")
 # The share of a file's mapped 2 MB stretches that may be in small pages before it is read again.
@@ -63,67 +64,71 @@ def advise_huge_pages(mapping: mmap.mmap) -> bool:
 
 @dataclass(frozen=True)
 class HugePageRefill:
-    """A file this process maps, read again in 2 MB pages (:func:`refill_in_huge_pages`):
-    the bytes of its shared mappings, those mapped 2 MB at a time before and after, and the
-    seconds it took (the file read from disk once more)."""
+    """A file read again in 2 MB pages (:func:`read_again_in_huge_pages`): its bytes, those
+    mapped 2 MB at a time before and after, and the seconds the reading took."""
 
-    mapped_bytes: int
+    file_bytes: int
     huge_before: int
     huge_after: int
     seconds: float
 
+    def summary(self) -> str:
+        """What was done, in words, for a log line."""
+        return (f"{(self.file_bytes - self.huge_before) / 2**20:,.0f} of its {self.file_bytes / 2**20:,.0f} MiB "
+                f"were in small pages; read again, {self.huge_after / 2**20:,.0f} MiB now in 2 MB pages "
+                f"({self.seconds:.2f} s)")
 
-def refill_in_huge_pages(fd: int) -> HugePageRefill | None:
-    """Where this process maps the file open as ``fd`` shared (as XNNPACK maps its weight
-    cache): its mappings asked for 2 MB pages and filled (the pages not in memory read so);
-    then, where the page cache holds most of the file in small pages, read again 2 MB at a
-    time: the mappings' page-table entries dropped, the file's cached pages given back
-    (``POSIX_FADV_DONTNEED``: those no other process maps) and the mappings filled again
-    from disk. Nothing else changes: the mappings keep their addresses and read the same
-    bytes (a shared mapping's pages are the file's; private mappings, whose written pages
-    dropping would lose, are left as they are). What was read again, or ``None``: not Linux,
-    no shared mapping of the file, most of it in 2 MB pages already, or the system refused (a
-    kernel without transparent huge pages, or before 5.14)."""
+
+def read_again_in_huge_pages(fd: int) -> HugePageRefill | None:
+    """Reads the file open as ``fd`` again 2 MB at a time where the page cache holds most of
+    it in small pages. The file is mapped whole for the while, asked for 2 MB pages and filled
+    (pages not in memory come so); where most of it is still mapped in small ones, that
+    mapping's pages are dropped, the pages this process's other shared mappings of the file
+    hold are reclaimed (``MADV_PAGEOUT``: non-destructive, whatever those addresses hold by
+    then), the file's cached pages given back (``POSIX_FADV_DONTNEED``: those no mapping holds)
+    and the mapping filled again from disk. No byte changes. Mappings made afterwards map the
+    2 MB pages whole; the other mappings fault them back mapped by 4 KB entries (fewer misses
+    all the same: int8 6.5 ms a step against 5.9 mapped whole, 9.0 in small pages). Pages
+    another process maps stay as they are. ``None`` where nothing was done: not Linux, an
+    empty file, most of it in 2 MB pages already, or the system refused (a kernel without
+    transparent huge pages, or before 5.14)."""
     if not sys.platform.startswith("linux"):
         return None
+    libc = _libc()
     try:
         stat = os.fstat(fd)
-        mappings = _shared_mappings(stat)
-        madvise = _libc_madvise()
-        for start, end in mappings:  # (what a mapping has not touched yet is not counted below)
-            if madvise(start, end - start, _MADV_HUGEPAGE) != 0 or madvise(start, end - start, _MADV_POPULATE_READ):
-                return None
-        huge_before = _huge_bytes(mappings)
-        stretches = sum((end - start) // HUGE_PAGE * HUGE_PAGE for start, end in mappings)
-        if not stretches or huge_before >= (1 - _SMALL_PAGES_TOLERATED) * stretches:
-            return None
-        begun = time.perf_counter()
-        for start, end in mappings:
-            madvise(start, end - start, _MADV_DONTNEED)  # their pages stay the file's, cached or on disk
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        for start, end in mappings:
-            madvise(start, end - start, _MADV_POPULATE_READ)
-        huge_after = _huge_bytes(mappings)
-    except (OSError, AttributeError, ValueError):  # no /proc/self/smaps, no posix_fadvise, or a line not as read
+    except OSError:
         return None
-    return HugePageRefill(sum(end - start for start, end in mappings), huge_before, huge_after,
-                          time.perf_counter() - begun)
-
-
-def read_again_in_huge_pages(path: str | os.PathLike[str]) -> HugePageRefill | None:
-    """:func:`refill_in_huge_pages` for a file this process does not map yet (a model whose
-    steps read its weights from its own mapping, before that mapping is made): the file mapped
-    whole, shared and read-only, for the while, every page brought in 2 MB at a time where
-    it was not in memory, and read again where the page cache held most of it in small pages.
-    Mappings made afterwards map the 2 MB pages. ``None`` as there, or where the file cannot
-    be mapped."""
-    if not sys.platform.startswith("linux"):
+    size = stat.st_size
+    stretches = size // HUGE_PAGE * HUGE_PAGE
+    if not stretches:
+        return None
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
         return None
     try:
-        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ):
-            return refill_in_huge_pages(file.fileno())
-    except (OSError, ValueError):  # unreadable or empty
+        if libc.madvise(address, size, _MADV_HUGEPAGE) or libc.madvise(address, size, _MADV_POPULATE_READ):
+            return None
+        ours = [(address, address + size)]
+        huge_before = _huge_bytes(ours)
+        if huge_before >= (1 - _SMALL_PAGES_TOLERATED) * stretches:
+            return None
+        begun = time.perf_counter()
+        libc.madvise(address, size, _MADV_DONTNEED)  # this function's own mapping
+        # The others' pages are reclaimed, not dropped: their ranges are read from /proc, and
+        # one another thread unmapped meanwhile and whose addresses were mapped again would
+        # lose its contents to a drop; reclaimed pages keep theirs (written back or swapped).
+        for start, end in _shared_mappings(stat):
+            if start != address:
+                libc.madvise(start, end - start, _MADV_PAGEOUT)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        libc.madvise(address, size, _MADV_POPULATE_READ)
+        huge_after = _huge_bytes(ours)
+    except (OSError, AttributeError, ValueError):  # no /proc/self/smaps, no posix_fadvise, or a line not as read
         return None
+    finally:
+        libc.munmap(address, size)
+    return HugePageRefill(size, huge_before, huge_after, time.perf_counter() - begun)
 
 
 def _shared_mappings(stat: os.stat_result) -> list[tuple[int, int]]:
@@ -153,9 +158,12 @@ def _huge_bytes(mappings: list[tuple[int, int]]) -> int:
     return huge
 
 
-def _libc_madvise():
-    """libc's ``madvise(addr, length, advice)``, for mappings this module did not make."""
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
+def _libc() -> ctypes.CDLL:
+    """libc with ``mmap``, ``munmap`` and ``madvise`` declared (for mappings at addresses this
+    module knows: Python's mmap objects do not give theirs)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc

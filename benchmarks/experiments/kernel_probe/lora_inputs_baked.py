@@ -37,7 +37,7 @@ from runtime.executor.native import HostBuffer, NativeModel, PageBlock
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import attention_forms
 from runtime.util.lora_precision import is_lora_factor
-from runtime.util.page_advice import refill_in_huge_pages
+from runtime.util.page_advice import read_again_in_huge_pages
 
 
 def factors(model: schema.ModelT, key: str, seed: int = 0) -> dict[str, np.ndarray]:
@@ -152,7 +152,7 @@ def main() -> None:
               for index, (variant, path) in enumerate(paths.items())}
     for cache in folder.glob("*.cache"):
         fd = os.open(cache, os.O_RDONLY)
-        refill_in_huge_pages(fd)
+        read_again_in_huge_pages(fd)
         os.close(fd)
     print(f"{args.signature}: {removed} factor inputs baked; inputs {len(original.signatures[args.signature].inputs)}"
           f" -> {', '.join(str(len(m.signatures[args.signature].inputs)) for m in opened.values())}; op form: "
