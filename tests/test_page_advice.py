@@ -3,7 +3,6 @@ time where the page cache holds it in small pages."""
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import random
@@ -83,13 +82,13 @@ def _mapped_huge(fd: int, size: int = SIZE) -> int:
 def test_a_file_in_small_pages_is_read_again_in_huge_ones_with_the_same_bytes(small_pages_file):
     _, fd, data = small_pages_file
     assert _mapped_huge(fd) == 0
-    refill = read_again_in_huge_pages(fd)
+    refill = read_again_in_huge_pages(small_pages_file[0])
     assert refill is not None
     assert (refill.file_bytes, refill.huge_before) == (SIZE, 0) and refill.huge_after > 0
     assert _mapped_huge(fd) > 0  # a mapping made afterwards maps them 2 MB at a time
     with open(small_pages_file[0], "rb") as file:
         assert file.read() == data
-    assert read_again_in_huge_pages(fd) is None  # in 2 MB pages now: nothing to do
+    assert read_again_in_huge_pages(small_pages_file[0]) is None  # in 2 MB pages now: nothing to do
 
 
 def test_a_mapping_held_meanwhile_reads_the_same_bytes_and_the_pages_come_back_large(small_pages_file):
@@ -98,7 +97,7 @@ def test_a_mapping_held_meanwhile_reads_the_same_bytes_and_the_pages_come_back_l
     _, fd, data = small_pages_file
     with mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ) as held:
         assert held[:] == data
-        refill = read_again_in_huge_pages(fd)
+        refill = read_again_in_huge_pages(small_pages_file[0])
         assert refill is not None and refill.huge_after > 0
         assert held[:] == data
     assert _mapped_huge(fd) > 0
@@ -110,7 +109,7 @@ def test_a_private_mapping_keeps_what_was_written_to_it(small_pages_file):
         private = mmap.mmap(writable.fileno(), SIZE, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         private[:4] = b"mine"
-        assert read_again_in_huge_pages(fd) is not None
+        assert read_again_in_huge_pages(path) is not None
         assert private[:4] == b"mine" and private[4:] == data[4:]
     finally:
         private.close()
@@ -119,8 +118,8 @@ def test_a_private_mapping_keeps_what_was_written_to_it(small_pages_file):
 def test_a_file_shorter_than_a_huge_page_is_left_alone(tmp_path):
     path = tmp_path / "small.bin"
     _write(path, HUGE_PAGE - 1)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert read_again_in_huge_pages(fd) is None
-    finally:
-        os.close(fd)
+    assert read_again_in_huge_pages(path) is None
+
+
+def test_a_missing_file_is_left_alone(tmp_path):
+    assert read_again_in_huge_pages(tmp_path / "missing.bin") is None

@@ -120,8 +120,8 @@ def test_every_open_asks_for_the_file_in_huge_pages(model, tmp_path, monkeypatch
     has no file to ask for."""
     asked = []
 
-    def read_again(fd):
-        stat = os.fstat(fd)
+    def read_again(path):
+        stat = os.stat(path)
         with open("/proc/self/maps") as maps:  # (start-end perms offset device inode path)
             mapped = any(int(line.split()[4]) == stat.st_ino for line in maps)
         asked.append((stat.st_ino, mapped))

@@ -59,23 +59,6 @@ _noticed: set[str] = set()  # the notices given in this process: each once, howe
 _noticed_lock = threading.Lock()
 
 
-def _read_again_in_huge_pages(model_path: Path) -> None:
-    """For a model whose steps read its weights from its file's mapping, before its views map
-    it: the file's pages read again 2 MB at a time where the page cache holds most of them in
-    small ones (SmolLM2-135M f32's step 39.1 -> 24.7 ms from that state on an AMD EPYC Zen 4;
-    :func:`read_again_in_huge_pages`); logged."""
-    try:
-        fd = os.open(model_path, os.O_RDONLY)
-    except OSError:  # (the open reports the file's trouble itself)
-        return
-    try:
-        refill = read_again_in_huge_pages(fd)
-    finally:
-        os.close(fd)
-    if refill is not None:
-        log.info("%s: %s", model_path, refill.summary())
-
-
 def _notice(message: str) -> None:
     """Logs ``message`` as a warning (one line on stderr where logging is not configured),
     once per process."""
@@ -429,7 +412,7 @@ class LlmExecutor:
                     if attention_forms(self._source.header()):
                         self._op_form, notice = kernels.attention_form_here(str(self.model_path))
                     if self._op_form is not False and weights_read_in_place(self._source.header()):
-                        _read_again_in_huge_pages(self.model_path)  # before any view maps it
+                        read_again_in_huge_pages(self.model_path)  # before any view maps it
                     details = signature_details(self._source.header(), source=str(self.model_path))
                     self.spec = ModelSpec.from_details(details, str(self.model_path))
                     self._models[PLAIN_GROUP], io = self._compile_group(PLAIN_GROUP, cache.path)

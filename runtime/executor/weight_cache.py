@@ -255,7 +255,7 @@ class WeightCacheFile:
         if found is not None:
             use = WeightCacheUse(str(self.path), found)
             try:
-                _read_again_in_huge_pages(self.path, found)  # before XNNPACK maps it
+                read_again_in_huge_pages(self.path)  # before XNNPACK maps it: an int8 step reads all of it
                 _touch(found)
                 with _locked(self.path.parent):
                     trim(self.path.parent, self.max_bytes)
@@ -284,7 +284,7 @@ class WeightCacheFile:
                 use.path = str(self.path)
                 self._remove_stale()
                 trim(self.path.parent, self.max_bytes)
-            _read_again_in_huge_pages(Path(use.path), use._fd)  # what XNNPACK's writes left, for the next opens
+            read_again_in_huge_pages(use.path)  # what XNNPACK's writes left, for the next opens
         except BaseException:
             use.release()
             raise
@@ -538,15 +538,6 @@ def _whole(path: Path, fd: int) -> bool:
     as whole)."""
     recorded = _record(path).get(_SIZE)
     return not isinstance(recorded, int) or os.fstat(fd).st_size == recorded
-
-
-def _read_again_in_huge_pages(path: Path, fd: int) -> None:
-    """The file's pages read again 2 MB at a time where the page cache holds most of them in
-    small ones (:func:`~runtime.util.page_advice.read_again_in_huge_pages`: every int8 step
-    reads every packed weight from this file, and took 1.3-1.5x as long so); logged."""
-    refill = read_again_in_huge_pages(fd)
-    if refill is not None:
-        log.info("%s: %s", path, refill.summary())
 
 
 def _touch(fd: int) -> None:

@@ -24,12 +24,15 @@ again before XNNPACK maps it, and after a build (docs/weight-cache.md).
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 # Linux's madvise(2) advice; Python's mmap module names only some, and only on some builds.
@@ -79,8 +82,8 @@ class HugePageRefill:
                 f"({self.seconds:.2f} s)")
 
 
-def read_again_in_huge_pages(fd: int) -> HugePageRefill | None:
-    """Reads the file open as ``fd`` again 2 MB at a time where the page cache holds most of
+def read_again_in_huge_pages(path: str | os.PathLike[str]) -> HugePageRefill | None:
+    """Reads the file ``path`` again 2 MB at a time where the page cache holds most of
     it in small pages. The file is mapped whole for the while, asked for 2 MB pages and filled
     (pages not in memory come so); where most of it is still mapped in small ones, that
     mapping's pages are dropped, the pages this process's other shared mappings of the file
@@ -89,11 +92,27 @@ def read_again_in_huge_pages(fd: int) -> HugePageRefill | None:
     and the mapping filled again from disk. No byte changes. Mappings made afterwards map the
     2 MB pages whole; the other mappings fault them back mapped by 4 KB entries (fewer misses
     all the same: int8 6.5 ms a step against 5.9 mapped whole, 9.0 in small pages). Pages
-    another process maps stay as they are. ``None`` where nothing was done: not Linux, an
-    empty file, most of it in 2 MB pages already, or the system refused (a kernel without
-    transparent huge pages, or before 5.14)."""
+    another process maps stay as they are. Logged (INFO) when done; ``None`` where nothing was
+    done: not Linux, a file that cannot be read or is shorter than 2 MB, most of it in 2 MB
+    pages already, or the system refused (a kernel without transparent huge pages, or before
+    5.14)."""
     if not sys.platform.startswith("linux"):
         return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        refill = _read_again(fd)
+    finally:
+        os.close(fd)
+    if refill is not None:
+        log.info("%s: %s", path, refill.summary())
+    return refill
+
+
+def _read_again(fd: int) -> HugePageRefill | None:
+    """:func:`read_again_in_huge_pages` of the file open as ``fd``."""
     libc = _libc()
     try:
         stat = os.fstat(fd)

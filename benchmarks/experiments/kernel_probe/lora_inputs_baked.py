@@ -24,7 +24,6 @@ moves the step by 25%, ``runtime/util/page_advice.py``). Prints the logits' larg
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -151,9 +150,7 @@ def main() -> None:
     opened = {variant: NativeModel(path, num_threads=1, weight_cache=str(folder / f"{index}.cache"), name=variant)
               for index, (variant, path) in enumerate(paths.items())}
     for cache in folder.glob("*.cache"):
-        fd = os.open(cache, os.O_RDONLY)
-        read_again_in_huge_pages(fd)
-        os.close(fd)
+        read_again_in_huge_pages(cache)
     print(f"{args.signature}: {removed} factor inputs baked; inputs {len(original.signatures[args.signature].inputs)}"
           f" -> {', '.join(str(len(m.signatures[args.signature].inputs)) for m in opened.values())}; op form: "
           f"{original.attention_kernel} / {', '.join(str(m.attention_kernel) for m in opened.values())}")

@@ -50,8 +50,8 @@ def main() -> None:
     print(f"in 4 KB pages: {', '.join(str(path) for path in files)}; re-reading at open {mode}", flush=True)
     if mode == "off":
         from runtime.executor import litert_executor, weight_cache
-        litert_executor.read_again_in_huge_pages = lambda fd: None
-        weight_cache.read_again_in_huge_pages = lambda fd: None
+        litert_executor.read_again_in_huge_pages = lambda path: None
+        weight_cache.read_again_in_huge_pages = lambda path: None
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__")
