@@ -323,6 +323,19 @@ def test_gguf_metadata_and_tensors_the_model_is_built_from(tmp_path: Path) -> No
         inspect_source(write_gguf(tmp_path / "n.gguf", **{"blk.0.ffn_up.weight": None}))
 
 
+def test_gguf_tensors_of_other_shapes_than_the_metadata_states(tmp_path: Path) -> None:
+    """transformers failed on them only once every weight was dequantized, after torch."""
+    cases = {"blk.0.attn_k.weight": (np.zeros((2, 4), np.float32), r"\[2, 4\], expected \[4, 4\] from the file's metadata"),
+             "blk.0.ffn_down.weight": (np.zeros((8, 4), np.float32), r"\[8, 4\], expected \[4, 8\]"),
+             "output_norm.weight": (np.zeros(5, np.float32), r"\[5\], expected \[4\]"),
+             "token_embd.weight": (np.zeros((16, 3), np.float32), r"\[16, 3\], expected \[vocab, 4\]"),
+             "output.weight": (np.zeros((15, 4), np.float32), r"\[15, 4\], expected \[16, 4\] \(token_embd")}
+    for name, (tensor, expected) in cases.items():
+        with pytest.raises(InvalidArgumentError, match=f"m.gguf: tensor {name} has shape {expected}"):
+            inspect_source(write_gguf(tmp_path / "m.gguf", **{name: tensor}))
+    assert inspect_source(write_gguf(tmp_path / "m.gguf", **{"output.weight": np.zeros((16, 4), np.float32)}))
+
+
 def test_the_tokenizer_a_bundle_carries(tmp_path: Path) -> None:
     """Missing or unreadable, refused by name before torch (transformers said "Couldn't
     instantiate the backend tokenizer" after importing it)."""

@@ -1,5 +1,6 @@
 """What a Hugging Face checkpoint of a supported family must state and hold, checked from
-``config.json`` and the safetensors headers alone (no torch, no weights read).
+``config.json`` and the safetensors headers alone, or from a GGUF file's metadata and tensor
+table (no torch, no weights read).
 
 transformers fills a field config.json leaves out with its class's default, initializes a
 tensor the weights files lack with random values (only logging it), and fails on a shape
@@ -175,25 +176,51 @@ def check_tensors(config_file: Path, config: Mapping[str, object], model_type: s
                                      f"({', '.join(FLOAT_DTYPES)})")
 
 
-def check_gguf_tensors(path: Path, model_type: str, layers: int, names: set[str]) -> None:
-    """Checks that a GGUF file (``path``) of ``model_type`` with ``layers`` blocks holds every
-    tensor its model loads (``names``: the file's tensor names, llama.cpp's), which transformers
-    would otherwise initialize at random; raises ``NotFoundError`` naming the first one missing."""
+def check_gguf_tensors(path: Path, model_type: str, dims: Mapping[str, int],
+                       shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Checks that a GGUF file (``path``) of ``model_type`` with the dimensions its metadata
+    states (``dims``, :func:`runtime.export.source` reads them) holds every tensor its model
+    loads, in its shape (``shapes``: the file's tensors by llama.cpp's names, numpy's order,
+    rows first). transformers would initialize a missing tensor at random, and fail on a
+    shape that disagrees with the metadata only once every weight is dequantized; raises
+    ``NotFoundError`` / ``InvalidArgumentError`` naming the tensor."""
+    expected = expected_gguf_shapes(model_type, dims)
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise NotFoundError(f"{path}: no tensor {name} (a {model_type} model of {dims['layers']} blocks needs it)")
+        if shape is not None and tuple(shapes[name]) != shape:
+            raise InvalidArgumentError(f"{path}: tensor {name} has shape {list(shapes[name])}, expected {list(shape)} "
+                                       "from the file's metadata")
+    embedding = shapes["token_embd.weight"]
+    if len(embedding) != 2 or embedding[1] != dims["hidden"]:
+        raise InvalidArgumentError(f"{path}: tensor token_embd.weight has shape {list(embedding)}, expected [vocab, "
+                                   f"{dims['hidden']}] from the file's metadata")
+    if "output.weight" in shapes and tuple(shapes["output.weight"]) != tuple(embedding):
+        raise InvalidArgumentError(f"{path}: tensor output.weight has shape {list(shapes['output.weight'])}, expected "
+                                   f"{list(embedding)} (token_embd.weight's)")
+
+
+def expected_gguf_shapes(model_type: str, dims: Mapping[str, int]) -> dict[str, tuple[int, ...] | None]:
+    """Every tensor a ``model_type`` GGUF model of ``dims`` must hold, by llama.cpp's name,
+    with its shape (numpy's order, rows first); None where the metadata does not fix it
+    (the embedding's rows: GGUF states the vocabulary in the tokenizer's metadata)."""
     layout = LAYOUTS[model_type]
-    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
-                 "ffn_down"]
+    hidden, inter, head_dim = dims["hidden"], dims["intermediate"], dims["head_dim"]
+    q_out, kv_out = dims["heads"] * head_dim, dims["kv_heads"] * head_dim
+    per_layer: dict[str, tuple[int, ...]] = {
+        "attn_norm.weight": (hidden,), "attn_q.weight": (q_out, hidden), "attn_k.weight": (kv_out, hidden),
+        "attn_v.weight": (kv_out, hidden), "attn_output.weight": (hidden, q_out), "ffn_norm.weight": (hidden,),
+        "ffn_gate.weight": (inter, hidden), "ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter)}
     if layout.qk_norm:
-        per_layer += ["attn_q_norm", "attn_k_norm"]
+        per_layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
     if layout.sandwich_norms:
-        per_layer += ["post_attention_norm", "post_ffw_norm"]
-    expected = ["token_embd.weight", "output_norm.weight"]
-    for i in range(layers):
-        expected += [f"blk.{i}.{name}.weight" for name in per_layer]
-        if layout.qkv_bias_always:
-            expected += [f"blk.{i}.attn_{p}.bias" for p in "qkv"]
-    for name in expected:
-        if name not in names:
-            raise NotFoundError(f"{path}: no tensor {name} (a {model_type} model of {layers} blocks needs it)")
+        per_layer.update({"post_attention_norm.weight": (hidden,), "post_ffw_norm.weight": (hidden,)})
+    if layout.qkv_bias_always:
+        per_layer.update({"attn_q.bias": (q_out,), "attn_k.bias": (kv_out,), "attn_v.bias": (kv_out,)})
+    expected: dict[str, tuple[int, ...] | None] = {"token_embd.weight": None, "output_norm.weight": (hidden,)}
+    for i in range(dims["layers"]):
+        expected.update({f"blk.{i}.{name}": shape for name, shape in per_layer.items()})
+    return expected
 
 
 def expected_shapes(config: Mapping[str, object], model_type: str,

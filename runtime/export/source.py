@@ -280,8 +280,8 @@ def _inspect_gguf(path: Path) -> Source:
             f"type {', '.join(kinds)}), which transformers cannot dequantize; readable: {', '.join(GGUF_TENSOR_TYPES)}"
         )
     dims = _gguf_dimensions(fields, architecture)
-    layout.check_gguf_tensors(path, GGUF_ARCHITECTURES[architecture], dims["layers"],
-                              {tensor.name for tensor in reader.tensors})
+    layout.check_gguf_tensors(path, GGUF_ARCHITECTURES[architecture], dims,
+                              {tensor.name: tuple(int(n) for n in reversed(tensor.shape)) for tensor in reader.tensors})
     parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
     return Source(path=path, model_type=GGUF_ARCHITECTURES[architecture], gguf_file=path.name, parameters=parameters,
                   context_length=_positive_int(fields.get(f"{architecture}.context_length")),
