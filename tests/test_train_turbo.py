@@ -485,6 +485,28 @@ def test_a_resumed_run_must_be_given_the_same_settings_and_data(model: Path, dat
     assert "other settings (data_sha256: " in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_resumed_run_must_be_given_the_same_lora_and_trunk_files(model: Path, data: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Another LoRA or another export copied over the checkpointed run's (the same paths) is
+    not that run's: its heads would continue on other states."""
+    lora, trunk, out = tmp_path / "lora", tmp_path / "trunk.tflite", tmp_path / "out"
+    shutil.copytree(LORA, lora)
+    shutil.copy(TRUNK, trunk)
+    (out / "checkpoint").mkdir(parents=True)
+    spec = TurboRun(model=model, data=data, out=out, settings=TurboSettings(), lora=lora, trunk=trunk)
+    (out / "checkpoint" / "run.json").write_text(json.dumps(spec.describe(inspect_source(model), read_examples(data))))
+    check_run(spec, resume=True)
+    argv = ["--model", str(model), "--data", str(data), "--out", str(out), "--resume", "--lora", str(lora),
+            "--trunk", str(trunk)]
+    for changed, field in ((trunk, "trunk_sha256"), (lora / "adapter_model.safetensors", "lora_sha256")):
+        original = changed.read_bytes()
+        changed.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        err = _refusal(capsys, argv)
+        assert f"other settings ({field}: " in err and len(err.strip().splitlines()) == 1
+        changed.write_bytes(original)
+    check_run(spec, resume=True)
+
+
 def test_without_the_export_extra_one_line_names_it(monkeypatch: pytest.MonkeyPatch, model: Path, data: Path,
                                                    tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "runtime.export.turbo_training", None)  # its import fails as without torch

@@ -5,6 +5,7 @@ second, and a resumed run must be the run its checkpoint was made by)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -84,13 +85,29 @@ class TurboRun:
 
     def describe(self, source: Source, examples: Sequence[Example]) -> dict[str, Any]:
         """The run as JSON: what a resumed run must match. Paths are resolved (``model`` and
-        ``./model`` name one run); the model's family and size (``source``) and the
-        examples' digest are kept too, so that another model or other data put at the same
-        path is not taken for this run's."""
+        ``./model`` name one run); the model's family and size (``source``), the examples'
+        digest and the digests of the ``lora``'s files and of the ``trunk`` are kept too, so
+        that another model, other data, another LoRA or another export put at the same path
+        is not taken for this run's (the trunk's digest reads the file: ~1 s at 500 MB)."""
         return {"model": str(self.model.resolve()), "model_type": source.model_type,
                 "model_parameters": source.parameters, "data": str(self.data.resolve()),
                 "data_sha256": digest(examples), "lora": str(self.lora.resolve()) if self.lora else None,
-                "trunk": str(self.trunk.resolve()) if self.trunk else None, **dataclasses.asdict(self.settings)}
+                "lora_sha256": _files_digest(self.lora / CONFIG_FILE, self.lora / WEIGHTS_FILE) if self.lora else None,
+                "trunk": str(self.trunk.resolve()) if self.trunk else None,
+                "trunk_sha256": _files_digest(self.trunk) if self.trunk else None, **dataclasses.asdict(self.settings)}
+
+
+def _files_digest(*files: Path) -> str:
+    """The SHA-256 of the files' bytes one after another; ``InvalidArgumentError`` naming a
+    file that cannot be read."""
+    total = hashlib.sha256()
+    for file in files:
+        try:
+            with open(file, "rb") as opened:
+                total.update(hashlib.file_digest(opened, "sha256").digest())
+        except OSError as exc:
+            raise InvalidArgumentError(f"{file}: cannot be read: {exc.strerror}") from None
+    return total.hexdigest()
 
 
 def check_run(run: TurboRun, resume: bool) -> list[Example]:
