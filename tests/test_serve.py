@@ -854,6 +854,31 @@ def test_metrics_report_adapters_and_requests(served):
     assert metric(text, "runtime_decode_batch_wait_seconds", quantile="0.99") == 0
 
 
+def test_a_request_ending_after_its_adapter_was_unloaded_leaves_no_series_behind(tmp_path):
+    """A request records its outcome after its job released the adapter, so an unload can
+    come in between: the adapter's series, dropped by the unload, must not come back."""
+    from runtime.serve.generation import Outcome
+    from runtime.serve.metrics import ServerMetrics
+
+    shutil.copy(DEMO / "adapters" / "uppercase.tflite", tmp_path)
+    outcome = Outcome("HI", "length", prompt_tokens=3, completion_tokens=2, queue_wait_s=0.0,
+                      time_to_first_token_s=0.01, decode_tokens_per_s=100.0)
+    with Engine(MODEL, tokenizer=ByteTokenizer()) as engine:
+        catalog = AdapterCatalog(engine, tmp_path, reserved_names=["demo"])
+        catalog.scan()
+        metrics = ServerMetrics(engine, catalog, "demo", lambda: 0)
+        metrics.record(["uppercase"], outcome)
+        metrics.record([], outcome)
+        assert metric(metrics.render().decode(), "runtime_generated_tokens_total", model="uppercase") == 2
+        catalog.unload("uppercase")
+        metrics.forget("uppercase")
+        metrics.record(["uppercase"], outcome)  # the late request
+        page = metrics.render().decode()
+        assert 'model="uppercase"' not in page
+        assert metric(page, "runtime_generated_tokens_total", model="demo") == 2
+        assert metric(page, "runtime_queue_wait_seconds_count") == 3  # the request itself still counts
+
+
 def test_prompts_beginning_alike_start_from_the_cached_head_and_answer_as_offline(served):
     preamble = "Repeat the line that follows, as the adapter does. "
     before = served.call("/metrics")[1]["text"]

@@ -14,7 +14,8 @@ taken from it, what it holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,8 +35,12 @@ _CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128)
 class ServerMetrics:
     """The instruments requests update, and the page they are read from."""
 
-    def __init__(self, engine: Engine, catalog: AdapterCatalog, running: Callable[[], int]) -> None:
-        """``running``: how many requests are running now."""
+    def __init__(self, engine: Engine, catalog: AdapterCatalog, base_name: str, running: Callable[[], int]) -> None:
+        """``base_name``: the model's name, counted for requests without adapters;
+        ``running``: how many requests are running now."""
+        self._catalog = catalog
+        self._base_name = base_name
+        self._series = threading.Lock()  # an adapter's series are counted or forgotten, never both at once
         self.registry = CollectorRegistry()
         self.requests = Counter("runtime_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)
@@ -64,20 +69,30 @@ class ServerMetrics:
                                    ["model", "finish_reason"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, catalog))
 
-    def record(self, models: Iterable[str], outcome: Outcome) -> None:
-        """Counts one finished generation for each of ``models`` (the base's name or adapter names)."""
+    def record(self, adapters: Sequence[str], outcome: Outcome) -> None:
+        """Counts one finished generation for each of ``adapters`` (their names; none: for
+        the base model's name). An adapter unloaded since the request let it go is not
+        counted: its series were forgotten and stay so (a request records its outcome
+        after its job released the adapters, and an unload may come in between)."""
         self.queue_wait.observe(outcome.queue_wait_s)
         if outcome.time_to_first_token_s is not None:
             self.first_token.observe(outcome.time_to_first_token_s)
         if outcome.decode_tokens_per_s > 0:
             self.decode_speed.observe(outcome.decode_tokens_per_s)
-        for model in models:
-            self.prompt_tokens.labels(model).inc(outcome.prompt_tokens)
-            self.generated_tokens.labels(model).inc(outcome.completion_tokens)
-            self.generations.labels(model, outcome.finish_reason).inc()
+        with self._series:
+            models = [name for name in adapters if self._catalog.find(name) is not None] if adapters else [
+                self._base_name]
+            for model in models:
+                self.prompt_tokens.labels(model).inc(outcome.prompt_tokens)
+                self.generated_tokens.labels(model).inc(outcome.completion_tokens)
+                self.generations.labels(model, outcome.finish_reason).inc()
 
     def forget(self, model: str) -> None:
-        """Drops an unloaded adapter's series."""
+        """Drops the series of an adapter the catalog has unloaded."""
+        with self._series:
+            self._forget(model)
+
+    def _forget(self, model: str) -> None:
         for counter in (self.prompt_tokens, self.generated_tokens):
             try:
                 counter.remove(model)

@@ -36,7 +36,7 @@ class Server:
         # One thread per admitted request (prepare, then run) and one for closing jobs
         # whose request went away before they ran.
         self.pool = ThreadPoolExecutor(settings.max_concurrent + 1, thread_name_prefix="serve-request")
-        self.metrics = ServerMetrics(engine, catalog, lambda: self.admission.running)
+        self.metrics = ServerMetrics(engine, catalog, settings.model_name, lambda: self.admission.running)
         # What runs a generation: on this engine, or (with --replicas) forwarded to a replica.
         self.job_class = GenerationJob
 

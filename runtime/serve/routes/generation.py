@@ -131,13 +131,13 @@ class _Run:
         self._job = job
         self._body = body
         self._weights = weights
-        self._models = [name for name, _ in weights] or [server.settings.model_name]
+        self._adapters = [name for name, _ in weights]
 
     def __call__(self) -> Outcome:
         """The job's outcome; a job the server stopped because it shuts down ends with the
         server's refusal (503) instead."""
         outcome = self._job.run()
-        self._server.metrics.record(self._models, outcome)
+        self._server.metrics.record(self._adapters, outcome)
         refusal = self._server.admission.refusal() if outcome.finish_reason == "cancelled" else None
         if refusal is not None:
             raise refusal
