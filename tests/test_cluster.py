@@ -388,6 +388,17 @@ def test_each_replica_reserves_the_cpus_it_runs():
         options.check_fits(11)
 
 
+def test_joining_a_cluster_without_the_replicas_cpus_says_the_server_waits_for_them():
+    """Ray Serve waits for a replica's CPUs however long it takes: joined to a cluster
+    (--ray-address) the server's start hung with nothing said."""
+    options = ClusterOptions(3, address="10.0.0.1:6379", threads=2)
+    assert options.wait_notice(free=6, total=6) is None
+    assert options.wait_notice(free=4, total=8) == (
+        "--replicas 3 x --threads 2 ask the Ray cluster for 6 CPUs and it has 4 free of 8: the replicas start as "
+        "CPUs free up, and the server waits for them (Ctrl-C stops)")
+    assert "it has 4 in all: the replicas start only once nodes join it" in options.wait_notice(free=1, total=4)
+
+
 def test_more_replicas_than_the_machine_has_cpus_are_refused_before_ray_starts(monkeypatch):
     """A local Ray was started with as many CPUs as the replicas asked for, whatever the machine had."""
     monkeypatch.setattr(launch, "available_cpus", lambda: 4)

@@ -32,6 +32,8 @@ from runtime.serve.cluster.replica import EngineReplica, ReplicaConfig
 from runtime.serve.cluster.state import STATE_ACTOR, ClusterCatalog, ClusterState
 from runtime.serve.server import Server
 
+log = logging.getLogger("runtime.serve")
+
 NAMESPACE = "runtime"
 APPLICATION = "runtime"  # each server's own Serve application: this, a dash and a random suffix
 CONNECT_TIMEOUT_S = 5.0
@@ -94,6 +96,19 @@ class ClusterOptions:
             f"with these --threads{' and --executors' if executors else ''}, or fewer threads, or a Ray cluster "
             "with --ray-address")
 
+    def wait_notice(self, free: float, total: float) -> str | None:
+        """What a server joining a Ray cluster (``--ray-address``) says when the replicas'
+        CPUs are not free there (``free`` of ``total``): Ray Serve then waits for them,
+        and the server's start with it; ``None`` when they fit."""
+        needed = self.replicas * self.cpus_per_replica
+        if needed <= free:
+            return None
+        executors = f" x --executors {self.executors}" if self.executors != 1 else ""
+        has = f"{free:g} free of {total:g}" if needed <= total else f"{total:g} in all"
+        when = "as CPUs free up" if needed <= total else "only once nodes join it (an autoscaling cluster adds them)"
+        return (f"--replicas {self.replicas} x --threads {self.threads}{executors} ask the Ray cluster for {needed} "
+                f"CPUs and it has {has}: the replicas start {when}, and the server waits for them (Ctrl-C stops)")
+
 
 def available_cpus() -> int:
     """The CPUs this process may run on (its affinity mask, else the machine's count)."""
@@ -144,6 +159,10 @@ class Cluster:
             hint = (" (a cluster with token authentication, Ray's default, needs RAY_AUTH_MODE=token here and its "
                     "token in RAY_AUTH_TOKEN or ~/.ray/auth_token)" if options.address else "")
             raise UnavailableError(f"cannot start or join {where}: {' '.join(str(exc).split())[:300]}{hint}") from None
+        if options.address is not None:
+            notice = options.wait_notice(ray.available_resources().get("CPU", 0), ray.cluster_resources().get("CPU", 0))
+            if notice is not None:
+                log.warning("%s", notice)
         suffix = uuid.uuid4().hex[:12]
         application, state_actor = f"{APPLICATION}-{suffix}", f"{STATE_ACTOR}-{suffix}"
         state = None
