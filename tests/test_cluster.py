@@ -33,7 +33,7 @@ from runtime.cli.main import build_parser
 from runtime.errors import InvalidArgumentError
 from runtime.serve.cluster import launch
 from runtime.serve.cluster.launch import ClusterOptions
-from runtime.serve.cluster.replica import adapter_set_id, batches, parse_adapter_set_id
+from runtime.serve.cluster.replica import EngineReplica, StallWatch, adapter_set_id, batches, parse_adapter_set_id
 from runtime.serve.cluster import state as state_module
 from runtime.serve.cluster.state import ClusterCatalog, ClusterState, file_sha256
 from test_serve import huge_adapter
@@ -352,6 +352,35 @@ def test_a_replica_silent_for_a_minute_leaves_the_reports(monkeypatch):
     clock[0] += state_module.REPORT_KEEP_S - 29
     state.sync("replacement", {"requests": 2})
     assert state.reports() == {"replacement": (clock[0], {"requests": 2, "catalogue_version": 0})}
+
+
+def test_a_replica_whose_engine_runs_no_step_while_requests_work_fails_its_health_checks():
+    """Stuck in a step, a replica's event loop still answered Ray Serve's health checks, so it
+    was never replaced and every request routed to it ended after --replica-timeout."""
+    watch = StallWatch(limit_s=60)
+    assert watch.stalled_for(working=0, invokes=5, now=0) is None  # idle: never stuck
+    assert watch.stalled_for(working=1, invokes=5, now=2) is None
+    assert watch.stalled_for(working=1, invokes=5, now=61) == 61
+    assert watch.stalled_for(working=1, invokes=6, now=63) is None  # a step: going on
+    assert watch.stalled_for(working=1, invokes=6, now=120) is None  # 57 s: a long step, not yet stuck
+    assert watch.stalled_for(working=0, invokes=6, now=500) is None
+    assert watch.stalled_for(working=1, invokes=6, now=502) is None  # stuck since it was last idle at most
+    never = StallWatch(limit_s=0)  # --replica-timeout 0
+    assert never.stalled_for(1, 5, 0) is None and never.stalled_for(1, 5, 1e6) is None
+
+    invokes = [7]
+    replica = object.__new__(EngineReplica)  # its health check alone, without Ray
+    replica.name, replica._lock, replica._working = "r1", threading.Lock(), 1
+    replica.engine = SimpleNamespace(stats=lambda: SimpleNamespace(invokes=invokes[0]))
+    replica._start_sync = lambda: None
+    replica._stalls = StallWatch(limit_s=0.05)
+    asyncio.run(replica.check_health())
+    time.sleep(0.1)
+    with pytest.raises(RuntimeError, match=r"replica r1: 1 request\(s\) running and its engine ran no step for 0 s "
+                       r"\(--replica-timeout 0.05\): stuck"):
+        asyncio.run(replica.check_health())
+    invokes[0] += 1
+    asyncio.run(replica.check_health())
 
 
 def test_replicas_without_the_extra_is_one_line_naming_it(tmp_path):

@@ -170,7 +170,8 @@ class Cluster:
             serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
             _remove_orphans(ray, serve)
             state = ray.remote(ClusterState).options(name=state_actor, namespace=NAMESPACE, num_cpus=0).remote()
-            config = ReplicaConfig(**{**config.__dict__, "state_actor": state_actor, "namespace": NAMESPACE})
+            config = ReplicaConfig(**{**config.__dict__, "state_actor": state_actor, "namespace": NAMESPACE,
+                                      "stall_s": options.replica_timeout})
             try:
                 handle = serve.run(deployment(serve, options).bind(config), name=application,
                                    route_prefix=None)

@@ -74,6 +74,27 @@ async def batches(events: asyncio.Queue, steps: Callable[[], Awaitable[int]],
         yield batch
 
 
+class StallWatch:
+    """Whether a replica is stuck: requests running and its engine running no step for
+    longer than ``limit_s`` (0: never said). A replica stuck in a step still answers Ray
+    Serve's health checks from its event loop; failing them gets it replaced."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._invokes = -1
+        self._since = 0.0
+
+    def stalled_for(self, working: int, invokes: int, now: float) -> float | None:
+        """Seconds without a step while ``working`` requests are at work on the engine
+        (``invokes``: its steps so far; ``now``: a monotonic clock), when more than the
+        limit; else None."""
+        if working == 0 or invokes != self._invokes:
+            self._invokes, self._since = invokes, now
+            return None
+        stalled = now - self._since
+        return stalled if self.limit_s and stalled > self.limit_s else None
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
     """What every replica builds its engine from (the same on every node)."""
@@ -86,6 +107,9 @@ class ReplicaConfig:
     draft_heads: bool = True
     state_actor: str = ""
     namespace: str = ""
+    # Seconds a replica with requests running may run no step before its health checks
+    # fail (the ingress's --replica-timeout; 0: never).
+    stall_s: float = 0.0
 
 
 class AdapterSet:
@@ -128,8 +152,10 @@ class EngineReplica:
         self._catalogue: dict[str, dict[str, str]] = {}
         self._counts = {"loads": 0, "evictions": 0, "hits": 0, "misses": 0, "requests": 0, "generated_tokens": 0,
                         "load_seconds": 0.0}
-        self._running = 0
+        self._running = 0  # requests between their first event and their stream's end
+        self._working = 0  # of them, those whose job is at work on the engine
         self._sync_task: asyncio.Task | None = None
+        self._stalls = StallWatch(config.stall_s)
 
     # -- Ray Serve's calls -------------------------------------------------------
 
@@ -194,6 +220,9 @@ class EngineReplica:
             except BaseException as exc:
                 job.close()
                 put(exc)
+            finally:
+                with self._lock:
+                    self._working -= 1
 
         with self._lock:
             self._running += 1
@@ -201,6 +230,8 @@ class EngineReplica:
         worker = threading.Thread(target=work, name="replica-request", daemon=True)
         try:
             yield [("replica", self.name, hit)]
+            with self._lock:
+                self._working += 1
             worker.start()
             async for batch in batches(events, lambda: asyncio.to_thread(lambda: self.engine.stats().invokes)):
                 for item in batch:
@@ -234,8 +265,17 @@ class EngineReplica:
                 "adapters": sorted(self._names())}
 
     async def check_health(self) -> None:
-        """Ray Serve's periodic health check: starts the sync loop if no request did."""
+        """Ray Serve's periodic health check: starts the sync loop if no request did, and
+        fails while requests run and the engine has run no step for longer than
+        ``stall_s`` (three failures in a row and Ray Serve replaces the replica)."""
         self._start_sync()
+        invokes = await asyncio.to_thread(lambda: self.engine.stats().invokes)
+        with self._lock:
+            working = self._working
+        stalled = self._stalls.stalled_for(working, invokes, time.monotonic())
+        if stalled is not None:
+            raise RuntimeError(f"replica {self.name}: {working} request(s) running and its engine ran no step for "
+                               f"{stalled:.0f} s (--replica-timeout {self._stalls.limit_s:g}): stuck")
 
     # -- internals ---------------------------------------------------------------
 
