@@ -6,7 +6,9 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -123,3 +125,53 @@ def test_a_file_shorter_than_a_huge_page_is_left_alone(tmp_path):
 
 def test_a_missing_file_is_left_alone(tmp_path):
     assert read_again_in_huge_pages(tmp_path / "missing.bin") is None
+
+
+def test_a_device_whose_files_come_back_without_huge_pages_is_not_read_again_until_a_restart(tmp_path, monkeypatch):
+    """ext4 before Linux 6.16 (most systems' today) holds no file in 2 MB folios: every open
+    read its weight files from the disk anew, for nothing."""
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
+    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
+    _write(first), _write(second)
+    brought = [0]
+    reads = []
+
+    def read_again(fd, stat):
+        reads.append(stat.st_ino)
+        return page_advice.HugePageRefill(stat.st_size, 0, brought[0], 0.1)
+
+    monkeypatch.setattr(page_advice, "_read_again", read_again)
+    earlier_boot = tmp_path / "cache" / "page-advice" / "an-earlier-boot.8-1"
+    earlier_boot.parent.mkdir(parents=True)
+    earlier_boot.touch()
+    brought[0] = 2 * HUGE_PAGE  # some came: read again whenever its pages are small
+    read_again_in_huge_pages(first), read_again_in_huge_pages(first)
+    assert len(reads) == 2
+    brought[0] = 0
+    assert read_again_in_huge_pages(first).huge_after == 0
+    assert read_again_in_huge_pages(first) is None and read_again_in_huge_pages(second) is None
+    assert len(reads) == 3
+    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())  # the next process: the marker
+    assert read_again_in_huge_pages(second) is None and len(reads) == 3
+    assert [marker.name.rpartition(".")[2] for marker in earlier_boot.parent.iterdir()] == [
+        f"{os.major(first.stat().st_dev)}-{os.minor(first.stat().st_dev)}"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
+def test_a_file_on_a_file_system_without_huge_file_pages_is_read_once(tmp_path, monkeypatch):
+    """tmpfs without huge= maps no file 2 MB at a time: one read, then none."""
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
+    folder = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        path = os.path.join(folder, "weights.bin")
+        data = _write(path)
+        refill = read_again_in_huge_pages(path)
+        if refill is None or refill.huge_after:
+            pytest.skip("this tmpfs maps files 2 MB at a time")
+        assert read_again_in_huge_pages(path) is None
+        with open(path, "rb") as file:
+            assert file.read() == data
+    finally:
+        shutil.rmtree(folder)

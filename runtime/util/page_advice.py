@@ -19,6 +19,12 @@ the file in one process, alternating; AMD EPYC Zen 4, 1 thread). The file is wri
 piece when the model is first opened, and what the writes leave (here 26 of 134 MB in 2 MB
 pages) stays until the system drops the pages: :func:`read_again_in_huge_pages` reads it
 again before XNNPACK maps it, and after a build (docs/weight-cache.md).
+
+Where the file system holds no file in 2 MB folios (ext4 before Linux 6.16, tmpfs without
+``huge=``, ext4 with ``data=journal``...), reading again brings none: the first time that
+happens on a device, the device is remembered until the machine restarts (a marker in the
+runtime's cache directory), and its files are not read again: each open would otherwise read
+its files from the disk anew, for nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import StatusError
+from runtime.util.cache_dir import runtime_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +104,9 @@ def read_again_in_huge_pages(path: str | os.PathLike[str]) -> HugePageRefill | N
     all the same: int8 6.5 ms a step against 5.9 mapped whole, 9.0 in small pages). Pages
     another process maps stay as they are. Logged (INFO) when done; ``None`` where nothing was
     done: not Linux, a file that cannot be read or is shorter than 2 MB, most of it in 2 MB
-    pages already, or the system refused (a kernel without transparent huge pages, or before
-    5.14)."""
+    pages already, the system refused (a kernel without transparent huge pages, or before
+    5.14), or a file on a device whose files came back without a single 2 MB page since the
+    machine started (see the module)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -103,21 +114,28 @@ def read_again_in_huge_pages(path: str | os.PathLike[str]) -> HugePageRefill | N
     except OSError:
         return None
     try:
-        refill = _read_again(fd)
+        stat = os.fstat(fd)
+        if _without_huge_pages(stat.st_dev):
+            return None
+        refill = _read_again(fd, stat)
+    except OSError:
+        return None
     finally:
         os.close(fd)
-    if refill is not None:
+    if refill is None:
+        return None
+    if refill.huge_after == 0:
+        _remember_without_huge_pages(stat.st_dev)
+        log.info("%s: %s; none came: its file system is not read again until the machine restarts", path,
+                 refill.summary())
+    else:
         log.info("%s: %s", path, refill.summary())
     return refill
 
 
-def _read_again(fd: int) -> HugePageRefill | None:
-    """:func:`read_again_in_huge_pages` of the file open as ``fd``."""
+def _read_again(fd: int, stat: os.stat_result) -> HugePageRefill | None:
+    """:func:`read_again_in_huge_pages` of the file open as ``fd`` (``stat``: its status)."""
     libc = _libc()
-    try:
-        stat = os.fstat(fd)
-    except OSError:
-        return None
     size = stat.st_size
     stretches = size // HUGE_PAGE * HUGE_PAGE
     if not stretches:
@@ -148,6 +166,52 @@ def _read_again(fd: int) -> HugePageRefill | None:
     finally:
         libc.munmap(address, size)
     return HugePageRefill(size, huge_before, huge_after, time.perf_counter() - begun)
+
+
+# Devices whose files came back without a 2 MB page (this process's memory of the markers).
+_devices_without_huge_pages: set[int] = set()
+_MARKERS = "page-advice"  # the cache directory's folder of markers: "{boot id}.{major}-{minor}"
+
+
+def _without_huge_pages(device: int) -> bool:
+    """Whether files on ``device`` were read again since the machine started and came back
+    without a single 2 MB page (in this process, or as a marker says)."""
+    if device in _devices_without_huge_pages:
+        return True
+    marker = _marker(device)
+    if marker is not None and marker.exists():
+        _devices_without_huge_pages.add(device)
+        return True
+    return False
+
+
+def _remember_without_huge_pages(device: int) -> None:
+    """Remembers ``device`` as :func:`_without_huge_pages` until the machine restarts: in this
+    process, and as a marker for the next ones (markers of earlier boots removed); a cache
+    directory that cannot be written leaves this process's memory alone."""
+    _devices_without_huge_pages.add(device)
+    marker = _marker(device)
+    if marker is None:
+        return
+    try:
+        marker.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for old in marker.parent.iterdir():
+            if not old.name.startswith(marker.name.partition(".")[0] + "."):
+                old.unlink(missing_ok=True)
+        marker.touch()
+    except OSError:
+        pass
+
+
+def _marker(device: int) -> Path | None:
+    """The marker of ``device`` for this boot; ``None`` without a boot id or a cache directory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        folder = runtime_cache_dir() / _MARKERS
+    except (OSError, StatusError):
+        return None
+    return folder / f"{boot_id}.{os.major(device)}-{os.minor(device)}"
 
 
 def _shared_mappings(stat: os.stat_result) -> list[tuple[int, int]]:
