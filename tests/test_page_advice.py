@@ -158,6 +158,32 @@ def test_a_device_whose_files_come_back_without_huge_pages_is_not_read_again_unt
         f"{os.major(first.stat().st_dev)}-{os.minor(first.stat().st_dev)}"]
 
 
+def test_a_cache_directory_another_user_can_write_holds_no_marker(tmp_path, monkeypatch):
+    """A marker planted there would turn the reading off (or a symbolic link in its place
+    would have an empty file made wherever it points): this process remembers alone."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("RUNTIME_CACHE", str(shared))
+    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
+    path = tmp_path / "a.bin"
+    _write(path)
+    reads = []
+    monkeypatch.setattr(page_advice, "_read_again", lambda fd, stat: reads.append(1) or page_advice.HugePageRefill(
+        stat.st_size, 0, 0, 0.1))
+    read_again_in_huge_pages(path)
+    assert read_again_in_huge_pages(path) is None and len(reads) == 1  # remembered in this process
+    assert not (shared / "page-advice").exists()
+    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
+    with open("/proc/sys/kernel/random/boot_id") as boot:
+        planted = shared / "page-advice" / f"{boot.read().strip()}.{os.major(path.stat().st_dev)}-" \
+                                           f"{os.minor(path.stat().st_dev)}"
+    planted.parent.mkdir()
+    planted.touch()
+    read_again_in_huge_pages(path)
+    assert len(reads) == 2  # a marker there is not believed
+
+
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
 def test_a_file_on_a_file_system_without_huge_file_pages_is_read_once(tmp_path, monkeypatch):
     """tmpfs without huge= maps no file 2 MB at a time: one read, then none."""

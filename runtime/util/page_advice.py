@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import StatusError
-from runtime.util.cache_dir import runtime_cache_dir
+from runtime.util.cache_dir import foreign_writer, runtime_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +204,16 @@ def _remember_without_huge_pages(device: int) -> None:
 
 
 def _marker(device: int) -> Path | None:
-    """The marker of ``device`` for this boot; ``None`` without a boot id or a cache directory."""
+    """The marker of ``device`` for this boot; ``None`` without a boot id or a cache directory,
+    or where another user could write there (a marker planted or a symbolic link put in its
+    place: :func:`runtime.util.cache_dir.foreign_writer`)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
             boot_id = boot.read().strip()
         folder = runtime_cache_dir() / _MARKERS
     except (OSError, StatusError):
+        return None
+    if foreign_writer(folder.parent) or foreign_writer(folder):
         return None
     return folder / f"{boot_id}.{os.major(device)}-{os.minor(device)}"
 
