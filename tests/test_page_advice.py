@@ -18,6 +18,14 @@ from runtime.util.page_advice import HUGE_PAGE, read_again_in_huge_pages
 SIZE = 8 * HUGE_PAGE
 
 
+@pytest.fixture(autouse=True)
+def own_markers(tmp_path, monkeypatch):
+    """Each test with a cache directory and a memory of its own: a device another test's
+    files marked (the whole suite's runtime cache) would leave these files alone."""
+    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
+
+
 def _write(path, size: int = SIZE) -> bytes:
     data = random.Random(7).randbytes(size)
     with open(path, "wb") as file:
@@ -129,12 +137,12 @@ def test_a_missing_file_is_left_alone(tmp_path):
 
 def test_a_device_whose_files_come_back_without_huge_pages_is_not_read_again_until_a_restart(tmp_path, monkeypatch):
     """ext4 before Linux 6.16 (most systems' today) holds no file in 2 MB folios: every open
-    read its weight files from the disk anew, for nothing."""
-    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
-    first, second = tmp_path / "a.bin", tmp_path / "b.bin"
-    _write(first), _write(second)
-    brought = [0]
+    read its weight files from the disk anew, for nothing. Judged on a file of 16 MB or more
+    while free memory holds 2 MB blocks for all of it: a small file (its mapping not aligned)
+    or fragmented memory brings small pages on any file system, for a while."""
+    first, second, small = tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "small.bin"
+    _write(first), _write(second), _write(small, 4 * HUGE_PAGE)
+    brought, free = [0], [1000]
     reads = []
 
     def read_again(fd, stat):
@@ -142,18 +150,23 @@ def test_a_device_whose_files_come_back_without_huge_pages_is_not_read_again_unt
         return page_advice.HugePageRefill(stat.st_size, 0, brought[0], 0.1)
 
     monkeypatch.setattr(page_advice, "_read_again", read_again)
+    monkeypatch.setattr(page_advice, "_free_huge_blocks", lambda: free[0])
     earlier_boot = tmp_path / "cache" / "page-advice" / "an-earlier-boot.8-1"
     earlier_boot.parent.mkdir(parents=True)
     earlier_boot.touch()
     brought[0] = 2 * HUGE_PAGE  # some came: read again whenever its pages are small
     read_again_in_huge_pages(first), read_again_in_huge_pages(first)
-    assert len(reads) == 2
     brought[0] = 0
+    read_again_in_huge_pages(small), read_again_in_huge_pages(small)  # too small to tell
+    free[0] = 7  # fewer free 2 MB blocks than the file's 8: the memory's sake
+    read_again_in_huge_pages(first), read_again_in_huge_pages(first)
+    assert len(reads) == 6
+    free[0] = 1000
     assert read_again_in_huge_pages(first).huge_after == 0
     assert read_again_in_huge_pages(first) is None and read_again_in_huge_pages(second) is None
-    assert len(reads) == 3
+    assert len(reads) == 7
     monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())  # the next process: the marker
-    assert read_again_in_huge_pages(second) is None and len(reads) == 3
+    assert read_again_in_huge_pages(second) is None and len(reads) == 7
     assert [marker.name.rpartition(".")[2] for marker in earlier_boot.parent.iterdir()] == [
         f"{os.major(first.stat().st_dev)}-{os.minor(first.stat().st_dev)}"]
 
@@ -165,12 +178,12 @@ def test_a_cache_directory_another_user_can_write_holds_no_marker(tmp_path, monk
     shared.mkdir()
     shared.chmod(0o777)
     monkeypatch.setenv("RUNTIME_CACHE", str(shared))
-    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
     path = tmp_path / "a.bin"
     _write(path)
     reads = []
     monkeypatch.setattr(page_advice, "_read_again", lambda fd, stat: reads.append(1) or page_advice.HugePageRefill(
         stat.st_size, 0, 0, 0.1))
+    monkeypatch.setattr(page_advice, "_free_huge_blocks", lambda: 1000)
     read_again_in_huge_pages(path)
     assert read_again_in_huge_pages(path) is None and len(reads) == 1  # remembered in this process
     assert not (shared / "page-advice").exists()
@@ -187,8 +200,7 @@ def test_a_cache_directory_another_user_can_write_holds_no_marker(tmp_path, monk
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
 def test_a_file_on_a_file_system_without_huge_file_pages_is_read_once(tmp_path, monkeypatch):
     """tmpfs without huge= maps no file 2 MB at a time: one read, then none."""
-    monkeypatch.setenv("RUNTIME_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(page_advice, "_devices_without_huge_pages", set())
+    monkeypatch.setattr(page_advice, "_free_huge_blocks", lambda: 1000)  # not for the memory's sake
     folder = tempfile.mkdtemp(dir="/dev/shm")
     try:
         path = os.path.join(folder, "weights.bin")

@@ -22,9 +22,10 @@ again before XNNPACK maps it, and after a build (docs/weight-cache.md).
 
 Where the file system holds no file in 2 MB folios (ext4 before Linux 6.16, tmpfs without
 ``huge=``, ext4 with ``data=journal``...), reading again brings none: the first time that
-happens on a device, the device is remembered until the machine restarts (a marker in the
-runtime's cache directory), and its files are not read again: each open would otherwise read
-its files from the disk anew, for nothing.
+happens on a device to a file of 16 MB or more while free memory holds 2 MB blocks for all of
+it, the device is remembered until the machine restarts (a marker in the runtime's cache
+directory), and its files are not read again: each open would otherwise read its files from
+the disk anew, for nothing.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def read_again_in_huge_pages(path: str | os.PathLike[str]) -> HugePageRefill | N
         os.close(fd)
     if refill is None:
         return None
-    if refill.huge_after == 0:
+    if _file_system_without_huge_pages(refill):
         _remember_without_huge_pages(stat.st_dev)
         log.info("%s: %s; none came: its file system is not read again until the machine restarts", path,
                  refill.summary())
@@ -166,6 +167,35 @@ def _read_again(fd: int, stat: os.stat_result) -> HugePageRefill | None:
     finally:
         libc.munmap(address, size)
     return HugePageRefill(size, huge_before, huge_after, time.perf_counter() - begun)
+
+
+# A file of fewer 2 MB stretches says nothing of its file system when none comes back in 2 MB
+# pages (a mapping not aligned to 2 MB, the pages of a file just written not yet given back).
+_STRETCHES_TO_JUDGE = 8
+
+
+def _file_system_without_huge_pages(refill: HugePageRefill) -> bool:
+    """Whether a file read again came back without a single 2 MB page for its file system's
+    sake, not the memory's: a file of at least ``_STRETCHES_TO_JUDGE`` stretches, and memory
+    free in 2 MB blocks for all of it (``/proc/buddyinfo``; fragmented memory also brings
+    small pages, for a while)."""
+    stretches = refill.file_bytes // HUGE_PAGE
+    return refill.huge_after == 0 and stretches >= _STRETCHES_TO_JUDGE and _free_huge_blocks() >= stretches
+
+
+def _free_huge_blocks() -> int:
+    """How many 2 MB blocks the kernel's free memory holds (``/proc/buddyinfo``: per zone, the
+    free blocks of each order, 4 KB pages times 2 to the order); 0 where it cannot be read."""
+    order = (HUGE_PAGE // mmap.PAGESIZE).bit_length() - 1  # 9 with 4 KB pages
+    total = 0
+    try:
+        with open("/proc/buddyinfo") as buddy:
+            for line in buddy:  # Node 0, zone Normal c0 c1 ... c10
+                counts = line.split()[4:]
+                total += sum(int(count) << (k - order) for k, count in enumerate(counts) if k >= order)
+    except (OSError, ValueError):
+        return 0
+    return total
 
 
 # Devices whose files came back without a 2 MB page (this process's memory of the markers).
