@@ -80,8 +80,10 @@ class ServerMetrics:
         if outcome.decode_tokens_per_s > 0:
             self.decode_speed.observe(outcome.decode_tokens_per_s)
         with self._series:
-            models = [name for name in adapters if self._catalog.find(name) is not None] if adapters else [
-                self._base_name]
+            if adapters:
+                models = [name for name in adapters if self._catalog.find(name) is not None]
+            else:
+                models = [self._base_name]
             for model in models:
                 self.prompt_tokens.labels(model).inc(outcome.prompt_tokens)
                 self.generated_tokens.labels(model).inc(outcome.completion_tokens)
@@ -90,19 +92,16 @@ class ServerMetrics:
     def forget(self, model: str) -> None:
         """Drops the series of an adapter the catalog has unloaded."""
         with self._series:
-            self._forget(model)
-
-    def _forget(self, model: str) -> None:
-        for counter in (self.prompt_tokens, self.generated_tokens):
-            try:
-                counter.remove(model)
-            except KeyError:
-                pass
-        for reason in ("stop", "length", "cancelled"):
-            try:
-                self.generations.remove(model, reason)
-            except KeyError:
-                pass
+            for counter in (self.prompt_tokens, self.generated_tokens):
+                try:
+                    counter.remove(model)
+                except KeyError:
+                    pass
+            for reason in ("stop", "length", "cancelled"):
+                try:
+                    self.generations.remove(model, reason)
+                except KeyError:
+                    pass
 
     def render(self) -> bytes:
         """The Prometheus text page (reads the engine's stats; call it off the event loop)."""

@@ -232,7 +232,12 @@ class EngineReplica:
             yield [("replica", self.name, hit)]
             with self._lock:
                 self._working += 1
-            worker.start()
+            try:
+                worker.start()
+            except BaseException:  # no thread to count itself out
+                with self._lock:
+                    self._working -= 1
+                raise
             async for batch in batches(events, lambda: asyncio.to_thread(lambda: self.engine.stats().invokes)):
                 for item in batch:
                     if isinstance(item, BaseException):
