@@ -316,18 +316,28 @@ PASSES(f16, _Float16, loadh)
  * first, lets the misses overlap. Kernel alone, SmolLM2's shapes, cold caches, span 1,024, 30
  * layers (kernel_bench --positions 4,8,16,32,64,128,1000 --rounds 7): positions 4 / 8 / 32
  * 0.26 / 0.29 / 0.38 -> 0.17 / 0.22 / 0.33 ms (f32), 0.36 / 0.40 / 0.24 -> 0.18 / 0.21 / 0.18
- * (f16); unchanged from 128 on, where the passes' own prefetching takes over. */
+ * (f16); unchanged from 128 on, where the passes' own prefetching takes over. Asked into the
+ * second-level cache where the passes ask there (AHEAD_INTO_L2, the Zen 4 box): 4 / 8 / 16 / 32 /
+ * 64 positions 0.24 / 0.30 / 0.35 / 0.40 / 0.46 -> 0.22 / 0.27 / 0.30 / 0.32 / 0.44 ms (f32), 0.20
+ * / 0.26 / 0.23 / 0.29 / 0.42 -> 0.17 / 0.21 / 0.18 / 0.23 / 0.31 (f16), the same at 128 (9
+ * rounds); asking so for spans up to 512, 1,024 or 2,048 bytes moved 128 to 1,000 positions
+ * only within the rounds' spread. */
 #define SHORT_SPAN 256 /* bytes of a row's open span */
+#if AHEAD_INTO_L2 && (defined(__x86_64__) || defined(__i386__))
+#define PREFETCH_SPAN(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
+#else
+#define PREFETCH_SPAN(p) PREFETCH_NOW(p)
+#endif
 static void prefetch_short_span(const void *K, const void *V, size_t bytes, int G, int T, int D, int lo, int n) {
   const size_t span = (size_t)n * bytes;
   if (span > SHORT_SPAN) return;
   for (int g = 0; g < G; g++) {
     const char *kg = (const char *)K + ((size_t)g * T + lo) * D * bytes; /* n rows of D, contiguous */
-    for (size_t b = 0; b < span * D; b += 64) PREFETCH_NOW(kg + b);
+    for (size_t b = 0; b < span * D; b += 64) PREFETCH_SPAN(kg + b);
     for (int d = 0; d < D; d++) {
       const char *row = (const char *)V + (((size_t)g * D + d) * T + lo) * bytes;
-      for (size_t b = 0; b < span; b += 64) PREFETCH_NOW(row + b);
-      PREFETCH_NOW(row + span - 1); /* the span's last line, where it crosses one */
+      for (size_t b = 0; b < span; b += 64) PREFETCH_SPAN(row + b);
+      PREFETCH_SPAN(row + span - 1); /* the span's last line, where it crosses one */
     }
   }
 }
