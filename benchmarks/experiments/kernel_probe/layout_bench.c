@@ -7,6 +7,8 @@
  *   /tmp/layout_bench T [ROUNDS [P,P,...]]          (defaults: 11 rounds, 8,32,128,512,1000)
  * (the real kernel is #included by its path relative to this file; -DKERNEL="\"path\"" for another).
  * On AVX-512: -mavx512f -mavx2 -mfma -mf16c and the CPU's tuning (kernels.tuning_flags()). With
+ * -DOUTER_INTO_L2=1 -DOUTER_SPAN=BYTES the outer side asks for spans up to BYTES of a row into the
+ * second-level cache before its passes (as the kernel does for its short spans on Zen 4). With
  * -DHUGE_PAGES every tensor lies in one pool asked for 2 MB pages (the runtime's PageBlock gives V
  * caches of 1,024 positions huge pages from the start); without, each its own aligned_alloc.
  *
@@ -69,6 +71,16 @@ static double now(void) {
 }
 
 /* The outer layout's V pass: og[h*D + d] = sum_i p[h][lo+i] * V[lo+i][d]. */
+/* How the outer side asks for a short span's lines before its passes: up to OUTER_SPAN bytes of
+ * a row (the kernel's SHORT_SPAN unless given), into the first-level cache unless OUTER_INTO_L2. */
+#ifndef OUTER_SPAN
+#define OUTER_SPAN SHORT_SPAN
+#endif
+#if OUTER_INTO_L2
+#define OUTER_ASK(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
+#else
+#define OUTER_ASK(p) PREFETCH_NOW(p)
+#endif
 static void vpass_outer(const float *Vg, const float *scores, int S, int lo, int n, float *og) {
   enum { C = HALF / W };
   for (int b = 0; b < n; b += BLOCK) {
@@ -105,11 +117,11 @@ static void attend_outer(const float *q, const float *mask, float scale, const f
     while (!(mask[hi] > -1e30f)) hi--;
   const int n = hi - lo + 1, S = T + 16 + ((T % 1024) < 16 ? 16 : 0);
   float scores[H * (4096 + 32)] __attribute__((aligned(64)));
-  if ((size_t)n * 4 <= SHORT_SPAN) /* both spans contiguous, n rows of D per group */
+  if ((size_t)n * 4 <= OUTER_SPAN) /* both spans contiguous, n rows of D per group */
     for (int g = 0; g < G; g++)
       for (size_t b = 0; b < (size_t)n * D * 4; b += 64) {
-        PREFETCH_NOW((const char *)(K + ((size_t)g * T + lo) * D) + b);
-        PREFETCH_NOW((const char *)(V + ((size_t)g * T + lo) * D) + b);
+        OUTER_ASK((const char *)(K + ((size_t)g * T + lo) * D) + b);
+        OUTER_ASK((const char *)(V + ((size_t)g * T + lo) * D) + b);
       }
   for (int g = 0; g < G; g++) {
     const size_t at = (size_t)g * T * D;
