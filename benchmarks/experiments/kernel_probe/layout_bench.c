@@ -9,6 +9,8 @@
  * On AVX-512: -mavx512f -mavx2 -mfma -mf16c and the CPU's tuning (kernels.tuning_flags()). With
  * -DOUTER_INTO_L2=1 -DOUTER_SPAN=BYTES the outer side asks for spans up to BYTES of a row into the
  * second-level cache before its passes (as the kernel does for its short spans on Zen 4). With
+ * -DTGD the second side is litert-torch's default layout, K and V [1, T, G, D], instead (the passes
+ * over it below; -DTGD_AHEAD=BYTES, -DTGD_STREAMS=N: how they ask ahead on long spans). With
  * -DHUGE_PAGES every tensor lies in one pool asked for 2 MB pages (the runtime's PageBlock gives V
  * caches of 1,024 positions huge pages from the start); without, each its own aligned_alloc.
  *
@@ -70,7 +72,6 @@ static double now(void) {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-/* The outer layout's V pass: og[h*D + d] = sum_i p[h][lo+i] * V[lo+i][d]. */
 /* How the outer side asks for a short span's lines before its passes: up to OUTER_SPAN bytes of
  * a row (the kernel's SHORT_SPAN unless given), into the first-level cache unless OUTER_INTO_L2. */
 #ifndef OUTER_SPAN
@@ -81,6 +82,7 @@ static double now(void) {
 #else
 #define OUTER_ASK(p) PREFETCH_NOW(p)
 #endif
+/* The outer layout's V pass: og[h*D + d] = sum_i p[h][lo+i] * V[lo+i][d]. */
 static void vpass_outer(const float *Vg, const float *scores, int S, int lo, int n, float *og) {
   enum { C = HALF / W };
   for (int b = 0; b < n; b += BLOCK) {
@@ -107,14 +109,20 @@ static void vpass_outer(const float *Vg, const float *scores, int S, int lo, int
   }
 }
 
+/* The positions the mask leaves open, lo..hi, as attend() finds them (all of them where none is). */
+static void open_span(const float *mask, int T, int *lo, int *hi) {
+  *lo = 0, *hi = T - 1;
+  while (*lo < T && !(mask[*lo] > -1e30f)) ++*lo;
+  if (*lo == T) *lo = 0;
+  else
+    while (!(mask[*hi] > -1e30f)) --*hi;
+}
+
 /* The runtime's op with V [G, T, D]: the same steps as attend() but the V pass (no soft-cap). */
 static void attend_outer(const float *q, const float *mask, float scale, const float *K, const float *V,
                          int T, float *o) {
-  int lo = 0, hi = T - 1;
-  while (lo < T && !(mask[lo] > -1e30f)) lo++;
-  if (lo == T) lo = 0;
-  else
-    while (!(mask[hi] > -1e30f)) hi--;
+  int lo, hi;
+  open_span(mask, T, &lo, &hi);
   const int n = hi - lo + 1, S = T + 16 + ((T % 1024) < 16 ? 16 : 0);
   float scores[H * (4096 + 32)] __attribute__((aligned(64)));
   if ((size_t)n * 4 <= OUTER_SPAN) /* both spans contiguous, n rows of D per group */
@@ -131,19 +139,123 @@ static void attend_outer(const float *q, const float *mask, float scale, const f
   }
 }
 
+/* -DTGD: the second side is litert-torch's default layout instead, K and V [1, T, G, D] (a
+ * position's G groups one row of G x D floats), read once in order, all groups a block of
+ * positions at a time: the kernel's K pass with rows G x D apart; a V pass over BLOCK positions
+ * at a time, each group's three heads sharing each load; spans up to OUTER_SPAN bytes of a
+ * position's row asked for first (OUTER_ASK), longer ones TGD_AHEAD bytes ahead into the
+ * second-level cache as the passes go, each pass taking its blocks from TGD_STREAMS stretches of
+ * the span in turn (RESULTS.md section 20). */
+enum { ROW = G * D, CD = D / W };
+#ifndef TGD_AHEAD
+#define TGD_AHEAD 8192
+#endif
+#ifndef TGD_STREAMS
+#define TGD_STREAMS 1
+#endif
+#define OUTER_ASK_L2(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
+/* scores[(g*H + h)*S + t] = q[g][h] . K[t][g] * scale, t = lo..hi. */
+static void kpass_tgd(const float *q, const float *K, int lo, int hi, float scale, float *scores, int S, int ahead) {
+  const int blocks = (hi + 1 - lo) / W, per = (blocks + TGD_STREAMS - 1) / TGD_STREAMS;
+  for (int k = 0; k < per * TGD_STREAMS; k++) { /* blocks from TGD_STREAMS stretches of the span in turn */
+    const int b = k % TGD_STREAMS * per + k / TGD_STREAMS;
+    if (b >= blocks) continue;
+    const int t = lo + b * W;
+    const float *kb = K + (size_t)t * ROW;
+    if (ahead)
+      for (int l = 0; l < W * ROW * 4 / 64; l++) OUTER_ASK_L2((const char *)kb + TGD_AHEAD + 64 * l);
+    for (int g = 0; g < G; g++) {
+      vf kept[W][CD];
+      for (int j = 0; j < W; j++)
+        for (int c = 0; c < CD; c++) kept[j][c] = loadv(kb + (size_t)j * ROW + g * D + W * c);
+      for (int h = 0; h < H; h++) {
+        const float *qh = q + (g * H + h) * D;
+        vf acc[W];
+        for (int j = 0; j < W; j++) {
+          vf e = loadv(qh) * kept[j][0];
+          for (int c = 1; c < CD; c++) e += loadv(qh + W * c) * kept[j][c];
+          acc[j] = e;
+        }
+        *(vf *)(scores + (g * H + h) * S + t) = sumsv(acc) * scale;
+      }
+    }
+  }
+  for (int t = lo + blocks * W; t <= hi; t++)
+    for (int g = 0; g < G; g++)
+      for (int h = 0; h < H; h++) {
+        const float *qh = q + (g * H + h) * D, *k = K + (size_t)t * ROW + g * D;
+        vf e = loadv(qh) * loadv(k);
+        for (int c = 1; c < CD; c++) e += loadv(qh + W * c) * loadv(k + W * c);
+        scores[(g * H + h) * S + t] = hsumv(e) * scale;
+      }
+}
+/* o[g][h] = sum_t p[g*H + h][t] * V[t][g], t = lo..lo+n-1: BLOCK positions at a time (their rows
+ * stay in the first-level cache), each group's three heads over the block with 12 accumulators. */
+static void vpass_tgd(const float *V, const float *scores, int S, int lo, int n, float *o, int ahead) {
+  const int blocks = (n + BLOCK - 1) / BLOCK, per = (blocks + TGD_STREAMS - 1) / TGD_STREAMS;
+  for (int k = 0; k < per * TGD_STREAMS; k++) { /* blocks from TGD_STREAMS stretches in turn */
+    const int kb = k % TGD_STREAMS * per + k / TGD_STREAMS;
+    if (kb >= blocks) continue;
+    const int b = kb * BLOCK, e = b + BLOCK < n ? b + BLOCK : n;
+    if (ahead)
+      for (int l = 0; l < (e - b) * ROW * 4 / 64; l++)
+        OUTER_ASK_L2((const char *)(V + (size_t)(lo + b) * ROW) + TGD_AHEAD + 64 * l);
+    for (int g = 0; g < G; g++) {
+      vf a[H][CD];
+      for (int h = 0; h < H; h++)
+        for (int c = 0; c < CD; c++) a[h][c] = k ? loadv(o + (g * H + h) * D + W * c) : (vf){0};
+      for (int i = b; i < e; i++) {
+        const float *v = V + (size_t)(lo + i) * ROW + g * D;
+        vf x[CD];
+        for (int c = 0; c < CD; c++) x[c] = loadv(v + W * c);
+        for (int h = 0; h < H; h++) {
+          const vf p = (vf){0} + scores[(g * H + h) * S + lo + i];
+          for (int c = 0; c < CD; c++) a[h][c] += p * x[c];
+        }
+      }
+      for (int h = 0; h < H; h++)
+        for (int c = 0; c < CD; c++) *(vf *)(o + (g * H + h) * D + W * c) = a[h][c];
+    }
+  }
+}
+static void attend_tgd(const float *q, const float *mask, float scale, const float *K, const float *V, int T, float *o) {
+  int lo, hi;
+  open_span(mask, T, &lo, &hi);
+  const int n = hi - lo + 1, S = T + 16 + ((T % 1024) < 16 ? 16 : 0);
+  static float scores[G * H * (4096 + 32)] __attribute__((aligned(64)));
+  const int ahead = (size_t)n * 4 > OUTER_SPAN;
+  if (!ahead) /* the whole open span of both caches, asked for at once */
+    for (size_t b = 0; b < (size_t)n * ROW * 4; b += 64) {
+      OUTER_ASK((const char *)(K + (size_t)lo * ROW) + b);
+      OUTER_ASK((const char *)(V + (size_t)lo * ROW) + b);
+    }
+  kpass_tgd(q, K, lo, hi, scale, scores, S, ahead);
+  for (int gh = 0; gh < G * H; gh++) softmax(scores + gh * S + lo, mask + lo, n, 0.f); /* the kernel's */
+  vpass_tgd(V, scores, S, lo, n, o, ahead);
+}
+
 static int T;
 static Context context = {0, host_memory, tensor_type, size};
 static Fake *Kc[2][L][R], *Vc[2][L][R], *qs[R], *masks[R], *params, *outs[R];
 static float knew[R][G * D], vnew[R][G * D];
 
+#ifdef TGD
+#define SECOND "[T, G, D]"
+static size_t at1(int g, int t, int d) { return ((size_t)t * G + g) * D + d; } /* K and V [T, G, D] */
+#else
+#define SECOND "outer"
+static size_t at1(int g, int t, int d) { return ((size_t)g * T + t) * D + d; } /* K and V [G, T, D] */
+#endif
 static void write_step(int layout, int l, int r, int P) {
   float *K = Kc[layout][l][r]->data, *V = Vc[layout][l][r]->data;
   for (int g = 0; g < G; g++) {
-    memcpy(K + ((size_t)g * T + P) * D, knew[r] + g * D, D * 4);
-    if (layout == 0)
+    if (layout == 0) {
+      memcpy(K + ((size_t)g * T + P) * D, knew[r] + g * D, D * 4);
       for (int d = 0; d < D; d++) V[((size_t)g * D + d) * T + P] = vnew[r][g * D + d];
-    else
-      memcpy(V + ((size_t)g * T + P) * D, vnew[r] + g * D, D * 4);
+    } else {
+      memcpy(K + at1(g, P, 0), knew[r] + g * D, D * 4);
+      memcpy(V + at1(g, P, 0), vnew[r] + g * D, D * 4);
+    }
   }
 }
 static void attend_step(int layout, int l, int r) {
@@ -151,7 +263,11 @@ static void attend_step(int layout, int l, int r) {
     Buffer in[5] = {qs[r], masks[r], params, Kc[0][l][r], Vc[0][l][r]}, out[1] = {outs[r]};
     if (attention_run(&context, 5, in, 1, out)) { fprintf(stderr, "kernel failed\n"); exit(1); }
   } else
+#ifdef TGD
+    attend_tgd(qs[r]->data, masks[r]->data, 0.125f, Kc[1][l][r]->data, Vc[1][l][r]->data, T, outs[r]->data);
+#else
     attend_outer(qs[r]->data, masks[r]->data, 0.125f, Kc[1][l][r]->data, Vc[1][l][r]->data, T, outs[r]->data);
+#endif
 }
 enum { WHOLE, WRITES, ATTENTION };
 static double pass(int layout, int part, int P) { /* ms for the 240 ops */
@@ -190,7 +306,11 @@ int main(int argc, char **argv) {
   if (T < 1 || T > 4096 || rounds < 1 || rounds > 64) { fprintf(stderr, "T 1..4096, ROUNDS 1..64\n"); return 2; }
   for (int i = 0; i < np; i++)
     if (positions[i] < 0 || positions[i] >= T) { fprintf(stderr, "position %d outside 0..T-1\n", positions[i]); return 2; }
-  const int qd[4] = {1, G, H, D}, kd[4] = {1, G, T, D}, vd[2][4] = {{1, G, D, T}, {1, G, T, D}}, md[1] = {T}, pd[1] = {4};
+  const int qd[4] = {1, G, H, D}, md[1] = {T}, pd[1] = {4};
+  int kd[2][4] = {{1, G, T, D}, {1, G, T, D}}, vd[2][4] = {{1, G, D, T}, {1, G, T, D}};
+#ifdef TGD
+  for (int y = 0; y < 4; y++) kd[1][y] = vd[1][y] = (int[]){1, T, G, D}[y];
+#endif
   params = tensor(1, pd);
   ((float *)params->data)[0] = 0.125f;
   for (int r = 0; r < R; r++) {
@@ -202,15 +322,15 @@ int main(int argc, char **argv) {
   for (int l = 0; l < L; l++)
     for (int r = 0; r < R; r++)
       for (int y = 0; y < 2; y++) {
-        Kc[y][l][r] = tensor(4, kd), Vc[y][l][r] = tensor(4, vd[y]);
+        Kc[y][l][r] = tensor(4, kd[y]), Vc[y][l][r] = tensor(4, vd[y]);
         float *K = Kc[y][l][r]->data, *V = Vc[y][l][r]->data;
         const size_t base = (size_t)(l * R + r) * G * T * D;
         for (int g = 0; g < G; g++)
           for (int t = 0; t < T; t++)
             for (int d = 0; d < D; d++) {
               const size_t i = ((size_t)g * T + t) * D + d;
-              K[i] = value(base + i);
-              V[y ? i : ((size_t)g * D + d) * T + t] = value(base + i + 12345);
+              K[y ? at1(g, t, d) : i] = value(base + i);
+              V[y ? at1(g, t, d) : ((size_t)g * D + d) * T + t] = value(base + i + 12345);
             }
       }
   const size_t flush_n = (size_t)1 << 27; /* 512 MB */
@@ -222,10 +342,10 @@ int main(int argc, char **argv) {
 #else
   const char *pages = "4 KB";
 #endif
-  printf("T=%d, %s pages, %d rounds, ms per 240-op pass (30 layers x 8 rows), median [min-max]; ratio = outer/transposed "
+  printf("T=%d, %s pages, %d rounds, ms per 240-op pass (30 layers x 8 rows), median [min-max]; ratio = " SECOND "/transposed "
          "(median of paired rounds)\n", T, pages, rounds);
-  printf("%5s %-24s %-24s %-6s | %-22s %-22s | %-22s %-22s | maxdiff\n", "P", "whole transposed", "whole outer", "ratio",
-         "writes transposed", "writes outer", "attention transposed", "attention outer");
+  printf("%5s %-24s %-24s %-6s | %-22s %-22s | %-22s %-22s | maxdiff\n", "P", "whole transposed", "whole " SECOND, "ratio",
+         "writes transposed", "writes " SECOND, "attention transposed", "attention " SECOND);
   for (int pi = 0; pi < np; pi++) {
     const int P = positions[pi];
     for (int r = 0; r < R; r++)
