@@ -74,6 +74,10 @@ def test_bad_tokenizer_files(tmp_path):
     junk.write_bytes(b"\x00\x01 junk")
     with pytest.raises(InvalidArgumentError, match="not a valid SentencePiece"):
         load_tokenizer(junk)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(56))
+    with pytest.raises(InvalidArgumentError, match=r"model\.gguf: a GGUF file.*--bundle"):
+        load_tokenizer(gguf)
     with pytest.raises(NotFoundError):
         load_tokenizer(tmp_path / "missing.json")
 

@@ -291,7 +291,15 @@ class TextStream:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """A tokenizer from a file: ``tokenizer.json`` (Hugging Face) or a SentencePiece model."""
-    if _read(path, 64).removeprefix(_UTF8_BOM).lstrip().startswith(b"{"):
+    """A tokenizer from a file: ``tokenizer.json`` (Hugging Face) or a SentencePiece model.
+    A GGUF file is refused naming the way to its tokenizer: ``runtime export`` reads it (with
+    transformers, the ``export`` extra) into the ``.litertlm`` bundle it writes."""
+    head = _read(path, 64)
+    if head.startswith(b"GGUF"):
+        raise InvalidArgumentError(
+            f"{path}: a GGUF file, not a tokenizer.json or SentencePiece model; `runtime export GGUF --out "
+            "MODEL.tflite --bundle MODEL.litertlm` writes its tokenizer into the bundle (give --model "
+            "MODEL.litertlm), or give the original checkpoint's tokenizer.json")
+    if head.removeprefix(_UTF8_BOM).lstrip().startswith(b"{"):
         return HfTokenizer(path)
     return SentencePieceTokenizer(path)
