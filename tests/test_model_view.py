@@ -167,6 +167,10 @@ def test_unknown_signatures_and_unreadable_files_are_refused(tmp_path):
     truncated.write_bytes(VIEWABLE.read_bytes()[:2000])
     with pytest.raises(DataLossError, match="truncated.tflite"):
         signature_details(ModelFile(truncated).header(), source=str(truncated))
+    gguf = tmp_path / "model.gguf"  # a GGUF base model given where an export belongs
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(4096))
+    with pytest.raises(InvalidArgumentError, match=r"model\.gguf: a GGUF model, .*`runtime export`"):
+        ModelFile(gguf).header()
 
 
 def test_patching_bytes_in_memory_keeps_the_rest(whole):
