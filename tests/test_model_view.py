@@ -171,6 +171,10 @@ def test_unknown_signatures_and_unreadable_files_are_refused(tmp_path):
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(4096))
     with pytest.raises(InvalidArgumentError, match=r"model\.gguf: a GGUF model, .*`runtime export`"):
         ModelFile(gguf).header()
+    adapter = tmp_path / "adapter_model.safetensors"  # an adapter given where the model belongs
+    adapter.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"__metadata__\":{}}")
+    with pytest.raises(InvalidArgumentError, match=r"adapter_model\.safetensors: not a \.tflite model"):
+        ModelFile(adapter).view(["decode"])
 
 
 def test_patching_bytes_in_memory_keeps_the_rest(whole):

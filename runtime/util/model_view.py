@@ -404,9 +404,13 @@ class ModelFile:
             if not self.begin < end <= size:
                 raise InvalidArgumentError(f"{self.path}: the model at bytes {self.begin}...{end} of a "
                                            f"{size}-byte file")
-            if os.pread(fd, 4, self.begin) == b"GGUF":
+            head = os.pread(fd, 8, self.begin)
+            if head.startswith(b"GGUF"):
                 raise InvalidArgumentError(f"{self.path}: a GGUF model, which the runtime does not run: `runtime "
                                            "export` makes a .tflite model of it (the export extra; docs/export.md)")
+            if head[4:] != b"TFL3":
+                raise InvalidArgumentError(f"{self.path}: not a .tflite model (no TFL3 file identifier at byte "
+                                           f"{self.begin + 4})")
             if private:
                 mapping = mmap.mmap(fd, end - start, flags=mmap.MAP_PRIVATE,
                                     prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
