@@ -104,9 +104,7 @@ def _read_model(path: Path) -> tuple[ModelSpec, str]:
     from the file's header as :class:`~runtime.executor.litert_executor.LlmExecutor` reads it
     (a ``.litertlm`` bundle's model section, as the engine opens it): nothing is compiled, so
     inspecting a model costs milliseconds, not an open."""
-    header = model_file(path).header()
-    if bytes(header[4:8]) != b"TFL3":
-        raise InvalidArgumentError(f"{path}: not a .tflite model (no TFL3 file identifier at byte 4)")
+    header = model_file(path).header()  # (a file that is no .tflite is refused there, naming it)
     spec = ModelSpec.from_details(signature_details(header, source=str(path)), str(path))
     return spec, _attention_form(path, header)
 
