@@ -30,10 +30,11 @@ import numpy as np
 
 from runtime.errors import DataLossError, InvalidArgumentError
 from runtime.adapters.adapter_data import AdapterData
-from runtime.adapters.gguf_data import GGUF_MAGIC, read_gguf_lora
+from runtime.adapters.gguf_data import read_gguf_lora
 from runtime.adapters.lora_data import FILE_IDENTIFIER, LoraData
 from runtime.adapters.lora_xs import LoraXsFactors
 from runtime.adapters.peft_data import CONFIG_FILE, WEIGHTS_FILE, read_peft_directory, read_peft_state_dict
+from runtime.util.gguf_file import GGUF_MAGIC
 from runtime.util.scoped_file import ScopedFile
 
 TFLITE, GGUF, PEFT = "tflite", "gguf", "peft"

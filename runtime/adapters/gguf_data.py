@@ -27,9 +27,9 @@ import numpy as np
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, UnimplementedError
 from runtime.adapters.adapter_data import MAX_LAYERS, DerivedLoraData, DerivedTensor, LazyLoraData, refuse_unappliable
 from runtime.adapters.lora_util import PROJECTIONS, Convention, lora_input_name
+from runtime.util.gguf_file import GGUF_MAGIC
 from runtime.util.scoped_file import FileWatch
 
-GGUF_MAGIC = b"GGUF"
 _NAME = re.compile(r"blk\.(?P<layer>0|[1-9][0-9]*)\.(?P<proj>attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)"
                    r"\.weight\.lora_(?P<side>a|b)")
 # llama.cpp's tensor names -> ours; its names are what the error messages show.

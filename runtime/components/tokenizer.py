@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from runtime.errors import InvalidArgumentError
+from runtime.util.gguf_file import GGUF_MAGIC
 from runtime.util.scoped_file import ScopedFile
 
 # Special tokens that end a generation in common vocabularies (Llama 3's three as its
@@ -295,7 +296,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     A GGUF file is refused naming the way to its tokenizer: ``runtime export`` reads it (with
     transformers, the ``export`` extra) into the ``.litertlm`` bundle it writes."""
     head = _read(path, 64)
-    if head.startswith(b"GGUF"):
+    if head.startswith(GGUF_MAGIC):
         raise InvalidArgumentError(
             f"{path}: a GGUF file, not a tokenizer.json or SentencePiece model; `runtime export GGUF --out "
             "MODEL.tflite --bundle MODEL.litertlm` writes its tokenizer into the bundle (give --model "

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import DataLossError, InvalidArgumentError, NotFoundError, UnimplementedError
-from runtime.adapters.gguf_data import GGUF_MAGIC, check_gguf_header
+from runtime.adapters.gguf_data import check_gguf_header
 from runtime.export import layout
+from runtime.util.gguf_file import GGUF_MAGIC
 
 # Hugging Face model_type -> the family's name, for messages.
 FAMILIES = {

@@ -42,6 +42,7 @@ import numpy as np
 
 from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from runtime.util.attention_rewrite import FORMS_METADATA, LINEAR_ROWS, attention_forms, custom_codes
+from runtime.util.gguf_file import GGUF_MAGIC
 from runtime.util.page_advice import advise_huge_pages
 from runtime.util.scoped_file import refuse_unless_regular
 
@@ -405,7 +406,7 @@ class ModelFile:
                 raise InvalidArgumentError(f"{self.path}: the model at bytes {self.begin}...{end} of a "
                                            f"{size}-byte file")
             head = os.pread(fd, 8, self.begin)
-            if head.startswith(b"GGUF"):
+            if head.startswith(GGUF_MAGIC):
                 raise InvalidArgumentError(f"{self.path}: a GGUF model, which the runtime does not run: `runtime "
                                            "export` makes a .tflite model of it (the export extra; docs/export.md)")
             if head[4:] != b"TFL3":
