@@ -3,7 +3,7 @@
 against a plain read of the same cache: where a batched step's time beyond the linears goes.
 
     python3 -m benchmarks.experiments.attention_forms [--shape smollm2] [--spans 128,1024] [--rounds 7] \
-        [--threads 1] [--out benchmarks/results]
+        [--forms FORM,FORM] [--threads 1] [--out benchmarks/results]
 
 For each span W, builds one graph per form (the export extra: litert-torch) of a decoder's
 attention for one token of one session, layer after layer, every layer's K and V cache an
@@ -23,6 +23,9 @@ The forms (``K`` ``[G, T, hd]`` and ``V`` ``[G, hd, T]`` are our exports' transp
   padding);
 - ``no transposed operand``: ``K`` stored ``[G, hd, T]`` and ``V`` ``[G, T, hd]``, so neither
   product transposes its right operand (packing copies rows);
+- ``V in K's layout``: ``K`` as ours, ``V`` stored ``[G, T, hd]`` like it: ``q K^T`` as ours,
+  ``p V`` without a transposed operand (the layout our kernel reads fastest at short spans,
+  kernel_probe/RESULTS.md section 20: what it costs where XNNPACK runs the attention);
 - ``multiply and sum``: elementwise products broadcast over the query heads, summed along
   the contracted axis (no matmul);
 - ``TFLite's own kernels``: the exports' form (``cache on the right``) on the interpreter's
@@ -49,7 +52,14 @@ batched step at most. TFLite's own kernels instead of XNNPACK (``--spans 128,102
 0.52 and 6.8 ms for the same graph on XNNPACK, 1.7-1.9 GB/s: no way out there either. (In
 that run the window of the whole 1024 cache took 4.8 ms against 6.8 ms for the same graph
 without the slice; timed alone, 15 rounds, the two took 5.2 and 5.5 ms: identical ops, and a
-gap of that size is this machine's noise.)
+gap of that size is this machine's noise.) V in K's layout, the layout our kernel reads
+fastest at short spans, where XNNPACK runs the attention instead (``--spans 8,32,128,512,1024
+--rounds 9 --forms "cache on the right,V in K's layout,no transposed operand,read only"
+--out benchmarks/results/zen4``, AMD EPYC Zen 4 with AVX-512, 2026-12-08): 0.134 / 0.195 /
+0.621 / 3.34 / 6.93 ms against ours' 0.134 / 0.199 / 0.637 / 3.59 / 7.76, and 0.544 / 2.07 /
+7.54 against 0.574 / 3.40 / 8.49 ms at 128 / 512 / 1,024 in a second run: the standard form
+loses nothing in that layout (its second product is a BATCH_MATMUL without adj_y, no
+TRANSPOSE).
 """
 
 from __future__ import annotations
@@ -79,7 +89,7 @@ SHAPES = {
     "tiny": Shape(groups=1, q_per_kv=2, head_dim=8, layers=2, kv_length=64),  # a quick check of the script itself
 }
 FORMS = ("cache on the right", "window of the whole cache", "cache on the left", "no transposed operand",
-         "multiply and sum", "TFLite's own kernels", "read only")
+         "V in K's layout", "multiply and sum", "TFLite's own kernels", "read only")
 BUILTIN = {"TFLite's own kernels"}  # forms timed without XNNPACK
 
 
@@ -101,6 +111,8 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
             return bmm_4d(v, probs).transpose(-1, -2)
         if form == "no transposed operand":  # k [1, G, hd, T], v [1, G, T, hd]
             return torch.matmul(torch.softmax(torch.matmul(q, k), dim=-1), v)
+        if form == "V in K's layout":  # k and v [1, G, T, hd]
+            return torch.matmul(torch.softmax(bmm_4d(q, k), dim=-1), v)
         if form == "multiply and sum":  # k [1, G, T, hd], v [1, G, hd, T]
             probs = torch.softmax((q.unsqueeze(3) * k.unsqueeze(2)).sum(-1), dim=-1)
             return (probs.unsqueeze(3) * v.unsqueeze(2)).sum(-1)
@@ -114,7 +126,7 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
 
     hd, g = shape.head_dim, shape.groups
     k_shape, v_shape = ((1, g, hd, span), (1, g, span, hd)) if form == "no transposed operand" else \
-        ((1, g, span, hd), (1, g, hd, span))
+        ((1, g, span, hd), (1, g, span, hd)) if form == "V in K's layout" else ((1, g, span, hd), (1, g, hd, span))
     if form == "window of the whole cache":
         k_shape, v_shape = (1, g, shape.kv_length, hd), (1, g, hd, shape.kv_length)
     caches = {}
@@ -124,9 +136,10 @@ def build(shape: Shape, span: int, form: str, out: Path) -> None:
     litert_torch.signature("attention", Attention().eval(), sample_kwargs=sample).convert().export(str(out))
 
 
-def measure(shape: Shape, spans: list[int], rounds: int, threads: int) -> dict[str, dict[int, float]]:
+def measure(shape: Shape, forms: list[str], spans: list[int], rounds: int,
+            threads: int) -> dict[str, dict[int, float]]:
     """Median ms per step by form and span, on ``threads`` XNNPACK threads."""
-    return measure_forms(FORMS, spans, "positions", lambda form, span, path: build(shape, span, form, path),
+    return measure_forms(forms, spans, "positions", lambda form, span, path: build(shape, span, form, path),
                          rounds, threads, builtin=BUILTIN)
 
 
@@ -147,6 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     parser.add_argument("--spans", default="128,1024", help="cached positions attended, comma-separated")
+    parser.add_argument("--forms", default=",".join(FORMS),
+                        help=f"the forms to time, comma-separated (default: all of {', '.join(FORMS)})")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="XNNPACK threads per graph")
     parser.add_argument("--out", type=Path, default=RESULTS,
@@ -155,12 +170,15 @@ def main() -> None:
     spans = positive_ints(parser, "--spans", args.spans)
     if args.rounds < 1 or args.threads < 1:
         parser.error("--rounds and --threads take positive integers")
+    forms = [form.strip() for form in args.forms.split(",")]
+    if unknown := [form for form in forms if form not in FORMS]:
+        parser.error(f"--forms: {', '.join(map(repr, unknown))} not among {', '.join(FORMS)}")
     shape = SHAPES[args.shape]
     if max(spans) > shape.kv_length:
         parser.error(f"--spans {args.spans}: a span is at most {args.shape}'s {shape.kv_length} cached positions")
-    measured = measure(shape, spans, args.rounds, args.threads)
+    measured = measure(shape, forms, spans, args.rounds, args.threads)
     table = render(args.shape, shape, measured, args.threads)
-    settings = {"shape": {"name": args.shape, **asdict(shape)}, "rounds": args.rounds, "threads": args.threads}
+    settings = {"shape": {"name": args.shape, **asdict(shape)}, "forms": forms, "rounds": args.rounds, "threads": args.threads}
     write_results(args.out, "attention_forms", table, settings, measured, "ms_per_step", "cached positions attended",
                   f"ms per step, {args.threads} thread{'s' * (args.threads > 1)}")
 
