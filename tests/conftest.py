@@ -43,7 +43,8 @@ MODELS = Path(__file__).resolve().parent / "models"
 ADAPTERS = MODELS / "adapters"
 
 
-MODEL_FILES = {"default": MODELS / "gqa_default.tflite", "transposed": MODELS / "gqa_transposed.tflite"}
+MODEL_FILES = {"default": MODELS / "gqa_default.tflite", "transposed": MODELS / "gqa_transposed.tflite",
+               "grouped": MODELS / "gqa_grouped.tflite"}
 
 
 def adapter_path(name: str) -> Path:

@@ -25,7 +25,7 @@ def reference():
         return {key: data[key] for key in data.files}
 
 
-@pytest.fixture(scope="module", params=["default", "transposed"])
+@pytest.fixture(scope="module", params=["default", "transposed", "grouped"])
 def engine(request):
     with Engine(MODEL_FILES[request.param]) as engine:
         yield engine

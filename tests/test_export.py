@@ -450,17 +450,20 @@ print(session.run_decode().texts[0])
 """
 
 
-def test_a_default_bundle_runs_in_googles_litert_lm_engine(tmp_path: Path) -> None:
-    """--bundle writes the KV layout LiteRT-LM reads; without LoRA slots (its engine garbles
-    them) its greedy answer equals this runtime's (LiteRT-LM puts BOS first)."""
+@pytest.mark.parametrize("layout", [None, "grouped"])
+def test_a_bundle_runs_in_googles_litert_lm_engine(tmp_path: Path, layout: str | None) -> None:
+    """--bundle's KV layout, the default (transposed) or grouped, is one LiteRT-LM reads; without
+    LoRA slots (its engine garbles them) its greedy answer equals this runtime's (LiteRT-LM puts
+    BOS first)."""
     pytest.importorskip("litert_lm")
     source = checkpoints.write_llama_directory(tmp_path / "llama")
     bundle = tmp_path / "tiny.litertlm"
-    done = cli("export", source, "--bundle", bundle, "--kv-length", "64", "--prefill-lengths", "8")
+    done = cli("export", source, "--bundle", bundle, "--kv-length", "64", "--prefill-lengths", "8",
+               *(("--kv-layout", layout) if layout else ()))
     assert done.returncode == 0, done.stderr
     prompt, steps = "what is the capital of france ?", 8
     with Engine(bundle) as engine, engine.create_session() as session:
-        assert engine.spec.kv_layout == "transposed"
+        assert engine.spec.kv_layout == (layout or "transposed")
         ours = session.generate([checkpoints.BOS, *engine.tokenizer.encode(prompt)], max_new_tokens=steps,
                                 sampler=SamplerConfig(temperature=0.0), stop_tokens=[]).text
     # LiteRT-LM does not zero its KV buffers: fresh pages from the allocator keep NaN bits out.

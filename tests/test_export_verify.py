@@ -19,7 +19,7 @@ from runtime.util.output_projection import read_output_projection  # noqa: E402
 pytestmark = pytest.mark.export
 
 
-@pytest.mark.parametrize("layout", ["default", "transposed"])
+@pytest.mark.parametrize("layout", ["default", "transposed", "grouped"])
 def test_verify_returns_what_decode_steps_return_and_the_lm_heads_input(tmp_path, layout):
     source = inspect_source(checkpoints.write_llama_directory(tmp_path / "llama", tokenizer=False))
     settings = ExportSettings(lora_ranks=(4,), lora_targets="attention", kv_length=32, prefill_lengths=(8,),

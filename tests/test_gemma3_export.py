@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from runtime import Engine, EngineSettings, SessionConfig  # noqa: E402
-from runtime.export import families  # noqa: E402
+from runtime.export import families, grouped_kv  # noqa: E402
 from runtime.export.gemma3_steps import Gemma3AllLinearStep, Gemma3BatchDecode  # noqa: E402
 from runtime.export.litert import converter, kv_utils  # noqa: E402
 from runtime.export.mlp_lora import lora_key, lora_shapes  # noqa: E402
@@ -30,6 +30,7 @@ from tools.build_family_fixtures import ALL_LINEAR_TARGETS, TARGETS, add_adapter
 pytestmark = pytest.mark.export
 KV = 32
 LAYOUT = kv_utils.KV_LAYOUT_DEFAULT
+LAYOUTS = {"default": LAYOUT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED, "grouped": grouped_kv.KV_LAYOUT_GROUPED}
 PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 # Three sessions' tokens: their last steps sit before and past the sliding window (5).
@@ -50,8 +51,8 @@ def step(decoder, token: int, position: int, kv_cache):
     return decoder(torch.tensor([[token]], dtype=torch.int32), torch.tensor([position], dtype=torch.int32), kv_cache)
 
 
-def prefilled(decoder, tokens) -> kv_utils.KVCache:
-    kv_cache = kv_utils.KVCache.from_model_config(KV, decoder.config, kv_layout=LAYOUT)
+def prefilled(decoder, tokens, layout: tuple = LAYOUT) -> kv_utils.KVCache:
+    kv_cache = kv_utils.KVCache.from_model_config(KV, decoder.config, kv_layout=layout)
     for position, token in enumerate(tokens):
         kv_cache = step(decoder, int(token), position, kv_cache)["kv_cache"]
     return kv_cache
@@ -62,10 +63,27 @@ def row_inputs(caches: list[kv_utils.KVCache]) -> dict[str, torch.Tensor]:
             for row, cache in enumerate(caches) for layer, entry in enumerate(cache.caches) for kind in ("k", "v")}
 
 
+def test_the_decoders_steps_are_the_same_in_every_kv_layout(decoder) -> None:
+    """Local and global layers, past the sliding window: litert-torch's two layouts and the
+    grouped one (runtime.export.grouped_kv, in front of litert-torch's attention) agree."""
+    tokens, logits = STREAMS[-1], {}
+    for name, layout in LAYOUTS.items():
+        kv_cache = kv_utils.KVCache.from_model_config(KV, decoder.config, kv_layout=layout)
+        steps = []
+        for position, token in enumerate(tokens):
+            out = step(decoder, int(token), position, kv_cache)
+            kv_cache = out["kv_cache"]
+            steps.append(out["logits"][0, -1])
+        logits[name] = torch.stack(steps)
+    for name in ("transposed", "grouped"):
+        assert torch.max(torch.abs(logits[name] - logits["default"])) <= 1e-5, name
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("window", [None, 24])
-def test_each_row_of_the_batched_step_equals_the_decoders_own_step(decoder, window) -> None:
-    caches = [prefilled(decoder, stream[:-1]) for stream in STREAMS]
-    batched = Gemma3BatchDecode(decoder, len(STREAMS), None, LAYOUT, window).eval()
+def test_each_row_of_the_batched_step_equals_the_decoders_own_step(decoder, window, layout) -> None:
+    caches = [prefilled(decoder, stream[:-1], LAYOUTS[layout]) for stream in STREAMS]
+    batched = Gemma3BatchDecode(decoder, len(STREAMS), None, LAYOUTS[layout], window).eval()
     out = batched(torch.tensor([[int(s[-1])] for s in STREAMS], dtype=torch.int32),
                   torch.tensor([len(s) - 1 for s in STREAMS], dtype=torch.int32), row_inputs(caches))
     for row, (stream, cache) in enumerate(zip(STREAMS, caches)):
@@ -73,6 +91,7 @@ def test_each_row_of_the_batched_step_equals_the_decoders_own_step(decoder, wind
         assert torch.max(torch.abs(alone["logits"][0] - out["logits"][row])) <= 1e-5
         for layer, entry in enumerate(alone["kv_cache"].caches):
             assert torch.max(torch.abs(entry.k_cache - out["kv_cache"][f"k_{layer}_{row}"])) <= 1e-5
+            assert torch.max(torch.abs(entry.v_cache - out["kv_cache"][f"v_{layer}_{row}"])) <= 1e-5
 
 
 def test_the_all_linear_step_equals_transformers_with_peft(hf_model, decoder) -> None:

@@ -28,7 +28,7 @@ from runtime.util.signature_names import LoraSlot
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["default", "transposed"])
+@pytest.fixture(scope="module", params=["default", "transposed", "grouped"])
 def executor(request):
     executor = LlmExecutor(MODEL_FILES[request.param])
     yield executor

@@ -12,7 +12,10 @@ from conftest import MODEL_FILES
 from runtime.errors import InvalidArgumentError, NotFoundError, UnimplementedError
 from runtime.executor.litert_executor import LlmExecutor
 from runtime.executor.native import NativeModel
-from runtime.executor.model_spec import KV_LAYOUT_DEFAULT, KV_LAYOUT_TRANSPOSED, ModelSpec, signature_group
+from runtime.util import flatbuffer_model
+from runtime.util.kv_layout import KV_LAYOUT_METADATA, named_kv_layout
+from runtime.util.model_view import ModelFile, signature_details
+from runtime.executor.model_spec import ModelSpec, signature_group
 from runtime.util.signature_names import ALL_LINEAR, LoraSlot
 
 
@@ -24,17 +27,17 @@ def details():
     return found
 
 
-@pytest.mark.parametrize("layout", ["default", "transposed"])
+@pytest.mark.parametrize("layout", ["default", "transposed", "grouped"])
 def test_discovers_the_test_models(layout):
     executor = LlmExecutor(MODEL_FILES[layout])
     spec = executor.spec
-    assert spec.kv_layout == {"default": KV_LAYOUT_DEFAULT, "transposed": KV_LAYOUT_TRANSPOSED}[layout]
+    assert spec.kv_layout == layout
     assert spec.kv_length == 64
     assert spec.vocab_size == 256
     assert spec.num_layers == 2
     assert spec.prefill_lengths == (8, 32)
     assert spec.slots == (LoraSlot(4), LoraSlot(16))
-    assert spec.prefill_has_logits == (layout == "transposed")
+    assert spec.prefill_has_logits == (layout != "default")
     assert spec.kv_cache_bytes == 4 * 64 * 2 * 16 * 4
     assert len(spec.slot_inputs(LoraSlot(4))) == 16
     assert spec.slot_inputs(LoraSlot(16))["lora_atten_k_b_prime_weight_1"].shape == (16, 32)
@@ -63,6 +66,37 @@ def test_discovers_the_test_models(layout):
     assert spec.prefill_lengths == (8, 32)
     executor.close()
 
+
+
+def test_the_layout_a_model_names_is_read_and_checked_against_its_caches():
+    """The grouped layout's K and V have one shape, as litert-torch's default layout's do:
+    the model names its layout (an export of before that names none and is told by its
+    shapes), and caches shaped otherwise than the layout named are refused, naming both."""
+    headers = {layout: ModelFile(path).header() for layout, path in MODEL_FILES.items()}
+    assert named_kv_layout(headers["grouped"]) == "grouped"
+    assert named_kv_layout(headers["default"]) is None and named_kv_layout(headers["transposed"]) is None
+    assert named_kv_layout(b"not a model at all") is None
+    grouped = signature_details(headers["grouped"])
+    assert ModelSpec.from_details(grouped, "g.tflite", "grouped").kv_position_axis("kv_cache_v_0") == 2
+    with pytest.raises(InvalidArgumentError, match=r"g\.tflite: signature 'decode': K \[1, 2, 64, 16\] float32 and "
+                       r"V \[1, 2, 64, 16\] float32 are not the transposed KV layout's"):
+        ModelSpec.from_details(grouped, "g.tflite")  # told by the shapes: V is not K transposed
+    transposed = signature_details(headers["transposed"])
+    with pytest.raises(InvalidArgumentError, match=r"not the grouped KV layout's \(K and V \[1, groups, positions"):
+        ModelSpec.from_details(transposed, "t.tflite", "grouped")
+    with pytest.raises(InvalidArgumentError, match="not the default KV layout's"):
+        ModelSpec.from_details(transposed, "t.tflite", "default")
+
+
+def test_a_model_naming_an_unknown_layout_is_refused(tmp_path):
+    model = flatbuffer_model.unpack(MODEL_FILES["grouped"].read_bytes())
+    entry = next(entry for entry in model.metadata if entry.name == KV_LAYOUT_METADATA.encode())
+    model.buffers[entry.buffer].data = np.frombuffer(b"sideways", dtype=np.uint8)
+    path = tmp_path / "sideways.tflite"
+    flatbuffer_model.write(model, path)
+    with pytest.raises(InvalidArgumentError, match=f"sideways.tflite: its {KV_LAYOUT_METADATA} metadata names the "
+                       "KV layout 'sideways', expected one of default, transposed, grouped"):
+        LlmExecutor(path)
 
 def test_refuses_attention_windows_it_cannot_honour(details):
     short = {**details, "prefill_32_attend16": details["prefill_32"]}

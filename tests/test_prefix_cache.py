@@ -86,7 +86,7 @@ class TestPrefixCache:
             EngineSettings(prefix_cache_bytes=-5)
 
 
-@pytest.fixture(scope="module", params=["default", "transposed"])
+@pytest.fixture(scope="module", params=["default", "transposed", "grouped"])
 def layout(request):
     return request.param
 

@@ -20,7 +20,7 @@ PROMPT = [5, 17, 42, 200, 3, 99, 250, 7, 1, 64, 128]
 CONTINUATION = [11, 22, 33, 44, 55, 66, 77, 88]
 
 
-@pytest.fixture(scope="module", params=["default", "transposed"])
+@pytest.fixture(scope="module", params=["default", "transposed", "grouped"])
 def engine(request):
     with Engine(MODEL_FILES[request.param]) as engine:
         yield engine

@@ -16,6 +16,9 @@ With fixed seeds this writes, under ``tests/models/`` by default:
     The same weights exported with ``KV_LAYOUT_TRANSPOSED`` (K ``[1, groups,
     kv_len, head_dim]``, V ``[1, groups, head_dim, kv_len]``) and
     ``output_logits_on_prefill=True``.
+``gqa_grouped.tflite``
+    The same weights with K and V both ``[1, groups, kv_len, head_dim]`` (the
+    ``grouped`` layout) and ``output_logits_on_prefill=True``.
 ``gqa_weights.npz``
     Every weight as a float32 array (``[out, in]`` for projections) plus the
     config scalars under ``config.*``; ``tests/reference_model.py`` recomputes
@@ -53,6 +56,7 @@ DEFAULT_OUT_DIR = REPO_ROOT / "tests" / "models"
 
 DEFAULT_MODEL_FILE = "gqa_default.tflite"
 TRANSPOSED_MODEL_FILE = "gqa_transposed.tflite"
+GROUPED_MODEL_FILE = "gqa_grouped.tflite"
 WEIGHTS_FILE = "gqa_weights.npz"
 MANIFEST_FILE = "MANIFEST.json"
 
@@ -363,6 +367,7 @@ def build(out_dir: Path, cfg: TinyGqaConfig) -> dict[str, Any]:
     variants = {
         DEFAULT_MODEL_FILE: {"kv_layout": "default", "output_logits_on_prefill": False},
         TRANSPOSED_MODEL_FILE: {"kv_layout": "transposed", "output_logits_on_prefill": True},
+        GROUPED_MODEL_FILE: {"kv_layout": "grouped", "output_logits_on_prefill": True},
     }
     manifest: dict[str, Any] = {
         "generator": "tools/build_test_models.py",

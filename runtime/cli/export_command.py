@@ -63,8 +63,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "tracing and lowering, --out and --bundle then naming them with {precision} "
                         "(f32 for none, else the value), e.g. --out model-{precision}.tflite")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=defaults.kv_layout,
-                        help="transposed (the default) is faster here and what Google's LiteRT-LM engine reads; "
-                        "default is litert-torch's own layout; this runtime runs both")
+                        help="the KV caches' layout: transposed (the default; K [1, G, T, D], V [1, G, D, T]) "
+                        "is what Google's LiteRT-LM engine reads and what this runtime's attention kernel "
+                        "reads; default is litert-torch's own (K and V [1, T, G, D]); grouped keeps V as K lies "
+                        "(K and V [1, G, T, D]): standard ops only (its attention in them 0.6-0.97x the "
+                        "transposed layout's, docs/kernels.md); this runtime runs all three")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,
                         help="the KV caches' element type: float32 (the default), or float16 (llama.cpp's "
                         "default): half the bytes a long session's attention reads per step, rows rounded to "
@@ -85,7 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "and float32 linear layers (odml_runtime.linear_rows: 8 SmolLM2 f32 rows 0.64x the step, "
                         "the weights' size more page cache); the runtime runs the op "
                         "where the kernel builds on a CPU with AVX2 and FMA, else the standard ops, saying so; "
-                        "bundles and --kv-layout default get standard ops only. xnnpack: standard ops only. native: "
+                        "bundles and --kv-layout default or grouped get standard ops only. xnnpack: standard ops only. native: "
                         "the custom op only (opens only where the kernel builds; transposed KV layout, no --bundle). "
                         "docs/kernels.md")
     parser.add_argument("--batch-sizes", default="", metavar="B,B,...",

@@ -21,6 +21,7 @@ from runtime.adapters.lora_util import PROJECTIONS, is_lora_input_name, parse_lo
 from runtime.util.attention_rewrite import DECODE_ATTENTION, attention_forms, custom_codes
 from runtime.util.signature_names import LoraSlot
 from runtime.adapters.lora_xs import LoraXsFactors
+from runtime.util.kv_layout import named_kv_layout
 from runtime.util.litertlm_bundle import LitertLmBundle, is_litertlm, model_file
 from runtime.util.model_view import ModelFile, signature_details
 from runtime.util.model_weights import ModelWeights
@@ -105,7 +106,8 @@ def _read_model(path: Path) -> tuple[ModelSpec, str]:
     (a ``.litertlm`` bundle's model section, as the engine opens it): nothing is compiled, so
     inspecting a model costs milliseconds, not an open."""
     header = model_file(path).header()  # (a file that is no .tflite is refused there, naming it)
-    spec = ModelSpec.from_details(signature_details(header, source=str(path)), str(path))
+    spec = ModelSpec.from_details(signature_details(header, source=str(path)), str(path),
+                                  named_kv_layout(header, str(path)))
     return spec, _attention_form(path, header)
 
 

@@ -41,6 +41,7 @@ from runtime.executor.weight_cache import IN_MEMORY, WeightCacheFile, WeightCach
 from runtime.util.latency import LatencyRecorder
 from runtime.executor import kernels
 from runtime.util.attention_rewrite import attention_forms
+from runtime.util.kv_layout import named_kv_layout
 from runtime.util.model_view import ModelFile, signature_details, view_refusal, weights_read_in_place
 from runtime.util.page_advice import read_again_in_huge_pages
 from runtime.util.native_logs import mute_native_logs_at_exit, muted_native_logs
@@ -414,7 +415,8 @@ class LlmExecutor:
                     if self._op_form is not False and weights_read_in_place(self._source.header()):
                         read_again_in_huge_pages(self.model_path)  # before any view maps it
                     details = signature_details(self._source.header(), source=str(self.model_path))
-                    self.spec = ModelSpec.from_details(details, str(self.model_path))
+                    self.spec = ModelSpec.from_details(details, str(self.model_path),
+                                                       named_kv_layout(self._source.header(), str(self.model_path)))
                     self._models[PLAIN_GROUP], io = self._compile_group(PLAIN_GROUP, cache.path)
                     self._io.update(io)
                 else:
@@ -423,7 +425,8 @@ class LlmExecutor:
                                             name=str(self.model_path), profiling=self.settings.profile_ops)
                     self._models[PLAIN_GROUP] = whole
                     notice = whole.notice
-                    self.spec = ModelSpec.from_details(whole.signature_details(), str(self.model_path))
+                    named = named_kv_layout(source.header() if source is not None else model, str(self.model_path))
+                    self.spec = ModelSpec.from_details(whole.signature_details(), str(self.model_path), named)
                     for group in self.spec.groups:
                         self._models[group] = whole
                         self._io.update(self._group_io(group, whole))

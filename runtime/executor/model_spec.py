@@ -30,6 +30,7 @@ from runtime.util.signature_names import (
     ALL_LINEAR, ATTENTION, DORA, SCORE, VERIFY, LoraSlot, SignatureName, cheapest_slot, parse_row_tensor_name,
 )
 from runtime.adapters.lora_util import DORA_SIDE, MLP_PROJECTIONS, is_lora_input_name, parse_lora_input_name, rank_axis
+from runtime.util.kv_layout import KV_LAYOUT_DEFAULT, KV_LAYOUT_GROUPED, KV_LAYOUT_TRANSPOSED
 from runtime.util.tensor_spec import TensorSpec
 
 TOKENS = "tokens"
@@ -38,8 +39,6 @@ LOGITS = "logits"
 HIDDEN = "hidden"  # a verify signature's final hidden states [1, L, hidden] (the lm_head's input)
 _KV_NAME = re.compile(r"kv_cache_(?P<kind>[kv])_(?P<layer>0|[1-9][0-9]*)")
 
-KV_LAYOUT_DEFAULT = "default"  # k and v: [1, kv_len, groups, head_dim]
-KV_LAYOUT_TRANSPOSED = "transposed"  # k: [1, groups, kv_len, head_dim]; v: [1, groups, head_dim, kv_len]
 
 # What the interpreter reports for one signature: input and output details by name.
 SignatureDetails = tuple[Mapping[str, Mapping[str, Any]], Mapping[str, Mapping[str, Any]]]
@@ -198,8 +197,8 @@ class ModelSpec:
         return signature.window or self.kv_length
 
     def kv_position_axis(self, name: str) -> int:
-        """The axis of KV input ``name`` that runs over cache positions (see the layouts'
-        shapes at :data:`KV_LAYOUT_DEFAULT` and :data:`KV_LAYOUT_TRANSPOSED`)."""
+        """The axis of KV input ``name`` that runs over cache positions (the layouts' shapes:
+        :mod:`runtime.util.kv_layout`)."""
         return _position_axis(self.kv_layout, name)
 
     def decode(self, lora_slot: LoraSlot | None = None, window: int | None = None) -> SignatureSpec:
@@ -297,8 +296,11 @@ class ModelSpec:
         raise NotFoundError(f"the model has no {kind} signature of length {seq_len}{batch}{attend}{slot}")
 
     @classmethod
-    def from_details(cls, details: Mapping[str, SignatureDetails], source: str) -> ModelSpec:
-        """Builds and checks a spec from ``{signature_key: (input_details, output_details)}``."""
+    def from_details(cls, details: Mapping[str, SignatureDetails], source: str,
+                     kv_layout: str | None = None) -> ModelSpec:
+        """Builds and checks a spec from ``{signature_key: (input_details, output_details)}``;
+        ``kv_layout``: the layout the model names (:func:`runtime.util.kv_layout.named_kv_layout`),
+        ``None`` to tell it by the caches' shapes (an export that names none)."""
         signatures = {key: _signature(key, ins, outs, source) for key, (ins, outs) in details.items()}
         decodes = [s for s in signatures.values()
                    if s.kind == "decode" and s.lora_slot is None and s.rows == 1 and s.window is None]
@@ -315,7 +317,7 @@ class ModelSpec:
             raise InvalidArgumentError(f"{source}: signature 'decode' has no kv_cache_* inputs")
         kv = {s.name: s for s in kv_inputs}
         layout, kv_length = _kv_layout(kv, max((s.seq_len for s in signatures.values()), default=1),
-                                       f"{source}: signature {decode.key!r}")
+                                       f"{source}: signature {decode.key!r}", kv_layout)
         for spec in signatures.values():
             _check_window_span(spec, kv_length, source)
             cache = _window_caches(kv, layout, spec.window)
@@ -621,7 +623,7 @@ def _check_same_kv(spec: SignatureSpec, kv: Mapping[str, TensorSpec], whole: Map
 def _position_axis(layout: str, name: str) -> int:
     if layout == KV_LAYOUT_DEFAULT:
         return 1
-    return 3 if _KV_NAME.fullmatch(name)["kind"] == "v" else 2
+    return 3 if layout == KV_LAYOUT_TRANSPOSED and _KV_NAME.fullmatch(name)["kind"] == "v" else 2
 
 
 def _window_caches(kv: Mapping[str, TensorSpec], layout: str, window: int | None) -> Mapping[str, TensorSpec]:
@@ -637,9 +639,11 @@ def _window_caches(kv: Mapping[str, TensorSpec], layout: str, window: int | None
     return caches
 
 
-def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int, where: str) -> tuple[str, int]:
+def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int, where: str,
+               named: str | None) -> tuple[str, int]:
     """The layout and length of the KV caches ``kv`` (by name) that ``where`` (the source
-    and signature, for errors) takes: every one 4-D, layer 0's K and V among them."""
+    and signature, for errors) takes: every one 4-D, layer 0's K and V among them; the
+    layout ``named`` by the model (its K and V shaped so), else told by their shapes."""
     for name in ("kv_cache_k_0", "kv_cache_v_0"):
         if name not in kv:
             raise InvalidArgumentError(f"{where} has no {name!r} input (expected a K and a V cache per layer from 0)")
@@ -649,6 +653,17 @@ def _kv_layout(kv: Mapping[str, TensorSpec], longest_input: int, where: str) -> 
                                        "groups, head_dim], or [1, groups, positions, head_dim] (V: [1, groups, "
                                        "head_dim, positions])")
     k, v = kv["kv_cache_k_0"], kv["kv_cache_v_0"]
-    if k.shape == v.shape and k.shape[1] >= longest_input:
-        return KV_LAYOUT_DEFAULT, k.shape[1]
-    return KV_LAYOUT_TRANSPOSED, k.shape[2]
+    if named is None:  # an export naming no layout: default or transposed, told by the shapes
+        named = KV_LAYOUT_DEFAULT if k.shape == v.shape and k.shape[1] >= longest_input else KV_LAYOUT_TRANSPOSED
+    positions = _position_axis(named, "kv_cache_k_0")
+    v_shape = (*k.shape[:2], k.shape[3], k.shape[2]) if named == KV_LAYOUT_TRANSPOSED else k.shape
+    if v.shape != v_shape or k.shape[positions] < longest_input:
+        raise InvalidArgumentError(
+            f"{where}: K {_shape(k)} and V {_shape(v)} are not the {named} KV layout's ({_LAYOUT_SHAPES[named]}) "
+            f"of at least {longest_input} positions (the longest input)")
+    return named, k.shape[positions]
+
+
+_LAYOUT_SHAPES = {KV_LAYOUT_DEFAULT: "K and V [1, positions, groups, head_dim]",
+                  KV_LAYOUT_TRANSPOSED: "K [1, groups, positions, head_dim], V [1, groups, head_dim, positions]",
+                  KV_LAYOUT_GROUPED: "K and V [1, groups, positions, head_dim]"}

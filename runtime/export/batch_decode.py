@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UnimplementedError
+from runtime.export import grouped_kv
 from runtime.export.families.common import causal_mask
 from runtime.export.families.gemma3 import Gemma3Decoder  # its forward: gemma3_steps.py
 from runtime.export.dora import check_dora, fused_qkv_scale, scaled_linear
@@ -184,6 +185,7 @@ class BatchDecode(nn.Module):
         v = attn.value_norm(v).reshape(batch, length, -1, head_dim)
         q, k = rotary_position_embedding.apply_rope_inline(q, k, *rope)
         transposed = self.kv_layout == kv_utils.KV_LAYOUT_TRANSPOSED
+        grouped = self.kv_layout == grouped_kv.KV_LAYOUT_GROUPED
         # Head h reads KV group h // q_per_kv, as litert-torch's repeat_interleave does.
         if length == 1:
             queries = q.reshape(batch, groups, q_per_kv, head_dim)
@@ -201,6 +203,11 @@ class BatchDecode(nn.Module):
                 # Both products contract the caches' last axis as they lie (BATCH_MATMUL with
                 # adj_y): no copy of the cache is transposed per step, and the attention of
                 # a step costs ~0.6x the transposing matmuls' at 1024 positions, ~0.75x at 128.
+                keys, values = entry.k_cache, entry.v_cache
+                scores = bmm_4d(queries[one], keys)  # [1, G, q_per_kv * T, W]
+            elif grouped:  # K and V [1, G, T, hd]: V read as it lies too (BATCH_MATMUL without adj_y)
+                entry = grouped_kv.update(entry, input_pos[one], k[one].permute(0, 2, 1, 3),
+                                          v[one].permute(0, 2, 1, 3))
                 keys, values = entry.k_cache, entry.v_cache
                 scores = bmm_4d(queries[one], keys)  # [1, G, q_per_kv * T, W]
             else:  # K and V [1, T, G, hd]

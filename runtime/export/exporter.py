@@ -19,6 +19,7 @@ from runtime.export.source import Source, check_settings, check_tokenizer
 from runtime.util import flatbuffer_model
 from runtime.util.attention_rewrite import rewrite_attention
 from runtime.util.kv_cache_precision import kv_caches_to_float16
+from runtime.util.kv_layout import KV_LAYOUT_METADATA
 from runtime.util.lora_precision import lora_factors_to_float16
 
 
@@ -108,6 +109,7 @@ def export_decoder(model: Any, settings: ExportSettings, out_path: Path) -> None
     context = convert.new_context()
     module = convert.merged([lowered for _, lowered in lowering.lower_each(lowering.signatures_of(model, settings),
                                                                           context)])
+    convert.add_metadata(module, context, {KV_LAYOUT_METADATA: settings.kv_layout})
     convert.to_tflite_ops(module, context)
     flatbuffer = convert.serialize(module)
     recipe = litert.quantizer_recipe(settings.litert_quantize, model.config)
@@ -249,7 +251,8 @@ class _Job:
         floats = [file for precision, file in zip(self.precisions, self.model_files) if precision.quantize == "none"]
         work = finish.Finish(
             module_files=tuple(module_files),
-            metadata={projection_map.METADATA_NAME: projection_map.metadata_json(self.projections)},
+            metadata={projection_map.METADATA_NAME: projection_map.metadata_json(self.projections),
+                      KV_LAYOUT_METADATA: self.settings.kv_layout},
             float_file=floats[0] if floats else self.outputs.scratch(self.outputs.targets[0], ".f32.tflite"),
             quantized=tuple(finish.Quantized(precision.quantize, recipe, file)
                             for precision, file, recipe in zip(self.precisions, self.model_files, recipes)

@@ -15,6 +15,7 @@ litert_torch_fixes.apply()
 
 import litert_torch  # noqa: E402
 from litert_torch.generative.custom_ops.bmm_4d import bmm_4d  # noqa: E402
+from litert_torch.generative.custom_ops.dynamic_update_slice import dynamic_update_slice  # noqa: E402
 from litert_torch.generative.layers import attention, builder  # noqa: E402
 from litert_torch.generative.layers import kv_cache as kv_utils  # noqa: E402
 from litert_torch.generative.layers import lora as lora_utils  # noqa: E402
@@ -24,6 +25,7 @@ from litert_torch.generative.utilities import converter  # noqa: E402
 from litert_torch.generative.utilities import export_config  # noqa: E402
 from litert_torch.generative.utilities import loader  # noqa: E402
 from litert_torch.generative.utilities import model_builder  # noqa: E402
+from litert_torch.generative.utilities import types as litert_types  # noqa: E402
 
 # The converter's pieces, which runtime.export.lowering runs one by one.
 from litert_torch import fx_infra  # noqa: E402
@@ -59,6 +61,10 @@ def quantizer_recipe(flag: str, model_config: Any) -> Any | None:
 
 
 __all__ = ["attention", "backend_export", "bmm_4d", "builder", "cfg", "convert_core", "converter",
-           "export_config", "fx_infra", "inline_consts", "kv_utils",
-           "litert_signature", "litert_torch", "loader", "lora_utils", "model_builder", "output_names",
+           "dynamic_update_slice", "export_config", "fx_infra", "inline_consts", "kv_utils",
+           "litert_signature", "litert_torch", "litert_types", "loader", "lora_utils", "model_builder", "output_names",
            "quantizer_recipe", "rotary_position_embedding", "run_graph_passes", "sdpa_with_kv_update"]
+
+# The grouped KV layout's attention, put in front of litert-torch's for every caller (its
+# attention blocks and runtime.export.mlp_lora); imported last, as it reads the names above.
+from runtime.export import grouped_kv  # noqa: E402,F401

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.errors import InvalidArgumentError
+from runtime.util.kv_layout import KV_LAYOUTS
 
 # Our names -> litert-torch 0.10.0's quantization recipe names. Only recipes whose
 # exports run in this runtime are offered (tests/test_export.py runs each one).
@@ -16,7 +17,6 @@ QUANTIZATIONS = {
     "int4-block32": "dynamic_int4_block32",
     "int4-block128": "dynamic_int4_block128",
 }
-KV_LAYOUTS = ("default", "transposed")
 # How decode signatures compute attention (docs/kernels.md): "auto" (the default) writes both
 # forms, the standard ops and one custom op per layer (odml_runtime.decode_attention, whose
 # kernel this runtime compiles on the user's machine) sharing every weight, the runtime
@@ -110,7 +110,8 @@ class ExportSettings:
     # "transposed": K [1, kv_heads, kv_length, head_dim], V [1, kv_heads, head_dim, kv_length]
     # (what LiteRT-LM needs; attention contracts each cache's last axis as it lies, no copy
     # transposed per step: faster decode, batched decode and prefill); "default" (litert-torch's
-    # name): K and V [1, kv_length, kv_heads, head_dim].
+    # name): K and V [1, kv_length, kv_heads, head_dim]; "grouped": K and V [1, kv_heads,
+    # kv_length, head_dim] (V as K lies; standard ops only for now). runtime.util.kv_layout.
     kv_layout: str = "transposed"
     # Whether prefill signatures also return logits (decode always does).
     prefill_logits: bool = False

@@ -17,15 +17,18 @@ from torch import nn
 
 from runtime.errors import UnimplementedError
 from runtime.export.dora import DoraStep, check_dora
+from runtime.export import grouped_kv
 from runtime.export.gemma3_steps import all_linear_step, batch_decode_step
 from runtime.export.litert import converter as litert_converter
 from runtime.export.litert import kv_utils, lora_utils, model_builder
 from runtime.export.mlp_lora import AllLinearStep, CausalMaskStep, check_mlp_lora, is_standard_decoder
 from runtime.export.settings import ExportSettings
 from runtime.export.verify import VerifyStep
+from runtime.util.kv_layout import KV_LAYOUT_DEFAULT, KV_LAYOUT_GROUPED, KV_LAYOUT_TRANSPOSED
 from runtime.util.signature_names import ALL_LINEAR, ATTENTION, DORA, SCORE, LoraSlot, SignatureName
 
-_KV_LAYOUTS = {"default": kv_utils.KV_LAYOUT_DEFAULT, "transposed": kv_utils.KV_LAYOUT_TRANSPOSED}
+_KV_LAYOUTS = {KV_LAYOUT_DEFAULT: kv_utils.KV_LAYOUT_DEFAULT, KV_LAYOUT_TRANSPOSED: kv_utils.KV_LAYOUT_TRANSPOSED,
+               KV_LAYOUT_GROUPED: grouped_kv.KV_LAYOUT_GROUPED}
 
 
 @dataclass(frozen=True)
