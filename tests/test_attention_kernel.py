@@ -36,7 +36,8 @@ from runtime.util.attention_rewrite import (DECODE_ATTENTION, FORMS_METADATA, LI
 from runtime.util.graph_edit import op_name
 from runtime.util.signature_names import LoraSlot
 
-FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gemma3": MODELS / "gemma3" / "model.tflite"}
+FIXTURES = {"gqa": MODELS / "gqa_transposed.tflite", "gqa_grouped": MODELS / "gqa_grouped.tflite",
+            "gemma3": MODELS / "gemma3" / "model.tflite"}
 needs_cc = pytest.mark.skipif(kernels.compiler() is None,
                               reason="no C compiler (cc or gcc) on PATH to build the attention kernel")
 # Where the runtime runs the op form of a model of both forms: a compiler and AVX2 with FMA.
@@ -58,7 +59,7 @@ def rewritten(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         data, counts = rewrite_decode_attention(source.read_bytes())
         assert counts["decode"] == (3 if name == "gemma3" else 2)  # one op per layer
         assert all(key.startswith("decode") for key in counts)
-        assert counts["decode_batch4_lora_r4" if name == "gqa" else "decode_batch4_lora_r8"] == 4 * counts["decode"]
+        assert counts["decode_batch4_lora_r8" if name == "gemma3" else "decode_batch4_lora_r4"] == 4 * counts["decode"]
         paths[name] = folder / f"{name}.tflite"
         paths[name].write_bytes(data)
     return paths
@@ -162,7 +163,7 @@ def test_a_lora_delta_of_another_form_is_refused_naming_it():
 
 
 def test_the_default_layout_is_refused():
-    with pytest.raises(InvalidArgumentError, match="transposed KV layout"):
+    with pytest.raises(InvalidArgumentError, match="transposed or grouped KV layout"):
         rewrite_decode_attention((MODELS / "gqa_default.tflite").read_bytes())
 
 
@@ -317,13 +318,21 @@ def test_each_build_of_the_kernel_computes_attention(isa, caches, builds_cache, 
         params = np.array([1.0, cap, 0.0, 0.0], np.float32)
         K = (2 * rng.standard_normal((1, G, T, D))).astype(caches)
         V = rng.standard_normal((1, G, D, T)).astype(caches)
-        got, error = run_kernel(library, [q, mask, params, K, V, np.zeros((1, G, H, D), np.float32)])
-        assert error == 0
-        difference = float(np.abs(got - reference(q, mask, params, K, V)).max())
-        assert difference <= TOL, f"G {G} H {H} D {D} T {T} open {open_} cap {cap}: differs by {difference:.2e}"
-    # A failing run: shapes it would misread give the error word and NaN, never numbers.
-    got, error = run_kernel(library, [q, mask[:-1], params, K, V, np.zeros((1, G, H, D), np.float32)])
-    assert error == 3 and np.isnan(got).all()
+        want = reference(q, mask, params, K, V)
+        # V transposed ([1, G, D, T], params[2] 0) and grouped ([1, G, T, D], params[2] 1: as K lies)
+        for layout, v, p in (("transposed", V, params), ("grouped", np.ascontiguousarray(V.transpose(0, 1, 3, 2)),
+                                                         params + np.array([0, 0, 1, 0], np.float32))):
+            got, error = run_kernel(library, [q, mask, p, K, v, np.zeros((1, G, H, D), np.float32)])
+            assert error == 0, layout
+            difference = float(np.abs(got - want).max())
+            assert difference <= TOL, (f"{layout} G {G} H {H} D {D} T {T} open {open_} cap {cap}: differs by "
+                                       f"{difference:.2e}")
+    # A failing run: shapes it would misread give the error word and NaN, never numbers: a mask
+    # of another length, V in the layout params do not name, a layout params do not know.
+    for bad in ([q, mask[:-1], params, K, V], [q, mask, params + np.array([0, 0, 1, 0], np.float32), K, V],
+                [q, mask, params + np.array([0, 0, 2, 0], np.float32), K, np.ascontiguousarray(V.transpose(0, 1, 3, 2))]):
+        got, error = run_kernel(library, [*bad, np.zeros((1, G, H, D), np.float32)])
+        assert error == 3 and np.isnan(got).all()
     # K and V of different types are refused.
     for k, v in ((K.astype(np.float32), V.astype(np.float16)), (K.astype(np.float16), V.astype(np.float32))):
         got, error = run_kernel(library, [q, mask, params, k, v, np.zeros((1, G, H, D), np.float32)])

@@ -19,12 +19,13 @@ def test_defaults_and_recipe_names() -> None:
 
 
 @pytest.mark.parametrize("kernel, layout, op_form", [
-    ("auto", "transposed", True), ("auto", "default", False), ("auto", "grouped", False), ("native", "transposed", True),
+    ("auto", "transposed", True), ("auto", "default", False), ("auto", "grouped", True), ("native", "transposed", True),
+    ("native", "grouped", True),
     ("xnnpack", "transposed", False), ("xnnpack", "default", False),
 ])
 def test_which_exports_get_the_attention_op_form(kernel: str, layout: str, op_form: bool) -> None:
     """By default (auto) the op form goes beside the standard one where the kernel reads the
-    layout (transposed); the default and grouped layouts keep the standard form alone."""
+    layout (transposed, grouped); litert-torch's default layout keeps the standard form alone."""
     assert ExportSettings().attention_kernel == "auto"
     assert ExportSettings(attention_kernel=kernel, kv_layout=layout).op_form is op_form
 

@@ -198,7 +198,7 @@ def test_a_full_disk_is_refused_before_xnnpack_writes(model, tmp_path, monkeypat
 def test_an_open_that_fails_leaves_no_file(model, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
 
-    def refuse(details, source):
+    def refuse(details, source, kv_layout=None):
         raise InvalidArgumentError(f"{source}: refused")
 
     monkeypatch.setattr(ModelSpec, "from_details", refuse)

@@ -224,7 +224,8 @@ class BatchDecode(nn.Module):
             probs = torch.softmax(scores + masks[row], dim=-1)
             if length > 1:
                 probs = probs.reshape(1, groups, q_per_kv * length, span)
-            attended_row = bmm_4d(probs, values) if transposed else torch.matmul(probs, values)
+            attended_row = bmm_4d(probs, values) if transposed else \
+                grouped_kv.matmul_4d(probs, values) if grouped else torch.matmul(probs, values)
             if length > 1:  # [1, G, q_per_kv * T, hd] -> [1, T, heads, hd]
                 attended_row = attended_row.reshape(1, -1, length, head_dim).permute(0, 2, 1, 3)
             rows.append(attended_row.reshape(1, length, -1))  # [1, T, heads * hd]

@@ -2,17 +2,19 @@
 
 litert-torch 0.10.0 builds caches of any order of dimensions (``KVCache.from_model_config``)
 but its ``sdpa_with_kv_update`` knows two layouts, the transposed one and, for anything else,
-its default ``[1, T, G, D]``. Importing this module puts :func:`sdpa_with_kv_update` in front
-of litert-torch's, for every caller (litert-torch's attention blocks, which every family's
-plain steps and Gemma 3's blocks run, and :func:`runtime.export.mlp_lora.lora_attention`):
-caches in :data:`KV_LAYOUT_GROUPED` are written and read here, any other layout is handed to
+its default ``[1, T, G, D]``. Importing this module (as :mod:`runtime.export.signatures` does,
+which every lowering reads) puts :func:`sdpa_with_kv_update` in front of litert-torch's, for
+every caller (litert-torch's attention blocks, which every family's plain steps and Gemma 3's
+blocks run, and :func:`runtime.export.mlp_lora.lora_attention`): caches in
+:data:`KV_LAYOUT_GROUPED` are written and read here, any other layout is handed to
 litert-torch's as before. The batched and windowed steps (:mod:`runtime.export.batch_decode`)
-write and read their rows' caches with :func:`update` and :func:`attend`.
+write and read their rows' caches with :func:`update` and :func:`matmul_4d`.
 
 The attention is the transposed layout's (litert-torch's ``_sdpa_with_kv_update_transposed``
 and ``scaled_dot_product_attention_transposed``: query scaled by ``1 / sqrt(head_dim)``, the
 logits soft-capped, then masked), except that the probabilities multiply V as it lies
-(``BATCH_MATMUL`` without ``adj_y``): the same numbers, another layout of V.
+(one 4-D ``BATCH_MATMUL`` without ``adj_y``, :func:`matmul_4d`): the same numbers, another
+layout of V.
 """
 
 from __future__ import annotations
@@ -21,14 +23,39 @@ import math
 
 import torch
 
+from litert_converter.mlir import ir
+from litert_converter.mlir.dialects import stablehlo
+
 from runtime.errors import UnimplementedError
-from runtime.export.litert import bmm_4d, dynamic_update_slice, kv_utils, litert_types
+from runtime.export.litert import bmm_4d, dynamic_update_slice, kv_utils, litert_types, lowerings
 from runtime.export.litert import sdpa_with_kv_update as litert_sdpa
 
 KV_LAYOUT_GROUPED = (litert_types.BNTH, litert_types.BNTH)  # K and V [1, groups, positions, head_dim]
 _POSITIONS = 2  # the axis of both caches that runs over positions
 
 _litert_sdpa_with_kv_update = litert_sdpa.sdpa_with_kv_update
+
+
+@torch.library.custom_op("runtime_export::matmul_4d", mutates_args=())
+def matmul_4d(lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``lhs`` ``[A, B, M, K]`` times ``rhs`` ``[A, B, K, N]``: one 4-D ``BATCH_MATMUL`` without
+    ``adj_y`` in the graph (``torch.matmul`` of 4-D operands lowers to RESHAPEs of both to 3-D
+    around it, the cache's among them), as litert-torch's ``bmm_4d`` is for ``lhs @ rhs^T``."""
+    return torch.matmul(lhs, rhs)
+
+
+@matmul_4d.register_fake
+def _(lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(lhs, rhs)
+
+
+@lowerings.lower(torch.ops.runtime_export.matmul_4d)
+def _lower_matmul_4d(lctx: object, lhs: ir.Value, rhs: ir.Value) -> ir.Value:
+    numbers = stablehlo.DotDimensionNumbers.get(lhs_batching_dimensions=[0, 1], rhs_batching_dimensions=[0, 1],
+                                                lhs_contracting_dimensions=(3,), rhs_contracting_dimensions=(2,))
+    a, b, m, _ = lhs.type.shape
+    result = ir.RankedTensorType.get((a, b, m, rhs.type.shape[3]), lhs.type.element_type)
+    return stablehlo.dot_general(result, lhs, rhs, numbers)
 
 
 def update(entry: kv_utils.KVCacheEntry, input_pos: torch.Tensor, k_slice: torch.Tensor,
@@ -42,7 +69,7 @@ def update(entry: kv_utils.KVCacheEntry, input_pos: torch.Tensor, k_slice: torch
                                  dynamic_update_slice(entry.v_cache, v_slice, indices), entry.kv_layout)
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
            softcap: float | None) -> torch.Tensor:
     """Attention of ``query`` (``[1, G, heads per group * T, D]``, already scaled) over
     grouped caches ``keys`` and ``values`` (``[1, G, W, D]``): ``[1, G, heads per group * T, D]``.
@@ -54,7 +81,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     probs = torch.softmax((logits + mask).reshape(1, groups, rows, span), dim=-1).type_as(keys)
-    return torch.matmul(probs, values)
+    return matmul_4d(probs, values)
 
 
 def sdpa_with_kv_update(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: kv_utils.KVCacheEntry,
@@ -74,7 +101,7 @@ def sdpa_with_kv_update(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     key = key.permute(0, 2, 1, 3).reshape(1, -1, length, head_dim)
     value = value.permute(0, 2, 1, 3).reshape(1, -1, length, head_dim)
     kv = update(kv, input_pos, key, value)
-    out = attend(query * (1.0 / math.sqrt(config.head_dim)), kv.k_cache, kv.v_cache, mask, config.logit_softcap)
+    out = _attend(query * (1.0 / math.sqrt(config.head_dim)), kv.k_cache, kv.v_cache, mask, config.logit_softcap)
     return out.reshape(batch, -1, length, head_dim).permute(0, 2, 1, 3).reshape(batch, length, -1), kv
 
 

@@ -34,6 +34,7 @@ from litert_torch._convert import litert_converter  # noqa: E402
 from litert_torch._convert import signature as litert_signature  # noqa: E402
 from litert_torch.backend import export as backend_export  # noqa: E402
 from litert_torch.backend import inline_consts  # noqa: E402
+from litert_torch.backend import lowerings  # noqa: E402
 from litert_torch.quantize import translate_recipe  # noqa: E402
 
 def run_graph_passes(program: Any) -> Any:
@@ -62,9 +63,6 @@ def quantizer_recipe(flag: str, model_config: Any) -> Any | None:
 
 __all__ = ["attention", "backend_export", "bmm_4d", "builder", "cfg", "convert_core", "converter",
            "dynamic_update_slice", "export_config", "fx_infra", "inline_consts", "kv_utils",
-           "litert_signature", "litert_torch", "litert_types", "loader", "lora_utils", "model_builder", "output_names",
+           "litert_signature", "litert_torch", "litert_types", "loader", "lora_utils", "lowerings", "model_builder",
+           "output_names",
            "quantizer_recipe", "rotary_position_embedding", "run_graph_passes", "sdpa_with_kv_update"]
-
-# The grouped KV layout's attention, put in front of litert-torch's for every caller (its
-# attention blocks and runtime.export.mlp_lora); imported last, as it reads the names above.
-from runtime.export import grouped_kv  # noqa: E402,F401

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.errors import InvalidArgumentError
-from runtime.util.kv_layout import KV_LAYOUTS
+from runtime.util.kv_layout import KV_LAYOUT_GROUPED, KV_LAYOUT_TRANSPOSED, KV_LAYOUTS
+
+# The KV layouts the runtime's attention kernel reads (litert-torch's default is not one).
+KERNEL_KV_LAYOUTS = (KV_LAYOUT_TRANSPOSED, KV_LAYOUT_GROUPED)
 
 # Our names -> litert-torch 0.10.0's quantization recipe names. Only recipes whose
 # exports run in this runtime are offered (tests/test_export.py runs each one).
@@ -111,7 +114,7 @@ class ExportSettings:
     # (what LiteRT-LM needs; attention contracts each cache's last axis as it lies, no copy
     # transposed per step: faster decode, batched decode and prefill); "default" (litert-torch's
     # name): K and V [1, kv_length, kv_heads, head_dim]; "grouped": K and V [1, kv_heads,
-    # kv_length, head_dim] (V as K lies; standard ops only for now). runtime.util.kv_layout.
+    # kv_length, head_dim] (V as K lies). runtime.util.kv_layout.
     kv_layout: str = "transposed"
     # Whether prefill signatures also return logits (decode always does).
     prefill_logits: bool = False
@@ -227,16 +230,18 @@ class ExportSettings:
         if self.lora_dtype == "float16" and not (self.lora_ranks or self.dora_ranks):
             raise InvalidArgumentError("lora_dtype float16 with no LoRA slot: there are no LoRA factors to store "
                                        "(give lora_ranks or dora_ranks)")
-        if self.attention_kernel == "native" and self.kv_layout != "transposed":
+        if self.attention_kernel == "native" and self.kv_layout not in KERNEL_KV_LAYOUTS:
             raise InvalidArgumentError(
-                f"attention kernel native with kv_layout {self.kv_layout!r}: the kernel reads the transposed layout "
-                "only (K [1, G, T, D], V [1, G, D, T]); use kv_layout transposed or attention kernel xnnpack")
+                f"attention kernel native with kv_layout {self.kv_layout!r}: the kernel reads the transposed and "
+                "grouped layouts only (K [1, G, T, D], V [1, G, D, T] or [1, G, T, D]); use kv_layout transposed or "
+                "attention kernel xnnpack")
 
     @property
     def op_form(self) -> bool:
         """Whether the .tflite files get the decode attention's custom-op form: ``native``,
-        and ``auto`` in the transposed KV layout (the only one the kernel reads)."""
-        return self.attention_kernel == "native" or (self.attention_kernel == "auto" and self.kv_layout == "transposed")
+        and ``auto`` in a KV layout the kernel reads (:data:`KERNEL_KV_LAYOUTS`)."""
+        return self.attention_kernel == "native" or (self.attention_kernel == "auto"
+                                                     and self.kv_layout in KERNEL_KV_LAYOUTS)
 
     @property
     def graph_passes(self) -> bool:

@@ -8,11 +8,13 @@ layout (K ``[1, G, T, D]``, V ``[1, G, D, T]``)::
 
     BATCH_MATMUL(q, K, adj_y) -> [RESHAPE] -> ADD(mask) -> [RESHAPE] -> SOFTMAX -> BATCH_MATMUL(p, V, adj_y)
 
-becomes ``odml_runtime.decode_attention(q, mask, params, K, V)``, params a constant
-``[1, 0, 0, 0]`` (scale on q.k: the exports scale q before; no logit soft-cap). The
-mask is the graph's own additive mask for the step (causal, sliding window, attention
-window alike), so the op computes what the chain computed, and reads only the cache
-positions the mask leaves open. Any other op between the two matmuls (a soft-cap, a
+or the grouped one (K and V ``[1, G, T, D]``: the last matmul ``BATCH_MATMUL(p, V)``, no
+``adj_y``), becomes ``odml_runtime.decode_attention(q, mask, params, K, V)``, params a constant
+``[1, 0, layout, 0]`` (scale on q.k: the exports scale q before; no logit soft-cap; V's layout,
+0 transposed or 1 grouped, which the matmul's ``adj_y`` tells even where the shapes cannot, at
+``T == D``). The mask is the graph's own additive mask for the step (causal, sliding window,
+attention window alike), so the op computes what the chain computed, and reads only the
+cache positions the mask leaves open. Any other op between the two matmuls (a soft-cap, a
 scale) is refused, naming it: the chain is never half-understood.
 
 The same subgraphs' LoRA deltas, ``BATCH_MATMUL(x, A) -> BATCH_MATMUL(h, B)`` whose right
@@ -109,10 +111,7 @@ def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> d
     if not keys:
         raise InvalidArgumentError("the model has no decode signature to rewrite")
     custom_code = _custom_code(model, DECODE_ATTENTION)
-    params = schema.BufferT()
-    params.data = np.frombuffer(np.array([1.0, 0.0, 0.0, 0.0], np.float32).tobytes(), np.uint8)
-    model.buffers.append(params)
-    params_buffer = len(model.buffers) - 1
+    params_buffers: dict[bool, int] = {}  # by V's layout (grouped or not): the op's params, once per model
     counts = {}
     done_subgraphs: dict[int, int] = {}
     pairs: dict[int, int] = {}  # standard subgraph -> its op form (keep_standard)
@@ -124,14 +123,14 @@ def rewrite_attention(model: schema.ModelT, *, keep_standard: bool = False) -> d
         if index not in done_subgraphs:
             standard = model.subgraphs[index]
             target = _shallow_copy(standard) if keep_standard else standard
-            done_subgraphs[index] = _rewrite_subgraph(model, target, key, custom_code, params_buffer)
+            done_subgraphs[index] = _rewrite_subgraph(model, target, key, custom_code, params_buffers)
             if keep_standard and done_subgraphs[index]:
                 model.subgraphs.append(target)
                 pairs[index] = len(model.subgraphs) - 1
         counts[key] = done_subgraphs[index]
     if not any(counts.values()):
-        raise InvalidArgumentError("no decode attention in the transposed KV layout was found (K [1, G, T, D], "
-                                   "V [1, G, D, T]): export with --kv-layout transposed")
+        raise InvalidArgumentError("no decode attention in the transposed or grouped KV layout was found (K [1, G, "
+                                   "T, D], V [1, G, D, T] or [1, G, T, D]): export with --kv-layout transposed")
     if keep_standard:
         forms = schema.BufferT()
         forms.data = np.frombuffer(json.dumps({"op": DECODE_ATTENTION, "subgraphs": sorted(pairs.items())}).encode(),
@@ -239,11 +238,30 @@ def _stored(model: schema.ModelT, sub: schema.SubGraphT, index: int, consumers: 
     return (source, j) if sub.tensors[source].type == FLOAT16 else (index, None)
 
 
+def _params(model: schema.ModelT, sub: schema.SubGraphT, grouped: bool, buffers: dict[bool, int],
+            tensors: dict[bool, int]) -> int:
+    """The op's params tensor in ``sub`` for V's layout (``grouped`` or transposed): appended to
+    ``sub`` (``tensors``: this subgraph's, by layout) over a buffer appended to ``model`` once
+    (``buffers``), where missing."""
+    if grouped not in buffers:
+        params = schema.BufferT()
+        params.data = np.frombuffer(np.array([1.0, 0.0, float(grouped), 0.0], np.float32).tobytes(), np.uint8)
+        model.buffers.append(params)
+        buffers[grouped] = len(model.buffers) - 1
+    if grouped not in tensors:
+        tensor = schema.TensorT()
+        tensor.name, tensor.shape, tensor.type, tensor.buffer = b"odml_runtime_attention_params", [4], FLOAT32, \
+            buffers[grouped]
+        sub.tensors.append(tensor)
+        tensors[grouped] = len(sub.tensors) - 1
+    return tensors[grouped]
+
+
 def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, custom_code: int,
-                      params_buffer: int) -> int:
+                      params_buffers: dict[bool, int]) -> int:
     """Rewrites ``sub`` (the subgraph of signature ``key``) in place: its operators list
-    replaced, a params tensor appended; the tensor and operator objects it shares with
-    another subgraph left as they are. The number of layers rewritten."""
+    replaced, a params tensor appended (:func:`_params`); the tensor and operator objects it
+    shares with another subgraph left as they are. The number of layers rewritten."""
     outputs = set(int(i) for i in sub.outputs)
     consumers: dict[int, list[int]] = {}
     producers: dict[int, int] = {}
@@ -252,11 +270,7 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
             consumers.setdefault(int(i), []).append(j)
         for i in op.outputs:
             producers[int(i)] = j
-    tensor = schema.TensorT()
-    tensor.name, tensor.shape, tensor.type, tensor.buffer = b"odml_runtime_attention_params", [4], FLOAT32, \
-        params_buffer
-    sub.tensors.append(tensor)
-    params_index = len(sub.tensors) - 1
+    params_tensors: dict[bool, int] = {}
     drop, replace = set(), {}
     for j, op in enumerate(sub.operators):
         if op_name(model, op) != "BATCH_MATMUL" or b"kv_cache_k" not in (sub.tensors[op.inputs[1]].name or b""):
@@ -265,8 +279,8 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
         q_index, k_index = int(op.inputs[0]), int(op.inputs[1])
         q, k = _shape(sub, q_index), _shape(sub, k_index)
         if len(k) != 4 or len(q) != 4 or q[0] != 1 or k[0] != 1 or (q[1], q[3]) != (k[1], k[3]) or not _adj_y(op):
-            raise InvalidArgumentError(f"{where}: q {list(q)} by K {list(k)} is not the transposed layout's "
-                                       "decode attention (export with --kv-layout transposed)")
+            raise InvalidArgumentError(f"{where}: q {list(q)} by K {list(k)} is not the transposed or grouped "
+                                       "layout's decode attention (export with --kv-layout transposed)")
         span = k[2]
         chain, at, mask = [j], j, None
         while True:
@@ -300,16 +314,18 @@ def _rewrite_subgraph(model: schema.ModelT, sub: schema.SubGraphT, key: str, cus
         if mask is None or len(softmax) != 1 or _shape(sub, int(sub.operators[softmax[0]].outputs[0])) \
                 != _shape(sub, int(op.outputs[0])) or int(last.inputs[0]) != int(sub.operators[softmax[0]].outputs[0]):
             raise InvalidArgumentError(f"{where}: not BATCH_MATMUL -> ADD mask -> SOFTMAX -> BATCH_MATMUL")
-        if b"kv_cache_v" not in (sub.tensors[v_index].name or b"") or _shape(sub, v_index) != (1, k[1], k[3], span) \
-                or not _adj_y(last) or _shape(sub, int(last.outputs[0])) != q:
-            raise InvalidArgumentError(f"{where}: the second matmul is not by the V cache [1, G, D, T]")
+        grouped = not _adj_y(last)  # V [1, G, T, D] read as it lies, else [1, G, D, T] transposed by the matmul
+        if b"kv_cache_v" not in (sub.tensors[v_index].name or b"") or _shape(sub, int(last.outputs[0])) != q \
+                or _shape(sub, v_index) != ((1, k[1], span, k[3]) if grouped else (1, k[1], k[3], span)):
+            raise InvalidArgumentError(f"{where}: the second matmul is not by the V cache [1, G, D, T] (with adj_y) "
+                                       "or [1, G, T, D] (without)")
         if any(sub.tensors[i].type != FLOAT32 for i in (q_index, k_index, v_index, int(last.outputs[0]))):
             raise InvalidArgumentError(f"{where}: not float32")
         (k_cache, k_convert), (v_cache, v_convert) = (_stored(model, sub, i, consumers, producers)
                                                       for i in (k_index, v_index))
         custom = schema.OperatorT()
         custom.opcodeIndex = custom_code
-        custom.inputs = [q_index, mask, params_index, k_cache, v_cache]
+        custom.inputs = [q_index, mask, _params(model, sub, grouped, params_buffers, params_tensors), k_cache, v_cache]
         custom.outputs = [int(last.outputs[0])]
         custom.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
         drop.update(chain[:-1])

@@ -453,8 +453,10 @@ def check_node(node: CustomNode) -> str | None:
         return f"q {list(q)} (expected [1, G, H, D])"
     _, g, h, d = q
     t = k[2] if len(k) == 4 else -1
-    if tuple(k) != (1, g, t, d) or tuple(v) != (1, g, d, t):
-        return f"K {list(k)}, V {list(v)} for q {list(q)} (expected K [1, {g}, T, {d}] and V [1, {g}, {d}, T])"
+    # V transposed or grouped: which one, params[2] tells the kernel, which refuses a V not shaped so
+    if tuple(k) != (1, g, t, d) or tuple(v) not in ((1, g, d, t), (1, g, t, d)):
+        return (f"K {list(k)}, V {list(v)} for q {list(q)} (expected K [1, {g}, T, {d}] and V [1, {g}, {d}, T] or "
+                f"[1, {g}, T, {d}])")
     size = 1
     for dim in mask:
         size *= dim

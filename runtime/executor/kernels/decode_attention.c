@@ -1,5 +1,5 @@
 /* odml_runtime.decode_attention: one layer's decode attention over its KV caches in the
- * transposed layout, a LiteRT custom op (ai-edge-litert 2.3's C API).
+ * transposed or the grouped layout, a LiteRT custom op (ai-edge-litert 2.3's C API).
  *
  * Shipped as source and compiled on the user's machine at first use
  * (runtime/executor/kernels/__init__.py); it links against nothing: the LiteRT functions it
@@ -8,11 +8,13 @@
  *
  * Inputs: q [1, G, H, D] f32 (H query heads per KV group, already scaled), mask f32 of
  * T elements (the graph's additive mask for this step: 0 where attended, -FLT_MAX where
- * not), params f32 [4] (scale on q.k, logit soft-cap or 0, unused, unused),
- * K [1, G, T, D] and V [1, G, D, T] (the caches after this step's update), both f32 or both
- * f16 (read as f32: f16 caches halve the bytes read at long contexts; every sum is f32).
- * Output [1, G, H, D]: softmax(q.K^T * scale + mask) . V^T, as the graph's
- * BATCH_MATMUL -> ADD -> SOFTMAX -> BATCH_MATMUL computes it.
+ * not), params f32 [4] (scale on q.k, logit soft-cap or 0, V's layout: 0 transposed, 1
+ * grouped, unused), K [1, G, T, D] and V [1, G, D, T] (transposed) or [1, G, T, D] (grouped:
+ * V lies as K does), the caches after this step's update, both f32 or both f16 (read as f32:
+ * f16 caches halve the bytes read at long contexts; every sum is f32). Output [1, G, H, D]:
+ * softmax(q.K^T * scale + mask) . V, as the graph's BATCH_MATMUL -> ADD -> SOFTMAX ->
+ * BATCH_MATMUL computes it. V's layout is a parameter, not told by its shape: at T == D the
+ * two are the same shape.
  *
  * Only the positions from the first to the last one the mask leaves open are read (a
  * masked position contributes exp(-FLT_MAX) = 0 to the graph's softmax too), each K row
@@ -259,8 +261,46 @@ static inline vf sumsv(const vf *a) {
       }                                                                                        \
     }                                                                                          \
   }
+/* The grouped layout's V pass: og[h*D + d] = sum_i p[h][lo+i] * V[lo+i][d], V's rows read in
+ * order, the H heads sharing each load; D in halves of 32 floats over blocks of 32 positions
+ * (the block's other halves in the first-level cache when their turn comes), each row's
+ * other half asked for with its first, so that memory sees whole rows in order. The form
+ * kernel_probe/layout_bench.c measured (RESULTS.md section 20); asking 8 KB ahead, four
+ * stretches of the span at once and whole rows with more accumulators were slower there. */
+#define GROUPED_HALF 32
+#define GROUPED_BLOCK 32
+#define VROWS(HC, E, ET, LOAD)                                                                 \
+  static void vrows_##E##_##HC(const ET *Vg, const float *scores, int S, int D, int lo, int n,  \
+                               float *og) {                                                    \
+    enum { C = GROUPED_HALF / W };                                                             \
+    for (int b = 0; b < n; b += GROUPED_BLOCK) {                                               \
+      const int e = b + GROUPED_BLOCK < n ? b + GROUPED_BLOCK : n;                             \
+      for (int half = 0; half < D / GROUPED_HALF; half++) {                                    \
+        vf a[HC][C];                                                                           \
+        for (int h = 0; h < HC; h++)                                                           \
+          for (int c = 0; c < C; c++)                                                          \
+            a[h][c] = b ? loadv(og + h * D + half * GROUPED_HALF + W * c) : (vf){0};           \
+        for (int i = b; i < e; i++) {                                                          \
+          const ET *v = Vg + (size_t)(lo + i) * D;                                             \
+          if (half == 0)                                                                       \
+            for (int l = GROUPED_HALF * (int)sizeof(ET) / 64; l < D * (int)sizeof(ET) / 64; l++) \
+              PREFETCH_NOW((const char *)v + 64 * l);                                          \
+          v += half * GROUPED_HALF;                                                            \
+          vf x[C];                                                                             \
+          for (int c = 0; c < C; c++) x[c] = LOAD(v + W * c);                                  \
+          for (int h = 0; h < HC; h++) {                                                       \
+            const vf p = (vf){0} + scores[h * S + lo + i];                                     \
+            for (int c = 0; c < C; c++) a[h][c] += p * x[c];                                   \
+          }                                                                                    \
+        }                                                                                      \
+        for (int h = 0; h < HC; h++)                                                           \
+          for (int c = 0; c < C; c++) *(vf *)(og + h * D + half * GROUPED_HALF + W * c) = a[h][c]; \
+      }                                                                                        \
+    }                                                                                          \
+  }
 /* Dot products of the group's H heads with K rows lo..hi, any D; probabilities times V rows,
- * any H and D. Then the K pass and the V pass of one group, the fast ones where D and H allow. */
+ * any H and D, in either layout. Then the K pass and the V pass of one group, the fast ones
+ * where D and H allow. */
 #define PASSES(E, ET, LOAD)                                                                    \
   KPASS(64, E, ET, LOAD) KPASS(128, E, ET, LOAD) KPASS(256, E, ET, LOAD)                       \
   VPASS(1, E, ET, LOAD) VPASS(2, E, ET, LOAD) VPASS(3, E, ET, LOAD) VPASS(4, E, ET, LOAD)      \
@@ -268,6 +308,11 @@ static inline vf sumsv(const vf *a) {
   static void (*const vpasses_##E[9])(const ET *, const float *, int, int, int, int, int, float *) = { \
       0, vpass_##E##_1, vpass_##E##_2, vpass_##E##_3, vpass_##E##_4, vpass_##E##_5, vpass_##E##_6, \
       vpass_##E##_7, vpass_##E##_8};                                                           \
+  VROWS(1, E, ET, LOAD) VROWS(2, E, ET, LOAD) VROWS(3, E, ET, LOAD) VROWS(4, E, ET, LOAD)      \
+  VROWS(5, E, ET, LOAD) VROWS(6, E, ET, LOAD) VROWS(7, E, ET, LOAD) VROWS(8, E, ET, LOAD)      \
+  static void (*const vrowses_##E[9])(const ET *, const float *, int, int, int, int, float *) = { \
+      0, vrows_##E##_1, vrows_##E##_2, vrows_##E##_3, vrows_##E##_4, vrows_##E##_5, vrows_##E##_6, \
+      vrows_##E##_7, vrows_##E##_8};                                                           \
   static void kpass_##E##_any(const float *qg, const ET *Kg, int H, int D, int lo, int hi,     \
                               float scale, float *scores, int S) {                             \
     for (int t = lo; t <= hi; t++) {                                                           \
@@ -299,9 +344,21 @@ static inline vf sumsv(const vf *a) {
     else if (fast && D == 256) kpass_##E##_256(qg, Kg, H, lo, hi, scale, scores, S);           \
     else kpass_##E##_any(qg, Kg, H, D, lo, hi, scale, scores, S);                              \
   }                                                                                            \
-  static inline void vpass_##E(int fast, const ET *Vg, const float *scores, int T, int S,      \
-                               int H, int D, int lo, int n, float *og) {                       \
-    if (fast) vpasses_##E[H](Vg, scores, T, S, D, lo, n, og);                                  \
+  static void vrows_##E##_any(const ET *Vg, const float *scores, int S, int H, int D, int lo,  \
+                              int n, float *og) {                                              \
+    for (int h = 0; h < H; h++)                                                                \
+      for (int d = 0; d < D; d++) {                                                            \
+        const float *p = scores + h * S + lo;                                                  \
+        float acc = 0.f;                                                                       \
+        for (int i = 0; i < n; i++) acc += p[i] * Vg[(size_t)(lo + i) * D + d];                \
+        og[h * D + d] = acc;                                                                   \
+      }                                                                                        \
+  }                                                                                            \
+  static inline void vpass_##E(int fast, int grouped, const ET *Vg, const float *scores, int T, \
+                               int S, int H, int D, int lo, int n, float *og) {                \
+    if (grouped && fast && D % GROUPED_HALF == 0) vrowses_##E[H](Vg, scores, S, D, lo, n, og); \
+    else if (grouped) vrows_##E##_any(Vg, scores, S, H, D, lo, n, og);                         \
+    else if (fast) vpasses_##E[H](Vg, scores, T, S, D, lo, n, og);                             \
     else vpass_##E##_any(Vg, scores, T, S, H, D, lo, n, og);                                   \
   }
 PASSES(f32, float, loadv)
@@ -323,13 +380,29 @@ PASSES(f16, _Float16, loadh)
  * rounds); asking so for spans up to 512, 1,024 or 2,048 bytes moved 128 to 1,000 positions
  * only within the rounds' spread. */
 #define SHORT_SPAN 256 /* bytes of a row's open span */
+/* The grouped layout's spans are contiguous in both caches (n rows of D per group), so that
+ * asking for all of them costs no page walks of their own: up to 1,024 bytes of a position's
+ * span (256 f32 positions) they are asked for at once (layout_bench's -DOUTER_SPAN=1024, into the
+ * second-level cache on Zen 4: 0.43 / 0.72 / 0.89 / 0.99x the transposed kernel's time at 8 /
+ * 128 / 512 / 1,000 positions, RESULTS.md section 20). */
+#define GROUPED_SHORT_SPAN 1024
 #if AHEAD_INTO_L2 && (defined(__x86_64__) || defined(__i386__))
 #define PREFETCH_SPAN(p) __asm__ volatile("prefetcht1 %0" : : "m"(*(const char *)(p)))
 #else
 #define PREFETCH_SPAN(p) PREFETCH_NOW(p)
 #endif
-static void prefetch_short_span(const void *K, const void *V, size_t bytes, int G, int T, int D, int lo, int n) {
+static void prefetch_short_span(const void *K, const void *V, size_t bytes, int G, int T, int D, int lo, int n,
+                                int grouped) {
   const size_t span = (size_t)n * bytes;
+  if (grouped) {
+    if (span > GROUPED_SHORT_SPAN) return;
+    for (int g = 0; g < G; g++)
+      for (size_t b = 0; b < span * D; b += 64) {
+        PREFETCH_SPAN((const char *)K + ((size_t)g * T + lo) * D * bytes + b);
+        PREFETCH_SPAN((const char *)V + ((size_t)g * T + lo) * D * bytes + b);
+      }
+    return;
+  }
   if (span > SHORT_SPAN) return;
   for (int g = 0; g < G; g++) {
     const char *kg = (const char *)K + ((size_t)g * T + lo) * D * bytes; /* n rows of D, contiguous */
@@ -392,9 +465,11 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
 #endif
   if (rank(&qt) != 4 || rank(&kt) != 4 || rank(&vt) != 4 || qt.layout.dims[0] != 1) return E_SHAPES;
   const int G = qt.layout.dims[1], H = qt.layout.dims[2], D = qt.layout.dims[3], T = kt.layout.dims[2];
+  if (elements(&pt) != 4 || !(params[2] == 0.f || params[2] == 1.f)) return E_SHAPES;
+  const int grouped = params[2] == 1.f;
   if (kt.layout.dims[0] != 1 || kt.layout.dims[1] != G || kt.layout.dims[3] != D || vt.layout.dims[0] != 1 ||
-      vt.layout.dims[1] != G || vt.layout.dims[2] != D || vt.layout.dims[3] != T || elements(&mt) != T ||
-      elements(&pt) != 4 || elements(&ot) != (int64_t)G * H * D || G < 1 || H < 1 || D < 1 || T < 1)
+      vt.layout.dims[1] != G || vt.layout.dims[2] != (grouped ? T : D) || vt.layout.dims[3] != (grouped ? D : T) ||
+      elements(&mt) != T || elements(&ot) != (int64_t)G * H * D || G < 1 || H < 1 || D < 1 || T < 1)
     return E_SHAPES;
   const float scale = params[0], cap = params[1];
   int lo = 0, hi = T - 1;
@@ -408,7 +483,7 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
   float *scores = (size_t)H * S <= MAX_STACK_SCORES + 64 ? stack_scores : malloc(sizeof(float) * H * S);
   if (!scores) return E_MEMORY;
   const int fast = D % 16 == 0 && H <= 8;
-  prefetch_short_span(K, V, kt.element == 10 ? 2 : 4, G, T, D, lo, n);
+  prefetch_short_span(K, V, kt.element == 10 ? 2 : 4, G, T, D, lo, n, grouped);
   for (int g = 0; g < G; g++) {
     const float *qg = q + (size_t)g * H * D;
     const size_t at = (size_t)g * T * D; /* the group's first element of K and of V */
@@ -420,10 +495,10 @@ static int attend(Context *c, size_t n_in, const Buffer *in, size_t n_out, Buffe
       kpass_f32(fast, qg, (const float *)K + at, H, D, lo, hi, scale, scores, S);
     for (int h = 0; h < H; h++) softmax(scores + h * S + lo, mask + lo, n, cap);
 #if F16_TENSORS
-    if (half) vpass_f16(fast, (const _Float16 *)V + at, scores, T, S, H, D, lo, n, og);
+    if (half) vpass_f16(fast, grouped, (const _Float16 *)V + at, scores, T, S, H, D, lo, n, og);
     else
 #endif
-      vpass_f32(fast, (const float *)V + at, scores, T, S, H, D, lo, n, og);
+      vpass_f32(fast, grouped, (const float *)V + at, scores, T, S, H, D, lo, n, og);
   }
   if (scores != stack_scores) free(scores);
   return 0;
