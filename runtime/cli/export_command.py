@@ -64,8 +64,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "(f32 for none, else the value), e.g. --out model-{precision}.tflite")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=defaults.kv_layout,
                         help="the KV caches' layout: transposed (the default; K [1, G, T, D], V [1, G, D, T]); "
-                        "grouped keeps V as K lies (K and V [1, G, T, D]): a batch of 8 int8 SmolLM2 rows 0.91-0.93x "
-                        "the time at 8-128 positions, 1.05x at 900; both run in the attention kernel and in Google's "
+                        "grouped keeps V as K lies (K and V [1, G, T, D]): a batch of 8 int8 SmolLM2 rows 0.89-0.98x "
+                        "the time at 8-900 positions; both run in the attention kernel and in Google's "
                         "LiteRT-LM engine; default is litert-torch's own (K and V [1, T, G, D]), standard ops only. "
                         "docs/export.md")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,

@@ -264,11 +264,16 @@ static inline vf sumsv(const vf *a) {
 /* The grouped layout's V pass: og[h*D + d] = sum_i p[h][lo+i] * V[lo+i][d], V's rows read in
  * order, the H heads sharing each load; D in halves of 32 floats over blocks of 32 positions
  * (the block's other halves in the first-level cache when their turn comes), each row's
- * other half asked for with its first, so that memory sees whole rows in order. The form
- * kernel_probe/layout_bench.c measured (RESULTS.md section 20); asking 8 KB ahead, four
- * stretches of the span at once and whole rows with more accumulators were slower there. */
+ * other half asked for with its first, so that memory sees whole rows in order: the form
+ * kernel_probe/layout_bench.c measured (RESULTS.md section 20). Each row's lines are also asked
+ * for GROUPED_AHEAD bytes ahead, as the K pass asks K_AHEAD (the hardware's prefetcher stops
+ * at each 4 KB page): an int8 SmolLM2's 8-row step at 900 positions 36.0 -> 33.4 ms, one
+ * session's 9.6 -> 9.3 (batch_cost, alternating processes, RESULTS.md section 21). */
 #define GROUPED_HALF 32
 #define GROUPED_BLOCK 32
+#ifndef GROUPED_AHEAD
+#define GROUPED_AHEAD 8192
+#endif
 #define VROWS(HC, E, ET, LOAD)                                                                 \
   static void vrows_##E##_##HC(const ET *Vg, const float *scores, int S, int D, int lo, int n,  \
                                float *og) {                                                    \
@@ -282,9 +287,13 @@ static inline vf sumsv(const vf *a) {
             a[h][c] = b ? loadv(og + h * D + half * GROUPED_HALF + W * c) : (vf){0};           \
         for (int i = b; i < e; i++) {                                                          \
           const ET *v = Vg + (size_t)(lo + i) * D;                                             \
-          if (half == 0)                                                                       \
+          if (half == 0) {                                                                     \
             for (int l = GROUPED_HALF * (int)sizeof(ET) / 64; l < D * (int)sizeof(ET) / 64; l++) \
               PREFETCH_NOW((const char *)v + 64 * l);                                          \
+            if ((i + GROUPED_AHEAD / (D * (int)sizeof(ET))) < n)                               \
+              for (int l = 0; l < D * (int)sizeof(ET) / 64; l++)                               \
+                PREFETCH_AHEAD((const char *)v + GROUPED_AHEAD + 64 * l);                      \
+          }                                                                                    \
           v += half * GROUPED_HALF;                                                            \
           vf x[C];                                                                             \
           for (int c = 0; c < C; c++) x[c] = LOAD(v + W * c);                                  \
