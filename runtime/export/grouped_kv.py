@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from litert_converter.mlir import ir
 from litert_converter.mlir.dialects import stablehlo
 
@@ -31,7 +30,6 @@ from runtime.export.litert import bmm_4d, dynamic_update_slice, kv_utils, litert
 from runtime.export.litert import sdpa_with_kv_update as litert_sdpa
 
 KV_LAYOUT_GROUPED = (litert_types.BNTH, litert_types.BNTH)  # K and V [1, groups, positions, head_dim]
-_POSITIONS = 2  # the axis of both caches that runs over positions
 
 _litert_sdpa_with_kv_update = litert_sdpa.sdpa_with_kv_update
 

@@ -4,9 +4,11 @@ Every layer has a K and a V cache input (``kv_cache_k_{L}``, ``kv_cache_v_{L}``)
 ``G`` KV groups, ``T`` positions and ``D`` values per head:
 
 - ``default`` (litert-torch's name): K and V ``[1, T, G, D]``;
-- ``transposed``: K ``[1, G, T, D]``, V ``[1, G, D, T]`` (what Google's LiteRT-LM reads);
+- ``transposed`` (the exports' default): K ``[1, G, T, D]``, V ``[1, G, D, T]``;
 - ``grouped``: K and V ``[1, G, T, D]``, V lying as K does: a decode step reads each
   position's ``D`` values of both caches in one row (kernel_probe/RESULTS.md, sections 20-21).
+
+The runtime's attention kernel reads the last two; Google's LiteRT-LM runs bundles in either.
 
 The shapes alone cannot always tell them apart (``grouped`` from ``transposed`` when
 ``T == D``, from ``default`` when ``G`` is as large as a prefill), so an export names its
