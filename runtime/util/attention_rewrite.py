@@ -201,19 +201,16 @@ def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
     try:
         if bytes(memoryview(model).cast("B")[4:8]) != b"TFL3":  # the file identifier
             return {}
-        root = schema.Model.GetRootAs(model, 0)
-        entries = [root.Metadata(i) for i in range(root.MetadataLength())]
-        entry = next((entry for entry in entries if entry.Name() == FORMS_METADATA.encode()), None)
+        data = flatbuffer_model.metadata_bytes(model, FORMS_METADATA)
     except flatbuffer_model.READ_ERRORS:
         return {}
-    if entry is None:
+    if data is None:
         return {}
     where = f"its {FORMS_METADATA} metadata"
     try:
-        data = root.Buffers(entry.Buffer()).DataAsNumpy()
         described = json.loads(bytes(data))
         pairs = {int(standard): int(op) for standard, op in described["subgraphs"]}
-        op, count = described.get("op"), root.SubgraphsLength()
+        op, count = described.get("op"), schema.Model.GetRootAs(model, 0).SubgraphsLength()
     except (*flatbuffer_model.READ_ERRORS, KeyError, AttributeError) as exc:
         raise InvalidArgumentError(f"{where} does not read as pairs of subgraphs ({exc})") from None
     if op != DECODE_ATTENTION:

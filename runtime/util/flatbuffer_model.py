@@ -38,6 +38,23 @@ READ_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
 _schema_patch_lock = threading.Lock()
 
 
+def metadata_bytes(model: bytes | memoryview, name: str) -> memoryview | None:
+    """The bytes of ``model``'s (a ``.tflite``'s bytes, or a map of them) metadata entry
+    ``name``, stored inside the flatbuffer or after it (offset and size); ``None`` where the
+    model has no such entry. Bytes that are no flatbuffer raise one of :data:`READ_ERRORS`."""
+    root = schema.Model.GetRootAs(model, 0)
+    for index in range(root.MetadataLength()):
+        entry = root.Metadata(index)
+        if entry.Name() == name.encode():
+            buffer = root.Buffers(entry.Buffer())
+            if buffer.DataLength():
+                return memoryview(buffer.DataAsNumpy())
+            if buffer.Offset() > 1:
+                return memoryview(model).cast("B")[buffer.Offset():buffer.Offset() + buffer.Size()]
+            return memoryview(b"")
+    return None
+
+
 def unpack(data: bytes, source: str = "the model") -> schema.ModelT:
     """``data``'s model in object form, every buffer's data inside it. ``source`` names the
     bytes in errors: ``InvalidArgumentError`` when they are not a ``.tflite`` (no ``TFL3``

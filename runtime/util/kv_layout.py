@@ -18,12 +18,8 @@ is read by its shapes, which were unambiguous between the two layouts of the tim
 
 from __future__ import annotations
 
-from typing import Any
-
-from ai_edge_litert import schema_py_generated as schema
-
 from runtime.errors import InvalidArgumentError
-from runtime.util.flatbuffer_model import READ_ERRORS
+from runtime.util.flatbuffer_model import READ_ERRORS, metadata_bytes
 
 KV_LAYOUT_DEFAULT = "default"
 KV_LAYOUT_TRANSPOSED = "transposed"
@@ -41,25 +37,13 @@ def named_kv_layout(model: bytes | memoryview, source: str = "the model") -> str
     try:
         if bytes(memoryview(model).cast("B")[4:8]) != b"TFL3":
             return None
-        root = schema.Model.GetRootAs(model, 0)
-        entry = next((entry for index in range(root.MetadataLength())
-                      if (entry := root.Metadata(index)).Name() == KV_LAYOUT_METADATA.encode()), None)
-        if entry is None:
-            return None
-        raw = _buffer_bytes(model, root.Buffers(entry.Buffer())).rstrip(b"\0")
-        text = raw.decode("utf-8", errors="replace")
+        raw = metadata_bytes(model, KV_LAYOUT_METADATA)
     except READ_ERRORS:
         return None
+    if raw is None:
+        return None
+    text = bytes(raw).rstrip(b"\0").decode("utf-8", errors="replace")
     if text not in KV_LAYOUTS:
         raise InvalidArgumentError(f"{source}: its {KV_LAYOUT_METADATA} metadata names the KV layout {text!r}, "
                                    f"expected one of {', '.join(KV_LAYOUTS)}")
     return text
-
-
-def _buffer_bytes(model: bytes | memoryview, buffer: Any) -> bytes:
-    """A buffer's bytes, inline or after the flatbuffer (``offset``/``size``)."""
-    if buffer.DataLength():
-        return bytes(buffer.DataAsNumpy())
-    if buffer.Offset() > 1:
-        return bytes(memoryview(model).cast("B")[buffer.Offset():buffer.Offset() + buffer.Size()])
-    return b""

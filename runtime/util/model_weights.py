@@ -25,6 +25,7 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from runtime.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from runtime.util.flatbuffer_model import metadata_bytes
 
 METADATA_NAME = "runtime.projections"
 _DTYPES = {schema.TensorType.FLOAT32: np.dtype(np.float32), schema.TensorType.FLOAT16: np.dtype(np.float16),
@@ -89,13 +90,8 @@ class ModelWeights:
     # -- the map and the tensors ---------------------------------------------------
 
     def _read_map(self) -> Mapping[str, _Entry]:
-        model = self._model
-        for index in range(model.MetadataLength()):
-            metadata = model.Metadata(index)
-            if metadata.Name() == METADATA_NAME.encode():
-                raw = self._bytes(model.Buffers(metadata.Buffer()))
-                break
-        else:
+        raw = metadata_bytes(self._buffer, METADATA_NAME)
+        if raw is None:
             raise FailedPreconditionError(
                 f"{self._source}: the model has no {METADATA_NAME} metadata (where its base weights lie); "
                 "export it again with this version of `python -m runtime export`")
