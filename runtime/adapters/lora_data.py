@@ -37,10 +37,9 @@ from runtime.errors import (
     StatusError,
 )
 from runtime.adapters.lora_util import is_lora_input_name, parse_lora_input_name, rank_axis
-from runtime.util.flatbuffer_model import READ_ERRORS
+from runtime.util.flatbuffer_model import FILE_IDENTIFIER, READ_ERRORS
 from runtime.util.scoped_file import FileWatch, ScopedFile
 
-FILE_IDENTIFIER = b"TFL3"
 LORA_RANK_METADATA = "lora_rank"
 MAX_TENSOR_DIMS = 8
 MAX_DIMENSION = 1 << 31

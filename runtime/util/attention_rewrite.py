@@ -199,8 +199,6 @@ def attention_forms(model: bytes | memoryview | np.ndarray) -> dict[int, int]:
     :func:`rewrite_decode_attention` writes it. Bytes that do not read as a ``.tflite`` give
     ``{}`` (LiteRT refuses them when they are loaded, naming its reason)."""
     try:
-        if bytes(memoryview(model).cast("B")[4:8]) != b"TFL3":  # the file identifier
-            return {}
         data = flatbuffer_model.metadata_bytes(model, FORMS_METADATA)
     except flatbuffer_model.READ_ERRORS:
         return {}

@@ -35,13 +35,18 @@ FLATBUFFER_LIMIT = 2**31 - 2**24  # bytes: a flatbuffer's offsets are 32-bit; ro
 # bytes (struct and numpy reads past the end, or a position past 2**32 the flatbuffers
 # package refuses with TypeError): callers turn them into a StatusError naming the file.
 READ_ERRORS = (struct.error, IndexError, ValueError, TypeError, OverflowError)
+FILE_IDENTIFIER = b"TFL3"  # a .tflite's, at byte 4
 _schema_patch_lock = threading.Lock()
 
 
 def metadata_bytes(model: bytes | memoryview, name: str) -> memoryview | None:
     """The bytes of ``model``'s (a ``.tflite``'s bytes, or a map of them) metadata entry
     ``name``, stored inside the flatbuffer or after it (offset and size); ``None`` where the
-    model has no such entry. Bytes that are no flatbuffer raise one of :data:`READ_ERRORS`."""
+    model has no such entry or the bytes are no ``.tflite`` (no ``TFL3`` identifier: LiteRT
+    refuses those when they are loaded, naming its reason). Bytes that carry the identifier
+    but are no flatbuffer raise one of :data:`READ_ERRORS`."""
+    if bytes(memoryview(model).cast("B")[4:8]) != FILE_IDENTIFIER:
+        return None
     root = schema.Model.GetRootAs(model, 0)
     for index in range(root.MetadataLength()):
         entry = root.Metadata(index)
@@ -61,7 +66,7 @@ def unpack(data: bytes, source: str = "the model") -> schema.ModelT:
     file identifier: a ``.litertlm`` bundle, an unrelated file) or when the model would make
     a flatbuffer of 2 GB or more; ``DataLossError`` when an offset in them points outside
     them (a truncated or corrupt file)."""
-    if bytes(data[4:8]) != b"TFL3":
+    if bytes(data[4:8]) != FILE_IDENTIFIER:
         raise InvalidArgumentError(f"{source}: not a .tflite model (no TFL3 file identifier at byte 4)")
     try:
         model = schema.ModelT.InitFromPackedBuf(data, 0)
@@ -147,7 +152,7 @@ def _packed(model: schema.ModelT) -> memoryview:
         schema.TensorT.Pack, schema.OperatorT.Pack = _packed_once(originals[1]), _packed_once(originals[2])
         schema.QuantizationParametersT.Pack = _packed_once_per_content(originals[3])
         try:
-            builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+            builder.Finish(model.Pack(builder), file_identifier=FILE_IDENTIFIER)
         finally:
             (schema.BufferT.Pack, schema.TensorT.Pack, schema.OperatorT.Pack,
              schema.QuantizationParametersT.Pack) = originals

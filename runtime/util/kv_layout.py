@@ -35,8 +35,6 @@ def named_kv_layout(model: bytes | memoryview, source: str = "the model") -> str
     refuses those, naming its reason). ``InvalidArgumentError`` naming ``source`` when the
     entry names no layout of :data:`KV_LAYOUTS`."""
     try:
-        if bytes(memoryview(model).cast("B")[4:8]) != b"TFL3":
-            return None
         raw = metadata_bytes(model, KV_LAYOUT_METADATA)
     except READ_ERRORS:
         return None

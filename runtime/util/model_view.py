@@ -42,6 +42,7 @@ import numpy as np
 
 from runtime.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from runtime.util.attention_rewrite import FORMS_METADATA, LINEAR_ROWS, attention_forms, custom_codes
+from runtime.util.flatbuffer_model import FILE_IDENTIFIER
 from runtime.util.gguf_file import GGUF_MAGIC
 from runtime.util.page_advice import advise_huge_pages
 from runtime.util.scoped_file import refuse_unless_regular
@@ -409,7 +410,7 @@ class ModelFile:
             if head.startswith(GGUF_MAGIC):
                 raise InvalidArgumentError(f"{self.path}: a GGUF model, which the runtime does not run: `runtime "
                                            "export` makes a .tflite model of it (the export extra; docs/export.md)")
-            if head[4:] != b"TFL3":
+            if head[4:] != FILE_IDENTIFIER:
                 raise InvalidArgumentError(f"{self.path}: not a .tflite model (no TFL3 file identifier at byte "
                                            f"{self.begin + 4})")
             if private:
